@@ -1,0 +1,33 @@
+# One task runner for humans, the README and CI (.ci/run calls `make test`).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kafold-installed
+CONFIG ?= examples/bank/kafold.toml
+
+.PHONY: install run test lint unit integration bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev,embedded,spark]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## the main job: embedded broker + PostgreSQL (unless configured), topics, the daemon on the bank example
+run: install
+	$(BIN)/kafold run -c $(CONFIG)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest
+
+unit: install
+	$(BIN)/python -m pytest -m "not integration"
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

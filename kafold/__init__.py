@@ -1,0 +1,3 @@
+"""kafold: Kafka as a practical event store for Python services."""
+
+__version__ = "0.1.0"

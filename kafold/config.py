@@ -1,0 +1,296 @@
+"""The kafold.toml schema, its loader (env overrides, secrets, cross-checks) and the topics it implies."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from kafold.errors import ConfigError
+from kafold.schema import Problems, Secret, is_missing, load, setting
+
+ENV_PREFIX = "KAFOLD_"
+NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+IMPORT_REF_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@dataclass(frozen=True)
+class KafkaConfig:
+    bootstrap_servers: str = setting("", doc="Comma-separated host:port list; empty = the running `kafold dev` stack.")
+    client_id: str = setting("kafold", doc="Client id sent to the brokers.")
+    security_protocol: str = setting(
+        "PLAINTEXT", doc="How clients talk to the brokers.",
+        choices=("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"))
+    sasl_mechanism: str | None = setting(
+        None, doc="SASL mechanism.", choices=("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"))
+    sasl_username: str | None = setting(None, doc="SASL user name.")
+    sasl_password: Secret | None = setting(doc="SASL password.", secret=True)
+    ssl_ca_location: str | None = setting(None, doc="CA bundle (PEM) that signs the brokers' certificates.")
+    ssl_certificate_location: str | None = setting(None, doc="Client certificate (PEM) for mutual TLS.")
+    ssl_key_location: str | None = setting(None, doc="Client private key (PEM) for mutual TLS.")
+    ssl_key_password: Secret | None = setting(doc="Password of the client private key.", secret=True)
+    ssl_check_hostname: bool = setting(True, doc="Verify the broker's host name against its certificate.")
+    replication_factor: int = setting(1, doc="Replication of the topics kafold creates.", minimum=1)
+    session_timeout_ms: int = setting(45000, doc="Consumer group session timeout.", minimum=1000)
+    rebalance_timeout_ms: int = setting(300000, doc="Consumer group rebalance (max poll interval) timeout.",
+                                        minimum=1000)
+    heartbeat_interval_ms: int = setting(3000, doc="Consumer group heartbeat interval.", minimum=100)
+
+
+@dataclass(frozen=True)
+class PostgresConfig:
+    url: str = setting("", doc="postgresql://user@host:port/db without password; empty = the `kafold dev` stack.")
+    password: Secret | None = setting(doc="Password for the URL's user.", secret=True)
+    schema: str = setting("kafold", doc="Schema holding kafold's own tables (checkpoints, dead letters, ...).")
+    sslmode: str | None = setting(
+        None, doc="libpq sslmode.", choices=("disable", "allow", "prefer", "require", "verify-ca", "verify-full"))
+    sslrootcert: str | None = setting(None, doc="CA certificate file for verify-ca / verify-full.")
+    migrate_on_start: bool = setting(True, doc="Apply kafold's migrations when the daemon starts.")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    group_prefix: str = setting("kafold", doc="Consumer groups are `<group_prefix>.<connector name>`.")
+    http_host: str = setting("127.0.0.1", doc="Address of the health / metrics / REST endpoint.")
+    http_port: int = setting(8083, doc="Port of the health / metrics / REST endpoint (0 = disabled).", minimum=0)
+    api_token: Secret | None = setting(doc="Bearer token required by the REST API when set.", secret=True)
+    batch_max_records: int = setting(5000, doc="Largest batch handed to a sink task.", minimum=1)
+    batch_max_wait_ms: int = setting(200, doc="Longest wait to fill a batch.", minimum=1)
+    shutdown_grace_s: float = setting(10.0, doc="Time SIGTERM gives in-flight batches to finish.", minimum=0)
+    log_level: str = setting("info", doc="Log level.", choices=("debug", "info", "warning", "error"))
+    python_path: list[str] = setting(
+        factory=list, doc="Folders (relative to the config file) added to sys.path for user modules.")
+
+
+@dataclass(frozen=True)
+class TopicConfig:
+    name: str = setting(doc="Topic name.")
+    partitions: int = setting(1, doc="Partition count.", minimum=1)
+    replication_factor: int | None = setting(None, doc="Replication; default [kafka].replication_factor.", minimum=1)
+    configs: dict[str, str] = setting(factory=dict, doc="Topic configs, e.g. {\"retention.ms\" = \"-1\"}.")
+
+
+@dataclass(frozen=True)
+class AggregateConfig:
+    name: str = setting(doc="Aggregate type name, e.g. `account`.")
+    initial: str = setting(doc="`module:function` returning the initial state.")
+    evolve: str = setting(doc="`module:function(state, event) -> state`, pure.")
+    decide: str = setting(doc="`module:function(command, state) -> list[event]`, pure; raises to reject.")
+    partitions: int = setting(4, doc="Partitions of the events, commands, results and snapshot topics.", minimum=1)
+    events_topic: str = setting("", doc="Events topic; default `<name>.events`.")
+    commands_topic: str = setting("", doc="Commands topic; default `<name>.commands`.")
+    results_topic: str = setting("", doc="Results topic; default `<name>.results`.")
+    snapshot_topic: str = setting("", doc="Compacted snapshot topic; default `<name>.snapshots`.")
+    fingerprint: str = setting("v1", doc="Identifies the fold (bump when evolve changes); snapshots must match.")
+    state_schema_version: int = setting(1, doc="Version of the state's shape stored in snapshots.", minimum=1)
+    cache_max_aggregates: int = setting(100000, doc="Aggregates kept in memory per process (LRU).", minimum=1)
+
+    def topic(self, kind: str) -> str:
+        return getattr(self, f"{kind}_topic") or f"{self.name}.{kind if kind != 'snapshot' else 'snapshots'}"
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    name: str = setting(doc="Unique connector name (also its consumer group suffix).")
+    connector_class: str = setting(doc="Entry point name in group `kafold.connectors` (e.g. `log`) or `module:Class`.")
+    topics: list[str] = setting(doc="Source topics.")
+    tasks_max: int = setting(1, doc="Largest number of tasks the connector may split into.", minimum=1)
+    dead_letter_topic: str = setting("", doc="Topic for records that cannot be processed; default `kafold.dlq.<name>`.")
+    on_unknown_type: str = setting("skip", doc="What an unknown event type does.", choices=("skip", "dead-letter", "fail"))
+    config: dict[str, Any] = setting(factory=dict, doc="The connector's own settings (see its reference).")
+
+    @property
+    def dlq_topic(self) -> str:
+        return self.dead_letter_topic or f"kafold.dlq.{self.name}"
+
+
+@dataclass(frozen=True)
+class SnapshotConfig:
+    enabled: bool = setting(False, doc="Let the daemon schedule snapshot jobs.")
+    interval_s: float = setting(3600.0, doc="Run a snapshot job at least this often (seconds).", minimum=1)
+    every_n_events: int = setting(0, doc="Also run once this many new events arrived (0 = off).", minimum=0)
+    spark_master: str = setting("local[*]", doc="Spark master URL for snapshot jobs.")
+    spark_conf: dict[str, str] = setting(factory=dict, doc="Extra Spark settings.")
+
+
+@dataclass(frozen=True)
+class KafoldConfig:
+    kafka: KafkaConfig = setting(factory=KafkaConfig, doc="Kafka brokers and client security.")
+    postgres: PostgresConfig = setting(factory=PostgresConfig, doc="PostgreSQL holding projections and kafold state.")
+    daemon: DaemonConfig = setting(factory=DaemonConfig, doc="The sidecar daemon.")
+    topics: list[TopicConfig] = setting(factory=list, doc="Extra topics to create (besides those aggregates imply).")
+    aggregates: list[AggregateConfig] = setting(factory=list, doc="Event-sourced aggregates.")
+    connectors: list[ConnectorConfig] = setting(factory=list, doc="Connectors run by the daemon.")
+    snapshots: SnapshotConfig = setting(factory=SnapshotConfig, doc="Snapshot jobs.")
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A validated configuration and where it came from."""
+
+    config: KafoldConfig
+    path: Path
+
+    @property
+    def base(self) -> Path:
+        return self.path.parent
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """A topic the configuration implies; `copartition_with` names a topic whose partition count must match."""
+
+    name: str
+    partitions: int
+    replication_factor: int
+    configs: dict[str, str]
+    copartition_with: str | None = None
+    purpose: str = "topic"
+
+
+def _apply_env(raw: dict[str, Any], environ: dict[str, str]) -> None:
+    """`KAFOLD_<SECTION>__<KEY>=value` overrides `[section] key` (tables only, not arrays of tables)."""
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        section, _, key = name[len(ENV_PREFIX):].lower().partition("__")
+        if section in ("kafka", "postgres", "daemon", "snapshots") and key:
+            raw.setdefault(section, {})[key] = value
+
+
+def _check_refs(cfg: KafoldConfig, problems: Problems) -> None:
+    """Cross-section checks that a single table cannot see."""
+    seen: dict[str, str] = {}
+    for i, agg in enumerate(cfg.aggregates):
+        where = f"aggregates[{i}]"
+        if agg.name in seen:
+            problems.add(f"{where}.name", f"duplicate aggregate name {agg.name!r}")
+        seen[agg.name] = where
+        for key in ("initial", "evolve", "decide"):
+            if not IMPORT_REF_RE.match(getattr(agg, key)):
+                problems.add(f"{where}.{key}", f"expected `module:function`, got {getattr(agg, key)!r}")
+    names: set[str] = set()
+    for i, con in enumerate(cfg.connectors):
+        where = f"connectors[{i}]"
+        if con.name in names:
+            problems.add(f"{where}.name", f"duplicate connector name {con.name!r}")
+        names.add(con.name)
+        if not NAME_RE.match(con.name):
+            problems.add(f"{where}.name", f"{con.name!r}: use letters, digits, '.', '_' or '-'")
+        if not con.topics:
+            problems.add(f"{where}.topics", "at least one source topic is required")
+    url = cfg.postgres.url
+    if url:
+        parts = urlsplit(url)
+        if parts.scheme not in ("postgresql", "postgres", "postgresql+psycopg"):
+            problems.add("postgres.url", f"expected a postgresql:// URL, got scheme {parts.scheme!r}")
+        if parts.password:
+            problems.add("postgres.url", "the URL carries a literal password; use postgres.password_env or "
+                         "postgres.password_file")
+    for name, spec in topic_map(cfg).items():
+        if not NAME_RE.match(name):
+            problems.add("topics", f"invalid topic name {name!r}")
+        if spec.purpose == "snapshots" and spec.configs.get("cleanup.policy") != "compact":
+            problems.add("topics", f"snapshot topic {name!r} must have cleanup.policy=compact")
+        if spec.copartition_with:
+            other = topic_map(cfg).get(spec.copartition_with)
+            if other is not None and other.partitions != spec.partitions:
+                problems.add("topics", f"{spec.purpose} topic {name!r} has {spec.partitions} partitions but must be "
+                             f"co-partitioned with {other.name!r} ({other.partitions})")
+
+
+def topic_map(cfg: KafoldConfig) -> dict[str, TopicSpec]:
+    """Every topic the configuration implies, by name; explicit [[topics]] entries override implied settings."""
+    rf = cfg.kafka.replication_factor
+    out: dict[str, TopicSpec] = {}
+    for agg in cfg.aggregates:
+        events = agg.topic("events")
+        out[events] = TopicSpec(events, agg.partitions, rf, {}, purpose="events")
+        for kind in ("commands", "results"):
+            out[agg.topic(kind)] = TopicSpec(agg.topic(kind), agg.partitions, rf, {}, events, kind)
+        snap = agg.topic("snapshot")
+        out[snap] = TopicSpec(snap, agg.partitions, rf, {"cleanup.policy": "compact"}, events, "snapshots")
+    for con in cfg.connectors:
+        out.setdefault(con.dlq_topic, TopicSpec(con.dlq_topic, 1, rf, {}, purpose="dead-letter"))
+    for t in cfg.topics:
+        prior = out.get(t.name)
+        configs = {**(prior.configs if prior else {}), **t.configs}
+        out[t.name] = TopicSpec(t.name, t.partitions, t.replication_factor or rf, configs,
+                                prior.copartition_with if prior else None, prior.purpose if prior else "topic")
+    return out
+
+
+def parse(text: str, path: Path, environ: dict[str, str] | None = None) -> Loaded:
+    """Validate TOML text; raise ConfigError listing every problem (each naming the file and key)."""
+    problems = Problems(str(path))
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError([f"{path}: not valid TOML: {e}"]) from e
+    _apply_env(raw, dict(os.environ if environ is None else environ))
+    # `class` reads better in TOML; the field is connector_class because `class` is a keyword.
+    for con in raw.get("connectors", []) if isinstance(raw.get("connectors"), list) else []:
+        if isinstance(con, dict) and "class" in con:
+            con.setdefault("connector_class", con.pop("class"))
+    cfg = load(KafoldConfig, raw, "", problems, path.parent)
+    if not is_missing(cfg):
+        _check_refs(cfg, problems)
+        _check_connectors(cfg, problems, path.parent)
+    if problems.items:
+        raise ConfigError(problems.items)
+    return Loaded(cfg, path)
+
+
+def _check_connectors(cfg: KafoldConfig, problems: Problems, base: Path) -> None:
+    """Resolve every connector class and validate its own settings, reporting all problems."""
+    from kafold.connectors.registry import available, resolve
+
+    with python_path(cfg, base):
+        for i, con in enumerate(cfg.connectors):
+            where = f"connectors[{i}]"
+            try:
+                cls = resolve(con.connector_class)
+            except LookupError as e:
+                names = available()
+                hint = difflib.get_close_matches(con.connector_class, names, n=1)
+                more = f"; did you mean {hint[0]!r}?" if hint else f"; installed: {', '.join(names) or 'none'}"
+                problems.add(f"{where}.class", f"{e}{more}")
+                continue
+            load(cls.config_class, con.config, f"{where}.config", problems, base)
+
+
+def load_file(path: str | Path, environ: dict[str, str] | None = None) -> Loaded:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError([f"{p}: cannot read the configuration: {e.strerror}"]) from e
+    return parse(text, p, environ)
+
+
+class python_path:
+    """Context manager that puts the config's `daemon.python_path` folders on sys.path."""
+
+    def __init__(self, cfg: KafoldConfig, base: Path) -> None:
+        self.paths = [str((base / p).resolve()) for p in cfg.daemon.python_path]
+
+    def __enter__(self) -> None:
+        for p in reversed(self.paths):
+            if p not in sys.path:
+                sys.path.insert(0, p)
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def with_overrides(cfg: KafoldConfig, **sections: dict[str, Any]) -> KafoldConfig:
+    """A copy of `cfg` with some keys of some sections replaced (e.g. the dev stack's addresses)."""
+    changes = {name: dataclasses.replace(getattr(cfg, name), **vals) for name, vals in sections.items()}
+    return dataclasses.replace(cfg, **changes)
