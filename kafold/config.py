@@ -103,7 +103,8 @@ class ConnectorConfig:
     topics: list[str] = setting(doc="Source topics.")
     tasks_max: int = setting(1, doc="Largest number of tasks the connector may split into.", minimum=1)
     dead_letter_topic: str = setting("", doc="Topic for records that cannot be processed; default `kafold.dlq.<name>`.")
-    on_unknown_type: str = setting("skip", doc="What an unknown event type does.", choices=("skip", "dead-letter", "fail"))
+    on_unknown_type: str = setting("skip", doc="What an unknown event type does.",
+                                   choices=("skip", "dead-letter", "fail"))
     config: dict[str, Any] = setting(factory=dict, doc="The connector's own settings (see its reference).")
 
     @property
@@ -229,12 +230,13 @@ def topic_map(cfg: KafoldConfig) -> dict[str, TopicSpec]:
 
 def parse(text: str, path: Path, environ: dict[str, str] | None = None) -> Loaded:
     """Validate TOML text; raise ConfigError listing every problem (each naming the file and key)."""
-    problems = Problems(str(path))
+    env = dict(os.environ if environ is None else environ)
+    problems = Problems(str(path), env)
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([f"{path}: not valid TOML: {e}"]) from e
-    _apply_env(raw, dict(os.environ if environ is None else environ))
+    _apply_env(raw, env)
     # `class` reads better in TOML; the field is connector_class because `class` is a keyword.
     for con in raw.get("connectors", []) if isinstance(raw.get("connectors"), list) else []:
         if isinstance(con, dict) and "class" in con:

@@ -36,4 +36,4 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
 
 
 def get(name: str) -> structlog.stdlib.BoundLogger:
-    return structlog.get_logger(name)  # type: ignore[no-any-return]
+    return structlog.get_logger(name)

@@ -60,8 +60,9 @@ class Secret:
 class Problems:
     """Collects every problem found while validating, each naming the file and key path."""
 
-    def __init__(self, file: str) -> None:
+    def __init__(self, file: str, environ: Mapping[str, str] | None = None) -> None:
         self.file = file
+        self.environ = os.environ if environ is None else environ  # where `<key>_env` references resolve
         self.items: list[str] = []
 
     def add(self, path: str, message: str) -> None:
@@ -77,13 +78,12 @@ def describe(tp: Any) -> str:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (types.UnionType, typing.Union):
-        inner = [describe(a) for a in args if a is not type(None)]
-        return " | ".join(inner)
+        return " | ".join(describe(a) for a in args if a is not type(None))
     if origin in (list, tuple):
-        inner = args[0] if args else Any
-        if dataclasses.is_dataclass(inner):
+        item = args[0] if args else Any
+        if dataclasses.is_dataclass(item):
             return "array of tables"
-        return f"array of {describe(inner)}"
+        return f"array of {describe(item)}"
     if origin in (dict, Mapping) or tp is dict:
         return "table"
     if tp is Secret:
@@ -119,7 +119,7 @@ def _secret(raw: Mapping[str, Any], key: str, path: str, problems: Problems, bas
         if not isinstance(var, str) or not var:
             problems.add(join(path, env_key), "expected the name of an environment variable")
             return None
-        if var not in os.environ:
+        if var not in problems.environ:
             problems.add(join(path, env_key), f"environment variable {var} is not set")
             return None
         return Secret(f"env:{var}")
@@ -246,12 +246,12 @@ def load(cls: type[T], raw: Mapping[str, Any], path: str, problems: Problems, ba
             continue
         values[f.name] = value
     if failed:
-        return _MISSING  # type: ignore[no-any-return]
+        return _MISSING
     try:
         return cls(**values)
     except (TypeError, ValueError) as e:
         problems.add(path or "(top level)", str(e))
-        return _MISSING  # type: ignore[no-any-return]
+        return _MISSING
 
 
 def is_missing(value: Any) -> bool:
@@ -263,7 +263,7 @@ def reference(cls: type, heading: str, depth: int = 3) -> list[str]:
     hints = typing.get_type_hints(cls)
     lines = [f"{'#' * depth} `{heading}`", "", "| key | type | default | description |", "|---|---|---|---|"]
     nested: list[tuple[type, str]] = []
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if f.metadata.get("secret"):
             key = f"`{f.name}_env` / `{f.name}_file`"
@@ -273,7 +273,7 @@ def reference(cls: type, heading: str, depth: int = 3) -> list[str]:
             if f.default is not _MISSING:
                 default = "—" if f.default is None else f"`{_toml(f.default)}`"
             elif f.default_factory is not _MISSING:
-                default = f"`{_toml(f.default_factory())}`"
+                default = f"`{_toml(f.default_factory())}`"  # type: ignore[operator]
             else:
                 default = "**required**"
         doc = f.metadata.get("doc", "")
@@ -284,7 +284,7 @@ def reference(cls: type, heading: str, depth: int = 3) -> list[str]:
         inner = typing.get_args(tp)[0] if typing.get_args(tp) else None
         if dataclasses.is_dataclass(tp):
             nested.append((tp, f"{heading}.{f.name}"))  # type: ignore[arg-type]
-        elif inner is not None and dataclasses.is_dataclass(inner):
+        elif inner is not None and inner is not Secret and dataclasses.is_dataclass(inner):
             nested.append((inner, f"{heading}.{f.name}[]"))  # type: ignore[arg-type]
     lines.append("")
     for sub, name in nested:

@@ -1,0 +1,231 @@
+"""The connector contract, Kafka Connect-style: a Connector splits work into tasks; tasks move records.
+
+Note on offsets and commits
+---------------------------
+* A committed offset is the *next* offset to read: after handling the record at offset 41 of a partition, the
+  runner offers ``{tp: 42}``.
+* The runner calls ``put`` with a batch, and only after ``put`` returned (and every dead-lettered record
+  of the batch was acknowledged by the DLQ topic) calls ``pre_commit(offsets)`` with the offsets after it.
+  What ``pre_commit`` returns is exactly what gets committed to the consumer group; the default flushes and
+  returns its argument. A task that stores its offsets elsewhere (the projection connector keeps them in
+  PostgreSQL, in the same transaction as its rows) returns ``{}`` — nothing is committed to Kafka — and in
+  ``open`` seeks to its own offsets with ``context.offset(tp, offset)``.
+* Hence delivery into a task is at-least-once: after a crash or rebalance a task sees again every record after
+  the last committed offset, so ``put`` must be idempotent (e.g. keyed on ``event.event_id``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+from kafold.envelope import Event, encode
+
+if TYPE_CHECKING:
+    from kafold.config import ConnectorConfig
+
+C = TypeVar("C")
+Offsets = Mapping["TopicPartition", int]
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class TopicPartition:
+    """A partition of a topic."""
+
+    topic: str
+    partition: int
+
+    def __str__(self) -> str:
+        return f"{self.topic}[{self.partition}]"
+
+
+@dataclass(frozen=True, slots=True)
+class SinkRecord:
+    """A decoded event as a sink task receives it, with its Kafka coordinates. Immutable."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: str
+    event: Event
+    timestamp_ms: int | None = None
+
+    @property
+    def tp(self) -> TopicPartition:
+        return TopicPartition(self.topic, self.partition)
+
+
+@dataclass(frozen=True, slots=True)
+class RawRecord:
+    """A Kafka record as bytes (what the dead-letter queue stores)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, str | bytes | None], ...] = ()
+    timestamp_ms: int | None = None
+
+    @classmethod
+    def of(cls, record: Any) -> RawRecord:
+        """A RawRecord from a confluent-kafka Message, a SinkRecord (re-encoded) or a RawRecord."""
+        if isinstance(record, RawRecord):
+            return record
+        if isinstance(record, SinkRecord):
+            key, value, headers = encode(record.event)
+            return cls(record.topic, record.partition, record.offset, key, value, tuple(headers),
+                       record.timestamp_ms)
+        kind, ts = record.timestamp()
+        return cls(record.topic(), record.partition(), record.offset(), record.key(), record.value(),
+                   tuple(record.headers() or ()), ts if kind else None)
+
+
+@dataclass(frozen=True, slots=True)
+class SourceRecord:
+    """A record a source task wants produced."""
+
+    topic: str
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes], ...] = ()
+    partition: int | None = None
+
+
+class ErrantRecordReporter(ABC):
+    """Sends records that cannot be processed to the connector's dead-letter topic."""
+
+    @abstractmethod
+    def report(self, record: Any, error: BaseException) -> None:
+        """Queue `record` (a Message, RawRecord or SinkRecord) for the dead-letter topic; returns at once."""
+
+    @abstractmethod
+    def flush(self, timeout: float) -> None:
+        """Block until every reported record is acknowledged; raise RetriableError if some are not yet."""
+
+
+class SinkTaskContext(ABC):
+    """What a sink task may ask of the runner that drives it."""
+
+    connector_name: str
+    task_id: int
+
+    @abstractmethod
+    def assignment(self) -> frozenset[TopicPartition]:
+        """The partitions currently assigned to this task."""
+
+    @abstractmethod
+    def pause(self, *partitions: TopicPartition) -> None:
+        """Stop fetching from these partitions (the consumer keeps its group membership)."""
+
+    @abstractmethod
+    def resume(self, *partitions: TopicPartition) -> None:
+        """Fetch again from partitions paused with `pause`."""
+
+    @abstractmethod
+    def offset(self, tp: TopicPartition, offset: int) -> None:
+        """Continue `tp` from `offset` (the next offset to read): applied before the next fetch; from `open`,
+        the partition starts there instead of the committed offset."""
+
+    @abstractmethod
+    def request_commit(self) -> None:
+        """Ask for a pre_commit/commit cycle as soon as possible."""
+
+    @abstractmethod
+    def errant_record_reporter(self) -> ErrantRecordReporter | None:
+        """The dead-letter reporter of this connector."""
+
+
+class SinkTask(ABC):
+    """Receives batches of decoded events from Kafka. Required: start, put, stop."""
+
+    @abstractmethod
+    def start(self, task_config: Mapping[str, Any], context: SinkTaskContext) -> None:
+        """Prepare the task (open connections); `task_config` is one of Connector.task_configs()."""
+
+    @abstractmethod
+    def put(self, records: Sequence[SinkRecord]) -> None:
+        """Handle a batch, in offset order per partition.
+
+        Raise RetriableError to be offered the same batch again after a back-off, FatalError to stop the
+        task, RecordError(raw=record) to dead-letter that one record (the rest of the batch is offered again).
+        """
+
+    def handles(self, event_type: str) -> bool:
+        """Whether this task wants `event_type`; other events follow the connector's `on_unknown_type`."""
+        return True
+
+    def flush(self, offsets: Offsets) -> None:
+        """Make everything handed to `put` up to `offsets` durable."""
+        return None
+
+    def pre_commit(self, offsets: Offsets) -> Offsets:
+        """The offsets to commit to Kafka (next offset to read); default: flush, then commit all of them."""
+        self.flush(offsets)
+        return offsets
+
+    def open(self, partitions: Collection[TopicPartition]) -> None:
+        """Partitions newly assigned to this task (seek with context.offset if offsets live elsewhere)."""
+        return None
+
+    def close(self, partitions: Collection[TopicPartition]) -> None:
+        """Partitions taken away (rebalance, shutdown); drop per-partition state."""
+        return None
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Release everything `start` acquired."""
+
+
+class SourceTask(ABC):
+    """Produces records into Kafka."""
+
+    @abstractmethod
+    def start(self, task_config: Mapping[str, Any]) -> None:
+        """Prepare the task."""
+
+    @abstractmethod
+    def poll(self) -> list[SourceRecord]:
+        """The next records to produce (may be empty); should return within about a second."""
+
+    def commit(self) -> None:
+        """Every record returned by poll so far has been acknowledged by Kafka."""
+        return None
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Release everything `start` acquired."""
+
+
+class Connector(ABC, Generic[C]):
+    """A configured plugin: its settings are validated through `config_class`; it splits work into tasks.
+
+    `config_class` is a frozen dataclass declared with `kafold.schema.setting` (shown in `kafold config
+    reference`); `task_class` is the SinkTask or SourceTask subclass the runner instantiates per task.
+    """
+
+    config_class: ClassVar[type[Any]]
+    task_class: ClassVar[type[SinkTask] | type[SourceTask]]
+    version: ClassVar[str] = "0.1.0"
+
+    def __init__(self, settings: ConnectorConfig, config: C) -> None:
+        self.settings = settings
+        self.config = config
+
+    @property
+    def name(self) -> str:
+        return self.settings.name
+
+    @classmethod
+    def is_sink(cls) -> bool:
+        return issubclass(cls.task_class, SinkTask)
+
+    def task_configs(self, max_tasks: int) -> list[dict[str, Any]]:
+        """One dict per task to run (at most `max_tasks`); default: a single task sharing the config."""
+        return [{"task_id": 0, "config": self.config}]
+
+    def stop(self) -> None:
+        """Called once every task of the connector stopped."""
+        return None

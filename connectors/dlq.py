@@ -1,0 +1,110 @@
+"""Dead-letter writer: the raw record plus `kafold-dlq-*` headers, produced idempotently to the DLQ topic.
+
+Note on commits: `report` only queues; the runner commits a batch's offsets only after `flush` returned, i.e.
+after the DLQ topic acknowledged (acks=all) every dead-lettered record. A record whose delivery failed is sent
+again by the next `flush`, so a dead letter may be written twice but is never lost.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+
+from kafold import kafka_clients
+from kafold.config import KafkaConfig
+from kafold.connectors.api import ErrantRecordReporter, RawRecord
+from kafold.envelope import Headers
+from kafold.errors import RecordError, RetriableError
+
+H_TOPIC = "kafold-dlq-topic"
+H_PARTITION = "kafold-dlq-partition"
+H_OFFSET = "kafold-dlq-offset"
+H_ERROR_CLASS = "kafold-dlq-error-class"
+H_ERROR_MESSAGE = "kafold-dlq-error-message"
+H_REASON = "kafold-dlq-reason"
+H_CONNECTOR = "kafold-dlq-connector"
+H_TIMESTAMP = "kafold-dlq-timestamp"
+MAX_MESSAGE_CHARS = 2000
+
+log = structlog.get_logger("kafold.connectors.dlq")
+
+
+def dlq_headers(raw: RawRecord, error: BaseException, connector: str, now_ms: int) -> Headers:
+    """The original headers followed by the `kafold-dlq-*` coordinates and error description."""
+    reason = error.reason if isinstance(error, RecordError) else "task-error"
+    cls = type(error)
+    extra = [
+        (H_TOPIC, raw.topic), (H_PARTITION, str(raw.partition)), (H_OFFSET, str(raw.offset)),
+        (H_ERROR_CLASS, f"{cls.__module__}.{cls.__qualname__}"),
+        (H_ERROR_MESSAGE, str(error)[:MAX_MESSAGE_CHARS]),
+        (H_REASON, reason), (H_CONNECTOR, connector), (H_TIMESTAMP, str(now_ms)),
+    ]
+    original: Headers = [(k, v if v is not None else b"") for k, v in raw.headers if not k.startswith("kafold-dlq-")]
+    return original + [(k, v.encode("utf-8", "replace")) for k, v in extra]
+
+
+class DeadLetterWriter(ErrantRecordReporter):
+    """Writes dead letters of one connector to its DLQ topic with an idempotent producer."""
+
+    def __init__(self, kafka: KafkaConfig, topic: str, connector: str, **extra: Any) -> None:
+        self.topic = topic
+        self.connector = connector
+        self._producer = kafka_clients.producer(
+            kafka, **{"enable.idempotence": True, "acks": "all", "linger.ms": 5, **extra})
+        self._pending = 0
+        self._failed: list[tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]] = []
+        self.written = 0
+
+    def report(self, record: Any, error: BaseException) -> None:
+        raw = RawRecord.of(record)
+        headers = dlq_headers(raw, error, self.connector, int(time.time() * 1000))
+        log.warning("record dead-lettered", connector=self.connector, topic=raw.topic,
+                    partition=raw.partition, offset=raw.offset, error=type(error).__name__,
+                    reason=getattr(error, "reason", None), dlq_topic=self.topic)
+        self._send(raw.key, raw.value, headers)
+
+    def _send(self, key: bytes | None, value: bytes | None, headers: Any) -> None:
+        def delivered(err: Any, _msg: Any) -> None:
+            self._pending -= 1
+            if err is None:
+                self.written += 1
+            else:
+                log.warning("dead letter not delivered; will retry", connector=self.connector, error=str(err))
+                self._failed.append((key, value, headers))
+
+        while True:
+            try:
+                self._producer.produce(self.topic, value=value, key=key, headers=headers,
+                                       on_delivery=delivered)
+                break
+            except BufferError:  # local queue full: serve delivery reports, then try again
+                self._producer.poll(0.1)
+        self._pending += 1
+        self._producer.poll(0)
+
+    def flush(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            retry, self._failed = self._failed, []
+            for key, value, headers in retry:
+                self._send(key, value, headers)
+            remaining = self._producer.flush(max(0.0, deadline - time.monotonic()))
+            if not remaining and not self._failed and not self._pending:
+                return
+            if time.monotonic() >= deadline:
+                raise RetriableError(f"dead-letter topic {self.topic!r}: {self._pending + len(self._failed)} "
+                                     f"records not acknowledged within {timeout:.1f}s")
+
+    @property
+    def outstanding(self) -> int:
+        """Reported records not yet acknowledged."""
+        return self._pending + len(self._failed)
+
+    def close(self, timeout: float = 5.0) -> None:
+        try:
+            self.flush(timeout)
+        except RetriableError as e:
+            log.error("dead letters unacknowledged at close; their offsets were not committed",
+                      connector=self.connector, error=str(e))

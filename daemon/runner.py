@@ -1,0 +1,335 @@
+"""SinkRunner: drives one sink task with a confluent-kafka consumer: decode, dead-letter, put, commit.
+
+Guarantee (at-least-once into the task)
+---------------------------------------
+For each batch: decode every record; records that are not valid envelopes are reported to the dead-letter
+topic and never reach `put`; `put` gets the rest (retried on RetriableError with the partitions paused, so the
+group membership stays alive); then the dead-letter writer is flushed (every dead letter acknowledged,
+acks=all); only then are the offsets after the batch offered to `pre_commit`, and what it returns is committed
+synchronously. So a committed offset never passes a record that was neither put successfully nor durably
+dead-lettered. After a crash, a FatalError or a rebalance, the records after the last commit are delivered
+again: `put` must be idempotent. On revoke, the offsets of everything already put are offered to `pre_commit`
+and committed before `close`. On stop, fetching stops, the in-flight batch finishes (within
+`shutdown_grace_s`), offsets are committed, the partitions are closed and the task stopped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import structlog
+from confluent_kafka import KafkaException
+from confluent_kafka import TopicPartition as KafkaTP
+
+from kafold import kafka_clients
+from kafold.config import DaemonConfig, KafkaConfig
+from kafold.connectors.api import (
+    Connector,
+    ErrantRecordReporter,
+    SinkRecord,
+    SinkTask,
+    SinkTaskContext,
+    TopicPartition,
+)
+from kafold.connectors.dlq import DeadLetterWriter
+from kafold.envelope import decode
+from kafold.errors import DecodeError, FatalError, KafoldError, RecordError, RetriableError
+
+log = structlog.get_logger("kafold.daemon.runner")
+
+MAX_BACKOFF_S = 10.0
+
+
+class _Abandoned(KafoldError):
+    """The grace period ran out while a batch was still failing: stop without committing it."""
+
+
+class UnknownTypeError(RecordError):
+    """The task does not handle this event type and the connector says to dead-letter it."""
+
+
+class _Context(SinkTaskContext):
+    """The runner's side of SinkTaskContext; call it only from the task's own thread (put/open/close)."""
+
+    def __init__(self, runner: SinkRunner, task_id: int) -> None:
+        self.runner = runner
+        self.connector_name = runner.connector.name
+        self.task_id = task_id
+        self.commit_requested = False
+        self.seeks: dict[TopicPartition, int] = {}
+
+    def assignment(self) -> frozenset[TopicPartition]:
+        return frozenset(self.runner.assigned)
+
+    def pause(self, *partitions: TopicPartition) -> None:
+        self.runner.user_paused.update(partitions)
+        self.runner.consumer.pause([KafkaTP(tp.topic, tp.partition) for tp in partitions])
+
+    def resume(self, *partitions: TopicPartition) -> None:
+        self.runner.user_paused.difference_update(partitions)
+        if not self.runner.backing_off:
+            self.runner.consumer.resume([KafkaTP(tp.topic, tp.partition) for tp in partitions])
+
+    def offset(self, tp: TopicPartition, offset: int) -> None:
+        self.seeks[tp] = offset
+
+    def request_commit(self) -> None:
+        self.commit_requested = True
+
+    def errant_record_reporter(self) -> ErrantRecordReporter | None:
+        return self.runner.reporter
+
+
+class SinkRunner:
+    """Runs one task of a sink connector in the calling thread until `stop` is set or the task fails."""
+
+    def __init__(self, connector: Connector[Any], task_config: Mapping[str, Any], *, kafka: KafkaConfig,
+                 daemon: DaemonConfig, stop: threading.Event | None = None,
+                 reporter: ErrantRecordReporter | None = None,
+                 consumer_extra: Mapping[str, Any] | None = None) -> None:
+        if not connector.is_sink():
+            raise FatalError(f"connector {connector.name!r} is not a sink connector")
+        self.connector = connector
+        self.task_config = task_config
+        self.kafka = kafka
+        self.daemon = daemon
+        self.stop_event = stop or threading.Event()
+        self.group_id = f"{daemon.group_prefix}.{connector.name}"
+        self.reporter: ErrantRecordReporter = reporter or DeadLetterWriter(
+            kafka, connector.settings.dlq_topic, connector.name)
+        self._owns_reporter = reporter is None
+        self.consumer_extra = dict(consumer_extra or {})
+        self.task: SinkTask = connector.task_class()  # type: ignore[assignment]
+        self.context = _Context(self, int(task_config.get("task_id", 0)))
+        self.log = log.bind(connector=connector.name, task=self.context.task_id)
+        self.consumer: Any = None
+        self.assigned: set[TopicPartition] = set()
+        self.user_paused: set[TopicPartition] = set()
+        self.positions: dict[TopicPartition, int] = {}  # next offset to read, after the handled records
+        self.dirty = False
+        self.backing_off = False
+        self.failed = False
+        self.error: BaseException | None = None
+        self.counts = {"batches": 0, "records": 0, "dead_lettered": 0, "skipped": 0}
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    # ---- the loop ---------------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Consume until stopped; raises nothing — a fatal error is logged and kept in `self.error`."""
+        extra = {"isolation.level": "read_committed", "enable.auto.offset.store": False,
+                 **self.consumer_extra}
+        self.consumer = kafka_clients.consumer(self.kafka, self.group_id, **extra)
+        wait = self.daemon.batch_max_wait_ms / 1000
+        try:
+            self.task.start(self.task_config, self.context)
+            self.consumer.subscribe(list(self.connector.settings.topics), on_assign=self._on_assign,
+                                    on_revoke=self._on_revoke, on_lost=self._on_lost)
+            self.log.info("sink task started", group=self.group_id,
+                          topics=list(self.connector.settings.topics))
+            while not self.stop_event.is_set():
+                self._apply_seeks()
+                msgs = self.consumer.consume(self.daemon.batch_max_records, wait)
+                if msgs:
+                    self._batch(msgs)
+                elif self.context.commit_requested:
+                    self._commit(self.assigned)
+        except _Abandoned as e:
+            self.failed = True
+            self.log.warning("in-flight batch abandoned at shutdown; it will be delivered again",
+                             error=str(e))
+        except Exception as e:  # a task bug is as fatal as a FatalError: stop this task, not the process
+            self.failed, self.error = True, e
+            self.log.error("sink task failed; stopping it (offsets stay at the last successful batch)",
+                           error_class=type(e).__name__, error=str(e), exc_info=not isinstance(e, FatalError))
+        finally:
+            self._shutdown()
+
+    def _batch(self, msgs: list[Any]) -> None:
+        started = time.monotonic()
+        records: list[SinkRecord] = []
+        seen: dict[TopicPartition, int] = {}
+        dead = skipped = 0
+        on_unknown = self.connector.settings.on_unknown_type
+        for m in msgs:
+            err = m.error()
+            if err is not None:
+                if err.fatal():
+                    raise FatalError(f"consumer error: {err}")
+                self.log.warning("consumer error", error=str(err))
+                continue
+            tp = TopicPartition(m.topic(), m.partition())
+            seen[tp] = m.offset() + 1
+            try:
+                event = decode(m.key(), m.value(), m.headers(), raw=m)
+                if not self.task.handles(event.type):
+                    if on_unknown == "fail":
+                        raise FatalError(f"{tp}@{m.offset()}: unknown event type {event.type!r}")
+                    if on_unknown == "skip":
+                        skipped += 1
+                        continue
+                    raise UnknownTypeError(f"unknown event type {event.type!r}", raw=m, reason="unknown-type")
+            except (DecodeError, UnknownTypeError) as e:
+                self.reporter.report(m, e)
+                dead += 1
+                continue
+            ts_kind, ts = m.timestamp()
+            records.append(SinkRecord(tp.topic, tp.partition, m.offset(), event.aggregate_id, event,
+                                      ts if ts_kind else None))
+        dead += self._put(records)
+        self._flush_dead_letters()
+        for tp, nxt in seen.items():
+            if tp in self.assigned:
+                self.positions[tp] = nxt
+                self.dirty = True
+        committed = self._commit(self.assigned)
+        self.counts["batches"] += 1
+        self.counts["records"] += len(msgs)
+        self.counts["dead_lettered"] += dead
+        self.counts["skipped"] += skipped
+        self.log.info("batch", records=len(msgs), put=len(records), dead_lettered=dead, skipped=skipped,
+                      duration_ms=round((time.monotonic() - started) * 1000, 1),
+                      committed={str(tp): off for tp, off in sorted(committed.items())})
+
+    def _put(self, records: list[SinkRecord]) -> int:
+        """Put until it succeeds; returns how many records the task dead-lettered via RecordError."""
+        dead, delay, give_up_at = 0, 0.1, None
+        while records:
+            try:
+                self.task.put(records)
+                return dead
+            except RetriableError as e:
+                if self.stop_event.is_set():
+                    give_up_at = give_up_at or time.monotonic() + self.daemon.shutdown_grace_s
+                    if time.monotonic() + delay > give_up_at:
+                        raise _Abandoned(f"put still failing: {e}") from e
+                self.log.warning("put failed; retrying the same batch", error=str(e), retry_in_s=delay)
+                self._back_off(delay)
+                delay = min(delay * 2, MAX_BACKOFF_S)
+                records = [r for r in records if r.tp in self.assigned]  # revoked ones go to the new owner
+            except RecordError as e:
+                bad = e.raw
+                if not isinstance(bad, SinkRecord) or not any(r is bad for r in records):
+                    raise
+                self.reporter.report(bad, e)
+                dead += 1
+                records = [r for r in records if r is not bad]  # the others again: put is idempotent
+        return dead
+
+    def _flush_dead_letters(self) -> None:
+        delay, give_up_at = 0.1, None
+        while True:
+            try:
+                self.reporter.flush(timeout=max(1.0, self.daemon.shutdown_grace_s))
+                return
+            except RetriableError as e:
+                if self.stop_event.is_set():
+                    give_up_at = give_up_at or time.monotonic() + self.daemon.shutdown_grace_s
+                    if time.monotonic() > give_up_at:
+                        raise _Abandoned(str(e)) from e
+                self.log.warning("dead-letter topic not acknowledging; retrying", error=str(e))
+                self._back_off(delay)
+                delay = min(delay * 2, MAX_BACKOFF_S)
+
+    def _back_off(self, seconds: float) -> None:
+        """Sleep while serving the consumer (heartbeats, rebalances) with every partition paused."""
+        self.backing_off = True
+        self.consumer.pause([KafkaTP(tp.topic, tp.partition) for tp in self.assigned])
+        try:
+            until = time.monotonic() + seconds
+            while (left := until - time.monotonic()) > 0:
+                for m in self.consumer.consume(100, min(left, 0.2)):
+                    if m.error() is None:  # a partition assigned meanwhile: rewind so nothing is skipped
+                        self.consumer.seek(KafkaTP(m.topic(), m.partition(), m.offset()))
+        finally:
+            self.backing_off = False
+            active = [tp for tp in self.assigned if tp not in self.user_paused]
+            self.consumer.resume([KafkaTP(tp.topic, tp.partition) for tp in active])
+
+    # ---- offsets ----------------------------------------------------------------------------------------
+    def _commit(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
+        """Offer the positions of `partitions` to pre_commit; commit what it returns (synchronously)."""
+        self.context.commit_requested = False
+        offered = {tp: self.positions[tp] for tp in partitions if tp in self.positions}
+        if not offered or not self.dirty:
+            return {}
+        chosen = dict(self.task.pre_commit(offered))
+        chosen = {tp: off for tp, off in chosen.items() if tp in self.assigned}
+        if chosen:
+            try:
+                offsets = [KafkaTP(tp.topic, tp.partition, off) for tp, off in chosen.items()]
+                self.consumer.commit(offsets=offsets, asynchronous=False)
+            except KafkaException as e:  # e.g. a rebalance: the new owner re-reads from the last commit
+                self.log.warning("offset commit failed; records after the last commit will be delivered "
+                                 "again", error=str(e))
+                return {}
+        if set(offered) >= set(self.positions):
+            self.dirty = False
+        return chosen
+
+    def _apply_seeks(self) -> None:
+        seeks, self.context.seeks = self.context.seeks, {}
+        for tp, off in seeks.items():
+            if tp in self.assigned:
+                self.consumer.seek(KafkaTP(tp.topic, tp.partition, off))
+                self.positions[tp] = off
+
+    # ---- rebalance callbacks (run inside consume(), in this thread) -------------------------------------
+    def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
+        tps = [TopicPartition(p.topic, p.partition) for p in partitions]
+        self.assigned.update(tps)
+        self.task.open(tps)
+        seeks = {tp: self.context.seeks.pop(tp) for tp in tps if tp in self.context.seeks}
+        for p, tp in zip(partitions, tps, strict=True):
+            if tp in seeks:
+                p.offset = seeks[tp]
+                self.positions[tp] = seeks[tp]
+        consumer.assign(partitions)
+        if self.backing_off:
+            consumer.pause(partitions)
+        self.log.info("partitions assigned", partitions=sorted(str(tp) for tp in tps))
+
+    def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
+        tps = [tp for tp in (TopicPartition(p.topic, p.partition) for p in partitions) if tp in self.assigned]
+        if not tps:
+            return
+        if not self.failed:
+            try:
+                self._commit(tps)
+            except Exception as e:
+                self.log.warning("commit on revoke failed", error=str(e))
+        self._release(tps)
+
+    def _on_lost(self, consumer: Any, partitions: list[Any]) -> None:
+        tps = [tp for tp in (TopicPartition(p.topic, p.partition) for p in partitions) if tp in self.assigned]
+        self.log.warning("partitions lost; not committing", partitions=sorted(str(tp) for tp in tps))
+        self._release(tps)
+
+    def _release(self, tps: list[TopicPartition]) -> None:
+        try:
+            self.task.close(tps)
+        finally:
+            self.assigned.difference_update(tps)
+            self.user_paused.difference_update(tps)
+            for tp in tps:
+                self.positions.pop(tp, None)
+            self.log.info("partitions released", partitions=sorted(str(tp) for tp in tps))
+
+    def _shutdown(self) -> None:
+        try:
+            if self.assigned:
+                self._on_revoke(self.consumer, [KafkaTP(tp.topic, tp.partition) for tp in self.assigned])
+        except Exception as e:
+            self.log.error("closing partitions failed", error=str(e))
+        for what, close in (("task", self.task.stop), ("consumer", self.consumer.close)):
+            try:
+                close()
+            except Exception as e:
+                self.log.error(f"stopping the {what} failed", error=str(e))
+        if self._owns_reporter and isinstance(self.reporter, DeadLetterWriter):
+            self.reporter.close()
+        self.log.info("sink task stopped", failed=self.failed, **self.counts)

@@ -1,0 +1,32 @@
+"""`kafold bench AREA [--json]`: measure an area's speed and memory targets and print the figures."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from typing import Any
+
+from kafold.bench import AREAS
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("bench", help="measure throughput, latency and memory (starts the dev stack if needed)")
+    areas = p.add_subparsers(dest="area", metavar="AREA", required=True)
+    for area, module in sorted(AREAS.items()):
+        mod = importlib.import_module(f"kafold.bench.{module}")
+        ap = areas.add_parser(area, help=(mod.__doc__ or "").strip().splitlines()[0])
+        ap.add_argument("--json", action="store_true", help="print one JSON object with the figures")
+        mod.add_arguments(ap)
+        ap.set_defaults(handler=lambda args, mod=mod: _run(mod, args))
+
+
+def _run(mod: Any, args: argparse.Namespace) -> int:
+    figures: dict[str, Any] = mod.run(args)
+    if args.json:
+        print(json.dumps(figures, sort_keys=True))
+    else:
+        width = max(map(len, figures), default=0)
+        for key, value in figures.items():
+            print(f"{key:<{width}}  {value}")
+    return 0

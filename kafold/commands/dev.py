@@ -1,0 +1,59 @@
+"""`kafold dev up|status|down`: the embedded local broker and PostgreSQL for development and tests."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+from typing import Any
+
+from kafold import devstack
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("dev", help="run a local broker (tansu) and PostgreSQL (pgserver) for development")
+    dsub = p.add_subparsers(dest="dev_command", metavar="ACTION", required=True)
+    for name, handler, doc in (
+        ("up", up, "start the local stack (idempotent) and print how to reach it"),
+        ("status", status, "show whether the local stack is running"),
+        ("down", down, "stop the local stack, leaving no process behind (broker data is memory-only)"),
+    ):
+        a = dsub.add_parser(name, help=doc)
+        a.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
+                       help="where the stack keeps its state (default: $KAFOLD_DEV_DIR or "
+                            "$XDG_STATE_HOME/kafold/dev)")
+        a.set_defaults(handler=handler)
+
+
+def _show(stack: devstack.DevStack) -> None:
+    print(f"kafka     {stack.bootstrap_servers}  (tansu, pid {stack.broker.pid}, memory only)")
+    print(f"postgres  {stack.postgres_url}  (pid {stack.postgres.pid})")
+    print(f"state     {stack.state_dir}")
+    print()
+    print("# kafold commands find this stack when [kafka].bootstrap_servers / [postgres].url are empty;")
+    print("# for other tools or a non-default state dir:")
+    env = stack.env()
+    if stack.state_dir != devstack.default_state_dir().expanduser().resolve():
+        env["KAFOLD_DEV_DIR"] = str(stack.state_dir)
+    for key, value in env.items():
+        print(f"export {key}={shlex.quote(value)}")
+
+
+def up(args: argparse.Namespace) -> int:
+    _show(devstack.up(args.state_dir))
+    return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    stack = devstack.status(args.state_dir)
+    if stack is None:
+        print(f"not running (state dir {args.state_dir or devstack.default_state_dir()})")
+        return 1
+    _show(stack)
+    return 0
+
+
+def down(args: argparse.Namespace) -> int:
+    stopped = devstack.down(args.state_dir)
+    print("stopped" if stopped else "not running")
+    return 0

@@ -1,0 +1,93 @@
+"""`kafold run -c FILE`: the local main job: dev stack (unless configured), topics, traffic, daemon."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import random
+import signal
+import threading
+import time
+from typing import Any
+
+from kafold import config, devstack, kafka_clients, logs, topics
+from kafold.cli import add_config_arg
+from kafold.envelope import Event, encode
+
+log = logs.get("kafold.run")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("run", help="run the main job locally: dev stack, topics, traffic generator, daemon")
+    add_config_arg(p)
+    p.add_argument("--traffic", default="bank_traffic:events", metavar="MODULE:FUNCTION",
+                   help="event generator function(rng) yielding (aggregate id, version, type, payload); "
+                        "'' for none (default: the bank example's)")
+    p.add_argument("--rate", type=float, default=200.0, help="events per second the generator sends")
+    p.add_argument("--keep-stack", action="store_true", help="leave the dev stack running on exit")
+    p.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    loaded = config.load_file(args.config)
+    cfg = loaded.config
+    started_stack = False
+    if not (cfg.kafka.bootstrap_servers and cfg.postgres.url) and devstack.status() is None:
+        stack = devstack.up()
+        started_stack = True
+        print(f"dev stack up: broker {stack.bootstrap_servers}, PostgreSQL {stack.postgres_url}")
+    cfg = devstack.effective(cfg)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    generator: threading.Thread | None = None
+    try:
+        report = topics.ensure(cfg.kafka, config.topic_map(cfg).values())
+        print(report.table())
+        if not report.ok:
+            return 1
+        if args.traffic and cfg.aggregates:
+            generator = threading.Thread(target=_traffic, args=(cfg, loaded, args.traffic, args.rate, stop),
+                                         name="kafold-traffic", daemon=True)
+            generator.start()
+        print(f"daemon running on {args.config}; PostgreSQL: psql '{cfg.postgres.url}'")
+        print("Ctrl-C stops everything")
+        from kafold.commands.daemon import run as run_daemon
+
+        return run_daemon(cfg, loaded.base, stop)
+    finally:
+        stop.set()
+        if generator is not None:
+            generator.join(5)
+        for s, h in previous.items():
+            signal.signal(s, h)
+        if started_stack and not args.keep_stack:
+            devstack.down()
+            print("dev stack stopped")
+
+
+def _traffic(cfg: config.KafoldConfig, loaded: config.Loaded, ref: str, rate: float,
+             stop: threading.Event) -> None:
+    """Produce the generator's events to the first aggregate's events topic at `rate` per second."""
+    agg = cfg.aggregates[0]
+    with config.python_path(cfg, loaded.base):
+        module, _, func = ref.partition(":")
+        generate = getattr(importlib.import_module(module), func)
+    producer = kafka_clients.producer(cfg.kafka, **{"enable.idempotence": True, "linger.ms": 20})
+    topic = agg.topic("events")
+    sent, started = 0, time.monotonic()
+    for aggregate_id, version, type_, payload in generate(random.Random(7)):
+        if stop.is_set():
+            break
+        key, value, headers = encode(Event.new(type_, agg.name, aggregate_id, version, payload))
+        producer.produce(topic, value=value, key=key, headers=headers)
+        producer.poll(0)
+        sent += 1
+        ahead = sent / rate - (time.monotonic() - started)
+        if ahead > 0:
+            stop.wait(ahead)
+    producer.flush(10)
+    log.info("traffic stopped", events=sent, topic=topic)

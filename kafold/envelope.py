@@ -1,0 +1,261 @@
+"""The one record shape for events on Kafka: key = aggregate id, routing headers, a strict JSON body."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from kafold.errors import DecodeError, FatalError
+
+MAX_BYTES = 1_000_000
+MAX_DEPTH = 32
+MAX_ID_CHARS = 256
+
+H_TYPE = "kafold-type"
+H_ID = "kafold-id"
+H_VERSION = "kafold-version"
+H_AGGREGATE = "kafold-aggregate"
+ROUTING_HEADERS = (H_TYPE, H_ID, H_VERSION, H_AGGREGATE)
+
+# Derived event ids are uuid5(KAFOLD_NAMESPACE, f"{command_id}/{index}"): a replayed command yields the
+# same ids, so consumers can drop the duplicates.
+KAFOLD_NAMESPACE = uuid.UUID("6b1f3c2e-8a4d-5e7f-9c0b-1d2e3f4a5b6c")
+
+Headers = list[tuple[str, str | bytes | None]]  # the shape confluent-kafka produces and consumes
+
+
+def derive_event_id(command_id: str, index: int) -> str:
+    """The deterministic id of the `index`-th event (0-based) produced by handling command `command_id`."""
+    if not command_id or index < 0:
+        raise ValueError("derive_event_id needs a non-empty command id and an index >= 0")
+    return str(uuid.uuid5(KAFOLD_NAMESPACE, f"{command_id}/{index}"))
+
+
+def utc_now() -> str:
+    """Now, as the envelope spells time: ISO-8601 UTC with microseconds and a `Z` suffix."""
+    return format_time(datetime.now(UTC))
+
+
+def format_time(moment: datetime) -> str:
+    """An aware datetime as an envelope timestamp (`2024-05-01T12:00:00.000000Z`)."""
+    if moment.tzinfo is None:
+        raise ValueError("occurred_at must be timezone-aware")
+    return moment.astimezone(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+class _Invalid(ValueError):
+    """A field of an Event is wrong; `field` names it."""
+
+    def __init__(self, field_name: str, message: str, reason: str = "wrong-type") -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.reason = reason
+
+
+def _text(name: str, value: Any, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if type(value) is not str:
+        raise _Invalid(name, f"expected a string, got {_kind(value)}")
+    if not value or len(value) > MAX_ID_CHARS:
+        raise _Invalid(name, f"expected 1..{MAX_ID_CHARS} characters, got {len(value)}")
+
+
+def _count(name: str, value: Any) -> None:
+    if type(value) is not int:
+        raise _Invalid(name, f"expected an integer, got {_kind(value)}")
+    if value < 1:
+        raise _Invalid(name, f"must be >= 1, got {value}")
+
+
+def _kind(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), type(value).__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One event as stored on Kafka. Immutable: change it with dataclasses.replace (payload is read-only by
+    convention). `occurred_at` is an ISO-8601 UTC string ending in `Z` (see `occurred_at_datetime`)."""
+
+    event_id: str
+    type: str
+    aggregate_type: str
+    aggregate_id: str
+    version: int
+    occurred_at: str
+    correlation_id: str
+    payload: dict[str, Any] = field(default_factory=dict)
+    schema_version: int = 1
+    causation_id: str | None = None
+
+    def __post_init__(self) -> None:
+        _text("event_id", self.event_id)
+        _text("type", self.type)
+        _text("aggregate_type", self.aggregate_type)
+        _text("aggregate_id", self.aggregate_id)
+        _count("version", self.version)
+        _count("schema_version", self.schema_version)
+        _text("correlation_id", self.correlation_id)
+        _text("causation_id", self.causation_id, optional=True)
+        if type(self.payload) is not dict:
+            raise _Invalid("payload", f"expected a JSON object, got {_kind(self.payload)}")
+        at = self.occurred_at
+        if type(at) is not str or not at.endswith("Z"):
+            raise _Invalid("occurred_at", "expected an ISO-8601 UTC string ending in 'Z'")
+        try:
+            datetime.fromisoformat(at)
+        except ValueError:
+            raise _Invalid("occurred_at", "not an ISO-8601 timestamp") from None
+
+    @classmethod
+    def new(cls, type: str, aggregate_type: str, aggregate_id: str, version: int, payload: dict[str, Any], *,
+            event_id: str | None = None, correlation_id: str | None = None, causation_id: str | None = None,
+            occurred_at: datetime | str | None = None, schema_version: int = 1) -> Event:
+        """Build an event, filling a random id, correlation = own id, and now as `occurred_at`."""
+        eid = event_id or str(uuid.uuid4())
+        at = format_time(occurred_at) if isinstance(occurred_at, datetime) else (occurred_at or utc_now())
+        return cls(eid, type, aggregate_type, aggregate_id, version, at, correlation_id or eid, payload,
+                   schema_version, causation_id)
+
+    @property
+    def occurred_at_datetime(self) -> datetime:
+        return datetime.fromisoformat(self.occurred_at)
+
+
+_REQUIRED = ("event_id", "type", "aggregate_type", "aggregate_id", "version", "occurred_at", "correlation_id",
+             "payload")
+_REQUIRED_SET = frozenset(_REQUIRED)
+_FIELDS = frozenset((*_REQUIRED, "schema_version", "causation_id"))
+
+
+def encode(event: Event, *, max_bytes: int = MAX_BYTES,
+           max_depth: int = MAX_DEPTH) -> tuple[bytes, bytes, Headers]:
+    """(key, value, headers) for producing `event`; refuses what `decode` would refuse (FatalError)."""
+    body = {
+        "event_id": event.event_id, "type": event.type, "aggregate_type": event.aggregate_type,
+        "aggregate_id": event.aggregate_id, "version": event.version, "schema_version": event.schema_version,
+        "occurred_at": event.occurred_at, "correlation_id": event.correlation_id,
+        "causation_id": event.causation_id, "payload": event.payload,
+    }
+    try:
+        value = orjson.dumps(body)
+    except orjson.JSONEncodeError as e:
+        raise FatalError(f"event {event.event_id}: payload is not JSON-serializable: {e}") from e
+    if len(value) > max_bytes:
+        raise FatalError(f"event {event.event_id}: encoded size {len(value)} exceeds {max_bytes} bytes")
+    if _too_deep(value, event.payload, max_depth):
+        raise FatalError(f"event {event.event_id}: payload nests deeper than {max_depth} levels")
+    headers: Headers = [
+        (H_TYPE, event.type.encode()), (H_ID, event.event_id.encode()),
+        (H_VERSION, str(event.version).encode()), (H_AGGREGATE, event.aggregate_type.encode()),
+    ]
+    return event.aggregate_id.encode(), value, headers
+
+
+def _too_deep(value: bytes, payload: Any, max_depth: int) -> bool:
+    # Cheap pre-check: fewer brackets in the whole body than the limit means the payload cannot be too deep.
+    if value.count(b"{") + value.count(b"[") <= max_depth:
+        return False
+    return _depth(payload, 1, max_depth) > max_depth
+
+
+def _depth(node: Any, level: int, limit: int) -> int:
+    if level > limit:
+        return level
+    deepest = level
+    children = node.values() if type(node) is dict else node
+    for child in children:
+        if type(child) is dict or type(child) is list:
+            deepest = max(deepest, _depth(child, level + 1, limit))
+            if deepest > limit:
+                break
+    return deepest
+
+
+def _fail(raw: Any, field_name: str, message: str, reason: str) -> DecodeError:
+    return DecodeError(f"invalid kafold envelope: {field_name}: {message}", raw=raw, reason=reason)
+
+
+def _routing(headers: Sequence[tuple[str, bytes | None]] | None, raw: Any) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for name, val in headers or ():
+        if name not in ROUTING_HEADERS:
+            continue
+        if name in found:
+            raise _fail(raw, f"header {name}", "appears more than once", "header-mismatch")
+        if val is None:
+            raise _fail(raw, f"header {name}", "has no value", "missing-header")
+        try:
+            found[name] = val.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _fail(raw, f"header {name}", "is not valid UTF-8", "bad-utf8") from None
+    for name in ROUTING_HEADERS:
+        if name not in found:
+            raise _fail(raw, f"header {name}", "missing", "missing-header")
+    return found
+
+
+def _version_header(text: str, raw: Any) -> int:
+    if not text.isascii() or not text.isdigit():
+        raise _fail(raw, f"header {H_VERSION}", "expected a decimal integer", "wrong-type")
+    return int(text)
+
+
+def peek_headers(headers: Sequence[tuple[str, bytes | None]] | None, *,
+                 raw: Any = None) -> tuple[str, str, int]:
+    """(type, event id, version) from the routing headers alone, without decoding the value."""
+    found = _routing(headers, raw)
+    return found[H_TYPE], found[H_ID], _version_header(found[H_VERSION], raw)
+
+
+def decode(key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes | None]] | None, *,
+           raw: Any = None, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH) -> Event:
+    """The Event in a Kafka record; any defect raises DecodeError naming the field and carrying `raw`."""
+    if value is None:
+        raise _fail(raw, "value", "missing (a tombstone is not an event)", "missing-field")
+    if len(value) > max_bytes:
+        raise _fail(raw, "value", f"{len(value)} bytes exceeds the {max_bytes}-byte limit", "too-large")
+    try:
+        body = orjson.loads(value)
+    except orjson.JSONDecodeError as e:
+        text = str(e)
+        reason = "bad-utf8" if "UTF-8" in text else "too-deep" if "recursion" in text else "bad-json"
+        raise _fail(raw, "value", f"not valid JSON ({text})", reason) from None
+    if type(body) is not dict:
+        raise _fail(raw, "value", f"expected a JSON object, got {_kind(body)}", "wrong-type")
+    if not _FIELDS.issuperset(body):
+        extra = sorted(str(k) for k in body if k not in _FIELDS)[0]
+        raise _fail(raw, extra, "unknown field", "unknown-field")
+    if not body.keys() >= _REQUIRED_SET:
+        missing = next(name for name in _REQUIRED if name not in body)
+        raise _fail(raw, missing, "missing", "missing-field")
+    try:
+        event = Event(**body)
+    except _Invalid as e:
+        raise _fail(raw, e.field, str(e).partition(": ")[2], e.reason) from None
+    if _too_deep(value, event.payload, max_depth):
+        raise _fail(raw, "payload", f"nests deeper than {max_depth} levels", "too-deep")
+    if key is None:
+        raise _fail(raw, "key", "missing (must be the aggregate id)", "missing-field")
+    try:
+        key_text = key.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _fail(raw, "key", "is not valid UTF-8", "bad-utf8") from None
+    if key_text != event.aggregate_id:
+        raise _fail(raw, "key", "does not match aggregate_id", "header-mismatch")
+    found = _routing(headers, raw)
+    if found[H_TYPE] != event.type:
+        raise _fail(raw, f"header {H_TYPE}", "does not match type", "header-mismatch")
+    if found[H_ID] != event.event_id:
+        raise _fail(raw, f"header {H_ID}", "does not match event_id", "header-mismatch")
+    if _version_header(found[H_VERSION], raw) != event.version:
+        raise _fail(raw, f"header {H_VERSION}", "does not match version", "header-mismatch")
+    if found[H_AGGREGATE] != event.aggregate_type:
+        raise _fail(raw, f"header {H_AGGREGATE}", "does not match aggregate_type", "header-mismatch")
+    return event

@@ -1,0 +1,101 @@
+"""Kafka client settings derived from [kafka]: librdkafka dicts (confluent-kafka) and aiokafka kwargs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kafold.config import KafkaConfig
+
+if TYPE_CHECKING:
+    from confluent_kafka import Consumer, Producer
+    from confluent_kafka.admin import AdminClient
+
+SSL_PROTOCOLS = ("SSL", "SASL_SSL")
+SASL_PROTOCOLS = ("SASL_PLAINTEXT", "SASL_SSL")
+
+
+def librdkafka(kafka: KafkaConfig, **extra: Any) -> dict[str, Any]:
+    """A confluent-kafka config dict; `extra` keys are librdkafka's own: `**{"enable.idempotence": True}`.
+
+    The result holds revealed secrets: hand it to a client, never log it.
+    """
+    conf: dict[str, Any] = {
+        "bootstrap.servers": kafka.bootstrap_servers,
+        "client.id": kafka.client_id,
+        "security.protocol": kafka.security_protocol,
+    }
+    if kafka.security_protocol in SASL_PROTOCOLS:
+        if kafka.sasl_mechanism:
+            conf["sasl.mechanism"] = kafka.sasl_mechanism
+        if kafka.sasl_username is not None:
+            conf["sasl.username"] = kafka.sasl_username
+        if kafka.sasl_password is not None:
+            conf["sasl.password"] = kafka.sasl_password.reveal()
+    if kafka.security_protocol in SSL_PROTOCOLS:
+        optional = {
+            "ssl.ca.location": kafka.ssl_ca_location,
+            "ssl.certificate.location": kafka.ssl_certificate_location,
+            "ssl.key.location": kafka.ssl_key_location,
+            "ssl.key.password": kafka.ssl_key_password.reveal() if kafka.ssl_key_password else None,
+        }
+        conf.update({k: v for k, v in optional.items() if v is not None})
+        conf["ssl.endpoint.identification.algorithm"] = "https" if kafka.ssl_check_hostname else "none"
+    conf.update(extra)
+    return conf
+
+
+def aiokafka_kwargs(kafka: KafkaConfig) -> dict[str, Any]:
+    """Connection keyword arguments shared by aiokafka's producer, consumer and admin client (and faust)."""
+    kwargs: dict[str, Any] = {
+        "bootstrap_servers": kafka.bootstrap_servers,
+        "client_id": kafka.client_id,
+        "security_protocol": kafka.security_protocol,
+    }
+    if kafka.security_protocol in SASL_PROTOCOLS:
+        kwargs["sasl_mechanism"] = kafka.sasl_mechanism or "PLAIN"
+        if kafka.sasl_username is not None:
+            kwargs["sasl_plain_username"] = kafka.sasl_username
+        if kafka.sasl_password is not None:
+            kwargs["sasl_plain_password"] = kafka.sasl_password.reveal()
+    if kafka.security_protocol in SSL_PROTOCOLS:
+        from aiokafka.helpers import create_ssl_context
+
+        ctx = create_ssl_context(
+            cafile=kafka.ssl_ca_location,
+            certfile=kafka.ssl_certificate_location,
+            keyfile=kafka.ssl_key_location,
+            password=kafka.ssl_key_password.reveal() if kafka.ssl_key_password else None,
+        )
+        ctx.check_hostname = kafka.ssl_check_hostname
+        kwargs["ssl_context"] = ctx
+    return kwargs
+
+
+def group_settings(kafka: KafkaConfig) -> dict[str, Any]:
+    """Consumer-group timeouts; librdkafka sends max.poll.interval.ms as the JoinGroup rebalance timeout."""
+    return {
+        "session.timeout.ms": kafka.session_timeout_ms,
+        "heartbeat.interval.ms": kafka.heartbeat_interval_ms,
+        "max.poll.interval.ms": kafka.rebalance_timeout_ms,
+    }
+
+
+def admin(kafka: KafkaConfig, **extra: Any) -> AdminClient:
+    from confluent_kafka.admin import AdminClient
+
+    return AdminClient(librdkafka(kafka, **extra))
+
+
+def producer(kafka: KafkaConfig, **extra: Any) -> Producer:
+    from confluent_kafka import Producer
+
+    return Producer(librdkafka(kafka, **extra))
+
+
+def consumer(kafka: KafkaConfig, group_id: str, **extra: Any) -> Consumer:
+    """A consumer that never auto-commits (kafold commits once the work is durable), from the earliest."""
+    from confluent_kafka import Consumer
+
+    defaults = {"group.id": group_id, "enable.auto.commit": False, "auto.offset.reset": "earliest",
+                **group_settings(kafka)}
+    return Consumer(librdkafka(kafka, **{**defaults, **extra}))

@@ -1,0 +1,153 @@
+"""The kafold.toml loader: every bad config gets an error naming the key and the file, all at once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kafold import config
+from kafold.errors import ConfigError
+from kafold.schema import Secret
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "bank" / "kafold.toml"
+
+AGG = """
+[[aggregates]]
+name = "account"
+initial = "bank_domain:initial"
+evolve = "bank_domain:evolve"
+decide = "bank_domain:decide"
+"""
+
+
+def problems_of(text: str, tmp_path: Path, environ: dict[str, str] | None = None) -> list[str]:
+    path = tmp_path / "kafold.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        config.parse(text, path, environ or {})
+    for p in info.value.problems:
+        assert p.startswith(f"{path}: "), p  # every problem names the file
+    return info.value.problems
+
+
+BAD = {
+    "typo_key": ('[kafka]\nbootstrap_server = "x:9092"\n', "kafka.bootstrap_server",
+                 "did you mean 'bootstrap_servers'"),
+    "typo_section": ('[kafak]\nbootstrap_servers = "x"\n', "kafak", "did you mean 'kafka'"),
+    "wrong_type": ("[daemon]\nhttp_port = \"eighty\"\n", "daemon.http_port", "expected integer"),
+    "missing_required": ('[[aggregates]]\nname = "a"\ninitial = "m:i"\ndecide = "m:d"\n',
+                         "aggregates[0].evolve", "missing required key"),
+    "literal_secret": ('[kafka]\nsasl_password = "hunter2"\n', "kafka.sasl_password", "literal secrets are refused"),
+    "password_in_url": ('[postgres]\nurl = "postgresql://u:hunter2@db/x"\n', "postgres.url", "literal password"),
+    "unknown_connector": ('[[connectors]]\nname = "p"\nclass = "no-such-connector"\ntopics = ["t"]\n',
+                          "connectors[0].class", "no-such-connector"),
+    "not_copartitioned": (AGG + '[[topics]]\nname = "account.snapshots"\npartitions = 2\n'
+                          'configs = {"cleanup.policy" = "compact"}\n',
+                          "topics", "co-partitioned with 'account.events'"),
+    "snapshot_not_compacted": (AGG + '[[topics]]\nname = "account.snapshots"\npartitions = 4\n'
+                               'configs = {"cleanup.policy" = "delete"}\n', "topics", "cleanup.policy=compact"),
+    "bad_choice": ('[kafka]\nsecurity_protocol = "TLS"\n', "kafka.security_protocol", "is not one of"),
+    "below_minimum": (AGG.replace('name = "account"', 'name = "account"\npartitions = 0'),
+                      "aggregates[0].partitions", "must be >= 1"),
+    "bad_function_ref": (AGG.replace("bank_domain:evolve", "bank_domain.evolve"),
+                         "aggregates[0].evolve", "module:function"),
+    "duplicate_connector": ('[[connectors]]\nname = "a"\nclass = "log"\ntopics = ["t"]\n' * 2,
+                            "connectors[1].name", "duplicate connector name"),
+    "secret_env_unset": ('[kafka]\nsasl_password_env = "KAFOLD_TEST_UNSET_VAR"\n', "kafka.sasl_password_env",
+                         "KAFOLD_TEST_UNSET_VAR is not set"),
+    "connector_config_typo": ('[[connectors]]\nname = "a"\nclass = "log"\ntopics = ["t"]\n'
+                              '[connectors.config]\nlevl = "info"\n', "connectors[0].config.levl", "unknown key"),
+    "no_topics": ('[[connectors]]\nname = "a"\nclass = "log"\ntopics = []\n', "connectors[0].topics",
+                  "at least one source topic"),
+    "not_toml": ("[kafka\n", "", "not valid TOML"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_config_names_the_key(name: str, tmp_path: Path) -> None:
+    """Each kind of bad config yields one clear problem naming its key path."""
+    text, key, message = BAD[name]
+    problems = problems_of(text, tmp_path)
+    assert any(f": {key}" in p and message in p for p in problems), problems
+
+
+def test_all_problems_reported_at_once(tmp_path: Path) -> None:
+    """Three independent mistakes are reported together, not one per run."""
+    text = '[kafka]\nbootstrap_server = "x"\n[daemon]\nhttp_port = "x"\n[postgres]\npassword = "p"\n'
+    problems = problems_of(text, tmp_path)
+    assert len(problems) == 3, problems
+
+
+def test_secret_from_env_and_file(tmp_path: Path) -> None:
+    """Secrets load by reference; the value never shows in repr."""
+    secret_file = tmp_path / "pg-password"
+    secret_file.write_text("from-file\n")
+    secret_file.chmod(0o600)
+    text = (f'[kafka]\nsasl_password_env = "MY_PW"\n[postgres]\npassword_file = "{secret_file}"\n')
+    loaded = config.parse(text, tmp_path / "k.toml", {"MY_PW": "from-env"})
+    os.environ["MY_PW"] = "from-env"
+    try:
+        assert isinstance(loaded.config.kafka.sasl_password, Secret)
+        assert loaded.config.kafka.sasl_password.reveal() == "from-env"
+        assert loaded.config.postgres.password is not None
+        assert loaded.config.postgres.password.reveal() == "from-file"
+        assert "from-" not in repr(loaded.config)
+    finally:
+        del os.environ["MY_PW"]
+
+
+def test_secret_file_readable_by_others_is_refused(tmp_path: Path) -> None:
+    secret_file = tmp_path / "pw"
+    secret_file.write_text("x")
+    secret_file.chmod(0o644)
+    problems = problems_of(f'[postgres]\npassword_file = "{secret_file}"\n', tmp_path)
+    assert any("postgres.password_file" in p and "readable or writable by others" in p for p in problems)
+
+
+def test_environment_overrides_keys(tmp_path: Path) -> None:
+    """KAFOLD_<SECTION>__<KEY> overrides the file; a bad override names the key."""
+    env = {"KAFOLD_KAFKA__BOOTSTRAP_SERVERS": "broker:9093", "KAFOLD_DAEMON__HTTP_PORT": "9000"}
+    loaded = config.parse('[kafka]\nbootstrap_servers = "x:1"\n', tmp_path / "k.toml", env)
+    assert loaded.config.kafka.bootstrap_servers == "broker:9093"
+    assert loaded.config.daemon.http_port == 9000
+    problems = problems_of("", tmp_path, {"KAFOLD_DAEMON__HTTP_PORT": "nine"})
+    assert any("daemon.http_port" in p for p in problems)
+
+
+def test_example_config_is_valid_and_implies_its_topics() -> None:
+    loaded = config.load_file(EXAMPLE, environ={})
+    topics = config.topic_map(loaded.config)
+    assert {"account.events", "account.commands", "account.results", "account.snapshots",
+            "kafold.dlq.accounts-log"} <= set(topics)
+    snap = topics["account.snapshots"]
+    assert snap.configs["cleanup.policy"] == "compact"
+    assert snap.copartition_with == "account.events"
+    assert snap.partitions == topics["account.events"].partitions
+
+
+def test_validate_command_exit_codes(tmp_path: Path) -> None:
+    """`kafold config validate` exits 0 on a good file and 2 with the problems on a bad one."""
+    ok = subprocess.run([sys.executable, "-m", "kafold.cli", "config", "validate", "-c", str(EXAMPLE)],
+                        capture_output=True, text=True, check=False)
+    assert ok.returncode == 0, ok.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[kafka]\nbootstrap_server = "x"\nsasl_password = "hunter2-literal"\n')
+    res = subprocess.run([sys.executable, "-m", "kafold.cli", "config", "validate", "-c", str(bad)],
+                         capture_output=True, text=True, check=False)
+    assert res.returncode == 2
+    assert "kafka.bootstrap_server" in res.stderr and "kafka.sasl_password" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert "hunter2-literal" not in res.stderr + res.stdout  # the refused secret is not echoed
+
+
+def test_readme_reference_is_in_sync() -> None:
+    """The README's configuration reference equals what the schemas declare."""
+    from kafold.reference import splice
+
+    readme = (ROOT / "README.md").read_text()
+    assert splice(readme) == readme, "run `kafold config reference` and update README.md"

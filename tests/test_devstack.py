@@ -1,0 +1,149 @@
+"""The `kafold dev` stack: idempotent start, detached processes, clean stop, filling in empty addresses."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import psycopg
+import pytest
+from confluent_kafka.admin import AdminClient
+
+from kafold import devstack
+from kafold.commands import dev as dev_cmd
+from kafold.config import KafkaConfig, KafoldConfig, PostgresConfig
+
+NO_BROKER = ("no broker configured and no `kafold dev` stack running — run `kafold dev up` or set "
+             "[kafka].bootstrap_servers")
+NO_PG = ("no PostgreSQL configured and no `kafold dev` stack running — run `kafold dev up` or set "
+         "[postgres].url")
+
+
+def _processes(state_dir: Path) -> list[psutil.Process]:
+    """Every live process whose command line mentions the state dir (tansu's does not: matched by port)."""
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if p.info["status"] != psutil.STATUS_ZOMBIE and str(state_dir) in cmd:
+            out.append(p)
+    return out
+
+
+def _family(stack: devstack.DevStack) -> list[int]:
+    pids = [stack.broker.pid, stack.postgres.pid]
+    pids += [c.pid for c in psutil.Process(stack.postgres.pid).children(recursive=True)]
+    return pids
+
+
+def _gone(pids: list[int]) -> bool:
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            pass
+    return True
+
+
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    dev_cmd.register(parser.add_subparsers(required=True))
+    args = parser.parse_args(argv)
+    return int(args.handler(args))
+
+
+@pytest.mark.integration
+def test_up_is_idempotent_and_down_leaves_no_process(tmp_path: Path) -> None:
+    stack = devstack.up(tmp_path)
+    try:
+        assert devstack.up(tmp_path) == stack  # second up: same processes, same addresses
+        assert devstack.status(tmp_path) == stack
+        AdminClient({"bootstrap.servers": stack.bootstrap_servers}).list_topics(timeout=10)
+        with psycopg.connect(stack.postgres_url) as conn:
+            assert conn.execute("select 1").fetchone() == (1,)
+        family = _family(stack)
+    finally:
+        assert devstack.down(tmp_path) is True
+    assert _gone(family)
+    assert _processes(tmp_path) == []
+    assert devstack.status(tmp_path) is None
+    assert devstack.down(tmp_path) is False  # nothing left to stop
+
+
+@pytest.mark.integration
+def test_postgres_data_survives_a_restart_of_the_stack(tmp_path: Path) -> None:
+    try:
+        with psycopg.connect(devstack.up(tmp_path).postgres_url, autocommit=True) as conn:
+            conn.execute("create table kept (x int)")
+        devstack.down(tmp_path)
+        with psycopg.connect(devstack.up(tmp_path).postgres_url) as conn:
+            assert conn.execute("select count(*) from kept").fetchone() == (0,)
+    finally:
+        devstack.down(tmp_path)
+
+
+@pytest.mark.integration
+def test_a_dead_broker_is_restarted_on_the_same_port(tmp_path: Path) -> None:
+    try:
+        first = devstack.up(tmp_path)
+        psutil.Process(first.broker.pid).kill()
+        psutil.Process(first.broker.pid).wait(10)
+        assert devstack.status(tmp_path) is None
+        second = devstack.up(tmp_path)
+        assert second.broker.pid != first.broker.pid and second.postgres == first.postgres
+        assert second.bootstrap_servers == first.bootstrap_servers
+    finally:
+        devstack.down(tmp_path)
+    assert _processes(tmp_path) == []
+
+
+@pytest.mark.integration
+def test_stack_outlives_the_process_that_started_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = "import sys; from pathlib import Path; from kafold import devstack; devstack.up(Path(sys.argv[1]))"
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=60, capture_output=True)
+    try:
+        stack = devstack.status(tmp_path)
+        assert stack is not None
+        assert _cli(["dev", "status", "--state-dir", str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+        assert f"export KAFOLD_KAFKA__BOOTSTRAP_SERVERS={stack.bootstrap_servers}" in out
+        assert "export KAFOLD_POSTGRES__URL=" in out and f"export KAFOLD_DEV_DIR={tmp_path}" in out
+        family = _family(stack)
+    finally:
+        assert _cli(["dev", "down", "--state-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "stopped"
+    assert _gone(family) and _processes(tmp_path) == []
+    assert _cli(["dev", "status", "--state-dir", str(tmp_path)]) == 1
+
+
+def test_effective_names_every_missing_address_when_no_stack_runs(tmp_path: Path) -> None:
+    with pytest.raises(devstack.NotRunningError) as err:
+        devstack.effective(KafoldConfig(), state_dir=tmp_path)
+    assert str(err.value) == f"{NO_BROKER}\n{NO_PG}"
+    with pytest.raises(devstack.NotRunningError) as err:
+        devstack.effective(KafoldConfig(), state_dir=tmp_path, need=("kafka",))
+    assert str(err.value) == NO_BROKER
+
+
+def test_effective_keeps_configured_addresses_without_a_stack(tmp_path: Path) -> None:
+    cfg = KafoldConfig(kafka=KafkaConfig(bootstrap_servers="k:9092"), postgres=PostgresConfig(url="postgresql://h/d"))
+    assert devstack.effective(cfg, state_dir=tmp_path) is cfg
+
+
+def test_effective_fills_only_empty_addresses_from_the_stack(dev_stack: devstack.DevStack) -> None:
+    cfg = KafoldConfig(postgres=PostgresConfig(url="postgresql://elsewhere/db"))
+    out = devstack.effective(cfg, state_dir=dev_stack.state_dir)
+    assert out.kafka.bootstrap_servers == dev_stack.bootstrap_servers
+    assert out.postgres.url == "postgresql://elsewhere/db"
+
+
+def test_default_state_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("KAFOLD_DEV_DIR", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    assert devstack.default_state_dir() == tmp_path / "kafold" / "dev"
+    monkeypatch.setenv("KAFOLD_DEV_DIR", str(tmp_path / "mine"))
+    assert devstack.default_state_dir() == tmp_path / "mine"

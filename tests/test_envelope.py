@@ -1,0 +1,172 @@
+"""The event envelope: encode/decode round-trips, and every defect is a DecodeError naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kafold.envelope import (
+    Event,
+    decode,
+    derive_event_id,
+    encode,
+    peek_headers,
+)
+from kafold.errors import DecodeError, FatalError
+
+ids = st.text(min_size=1, max_size=40)
+json_scalars = st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text() | st.floats(
+    allow_nan=False, allow_infinity=False)
+json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+    st.text(max_size=8), inner, max_size=4), max_leaves=20)
+moments = st.datetimes(min_value=datetime(1970, 1, 1), max_value=datetime(9999, 1, 1), timezones=st.just(UTC))
+
+events = st.builds(
+    Event, event_id=ids, type=ids, aggregate_type=ids, aggregate_id=ids, version=st.integers(1, 2**40),
+    occurred_at=moments.map(lambda d: d.isoformat().replace("+00:00", "Z")), correlation_id=ids,
+    payload=st.dictionaries(st.text(max_size=10), json_values, max_size=6), schema_version=st.integers(1, 9),
+    causation_id=st.none() | ids)
+
+
+@given(events)
+def test_encode_then_decode_returns_an_equal_event(event: Event) -> None:
+    key, value, headers = encode(event)
+    assert decode(key, value, headers) == event
+    assert peek_headers(headers) == (event.type, event.event_id, event.version)
+
+
+def sample() -> Event:
+    return Event.new("MoneyDeposited", "account", "acc-1", 3, {"amount": 5}, event_id="e-1",
+                     occurred_at=datetime(2024, 5, 1, 12, tzinfo=UTC))
+
+
+def good() -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
+    return encode(sample())
+
+
+def body_with(**changes: Any) -> bytes:
+    body = orjson.loads(good()[1])
+    for k, v in changes.items():
+        if v is dataclasses.MISSING:
+            del body[k]
+        else:
+            body[k] = v
+    return orjson.dumps(body)
+
+
+def headers_with(name: str, value: bytes | None, drop: bool = False) -> list[tuple[str, bytes | None]]:
+    out: list[tuple[str, bytes | None]] = [(k, v) for k, v in good()[2] if k != name]
+    return out if drop else [*out, (name, value)]
+
+
+def test_the_envelope_has_the_documented_key_headers_and_body() -> None:
+    key, value, headers = good()
+    assert key == b"acc-1"
+    assert headers == [("kafold-type", b"MoneyDeposited"), ("kafold-id", b"e-1"), ("kafold-version", b"3"),
+                       ("kafold-aggregate", b"account")]
+    assert orjson.loads(value) == {
+        "event_id": "e-1", "type": "MoneyDeposited", "aggregate_type": "account", "aggregate_id": "acc-1",
+        "version": 3, "schema_version": 1, "occurred_at": "2024-05-01T12:00:00.000000Z",
+        "correlation_id": "e-1", "causation_id": None, "payload": {"amount": 5}}
+
+
+def test_derived_event_ids_are_deterministic_and_distinct_per_index() -> None:
+    assert derive_event_id("cmd-1", 0) == derive_event_id("cmd-1", 0)
+    assert len({derive_event_id("cmd-1", 0), derive_event_id("cmd-1", 1), derive_event_id("cmd-2", 0)}) == 3
+
+
+BAD_DEEP = orjson.loads(body_with())
+BAD_DEEP["payload"] = {"a": orjson.loads(b"[" * 40 + b"1" + b"]" * 40)}
+
+CASES: dict[str, tuple[Any, Any, Any, str, str]] = {
+    # name: (key, value, headers, field named in the message, reason)
+    "tombstone": (b"acc-1", None, good()[2], "value", "missing-field"),
+    "over-size": (b"acc-1", b" " * 1_000_001, good()[2], "value", "too-large"),
+    "not json": (b"acc-1", b"{nope", good()[2], "value", "bad-json"),
+    "bad utf-8 in value": (b"acc-1", b'{"a": "\xff"}', good()[2], "value", "bad-utf8"),
+    "not an object": (b"acc-1", b"[1]", good()[2], "value", "wrong-type"),
+    "unknown field": (b"acc-1", body_with(extra=1), good()[2], "extra", "unknown-field"),
+    "missing field": (b"acc-1", body_with(version=dataclasses.MISSING), good()[2], "version",
+                      "missing-field"),
+    "version is a string": (b"acc-1", body_with(version="3"), good()[2], "version", "wrong-type"),
+    "version is a bool": (b"acc-1", body_with(version=True), good()[2], "version", "wrong-type"),
+    "version is zero": (b"acc-1", body_with(version=0), good()[2], "version", "wrong-type"),
+    "empty type": (b"acc-1", body_with(type=""), good()[2], "type", "wrong-type"),
+    "payload is a list": (b"acc-1", body_with(payload=[1]), good()[2], "payload", "wrong-type"),
+    "time not UTC": (b"acc-1", body_with(occurred_at="2024-05-01T12:00:00+02:00"), good()[2], "occurred_at",
+                     "wrong-type"),
+    "time not a time": (b"acc-1", body_with(occurred_at="yesterdayZ"), good()[2], "occurred_at",
+                        "wrong-type"),
+    "causation not a string": (b"acc-1", body_with(causation_id=5), good()[2], "causation_id", "wrong-type"),
+    "too deep": (b"acc-1", orjson.dumps(BAD_DEEP), good()[2], "payload", "too-deep"),
+    "no key": (None, good()[1], good()[2], "key", "missing-field"),
+    "key not utf-8": (b"\xff", good()[1], good()[2], "key", "bad-utf8"),
+    "key is another aggregate": (b"acc-2", good()[1], good()[2], "key", "header-mismatch"),
+    "type header missing": (b"acc-1", good()[1], headers_with("kafold-type", None, drop=True),
+                            "header kafold-type", "missing-header"),
+    "type header differs": (b"acc-1", good()[1], headers_with("kafold-type", b"Other"), "header kafold-type",
+                            "header-mismatch"),
+    "id header differs": (b"acc-1", good()[1], headers_with("kafold-id", b"e-2"), "header kafold-id",
+                          "header-mismatch"),
+    "version header differs": (b"acc-1", good()[1], headers_with("kafold-version", b"4"),
+                               "header kafold-version", "header-mismatch"),
+    "version header not a number": (b"acc-1", good()[1], headers_with("kafold-version", b"x"),
+                                    "header kafold-version", "wrong-type"),
+    "aggregate header differs": (b"acc-1", good()[1], headers_with("kafold-aggregate", b"loan"),
+                                 "header kafold-aggregate", "header-mismatch"),
+    "header not utf-8": (b"acc-1", good()[1], headers_with("kafold-type", b"\xff"), "header kafold-type",
+                         "bad-utf8"),
+    "header twice": (b"acc-1", good()[1], [*good()[2], ("kafold-id", b"e-1")], "header kafold-id",
+                     "header-mismatch"),
+    "no headers": (b"acc-1", good()[1], None, "header kafold-type", "missing-header"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_defect_raises_decode_error_naming_the_field_and_carrying_the_raw_record(case: str) -> None:
+    key, value, headers, field, reason = CASES[case]
+    raw = object()
+    with pytest.raises(DecodeError) as info:
+        decode(key, value, headers, raw=raw)
+    assert f": {field}: " in str(info.value)
+    assert info.value.raw is raw
+    assert info.value.reason == reason
+
+
+def test_decode_error_messages_never_carry_payload_values() -> None:
+    with pytest.raises(DecodeError) as info:
+        decode(b"acc-1", body_with(payload={"card": "4111-SECRET"}, version="x"), good()[2])
+    assert "SECRET" not in str(info.value)
+
+
+def test_limits_are_adjustable() -> None:
+    key, value, headers = good()
+    with pytest.raises(DecodeError, match="exceeds the 10-byte limit"):
+        decode(key, value, headers, max_bytes=10)
+    assert decode(key, orjson.dumps(BAD_DEEP), headers, max_depth=64).payload == BAD_DEEP["payload"]
+
+
+def test_encode_refuses_what_decode_would_refuse() -> None:
+    with pytest.raises(FatalError, match="deeper"):
+        encode(dataclasses.replace(sample(), payload=BAD_DEEP["payload"]))
+    with pytest.raises(FatalError, match="JSON"):
+        encode(dataclasses.replace(sample(), payload={"n": 2**70}))
+
+
+def test_events_validate_their_fields_on_construction() -> None:
+    with pytest.raises(ValueError, match="version"):
+        dataclasses.replace(sample(), version=0)
+    with pytest.raises(ValueError, match="occurred_at"):
+        Event.new("T", "a", "1", 1, {}, occurred_at=datetime(2024, 1, 1))  # naive: refused
+
+
+def test_peek_headers_reads_routing_without_the_value() -> None:
+    assert peek_headers(good()[2]) == ("MoneyDeposited", "e-1", 3)
+    with pytest.raises(DecodeError, match="kafold-version"):
+        peek_headers(headers_with("kafold-version", None, drop=True))

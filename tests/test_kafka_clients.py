@@ -1,0 +1,95 @@
+"""Client settings built from [kafka]: what librdkafka and aiokafka receive."""
+
+from __future__ import annotations
+
+import ssl
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Producer
+
+from kafold.config import KafkaConfig
+from kafold.kafka_clients import aiokafka_kwargs, librdkafka
+from kafold.schema import Secret
+
+SYSTEM_CA = ssl.get_default_verify_paths().cafile or "/etc/ssl/certs/ca-certificates.crt"
+
+
+@pytest.fixture
+def secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_SASL_PASSWORD", "s3cret")
+    monkeypatch.setenv("TEST_KEY_PASSWORD", "k3y")
+
+
+def test_plaintext_has_only_the_basics() -> None:
+    conf = librdkafka(KafkaConfig(bootstrap_servers="b1:9092,b2:9092", client_id="svc"))
+    assert conf == {"bootstrap.servers": "b1:9092,b2:9092", "client.id": "svc",
+                    "security.protocol": "PLAINTEXT"}
+
+
+def test_sasl_ssl_reveals_secrets_and_maps_every_tls_setting(secrets: None) -> None:
+    kafka = KafkaConfig(
+        bootstrap_servers="b:9093", security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-512",
+        sasl_username="svc", sasl_password=Secret("env:TEST_SASL_PASSWORD"), ssl_ca_location="/ca.pem",
+        ssl_certificate_location="/cert.pem", ssl_key_location="/key.pem",
+        ssl_key_password=Secret("env:TEST_KEY_PASSWORD"), ssl_check_hostname=False)
+    conf = librdkafka(kafka)
+    assert conf["security.protocol"] == "SASL_SSL"
+    assert (conf["sasl.mechanism"], conf["sasl.username"], conf["sasl.password"]) == \
+        ("SCRAM-SHA-512", "svc", "s3cret")
+    assert conf["ssl.ca.location"] == "/ca.pem"
+    assert conf["ssl.certificate.location"] == "/cert.pem"
+    assert conf["ssl.key.location"] == "/key.pem"
+    assert conf["ssl.key.password"] == "k3y"
+    assert conf["ssl.endpoint.identification.algorithm"] == "none"
+
+
+def test_hostname_verification_is_on_by_default_for_tls() -> None:
+    conf = librdkafka(KafkaConfig(bootstrap_servers="b:9093", security_protocol="SSL"))
+    assert conf["ssl.endpoint.identification.algorithm"] == "https"
+    assert "ssl.ca.location" not in conf  # librdkafka then uses the system's CA store
+
+
+def test_extra_settings_are_librdkafka_keys_and_win() -> None:
+    extra = {"client.id": "other", "enable.idempotence": True}
+    conf = librdkafka(KafkaConfig(bootstrap_servers="b:1"), **extra)
+    assert conf["client.id"] == "other" and conf["enable.idempotence"] is True
+
+
+def test_librdkafka_accepts_the_generated_sasl_settings(secrets: None) -> None:
+    kafka = KafkaConfig(bootstrap_servers="127.0.0.1:1", security_protocol="SASL_PLAINTEXT",
+                        sasl_mechanism="PLAIN", sasl_username="u",
+                        sasl_password=Secret("env:TEST_SASL_PASSWORD"))
+    Producer(librdkafka(kafka)).flush(0)  # raises KafkaException on an unknown key or bad value
+
+
+def test_aiokafka_plaintext() -> None:
+    kw = aiokafka_kwargs(KafkaConfig(bootstrap_servers="b:9092", client_id="svc"))
+    assert kw == {"bootstrap_servers": "b:9092", "client_id": "svc", "security_protocol": "PLAINTEXT"}
+
+
+def test_aiokafka_sasl_ssl_builds_a_verifying_context(secrets: None) -> None:
+    kafka = KafkaConfig(bootstrap_servers="b:9093", security_protocol="SASL_SSL",
+                        sasl_mechanism="SCRAM-SHA-256",
+                        sasl_username="svc", sasl_password=Secret("env:TEST_SASL_PASSWORD"),
+                        ssl_ca_location=SYSTEM_CA)
+    kw = aiokafka_kwargs(kafka)
+    assert (kw["sasl_mechanism"], kw["sasl_plain_username"], kw["sasl_plain_password"]) == \
+        ("SCRAM-SHA-256", "svc", "s3cret")
+    ctx = kw["ssl_context"]
+    assert isinstance(ctx, ssl.SSLContext)
+    assert ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
+    assert ctx.cert_store_stats()["x509_ca"] > 0  # the CA file was loaded
+
+
+def test_aiokafka_context_can_skip_hostname_checks() -> None:
+    kafka = KafkaConfig(bootstrap_servers="b:9093", security_protocol="SSL", ssl_ca_location=SYSTEM_CA,
+                        ssl_check_hostname=False)
+    assert aiokafka_kwargs(kafka)["ssl_context"].check_hostname is False
+
+
+def test_aiokafka_reports_a_missing_ca_file(tmp_path: Path) -> None:
+    kafka = KafkaConfig(bootstrap_servers="b:9093", security_protocol="SSL",
+                        ssl_ca_location=str(tmp_path / "nope.pem"))
+    with pytest.raises(FileNotFoundError):
+        aiokafka_kwargs(kafka)

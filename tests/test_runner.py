@@ -1,0 +1,201 @@
+"""SinkRunner end to end on a real broker: put once in order, bad records dead-lettered, commit after put."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import Consumer
+from contract import committed, create_topic, make_event, produce, wait_for
+from structlog.testing import capture_logs
+
+from kafold import kafka_clients
+from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig
+from kafold.connectors import registry
+from kafold.connectors.api import Connector, SinkRecord, SinkTask, SinkTaskContext
+from kafold.daemon.runner import SinkRunner
+from kafold.envelope import encode
+from kafold.errors import FatalError, RetriableError
+from kafold.schema import setting
+
+
+@dataclass(frozen=True)
+class RecordingConfig:
+    fail_on_type: str = setting("", doc="put raises FatalError on a batch holding this event type.")
+    retriable_failures: int = setting(0, doc="put raises RetriableError this many times first.", minimum=0)
+
+
+class RecordingTask(SinkTask):
+    """Remembers every record of every successful put."""
+
+    def start(self, task_config: Any, context: SinkTaskContext) -> None:
+        self.config: RecordingConfig = task_config["config"]
+        self.received: list[SinkRecord] = task_config["received"]
+        self.failures = 0
+
+    def put(self, records: Any) -> None:
+        if self.failures < self.config.retriable_failures:
+            self.failures += 1
+            raise RetriableError("sink unavailable (test)")
+        if any(r.event.type == self.config.fail_on_type for r in records):
+            raise FatalError("poison batch (test)")
+        self.received.extend(records)
+
+    def stop(self) -> None:
+        pass
+
+
+class RecordingConnector(Connector[RecordingConfig]):
+    config_class = RecordingConfig
+    task_class = RecordingTask
+
+    def __init__(self, settings: ConnectorConfig, config: RecordingConfig) -> None:
+        super().__init__(settings, config)
+        self.received: list[SinkRecord] = []
+
+    def task_configs(self, max_tasks: int) -> list[dict[str, Any]]:
+        return [{"task_id": 0, "config": self.config, "received": self.received}]
+
+
+@dataclass
+class Run:
+    runner: SinkRunner
+    connector: RecordingConnector
+    stop: threading.Event
+    thread: threading.Thread
+
+
+def start(kafka: KafkaConfig, name: str, topic: str, **config: Any) -> Run:
+    settings = ConnectorConfig(name=name, connector_class="test_runner:RecordingConnector", topics=[topic],
+                               config=config)
+    connector = registry.instantiate(settings, Path("."))
+    assert isinstance(connector, RecordingConnector)
+    stop = threading.Event()
+    daemon = DaemonConfig(group_prefix="kt", batch_max_records=10, batch_max_wait_ms=100, shutdown_grace_s=5)
+    runner = SinkRunner(connector, connector.task_configs(1)[0], kafka=kafka, daemon=daemon, stop=stop)
+    thread = threading.Thread(target=runner.run)
+    thread.start()
+    return Run(runner, connector, stop, thread)
+
+
+def finish(run: Run) -> None:
+    run.stop.set()
+    run.thread.join(30)
+    assert not run.thread.is_alive()
+
+
+def valid(aggregate_id: str, version: int, type_: str = "ThingHappened") -> tuple[bytes, bytes, Any]:
+    return encode(make_event(aggregate_id, version, type_, secret=f"SECRET-{version}"))
+
+
+@pytest.fixture(scope="module")
+def scenario(kafka_config: KafkaConfig) -> Iterator[dict[str, Any]]:
+    """60 valid events over 2 partitions with 4 malformed records among them, consumed by one runner."""
+    name = f"kt.runner.{uuid.uuid4().hex[:8]}"
+    topic, dlq = f"{name}.events", f"kafold.dlq.{name}"
+    create_topic(kafka_config, topic, 2)
+    create_topic(kafka_config, dlq, 1)
+    items: list[tuple[int, bytes | None, bytes | None, Any]] = []
+    bad_at: list[int] = []
+    for i in range(64):
+        p = i % 2
+        if i in (5, 18, 33, 62):
+            bad = [(b"a0", b"{broken", None), (b"a1", b'{"type": "X"}', valid("a1", 1)[2]),
+                   (b"a2", valid("a1", 1)[1], valid("a1", 1)[2]), (None, None, None)][len(bad_at)]
+            bad_at.append(i)
+            items.append((p, *bad))
+        else:
+            items.append((p, *valid(f"a{p}", i + 1)))
+    with capture_logs() as logs:
+        coords = produce(kafka_config, topic, items)
+        run = start(kafka_config, name, topic)
+        ends = {p: max(o for pp, o in coords if pp == p) + 1 for p in (0, 1)}
+        try:
+            wait_for(lambda: committed(kafka_config, run.runner.group_id, topic, 2) == ends,
+                     "commit to the end")
+        finally:
+            finish(run)
+    yield {"coords": coords, "bad_at": bad_at, "received": run.connector.received, "logs": logs, "ends": ends,
+           "dlq": dlq, "topic": topic, "name": name, "run": run}
+
+
+def test_every_valid_event_is_put_exactly_once_in_partition_order(scenario: dict[str, Any]) -> None:
+    coords, bad_at = scenario["coords"], scenario["bad_at"]
+    expected = {p: [o for i, (pp, o) in enumerate(coords) if pp == p and i not in bad_at] for p in (0, 1)}
+    got = {p: [r.offset for r in scenario["received"] if r.partition == p] for p in (0, 1)}
+    assert got == expected
+    assert all(r.event.payload["secret"].startswith("SECRET-") for r in scenario["received"])
+
+
+def test_malformed_records_land_in_the_dlq_with_their_coordinates(
+        scenario: dict[str, Any], kafka_config: KafkaConfig) -> None:
+    consumer = Consumer(kafka_clients.librdkafka(kafka_config, **{
+        "group.id": f"{scenario['name']}.reader", "auto.offset.reset": "earliest"}))
+    consumer.subscribe([scenario["dlq"]])
+    letters: list[Any] = []
+    try:
+        wait_for(lambda: bool(letters.extend(m for m in consumer.consume(10, 0.5) if not m.error()))
+                 or len(letters) >= 4, "dead letters")
+    finally:
+        consumer.close()
+    got = sorted((int(h["kafold-dlq-partition"]), int(h["kafold-dlq-offset"]), h["kafold-dlq-topic"].decode(),
+                  h["kafold-dlq-connector"].decode(), h["kafold-dlq-error-class"].decode())
+                 for h in ({k: v for k, v in m.headers()} for m in letters))
+    expected = sorted((*scenario["coords"][i], scenario["topic"], scenario["name"],
+                       "kafold.errors.DecodeError") for i in scenario["bad_at"])
+    assert got == expected
+    first = next(m for m in letters if dict(m.headers())["kafold-dlq-offset"] == str(
+        scenario["coords"][5][1]).encode() and dict(m.headers())["kafold-dlq-partition"] == b"1")
+    assert first.value() == b"{broken" and first.key() == b"a0"
+
+
+def test_committed_offsets_equal_the_end_of_each_partition(
+        scenario: dict[str, Any], kafka_config: KafkaConfig) -> None:
+    assert committed(kafka_config, scenario["run"].runner.group_id, scenario["topic"], 2) == scenario["ends"]
+
+
+def test_one_batch_line_per_batch_with_counts_and_offsets_but_no_payload(scenario: dict[str, Any]) -> None:
+    batches = [e for e in scenario["logs"] if e["event"] == "batch"]
+    assert batches and sum(b["records"] for b in batches) == 64
+    assert sum(b["dead_lettered"] for b in batches) == 4
+    required = {"connector", "records", "dead_lettered", "duration_ms", "committed"}
+    assert all(required <= set(b) for b in batches)
+    assert "SECRET-" not in repr(scenario["logs"])
+
+
+def test_a_fatal_put_leaves_the_committed_offset_before_its_batch(kafka_config: KafkaConfig,
+                                                                  unique: str) -> None:
+    topic = f"{unique}.events"
+    create_topic(kafka_config, topic, 1)
+    produce(kafka_config, topic, [(0, *valid("a", v)) for v in range(1, 11)])
+    run = start(kafka_config, unique, topic, fail_on_type="Poison")
+    try:
+        wait_for(lambda: committed(kafka_config, run.runner.group_id, topic, 1) == {0: 10}, "first batch")
+        produce(kafka_config, topic, [(0, *valid("a", v, "Poison" if v == 11 else "ThingHappened"))
+                                      for v in range(11, 21)])
+        run.thread.join(60)
+        assert not run.thread.is_alive(), "a FatalError must stop the task"
+    finally:
+        finish(run)
+    assert isinstance(run.runner.error, FatalError)
+    assert committed(kafka_config, run.runner.group_id, topic, 1) == {0: 10}
+    assert [r.offset for r in run.connector.received] == list(range(10))
+
+
+def test_a_retriable_put_is_retried_until_it_succeeds(kafka_config: KafkaConfig, unique: str) -> None:
+    topic = f"{unique}.events"
+    create_topic(kafka_config, topic, 1)
+    produce(kafka_config, topic, [(0, *valid("a", v)) for v in range(1, 6)])
+    run = start(kafka_config, unique, topic, retriable_failures=2)
+    try:
+        wait_for(lambda: committed(kafka_config, run.runner.group_id, topic, 1) == {0: 5},
+                 "commit after retries")
+    finally:
+        finish(run)
+    assert run.runner.error is None
+    assert [r.offset for r in run.connector.received] == [0, 1, 2, 3, 4]
