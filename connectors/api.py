@@ -157,6 +157,11 @@ class SinkTask(ABC):
         """Whether this task wants `event_type`; other events follow the connector's `on_unknown_type`."""
         return True
 
+    def on_dead_letter(self, record: Any, error: BaseException) -> None:
+        """Told of each record the runner dead-lettered before `put` (undecodable, unknown type), after it was
+        handed to the reporter; a task that keeps its own dead-letter store records it here. Default: nothing."""
+        return None
+
     def flush(self, offsets: Offsets) -> None:
         """Make everything handed to `put` up to `offsets` durable."""
         return None
@@ -209,6 +214,8 @@ class Connector(ABC, Generic[C]):
     config_class: ClassVar[type[Any]]
     task_class: ClassVar[type[SinkTask] | type[SourceTask]]
     version: ClassVar[str] = "0.1.0"
+    # Whether its tasks need the [postgres] section (the host then resolves it and passes it as "postgres").
+    uses_postgres: ClassVar[bool] = False
 
     def __init__(self, settings: ConnectorConfig, config: C) -> None:
         self.settings = settings

@@ -11,13 +11,17 @@ dead-lettered. After a crash, a FatalError or a rebalance, the records after the
 again: `put` must be idempotent. On revoke, the offsets of everything already put are offered to `pre_commit`
 and committed before `close`. On stop, fetching stops, the in-flight batch finishes (within
 `shutdown_grace_s`), offsets are committed, the partitions are closed and the task stopped.
+
+Pause/resume from outside (the REST API) are requests applied by the loop between polls: the consumer's
+partitions are paused but it keeps polling, so the group membership stays and no rebalance happens. Per-partition
+progress (position, end offsets seen at assignment, caught-up, lag) is published by `daemon.progress`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import structlog
@@ -35,6 +39,7 @@ from kafold.connectors.api import (
     TopicPartition,
 )
 from kafold.connectors.dlq import DeadLetterWriter
+from kafold.daemon.progress import BatchStats, ProgressTracker, last_event_times
 from kafold.envelope import decode
 from kafold.errors import DecodeError, FatalError, KafoldError, RecordError, RetriableError
 
@@ -70,7 +75,7 @@ class _Context(SinkTaskContext):
 
     def resume(self, *partitions: TopicPartition) -> None:
         self.runner.user_paused.difference_update(partitions)
-        if not self.runner.backing_off:
+        if not self.runner.backing_off and not self.runner.api_paused:
             self.runner.consumer.resume([KafkaTP(tp.topic, tp.partition) for tp in partitions])
 
     def offset(self, tp: TopicPartition, offset: int) -> None:
@@ -113,10 +118,32 @@ class SinkRunner:
         self.backing_off = False
         self.failed = False
         self.error: BaseException | None = None
-        self.counts = {"batches": 0, "records": 0, "dead_lettered": 0, "skipped": 0}
+        self.counts = {"batches": 0, "records": 0, "dead_lettered": 0, "skipped": 0, "polls": 0, "assignments": 0}
+        self.on_batch: Callable[[BatchStats], None] | None = None  # called in this thread after each batch
+        self.progress = ProgressTracker(str(self.consumer_extra.get("auto.offset.reset", "earliest")))
+        self.committed: dict[TopicPartition, int] = {}
+        self.event_times: dict[TopicPartition, int] = {}  # event time (ms) of the last handled record
+        self.api_paused = False  # paused through the REST API (applied between polls)
+        self._pause_request: bool | None = None
+        self.started = self.stopped = False
 
     def stop(self) -> None:
         self.stop_event.set()
+
+    def request_pause(self, paused: bool) -> None:
+        """Pause (True) or resume (False) every assigned partition; applied by the loop before its next poll."""
+        self._pause_request = paused
+
+    @property
+    def state(self) -> str:
+        """Kafka Connect's task state: UNASSIGNED, RUNNING, PAUSED, FAILED (or STOPPED after a clean stop)."""
+        if self.failed and self.error is not None:
+            return "FAILED"
+        if self.stopped:
+            return "STOPPED"
+        if not self.started:
+            return "UNASSIGNED"
+        return "PAUSED" if self.api_paused else "RUNNING"
 
     # ---- the loop ---------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -131,13 +158,18 @@ class SinkRunner:
                                     on_revoke=self._on_revoke, on_lost=self._on_lost)
             self.log.info("sink task started", group=self.group_id,
                           topics=list(self.connector.settings.topics))
+            self.started = True
             while not self.stop_event.is_set():
+                self._apply_requests()
                 self._apply_seeks()
                 msgs = self.consumer.consume(self.daemon.batch_max_records, wait)
                 if msgs:
                     self._batch(msgs)
                 elif self.context.commit_requested:
                     self._commit(self.assigned)
+                self.counts["polls"] += 1
+                self.progress.refresh(self.consumer, self.positions, self.user_paused if not self.api_paused
+                                      else self.assigned, self.committed, self.event_times)
         except _Abandoned as e:
             self.failed = True
             self.log.warning("in-flight batch abandoned at shutdown; it will be delivered again",
@@ -175,6 +207,7 @@ class SinkRunner:
                     raise UnknownTypeError(f"unknown event type {event.type!r}", raw=m, reason="unknown-type")
             except (DecodeError, UnknownTypeError) as e:
                 self.reporter.report(m, e)
+                self.task.on_dead_letter(m, e)
                 dead += 1
                 continue
             ts_kind, ts = m.timestamp()
@@ -182,6 +215,7 @@ class SinkRunner:
                                       ts if ts_kind else None))
         dead += self._put(records)
         self._flush_dead_letters()
+        self.event_times.update(last_event_times(records, msgs))
         for tp, nxt in seen.items():
             if tp in self.assigned:
                 self.positions[tp] = nxt
@@ -191,9 +225,23 @@ class SinkRunner:
         self.counts["records"] += len(msgs)
         self.counts["dead_lettered"] += dead
         self.counts["skipped"] += skipped
+        duration = time.monotonic() - started
         self.log.info("batch", records=len(msgs), put=len(records), dead_lettered=dead, skipped=skipped,
-                      duration_ms=round((time.monotonic() - started) * 1000, 1),
+                      duration_ms=round(duration * 1000, 1),
                       committed={str(tp): off for tp, off in sorted(committed.items())})
+        if self.on_batch is not None:
+            self.on_batch(BatchStats(len(msgs), len(records), dead, skipped, duration))
+
+    def _apply_requests(self) -> None:
+        request, self._pause_request = self._pause_request, None
+        if request is None or request == self.api_paused:
+            return
+        self.api_paused = request
+        tps = [KafkaTP(tp.topic, tp.partition) for tp in self.assigned
+               if request or (tp not in self.user_paused and not self.backing_off)]
+        (self.consumer.pause if request else self.consumer.resume)(tps)
+        self.log.info("paused through the API" if request else "resumed through the API",
+                      partitions=sorted(str(tp) for tp in self.assigned))
 
     def _put(self, records: list[SinkRecord]) -> int:
         """Put until it succeeds; returns how many records the task dead-lettered via RecordError."""
@@ -247,27 +295,30 @@ class SinkRunner:
                         self.consumer.seek(KafkaTP(m.topic(), m.partition(), m.offset()))
         finally:
             self.backing_off = False
-            active = [tp for tp in self.assigned if tp not in self.user_paused]
+            active = [tp for tp in self.assigned if tp not in self.user_paused and not self.api_paused]
             self.consumer.resume([KafkaTP(tp.topic, tp.partition) for tp in active])
 
     # ---- offsets ----------------------------------------------------------------------------------------
     def _commit(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
         """Offer the positions of `partitions` to pre_commit; commit what it returns (synchronously)."""
-        self.context.commit_requested = False
+        requested, self.context.commit_requested = self.context.commit_requested, False
         offered = {tp: self.positions[tp] for tp in partitions if tp in self.positions}
-        if not offered or not self.dirty:
+        if not offered or not (self.dirty or requested):  # a task that completes work later asks explicitly
             return {}
         chosen = dict(self.task.pre_commit(offered))
-        chosen = {tp: off for tp, off in chosen.items() if tp in self.assigned}
+        chosen = {tp: off for tp, off in chosen.items() if tp in self.assigned and self.committed.get(tp) != off}
         if chosen:
             try:
                 offsets = [KafkaTP(tp.topic, tp.partition, off) for tp, off in chosen.items()]
                 self.consumer.commit(offsets=offsets, asynchronous=False)
+                self.committed.update(chosen)
             except KafkaException as e:  # e.g. a rebalance: the new owner re-reads from the last commit
                 self.log.warning("offset commit failed; records after the last commit will be delivered "
                                  "again", error=str(e))
                 return {}
-        if set(offered) >= set(self.positions):
+        # Clean only when every position was taken as offered; a task that held some back (work still in
+        # flight) gets asked again on the next batch or request.
+        if set(offered) >= set(self.positions) and all(self.committed.get(tp) == off for tp, off in offered.items()):
             self.dirty = False
         return chosen
 
@@ -289,8 +340,10 @@ class SinkRunner:
                 p.offset = seeks[tp]
                 self.positions[tp] = seeks[tp]
         consumer.assign(partitions)
-        if self.backing_off:
+        if self.backing_off or self.api_paused:
             consumer.pause(partitions)
+        self.progress.assigned(tps)
+        self.counts["assignments"] += 1
         self.log.info("partitions assigned", partitions=sorted(str(tp) for tp in tps))
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
@@ -317,6 +370,9 @@ class SinkRunner:
             self.user_paused.difference_update(tps)
             for tp in tps:
                 self.positions.pop(tp, None)
+                self.committed.pop(tp, None)
+                self.event_times.pop(tp, None)
+            self.progress.released(tps)
             self.log.info("partitions released", partitions=sorted(str(tp) for tp in tps))
 
     def _shutdown(self) -> None:
@@ -332,4 +388,5 @@ class SinkRunner:
                 self.log.error(f"stopping the {what} failed", error=str(e))
         if self._owns_reporter and isinstance(self.reporter, DeadLetterWriter):
             self.reporter.close()
+        self.stopped = True
         self.log.info("sink task stopped", failed=self.failed, **self.counts)

@@ -1,0 +1,1 @@
+"""Side-effect connectors (webhook, kafka, python): ordered per key, retried, parked, committed after success."""

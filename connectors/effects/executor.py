@@ -1,0 +1,334 @@
+"""The ordered-per-key executor: an asyncio loop in its own thread runs effects concurrently across keys and
+strictly in order within a key, retries with backoff, and parks a key whose head event ran out of retries.
+
+Note on offsets
+---------------
+The task `add`s every record to the OffsetTracker before handing it over; the executor marks it done only when
+its effect succeeded, the ledger showed it already finished, or its parking is durable (Ledger.on_durable). A
+key's later events are parked behind a parked head — complete as soon as their parked rows are durable — so the
+partition offset keeps moving while the key waits for `parked retry|skip`. Completions of a partition that was
+revoked meanwhile (an older `epoch`) are ignored: the new owner re-reads them from the last commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import orjson
+
+from kafold import logs
+from kafold.connectors.api import SinkRecord, TopicPartition
+from kafold.connectors.effects.drivers import Effect
+from kafold.connectors.effects.ledger import Ledger, Outcome, Parking, now
+from kafold.connectors.effects.policy import RetryPolicy, describe
+from kafold.connectors.effects.tracker import OffsetTracker
+from kafold.envelope import Event
+
+log = logs.get("kafold.connectors.effects")
+
+TICK_S = 0.1
+
+
+@dataclass(slots=True)
+class Item:
+    record: SinkRecord
+    epoch: int
+    attempts: int = 0
+    first_at: datetime | None = None
+    started: float = 0.0
+
+
+@dataclass(slots=True)
+class Attempted:
+    ok: bool
+    outcome: Outcome
+    error: BaseException | None = None
+
+
+@dataclass
+class KeyState:
+    tp: TopicPartition
+    queue: deque[Item] = field(default_factory=deque)
+    running: bool = False
+    parked: bool = False
+    releasing: bool = False
+    arrivals: int = 0  # events parked behind while a release was reading the parked rows
+
+
+class Executor:
+    """Runs one task's effects; the public methods are called from the runner thread."""
+
+    def __init__(self, name: str, effect: Effect, policy: RetryPolicy, ledger: Ledger, tracker: OffsetTracker,
+                 concurrency: int, request_poll_s: float, on_progress: Callable[[], None],
+                 on_tick: Callable[[], None] | None = None) -> None:
+        self.name = name
+        self.effect = effect
+        self.policy = policy
+        self.ledger = ledger
+        self.tracker = tracker
+        self.concurrency = concurrency
+        self.request_poll_s = request_poll_s
+        self.on_progress = on_progress
+        self.on_tick = on_tick
+        self.epochs: dict[TopicPartition, int] = {}  # written by the runner thread only
+        self.keys: dict[str, KeyState] = {}
+        self.rng = random.Random()
+        self.counts = {"succeeded": 0, "failed_attempts": 0, "parked": 0, "deduplicated": 0, "released": 0}
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=f"kafold-effects-{name}", daemon=True)
+        self._ready: Future[None] = Future()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # ---- runner-thread API ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.result(30)
+
+    def submit(self, records: Sequence[SinkRecord]) -> None:
+        """Hand over records already added to the tracker (in offset order per partition)."""
+        items = [Item(r, self.epochs.get(r.tp, 0)) for r in records]
+        self.loop.call_soon_threadsafe(self._intake.put_nowait, items)
+
+    def open(self, tps: Sequence[TopicPartition], parked: list[tuple[str, str, int]]) -> None:
+        for tp in tps:
+            self.epochs[tp] = self.epochs.get(tp, 0) + 1
+        wanted = set(tps)
+        mine = [(k, TopicPartition(t, p)) for k, t, p in parked if TopicPartition(t, p) in wanted]
+        self._call(self._load_parked, mine)
+
+    def close(self, tps: Sequence[TopicPartition]) -> None:
+        for tp in tps:
+            self.epochs[tp] = self.epochs.get(tp, 0) + 1
+            self.tracker.drop(tp)
+        self._call(self._drop, set(tps))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if not self._thread.is_alive():
+            return
+        fut = asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop)
+        try:
+            fut.result(timeout)
+        except Exception as e:
+            log.warning("effects executor did not stop cleanly", connector=self.name, error=str(e))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+
+    def _call(self, fn: Callable[..., None], *args: Any) -> None:
+        async def run() -> None:
+            fn(*args)
+        asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
+
+    # ---- the loop thread --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._boot())
+        except BaseException as e:
+            self._ready.set_exception(e)
+            return
+        self._ready.set_result(None)
+        self.loop.run_forever()
+        self.loop.close()
+
+    async def _boot(self) -> None:
+        self._intake: asyncio.Queue[list[Item]] = asyncio.Queue()
+        self._sem = asyncio.Semaphore(self.concurrency)
+        await self.effect.start()
+        self._spawn(self._intake_loop())
+        self._spawn(self._request_loop())
+        if self.on_tick is not None:
+            self._spawn(self._tick_loop(self.on_tick))
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            log.error("effects executor task failed", connector=self.name, error=describe(error))
+
+    async def _shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.effect.close()
+
+    async def _intake_loop(self) -> None:
+        while True:
+            items = await self._intake.get()
+            ids = [i.record.event.event_id for i in items]
+            finished = await asyncio.to_thread(self.ledger.finished_ids, ids)
+            for item in items:
+                if self.epochs.get(item.record.tp) != item.epoch:
+                    continue  # revoked while waiting
+                if item.record.event.event_id in finished:
+                    self.counts["deduplicated"] += 1
+                    self._complete(item)
+                else:
+                    self._accept(item)
+
+    def _accept(self, item: Item) -> None:
+        key = item.record.key
+        st = self.keys.get(key)
+        if st is None:
+            st = self.keys[key] = KeyState(item.record.tp)
+        if st.parked:
+            st.arrivals += 1
+            self._park(item, head=False, error="parked behind the key's head event")
+            return
+        st.queue.append(item)
+        if not st.running:
+            st.running = True
+            self._spawn(self._drain(key, st))
+
+    async def _drain(self, key: str, st: KeyState) -> None:
+        try:
+            while st.queue and not st.parked:
+                item = st.queue[0]
+                result = await self._attempt(item)
+                st.queue.popleft()
+                if self.epochs.get(item.record.tp) != item.epoch:
+                    continue
+                if result.ok:
+                    self.counts["succeeded"] += 1
+                    self.ledger.outcome(result.outcome)
+                    self._complete(item)
+                    continue
+                st.parked = True
+                self._park(item, head=True, error=result.outcome.error or "failed", exc=result.error,
+                           outcome=result.outcome)
+                log.warning("key parked", connector=self.name, key=key, topic=item.record.topic,
+                            partition=item.record.partition, offset=item.record.offset,
+                            event_id=item.record.event.event_id, attempts=item.attempts, error=result.outcome.error)
+                while st.queue:
+                    self._park(st.queue.popleft(), head=False, error="parked behind the key's head event")
+        finally:
+            st.running = False
+            if not st.queue and not st.parked and not st.releasing:
+                self.keys.pop(key, None)
+
+    async def _attempt(self, item: Item) -> Attempted:
+        """Attempt until success or until the policy says park; failed attempts go to the ledger as they happen."""
+        while True:
+            at = now()
+            item.first_at = item.first_at or at
+            item.started = item.started or time.monotonic()
+            t0 = time.perf_counter()
+            try:
+                async with self._sem:
+                    await self.effect.run(item.record.event)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                item.attempts += 1
+                self.counts["failed_attempts"] += 1
+                latency = (time.perf_counter() - t0) * 1000
+                wait = self.policy.next_delay(item.attempts, time.monotonic() - item.started, e, self.rng)
+                status = "retrying" if wait is not None else "parked"
+                outcome = Outcome(item.record, status, 1, item.first_at, at, latency, describe(e))
+                if wait is None:
+                    return Attempted(False, outcome, e)
+                self.ledger.outcome(outcome)
+                await asyncio.sleep(wait)
+                continue
+            item.attempts += 1
+            latency = (time.perf_counter() - t0) * 1000
+            return Attempted(True, Outcome(item.record, "succeeded", 1, item.first_at, at, latency, None, now()))
+
+    def _complete(self, item: Item) -> None:
+        """Any thread: the record's offset may be committed now (unless its partition was revoked)."""
+        if self.epochs.get(item.record.tp) == item.epoch and self.tracker.done(item.record.tp, item.record.offset):
+            self.on_progress()
+
+    def _park(self, item: Item, *, head: bool, error: str, exc: BaseException | None = None,
+              outcome: Outcome | None = None) -> None:
+        self.counts["parked"] += 1
+        o = outcome or Outcome(item.record, "parked", 0, None, None, None, error)
+        o.status, o.completed_at = "parked", now()
+        self.ledger.outcome(o)
+        self.ledger.park(Parking(item.record, head, error, lambda: self._complete(item), exc))
+
+    # ---- parked keys: load, drop, retry / skip ------------------------------------------------------------------
+    def _load_parked(self, mine: list[tuple[str, TopicPartition]]) -> None:
+        for key, tp in mine:
+            st = self.keys.setdefault(key, KeyState(tp))
+            st.parked = True
+
+    def _drop(self, tps: set[TopicPartition]) -> None:
+        for key, st in list(self.keys.items()):
+            if st.tp in tps:
+                st.queue.clear()
+                if not st.running and not st.releasing:
+                    self.keys.pop(key, None)
+                else:
+                    st.parked = False
+
+    async def _tick_loop(self, tick: Callable[[], None]) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            tick()
+
+    async def _request_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.request_poll_s)
+            try:
+                requests = await asyncio.to_thread(self.ledger.requests)
+            except Exception as e:
+                log.warning("reading parked-key requests failed", connector=self.name, error=describe(e))
+                continue
+            for key, action in requests:
+                st = self.keys.get(key)
+                if st is not None and st.parked and not st.releasing and st.tp in self.epochs:
+                    st.releasing = True
+                    self._spawn(self._release(key, st, skip=action == "skip"))
+
+    async def _release(self, key: str, st: KeyState, *, skip: bool) -> None:
+        """Re-run a parked key's events in order (after dropping the head for `skip`); unpark it when none is left."""
+        released = 0
+        try:
+            while True:
+                await asyncio.wrap_future(self.ledger.barrier())
+                st.arrivals = 0
+                rows = await asyncio.to_thread(self.ledger.parked_events, key)
+                if skip and rows:
+                    await asyncio.to_thread(self.ledger.settle, key, rows[0][0], "skipped", None)
+                    log.info("parked head skipped", connector=self.name, key=key, event_id=rows[0][0])
+                    rows, skip = rows[1:], False
+                if not rows and st.arrivals == 0:
+                    st.parked = False  # from here on, new events of the key run normally
+                    await asyncio.to_thread(self.ledger.unpark, key)
+                    log.info("parked key released", connector=self.name, key=key, events=released)
+                    return
+                for event_id, topic, partition, offset, body in rows:
+                    event = Event(**orjson.loads(body))
+                    item = Item(SinkRecord(topic, partition, offset, key, event), epoch=-1)
+                    result = await self._attempt(item)
+                    if not result.ok:
+                        await asyncio.to_thread(self.ledger.repark, key, event_id, result.outcome.error or "failed",
+                                                result.outcome)
+                        log.warning("released key parked again", connector=self.name, key=key, event_id=event_id,
+                                    error=result.outcome.error)
+                        return
+                    await asyncio.to_thread(self.ledger.settle, key, event_id, "succeeded", result.outcome)
+                    released += 1
+                    self.counts["released"] += 1
+        finally:
+            st.releasing = False
+            if st.queue and not st.running:
+                st.running = True
+                self._spawn(self._drain(key, st))
+            elif not st.queue and not st.parked and not st.running:
+                self.keys.pop(key, None)

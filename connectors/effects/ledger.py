@@ -1,0 +1,330 @@
+"""The delivery ledger in PostgreSQL: outcome rows per (connector, event id), failed attempts, parked events.
+
+Note on commits
+---------------
+Rows are queued and written by one writer thread in set-based batches (COPY into a staging table, one merge),
+never one round trip per event. A *succeeded* row needs no durability before the Kafka commit (a crash merely
+re-delivers with the same idempotency key); a *parked* event does: its dead letter is acknowledged by the
+dead-letter topic and its parked row committed to PostgreSQL before `on_durable` fires, and only then does the
+tracker count it complete. A failing write is retried with backoff; completions simply wait (offsets hold back).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+import psycopg
+from psycopg import sql
+
+from kafold import logs
+from kafold.config import PostgresConfig
+from kafold.connectors.api import ErrantRecordReporter, SinkRecord
+from kafold.envelope import Event
+from kafold.errors import RetriableError
+from kafold.pg import conninfo
+
+log = logs.get("kafold.connectors.effects.ledger")
+
+LEDGER_COLS = ("connector", "event_id", "event_type", "key", "topic", "partition", "offset", "status", "attempts",
+               "first_attempt_at", "last_attempt_at", "completed_at", "latency_ms", "last_error")
+MAX_ROWS = 5000
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def table(schema: str, name: str) -> sql.Composed:
+    return sql.SQL("{}.{}").format(sql.Identifier(schema), sql.Identifier(name))
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One ledger update for an event: `attempts` is how many attempts this update adds."""
+
+    record: SinkRecord
+    status: str  # retrying | succeeded | parked | skipped
+    attempts: int
+    first_attempt_at: datetime | None
+    last_attempt_at: datetime | None
+    latency_ms: float | None = None
+    error: str | None = None
+    completed_at: datetime | None = None
+
+
+@dataclass(slots=True)
+class Parking:
+    """A parked event: `head` = its own retries ran out; otherwise it waits behind its key's head."""
+
+    record: SinkRecord
+    head: bool
+    error: str
+    on_durable: Callable[[], None]
+    exc: BaseException | None = None
+    parked_at: datetime = field(default_factory=now)
+    reported: bool = False  # its dead letter was acknowledged (a failed DB write does not send it again)
+
+
+def event_json(event: Event) -> bytes:
+    return orjson.dumps({
+        "event_id": event.event_id, "type": event.type, "aggregate_type": event.aggregate_type,
+        "aggregate_id": event.aggregate_id, "version": event.version, "schema_version": event.schema_version,
+        "occurred_at": event.occurred_at, "correlation_id": event.correlation_id,
+        "causation_id": event.causation_id, "payload": event.payload})
+
+
+class Ledger:
+    """Batched writer (own thread) plus the few reads the executor needs (serialized on a second connection)."""
+
+    def __init__(self, pg: PostgresConfig, connector: str, reporter: ErrantRecordReporter | None,
+                 flush_s: float = 0.2) -> None:
+        self.connector = connector
+        self.schema = pg.schema
+        self.reporter = reporter
+        self.flush_s = flush_s
+        self._dsn = conninfo(pg)
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._read_lock = threading.Lock()
+        self._reader = psycopg.connect(self._dsn, autocommit=True)
+        self._thread = threading.Thread(target=self._run, name=f"kafold-ledger-{connector}", daemon=True)
+        self._thread.start()
+
+    # ---- writes (any thread) ------------------------------------------------------------------------------
+    def outcome(self, row: Outcome) -> None:
+        self._queue.put(row)
+
+    def park(self, item: Parking) -> None:
+        self._queue.put(item)
+
+    def barrier(self) -> Future[None]:
+        """A future done once everything queued before it is written."""
+        fut: Future[None] = Future()
+        self._queue.put(fut)
+        return fut
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self._reader.close()
+
+    # ---- the writer thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        conn: psycopg.Connection[Any] | None = None
+        delay = 0.1
+        while True:
+            batch = self._take()
+            if batch is None:
+                break
+            while True:
+                try:
+                    if conn is None or conn.closed:
+                        conn = psycopg.connect(self._dsn)
+                    self._write(conn, batch)
+                    delay = 0.1
+                    break
+                except (psycopg.Error, RetriableError) as e:
+                    log.warning("ledger write failed; retrying", connector=self.connector, error=str(e),
+                                retry_in_s=delay)
+                    if conn is not None:
+                        conn.close()
+                    conn = None
+                    if self._stop.wait(delay) and time.monotonic() > self._stop_deadline():
+                        log.error("ledger rows dropped at shutdown (their offsets were not committed)",
+                                  connector=self.connector, rows=len(batch))
+                        break
+                    delay = min(delay * 2, 5.0)
+            for item in batch:
+                if isinstance(item, Parking):
+                    item.on_durable()
+                elif isinstance(item, Future):
+                    item.set_result(None)
+            if self._stopping_now():
+                break
+        if conn is not None:
+            conn.close()
+
+    _stop_at: float | None = None
+
+    def _stop_deadline(self) -> float:
+        if self._stop_at is None:
+            self._stop_at = time.monotonic() + 5.0
+        return self._stop_at
+
+    def _stopping_now(self) -> bool:
+        return self._stop.is_set() and self._queue.empty()
+
+    def _take(self) -> list[Any] | None:
+        """Block for the first item, then gather more for up to flush_s (or MAX_ROWS items)."""
+        first = self._queue.get()
+        if first is None:
+            return None
+        batch = [first]
+        deadline = time.monotonic() + self.flush_s
+        while len(batch) < MAX_ROWS:
+            left = deadline - time.monotonic()
+            if isinstance(batch[-1], Future | Parking) or left <= 0:
+                left = 0  # someone waits: write what is there now
+            try:
+                item = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                self._stop.set()
+                break
+            batch.append(item)
+        return batch
+
+    def _write(self, conn: psycopg.Connection[Any], batch: list[Any]) -> None:
+        outcomes: dict[str, list[Any]] = {}
+        failures: list[tuple[Any, ...]] = []
+        parkings = [i for i in batch if isinstance(i, Parking)]
+        for item in batch:
+            if isinstance(item, Outcome):
+                self._merge(outcomes, item, failures)
+        heads = [p for p in parkings if p.head and not p.reported]
+        if heads and self.reporter is not None:
+            for p in heads:
+                self.reporter.report(p.record, p.exc or RetriableError(p.error))
+            self.reporter.flush(timeout=10.0)  # dead letters acknowledged before the parked rows commit
+            for p in heads:
+                p.reported = True
+        with conn.transaction(), conn.cursor() as cur:
+            if outcomes:
+                self._copy_outcomes(cur, list(outcomes.values()))
+            if failures:
+                cur.executemany(sql.SQL(
+                    "INSERT INTO {} (connector, event_id, attempted_at, latency_ms, outcome, error) "
+                    "VALUES (%s, %s, %s, %s, %s, %s)").format(table(self.schema, "effect_attempts")), failures)
+            if parkings:
+                self._insert_parked(cur, parkings)
+
+    def _merge(self, out: dict[str, list[Any]], o: Outcome, failures: list[tuple[Any, ...]]) -> None:
+        r = o.record
+        if o.status == "retrying" or (o.status == "parked" and o.attempts):
+            failures.append((self.connector, r.event.event_id, o.last_attempt_at, o.latency_ms, "failed", o.error))
+        row = out.get(r.event.event_id)
+        if row is None:
+            out[r.event.event_id] = [self.connector, r.event.event_id, r.event.type, r.key, r.topic, r.partition,
+                                     r.offset, o.status, o.attempts, o.first_attempt_at, o.last_attempt_at,
+                                     o.completed_at, o.latency_ms, o.error]
+            return
+        row[7] = o.status
+        row[8] += o.attempts
+        row[9] = row[9] or o.first_attempt_at
+        row[10] = o.last_attempt_at or row[10]
+        row[11] = o.completed_at or row[11]
+        row[12] = o.latency_ms if o.latency_ms is not None else row[12]
+        row[13] = o.error or row[13]
+
+    def _copy_outcomes(self, cur: psycopg.Cursor[Any], rows: list[list[Any]]) -> None:
+        ledger = table(self.schema, "effect_ledger")
+        cols = sql.SQL(", ").join(map(sql.Identifier, LEDGER_COLS))
+        cur.execute(sql.SQL("CREATE TEMP TABLE IF NOT EXISTS effect_ledger_stage "
+                            "(LIKE {} INCLUDING DEFAULTS) ON COMMIT DELETE ROWS").format(ledger))
+        with cur.copy(sql.SQL("COPY effect_ledger_stage ({}) FROM STDIN").format(cols)) as copy:
+            for row in rows:
+                copy.write_row(row)
+        cur.execute(sql.SQL(
+            "INSERT INTO {t} AS l ({cols}) SELECT {cols} FROM effect_ledger_stage "
+            "ON CONFLICT (connector, event_id) DO UPDATE SET status = EXCLUDED.status, "
+            "attempts = l.attempts + EXCLUDED.attempts, "
+            "first_attempt_at = COALESCE(l.first_attempt_at, EXCLUDED.first_attempt_at), "
+            "last_attempt_at = COALESCE(EXCLUDED.last_attempt_at, l.last_attempt_at), "
+            "completed_at = COALESCE(EXCLUDED.completed_at, l.completed_at), "
+            "latency_ms = COALESCE(EXCLUDED.latency_ms, l.latency_ms), "
+            "last_error = COALESCE(EXCLUDED.last_error, l.last_error), "
+            "topic = EXCLUDED.topic, partition = EXCLUDED.partition, \"offset\" = EXCLUDED.\"offset\"").format(
+            t=ledger, cols=cols))
+
+    def _insert_parked(self, cur: psycopg.Cursor[Any], parkings: list[Parking]) -> None:
+        cur.executemany(sql.SQL(
+            "INSERT INTO {} (connector, key, event_id, topic, partition, \"offset\", head, error, event, parked_at) "
+            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s::jsonb, %s) "
+            "ON CONFLICT (connector, event_id) DO NOTHING").format(
+            table(self.schema, "effect_parked")),
+            [(self.connector, p.record.key, p.record.event.event_id, p.record.topic, p.record.partition,
+              p.record.offset, p.head, p.error, event_json(p.record.event).decode(), p.parked_at) for p in parkings])
+        heads = {p.record.key: p for p in parkings if p.head}
+        if heads:
+            cur.executemany(sql.SQL(
+                "INSERT INTO {} (connector, key, topic, partition, head_event_id, error, parked_at) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (connector, key) DO UPDATE SET "
+                "head_event_id = EXCLUDED.head_event_id, error = EXCLUDED.error, requested_action = NULL, "
+                "requested_at = NULL").format(table(self.schema, "effect_parked_keys")),
+                [(self.connector, k, p.record.topic, p.record.partition, p.record.event.event_id, p.error,
+                  p.parked_at) for k, p in heads.items()])
+
+    # ---- reads and release steps (executor thread pool; one at a time) ----------------------------------------
+    def _read(self, query: sql.Composed, params: Iterable[Any]) -> list[tuple[Any, ...]]:
+        with self._read_lock, self._reader.cursor() as cur:
+            cur.execute(query, tuple(params))
+            return cur.fetchall() if cur.description else []
+
+    def finished_ids(self, event_ids: Collection[str]) -> set[str]:
+        """Ids among `event_ids` this connector already finished (succeeded, parked or skipped)."""
+        if not event_ids:
+            return set()
+        rows = self._read(sql.SQL(
+            "SELECT event_id FROM {} WHERE connector = %s AND event_id = ANY(%s) AND status <> 'retrying'").format(
+            table(self.schema, "effect_ledger")), (self.connector, list(event_ids)))
+        return {r[0] for r in rows}
+
+    def parked_keys(self) -> list[tuple[str, str, int]]:
+        """(key, topic, partition) of this connector's parked keys."""
+        rows = self._read(sql.SQL("SELECT key, topic, partition FROM {} WHERE connector = %s").format(
+            table(self.schema, "effect_parked_keys")), (self.connector,))
+        return [(r[0], r[1], r[2]) for r in rows]
+
+    def requests(self) -> list[tuple[str, str]]:
+        """(key, action) for every pending `retry` / `skip` request of this connector."""
+        rows = self._read(sql.SQL("SELECT key, requested_action FROM {} WHERE connector = %s "
+                                  "AND requested_action IS NOT NULL ORDER BY requested_at").format(
+            table(self.schema, "effect_parked_keys")), (self.connector,))
+        return [(r[0], r[1]) for r in rows]
+
+    def parked_events(self, key: str) -> list[tuple[str, str, int, int, bytes]]:
+        """(event_id, topic, partition, offset, event json) of a key's parked events, oldest first."""
+        rows = self._read(sql.SQL("SELECT event_id, topic, partition, \"offset\", event::text FROM {} "
+                                  "WHERE connector = %s AND key = %s ORDER BY seq").format(
+            table(self.schema, "effect_parked")), (self.connector, key))
+        return [(r[0], r[1], r[2], r[3], r[4].encode()) for r in rows]
+
+    def settle(self, key: str, event_id: str, status: str, outcome: Outcome | None) -> None:
+        """A parked event left the queue (`succeeded` or `skipped`): ledger updated, parked row deleted."""
+        with self._read_lock, self._reader.transaction(), self._reader.cursor() as cur:
+            cur.execute(sql.SQL("DELETE FROM {} WHERE connector = %s AND event_id = %s").format(
+                table(self.schema, "effect_parked")), (self.connector, event_id))
+            o = outcome
+            cur.execute(sql.SQL(
+                "UPDATE {} SET status = %s, attempts = attempts + %s, last_attempt_at = COALESCE(%s, "
+                "last_attempt_at), completed_at = %s, latency_ms = COALESCE(%s, latency_ms) "
+                "WHERE connector = %s AND event_id = %s").format(table(self.schema, "effect_ledger")),
+                (status, o.attempts if o else 0, o.last_attempt_at if o else None, now(),
+                 o.latency_ms if o else None, self.connector, event_id))
+
+    def repark(self, key: str, event_id: str, error: str, outcome: Outcome) -> None:
+        """A released event failed again: it becomes the key's head again; the request is answered."""
+        with self._read_lock, self._reader.transaction(), self._reader.cursor() as cur:
+            cur.execute(sql.SQL("UPDATE {} SET head = true, error = %s WHERE connector = %s AND event_id = %s").format(
+                table(self.schema, "effect_parked")), (error, self.connector, event_id))
+            cur.execute(sql.SQL("UPDATE {} SET head_event_id = %s, error = %s, requested_action = NULL, "
+                                "requested_at = NULL WHERE connector = %s AND key = %s").format(
+                table(self.schema, "effect_parked_keys")), (event_id, error, self.connector, key))
+            cur.execute(sql.SQL("UPDATE {} SET status = 'parked', attempts = attempts + %s, last_attempt_at = %s, "
+                                "last_error = %s WHERE connector = %s AND event_id = %s").format(
+                table(self.schema, "effect_ledger")),
+                (outcome.attempts, outcome.last_attempt_at, error, self.connector, event_id))
+
+    def unpark(self, key: str) -> None:
+        self._read(sql.SQL("DELETE FROM {} WHERE connector = %s AND key = %s").format(
+            table(self.schema, "effect_parked_keys")), (self.connector, key))

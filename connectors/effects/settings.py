@@ -1,0 +1,96 @@
+"""The effect connectors' settings, declared once: common delivery/retry keys plus one table per effect type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from kafold.schema import Secret, setting
+
+AT_LEAST_ONCE = "at-least-once"
+AT_MOST_ONCE = "at-most-once"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EffectConfig:
+    """Keys every effect connector has: delivery mode, retry policy and flow control."""
+
+    delivery: str = setting(AT_LEAST_ONCE, doc="`at-least-once`: commit after the effect; `at-most-once`: commit "
+                            "before it (a crash loses the in-flight effects, never repeats one).",
+                            choices=(AT_LEAST_ONCE, AT_MOST_ONCE))
+    max_attempts: int = setting(8, doc="Attempts per event before it is parked.", minimum=1)
+    max_age_s: float = setting(3600.0, doc="Park an event once retrying it would pass this age (seconds since its "
+                               "first attempt).", minimum=0)
+    backoff_initial_s: float = setting(0.2, doc="First retry delay cap; doubles per attempt (full jitter).",
+                                       minimum=0)
+    backoff_max_s: float = setting(30.0, doc="Largest retry delay (a Retry-After is honoured up to max_age_s).",
+                                   minimum=0)
+    concurrency: int = setting(64, doc="Effects running at once (across keys; one at a time per key).", minimum=1)
+    max_in_flight: int = setting(20000, doc="Events handed over but not yet completed before fetching pauses.",
+                                 minimum=1)
+    ledger_flush_ms: int = setting(200, doc="Longest time a ledger row waits before its batch is written.",
+                                   minimum=1)
+    request_poll_s: float = setting(1.0, doc="How often the task looks for `parked retry|skip` requests.",
+                                    minimum=0.05)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WebhookConfig(EffectConfig):
+    url: str = setting(doc="Where events are POSTed; https unless allow_http = true.")
+    allow_http: bool = setting(False, doc="Allow a plain http:// URL (local receivers, tests).")
+    secret: Secret | None = setting(doc="Standard Webhooks signing secret (`whsec_<base64>` or raw text).",
+                                    secret=True)
+    previous_secret: Secret | None = setting(
+        doc="A second signing secret during rotation: requests carry both signatures.", secret=True)
+    timeout_s: float = setting(10.0, doc="Whole-request timeout; a timeout is retried.", minimum=0.01)
+    connect_timeout_s: float = setting(5.0, doc="TCP/TLS connect timeout.", minimum=0.01)
+    body: str = setting("event", doc="Request body: `event` (the envelope), `payload`, or `module:function(event) "
+                        "-> dict`.")
+    headers: dict[str, str] = setting(factory=dict, doc="Extra static request headers (no secrets here).")
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("https", "http") or not parts.netloc:
+            raise ValueError(f"url: expected an https:// URL, got {self.url!r}")
+        if parts.scheme == "http" and not self.allow_http:
+            raise ValueError(f"url: {self.url!r} is plain http; use https or set allow_http = true")
+        if self.body not in ("event", "payload") and ":" not in self.body:
+            raise ValueError(f"body: expected `event`, `payload` or `module:function`, got {self.body!r}")
+        for name in self.headers:
+            if name.lower().startswith("webhook-") or name.lower() == "content-type":
+                raise ValueError(f"headers: {name!r} is set by kafold")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KafkaEffectConfig(EffectConfig):
+    topic: str = setting(doc="Topic the derived event or command is produced to.")
+    type: str = setting("", doc="Type of the derived event; empty = the source event's type.")
+    aggregate_type: str = setting("", doc="Aggregate type of the derived event; empty = the source's.")
+    function: str = setting("", doc="Optional `module:function(event)` returning the derived payload (a dict), "
+                            "an Event, a list of them, or None for nothing.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PythonEffectConfig(EffectConfig):
+    function: str = setting(doc="`module:function(event)`, sync (run in a thread) or async; raise "
+                            "PermanentEffectError to park at once, anything else is retried.")
+
+    def __post_init__(self) -> None:
+        if ":" not in self.function:
+            raise ValueError(f"function: expected `module:function`, got {self.function!r}")
+
+
+def import_ref(ref: str) -> Any:
+    """The object named by `module:attr` (FatalError-free: raises LookupError naming what is missing)."""
+    import importlib
+
+    module_name, _, attr = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise LookupError(f"{ref!r}: cannot import module {module_name!r}: {e}") from e
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise LookupError(f"{ref!r}: module {module_name!r} has no {attr!r}") from None

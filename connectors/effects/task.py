@@ -1,0 +1,196 @@
+"""The effect sink task and the `webhook`, `kafka` and `python` connectors built on it.
+
+Note on offsets and commits
+---------------------------
+* at-least-once (default): `put` adds each record to the OffsetTracker and hands it to the executor, returning
+  at once; `pre_commit` returns, per partition, the end of the contiguous prefix of completed events (succeeded,
+  already in the ledger, or durably parked). A crash re-delivers everything after that prefix; effects the ledger
+  shows as finished are not run again, the rest run again with the same idempotency key.
+* at-most-once: `put` only holds the records; `pre_commit` returns everything handed over, and the held records are
+  released to the executor the next time the runner calls in (put, pre_commit or close) — by then the runner's
+  synchronous commit of them has returned. A crash loses the released-but-unfinished effects; none runs twice.
+* Idle progress: each completion calls `context.request_commit()`, so the runner commits on an idle poll.
+* Flow control: while more than `max_in_flight` events are unfinished, `put` waits up to a second, then pauses the
+  task's partitions (group membership stays alive) until half of them completed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from kafold import db, logs
+from kafold.config import KafkaConfig, PostgresConfig
+from kafold.connectors.api import Connector, Offsets, SinkRecord, SinkTask, SinkTaskContext, TopicPartition
+from kafold.connectors.dlq import DeadLetterWriter
+from kafold.connectors.effects.drivers import Effect, KafkaEffect, PythonEffect, Webhook
+from kafold.connectors.effects.executor import Executor
+from kafold.connectors.effects.ledger import Ledger
+from kafold.connectors.effects.policy import RetryPolicy
+from kafold.connectors.effects.settings import (
+    AT_MOST_ONCE,
+    EffectConfig,
+    KafkaEffectConfig,
+    PythonEffectConfig,
+    WebhookConfig,
+)
+from kafold.connectors.effects.tracker import OffsetTracker
+from kafold.errors import FatalError
+
+log = logs.get("kafold.connectors.effects")
+
+PUT_BLOCK_S = 1.0
+
+
+class EffectSinkTask(SinkTask):
+    """Hands events to the ordered-per-key executor; commits per the connector's delivery mode."""
+
+    def start(self, task_config: Mapping[str, Any], context: SinkTaskContext) -> None:
+        self.context = context
+        self.config: EffectConfig = task_config["config"]
+        kafka, pg = task_config.get("kafka"), task_config.get("postgres")
+        if not isinstance(kafka, KafkaConfig):  # the host did not pass [kafka]: use the runner's
+            kafka = getattr(getattr(context, "runner", None), "kafka", None)
+        if not isinstance(pg, PostgresConfig):  # the host did not pass [postgres] (same rule as the projection)
+            pg = db.from_environment()
+        if not isinstance(kafka, KafkaConfig):
+            raise FatalError(f"effect connector {context.connector_name!r}: no [kafka] section reached the task "
+                             "(pass it as task_config['kafka'], see with_services)")
+        self.name = context.connector_name
+        self.at_most_once = self.config.delivery == AT_MOST_ONCE
+        self.tracker = OffsetTracker()
+        self.dlq = DeadLetterWriter(kafka, task_config.get("dlq_topic") or f"kafold.dlq.{self.name}", self.name)
+        self.ledger = Ledger(pg, self.name, self.dlq, self.config.ledger_flush_ms / 1000)
+        c = self.config
+        policy = RetryPolicy(c.max_attempts, c.max_age_s, c.backoff_initial_s, c.backoff_max_s)
+        self.executor = Executor(self.name, build_effect(c, kafka, self.name), policy, self.ledger, self.tracker,
+                                 c.concurrency, c.request_poll_s, self._progress, self._tick)
+        self.executor.start()
+        self.held: list[SinkRecord] = []       # at-most-once: waiting for the commit that covers them
+        self.committing: list[SinkRecord] = []  # at-most-once: their commit was offered to the runner
+        self.paused: set[TopicPartition] = set()
+        self._counter = itertools.count(1)
+        self.completions = self.acknowledged = 0  # completions counted / seen by the latest pre_commit
+        self.log = log.bind(connector=self.name, task=context.task_id, delivery=c.delivery)
+        self.log.info("effect task started", effect=type(self.config).__name__)
+
+    def _progress(self) -> None:
+        """Any thread: ask the runner for a pre_commit/commit cycle (it runs on an idle poll)."""
+        self.completions = next(self._counter)  # atomic, unlike += across threads
+        self._request()
+
+    def _tick(self) -> None:
+        """Executor thread, every 100 ms: ask again while completions are not yet seen by a pre_commit (a
+        request can be consumed by a commit that started just before the completion)."""
+        if self.completions != self.acknowledged or self.committing:
+            self._request()
+
+    def _request(self) -> None:
+        self.context.request_commit()
+
+    def put(self, records: Sequence[SinkRecord]) -> None:
+        self._release_committed()
+        if not records:
+            return
+        for r in records:
+            self.tracker.add(r.tp, r.offset)
+        if self.at_most_once:
+            self.held.extend(records)
+            self._request()
+        else:
+            self.executor.submit(records)
+        self._bound()
+
+    def _bound(self) -> None:
+        limit = self.config.max_in_flight
+        deadline = time.monotonic() + PUT_BLOCK_S
+        while self.tracker.in_flight >= limit and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.tracker.in_flight >= limit:
+            todo = self.context.assignment() - self.paused
+            if todo:
+                self.context.pause(*todo)
+                self.paused |= todo
+                self.log.info("fetching paused: too many effects in flight", in_flight=self.tracker.in_flight)
+
+    def _release_committed(self) -> None:
+        """at-most-once: records whose commit the runner has performed since the last call may now run."""
+        if self.committing:
+            ready, self.committing = self.committing, []
+            self.executor.submit(ready)
+
+    def pre_commit(self, offsets: Offsets) -> Offsets:
+        self.acknowledged = self.completions
+        self._release_committed()
+        if self.paused and self.tracker.in_flight < self.config.max_in_flight // 2:
+            self.context.resume(*self.paused)
+            self.log.info("fetching resumed", in_flight=self.tracker.in_flight)
+            self.paused.clear()
+        if self.at_most_once:
+            covered = {tp: off for tp, off in offsets.items()}
+            ready = [r for r in self.held if r.offset < covered.get(r.tp, -1)]
+            if ready:
+                self.held = [r for r in self.held if r.offset >= covered.get(r.tp, -1)]
+                self.committing = ready  # released on the next call in; _tick asks for one
+            return covered
+        return self.tracker.committable(dict(offsets))
+
+    def open(self, partitions: Collection[TopicPartition]) -> None:
+        self.executor.open(list(partitions), self.ledger.parked_keys())
+
+    def close(self, partitions: Collection[TopicPartition]) -> None:
+        gone = set(partitions)
+        self._release_committed()
+        self.held = [r for r in self.held if r.tp not in gone]
+        self.paused -= gone
+        self.executor.close(list(partitions))
+
+    def stop(self) -> None:
+        self.executor.stop()
+        self.ledger.close()
+        self.dlq.close()
+        self.log.info("effect task stopped", **self.executor.counts)
+
+
+def build_effect(config: EffectConfig, kafka: KafkaConfig, name: str) -> Effect:
+    if isinstance(config, WebhookConfig):
+        return Webhook(config, config.concurrency)
+    if isinstance(config, KafkaEffectConfig):
+        return KafkaEffect(config, kafka, name)
+    if isinstance(config, PythonEffectConfig):
+        return PythonEffect(config)
+    raise FatalError(f"no effect for {type(config).__name__}")
+
+
+def with_services(task_config: Mapping[str, Any], kafka: KafkaConfig, postgres: PostgresConfig) -> dict[str, Any]:
+    """A task config carrying the global [kafka] and [postgres] sections the effect task needs."""
+    return {**task_config, "kafka": kafka, "postgres": postgres}
+
+
+class _EffectConnector(Connector[Any]):
+    task_class = EffectSinkTask
+    uses_postgres = True  # the delivery ledger and parked keys
+
+    def task_configs(self, max_tasks: int) -> list[dict[str, Any]]:
+        return [{"task_id": i, "config": self.config, "dlq_topic": self.settings.dlq_topic}
+                for i in range(max_tasks)]
+
+
+class WebhookConnector(_EffectConnector):
+    """POSTs each event to a URL, signed the Standard Webhooks way; `webhook-id` = event id."""
+
+    config_class = WebhookConfig
+
+
+class KafkaEffectConnector(_EffectConnector):
+    """Produces a derived event or command (deterministic uuid5 id) to another topic."""
+
+    config_class = KafkaEffectConfig
+
+
+class PythonEffectConnector(_EffectConnector):
+    """Calls a user function `module:function(event)` (sync or async) per event."""
+
+    config_class = PythonEffectConfig

@@ -1,0 +1,128 @@
+"""The `postgres-projection` connector's settings, declared once; cross-field checks name the offending key."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kafold.connectors.projection.sql import check_identifier, check_type
+from kafold.schema import setting
+
+ACTIONS = ("upsert", "update", "delete")
+ENVELOPE_FIELDS = ("event_id", "type", "aggregate_type", "aggregate_id", "version", "occurred_at",
+                   "correlation_id", "causation_id", "schema_version")
+VERSION_COLUMN = "_kafold_version"
+_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@dataclass(frozen=True)
+class OnEvent:
+    """What one event type does to its row."""
+
+    type: str = setting(doc="Event type this rule handles.")
+    action: str = setting("upsert", doc="upsert: create or change the row; update: change it only if it "
+                          "exists; delete: remove it.", choices=ACTIONS)
+    set: dict[str, Any] = setting(factory=dict, doc="column = \"payload.path\" | envelope field | "
+                                  "\"'literal'\" | number/boolean.")
+    increment: dict[str, Any] = setting(factory=dict, doc="column = \"payload.path\": add the value to the "
+                                        "column (a missing row counts from 0).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProjectionConfig:
+    table: str = setting(doc="Target table (created if missing, validated if present).")
+    schema: str = setting("public", doc="Schema of the target table.")
+    key_columns: list[str] = setting(doc="Columns forming the row key (primary key of a created table).")
+    columns: dict[str, str] = setting(doc="column = \"SQL type\" for every column kafold writes, keys included.")
+    key: dict[str, str] = setting(factory=dict, doc="key column = source (as in `set`); default: the single "
+                                  "key column from aggregate_id.")
+    on: list[OnEvent] = setting(factory=list, doc="Declarative mapping, one table per event type.")
+    mapper: str = setting("", doc="`module:function(row: dict | None, event) -> dict | None` (None deletes); "
+                          "instead of `on`.")
+    mapper_types: list[str] = setting(factory=list, doc="Event types the mapper handles (empty: all).")
+    version_guard: bool = setting(True, doc="Skip events whose aggregate version is <= the row's "
+                                  f"`{VERSION_COLUMN}` (turn off when a row folds several aggregates).")
+    create_table: bool = setting(True, doc="Create the table when it does not exist.")
+
+    def __post_init__(self) -> None:
+        problems = list(_problems(self))
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def key_sources(self) -> dict[str, str]:
+        return dict(self.key) if self.key else {self.key_columns[0]: "aggregate_id"}
+
+    @property
+    def handled_types(self) -> frozenset[str] | None:
+        """The event types this projection handles; None = every type (a mapper without mapper_types)."""
+        if self.mapper:
+            return frozenset(self.mapper_types) or None
+        return frozenset(rule.type for rule in self.on)
+
+
+def _problems(c: ProjectionConfig) -> list[str]:
+    out: list[str] = []
+    for where, name in (("table", c.table), ("schema", c.schema)):
+        if (msg := check_identifier(name)) is not None:
+            out.append(f"{where}: {msg}")
+    for col, tp in c.columns.items():
+        if (msg := check_identifier(col)) is not None:
+            out.append(f"columns.{col}: {msg}")
+        elif col == VERSION_COLUMN:
+            out.append(f"columns.{col}: reserved for kafold's version guard")
+        if not isinstance(tp, str) or (msg := check_type(tp)) is not None:
+            out.append(f"columns.{col}: {msg if isinstance(tp, str) else 'expected an SQL type string'}")
+    if not c.key_columns:
+        out.append("key_columns: at least one key column is required")
+    for col in c.key_columns:
+        if col not in c.columns:
+            out.append(f"key_columns: {col!r} is not in `columns`")
+    if not c.key and len(c.key_columns) > 1:
+        out.append("key: required when there are several key_columns (column = source)")
+    for col, src in c.key.items():
+        if col not in c.key_columns:
+            out.append(f"key.{col}: not one of key_columns")
+        elif (msg := check_source(src)) is not None:
+            out.append(f"key.{col}: {msg}")
+    missing = [col for col in c.key_columns if c.key and col not in c.key]
+    if missing:
+        out.append(f"key: no source for key column(s) {', '.join(missing)}")
+    if bool(c.mapper) == bool(c.on):
+        out.append("on / mapper: give exactly one of `on` (declarative rules) and `mapper` (a function)")
+    if c.mapper and not _REF.match(c.mapper):
+        out.append(f"mapper: expected `module:function`, got {c.mapper!r}")
+    seen: set[str] = set()
+    for i, rule in enumerate(c.on):
+        where = f"on[{i}]"
+        if rule.type in seen:
+            out.append(f"{where}.type: {rule.type!r} has two rules")
+        seen.add(rule.type)
+        if rule.action == "delete" and (rule.set or rule.increment):
+            out.append(f"{where}: a delete takes no `set` or `increment`")
+        for kind, mapping in (("set", rule.set), ("increment", rule.increment)):
+            for col, src in mapping.items():
+                if col not in c.columns:
+                    out.append(f"{where}.{kind}.{col}: unknown column (declare it in `columns`)")
+                elif col in c.key_columns:
+                    out.append(f"{where}.{kind}.{col}: key columns come from `key`")
+                elif (msg := check_source(src, literal_ok=kind == "set")) is not None:
+                    out.append(f"{where}.{kind}.{col}: {msg}")
+    return out
+
+
+def check_source(src: Any, *, literal_ok: bool = True) -> str | None:
+    """None if `src` is a valid value source, else what is wrong with it."""
+    if isinstance(src, bool | int | float):
+        return None if literal_ok else "expected a payload path (\"payload.x\")"
+    if not isinstance(src, str):
+        return f"expected a string, number or boolean, got {type(src).__name__}"
+    if src.startswith("payload.") and all(src.split(".")[1:]):
+        return None
+    if src in ENVELOPE_FIELDS:
+        return None
+    if len(src) >= 2 and src[0] == src[-1] == "'":
+        return None if literal_ok else "a literal cannot be incremented"
+    return (f"{src!r} is neither a payload path (\"payload.x.y\"), an envelope field "
+            f"({', '.join(ENVELOPE_FIELDS)}) nor a quoted literal (\"'text'\")")

@@ -1,0 +1,147 @@
+"""Pure mapping from events to rows: key extraction and the fold of one event into its row (no I/O)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from decimal import Decimal
+from typing import Any
+
+from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
+from kafold.envelope import Event
+from kafold.errors import ConfigError, RecordError
+
+Row = dict[str, Any]
+Mapper = Callable[[Row | None, Event], Row | None]
+Source = Callable[[Event], Any]
+
+
+class MappingError(RecordError):
+    """An event does not fit the mapping (a payload path is missing, a value has the wrong kind)."""
+
+    def __init__(self, message: str, *, raw: Any = None) -> None:
+        super().__init__(message, raw=raw, reason="schema-invalid")
+
+
+class _Unchanged:
+    """The event leaves the row as it is (an `update` of a row that does not exist)."""
+
+
+UNCHANGED = _Unchanged()
+
+
+def source(spec: Any) -> Source:
+    """A function reading one value from an event: `payload.a.b`, an envelope field, `'literal'` or a scalar."""
+    if not isinstance(spec, str):
+        return lambda _e: spec
+    if spec.startswith("payload."):
+        path = spec.split(".")[1:]
+
+        def read(event: Event) -> Any:
+            node: Any = event.payload
+            for part in path:
+                if type(node) is not dict or part not in node:
+                    raise MappingError(f"event {event.event_id} ({event.type}): {spec} is missing")
+                node = node[part]
+            return node
+        return read
+    if len(spec) >= 2 and spec[0] == spec[-1] == "'":
+        text = spec[1:-1]
+        return lambda _e: text
+    return lambda event: getattr(event, spec)
+
+
+def load_mapper(ref: str) -> Mapper:
+    """The function a `module:function` reference names (ConfigError naming the reference if it cannot)."""
+    module_name, _, attr = ref.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError([f"mapper: cannot load {ref!r}: {e}"]) from e
+    if not callable(fn):
+        raise ConfigError([f"mapper: {ref!r} is not callable"])
+    return fn
+
+
+def _add(current: Any, delta: Any, what: str, event: Event) -> Any:
+    if isinstance(delta, bool) or not isinstance(delta, int | float | Decimal):
+        raise MappingError(f"event {event.event_id} ({event.type}): {what} is not a number")
+    if current is None:
+        return delta
+    if isinstance(current, Decimal) and isinstance(delta, float):
+        delta = Decimal(repr(delta))
+    return current + delta
+
+
+class Mapping:
+    """The compiled mapping of one projection: which events it handles, their keys, and the fold step."""
+
+    def __init__(self, config: ProjectionConfig, mapper: Mapper | None = None) -> None:
+        self.config = config
+        self.columns = tuple(config.columns)
+        self.key_columns = tuple(config.key_columns)
+        self._keys = [source(config.key_sources[c]) for c in self.key_columns]
+        self._types = config.handled_types
+        self._mapper = mapper
+        self._rules: dict[str, tuple[str, list[tuple[str, Source]], list[tuple[str, str, Source]]]] = {
+            rule.type: (rule.action, [(c, source(s)) for c, s in rule.set.items()],
+                        [(c, str(s), source(s)) for c, s in rule.increment.items()])
+            for rule in config.on}
+        self.guard = config.version_guard
+
+    def handles(self, event_type: str) -> bool:
+        return self._types is None or event_type in self._types
+
+    def key(self, event: Event) -> tuple[Any, ...]:
+        """The row key of `event`; MappingError if a key source is missing or null."""
+        values = tuple(read(event) for read in self._keys)
+        if any(v is None for v in values):
+            raise MappingError(f"event {event.event_id} ({event.type}): a key column would be null")
+        return values
+
+    def is_stale(self, row: Row | None, event: Event) -> bool:
+        """An older (or the same) aggregate version than the row already reflects: never overwrite newer."""
+        return self.guard and row is not None and event.version <= (row.get(VERSION_COLUMN) or 0)
+
+    def apply(self, row: Row | None, event: Event, key: tuple[Any, ...]) -> Row | _Unchanged | None:
+        """The row after `event` (a new dict), None to delete it, or UNCHANGED."""
+        if self._mapper is not None:
+            return self._apply_mapper(row, event, key)
+        action, sets, increments = self._rules[event.type]
+        if action == "delete":
+            return None if row is not None else UNCHANGED
+        if action == "update" and row is None:
+            return UNCHANGED
+        new: Row = dict(row) if row is not None else dict.fromkeys(self.columns)
+        for column, read in sets:
+            new[column] = read(event)
+        for column, spec, read in increments:
+            new[column] = _add(new.get(column), read(event), spec, event)
+        new.update(zip(self.key_columns, key, strict=True))
+        new[VERSION_COLUMN] = event.version
+        return new
+
+    def _apply_mapper(self, row: Row | None, event: Event, key: tuple[Any, ...]) -> Row | _Unchanged | None:
+        assert self._mapper is not None
+        given = {c: row.get(c) for c in self.columns} if row is not None else None
+        try:
+            out = self._mapper(given, event)
+        except RecordError:
+            raise
+        except Exception as e:  # the user's function failed on this event: dead-letter it, keep going
+            raise MappingError(f"event {event.event_id} ({event.type}): mapper raised "
+                               f"{type(e).__name__}: {e}") from e
+        if out is None:
+            return None if row is not None else UNCHANGED
+        if not isinstance(out, dict):
+            raise MappingError(f"event {event.event_id} ({event.type}): mapper returned "
+                               f"{type(out).__name__}, expected dict or None")
+        unknown = sorted(set(out) - set(self.columns))
+        if unknown:
+            raise MappingError(f"event {event.event_id} ({event.type}): mapper returned unknown column(s) "
+                               f"{', '.join(unknown)}")
+        new: Row = dict.fromkeys(self.columns)
+        new.update(out)
+        new.update(zip(self.key_columns, key, strict=True))
+        new[VERSION_COLUMN] = event.version
+        return new

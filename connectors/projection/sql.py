@@ -1,0 +1,174 @@
+"""SQL for projections: identifier and type validation, and every statement composed with psycopg.sql.
+
+Identifiers from the configuration are checked against IDENTIFIER_RE and always quoted with
+`sql.Identifier`; SQL types are checked against TYPE_RE when the table is created, and the types used in casts
+afterwards come from the catalog (`format_type`), never from the configuration text.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from psycopg import sql
+
+IDENTIFIER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
+TYPE_RE = re.compile(
+    r"^[A-Za-z][A-Za-z0-9_]*( (precision|varying|with time zone|without time zone))?"
+    r"(\(\s*\d{1,4}\s*(,\s*\d{1,4}\s*)?\))?"
+    r"( (with|without) time zone)?(\[\])?$", re.IGNORECASE)
+
+
+def check_identifier(name: str) -> str | None:
+    """None if `name` may name a table, schema or column; else the reason."""
+    if not isinstance(name, str) or not IDENTIFIER_RE.match(name):
+        return (f"{name!r} is not a valid SQL identifier (letters, digits and '_', not starting with a digit, "
+                "at most 63 characters)")
+    return None
+
+
+def check_type(tp: str) -> str | None:
+    """None if `tp` looks like a plain SQL type (`text`, `numeric(12,2)`, `timestamp with time zone`, `int[]`)."""
+    if not TYPE_RE.match(tp.strip()):
+        return f"{tp!r} is not a plain SQL type name"
+    return None
+
+
+def qualified(schema: str, table: str) -> sql.Composed:
+    return sql.SQL("{}.{}").format(sql.Identifier(schema), sql.Identifier(table))
+
+
+def ids(names: Sequence[str]) -> sql.Composed:
+    return sql.SQL(", ").join(sql.Identifier(n) for n in names)
+
+
+@dataclass(frozen=True)
+class TableShape:
+    """A projection table as written: its columns (configured ones, then the version column) with the types the
+    catalog reports (format_type), and its key columns."""
+
+    schema: str
+    table: str
+    types: dict[str, str]
+    keys: tuple[str, ...]
+    version_column: str | None
+
+    @property
+    def name(self) -> sql.Composed:
+        return qualified(self.schema, self.table)
+
+    @property
+    def written(self) -> tuple[str, ...]:
+        return tuple(self.types)
+
+    def cast(self, column: str) -> sql.SQL:
+        return sql.SQL(self.types[column])  # from the catalog's format_type(), not from configuration text
+
+
+def create_table(schema: str, table: str, columns: dict[str, str], keys: Sequence[str],
+                 version_column: str | None) -> sql.Composed:
+    cols = [sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t.strip())) for c, t in columns.items()]
+    if version_column:
+        cols.append(sql.SQL("{} bigint NOT NULL DEFAULT 0").format(sql.Identifier(version_column)))
+    cols.append(sql.SQL("PRIMARY KEY ({})").format(ids(keys)))
+    return sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(qualified(schema, table), sql.SQL(", ").join(cols))
+
+
+CATALOG_COLUMNS = sql.SQL(
+    "SELECT a.attname, format_type(a.atttypid, a.atttypmod) FROM pg_attribute a "
+    "WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum")
+
+# Sets of columns with a unique index (the primary key or a unique constraint): ON CONFLICT needs one.
+CATALOG_UNIQUE = sql.SQL(
+    "SELECT array_agg(a.attname::text ORDER BY a.attname) FROM pg_index i "
+    "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
+    "WHERE i.indrelid = to_regclass(%s) AND i.indisunique AND i.indpred IS NULL GROUP BY i.indexrelid")
+
+
+def regclass_text(schema: str, table: str) -> str:
+    """The argument for to_regclass(): a quoted name, passed as a parameter (never spliced into SQL)."""
+    return sql.SQL("{}.{}").format(sql.Identifier(schema), sql.Identifier(table)).as_string(None)
+
+
+def key_join(shape: TableShape, alias: str = "t") -> sql.Composed:
+    """`unnest(%s::t1[], ...) AS k(c1, ...)` joined on the key columns (one array parameter per key column)."""
+    arrays = sql.SQL(", ").join(sql.SQL("%b::{}[]").format(shape.cast(k)) for k in shape.keys)
+    on = sql.SQL(" AND ").join(sql.SQL("{}.{} = k.{}").format(sql.Identifier(alias), sql.Identifier(k),
+                                                             sql.Identifier(k)) for k in shape.keys)
+    return sql.SQL("unnest({}) AS k({}) ON {}").format(arrays, ids(shape.keys), on)
+
+
+def select_rows(shape: TableShape) -> sql.Composed:
+    """The current rows of a set of keys.
+
+    Not locked: a concurrent writer of the same events waits on their tracking rows first, and this statement
+    then sees its commit (READ COMMITTED); the merge's version guard covers any other overlap.
+    """
+    cols = sql.SQL(", ").join(sql.SQL("t.{}").format(sql.Identifier(c)) for c in shape.written)
+    return sql.SQL("SELECT {} FROM {} t JOIN {}").format(cols, shape.name, key_join(shape))
+
+
+def delete_rows(shape: TableShape) -> sql.Composed:
+    arrays = sql.SQL(", ").join(sql.SQL("%b::{}[]").format(shape.cast(k)) for k in shape.keys)
+    on = sql.SQL(" AND ").join(sql.SQL("t.{} = k.{}").format(sql.Identifier(k), sql.Identifier(k))
+                               for k in shape.keys)
+    return sql.SQL("DELETE FROM {} t USING unnest({}) AS k({}) WHERE {}").format(
+        shape.name, arrays, ids(shape.keys), on)
+
+
+def stage_name(shape: TableShape) -> sql.Identifier:
+    return sql.Identifier(f"_kafold_stage_{shape.schema}_{shape.table}"[:63])
+
+
+def create_stage(shape: TableShape) -> sql.Composed:
+    """A session-local staging table with the written columns and no constraints (the target checks them)."""
+    cols = sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(c), shape.cast(c)) for c in shape.written)
+    return sql.SQL("CREATE TEMP TABLE IF NOT EXISTS {} ({}) ON COMMIT DELETE ROWS").format(stage_name(shape), cols)
+
+
+def copy_stage(shape: TableShape) -> sql.Composed:
+    return sql.SQL("COPY {} ({}) FROM STDIN").format(stage_name(shape), ids(shape.written))
+
+
+def merge_stage(shape: TableShape, guard: bool) -> sql.Composed:
+    """Upsert the staged rows; with the version guard an older row never overwrites a newer one."""
+    rest = [c for c in shape.written if c not in shape.keys]
+    if rest:
+        sets = sql.SQL(", ").join(sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(c), sql.Identifier(c))
+                                  for c in rest)
+        action: sql.Composable = sql.SQL("DO UPDATE SET {}").format(sets)
+        if guard and shape.version_column:
+            v = sql.Identifier(shape.version_column)
+            action = sql.SQL("{} WHERE {}.{} < EXCLUDED.{}").format(action, shape.name, v, v)
+    else:
+        action = sql.SQL("DO NOTHING")
+    return sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {} ON CONFLICT ({}) {}").format(
+        shape.name, ids(shape.written), ids(shape.written), stage_name(shape), ids(shape.keys), action)
+
+
+def track(tracking: sql.Composed) -> sql.Composed:
+    """Record event ids as applied; returns the ids that were new (the rest are duplicates)."""
+    return sql.SQL("INSERT INTO {} (projection, event_id) SELECT %s, unnest(%b::text[]) "
+                   "ON CONFLICT DO NOTHING RETURNING event_id").format(tracking)
+
+
+def save_checkpoints(checkpoints: sql.Composed) -> sql.Composed:
+    """Store next offsets; monotonic, so a zombie writer after a rebalance cannot move a checkpoint back."""
+    return sql.SQL(
+        "INSERT INTO {} AS c (connector, topic, partition, next_offset, updated_at) "
+        "SELECT %s, t, p, o, now() FROM unnest(%b::text[], %b::int[], %b::bigint[]) AS x(t, p, o) "
+        "ON CONFLICT (connector, topic, partition) DO UPDATE SET next_offset = EXCLUDED.next_offset, "
+        "updated_at = now() WHERE c.next_offset < EXCLUDED.next_offset").format(checkpoints)
+
+
+def load_checkpoints(checkpoints: sql.Composed) -> sql.Composed:
+    return sql.SQL("SELECT topic, partition, next_offset FROM {} WHERE connector = %s").format(checkpoints)
+
+
+def insert_dead_letters(dead_letters: sql.Composed) -> sql.Composed:
+    """A dead letter per record; seen again after a crash, the same coordinates are not recorded twice."""
+    return sql.SQL(
+        "INSERT INTO {} (connector, topic, partition, \"offset\", key, value, headers, error_class, "
+        "error_message, reason) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
+        "ON CONFLICT (connector, topic, partition, \"offset\") DO NOTHING").format(dead_letters)

@@ -1,0 +1,337 @@
+"""ProjectionWriter: applies a batch of events to PostgreSQL in ONE transaction, set-based, exactly once.
+
+Note on offsets and commits
+---------------------------
+Per batch, one transaction: (1) the batch's event ids go into the tracking table with ON CONFLICT DO NOTHING,
+RETURNING the new ones — the rest are duplicates and are dropped; (2) the current rows of the affected keys are
+read in one SELECT; (3) the new events are folded in order in Python, skipping any event whose
+aggregate version is <= the row's `_kafold_version`; (4) changed rows are COPYed into a staging table and merged
+with one INSERT … ON CONFLICT DO UPDATE (guarded by version again), removed rows go with one DELETE … USING;
+(5) the next offset of every partition the batch covers is upserted into the checkpoints table, monotonically
+(`WHERE next_offset < EXCLUDED.next_offset`), so a zombie writer after a rebalance cannot move it back; (6) commit.
+The checkpoint therefore always describes exactly the rows: PostgreSQL is the source of truth for offsets.
+
+A concurrent writer of the same events (a zombie task after a rebalance) blocks on the tracking rows' primary
+key until the first commits, then sees them as duplicates: no event is applied twice; its row reads come after
+that wait (READ COMMITTED) and the merge's version guard covers any other overlap.
+
+Rows the database rejects (constraint violations, bad values) do not poison the batch: the transaction is rolled
+back and the batch bisected, in order, until the bad events are isolated; each is written to the dead-letter
+table (after the DLQ topic acknowledged it) in the same transaction as the checkpoint that passes it, and the
+rest is applied. Connection failures are RetriableError: the caller retries the same batch, and steps (1) and
+(5) make the retry harmless.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import psycopg
+from psycopg.types.json import Jsonb
+
+from kafold import db, logs
+from kafold.config import PostgresConfig
+from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition
+from kafold.connectors.projection import sql as q
+from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
+from kafold.connectors.projection.mapping import UNCHANGED, Mapping, MappingError, Row
+from kafold.errors import ConfigError, FatalError, RecordError, RetriableError
+
+log = logs.get(__name__)
+
+DeadLetter = tuple[RawRecord, BaseException]
+Report = Callable[[Sequence[tuple[Any, BaseException]]], None]  # to the DLQ topic, acknowledged on return
+REJECTED = (psycopg.errors.IntegrityError, psycopg.errors.DataError)
+
+
+@dataclass
+class BatchResult:
+    """What one batch did to the projection."""
+
+    events: int = 0
+    duplicates: int = 0
+    stale: int = 0
+    upserted: int = 0
+    deleted: int = 0
+    unchanged: int = 0
+    dead_lettered: int = 0
+    transactions: int = 0
+    checkpoints: dict[TopicPartition, int] = field(default_factory=dict)
+
+    def add(self, other: BatchResult) -> None:
+        for name in ("events", "duplicates", "stale", "upserted", "deleted", "unchanged", "dead_lettered",
+                     "transactions"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.checkpoints.update(other.checkpoints)
+
+
+class _Bad(Exception):
+    """Events the mapping refused during a fold; the transaction is redone without them."""
+
+    def __init__(self, bad: list[tuple[SinkRecord, RecordError]]) -> None:
+        super().__init__(f"{len(bad)} event(s) do not fit the mapping")
+        self.bad = bad
+
+
+def headers_json(headers: Sequence[tuple[str, Any]]) -> list[list[Any]]:
+    """Headers as JSON: [name, text] when UTF-8, [name, {"base64": …}] otherwise, [name, null] for none."""
+    import base64
+
+    out: list[list[Any]] = []
+    for name, value in headers:
+        if value is None:
+            out.append([name, None])
+            continue
+        raw = value.encode() if isinstance(value, str) else bytes(value)
+        try:
+            out.append([name, raw.decode("utf-8")])
+        except UnicodeDecodeError:
+            out.append([name, {"base64": base64.b64encode(raw).decode()}])
+    return out
+
+
+def _next_offsets(records: Sequence[SinkRecord]) -> dict[TopicPartition, int]:
+    out: dict[TopicPartition, int] = {}
+    for r in records:
+        tp = r.tp
+        if out.get(tp, -1) <= r.offset:
+            out[tp] = r.offset + 1
+    return out
+
+
+class ProjectionWriter:
+    """Owns one PostgreSQL session for one projection task; `write` is the whole per-batch protocol."""
+
+    def __init__(self, pgc: PostgresConfig, config: ProjectionConfig, mapping: Mapping, connector: str,
+                 namespace: str | None = None, table: str | None = None) -> None:
+        self.pgc, self.config, self.mapping = pgc, config, mapping
+        self.connector = connector  # key of checkpoints and dead letters
+        self.namespace = namespace or connector  # key of tracking records (a rebuild uses its own)
+        self.table = table or config.table
+        self.conn: psycopg.Connection[Any] | None = None
+        self.shape: q.TableShape | None = None
+        self._tracking = db.table(pgc, "tracking")
+        self._checkpoints = db.table(pgc, "checkpoints")
+        self._dead = db.table(pgc, "dead_letters")
+        self._json: set[str] = set()
+        self._advance = True
+
+    # ---- session ----------------------------------------------------------------------------------------
+    def connection(self) -> psycopg.Connection[Any]:
+        if self.conn is None or self.conn.closed or self.conn.broken:
+            self.close()
+            conn = db.connect(self.pgc)
+            try:
+                with db.transaction(conn):
+                    self.shape = self._prepare(conn)
+                    conn.execute(q.create_stage(self.shape))
+            except BaseException:
+                conn.close()
+                raise
+            self.conn = conn
+        return self.conn
+
+    def close(self) -> None:
+        if self.conn is not None:
+            try:
+                self.conn.close()
+            finally:
+                self.conn = None
+
+    def _prepare(self, conn: psycopg.Connection[Any]) -> q.TableShape:
+        """Create the table if allowed and missing; check it has every configured column and a unique key."""
+        c, schema, table = self.config, self.config.schema, self.table
+        regclass = q.regclass_text(schema, table)
+        guard_key = f"kafold.projection:{schema}.{table}"
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (guard_key,))
+        found = dict(conn.execute(q.CATALOG_COLUMNS, (regclass,)).fetchall())
+        if not found:
+            if not c.create_table:
+                raise ConfigError([f"projection table {schema}.{table} does not exist (create_table = false)"])
+            try:
+                conn.execute(q.create_table(schema, table, c.columns, c.key_columns, VERSION_COLUMN))
+            except psycopg.errors.DatabaseError as e:
+                raise ConfigError([f"projection table {schema}.{table}: cannot create it: {e}"]) from e
+            found = dict(conn.execute(q.CATALOG_COLUMNS, (regclass,)).fetchall())
+        missing = [col for col in (*c.columns, VERSION_COLUMN) if col not in found]
+        if missing:
+            fixes = "; ".join(
+                f"ALTER TABLE {schema}.{table} ADD COLUMN {col} "
+                f"{'bigint NOT NULL DEFAULT 0' if col == VERSION_COLUMN else c.columns[col]}" for col in missing)
+            raise ConfigError([f"projection table {schema}.{table}: missing column(s) {', '.join(missing)} "
+                               f"(add them: {fixes})"])
+        unique = {tuple(cols) for (cols,) in conn.execute(q.CATALOG_UNIQUE, (regclass,)).fetchall()}
+        if tuple(sorted(c.key_columns)) not in unique:
+            raise ConfigError([f"projection table {schema}.{table}: no primary key or unique index on exactly "
+                               f"({', '.join(c.key_columns)}), which upserts need"])
+        types = {col: found[col] for col in (*c.columns, VERSION_COLUMN)}
+        self._json = {col for col, tp in types.items() if tp in ("json", "jsonb")}
+        return q.TableShape(schema, table, types, tuple(c.key_columns), VERSION_COLUMN)
+
+    # ---- offsets ----------------------------------------------------------------------------------------
+    def checkpoints(self) -> dict[TopicPartition, int]:
+        """The stored next offset of every partition this connector has written."""
+        conn = self.connection()
+        try:
+            rows = conn.execute(q.load_checkpoints(self._checkpoints), (self.connector,)).fetchall()
+        except psycopg.OperationalError as e:
+            self.close()
+            raise RetriableError(f"PostgreSQL: {e}") from e
+        return {TopicPartition(t, p): o for t, p, o in rows}
+
+    # ---- the batch --------------------------------------------------------------------------------------
+    def write(self, records: Sequence[SinkRecord], dead: Sequence[DeadLetter] = (),
+              offsets: dict[TopicPartition, int] | None = None, report: Report | None = None,
+              advance: bool = True) -> BatchResult:
+        """Apply `records`, record `dead` letters and advance checkpoints to cover `records` and `offsets`
+        (`advance=False`: leave checkpoints alone, e.g. when re-applying dead letters)."""
+        self._advance = advance
+        try:
+            return self._isolating(list(records), list(dead), dict(offsets or {}), report)
+        except RetriableError:
+            self.close()
+            raise
+        except psycopg.OperationalError as e:
+            self.close()
+            raise RetriableError(f"PostgreSQL: {e}") from e
+
+    def _isolating(self, records: list[SinkRecord], dead: list[DeadLetter], offsets: dict[TopicPartition, int],
+                   report: Report | None) -> BatchResult:
+        """One transaction; on a rejected row, bisect in order so each committed part covers a prefix."""
+        try:
+            return self._transaction(records, dead, offsets, report)
+        except REJECTED as e:
+            if len(records) <= 1:
+                if not records:
+                    raise FatalError(f"PostgreSQL rejected kafold's own bookkeeping: {e}") from e
+                bad = records[0]
+                error = RecordError(f"{self.config.schema}.{self.table} rejected the row of event "
+                                    f"{bad.event.event_id}: {type(e).__name__}: {str(e).splitlines()[0]}",
+                                    raw=bad, reason="db-rejected")
+                if report is not None:
+                    report([(bad, error)])
+                done = self._transaction([], [*dead, (RawRecord.of(bad), error)],
+                                         {**offsets, bad.tp: bad.offset + 1}, None)
+                done.dead_lettered += 1
+                return done
+            half = len(records) // 2
+            result = self._isolating(records[:half], dead, {}, report)
+            result.add(self._isolating(records[half:], [], offsets, report))
+            return result
+
+    def _transaction(self, records: list[SinkRecord], dead: list[DeadLetter], offsets: dict[TopicPartition, int],
+                     report: Report | None) -> BatchResult:
+        excluded: list[SinkRecord] = []
+        while True:
+            try:
+                conn = self.connection()
+                with db.transaction(conn):
+                    result = self._apply(conn, records, excluded, dead, offsets)
+                return result
+            except _Bad as e:  # rolled back: do it again without them, dead-lettered
+                if report is not None:
+                    report(e.bad)
+                excluded += [r for r, _ in e.bad]
+                dead = [*dead, *((RawRecord.of(r), err) for r, err in e.bad)]
+
+    def _apply(self, conn: psycopg.Connection[Any], records: list[SinkRecord], excluded: list[SinkRecord],
+               dead: list[DeadLetter], offsets: dict[TopicPartition, int]) -> BatchResult:
+        assert self.shape is not None
+        shape, mapping = self.shape, self.mapping
+        result = BatchResult(events=len(records), transactions=1, dead_lettered=len(dead))
+        skip = {id(r) for r in excluded}
+        first: dict[str, SinkRecord] = {}
+        for r in records:
+            if id(r) not in skip:
+                first.setdefault(r.event.event_id, r)
+        fresh: list[SinkRecord] = []
+        if first:
+            new_ids = {row[0] for row in conn.execute(q.track(self._tracking), (self.namespace, list(first))
+                                                       ).fetchall()}
+            fresh = [r for eid, r in first.items() if eid in new_ids]
+        result.duplicates = len(records) - len(excluded) - len(fresh)
+        # keys, then the current rows of those keys (locked), in one statement
+        keyed: list[tuple[tuple[Any, ...], SinkRecord]] = []
+        bad: list[tuple[SinkRecord, RecordError]] = []
+        for r in fresh:
+            try:
+                keyed.append((mapping.key(r.event), r))
+            except MappingError as e:
+                bad.append((r, MappingError(str(e), raw=r)))
+        keys = list(dict.fromkeys(k for k, _ in keyed))
+        loaded: dict[tuple[Any, ...], Row] = {}
+        if keys:
+            columns = list(zip(*keys, strict=True))
+            names = shape.written
+            nkeys = [names.index(k) for k in shape.keys]
+            for row in conn.execute(q.select_rows(shape), [list(col) for col in columns]).fetchall():
+                loaded[tuple(row[i] for i in nkeys)] = dict(zip(names, row, strict=True))
+        state: dict[tuple[Any, ...], Row | None] = dict(loaded)
+        for key, r in keyed:
+            row = state.get(key)
+            if mapping.is_stale(row, r.event):
+                result.stale += 1
+                continue
+            try:
+                new = mapping.apply(row, r.event, key)
+            except MappingError as e:
+                bad.append((r, MappingError(str(e), raw=r)))
+                continue
+            if new is UNCHANGED:
+                result.unchanged += 1
+                continue
+            state[key] = new  # type: ignore[assignment]
+        if bad:
+            raise _Bad(bad)
+        upserts = [row for key, row in state.items() if row is not None and row != loaded.get(key)]
+        deletes = [key for key, row in state.items() if row is None and key in loaded]
+        if upserts:
+            written, special = shape.written, self._json
+            with conn.cursor().copy(q.copy_stage(shape)) as copy:
+                for row in upserts:
+                    values = [row[c] for c in written]
+                    if special or any(type(v) is dict for v in values):
+                        values = [self._value(c, v) for c, v in zip(written, values, strict=True)]
+                    copy.write_row(values)
+            result.upserted = conn.execute(q.merge_stage(shape, mapping.guard)).rowcount
+        if deletes:
+            result.deleted = conn.execute(q.delete_rows(shape), [list(c) for c in zip(*deletes, strict=True)]
+                                          ).rowcount
+        if dead:
+            with conn.cursor() as cur:
+                cur.executemany(q.insert_dead_letters(self._dead), [self._dead_row(raw, err) for raw, err in dead])
+        advance = _next_offsets(records) if self._advance else {}
+        for tp, off in offsets.items():
+            advance[tp] = max(off, advance.get(tp, -1))
+        advance = {tp: off for tp, off in advance.items() if off >= 0}
+        if advance:
+            tps = list(advance)
+            conn.execute(q.save_checkpoints(self._checkpoints),
+                         (self.connector, [tp.topic for tp in tps], [tp.partition for tp in tps],
+                          [advance[tp] for tp in tps]))
+        result.checkpoints = advance
+        return result
+
+    def _value(self, column: str, value: Any) -> Any:
+        if value is None:
+            return None
+        if column in self._json:
+            return Jsonb(value)
+        if isinstance(value, dict):
+            return orjson.dumps(value).decode()
+        return value
+
+    def _dead_row(self, raw: RawRecord, error: BaseException) -> tuple[Any, ...]:
+        cls = type(error)
+        return (self.connector, raw.topic, raw.partition, raw.offset, raw.key, raw.value,
+                Jsonb(headers_json(raw.headers)), f"{cls.__module__}.{cls.__qualname__}", str(error)[:2000],
+                getattr(error, "reason", "task-error"))
+
+
+def elapsed_ms(started: float) -> float:
+    return round((time.perf_counter() - started) * 1000, 1)
+

@@ -1,0 +1,75 @@
+"""The catch-up gate of one commands partition: RECOVERING until its events partition is replayed to the end.
+
+Offset note: `captured_end` is the events partition's end offset as the broker reports it at assignment (under
+read_committed: the last stable offset). The gate opens only when the replay has reached it *and* a fetch
+response reported the end of the partition (partition EOF) at an offset >= `captured_end`. A fetch reports
+the true end of the log (high watermark / last stable offset), so if the captured figure under-reports the end,
+the replay simply continues to the end the fetch path reports: the gate can open late, never early. Until it
+opens, the partition's commands are paused and any command fetched anyway is sought back (never decided).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+RECOVERING, LIVE = "RECOVERING", "LIVE"
+
+
+@dataclass
+class PartitionGate:
+    """State machine of one partition: RECOVERING -> LIVE (a new assignment starts a new gate)."""
+
+    partition: int
+    captured_end: int
+    start: int = 0                       # first events offset replayed (after a snapshot: the tail's start)
+    phase: str = RECOVERING
+    position: int = -1                   # next events offset after the last replayed record
+    eof_at: int | None = None            # latest partition EOF reported by a fetch
+    events_replayed: int = 0
+    snapshot_version: int | None = None  # set by a snapshot restore (none yet: full replay)
+    began: float = field(default_factory=time.monotonic)
+    reached_at: float | None = None      # when the replay first reached `captured_end`
+    opened_at: float | None = None
+    decided_while_recovering: int = 0    # must stay 0: counted defensively by the runtime
+
+    def __post_init__(self) -> None:
+        self.position = max(self.position, self.start)
+
+    @property
+    def live(self) -> bool:
+        return self.phase == LIVE
+
+    def replayed(self, next_offset: int, count: int = 1, now: float | None = None) -> None:
+        """Records up to `next_offset` (exclusive) were folded into state."""
+        if next_offset > self.position:
+            self.position = next_offset
+        self.events_replayed += count
+        self._check_reached(now)
+
+    def end_of_partition(self, offset: int, now: float | None = None) -> bool:
+        """A fetch reported partition EOF at `offset` (= the next offset to read). True when the gate opens."""
+        if self.live:
+            return False
+        self.eof_at = offset
+        if offset > self.position:  # nothing in between (e.g. transaction markers): the position is the end
+            self.position = offset
+        self._check_reached(now)
+        if offset >= self.captured_end and self.position >= self.captured_end:
+            self.phase = LIVE
+            self.opened_at = time.monotonic() if now is None else now
+            return True
+        return False
+
+    def _check_reached(self, now: float | None) -> None:
+        if self.reached_at is None and self.position >= self.captured_end:
+            self.reached_at = time.monotonic() if now is None else now
+
+    def may_decide(self) -> bool:
+        return self.live
+
+    def describe(self) -> dict[str, object]:
+        return {"partition": self.partition, "phase": self.phase, "captured_end": self.captured_end,
+                "start": self.start, "position": self.position, "eof_at": self.eof_at,
+                "events_replayed": self.events_replayed, "snapshot_version": self.snapshot_version,
+                "recovery_s": round((self.opened_at or time.monotonic()) - self.began, 3)}

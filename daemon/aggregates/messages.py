@@ -1,0 +1,135 @@
+"""The command envelope and the result record of the aggregate runtime (see docs/aggregates.md)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from kafold.envelope import MAX_BYTES, MAX_ID_CHARS, Headers, utc_now
+from kafold.errors import DecodeError
+
+H_COMMAND_TYPE = "kafold-command-type"
+H_COMMAND_ID = "kafold-command-id"
+H_AGGREGATE = "kafold-aggregate"
+ACCEPTED, REJECTED = "accepted", "rejected"
+
+_COMMAND_FIELDS = frozenset({"command_id", "type", "aggregate_type", "aggregate_id", "expected_version", "data",
+                             "correlation_id", "issued_at"})
+_COMMAND_REQUIRED = ("command_id", "type", "aggregate_id", "data")
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A request to an aggregate. Key = aggregate id; `expected_version` None = no concurrency check."""
+
+    command_id: str
+    type: str
+    aggregate_id: str
+    data: dict[str, Any] = field(default_factory=dict)
+    aggregate_type: str = ""
+    expected_version: int | None = None
+    correlation_id: str = ""
+    issued_at: str = ""
+
+    @classmethod
+    def new(cls, aggregate_type: str, aggregate_id: str, type: str, data: dict[str, Any] | None = None, *,
+            expected_version: int | None = None, command_id: str | None = None,
+            correlation_id: str | None = None) -> Command:
+        cid = command_id or str(uuid.uuid4())
+        return cls(cid, type, aggregate_id, dict(data or {}), aggregate_type, expected_version,
+                   correlation_id or cid, utc_now())
+
+    def encode(self) -> tuple[bytes, bytes, Headers]:
+        body = {"command_id": self.command_id, "type": self.type, "aggregate_type": self.aggregate_type,
+                "aggregate_id": self.aggregate_id, "expected_version": self.expected_version, "data": self.data,
+                "correlation_id": self.correlation_id or self.command_id, "issued_at": self.issued_at}
+        headers: Headers = [(H_COMMAND_TYPE, self.type.encode()), (H_COMMAND_ID, self.command_id.encode()),
+                            (H_AGGREGATE, self.aggregate_type.encode())]
+        return self.aggregate_id.encode(), orjson.dumps(body), headers
+
+
+def _bad(raw: Any, message: str, reason: str) -> DecodeError:
+    return DecodeError(f"invalid command: {message}", raw=raw, reason=reason)
+
+
+def decode_command(key: bytes | None, value: bytes | None, *, raw: Any = None) -> Command:
+    """The Command in a record; DecodeError names the defect (the record is then rejected and dead-lettered)."""
+    if value is None:
+        raise _bad(raw, "value: missing", "missing-field")
+    if len(value) > MAX_BYTES:
+        raise _bad(raw, f"value: {len(value)} bytes exceeds {MAX_BYTES}", "too-large")
+    try:
+        body = orjson.loads(value)
+    except orjson.JSONDecodeError as e:
+        raise _bad(raw, f"value: not valid JSON ({e})", "bad-json") from None
+    if type(body) is not dict:
+        raise _bad(raw, "value: expected a JSON object", "wrong-type")
+    extra = sorted(k for k in body if k not in _COMMAND_FIELDS)
+    if extra:
+        raise _bad(raw, f"{extra[0]}: unknown field", "unknown-field")
+    for name in _COMMAND_REQUIRED:
+        if name not in body:
+            raise _bad(raw, f"{name}: missing", "missing-field")
+    for name in ("command_id", "type", "aggregate_id"):
+        v = body[name]
+        if type(v) is not str or not v or len(v) > MAX_ID_CHARS:
+            raise _bad(raw, f"{name}: expected a string of 1..{MAX_ID_CHARS} characters", "wrong-type")
+    if type(body["data"]) is not dict:
+        raise _bad(raw, "data: expected a JSON object", "wrong-type")
+    ev = body.get("expected_version")
+    if ev is not None and (type(ev) is not int or ev < 0):
+        raise _bad(raw, "expected_version: expected an integer >= 0 or null", "wrong-type")
+    for name in ("aggregate_type", "correlation_id", "issued_at"):
+        if type(body.get(name, "")) is not str:
+            raise _bad(raw, f"{name}: expected a string", "wrong-type")
+    if key is None or key != body["aggregate_id"].encode():
+        raise _bad(raw, "key: must be the aggregate id", "header-mismatch")
+    return Command(body["command_id"], body["type"], body["aggregate_id"], body["data"],
+                   body.get("aggregate_type", ""), ev, body.get("correlation_id") or body["command_id"],
+                   body.get("issued_at", ""))
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """What became of a command: accepted (new version, event ids) or rejected (reason; version = current)."""
+
+    command_id: str
+    aggregate_id: str
+    status: str
+    version: int
+    event_ids: tuple[str, ...] = ()
+    reason: str | None = None
+    correlation_id: str = ""
+    duplicate: bool = False  # the command id was processed before; this repeats its outcome
+
+    @property
+    def accepted(self) -> bool:
+        return self.status == ACCEPTED
+
+    def encode(self) -> tuple[bytes, bytes, Headers]:
+        body = {"command_id": self.command_id, "aggregate_id": self.aggregate_id, "status": self.status,
+                "version": self.version, "event_ids": list(self.event_ids), "reason": self.reason,
+                "correlation_id": self.correlation_id, "duplicate": self.duplicate}
+        return self.aggregate_id.encode(), orjson.dumps(body), [(H_COMMAND_ID, self.command_id.encode())]
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = orjson.loads(self.encode()[1])
+        return data
+
+
+def decode_result(value: bytes) -> Result:
+    body = orjson.loads(value)
+    return Result(body["command_id"], body["aggregate_id"], body["status"], body["version"],
+                  tuple(body.get("event_ids") or ()), body.get("reason"), body.get("correlation_id", ""),
+                  bool(body.get("duplicate", False)))
+
+
+def header(headers: Sequence[tuple[str, bytes | None]] | None, name: str) -> str | None:
+    for k, v in headers or ():
+        if k == name and v is not None:
+            return v.decode("utf-8", "replace")
+    return None

@@ -1,0 +1,360 @@
+"""AggregateRuntime: the catch-up gate, then exactly-once command processing for one aggregate type.
+
+Offsets and commits
+-------------------
+The commands topic is consumed in the group `<group_prefix>.aggregate.<name>` with auto-commit off and
+read_committed. Each assigned commands partition is paused and gets a `PartitionGate`: its events partition
+(same number; the topics are co-partitioned) is restored (`recovery.Restorer`: full replay today, snapshots
+later) and its tail replayed to the end (see gate.py) before the partition resumes. A command fetched from a
+partition that is not LIVE is never decided: the partition is sought back to it.
+
+A batch (up to `batch_max_records` commands or `batch_max_wait_ms`) is one transaction (txn.py): the events
+(written to the command's partition number of the events topic, versions consecutive per aggregate, ids
+`derive_event_id(command_id, i)`), one result per command (same partition of the results topic), dead letters,
+and the offsets after the batch. A crash before the commit aborts all of it: the commands are read again and
+decided on the state rebuilt from committed events only, so no event is written twice. If the commit is
+aborted, the consumer is sought back to the batch's first offsets and the touched states are restored from an
+undo log. The idempotency guard (an aggregate's last command ids, rebuilt from the events' causation ids)
+answers a command id seen before with its first outcome and no new events.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from confluent_kafka import KafkaError
+from confluent_kafka import TopicPartition as KTP
+
+from kafold import kafka_clients, logs
+from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig
+from kafold.connectors.api import RawRecord
+from kafold.connectors.dlq import dlq_headers
+from kafold.daemon.aggregates import recovery
+from kafold.daemon.aggregates.gate import PartitionGate
+from kafold.daemon.aggregates.messages import REJECTED, Command, Result, decode_command, header
+from kafold.daemon.aggregates.processor import handle
+from kafold.daemon.aggregates.store import Entry, StateStore
+from kafold.daemon.aggregates.txn import TransactionalWriter
+from kafold.domain import AggregateDomain
+from kafold.envelope import utc_now
+from kafold.errors import DecodeError, FatalError, RecordError
+
+log = logs.get(__name__)
+
+RECOVERY_BATCH = 20000
+
+
+def dlq_topic(agg: AggregateConfig) -> str:
+    return f"kafold.dlq.aggregate.{agg.name}"
+
+
+class AggregateRuntime:
+    """Runs one aggregate type in the calling thread until `stop()`; raises FatalError if it must stop."""
+
+    def __init__(self, kafka: KafkaConfig, daemon: DaemonConfig, agg: AggregateConfig, domain: AggregateDomain,
+                 *, instance_id: str, restorer: recovery.Restorer | None = None,
+                 stop: threading.Event | None = None, consumer_extra: dict[str, Any] | None = None) -> None:
+        self.kafka, self.daemon, self.agg, self.domain = kafka, daemon, agg, domain
+        self.restorer = restorer or recovery.FullReplay()
+        self.stop_event = stop or threading.Event()
+        self.group_id = f"{daemon.group_prefix}.aggregate.{agg.name}"
+        self.transactional_id = f"{self.group_id}.{instance_id}"
+        self.topics = {k: agg.topic(k) for k in ("commands", "events", "results")}
+        self.dlq = dlq_topic(agg)
+        self.consumer_extra = dict(consumer_extra or {})
+        self.store = StateStore(agg.cache_max_aggregates)
+        self.gates: dict[int, PartitionGate] = {}
+        self.folders: dict[int, recovery.Folder] = {}
+        self.positions: dict[int, int] = {}
+        self.counts = dict.fromkeys(("batches", "commands", "accepted", "rejected", "dead_lettered", "duplicates",
+                                     "events", "aborts", "assignments", "reloads"), 0)
+        self.consumer: Any = None
+        self.reader: Any = None
+        self.writer: TransactionalWriter | None = None
+        self.joined = False
+        self.error: BaseException | None = None
+        self.log = log.bind(aggregate=agg.name)
+
+    # ---- queries (any thread) ---------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """Joined the group and every assigned partition is LIVE."""
+        return self.joined and all(g.live for g in list(self.gates.values()))
+
+    def partitions(self) -> list[dict[str, object]]:
+        return [g.describe() for g in sorted(list(self.gates.values()), key=lambda g: g.partition)]
+
+    def get(self, aggregate_id: str) -> tuple[Any, int] | None:
+        """(state, version) of a cached aggregate of a LIVE partition; reloads an evicted one. None = unknown
+        here (not assigned to this instance, still recovering, or no events yet)."""
+        with self.store.lock:
+            entry = self.store.entries.get(aggregate_id)
+            if entry is not None:
+                gate = self.gates.get(entry.partition)
+                return (entry.state, entry.version) if gate is not None and gate.live else None
+            partition = next((p for p, ids in self.store.evicted.items() if aggregate_id in ids), None)
+        if partition is None:
+            return None
+        private = StateStore(1)
+        reader = recovery.reader(self.kafka, self.agg.name)
+        try:
+            recovery.reload(reader, self.topics["events"], self.domain, private, partition, {aggregate_id})
+        finally:
+            reader.close()
+        found = private.entries.get(aggregate_id)
+        return (found.state, found.version) if found is not None and found.version else None
+
+    def get_state(self, aggregate_id: str) -> Any:
+        """The domain state of one aggregate, or None (thread-safe; served at GET /aggregates/{name}/{id})."""
+        got = self.get(aggregate_id)
+        return None if got is None else got[0]
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    # ---- the loop ---------------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self._start()
+            wait = self.daemon.batch_max_wait_ms / 1000
+            while not self.stop_event.is_set():
+                recovering = any(not g.live for g in self.gates.values())
+                if recovering:
+                    self._recover_step()
+                msgs = self.consumer.consume(self.daemon.batch_max_records, 0.0 if recovering else wait)
+                if msgs:
+                    self._batch(msgs)
+        except Exception as e:
+            self.error = e
+            self.log.error("aggregate.failed", error_class=type(e).__name__, error=str(e),
+                           exc_info=not isinstance(e, FatalError))
+            raise
+        finally:
+            self._shutdown()
+
+    def _start(self) -> None:
+        from kafold import topics
+        from kafold.config import TopicSpec
+
+        rf = self.kafka.replication_factor
+        specs = [TopicSpec(t, self.agg.partitions, rf, {}) for t in self.topics.values()]
+        topics.ensure(self.kafka, [*specs, TopicSpec(self.dlq, 1, rf, {}, purpose="dead-letter")])
+        self.writer = TransactionalWriter(self.kafka, self.transactional_id)
+        self.reader = recovery.reader(self.kafka, self.agg.name)
+        extra = {"isolation.level": "read_committed", "enable.auto.offset.store": False, **self.consumer_extra}
+        self.consumer = kafka_clients.consumer(self.kafka, self.group_id, **extra)
+        self.consumer.subscribe([self.topics["commands"]], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                on_lost=self._on_revoke)
+        self.log.info("aggregate.started", group=self.group_id, transactional_id=self.transactional_id)
+
+    # ---- recovery ---------------------------------------------------------------------------------------
+    def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
+        consumer.assign(partitions)
+        consumer.pause(partitions)  # the gate: nothing is decided until the events are replayed
+        self.joined = True
+        self.counts["assignments"] += 1
+        events = self.topics["events"]
+        for p in partitions:
+            n = p.partition
+            low, end = recovery.bounds(self.reader, events, n)
+            base = self.restorer.restore(n, low, end)
+            self.gates[n] = PartitionGate(n, end, start=base.start, snapshot_version=base.snapshot_version)
+            folder = self.folders[n] = recovery.Folder(self.domain, self.store, n)
+            folder.seed(base)
+            self.reader.incremental_assign([KTP(events, n, base.start)])
+            self.log.info("aggregate.recovering", partition=n, low=low, captured_end=end, start=base.start)
+
+    def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
+        mine = [p.partition for p in partitions if p.partition in self.gates]
+        for n in mine:
+            gate = self.gates.pop(n)
+            self.folders.pop(n, None)
+            self.positions.pop(n, None)
+            self.store.drop_partition(n)
+            if not gate.live:
+                self.reader.incremental_unassign([KTP(self.topics["events"], n)])
+        if mine:
+            self.log.info("aggregate.partitions_released", partitions=sorted(mine))
+
+    def _recover_step(self) -> None:
+        """Fold one fetch of events into the recovering partitions; open the gates that reached the end."""
+        msgs = self.reader.consume(RECOVERY_BATCH, 0.05)
+        data: dict[int, list[Any]] = {}
+        for m in msgs:
+            n = m.partition()
+            gate = self.gates.get(n)
+            if gate is None or gate.live:
+                continue
+            err = m.error()
+            if err is None:
+                data.setdefault(n, []).append(m)
+                continue
+            if err.code() != KafkaError._PARTITION_EOF:
+                self.log.warning("aggregate.reader_error", partition=n, error=err.str())
+                continue
+            self._fold(n, data.pop(n, []))
+            if gate.end_of_partition(m.offset()):
+                self._open(gate)
+        for n, batch in data.items():
+            self._fold(n, batch)
+        self.store.trim()
+
+    def _fold(self, n: int, batch: list[Any]) -> None:
+        if batch:
+            self.folders[n].fold(batch)
+            self.gates[n].replayed(batch[-1].offset() + 1, len(batch))
+
+    def _open(self, gate: PartitionGate) -> None:
+        n = gate.partition
+        self.reader.incremental_unassign([KTP(self.topics["events"], n)])
+        folder = self.folders.pop(n)
+        self.consumer.resume([KTP(self.topics["commands"], n)])
+        self.log.info("aggregate.caught_up", **gate.describe(), folded=folder.folded, duplicates=folder.skipped,
+                      bad_events=folder.bad, first_bad=folder.first_bad or None)
+
+    # ---- commands ---------------------------------------------------------------------------------------
+    def _batch(self, msgs: list[Any]) -> None:
+        started = time.monotonic()
+        live: list[Any] = []
+        rewind: dict[int, int] = {}
+        for m in msgs:
+            if m.error() is not None:
+                if m.error().fatal():
+                    raise FatalError(f"commands consumer: {m.error().str()}")
+                continue
+            gate = self.gates.get(m.partition())
+            if gate is None or not gate.may_decide():
+                rewind.setdefault(m.partition(), m.offset())  # fetched before the pause: read it again later
+            else:
+                live.append(m)
+        for n, off in rewind.items():
+            if n in self.gates:
+                self.consumer.seek(KTP(self.topics["commands"], n, off))
+        if not live:
+            return
+        decoded = [self._decode(m) for m in live]
+        self._reload_missing(live)
+        assert self.writer is not None
+        undo: dict[str, Entry | None] = {}
+        tally = dict.fromkeys(("accepted", "rejected", "dead_lettered", "duplicates", "events"), 0)
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        now = utc_now()
+        self.writer.begin()
+        for m, cmd in zip(live, decoded, strict=True):
+            n = m.partition()
+            first.setdefault(n, m.offset())
+            last[n] = m.offset() + 1
+            self._one(m, cmd, n, now, undo, tally)
+        offsets = [KTP(self.topics["commands"], n, off) for n, off in last.items()]
+        if not self.writer.commit(offsets, self.consumer.consumer_group_metadata()):
+            self._rewind(first, undo)
+            return
+        self.positions.update(last)
+        self.store.trim()
+        self.counts["batches"] += 1
+        self.counts["commands"] += len(live)
+        for k, v in tally.items():
+            self.counts[k] += v
+        self.log.info("aggregate.batch", commands=len(live), **tally, partitions=sorted(last),
+                      duration_ms=round((time.monotonic() - started) * 1000, 1))
+
+    def _decode(self, m: Any) -> Command | DecodeError:
+        try:
+            return decode_command(m.key(), m.value(), raw=m)
+        except DecodeError as e:
+            return e
+
+    def _one(self, m: Any, cmd: Command | DecodeError, n: int, now: str, undo: dict[str, Entry | None],
+             tally: dict[str, int]) -> None:
+        assert self.writer is not None
+        if isinstance(cmd, DecodeError):
+            key = m.key() or b""
+            cid = header(m.headers(), "kafold-command-id") or f"{m.topic()}/{n}/{m.offset()}"
+            result = Result(cid, key.decode("utf-8", "replace"), REJECTED, 0, (), str(cmd), cid)
+            self._dead_letter(m, cmd)
+            tally["rejected"] += 1
+            tally["dead_lettered"] += 1
+        else:
+            entry = self.store.get(cmd.aggregate_id)
+            fresh = entry is None
+            if entry is None:
+                entry = Entry(self.domain.initial(), 0, n)
+            gate = self.gates[n]
+            if not gate.may_decide():  # unreachable by construction; counted so a test can prove it
+                gate.decided_while_recovering += 1
+            out = handle(self.domain, cmd, entry, now)
+            result = out.result
+            if out.events:
+                if cmd.aggregate_id not in undo:  # first change in this batch: keep the committed entry
+                    undo[cmd.aggregate_id] = None if fresh else entry.copy()
+                for key, value, headers in out.events:
+                    self.writer.produce(self.topics["events"], n, key, value, headers)
+                entry.state, entry.version = out.state, out.version
+                entry.note(cmd.command_id, out.version, len(out.events))
+                if fresh:
+                    self.store.put(cmd.aggregate_id, entry)
+                tally["events"] += len(out.events)
+            if out.error is not None:
+                out.error.raw = m
+                self._dead_letter(m, out.error)
+                tally["dead_lettered"] += 1
+            tally["duplicates" if result.duplicate else "accepted" if result.accepted else "rejected"] += 1
+        key, value, headers = result.encode()
+        self.writer.produce(self.topics["results"], n, key, value, headers)
+
+    def _dead_letter(self, m: Any, error: RecordError) -> None:
+        assert self.writer is not None
+        raw = RawRecord.of(m)
+        headers = dlq_headers(raw, error, f"aggregate.{self.agg.name}", int(time.time() * 1000))
+        self.writer.produce(self.dlq, 0, raw.key, raw.value, headers)
+        self.log.warning("aggregate.dead_lettered", partition=raw.partition, offset=raw.offset,
+                         reason=error.reason, error=str(error)[:200])
+
+    def _reload_missing(self, msgs: list[Any]) -> None:
+        """Rebuild evicted aggregates of this batch from Kafka before deciding on them."""
+        wanted: dict[int, set[str]] = {}
+        for m in msgs:
+            key = m.key()
+            if key is None:
+                continue
+            aid = key.decode("utf-8", "replace")
+            if self.store.is_evicted(m.partition(), aid) and aid not in self.store.entries:
+                wanted.setdefault(m.partition(), set()).add(aid)
+        if not wanted:
+            return
+        reader = recovery.reader(self.kafka, self.agg.name)
+        try:
+            for n, ids in wanted.items():
+                recovery.reload(reader, self.topics["events"], self.domain, self.store, n, ids)
+                self.counts["reloads"] += len(ids)
+        finally:
+            reader.close()
+
+    def _rewind(self, first: dict[int, int], undo: dict[str, Entry | None]) -> None:
+        """After an aborted transaction: restore the touched states and read the batch's commands again."""
+        self.counts["aborts"] += 1
+        with self.store.lock:
+            for aid, old in undo.items():
+                if old is None:
+                    self.store.entries.pop(aid, None)
+                else:
+                    self.store.put(aid, old)
+        for n, off in first.items():
+            if n in self.gates:
+                self.consumer.seek(KTP(self.topics["commands"], n, off))
+        self.log.warning("aggregate.batch_aborted", partitions=sorted(first), rewound_to=first)
+
+    def _shutdown(self) -> None:
+        for what, close in (("writer", self.writer.close if self.writer else None),
+                            ("consumer", self.consumer.close if self.consumer else None),
+                            ("reader", self.reader.close if self.reader else None)):
+            if close is None:
+                continue
+            try:
+                close()
+            except Exception as e:
+                self.log.error("aggregate.close_failed", what=what, error=str(e))
+        self.log.info("aggregate.stopped", failed=self.error is not None, **self.counts)

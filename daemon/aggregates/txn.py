@@ -1,0 +1,116 @@
+"""One Kafka transaction per batch of commands: events + results + dead letters + the consumed command offsets.
+
+Guarantee: `commit` makes the batch's events, results, dead-letter records and the commands consumer's offsets
+visible together (read_committed) or not at all. The offsets go through `send_offsets_to_transaction` with the
+consumer's group metadata (KIP-447): a member fenced by a newer generation cannot commit them, and a second
+producer with the same `transactional.id` fences this one (`init_transactions` aborts our open transaction).
+`commit` returns False when the transaction was aborted (the caller rewinds to the last committed offsets and
+rebuilds the state the batch touched); it raises FatalError when this producer is fenced or broken.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from confluent_kafka import KafkaException, TopicPartition
+
+from kafold import kafka_clients, logs
+from kafold.config import KafkaConfig
+from kafold.envelope import Headers
+from kafold.errors import FatalError, RetriableError
+
+log = logs.get(__name__)
+TIMEOUT_S = 30.0
+
+
+class TransactionalWriter:
+    """A transactional producer; `begin`, `produce`..., then `commit(offsets, group_metadata)` or `abort`."""
+
+    def __init__(self, kafka: KafkaConfig, transactional_id: str, **extra: Any) -> None:
+        self.transactional_id = transactional_id
+        self.producer = kafka_clients.producer(kafka, **{
+            "transactional.id": transactional_id, "enable.idempotence": True, "acks": "all", "linger.ms": 5,
+            "batch.num.messages": 10000, "queue.buffering.max.messages": 500000,
+            "transaction.timeout.ms": 60000, **extra})
+        self.open = False
+        self._init()
+
+    def _init(self) -> None:
+        try:
+            self.producer.init_transactions(TIMEOUT_S)
+        except KafkaException as e:
+            raise _convert(e, "init_transactions") from e
+
+    def begin(self) -> None:
+        try:
+            self.producer.begin_transaction()
+        except KafkaException as e:
+            raise _convert(e, "begin_transaction") from e
+        self.open = True
+
+    def produce(self, topic: str, partition: int, key: bytes | None, value: bytes | None,
+                headers: Headers) -> None:
+        while True:
+            try:
+                self.producer.produce(topic, value=value, key=key, headers=headers, partition=partition)
+                return
+            except BufferError:
+                self.producer.poll(0.05)
+            except KafkaException as e:
+                raise _convert(e, "produce") from e
+
+    def commit(self, offsets: list[TopicPartition], group_metadata: Any) -> bool:
+        """Commit the open transaction with `offsets`; False when it had to be aborted (nothing visible)."""
+        try:
+            if offsets:
+                self.producer.send_offsets_to_transaction(offsets, group_metadata, TIMEOUT_S)
+            self._retrying(self.producer.commit_transaction)
+            return True
+        except KafkaException as e:
+            err = e.args[0]
+            if err.fatal() or not err.txn_requires_abort():
+                raise _convert(e, "commit") from e
+            log.warning("aggregate.txn_aborting", transactional_id=self.transactional_id, error=str(err))
+            self.abort()
+            return False
+        finally:
+            self.open = False
+
+    def abort(self) -> None:
+        try:
+            self._retrying(self.producer.abort_transaction)
+        except KafkaException as e:
+            raise _convert(e, "abort") from e
+        finally:
+            self.open = False
+
+    def _retrying(self, op: Any) -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            try:
+                op(TIMEOUT_S)
+                return
+            except KafkaException as e:
+                err = e.args[0]
+                if err.retriable() and not err.fatal() and time.monotonic() < deadline:
+                    continue
+                raise
+
+    def close(self) -> None:
+        if self.open:
+            try:
+                self.abort()
+            except Exception as e:
+                log.warning("aggregate.txn_abort_on_close_failed", error=str(e))
+        self.producer.flush(5)
+
+
+def _convert(e: KafkaException, doing: str) -> Exception:
+    err = e.args[0]
+    if err.fatal():
+        return FatalError(f"transactional producer {doing} failed (fenced or broken; this instance must stop): "
+                          f"{err.str()}")
+    if err.retriable():
+        return RetriableError(f"transactional producer {doing} failed: {err.str()}")
+    return FatalError(f"transactional producer {doing} failed: {err.str()}")

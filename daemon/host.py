@@ -1,0 +1,272 @@
+"""The daemon host: a Faust worker (Kafka consumer off) running sink tasks and aggregates as a mode Service.
+
+Lifecycle and commits
+---------------------
+Faust supplies the worker, signal handling and the aiohttp web server; its own Kafka consumer and producer are
+disabled (`_Boot`), so the worker joins no consumer group of its own. Each sink task runs the batched
+confluent-kafka SinkRunner in its own thread (Faust's per-event stream is several times slower; see
+docs/architecture.md). On SIGTERM/SIGINT the tasks stop fetching, finish or abandon the in-flight batch, commit
+what is done and close; the runners get `shutdown_grace_s - STOP_OVERHEAD_S` so that the whole process, Faust's
+own loop shutdown included, exits within `daemon.shutdown_grace_s`. A task or aggregate that stops by itself
+(a failure) stops the daemon with exit code 1: fail fast, the supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import faust
+import mode
+from faust.app.base import BootStrategy
+
+from kafold import logs, sdnotify
+from kafold.config import KafoldConfig, python_path
+from kafold.connectors.api import TopicPartition
+from kafold.connectors.registry import instantiate
+from kafold.daemon import connect_api, http, offsets
+from kafold.daemon.metrics import DaemonMetrics
+from kafold.daemon.tasks import AggregateSlot, ConnectorGroup, TaskSlot, aggregate_factory, join_all
+from kafold.errors import FatalError
+
+log = logs.get(__name__)
+
+STOP_OVERHEAD_S = 2.0  # Faust/mode's loop shutdown (it gathers tasks and sleeps ~1 s) plus leaving the groups
+WATCH_INTERVAL_S = 0.2
+
+
+class _Boot(BootStrategy):
+    """Faust without its own Kafka consumer/producer: the sink tasks bring their own batched consumers."""
+
+    enable_kafka = False
+    enable_kafka_consumer = False
+    enable_kafka_producer = False
+    enable_sensors = False
+
+
+class _App(faust.App):
+    BootStrategy = _Boot
+
+
+class _Worker(faust.Worker):
+    """Installs signal handlers only in the main thread (the daemon also runs in-process in tests)."""
+
+    def install_signal_handlers(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            super().install_signal_handlers()
+
+    def _schedule_shutdown(self, signal: Any) -> None:  # mode's hook for SIGTERM/SIGINT
+        if not self._signal_stop_time:
+            log.info("stop requested", signal=getattr(signal, "name", str(signal)))
+        super()._schedule_shutdown(signal)
+
+
+class DaemonHost:
+    """Builds the connectors, aggregates, metrics and web views of one daemon process; `run` blocks."""
+
+    def __init__(self, cfg: KafoldConfig, base: Path, stop: threading.Event | None = None) -> None:
+        self.cfg, self.base = cfg, base
+        self.stop_event = stop or threading.Event()
+        d = cfg.daemon
+        self.worker_id = f"{d.http_host}:{d.http_port}"
+        self.token = d.api_token.reveal() if d.api_token is not None else None
+        self.restart_timeout = d.shutdown_grace_s + 5.0
+        self.exit_code = 0
+        self.stopping = False
+        self.metrics = DaemonMetrics(lambda: self.groups)
+        self.notifier = sdnotify.Notifier()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.worker: _Worker | None = None
+        self._background: set[Any] = set()
+        self.background_stop: Any = None
+        self.groups = self._build_groups()
+        self.aggregates = self._build_aggregates()
+
+    # ---- building ---------------------------------------------------------------------------------------
+    def _build_groups(self) -> list[ConnectorGroup]:
+        task_daemon = dataclasses.replace(
+            self.cfg.daemon, shutdown_grace_s=max(0.0, self.cfg.daemon.shutdown_grace_s - STOP_OVERHEAD_S - 0.5))
+        groups: list[ConnectorGroup] = []
+        with python_path(self.cfg, self.base):
+            for i, settings in enumerate(self.cfg.connectors):
+                connector = instantiate(settings, self.base, f"connectors[{i}]")
+                if not connector.is_sink():
+                    raise FatalError(f"connector {settings.name!r}: the daemon runs sink connectors only")
+                # Tasks get the configured services with their task config (Connect's worker config).
+                services = {"kafka": self.cfg.kafka, "postgres": self.cfg.postgres}
+                slots = [TaskSlot(connector, {**tc, **services}, self.cfg.kafka, task_daemon, self.metrics.observe,
+                                  self._on_exit) for tc in connector.task_configs(settings.tasks_max)[
+                                      : settings.tasks_max]]
+                groups.append(ConnectorGroup(connector, slots))
+        return groups
+
+    def _build_aggregates(self) -> dict[str, AggregateSlot]:
+        if not self.cfg.aggregates:
+            return {}
+        factory = aggregate_factory()
+        with python_path(self.cfg, self.base):
+            return {a.name: AggregateSlot(a, factory(self.cfg, a, self.base), self._on_exit)
+                    for a in self.cfg.aggregates}
+
+    def _build_app(self, datadir: str) -> _App:
+        d = self.cfg.daemon
+        servers = [s.strip() for s in (self.cfg.kafka.bootstrap_servers or "localhost:9092").split(",") if s]
+        app = _App(f"kafold-daemon-{d.group_prefix}", broker=[f"kafka://{s}" for s in servers], datadir=datadir,
+                   autodiscover=False, web_enabled=d.http_port != 0, web_bind=d.http_host, web_host=d.http_host,
+                   web_port=d.http_port or 8083, loop=self.loop)
+        for path, view in {**http.ROUTES, **connect_api.ROUTES}.items():
+            app.page(path, name=view.__name__)(type(view.__name__, (view,), {"host": self}))
+        app.service(type("KafoldTasks", (TasksService,), {"host": self}))
+        return app
+
+    # ---- state ------------------------------------------------------------------------------------------
+    @property
+    def slots(self) -> list[TaskSlot]:
+        return [s for g in self.groups for s in g.slots]
+
+    @property
+    def failed(self) -> bool:
+        return any(s.failed for s in self.slots) or any(a.failed for a in self.aggregates.values())
+
+    def group(self, name: str) -> ConnectorGroup | None:
+        return next((g for g in self.groups if g.name == name), None)
+
+    def ready_report(self) -> tuple[bool, dict[str, Any]]:
+        """Ready when every task joined its group and caught up on every assigned partition, and every
+        aggregate runtime is live."""
+        waiting: list[dict[str, Any]] = []
+        for slot in self.slots:
+            r = slot.runner
+            where = {"connector": slot.connector.name, "task": slot.task_id, "state": slot.state}
+            if slot.state not in ("RUNNING", "PAUSED"):
+                waiting.append({**where, "reason": "task not running"})
+            elif not r.counts["assignments"]:
+                waiting.append({**where, "reason": "partitions not assigned yet"})
+            else:
+                behind = [{"topic": p.tp.topic, "partition": p.tp.partition, "position": p.position,
+                           "end_offset_at_assignment": p.target, "lag": p.lag}
+                          for p in sorted(r.progress.snapshot.values(), key=lambda p: p.tp) if not p.caught_up]
+                if behind:
+                    waiting.append({**where, "reason": "catching up", "partitions": behind})
+        for agg in self.aggregates.values():
+            if not agg.ready:
+                waiting.append({"aggregate": agg.name, "reason": "recovering" if not agg.failed else "failed"})
+        if self.stopping:
+            waiting.append({"reason": "shutting down"})
+        ready = not waiting
+        return ready, {"ready": ready, "not_ready": waiting,
+                       "tasks": len(self.slots), "aggregates": len(self.aggregates)}
+
+    async def group_offsets(self, group: ConnectorGroup) -> dict[tuple[str, int], int]:
+        topics = list(group.connector.settings.topics)
+        group_id = group.slots[0].runner.group_id if group.slots else ""
+
+        def read() -> dict[TopicPartition, int]:
+            return offsets.group_offsets(self.cfg.kafka, group_id, offsets.partitions(self.cfg.kafka, topics))
+
+        found = await self.call(read)
+        return {(tp.topic, tp.partition): off for tp, off in found.items()}
+
+    # ---- threads and the loop ---------------------------------------------------------------------------
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run blocking `fn` in the default executor."""
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    def background(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run blocking `fn` in the executor without waiting (e.g. a task restart requested over HTTP)."""
+        assert self.loop is not None
+        fut = self.loop.run_in_executor(None, fn, *args)
+        self._background.add(fut)
+        fut.add_done_callback(self._background.discard)
+
+    def _on_exit(self, worker: TaskSlot | AggregateSlot) -> None:
+        """A task or aggregate thread ended by itself (not through stop): fail fast."""
+        if self.stopping or worker.stopping:
+            return
+        log.error("a task stopped by itself; stopping the daemon (exit 1)", task=worker.name,
+                  failed=worker.failed)
+        self.exit_code = 1
+        self.request_stop()
+
+    def request_stop(self) -> None:
+        """Thread-safe: ask the worker to stop (as SIGTERM does)."""
+        self.stop_event.set()
+
+    def run(self) -> int:
+        """Run the Faust worker until SIGTERM/SIGINT, `stop_event` or a failure; the exit code (0 or 1)."""
+        self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(self.loop)
+        with tempfile.TemporaryDirectory(prefix="kafold-daemon-") as datadir:
+            app = self._build_app(datadir)
+            self.worker = _Worker(app, loop=self.loop, quiet=True, loglevel="warning", override_logging=False,
+                                  redirect_stdouts=False, daemon=True)
+            self.worker.spinner = None  # a terminal spinner would interleave with the structured log lines
+            try:
+                self.worker.execute_from_commandline()
+            except SystemExit as e:
+                if e.code not in (0, None):
+                    self.exit_code = 1
+        return self.exit_code
+
+
+class TasksService(mode.Service):
+    """Starts every sink task and aggregate thread; watches them; stops them within the grace period."""
+
+    host: DaemonHost
+
+    async def on_start(self) -> None:
+        for slot in self.host.slots:
+            slot.start()
+        for agg in self.host.aggregates.values():
+            agg.start()
+        log.info("daemon started", connectors=[g.name for g in self.host.groups], tasks=len(self.host.slots),
+                 aggregates=list(self.host.aggregates), http=self.host.worker_id
+                 if self.host.cfg.daemon.http_port else None)
+        if not self.host.slots and not self.host.aggregates:
+            log.warning("no connectors or aggregates configured; serving HTTP only")
+
+    @mode.Service.task
+    async def _watch(self) -> None:
+        """Stop on request or failure; tell systemd READY=1 once caught up, and ping its watchdog."""
+        host, notified, last_ping = self.host, False, 0.0
+        while not self.should_stop:
+            if host.stop_event.is_set() and host.worker is not None:
+                log.info("stop requested", reason="failure" if host.exit_code else "stop event")
+                host.background_stop = asyncio.ensure_future(host.worker.stop())
+                return
+            if not notified and host.ready_report()[0]:
+                notified = host.notifier.ready("caught up") or True
+            interval = host.notifier.watchdog_interval_s
+            if interval and time.monotonic() - last_ping >= interval and not host.failed:
+                host.notifier.watchdog()
+                last_ping = time.monotonic()
+            await self.sleep(WATCH_INTERVAL_S)
+
+    async def on_stop(self) -> None:
+        host = self.host
+        host.stopping = True
+        started = time.monotonic()
+        host.notifier.stopping("stopping sink tasks")
+        workers: list[Any] = [*host.slots, *host.aggregates.values()]
+        for w in workers:
+            w.stop()
+        deadline = started + max(0.5, host.cfg.daemon.shutdown_grace_s - STOP_OVERHEAD_S)
+        stuck = await host.call(join_all, workers, deadline)
+        for g in host.groups:
+            try:
+                g.connector.stop()
+            except Exception as e:
+                log.error("connector stop failed", connector=g.name, error=str(e))
+        failed = [w.name for w in workers if w.failed]
+        if stuck:
+            log.error("tasks did not stop within the grace period; exiting anyway", tasks=stuck)
+        if failed or stuck:
+            host.exit_code = 1
+        log.info("daemon stopped", failed=failed, stuck=stuck, exit_code=host.exit_code,
+                 stop_s=round(time.monotonic() - started, 2))

@@ -1,0 +1,105 @@
+"""The daemon's HTTP views on Faust's web server: /health, /ready, /metrics, /aggregates and bearer-token auth."""
+
+from __future__ import annotations
+
+import hmac
+from typing import TYPE_CHECKING, Any
+
+from faust.web import Request, Response, View
+
+from kafold.daemon.metrics import CONTENT_TYPE
+
+if TYPE_CHECKING:
+    from kafold.daemon.host import DaemonHost
+
+
+class HostView(View):
+    """Base view: knows the host; every endpoint but /health requires the bearer token when one is configured."""
+
+    host: DaemonHost
+    public = False
+
+    async def dispatch(self, request: Any) -> Any:
+        if not self.public and not authorized(self.host.token, request.headers.get("Authorization", "")):
+            return self.json({"error_code": 401, "message": "missing or wrong bearer token"}, status=401,
+                             headers={"WWW-Authenticate": 'Bearer realm="kafold"'})
+        return await super().dispatch(request)
+
+    def problem(self, status: int, message: str) -> Response:
+        """Kafka Connect's error body."""
+        return self.json({"error_code": status, "message": message}, status=status)
+
+
+def authorized(token: str | None, header: str) -> bool:
+    """True when no token is configured, or the header is `Bearer <token>` (compared in constant time)."""
+    if token is None:
+        return True
+    scheme, _, given = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+class Health(HostView):
+    public = True
+
+    async def get(self, request: Request, **kwargs: Any) -> Response:
+        return self.json({"status": "ok" if not self.host.failed else "failing"},
+                         status=200 if not self.host.failed else 503)
+
+
+class Ready(HostView):
+    async def get(self, request: Request, **kwargs: Any) -> Response:
+        ready, report = self.host.ready_report()
+        return self.json(report, status=200 if ready else 503)
+
+
+class Metrics(HostView):
+    async def get(self, request: Request, **kwargs: Any) -> Response:
+        return self.bytes(self.host.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+class Status(HostView):
+    """kafold's own status (not a Connect path): one row per assigned partition, for `kafold status`."""
+
+    async def get(self, request: Request, **kwargs: Any) -> Response:
+        rows = []
+        for slot in self.host.slots:
+            base = {"connector": slot.connector.name, "task": slot.task_id, "state": slot.state}
+            snapshot = sorted(slot.runner.progress.snapshot.values(), key=lambda p: p.tp)
+            if not snapshot:
+                rows.append({**base, "topic": None, "partition": None})
+            for p in snapshot:
+                rows.append({**base, "topic": p.tp.topic, "partition": p.tp.partition, "committed": p.committed,
+                             "position": p.position, "end_offset": p.high_watermark if p.high_watermark is not None
+                             else p.listed_end, "lag": p.lag, "lag_seconds": round(p.lag_seconds(), 3),
+                             "caught_up": p.caught_up})
+        return self.json({"source": "daemon", "worker_id": self.host.worker_id, "partitions": rows})
+
+
+class AggregateState(HostView):
+    async def get(self, request: Request, name: str = "", id: str = "", **kwargs: Any) -> Response:
+        slot = self.host.aggregates.get(name)
+        if slot is None:
+            return self.problem(404, f"Aggregate {name} not found")
+        if not slot.ready:
+            return self.problem(503, f"Aggregate {name} is recovering; state is not served until caught up")
+        state = await self.host.call(slot.runtime.get_state, id)
+        if state is None:
+            return self.problem(404, f"Aggregate {name}/{id} not found")
+        return self.json({"aggregate": name, "id": id, "state": _jsonable(state)})
+
+
+def _jsonable(value: Any) -> Any:
+    import dataclasses
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value
+
+
+ROUTES: dict[str, type[HostView]] = {
+    "/health": Health,
+    "/ready": Ready,
+    "/metrics": Metrics,
+    "/status": Status,
+    "/aggregates/{name}/{id}": AggregateState,
+}

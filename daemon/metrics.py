@@ -1,0 +1,85 @@
+"""Prometheus metrics of the daemon: counters fed per batch, lag and states read from the tasks at scrape time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kafold.daemon.runner import BatchStats, SinkRunner
+from kafold.daemon.tasks import ConnectorGroup
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TASK_STATES = ("UNASSIGNED", "RUNNING", "PAUSED", "FAILED", "RESTARTING", "STOPPED")
+BATCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class DaemonMetrics:
+    """One registry per daemon (so several can live in one process, e.g. in tests)."""
+
+    def __init__(self, groups: Callable[[], list[ConnectorGroup]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ("connector", "task")
+        self.events = Counter("kafold_events_processed", "Records handled by sink tasks (put, dead-lettered or "
+                              "skipped).", labels, registry=self.registry)
+        self.dead = Counter("kafold_dead_letters", "Records sent to a dead-letter topic.", labels,
+                            registry=self.registry)
+        self.skipped = Counter("kafold_events_skipped", "Records of event types the task does not handle, skipped "
+                               "by rule.", labels, registry=self.registry)
+        self.batches = Histogram("kafold_batch_duration_seconds", "Time to decode, put and commit one batch.",
+                                 labels, buckets=BATCH_BUCKETS, registry=self.registry)
+        self.registry.register(_TaskCollector(groups))
+
+    def observe(self, runner: SinkRunner, stats: BatchStats) -> None:
+        """SinkRunner.on_batch hook (runs in the task's thread; prometheus_client is thread-safe)."""
+        key = (runner.connector.name, str(runner.context.task_id))
+        self.events.labels(*key).inc(stats.records)
+        if stats.dead_lettered:
+            self.dead.labels(*key).inc(stats.dead_lettered)
+        if stats.skipped:
+            self.skipped.labels(*key).inc(stats.skipped)
+        self.batches.labels(*key).observe(stats.duration_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _TaskCollector(Collector):
+    """Per-partition lag (records and event-time seconds), caught-up flags and task states, at scrape time."""
+
+    def __init__(self, groups: Callable[[], list[ConnectorGroup]]) -> None:
+        self.groups = groups
+
+    def describe(self) -> list[Any]:
+        return []  # dynamic: collected on each scrape
+
+    def collect(self) -> Iterator[Any]:
+        part = ("connector", "topic", "partition")
+        lag = GaugeMetricFamily("kafold_consumer_lag_records", "Records between a task's position and the "
+                                "partition's end offset.", labels=part)
+        lag_s = GaugeMetricFamily("kafold_consumer_lag_seconds", "Age (event time) of the last handled event of a "
+                                  "partition while records remain behind it; 0 when caught up.", labels=part)
+        position = GaugeMetricFamily("kafold_consumer_position", "Next offset a task will handle.", labels=part)
+        caught = GaugeMetricFamily("kafold_partition_caught_up", "1 once a partition reached the end offsets seen "
+                                   "at its assignment.", labels=part)
+        state = GaugeMetricFamily("kafold_task_state", "1 for the task's current state (Kafka Connect states).",
+                                  labels=("connector", "task", "state"))
+        now_ms = int(time.time() * 1000)
+        for group in self.groups():
+            for slot in group.slots:
+                current = slot.state
+                for s in TASK_STATES:
+                    state.add_metric([group.name, str(slot.task_id), s], 1.0 if s == current else 0.0)
+                for p in slot.runner.progress.snapshot.values():
+                    labels = [group.name, p.tp.topic, str(p.tp.partition)]
+                    if p.lag is not None:
+                        lag.add_metric(labels, float(p.lag))
+                        lag_s.add_metric(labels, p.lag_seconds(now_ms))
+                    if p.position is not None:
+                        position.add_metric(labels, float(p.position))
+                    caught.add_metric(labels, 1.0 if p.caught_up else 0.0)
+        yield from (lag, lag_s, position, caught, state)

@@ -1,0 +1,161 @@
+"""Per-partition progress of a sink task: position, end offsets seen at assignment, caught-up, lag, event time.
+
+Note on "caught up" (what /ready reports)
+-----------------------------------------
+When a partition is assigned, the task records its start (the committed offset, else where
+`auto.offset.reset` puts it) and a *target*: the end offset seen at assignment — the larger of ListOffsets(latest)
+at assignment and the high watermark carried by the first fetch response after it. The partition is caught up
+once a fetch response was seen and the task's position (the next offset after the records it handled) reached
+the target; the flag then stays set for that assignment, so later traffic does not make the daemon "unready".
+Some brokers under-report ListOffsets (only the base offset of the last batch + 1); the fetch watermark is exact,
+which is why the target takes both. The published `PartitionProgress` values are immutable snapshots, replaced
+as a whole after each poll, so other threads (HTTP, metrics) read them without locks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from confluent_kafka import TopicPartition as KafkaTP
+
+from kafold.connectors.api import SinkRecord, TopicPartition
+
+OFFSET_INVALID = -1001
+QUERY_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionProgress:
+    """A snapshot of one assigned partition."""
+
+    tp: TopicPartition
+    position: int | None = None  # next offset to handle
+    committed: int | None = None  # last offset committed to the group (next to read)
+    listed_end: int | None = None  # ListOffsets(latest) at assignment
+    fetched_end: int | None = None  # high watermark of the first fetch response after assignment
+    high_watermark: int | None = None  # latest end offset seen in a fetch response
+    caught_up: bool = False
+    event_time_ms: int | None = None  # event time of the last handled record
+    paused: bool = False
+
+    @property
+    def target(self) -> int | None:
+        """The end offset seen at assignment (None until both ListOffsets and a fetch response were seen)."""
+        if self.listed_end is None or self.fetched_end is None:
+            return None
+        return max(self.listed_end, self.fetched_end)
+
+    @property
+    def lag(self) -> int | None:
+        """Records between the position and the latest known end offset."""
+        end = self.high_watermark if self.high_watermark is not None else self.listed_end
+        if end is None or self.position is None:
+            return None
+        return max(0, end - self.position)
+
+    def lag_seconds(self, now_ms: int | None = None) -> float:
+        """Event-time lag: how old the last handled event is, while records remain; 0 when nothing is behind."""
+        if not self.lag or self.event_time_ms is None:
+            return 0.0
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        return max(0.0, (now - self.event_time_ms) / 1000)
+
+    def advance(self, position: int | None = None, high_watermark: int | None = None) -> PartitionProgress:
+        """A copy with a new position / fetch watermark, re-deciding `caught_up` (which never unsets)."""
+        new = self
+        if position is not None:
+            new = replace(new, position=position)
+        if high_watermark is not None and high_watermark >= 0:
+            first = high_watermark if new.fetched_end is None else new.fetched_end
+            new = replace(new, high_watermark=high_watermark, fetched_end=first)
+        target = new.target
+        if not new.caught_up and target is not None and new.position is not None and new.position >= target:
+            new = replace(new, caught_up=True)
+        return new
+
+
+@dataclass(frozen=True, slots=True)
+class BatchStats:
+    """What one batch did (handed to `SinkRunner.on_batch`, e.g. for metrics)."""
+
+    records: int
+    put: int
+    dead_lettered: int
+    skipped: int
+    duration_s: float
+
+
+class ProgressTracker:
+    """Kept by the runner's thread only; `snapshot` is what other threads read."""
+
+    def __init__(self, reset: str = "earliest") -> None:
+        self.reset = reset
+        self.snapshot: dict[TopicPartition, PartitionProgress] = {}
+        self._pending: set[TopicPartition] = set()  # assigned, start and target not yet queried
+
+    def assigned(self, tps: list[TopicPartition]) -> None:
+        for tp in tps:
+            self._pending.add(tp)
+        self.snapshot = {**self.snapshot, **{tp: PartitionProgress(tp) for tp in tps}}
+
+    def released(self, tps: list[TopicPartition]) -> None:
+        self._pending.difference_update(tps)
+        self.snapshot = {tp: p for tp, p in self.snapshot.items() if tp not in tps}
+
+    def refresh(self, consumer: Any, positions: dict[TopicPartition, int], paused: set[TopicPartition],
+                committed: dict[TopicPartition, int], event_times: dict[TopicPartition, int]) -> None:
+        """Query start and target of newly assigned partitions, then fold in positions and cached watermarks."""
+        if self._pending:
+            self._query(consumer, positions)
+        out: dict[TopicPartition, PartitionProgress] = {}
+        for tp, p in self.snapshot.items():
+            _lo, hi = consumer.get_watermark_offsets(KafkaTP(tp.topic, tp.partition), cached=True)
+            p = p.advance(positions.get(tp), hi if hi >= 0 else None)
+            if tp in committed:
+                p = replace(p, committed=committed[tp])
+            if tp in event_times:
+                p = replace(p, event_time_ms=event_times[tp])
+            if p.paused != (tp in paused):
+                p = replace(p, paused=tp in paused)
+            out[tp] = p
+        self.snapshot = out
+
+    def _query(self, consumer: Any, positions: dict[TopicPartition, int]) -> None:
+        tps = [tp for tp in self._pending if tp in self.snapshot]
+        try:
+            found = consumer.committed([KafkaTP(tp.topic, tp.partition) for tp in tps], timeout=QUERY_TIMEOUT_S)
+            ends = {tp: consumer.get_watermark_offsets(KafkaTP(tp.topic, tp.partition), timeout=QUERY_TIMEOUT_S,
+                                                       cached=False) for tp in tps}
+        except Exception:  # retried on the next poll; the partition stays "not caught up" meanwhile
+            return
+        for k in found:
+            tp = TopicPartition(k.topic, k.partition)
+            lo, hi = ends[tp]
+            start = k.offset if k.offset >= 0 else (lo if self.reset == "earliest" else hi)
+            position = positions.get(tp, start)
+            p = self.snapshot[tp]
+            self.snapshot[tp] = replace(p, position=position, listed_end=hi,
+                                        committed=k.offset if k.offset >= 0 else None).advance()
+            self._pending.discard(tp)
+
+    @property
+    def caught_up(self) -> bool:
+        return bool(self.snapshot) and all(p.caught_up for p in self.snapshot.values())
+
+
+def last_event_times(records: Sequence[SinkRecord], msgs: Sequence[Any]) -> dict[TopicPartition, int]:
+    """Event time (ms) of the last record per partition: the envelope's occurred_at, else the record timestamp."""
+    out: dict[TopicPartition, int] = {}
+    for r in reversed(records):
+        if r.tp not in out:
+            out[r.tp] = int(r.event.occurred_at_datetime.timestamp() * 1000)
+    for m in reversed(msgs):
+        if m.error() is None:
+            tp = TopicPartition(m.topic(), m.partition())
+            kind, ts = m.timestamp()
+            if tp not in out and kind:
+                out[tp] = ts
+    return out

@@ -1,0 +1,153 @@
+"""The daemon's hot path: a Faust agent with `stream.take()` vs the batched SinkRunner, same topic and events."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from kafold import logs
+
+log = logs.get(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--events", type=int, default=100_000, help="events to produce and consume (default 100k)")
+    p.add_argument("--partitions", type=int, default=4, help="partitions of the benchmark topic")
+    p.add_argument("--take", type=int, default=2000, help="Faust stream.take() batch size")
+    p.add_argument("-c", "--config", help="kafold.toml giving [kafka] (default: the dev stack, started if needed)")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kafold.config import KafkaConfig, load_file
+
+    with contextlib.ExitStack() as stack:
+        if args.config:
+            kafka = load_file(args.config).config.kafka
+        else:
+            kafka = KafkaConfig(bootstrap_servers=stack.enter_context(_stack()))
+        # Short group timeouts: a first JoinGroup otherwise waits for the default rebalance timeout.
+        kafka = KafkaConfig(**{**kafka.__dict__, "session_timeout_ms": 6000, "rebalance_timeout_ms": 6000,
+                               "heartbeat_interval_ms": 1000})
+        topic = f"kafold.bench.daemon.{uuid.uuid4().hex[:8]}"
+        _produce(kafka, topic, args.events, args.partitions)
+        runner_rate = _runner(kafka, topic, args.events)
+        faust_rate, faust_batches = _faust(kafka, topic, args.events, args.take)
+    return {"events": args.events, "partitions": args.partitions,
+            "runner_events_per_s": round(runner_rate), "faust_take_events_per_s": round(faust_rate),
+            "faust_take_batch": args.take, "faust_mean_batch": round(faust_batches, 1),
+            "runner_us_per_event": round(1e6 / runner_rate, 2), "faust_us_per_event": round(1e6 / faust_rate, 2),
+            "ratio": round(runner_rate / faust_rate, 1)}
+
+
+@contextlib.contextmanager
+def _stack() -> Any:
+    from kafold import devstack
+
+    running = devstack.status()
+    if running is not None:
+        yield running.bootstrap_servers
+        return
+    state = Path(tempfile.mkdtemp(prefix="kafold-bench-daemon-"))
+    try:
+        yield devstack.up(state).bootstrap_servers
+    finally:
+        devstack.down(state)
+
+
+def _produce(kafka: Any, topic: str, n: int, partitions: int) -> None:
+    from confluent_kafka.admin import NewTopic
+
+    from kafold import kafka_clients
+    from kafold.envelope import Event, encode
+
+    admin = kafka_clients.admin(kafka)
+    for fut in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
+        fut.result(15)
+    producer = kafka_clients.producer(kafka, **{"linger.ms": 20, "enable.idempotence": True})
+    for i in range(n):
+        event = Event.new("Deposited", "account", f"acc-{i % 1000}", i // 1000 + 1, {"amount": i, "note": "x" * 60})
+        key, value, headers = encode(event)
+        while True:
+            try:
+                producer.produce(topic, value=value, key=key, headers=headers)
+                break
+            except BufferError:
+                producer.poll(0.1)
+    assert producer.flush(60) == 0
+
+
+def _runner(kafka: Any, topic: str, n: int) -> float:
+    """SinkRunner + the `log` connector (its lines filtered out): consume, decode, put, commit per batch."""
+    from kafold.config import ConnectorConfig, DaemonConfig
+    from kafold.connectors.registry import instantiate
+    from kafold.daemon.runner import SinkRunner
+
+    logs.configure("warning")
+    settings = ConnectorConfig(name=f"bench-{uuid.uuid4().hex[:6]}", connector_class="log", topics=[topic],
+                               config={"level": "debug", "sample_types": False})
+    connector = instantiate(settings, Path("."))
+    runner = SinkRunner(connector, connector.task_configs(1)[0], kafka=kafka,
+                        daemon=DaemonConfig(group_prefix="kafold.bench"))
+    first: list[float] = []
+
+    def on_batch(stats: Any) -> None:
+        if not first:
+            first.append(time.perf_counter() - stats.duration_s)
+        if runner.counts["records"] >= n:
+            runner.stop()
+
+    runner.on_batch = on_batch
+    thread = threading.Thread(target=runner.run)
+    thread.start()
+    thread.join()
+    return runner.counts["records"] / (time.perf_counter() - first[0])
+
+
+def _faust(kafka: Any, topic: str, n: int, take: int) -> tuple[float, float]:
+    """A tiny Faust agent: `stream.take(take, within=0.2)`, one orjson.loads per value, nothing else."""
+    import faust
+    import orjson
+
+    from kafold import kafka_clients
+
+    ak = kafka_clients.aiokafka_kwargs(kafka)
+    datadir = tempfile.mkdtemp(prefix="kafold-bench-faust-")
+    app = faust.App(f"kafold-bench-{uuid.uuid4().hex[:6]}", broker=f"kafka://{ak['bootstrap_servers']}",
+                    datadir=datadir, web_enabled=False, topic_disable_leader=True,
+                    broker_session_timeout=6.0, broker_rebalance_timeout=6.0, broker_heartbeat_interval=1.0,
+                    consumer_auto_offset_reset="earliest", stream_buffer_maxsize=take * 2)
+    source = app.topic(topic, value_serializer="raw", key_serializer="raw")
+    seen = {"events": 0, "batches": 0, "first": 0.0, "last": 0.0}
+    worker: Any = None
+    stopping: list[Any] = []
+
+    @app.agent(source)
+    async def count(stream: Any) -> None:
+        async for values in stream.take(take, within=0.2):
+            if not seen["first"]:
+                seen["first"] = time.perf_counter()
+            for v in values:
+                orjson.loads(v)
+            seen["events"] += len(values)
+            seen["batches"] += 1
+            if seen["events"] >= n:
+                seen["last"] = time.perf_counter()
+                stopping.append(asyncio.ensure_future(worker.stop()))
+
+    worker = faust.Worker(app, quiet=True, loglevel="warning", override_logging=False, redirect_stdouts=False)
+    worker.spinner = None
+    with contextlib.suppress(SystemExit):
+        worker.execute_from_commandline()
+    asyncio.set_event_loop(asyncio.new_event_loop())  # the worker closed its loop
+    with contextlib.suppress(OSError):
+        os.rmdir(datadir)
+    # Timed from the first batch: the group join (seconds on the embedded broker) is not the hot path.
+    return seen["events"] / (seen["last"] - seen["first"]), seen["events"] / max(1, seen["batches"])

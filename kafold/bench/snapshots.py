@@ -1,0 +1,173 @@
+"""Snapshot job fold rate (Spark), incremental run cost, and restore (snapshot + tail) vs full replay."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kafold import logs
+
+log = logs.get(__name__)
+BANK = Path(__file__).resolve().parents[2] / "examples" / "bank"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="histories scaled down ~10x (for a smoke run)")
+    p.add_argument("--master", default="local[2]", help="Spark master for the fold measurement (default local[2])")
+    p.add_argument("-c", "--config", help="kafold.toml giving [kafka] (default: the dev stack, started if needed)")
+
+
+@contextlib.contextmanager
+def _broker(config: str | None) -> Iterator[Any]:
+    from kafold import devstack
+    from kafold.config import load_file
+
+    if config:
+        yield devstack.effective(load_file(config).config, need=("kafka",)).kafka
+        return
+    from kafold.config import KafkaConfig
+
+    running = devstack.status()
+    if running is not None:
+        yield KafkaConfig(bootstrap_servers=running.bootstrap_servers)
+        return
+    state = Path(tempfile.mkdtemp(prefix="kafold-bench-snapshots-"))
+    try:
+        yield KafkaConfig(bootstrap_servers=devstack.up(state).bootstrap_servers)
+    finally:
+        devstack.down(state)
+
+
+class History:
+    """A bank-account history (open, then deposits and withdrawals) for `aggregates` accounts, produced to an
+    aggregate's events topic; remembers each account's version so it can be extended."""
+
+    def __init__(self, kafka: Any, agg: Any, aggregates: int, seed: int = 7) -> None:
+        from kafold import kafka_clients
+
+        self.agg, self.rng = agg, random.Random(seed)
+        self.ids = [f"acc-{i:07d}" for i in range(aggregates)]
+        self.versions = dict.fromkeys(self.ids, 0)
+        settings: dict[str, Any] = {"enable.idempotence": True, "linger.ms": 50, "batch.num.messages": 10000}
+        self.producer = kafka_clients.producer(kafka, **settings)
+
+    def produce(self, n: int) -> None:
+        from kafold.envelope import Event, encode
+
+        topic, name, at, rng, versions = self.agg.topic("events"), self.agg.name, "2024-05-01T12:00:00.000000Z", \
+            self.rng, self.versions
+        for i in range(n):
+            aid = self.ids[i % len(self.ids)] if i < len(self.ids) and versions[self.ids[i]] == 0 \
+                else rng.choice(self.ids)
+            v = versions[aid] = versions[aid] + 1
+            payload: dict[str, Any]
+            if v == 1:
+                kind, payload = "AccountOpened", {"owner": f"owner {aid}", "currency": "EUR"}
+            elif rng.random() < 0.6:
+                kind, payload = "MoneyDeposited", {"amount": rng.randint(1, 500) * 100}
+            else:
+                kind, payload = "MoneyWithdrawn", {"amount": rng.randint(1, 300) * 100}
+            key, value, headers = encode(Event(f"{aid}/{v}", kind, name, aid, v, at, f"{aid}/{v}", payload))
+            while True:
+                try:
+                    self.producer.produce(topic, value=value, key=key, headers=headers)
+                    break
+                except BufferError:
+                    self.producer.poll(0.05)
+            if i % 5000 == 0:
+                self.producer.poll(0)
+        self.producer.flush(120)
+
+
+def _aggregate(name: str, partitions: int) -> Any:
+    from kafold.config import AggregateConfig
+
+    return AggregateConfig(name=name, initial="bank_domain:initial", evolve="bank_domain:evolve",
+                           decide="bank_domain:decide", partitions=partitions, fingerprint="bench-v1")
+
+
+def _topics(kafka: Any, agg: Any) -> None:
+    from kafold import topics
+    from kafold.config import TopicSpec
+
+    topics.ensure(kafka, [TopicSpec(agg.topic("events"), agg.partitions, 1, {}),
+                          TopicSpec(agg.topic("snapshot"), agg.partitions, 1, {"cleanup.policy": "compact"})])
+
+
+def _fold(kafka: Any, master: str, events: int, aggregates: int) -> dict[str, Any]:
+    from kafold.spark_jobs import snapshot_job
+    from kafold.spark_jobs.session import session
+
+    began = time.monotonic()
+    spark = session(master)
+    startup = time.monotonic() - began
+    run_id = uuid.uuid4().hex[:6]
+    warm = _aggregate(f"bench.warm.{run_id}", 4)  # first query starts the Python workers: not steady state
+    _topics(kafka, warm)
+    History(kafka, warm, 1000).produce(20_000)
+    snapshot_job.run(spark, kafka, warm, [str(BANK)])
+    agg = _aggregate(f"bench.fold.{run_id}", 4)
+    _topics(kafka, agg)
+    history = History(kafka, agg, aggregates)
+    history.produce(events)
+    full = snapshot_job.run(spark, kafka, agg, [str(BANK)])
+    history.produce(events // 100)
+    incremental = snapshot_job.run(spark, kafka, agg, [str(BANK)])
+    task_fold = sum(r["events_read"] for r in full.rows) / max(1e-9, max(r["fold_s"] for r in full.rows))
+    return {"spark_startup_s": round(startup, 2), "fold_events": full.events_read,
+            "fold_aggregates": aggregates, "fold_job_s": round(full.duration_s, 2),
+            "fold_events_per_s": round(full.events_per_s), "fold_task_events_per_s": round(task_fold),
+            "incremental_events": incremental.events_read, "incremental_job_s": round(incremental.duration_s, 3),
+            "incremental_cost_ratio": round(incremental.duration_s / full.duration_s, 4)}
+
+
+def _restore_case(kafka: Any, history_events: int, tail: int, aggregates: int) -> tuple[float, float, int]:
+    """(restore seconds, full replay seconds, events read by restore) for one 1-partition history."""
+    from kafold.snapshot import Domain, Folder, kafka_io, restore
+    from kafold.snapshot.record import Marker
+
+    agg = _aggregate(f"bench.restore.{uuid.uuid4().hex[:6]}", 1)
+    _topics(kafka, agg)
+    history = History(kafka, agg, aggregates)
+    history.produce(history_events - tail)
+    domain = Domain.load(agg, [str(BANK)])
+    consumer = kafka_io.reader(kafka)
+    low, end = kafka_io.bounds(consumer, agg.topic("events"), 0)
+    folder = Folder(domain)  # the same fold and writes a snapshot job task does
+    folder.fold_messages(kafka_io.read_range(consumer, agg.topic("events"), 0, low, end))
+    producer = kafka_io.writer(kafka)
+    kafka_io.write(producer, agg.topic("snapshot"), 0, folder.snapshots(0, end))
+    ident = domain.identity
+    kafka_io.write(producer, agg.topic("snapshot"), 0,
+                   [Marker(ident.aggregate_type, 0, end, ident.fingerprint, ident.state_schema_version)])
+    history.produce(tail)
+    fast = [restore(kafka, agg, domain, 0, consumer=consumer) for _ in range(3)]
+    slow = restore(kafka, agg, domain, 0, use_snapshots=False, consumer=consumer)
+    consumer.close()
+    if fast[-1].states != slow.states:
+        raise AssertionError("restore from snapshot + tail differs from the full replay")
+    return min(r.duration_s for r in fast), slow.duration_s, fast[-1].events_read
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    scale = 10 if args.quick else 1
+    figures: dict[str, Any] = {"quick": bool(args.quick), "master": args.master}
+    with _broker(args.config) as kafka:
+        figures.update(_fold(kafka, args.master, 2_000_000 // scale, 20_000 // scale))
+        tail = 10_000 // scale
+        small_restore, small_replay, read = _restore_case(kafka, 1_000_000 // scale, tail, 10_000 // scale)
+        big_restore, big_replay, _ = _restore_case(kafka, 4_000_000 // scale, tail, 10_000 // scale)
+    figures.update({
+        "restore_events": 1_000_000 // scale, "restore_tail": tail, "restore_events_read": read,
+        "restore_s": round(small_restore, 3), "full_replay_s": round(small_replay, 3),
+        "restore_speedup": round(small_replay / small_restore, 1),
+        "restore_4x_history_s": round(big_restore, 3), "full_replay_4x_history_s": round(big_replay, 3),
+        "restore_flatness": round(big_restore / small_restore, 2)})
+    return figures

@@ -1,0 +1,39 @@
+"""`kafold db upgrade|current -c FILE`: apply and inspect kafold's own migrations in `[postgres].schema`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kafold import config, db, devstack
+from kafold.cli import add_config_arg
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("db", help="kafold's own PostgreSQL tables (checkpoints, tracking, dead letters)")
+    dsub = p.add_subparsers(dest="db_command", metavar="ACTION", required=True)
+    u = dsub.add_parser("upgrade", help="apply the migrations (idempotent)")
+    add_config_arg(u)
+    u.add_argument("revision", nargs="?", default="head", help="target revision (default: head)")
+    u.set_defaults(handler=upgrade)
+    c = dsub.add_parser("current", help="show the revision the database is at and the code's head")
+    add_config_arg(c)
+    c.set_defaults(handler=current)
+
+
+def _pg(args: argparse.Namespace) -> config.PostgresConfig:
+    return devstack.effective(config.load_file(args.config).config, need=("postgres",)).postgres
+
+
+def upgrade(args: argparse.Namespace) -> int:
+    pgc = _pg(args)
+    revision = db.upgrade(pgc, args.revision)
+    print(f"schema {pgc.schema!r} at revision {revision}")
+    return 0
+
+
+def current(args: argparse.Namespace) -> int:
+    pgc = _pg(args)
+    now, heads = db.current(pgc), db.heads()
+    print(f"schema {pgc.schema!r}: current {now or '(none)'}, head {', '.join(heads)}")
+    return 0 if now in heads else 1

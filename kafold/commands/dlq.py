@@ -1,0 +1,225 @@
+"""`kafold dlq list|show|replay|discard -c FILE`: inspect dead letters and replay them once the cause is fixed."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kafold import config, db, devstack, kafka_clients
+from kafold.cli import add_config_arg
+from kafold.errors import ConfigError, KafoldError
+
+STATUSES = ("new", "replayed", "discarded")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("dlq", help="inspect and replay dead letters (the dead-letter table in PostgreSQL)")
+    dsub = p.add_subparsers(dest="dlq_command", metavar="ACTION", required=True)
+    ls = dsub.add_parser("list", help="dead letters, newest first")
+    add_config_arg(ls)
+    ls.add_argument("--connector", help="only this connector's")
+    ls.add_argument("--status", choices=(*STATUSES, "all"), default="new", help="default: new")
+    ls.add_argument("--limit", type=int, default=50)
+    ls.set_defaults(handler=list_)
+    show = dsub.add_parser("show", help="one dead letter in full: coordinates, error, headers, key and value")
+    add_config_arg(show)
+    show.add_argument("id", type=int)
+    show.set_defaults(handler=show_)
+    rp = dsub.add_parser("replay", help="re-publish dead letters to their source topic, or re-apply them")
+    add_config_arg(rp)
+    rp.add_argument("ids", type=int, nargs="*", help="dead-letter ids (or --connector with --all)")
+    rp.add_argument("--connector", help="with --all: every new dead letter of this connector")
+    rp.add_argument("--all", action="store_true")
+    rp.add_argument("--to", choices=("topic", "apply"), default="topic",
+                    help="topic: produce the record again to its source topic (default); apply: run it through "
+                    "the connector's projection directly (PostgreSQL projections only)")
+    rp.add_argument("--value-file", type=Path, help="replace the value with this file's bytes (one id only)")
+    rp.set_defaults(handler=replay)
+    dc = dsub.add_parser("discard", help="mark dead letters as discarded (kept for the record)")
+    add_config_arg(dc)
+    dc.add_argument("ids", type=int, nargs="+")
+    dc.set_defaults(handler=discard)
+
+
+def _cfg(args: argparse.Namespace, need: tuple[str, ...] = ("postgres",)) -> tuple[config.KafoldConfig, Path]:
+    loaded = config.load_file(args.config)
+    return devstack.effective(loaded.config, need=need), loaded.base
+
+
+COLUMNS = "id, connector, topic, partition, \"offset\", key, value, headers, error_class, error_message, reason, " \
+          "status, created_at, replayed_at"
+
+
+def _rows(pgc: config.PostgresConfig, where: str, params: tuple[Any, ...], limit: int | None = None
+          ) -> list[dict[str, Any]]:
+    from psycopg import sql
+    from psycopg.rows import dict_row
+
+    query = sql.SQL("SELECT " + COLUMNS + " FROM {} WHERE " + where + " ORDER BY id DESC").format(
+        db.table(pgc, "dead_letters"))
+    if limit is not None:
+        query = sql.SQL("{} LIMIT {}").format(query, sql.Literal(limit))
+    with db.connect(pgc, row_factory=dict_row) as conn:
+        return list(conn.execute(query, params).fetchall())
+
+
+def list_(args: argparse.Namespace) -> int:
+    cfg, _ = _cfg(args)
+    where, params = ["TRUE"], []
+    if args.connector:
+        where.append("connector = %s")
+        params.append(args.connector)
+    if args.status != "all":
+        where.append("status = %s")
+        params.append(args.status)
+    rows = _rows(cfg.postgres, " AND ".join(where), tuple(params), args.limit)
+    table = Table("id", "connector", "record", "reason", "error", "status", "created")
+    for r in rows:
+        table.add_row(str(r["id"]), r["connector"], f"{r['topic']}[{r['partition']}]@{r['offset']}", r["reason"],
+                      f"{r['error_class'].rpartition('.')[2]}: {r['error_message'][:80]}", r["status"],
+                      r["created_at"].isoformat(timespec="seconds"))
+    Console().print(table)
+    print(f"{len(rows)} dead letter(s)")
+    return 0
+
+
+def _text(value: bytes | None) -> str:
+    if value is None:
+        return "(none)"
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError:
+        return "base64:" + base64.b64encode(bytes(value)).decode()
+
+
+def show_(args: argparse.Namespace) -> int:
+    cfg, _ = _cfg(args)
+    rows = _rows(cfg.postgres, "id = %s", (args.id,))
+    if not rows:
+        raise KafoldError(f"no dead letter with id {args.id}")
+    r = rows[0]
+    for name in ("id", "connector", "topic", "partition", "offset", "status", "reason", "error_class",
+                 "error_message", "created_at", "replayed_at"):
+        print(f"{name:<14} {r[name]}")
+    print("headers")
+    for name, value in r["headers"]:
+        print(f"  {name}: {value}")
+    print(f"key            {_text(r['key'])}")
+    print(f"value          {_text(r['value'])}")
+    return 0
+
+
+def _selected(args: argparse.Namespace, pgc: config.PostgresConfig) -> list[dict[str, Any]]:
+    if args.ids:
+        rows = _rows(pgc, "id = ANY(%s)", (args.ids,))
+        missing = sorted(set(args.ids) - {r["id"] for r in rows})
+        if missing:
+            raise KafoldError(f"no dead letter with id {', '.join(map(str, missing))}")
+    elif args.all and args.connector:
+        rows = _rows(pgc, "connector = %s AND status = 'new'", (args.connector,))
+    else:
+        raise KafoldError("name dead-letter ids, or --connector NAME --all")
+    if args.value_file is not None and len(rows) != 1:
+        raise KafoldError("--value-file replaces one record's value: name exactly one id")
+    return sorted(rows, key=lambda r: (r["topic"], r["partition"], r["offset"]))
+
+
+def _headers(stored: list[list[Any]]) -> list[tuple[str, bytes | None]]:
+    out: list[tuple[str, bytes | None]] = []
+    for name, value in stored:
+        if name.startswith("kafold-dlq-"):
+            continue
+        if isinstance(value, dict):
+            out.append((name, base64.b64decode(value["base64"])))
+        else:
+            out.append((name, None if value is None else str(value).encode()))
+    return out
+
+
+def replay(args: argparse.Namespace) -> int:
+    cfg, base = _cfg(args, ("postgres", "kafka") if args.to == "topic" else ("postgres",))
+    rows = _selected(args, cfg.postgres)
+    if args.value_file is not None:
+        rows[0]["value"] = args.value_file.read_bytes()
+    if args.to == "topic":
+        _to_topic(cfg, rows)
+    else:
+        _apply(cfg, base, rows)
+    _mark(cfg.postgres, [r["id"] for r in rows], "replayed")
+    how = "re-published to the source topic" if args.to == "topic" else "re-applied"
+    print(f"{len(rows)} dead letter(s) replayed ({how})")
+    return 0
+
+
+def _to_topic(cfg: config.KafoldConfig, rows: list[dict[str, Any]]) -> None:
+    producer = kafka_clients.producer(cfg.kafka, **{"enable.idempotence": True, "acks": "all"})
+    errors: list[str] = []
+    for r in rows:
+        # The source partitioner places the key as the original producer did (same key, same partition).
+        headers: list[tuple[str, str | bytes | None]] = [*_headers(r["headers"])]
+        producer.produce(r["topic"], key=r["key"], value=r["value"], headers=headers,
+                         on_delivery=lambda err, _m: errors.append(str(err)) if err else None)
+    if producer.flush(30) or errors:
+        raise KafoldError(f"re-publishing failed: {errors[:3] or 'not acknowledged within 30 s'}; nothing marked")
+
+
+def _apply(cfg: config.KafoldConfig, base: Path, rows: list[dict[str, Any]]) -> None:
+    from kafold.connectors.api import SinkRecord
+    from kafold.connectors.projection import ProjectionConnector
+    from kafold.connectors.projection.mapping import Mapping, load_mapper
+    from kafold.connectors.projection.writer import ProjectionWriter
+    from kafold.connectors.registry import instantiate
+    from kafold.envelope import decode
+
+    by_name = {c.name: c for c in cfg.connectors}
+    for name in sorted({r["connector"] for r in rows}):
+        settings = by_name.get(name)
+        if settings is None:
+            raise ConfigError([f"connectors: no connector named {name!r} in the configuration"])
+        with config.python_path(cfg, base):
+            connector = instantiate(settings, base)
+            if not isinstance(connector, ProjectionConnector):
+                raise KafoldError(f"connector {name!r} is not a postgres-projection; replay it with --to topic")
+            pc = connector.config
+            mapping = Mapping(pc, load_mapper(pc.mapper) if pc.mapper else None)
+        records = []
+        for r in rows:
+            if r["connector"] != name:
+                continue
+            event = decode(r["key"], r["value"], _headers(r["headers"]))
+            records.append(SinkRecord(r["topic"], r["partition"], r["offset"], event.aggregate_id, event))
+        writer = ProjectionWriter(cfg.postgres, pc, mapping, name)
+        try:
+            refused: list[str] = []
+
+            def report(bad: Any, refused: list[str] = refused) -> None:
+                refused.extend(str(e) for _, e in bad)
+
+            result = writer.write(records, advance=False, report=report)
+        finally:
+            writer.close()
+        if refused:
+            raise KafoldError("still refused:\n  " + "\n  ".join(refused))
+        print(f"{name}: {result.events} event(s), {result.upserted} row(s) written, {result.deleted} deleted, "
+              f"{result.duplicates} already applied, {result.stale} older than their row")
+
+
+def _mark(pgc: config.PostgresConfig, ids: list[int], status: str) -> None:
+    from psycopg import sql
+
+    query = sql.SQL("UPDATE {} SET status = %s, replayed_at = CASE WHEN %s = 'replayed' THEN now() "
+                    "ELSE replayed_at END WHERE id = ANY(%s)").format(db.table(pgc, "dead_letters"))
+    with db.connect(pgc) as conn:
+        conn.execute(query, (status, status, ids))
+
+
+def discard(args: argparse.Namespace) -> int:
+    cfg, _ = _cfg(args)
+    _mark(cfg.postgres, args.ids, "discarded")
+    print(f"{len(args.ids)} dead letter(s) discarded")
+    return 0

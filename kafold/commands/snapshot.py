@@ -1,0 +1,153 @@
+"""`kafold snapshot run|verify`: fold event history into snapshots with Spark, and audit snapshot + tail."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kafold import config, devstack, logs
+from kafold.errors import ConfigError
+
+log = logs.get("kafold.snapshot")
+EX_TEMPFAIL = 75  # another run holds the lock
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("snapshot", help="snapshot aggregate state with Spark; verify snapshots against replay")
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    run = actions.add_parser("run", help="fold new events into snapshots (incremental; Spark, --master)")
+    add_run_arguments(run)
+    run.set_defaults(handler=handle_run)
+    ver = actions.add_parser("verify", help="recompute state from scratch and compare with snapshot + tail")
+    ver.add_argument("-c", "--config", required=True, metavar="FILE", help="path to kafold.toml")
+    ver.add_argument("--aggregate", metavar="NAME", help="only this aggregate type (default: all)")
+    ver.add_argument("--sample", type=int, metavar="N", help="check N random aggregates per partition (default: all)")
+    ver.set_defaults(handler=handle_verify)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", required=True, metavar="FILE", help="path to kafold.toml")
+    p.add_argument("--aggregate", metavar="NAME", help="only this aggregate type (default: all)")
+    p.add_argument("--master", metavar="URL",
+                   help="Spark master (default [snapshots].spark_master, local[*]; under spark-submit: its --master)")
+    p.add_argument("--refresh-lag", type=int, default=None, metavar="OFFSETS",
+                   help="move unchanged snapshots lagging the end by more than this forward (default 100000)")
+
+
+def _aggregates(cfg: config.KafoldConfig, name: str | None, path: str) -> list[config.AggregateConfig]:
+    if not cfg.aggregates:
+        raise ConfigError([f"{path}: aggregates: no [[aggregates]] configured, nothing to snapshot"])
+    if name is None:
+        return list(cfg.aggregates)
+    found = [a for a in cfg.aggregates if a.name == name]
+    if not found:
+        names = ", ".join(a.name for a in cfg.aggregates)
+        raise ConfigError([f"{path}: --aggregate: no aggregate named {name!r} (configured: {names})"])
+    return found
+
+
+def _python_path(loaded: config.Loaded) -> list[str]:
+    return [str((loaded.base / p).resolve()) for p in loaded.config.daemon.python_path]
+
+
+@contextlib.contextmanager
+def run_lock(config_path: str) -> Iterator[bool]:
+    """An exclusive, non-blocking lock per configuration file: yields False when another run holds it."""
+    digest = hashlib.sha256(str(Path(config_path).resolve()).encode()).hexdigest()[:16]
+    path = Path(os.environ.get("KAFOLD_LOCK_DIR") or tempfile.gettempdir()) / f"kafold-snapshot-{digest}.lock"
+    with open(path, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _reporter(name: str) -> tuple[Any, Any]:
+    """(progress context, reporter callback): a rich bar on a TTY, nothing otherwise (logs carry progress)."""
+    if not sys.stderr.isatty():
+        return contextlib.nullcontext(), None
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn(f"snapshot {name}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("partitions · {task.fields[events]:,} events · {task.fields[rate]:,.0f}/s"),
+                        TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+    task = progress.add_task(name, total=None, events=0, rate=0.0)
+    began = time.monotonic()
+
+    def report(done: int, total: int, events: int) -> None:
+        progress.update(task, completed=done, total=total, events=events,
+                        rate=events / max(1e-9, time.monotonic() - began))
+    return progress, report
+
+
+def handle_run(args: argparse.Namespace) -> int:
+    from kafold.spark_jobs import snapshot_job
+    from kafold.spark_jobs.session import session
+
+    loaded = config.load_file(args.config)
+    cfg = devstack.effective(loaded.config, need=("kafka",))
+    aggs = _aggregates(cfg, args.aggregate, args.config)
+    under_submit = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit chose the master
+    master = args.master or (None if under_submit else cfg.snapshots.spark_master)
+    with run_lock(args.config) as locked:
+        if not locked:
+            print("another snapshot run for this configuration is in progress; skipped", file=sys.stderr)
+            return EX_TEMPFAIL
+        began = time.monotonic()
+        spark = session(master, cfg.snapshots.spark_conf)
+        startup = time.monotonic() - began
+        results = []
+        for agg in aggs:
+            display, report = _reporter(agg.name)
+            with display:
+                results.append(snapshot_job.run(spark, cfg.kafka, agg, _python_path(loaded), reporter=report,
+                                                refresh_lag=args.refresh_lag or snapshot_job.REFRESH_LAG))
+    total = time.monotonic() - began
+    print(f"{'AGGREGATE':<20} {'PARTITIONS':>10} {'EVENTS FOLDED':>14} {'SNAPSHOTS':>10} {'AGGREGATES':>10} "
+          f"{'BAD':>6} {'TIME':>8} {'EVENTS/S':>10}")
+    for r in results:
+        print(f"{r.aggregate:<20} {r.partitions:>10} {r.events_folded:>14,} {r.snapshots:>10,} {r.aggregates:>10,} "
+              f"{r.bad:>6} {r.duration_s:>7.2f}s {r.events_per_s:>10,.0f}")
+        if r.rejected:
+            print(f"  rejected snapshots (fell back to older snapshot or full replay): {r.rejected}")
+    print(f"spark start-up {startup:.2f}s, jobs {total - startup:.2f}s, total {total:.2f}s")
+    log.info("snapshot.summary", aggregates=len(results), events_folded=sum(r.events_folded for r in results),
+             snapshots=sum(r.snapshots for r in results), spark_startup_s=round(startup, 2),
+             jobs_s=round(total - startup, 2))
+    return 0
+
+
+def handle_verify(args: argparse.Namespace) -> int:
+    from kafold.snapshot.fold import Domain
+    from kafold.snapshot.verify import verify
+    from kafold.spark_jobs.snapshot_job import partitions_of
+
+    loaded = config.load_file(args.config)
+    cfg = devstack.effective(loaded.config, need=("kafka",))
+    if args.sample is not None and args.sample < 1:
+        raise ConfigError(["--sample: must be >= 1"])
+    bad = 0
+    for agg in _aggregates(cfg, args.aggregate, args.config):
+        domain = Domain.load(agg, _python_path(loaded))
+        report = verify(cfg.kafka, agg, domain, partitions_of(cfg.kafka, agg), args.sample)
+        print(f"{agg.name}: {report.checked} aggregates checked, {report.snapshots_used} snapshots used, "
+              f"{len(report.mismatches)} mismatches")
+        for m in report.mismatches:
+            print(f"  MISMATCH {agg.name} {m.aggregate_id} (partition {m.partition}): {m.problem}")
+        bad += len(report.mismatches)
+    return 1 if bad else 0

@@ -1,0 +1,86 @@
+"""`kafold status -c FILE`: connectors, partitions, committed and end offsets, lag and state.
+
+From the running daemon's HTTP API (`GET /status`) when it answers; otherwise computed from Kafka: the
+connector's consumer-group committed offsets against the partitions' end offsets (ListOffsets, which some
+brokers under-report, so lag may read low there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+from kafold import config, devstack
+from kafold.cli import add_config_arg
+
+COLUMNS = ("connector", "task", "topic", "partition", "committed", "end_offset", "lag", "lag_seconds", "state")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("status", help="connectors, partitions, offsets, lag and state (daemon or Kafka)")
+    add_config_arg(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--offline", action="store_true", help="do not ask the daemon; compute from Kafka")
+    p.set_defaults(handler=handle)
+
+
+def handle(args: argparse.Namespace) -> int:
+    loaded = config.load_file(args.config)
+    cfg = devstack.effective(loaded.config, need=("kafka",))
+    report = None if args.offline else from_daemon(cfg)
+    if report is None:
+        report = from_kafka(cfg)
+    if args.json:
+        print(json.dumps(report, sort_keys=True))
+    else:
+        print(f"source: {report['source']}")
+        print(table(report["partitions"]))
+    return 0
+
+
+def from_daemon(cfg: config.KafoldConfig, timeout: float = 3.0) -> dict[str, Any] | None:
+    """The daemon's own report, or None when it does not answer (not running, HTTP disabled, refused)."""
+    d = cfg.daemon
+    if not d.http_port:
+        return None
+    host = "127.0.0.1" if d.http_host in ("0.0.0.0", "") else d.http_host
+    req = urllib.request.Request(f"http://{host}:{d.http_port}/status")
+    if d.api_token is not None:
+        req.add_header("Authorization", f"Bearer {d.api_token.reveal()}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body: dict[str, Any] = json.loads(resp.read())
+            return body
+    except (OSError, ValueError):
+        return None
+
+
+def from_kafka(cfg: config.KafoldConfig) -> dict[str, Any]:
+    """Committed offsets of each connector's group against the end offsets of its topics' partitions."""
+    from kafold.daemon import offsets
+
+    rows: list[dict[str, Any]] = []
+    for con in cfg.connectors:
+        group = f"{cfg.daemon.group_prefix}.{con.name}"
+        tps = offsets.partitions(cfg.kafka, con.topics)
+        done = offsets.group_offsets(cfg.kafka, group, tps)
+        ends = offsets.end_offsets(cfg.kafka, tps)
+        for tp in tps:
+            committed = done.get(tp)
+            end = ends.get(tp)
+            lag = None if end is None else max(0, end - (committed or 0))
+            rows.append({"connector": con.name, "task": None, "topic": tp.topic, "partition": tp.partition,
+                         "committed": committed, "end_offset": end, "lag": lag, "lag_seconds": None,
+                         "state": "daemon not reachable"})
+    return {"source": "kafka", "partitions": rows}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    cells = [[("-" if r.get(c) is None else str(r.get(c))) for c in COLUMNS] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(COLUMNS)]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(COLUMNS, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)

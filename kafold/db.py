@@ -1,0 +1,133 @@
+"""PostgreSQL helpers on top of kafold.pg: connections, the SQLAlchemy engine, and kafold's migrations."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+from psycopg import sql
+from sqlalchemy.pool import NullPool
+
+from kafold import logs, pg
+from kafold.config import ENV_PREFIX, PostgresConfig
+from kafold.errors import ConfigError, RetriableError
+from kafold.schema import Problems, is_missing, load
+
+log = logs.get(__name__)
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+# Serialises concurrent `upgrade` calls (several daemons or tasks starting at once) on one database.
+_MIGRATION_LOCK = 0x6B61_666F_6C64  # "kafold"
+
+
+def connect(pgc: PostgresConfig, *, autocommit: bool = True, **kwargs: Any) -> psycopg.Connection[Any]:
+    """A psycopg 3 connection; an unreachable server is a RetriableError (the caller backs off and retries)."""
+    try:
+        return psycopg.connect(pg.conninfo(pgc), autocommit=autocommit, **kwargs)
+    except psycopg.OperationalError as e:
+        raise RetriableError(f"PostgreSQL unreachable: {_first_line(e)}") from e
+
+
+def engine(pgc: PostgresConfig) -> sa.Engine:
+    """A SQLAlchemy engine without pooling (each `connect` is a fresh session, as Alembic recommends)."""
+    return sa.create_engine(pg.sqlalchemy_url(pgc), poolclass=NullPool)
+
+
+def _alembic_config(pgc: PostgresConfig, connection: sa.Connection | None = None) -> Any:
+    from alembic.config import Config
+
+    cfg = Config()  # no alembic.ini: everything is set here, so it runs from any working directory
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("kafold_schema", pgc.schema)
+    cfg.attributes["schema"] = pgc.schema
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg
+
+
+def heads() -> list[str]:
+    """The head revisions of kafold's migrations (exactly one unless the history forked)."""
+    from alembic.script import ScriptDirectory
+
+    return list(ScriptDirectory.from_config(_alembic_config(PostgresConfig())).get_heads())
+
+
+def upgrade(pgc: PostgresConfig, revision: str = "head") -> str | None:
+    """Apply kafold's migrations to `[postgres].schema` (idempotent, safe to run concurrently); the new revision."""
+    return _migrate(pgc, "upgrade", revision)
+
+
+def downgrade(pgc: PostgresConfig, revision: str) -> str | None:
+    """Revert kafold's migrations down to `revision` ("base" removes kafold's tables)."""
+    return _migrate(pgc, "downgrade", revision)
+
+
+def _migrate(pgc: PostgresConfig, direction: str, revision: str) -> str | None:
+    from alembic import command
+
+    try:
+        with engine(pgc).begin() as conn:
+            conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _MIGRATION_LOCK})
+            getattr(command, direction)(_alembic_config(pgc, conn), revision)
+            now = _current(conn, pgc.schema)
+    except sa.exc.OperationalError as e:
+        raise RetriableError(f"PostgreSQL unreachable: {_first_line(e.orig or e)}") from e
+    log.info(f"db.{direction}d", schema=pgc.schema, revision=now)
+    return now
+
+
+def current(pgc: PostgresConfig) -> str | None:
+    """The revision the database is at (None before the first upgrade)."""
+    with engine(pgc).connect() as conn:
+        return _current(conn, pgc.schema)
+
+
+def _current(conn: sa.Connection, schema: str) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    ctx = MigrationContext.configure(conn, opts={"version_table_schema": schema})
+    return ctx.get_current_revision()
+
+
+def table(pgc: PostgresConfig, name: str) -> sql.Composed:
+    """A quoted `schema.table` for one of kafold's own tables."""
+    return sql.SQL("{}.{}").format(sql.Identifier(pgc.schema), sql.Identifier(name))
+
+
+def from_environment(environ: Mapping[str, str] | None = None) -> PostgresConfig:
+    """[postgres] from `KAFOLD_POSTGRES__*` variables, the URL defaulting to the running `kafold dev` stack.
+
+    Used by tasks whose host did not hand them the configured [postgres] section (task_config["postgres"]).
+    """
+    env = os.environ if environ is None else environ
+    prefix = f"{ENV_PREFIX}POSTGRES__"
+    raw = {k[len(prefix):].lower(): v for k, v in env.items() if k.startswith(prefix)}
+    problems = Problems("environment", env)
+    cfg = load(PostgresConfig, raw, "postgres", problems, Path("."))
+    if problems.items or is_missing(cfg):
+        raise ConfigError(problems.items)
+    if not cfg.url:
+        from kafold import devstack
+        from kafold.config import KafoldConfig
+
+        cfg = devstack.effective(KafoldConfig(postgres=cfg), need=("postgres",)).postgres
+    return cfg
+
+
+@contextmanager
+def transaction(conn: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any]]:
+    """One transaction; connection-level failures become RetriableError (the same work is tried again)."""
+    try:
+        with conn.transaction():
+            yield conn
+    except psycopg.OperationalError as e:
+        raise RetriableError(f"PostgreSQL: {_first_line(e)}") from e
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -1,0 +1,169 @@
+"""Kafka access for snapshots: partition bounds, reading offset ranges, writing snapshots (idempotent producer).
+
+Offset note: the end of a partition is taken from the fetch path (read until partition EOF, which Kafka signals
+at the high watermark — the last stable offset under read_committed), starting one record before the end that
+ListOffsets reports, so a broker whose ListOffsets under-reports still yields the true end. Ranges are read with
+read_committed: events of aborted transactions are never folded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+
+from kafold import kafka_clients
+from kafold.config import KafkaConfig
+from kafold.errors import RetriableError
+from kafold.snapshot.record import Marker, Snapshot
+
+STALL_S = 30.0
+Batch = tuple[list[int], list[bytes | None], list[bytes | None]]
+
+
+def reader(kafka: KafkaConfig) -> Consumer:
+    """A group-less reader (assign only, never commits) that reports partition EOF."""
+    return kafka_clients.consumer(kafka, "kafold.snapshot.reader", **{
+        "enable.partition.eof": True, "isolation.level": "read_committed",
+        "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024,
+        "queued.min.messages": 200000, "fetch.wait.max.ms": 2})  # short: EOF (the end) shows up at once
+
+
+def _poll(consumer: Consumer, size: int, timeout: float) -> list[Any]:
+    try:
+        return consumer.consume(size, timeout)
+    except KafkaException as e:
+        raise RetriableError(f"reading from Kafka failed: {e}") from e
+
+
+def bounds(consumer: Consumer, topic: str, partition: int) -> tuple[int, int]:
+    """(first offset, end offset) of a partition, the end as the fetch path reports it."""
+    try:
+        low, listed = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10, cached=False)
+    except KafkaException as e:
+        raise RetriableError(f"{topic}[{partition}]: cannot list offsets: {e}") from e
+    if listed <= low:
+        return low, low
+    end = listed
+    for offsets, _, _ in read_range(consumer, topic, partition, max(low, listed - 1), None):
+        if offsets:
+            end = max(end, offsets[-1] + 1)
+    return low, max(end, _position(consumer, topic, partition, end))
+
+
+def _position(consumer: Consumer, topic: str, partition: int, default: int) -> int:
+    pos = consumer.position([TopicPartition(topic, partition)])[0].offset
+    return pos if pos >= 0 else default
+
+
+def read_range(consumer: Consumer, topic: str, partition: int, start: int, end: int | None,
+               batch: int = 20000) -> Iterator[Batch]:
+    """Records at offsets [start, end) as (offsets, keys, values) batches; `end` None = up to partition EOF."""
+    if end is not None and start >= end:
+        return
+    # `end` None: read until partition EOF (the high watermark, or the last stable offset under read_committed).
+    consumer.assign([TopicPartition(topic, partition, start)])
+    last_progress = time.monotonic()
+    position = start
+    try:
+        while True:
+            # consume() returns when it has `size` records or times out: ask for no more than the range holds,
+            # so the last batch of a range does not wait out the timeout.
+            size = batch if end is None else max(1, min(batch, end - position))
+            msgs = _poll(consumer, size, 0.01 if end is None else 0.2)
+            last = msgs[-1] if msgs else None
+            if last is not None and last.error() is None and (end is None or last.offset() < end) \
+                    and not any(m.error() for m in msgs):
+                # the common case, a batch of plain records inside the range: no per-record branching
+                offsets = [m.offset() for m in msgs]
+                keys = [m.key() for m in msgs]
+                values = [m.value() for m in msgs]
+                done = False
+            else:
+                offsets, keys, values, done = _sift(msgs, end, topic, partition)
+            if offsets:
+                last_progress = time.monotonic()
+                position = offsets[-1] + 1
+                yield offsets, keys, values
+            if done or (end is not None and position >= end):
+                return
+            if time.monotonic() - last_progress > STALL_S:
+                raise RetriableError(f"{topic}[{partition}]: no progress for {STALL_S:.0f} s before offset {end}")
+    finally:
+        consumer.unassign()
+
+
+def _sift(msgs: list[Any], end: int | None, topic: str, partition: int) -> tuple[
+        list[int], list[bytes | None], list[bytes | None], bool]:
+    """Records of a batch up to `end`, and whether the range is done (EOF at or past the end, or past it)."""
+    offsets: list[int] = []
+    keys: list[bytes | None] = []
+    values: list[bytes | None] = []
+    for m in msgs:
+        err = m.error()
+        if err is not None:
+            if err.code() == KafkaError._PARTITION_EOF:
+                if end is None or m.offset() >= end:
+                    return offsets, keys, values, True
+                continue
+            raise RetriableError(f"{topic}[{partition}]: {err.str()}")
+        off = m.offset()
+        if end is not None and off >= end:
+            return offsets, keys, values, True
+        offsets.append(off)
+        keys.append(m.key())
+        values.append(m.value())
+    return offsets, keys, values, False
+
+
+def records(consumer: Consumer, topic: str, partition: int) -> Iterator[tuple[bytes | None, bytes | None, int]]:
+    """Every record of a (snapshot) partition as (key, value, offset), in log order, up to partition EOF."""
+    for offsets, keys, values in read_range(consumer, topic, partition, OFFSET_BEGINNING, None):
+        yield from zip(keys, values, offsets, strict=True)
+
+
+_WRITERS: dict[str, Any] = {}
+
+
+def writer(kafka: KafkaConfig) -> Any:
+    """An idempotent producer (retries never duplicate or reorder a snapshot within its partition), one per
+    process and broker config: its start-up handshake (a producer id) costs a round of waits, so it is reused."""
+    key = repr(kafka)
+    if key not in _WRITERS:
+        _WRITERS[key] = kafka_clients.producer(kafka, **{"enable.idempotence": True, "acks": "all",
+                                                         "linger.ms": 20, "batch.num.messages": 10000})
+    return _WRITERS[key]
+
+
+def write(producer: Any, topic: str, partition: int, items: Iterable[Snapshot | Marker]) -> int:
+    """Produce snapshots (then, if given, a marker last) to `partition` and wait until all are acknowledged.
+
+    The partition is the events partition the snapshots were folded from, so a snapshot sits in the same
+    partition number as its aggregate's events whatever partitioner the event producers use.
+    """
+    failures: list[str] = []
+
+    def on_delivery(err: Any, _msg: Any) -> None:
+        if err is not None:
+            failures.append(str(err))
+
+    count = 0
+    for item in items:
+        key, value, headers = item.encode()
+        while True:
+            try:
+                producer.produce(topic, value=value, key=key, headers=headers, partition=partition,
+                                 on_delivery=on_delivery)
+                break
+            except BufferError:
+                producer.poll(0.1)
+        count += 1
+        if count % 1000 == 0:
+            producer.poll(0)
+    left = producer.flush(60)
+    if failures or left:
+        raise RetriableError(f"{topic}[{partition}]: {len(failures) + left} snapshot writes failed "
+                             f"({failures[0] if failures else 'flush timed out'})")
+    return count

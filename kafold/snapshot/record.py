@@ -1,0 +1,148 @@
+"""The snapshot record on the compacted topic: one aggregate's state at an events offset, checksummed."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import orjson
+
+from kafold.envelope import utc_now
+from kafold.errors import DecodeError
+
+FORMAT = 1
+# Snapshot records carry this header; the per-partition marker record says "marker" (see `Marker`).
+H_KIND = "kafold-snapshot"
+KIND_SNAPSHOT = b"aggregate"
+KIND_MARKER = b"marker"
+# Marker keys start with NUL, which no aggregate id on the events topic is expected to hold, so compaction
+# keeps one marker per partition next to the latest snapshot of every aggregate.
+MARKER_KEY_PREFIX = b"\x00kafold.partition."
+
+_SNAPSHOT_FIELDS = frozenset({"format", "aggregate_type", "aggregate_id", "state", "version", "partition", "offset",
+                              "fingerprint", "state_schema_version", "created_at", "checksum"})
+_MARKER_FIELDS = frozenset({"format", "aggregate_type", "partition", "offset", "fingerprint",
+                            "state_schema_version", "created_at", "checksum"})
+
+
+def checksum(body: dict[str, Any]) -> str:
+    """sha256 over the canonical encoding (orjson, keys sorted at every level) of every field but `checksum`."""
+    canonical = orjson.dumps({k: v for k, v in body.items() if k != "checksum"}, option=orjson.OPT_SORT_KEYS)
+    return "sha256:" + hashlib.sha256(canonical).hexdigest()
+
+
+class Snapshot(NamedTuple):
+    """One aggregate's folded state (a NamedTuple: immutable and cheap to build, restore decodes many).
+
+    Offset note: `offset` is the position in events partition `partition` up to which this aggregate's history is
+    folded: every event of the aggregate at an offset < `offset` is in `state` (and `version` is the version of the
+    last of them); events at offsets >= `offset` are not. A restore replays only events at offsets >= `offset`.
+    """
+
+    aggregate_type: str
+    aggregate_id: str
+    state: Any  # the state as JSON-compatible data
+    version: int
+    partition: int
+    offset: int
+    fingerprint: str
+    state_schema_version: int
+    created_at: str = ""
+    checksum: str = ""
+
+    def body(self) -> dict[str, Any]:
+        return {"format": FORMAT, "aggregate_type": self.aggregate_type, "aggregate_id": self.aggregate_id,
+                "state": self.state, "version": self.version, "partition": self.partition, "offset": self.offset,
+                "fingerprint": self.fingerprint, "state_schema_version": self.state_schema_version,
+                "created_at": self.created_at or utc_now()}
+
+    def encode(self) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
+        """(key, value, headers) to produce; the checksum is computed here (any given one is ignored)."""
+        body = self.body()
+        body["checksum"] = checksum(body)
+        return self.aggregate_id.encode(), orjson.dumps(body), [(H_KIND, KIND_SNAPSHOT)]
+
+
+@dataclass(frozen=True, slots=True)
+class Marker:
+    """A snapshot run finished a partition.
+
+    Offset note: after the run flushed its snapshots, every aggregate with an event in events partition
+    `partition` at an offset < `offset` has a snapshot on the topic (new, or kept from an earlier run). So an
+    aggregate without any snapshot has no events below `offset`, and a restore may start there for it.
+    """
+
+    aggregate_type: str
+    partition: int
+    offset: int
+    fingerprint: str
+    state_schema_version: int
+    created_at: str = ""
+    checksum: str = ""
+
+    def encode(self) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
+        body = {"format": FORMAT, "aggregate_type": self.aggregate_type, "partition": self.partition,
+                "offset": self.offset, "fingerprint": self.fingerprint,
+                "state_schema_version": self.state_schema_version, "created_at": self.created_at or utc_now()}
+        body["checksum"] = checksum(body)
+        return marker_key(self.partition), orjson.dumps(body), [(H_KIND, KIND_MARKER)]
+
+
+def marker_key(partition: int) -> bytes:
+    return MARKER_KEY_PREFIX + str(partition).encode()
+
+
+def is_marker(key: bytes | None) -> bool:
+    return key is not None and key.startswith(MARKER_KEY_PREFIX)
+
+
+class ChecksumError(DecodeError):
+    """The record decodes but its checksum does not match its content (corrupted or edited)."""
+
+
+def _body(key: bytes | None, value: bytes | None, fields: frozenset[str], raw: Any) -> dict[str, Any]:
+    if value is None:
+        raise DecodeError("snapshot record: value: missing (tombstone)", raw=raw, reason="missing-field")
+    try:
+        body = orjson.loads(value)
+    except orjson.JSONDecodeError as e:
+        raise DecodeError(f"snapshot record: value: not valid JSON ({e})", raw=raw, reason="bad-json") from None
+    if type(body) is not dict:
+        raise DecodeError("snapshot record: value: expected a JSON object", raw=raw, reason="wrong-type")
+    if body.keys() != fields:
+        diff = sorted(set(body) ^ fields)[0]
+        raise DecodeError(f"snapshot record: {diff}: missing or unknown field", raw=raw, reason="missing-field")
+    if body["format"] != FORMAT:
+        raise DecodeError(f"snapshot record: format: unsupported {body['format']!r}", raw=raw, reason="wrong-type")
+    for name in _INTS:
+        v = body.get(name, 0)
+        if type(v) is not int or v < 0:
+            raise DecodeError(f"snapshot record: {name}: expected an integer >= 0", raw=raw, reason="wrong-type")
+    for name in _STRS:
+        if type(body[name]) is not str:
+            raise DecodeError(f"snapshot record: {name}: expected a string", raw=raw, reason="wrong-type")
+    if body["checksum"] != checksum(body):
+        raise ChecksumError("snapshot record: checksum: does not match the content", raw=raw, reason="checksum")
+    return body
+
+
+_INTS = ("version", "partition", "offset", "state_schema_version")
+_STRS = ("aggregate_type", "fingerprint", "created_at", "checksum")
+
+
+def decode(key: bytes | None, value: bytes | None, *, raw: Any = None) -> Snapshot:
+    """The Snapshot in a record; DecodeError (ChecksumError for a bad checksum) names the defect."""
+    body = _body(key, value, _SNAPSHOT_FIELDS, raw)
+    if type(body["aggregate_id"]) is not str or key is None or key != body["aggregate_id"].encode():
+        raise DecodeError("snapshot record: key: does not match aggregate_id", raw=raw, reason="header-mismatch")
+    del body["format"]
+    return Snapshot(**body)
+
+
+def decode_marker(key: bytes | None, value: bytes | None, *, raw: Any = None) -> Marker:
+    body = _body(key, value, _MARKER_FIELDS, raw)
+    if key != marker_key(body["partition"]):
+        raise DecodeError("marker record: key: does not match partition", raw=raw, reason="header-mismatch")
+    del body["format"]
+    return Marker(**body)

@@ -1,0 +1,144 @@
+"""SnapshotScheduler: run snapshot jobs on an interval or after N new events, never two runs at once."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kafold import logs
+from kafold.config import AggregateConfig, KafkaConfig, SnapshotConfig
+
+log = logs.get(__name__)
+
+
+def events_end_total(kafka: KafkaConfig, aggregates: Sequence[AggregateConfig]) -> int:
+    """The sum of the end offsets (ListOffsets) of the aggregates' events topics: grows with every event."""
+    from confluent_kafka import TopicPartition
+
+    from kafold import kafka_clients
+
+    consumer = kafka_clients.consumer(kafka, "kafold.snapshot.scheduler")
+    try:
+        meta = consumer.list_topics(timeout=10)
+        total = 0
+        for agg in aggregates:
+            topic = meta.topics.get(agg.topic("events"))
+            for p in (topic.partitions if topic is not None else ()):
+                total += consumer.get_watermark_offsets(TopicPartition(agg.topic("events"), p), timeout=10)[1]
+        return total
+    finally:
+        consumer.close()
+
+
+def subprocess_job(config_path: Path, master: str | None = None) -> Callable[[], int]:
+    """A job that runs `kafold snapshot run -c FILE` in a child process (the Spark driver and its JVM stay out
+    of the daemon's memory; a crashed job cannot take the daemon down)."""
+    def run() -> int:
+        cmd = [sys.executable, "-m", "kafold.cli", "--log-format", "json", "snapshot", "run", "-c", str(config_path)]
+        if master:
+            cmd += ["--master", master]
+        return subprocess.run(cmd, check=False).returncode
+    return run
+
+
+class SnapshotScheduler:
+    """Triggers `job` every `interval_s`, and also once `every_n_events` new events arrived (0 = off).
+
+    A lock guarantees that two runs never overlap: a trigger while a run is in progress is skipped (and
+    `trigger()` says so). Run it from the daemon with `start()` / `stop()`; `run_once()` is the unit of work.
+    """
+
+    def __init__(self, job: Callable[[], Any], *, interval_s: float, every_n_events: int = 0,
+                 new_events: Callable[[], int] | None = None, poll_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if every_n_events and new_events is None:
+            raise ValueError("every_n_events needs a new_events() counter")
+        self.job, self.interval_s, self.every_n_events = job, interval_s, every_n_events
+        self.new_events, self.poll_s, self.clock = new_events, poll_s, clock
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_run: float | None = None
+        self.events_at_last_run: int | None = None
+        self.runs = 0
+        self.failures = 0
+
+    @classmethod
+    def from_config(cls, config_path: Path, snapshots: SnapshotConfig, kafka: KafkaConfig,
+                    aggregates: Sequence[AggregateConfig]) -> SnapshotScheduler:
+        """The scheduler `[snapshots]` asks for: a `kafold snapshot run` child process per trigger."""
+        return cls(subprocess_job(config_path, snapshots.spark_master), interval_s=snapshots.interval_s,
+                   every_n_events=snapshots.every_n_events,
+                   new_events=(lambda: events_end_total(kafka, aggregates)) if snapshots.every_n_events else None)
+
+    def due(self) -> str | None:
+        """Why a run is due now ("interval" / "new-events"), or None."""
+        if self.last_run is None:
+            self.last_run = self.clock()  # the first interval counts from the first check, not from zero
+        if self.clock() - self.last_run >= self.interval_s:
+            return "interval"
+        if self.every_n_events and self.new_events is not None:
+            now = self.new_events()
+            if self.events_at_last_run is None:
+                self.events_at_last_run = now
+            elif now - self.events_at_last_run >= self.every_n_events:
+                return "new-events"
+        return None
+
+    def run_once(self, reason: str = "manual") -> bool:
+        """Run the job now unless one is running; False if skipped."""
+        if not self._lock.acquire(blocking=False):
+            log.info("snapshot.schedule.skipped", reason=reason, why="a run is in progress")
+            return False
+        try:
+            self.last_run = self.clock()
+            if self.new_events is not None:
+                try:
+                    self.events_at_last_run = self.new_events()
+                except Exception as e:  # the broker is unreachable: the interval trigger still works
+                    log.warning("snapshot.schedule.count_failed", error=str(e))
+            began = time.monotonic()
+            log.info("snapshot.schedule.run", reason=reason)
+            try:
+                code = self.job()
+            except Exception as e:
+                code = repr(e)
+            self.runs += 1
+            if code not in (0, None):
+                self.failures += 1
+                log.warning("snapshot.schedule.failed", reason=reason, result=code)
+            else:
+                log.info("snapshot.schedule.done", reason=reason, duration_s=round(time.monotonic() - began, 2))
+            return True
+        finally:
+            self._lock.release()
+
+    trigger = run_once
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                reason = self.due()
+            except Exception as e:
+                log.warning("snapshot.schedule.check_failed", error=str(e))
+                reason = None
+            if reason:
+                self.run_once(reason)
+            self._stop.wait(self.poll_s)
+
+    def start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="kafold-snapshot-scheduler", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop triggering; a run in progress finishes (wait up to `timeout` for it)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)

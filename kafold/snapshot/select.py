@@ -1,0 +1,151 @@
+"""Choosing the usable snapshot per aggregate of one partition, and where the tail replay must start. Pure.
+
+Offset note: the tail starts at the lowest offset any chosen snapshot covers; an aggregate with snapshot records
+but none usable needs a full replay (start = the partition's first offset); aggregates with no snapshot at all
+have no events below the latest run marker (see `record.Marker`), so without a marker the start is also the
+partition's first offset. Events below a chosen snapshot's offset are skipped for that aggregate.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafold import logs
+from kafold.errors import DecodeError
+from kafold.snapshot import record
+from kafold.snapshot.record import ChecksumError, Marker, Snapshot
+
+log = logs.get(__name__)
+
+# Metric: snapshot records rejected, by (aggregate type, reason); exported by whoever serves metrics.
+REJECTED: Counter[tuple[str, str]] = Counter()
+
+REASONS = ("corrupt", "checksum", "fingerprint", "schema", "ahead", "misplaced", "out-of-order")
+
+
+@dataclass(frozen=True)
+class Identity:
+    """The running fold that snapshots must come from."""
+
+    aggregate_type: str
+    fingerprint: str
+    state_schema_version: int
+
+
+@dataclass
+class Selection:
+    """The outcome for one partition: bases by aggregate id (bytes), where to start, and what was rejected."""
+
+    partition: int
+    low: int
+    end: int
+    bases: dict[bytes, Snapshot] = field(default_factory=dict)
+    marker: Marker | None = None
+    rejected: Counter[str] = field(default_factory=Counter)
+    orphans: set[bytes] = field(default_factory=set)  # had snapshot records, none usable: full replay
+
+    @property
+    def start(self) -> int:
+        floor = self.marker.offset if self.marker is not None else self.low
+        if self.orphans:
+            floor = self.low
+        lowest = min((s.offset for s in self.bases.values()), default=floor)
+        return max(self.low, min(floor, lowest))
+
+
+class Selector:
+    """Feed the snapshot partition's records in log order; `result()` gives the Selection.
+
+    A record is rejected (never used, counted in REJECTED, warned about once per partition) when it does not
+    decode, its checksum fails, its fingerprint or state schema version differs from the running fold, it is
+    ahead of the events (offset past the partition's end, or a version no history below its offset can reach),
+    or it is older than a usable snapshot already seen for the same aggregate (an out-of-order write): of the
+    usable ones the highest (offset, version) wins, whatever the log order.
+    """
+
+    def __init__(self, identity: Identity, partition: int, low: int, end: int) -> None:
+        self.identity = identity
+        self.sel = Selection(partition, low, end)
+        self._first_rejected: dict[str, str] = {}
+
+    def _reject(self, reason: str, key: bytes | None, offset: int | None) -> None:
+        self.sel.rejected[reason] += 1
+        REJECTED[(self.identity.aggregate_type, reason)] += 1
+        self._first_rejected.setdefault(reason, f"key={key!r} snapshot_offset={offset}")
+
+    def _check(self, snap: Snapshot | Marker) -> str | None:
+        ident = self.identity
+        if snap.aggregate_type != ident.aggregate_type or snap.partition != self.sel.partition:
+            return "misplaced"
+        if snap.fingerprint != ident.fingerprint:
+            return "fingerprint"
+        if snap.state_schema_version != ident.state_schema_version:
+            return "schema"
+        if snap.offset > self.sel.end or (isinstance(snap, Snapshot) and snap.version > snap.offset):
+            return "ahead"
+        return None
+
+    def feed(self, key: bytes | None, value: bytes | None, offset: int | None = None) -> None:
+        if record.is_marker(key):
+            self._feed_marker(key, value, offset)
+            return
+        try:
+            snap = record.decode(key, value)
+        except ChecksumError:
+            self._orphan(key)
+            self._reject("checksum", key, offset)
+            return
+        except DecodeError:
+            self._orphan(key)
+            self._reject("corrupt", key, offset)
+            return
+        assert key is not None  # decode checked that the key is the aggregate id
+        reason = self._check(snap)
+        if reason is not None:
+            self._orphan(key)
+            self._reject(reason, key, offset)
+            return
+        best = self.sel.bases.get(key)
+        if best is not None and (snap.offset, snap.version) < (best.offset, best.version):
+            self._reject("out-of-order", key, offset)
+            return
+        self.sel.bases[key] = snap
+        self.sel.orphans.discard(key)
+
+    def _orphan(self, key: bytes | None) -> None:
+        if key is not None and key not in self.sel.bases:
+            self.sel.orphans.add(key)
+
+    def _feed_marker(self, key: bytes | None, value: bytes | None, offset: int | None) -> None:
+        try:
+            marker = record.decode_marker(key, value)
+        except ChecksumError:
+            self._reject("checksum", key, offset)
+            return
+        except DecodeError:
+            self._reject("corrupt", key, offset)
+            return
+        reason = self._check(marker)
+        if reason is not None:
+            self._reject(reason, key, offset)
+        elif self.sel.marker is None or marker.offset >= self.sel.marker.offset:
+            self.sel.marker = marker
+
+    def result(self) -> Selection:
+        sel = self.sel
+        if sel.rejected:
+            log.warning("snapshot.rejected", aggregate=self.identity.aggregate_type, partition=sel.partition,
+                        reasons=dict(sel.rejected), first=self._first_rejected, full_replay=len(sel.orphans),
+                        fallback="older snapshot or full replay")
+        return sel
+
+
+def select(identity: Identity, partition: int, low: int, end: int,
+           records: Any) -> Selection:
+    """Selection over an iterable of (key, value, offset) snapshot records in log order."""
+    selector = Selector(identity, partition, low, end)
+    for key, value, offset in records:
+        selector.feed(key, value, offset)
+    return selector.result()

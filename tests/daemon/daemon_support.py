@@ -1,0 +1,117 @@
+"""Helpers for the daemon tests: test connectors, a config writer, and an in-process daemon with an HTTP client."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from contract import wait_for
+from daemon_plugins import GATES, RECEIVED
+
+from kafold import config
+from kafold.config import KafkaConfig
+from kafold.daemon.host import DaemonHost
+
+HERE = Path(__file__).parent
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_config(tmp_path: Path, kafka: KafkaConfig, unique: str, topic: str, *, port: int = 0,
+                 connector: str = "log", config_toml: str = "{}", daemon_extra: str = "") -> Path:
+    path = tmp_path / "kafold.toml"
+    path.write_text(f"""
+[kafka]
+bootstrap_servers = "{kafka.bootstrap_servers}"
+session_timeout_ms = {kafka.session_timeout_ms}
+rebalance_timeout_ms = {kafka.rebalance_timeout_ms}
+heartbeat_interval_ms = {kafka.heartbeat_interval_ms}
+
+[daemon]
+group_prefix = "{unique}"
+http_port = {port}
+shutdown_grace_s = 4.0
+batch_max_records = 5
+batch_max_wait_ms = 100
+python_path = ["{HERE}"]
+{daemon_extra}
+
+[[connectors]]
+name = "sink"
+class = "{connector}"
+topics = ["{topic}"]
+config = {config_toml}
+""")
+    return path
+
+
+@dataclass
+class Running:
+    host: DaemonHost
+    port: int
+    token: str | None = None
+
+    def call(self, method: str, path: str, token: str | None = "default") -> tuple[int, Any]:
+        """(status, parsed JSON body or text or None)."""
+        token = self.token if token == "default" else token
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", method=method,
+                                     data=b"" if method in ("PUT", "POST") else None)
+        if token:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=15) as resp:
+                return resp.status, _parse(resp.read(), resp.headers.get("Content-Type", ""))
+        except urllib.error.HTTPError as e:
+            return e.code, _parse(e.read(), e.headers.get("Content-Type", ""))
+
+    def get(self, path: str, token: str | None = "default") -> tuple[int, Any]:
+        return self.call("GET", path, token)
+
+    @property
+    def runner(self) -> Any:
+        return self.host.groups[0].slots[0].runner
+
+
+def _parse(body: bytes, content_type: str) -> Any:
+    if not body:
+        return None
+    return json.loads(body) if "json" in content_type else body.decode()
+
+
+@contextmanager
+def daemon_in_process(path: Path, token: str | None = None) -> Iterator[Running]:
+    """Run `kafold daemon` on the config in a thread; stop it (and check it stopped cleanly) at the end."""
+    RECEIVED.clear()
+    loaded = config.load_file(path)
+    stop = threading.Event()
+    host = DaemonHost(loaded.config, loaded.base, stop)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(host.run()), name="test-daemon")
+    thread.start()
+    running = Running(host, loaded.config.daemon.http_port, token)
+    try:
+        wait_for(lambda: _up(running), "the daemon's HTTP server")
+        yield running
+    finally:
+        for gate in GATES.values():
+            gate.release(1000)
+        stop.set()
+        thread.join(30)
+    assert not thread.is_alive() and result == [0], f"daemon did not stop cleanly: {result}"
+
+
+def _up(running: Running) -> bool:
+    try:
+        return running.get("/health")[0] == 200
+    except OSError:
+        return False

@@ -1,0 +1,55 @@
+"""The daemon hosts one aggregate runtime per [[aggregates]] and serves its state at /aggregates/{name}/{id}."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from contract import wait_for
+from daemon_support import daemon_in_process, free_port
+
+from kafold import config, topics
+from kafold.client import CommandClient
+from kafold.config import KafkaConfig
+
+BANK = Path(__file__).resolve().parents[2] / "examples" / "bank"
+
+
+def test_aggregate_state_is_served_once_the_runtime_is_live(
+        tmp_path: Path, kafka_config: KafkaConfig, unique: str) -> None:
+    path = tmp_path / "kafold.toml"
+    path.write_text(f"""
+[kafka]
+bootstrap_servers = "{kafka_config.bootstrap_servers}"
+session_timeout_ms = 6000
+rebalance_timeout_ms = 6000
+heartbeat_interval_ms = 1000
+
+[daemon]
+group_prefix = "{unique}"
+http_port = {free_port()}
+python_path = ["{BANK}"]
+batch_max_wait_ms = 100
+
+[[aggregates]]
+name = "account"
+initial = "bank_domain:initial"
+evolve = "bank_domain:evolve"
+decide = "bank_domain:decide"
+partitions = 1
+events_topic = "{unique}.events"
+commands_topic = "{unique}.commands"
+results_topic = "{unique}.results"
+snapshot_topic = "{unique}.snapshots"
+""")
+    loaded = config.load_file(path)
+    assert topics.ensure(kafka_config, config.topic_map(loaded.config).values()).ok
+    with daemon_in_process(path) as d:
+        wait_for(lambda: d.get("/ready")[0] == 200, "the aggregate runtime to go live")
+        assert d.get("/aggregates/account/acc-1")[0] == 404
+        assert d.get("/aggregates/nope/acc-1") == (404, {"error_code": 404, "message": "Aggregate nope not found"})
+        with CommandClient(kafka_config, loaded.config.aggregates[0]) as client:
+            result = client.send(client.command("acc-1", "OpenAccount", {"owner": "ada"}))
+            assert result is not None and result.status == "accepted", result
+        status, body = d.get("/aggregates/account/acc-1")
+        assert status == 200 and body["aggregate"] == "account" and body["id"] == "acc-1"
+        assert body["state"]["owner"] == "ada"

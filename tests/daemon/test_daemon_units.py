@@ -1,0 +1,50 @@
+"""Pure logic of the daemon: caught-up decisions, event-time lag, bearer-token checks, Connect offset bodies."""
+
+from __future__ import annotations
+
+from kafold.connectors.api import TopicPartition
+from kafold.daemon.connect_api import offsets_body
+from kafold.daemon.http import authorized
+from kafold.daemon.progress import PartitionProgress
+
+TP = TopicPartition("t", 0)
+
+
+def test_not_caught_up_before_both_list_offsets_and_a_fetch_response_were_seen() -> None:
+    p = PartitionProgress(TP, position=10, listed_end=10)
+    assert not p.advance().caught_up
+    assert PartitionProgress(TP, position=10).advance(high_watermark=10).caught_up is False
+    assert p.advance(high_watermark=10).caught_up
+
+
+def test_target_takes_the_larger_of_list_offsets_and_the_first_fetch_watermark() -> None:
+    # ListOffsets may under-report (the embedded broker returns the last batch's base offset + 1).
+    p = PartitionProgress(TP, position=4, listed_end=4).advance(high_watermark=13)
+    assert p.target == 13 and not p.caught_up and p.lag == 9
+    assert p.advance(position=13).caught_up
+
+
+def test_later_traffic_neither_moves_the_target_nor_unsets_caught_up() -> None:
+    p = PartitionProgress(TP, position=5, listed_end=5).advance(high_watermark=5)
+    assert p.caught_up
+    later = p.advance(high_watermark=50)
+    assert later.target == 5 and later.caught_up and later.lag == 45
+
+
+def test_event_time_lag_counts_only_while_records_remain() -> None:
+    behind = PartitionProgress(TP, position=5, listed_end=5, event_time_ms=1_000).advance(high_watermark=9)
+    assert behind.lag_seconds(now_ms=61_000) == 60.0
+    level = PartitionProgress(TP, position=9, listed_end=9, event_time_ms=1_000).advance(high_watermark=9)
+    assert level.lag_seconds(now_ms=61_000) == 0.0
+
+
+def test_bearer_token_check() -> None:
+    assert authorized(None, "")
+    assert authorized("abc", "Bearer abc") and authorized("abc", "bearer abc")
+    assert not authorized("abc", "") and not authorized("abc", "Bearer abd") and not authorized("abc", "Basic abc")
+
+
+def test_offsets_body_has_connects_shape() -> None:
+    assert offsets_body({("t", 1): 7, ("t", 0): 3}) == {"offsets": [
+        {"partition": {"kafka_topic": "t", "kafka_partition": 0}, "offset": {"kafka_offset": 3}},
+        {"partition": {"kafka_topic": "t", "kafka_partition": 1}, "offset": {"kafka_offset": 7}}]}

@@ -1,0 +1,53 @@
+"""kafold's own tables: one migration head, upgrade/downgrade in the configured schema, no alembic.ini needed."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kafold import db
+from kafold.config import PostgresConfig
+
+
+def test_the_migrations_have_a_single_head() -> None:
+    assert len(db.heads()) == 1
+
+
+def test_upgrade_creates_the_tables_in_the_configured_schema_from_any_directory(
+        pg_config: PostgresConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # no alembic.ini here
+    pgc = dataclasses.replace(pg_config, schema=f"k_{uuid.uuid4().hex[:8]}")
+    assert db.current(pgc) is None
+    assert db.upgrade(pgc) == db.heads()[0]
+    assert db.upgrade(pgc) == db.heads()[0]  # idempotent
+    with db.connect(pgc) as conn:
+        tables = {r[0] for r in conn.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = %s", (pgc.schema,))}
+    assert {"checkpoints", "tracking", "dead_letters", "rebuild_state", "alembic_version"} <= tables
+    assert db.downgrade(pgc, "base") is None
+    with db.connect(pgc) as conn:
+        left = conn.execute("SELECT count(*) FROM information_schema.tables WHERE table_schema = %s "
+                            "AND table_name <> 'alembic_version'", (pgc.schema,)).fetchone()
+    assert left == (0,)
+
+
+def test_db_commands_upgrade_and_report_the_revision(pg_url: str, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from kafold import cli
+
+    def main(argv: list[str]) -> int:  # cli.main without its logging set-up (pytest owns stderr)
+        args = cli.build_parser().parse_args(argv)
+        return int(args.handler(args))
+
+    schema = f"k_{uuid.uuid4().hex[:8]}"
+    conf = tmp_path / "kafold.toml"
+    conf.write_text(f'[postgres]\nurl = "{pg_url}"\nschema = "{schema}"\n')
+    assert main(["db", "current", "-c", str(conf)]) == 1
+    assert main(["db", "upgrade", "-c", str(conf)]) == 0
+    assert main(["db", "current", "-c", str(conf)]) == 0
+    assert f"current {db.heads()[0]}" in capsys.readouterr().out
+    assert os.getcwd() != str(db.MIGRATIONS_DIR)

@@ -1,0 +1,108 @@
+"""Helpers for snapshot tests: bank-domain aggregates on real topics and generated histories."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kafold import kafka_clients
+from kafold.config import AggregateConfig, KafkaConfig
+from kafold.envelope import Event, encode
+from kafold.snapshot import Domain
+
+BANK = str(Path(__file__).resolve().parents[2] / "examples" / "bank")
+
+
+def bank_aggregate(name: str, partitions: int = 2, fingerprint: str = "test-v1") -> AggregateConfig:
+    return AggregateConfig(name=name, initial="bank_domain:initial", evolve="bank_domain:evolve",
+                           decide="bank_domain:decide", partitions=partitions, fingerprint=fingerprint)
+
+
+def bank_domain(agg: AggregateConfig) -> Domain:
+    return Domain.load(agg, [BANK])
+
+
+def generate(rng: random.Random, accounts: int, n: int, versions: dict[str, int]) -> list[tuple[str, int, str, dict]]:
+    """n valid bank events (aggregate id, version, type, payload) over `accounts` accounts, continuing `versions`."""
+    out = []
+    for _ in range(n):
+        aid = f"acc-{rng.randrange(accounts):04d}"
+        v = versions[aid] = versions.get(aid, 0) + 1
+        if v == 1:
+            out.append((aid, v, "AccountOpened", {"owner": f"owner {aid}", "currency": "EUR"}))
+        elif rng.random() < 0.6:
+            out.append((aid, v, "MoneyDeposited", {"amount": rng.randint(1, 50) * 100}))
+        else:
+            out.append((aid, v, "MoneyWithdrawn", {"amount": rng.randint(1, 30) * 100}))
+    return out
+
+
+def partition_of(aid: str, partitions: int) -> int:
+    return int(aid.rsplit("-", 1)[1]) % partitions
+
+
+@dataclass
+class Bank:
+    """A bank aggregate with its topics created; `produce(n)` appends generated events."""
+
+    kafka: KafkaConfig
+    agg: AggregateConfig
+    rng: random.Random = field(default_factory=lambda: random.Random(11))
+    versions: dict[str, int] = field(default_factory=dict)
+    accounts: int = 40
+    produced: int = 0
+
+    def __post_init__(self) -> None:
+        self.producer = kafka_clients.producer(self.kafka, **{"enable.idempotence": True, "linger.ms": 5})
+        self.domain = bank_domain(self.agg)
+
+    def produce(self, n: int) -> None:
+        for aid, v, kind, payload in generate(self.rng, self.accounts, n, self.versions):
+            self.send(aid, v, kind, payload)
+        self.producer.flush(30)
+        self.produced += n
+
+    def send(self, aid: str, v: int, kind: str, payload: Any, value: bytes | None = None) -> None:
+        key, val, headers = encode(Event.new(kind, self.agg.name, aid, v, payload))
+        self.producer.produce(self.agg.topic("events"), value=val if value is None else value, key=key,
+                              headers=headers, partition=partition_of(aid, self.agg.partitions))
+
+    def partitions(self) -> list[int]:
+        return list(range(self.agg.partitions))
+
+
+def snapshot_partition(bank: Bank, p: int, limit: int | None = None) -> int:
+    """What one snapshot job task does for partition `p` (fold everything, write snapshots, then the marker),
+    without Spark; returns the end offset. `limit` writes only that many snapshots and no marker."""
+    from kafold.snapshot import Folder, Marker, kafka_io
+
+    consumer = kafka_io.reader(bank.kafka)
+    low, end = kafka_io.bounds(consumer, bank.agg.topic("events"), p)
+    folder = Folder(bank.domain)
+    folder.fold_messages(kafka_io.read_range(consumer, bank.agg.topic("events"), p, low, end))
+    consumer.close()
+    producer = kafka_io.writer(bank.kafka)
+    snaps = list(folder.snapshots(p, end))
+    kafka_io.write(producer, bank.agg.topic("snapshot"), p, snaps[:limit])
+    if limit is None:
+        ident = bank.domain.identity
+        kafka_io.write(producer, bank.agg.topic("snapshot"), p,
+                       [Marker(ident.aggregate_type, p, end, ident.fingerprint, ident.state_schema_version)])
+    return int(end)
+
+
+def write_raw(bank: Bank, p: int, key: bytes, value: bytes) -> None:
+    bank.producer.produce(bank.agg.topic("snapshot"), value=value, key=key, partition=p)
+    bank.producer.flush(30)
+
+
+def snapshot_records(bank: Bank, p: int) -> list[tuple[bytes | None, bytes | None, int]]:
+    from kafold.snapshot import kafka_io
+
+    consumer = kafka_io.reader(bank.kafka)
+    try:
+        return list(kafka_io.records(consumer, bank.agg.topic("snapshot"), p))
+    finally:
+        consumer.close()
