@@ -34,6 +34,7 @@ from kafold.daemon import connect_api, http, offsets
 from kafold.daemon.metrics import DaemonMetrics
 from kafold.daemon.tasks import AggregateSlot, ConnectorGroup, TaskSlot, aggregate_factory, join_all
 from kafold.errors import FatalError
+from kafold.snapshot.scheduler import SnapshotScheduler
 
 log = logs.get(__name__)
 
@@ -70,7 +71,8 @@ class _Worker(faust.Worker):
 class DaemonHost:
     """Builds the connectors, aggregates, metrics and web views of one daemon process; `run` blocks."""
 
-    def __init__(self, cfg: KafoldConfig, base: Path, stop: threading.Event | None = None) -> None:
+    def __init__(self, cfg: KafoldConfig, base: Path, stop: threading.Event | None = None,
+                 config_path: Path | None = None) -> None:
         self.cfg, self.base = cfg, base
         self.stop_event = stop or threading.Event()
         d = cfg.daemon
@@ -87,6 +89,11 @@ class DaemonHost:
         self.background_stop: Any = None
         self.groups = self._build_groups()
         self.aggregates = self._build_aggregates()
+        # [snapshots] enabled: snapshot jobs as `kafold snapshot run` child processes (the Spark JVM stays out of
+        # the daemon), never two at once; needs the config file's path to hand to the child.
+        self.scheduler: SnapshotScheduler | None = None
+        if cfg.snapshots.enabled and cfg.aggregates and config_path is not None:
+            self.scheduler = SnapshotScheduler.from_config(config_path, cfg.snapshots, cfg.kafka, cfg.aggregates)
 
     # ---- building ---------------------------------------------------------------------------------------
     def _build_groups(self) -> list[ConnectorGroup]:
@@ -225,6 +232,8 @@ class TasksService(mode.Service):
             slot.start()
         for agg in self.host.aggregates.values():
             agg.start()
+        if self.host.scheduler is not None:
+            self.host.scheduler.start()
         log.info("daemon started", connectors=[g.name for g in self.host.groups], tasks=len(self.host.slots),
                  aggregates=list(self.host.aggregates), http=self.host.worker_id
                  if self.host.cfg.daemon.http_port else None)
@@ -253,6 +262,8 @@ class TasksService(mode.Service):
         host.stopping = True
         started = time.monotonic()
         host.notifier.stopping("stopping sink tasks")
+        if host.scheduler is not None:
+            host.scheduler.stop(timeout=0)  # a snapshot run in progress finishes on its own; it is idempotent
         workers: list[Any] = [*host.slots, *host.aggregates.values()]
         for w in workers:
             w.stop()

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import psutil
+import psycopg
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.integration
 @pytest.mark.slow
 def test_run_flows_events_and_stops_cleanly(tmp_path: Path) -> None:
-    """Events from the generator reach the log connector with offsets committed; SIGINT leaves no process."""
+    """Commands become events, reach the log connector and the projection; SIGINT leaves no process."""
     env = {**os.environ, "KAFOLD_DEV_DIR": str(tmp_path / "dev")}
     for var in ("KAFOLD_KAFKA__BOOTSTRAP_SERVERS", "KAFOLD_POSTGRES__URL"):
         env.pop(var, None)
@@ -44,6 +45,15 @@ def test_run_flows_events_and_stops_cleanly(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "no batch reached the log connector in time"
         assert committed and all(offset > 0 for offset in committed.values())
         assert stack_pids, "the dev stack was not recorded"
+        # Commands went through the aggregate into events, and the events into the `accounts` projection.
+        url = json.loads((tmp_path / "dev" / "stack.json").read_text())["postgres_url"]
+        rows = 0
+        while rows == 0 and time.monotonic() < deadline:
+            with psycopg.connect(url) as conn:
+                exists = conn.execute("SELECT to_regclass('public.accounts')").fetchone()
+                rows = conn.execute("SELECT count(*) FROM accounts").fetchone()[0] if exists and exists[0] else 0
+            time.sleep(0.5)
+        assert rows > 0, "no projection row appeared"
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)

@@ -19,7 +19,7 @@ def register(sub: Any) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     loaded = config.load_file(args.config)
-    return run(devstack.effective(loaded.config, need=needs(loaded)), loaded.base)
+    return run(devstack.effective(loaded.config, need=needs(loaded)), loaded.base, config_path=loaded.path)
 
 
 def needs(loaded: config.Loaded) -> tuple[str, ...]:
@@ -31,11 +31,12 @@ def needs(loaded: config.Loaded) -> tuple[str, ...]:
     return ("kafka", "postgres") if pg else ("kafka",)
 
 
-def run(cfg: config.KafoldConfig, base: Path, stop: threading.Event | None = None) -> int:
+def run(cfg: config.KafoldConfig, base: Path, stop: threading.Event | None = None,
+        config_path: Path | None = None) -> int:
     """Run until SIGTERM/SIGINT (main thread), `stop` is set, or a task fails (fail fast: exit code 1).
 
     Returns 0 after a clean stop, 1 when a task failed or did not stop within `daemon.shutdown_grace_s`.
     """
     from kafold.daemon.host import DaemonHost
 
-    return DaemonHost(cfg, base, stop).run()
+    return DaemonHost(cfg, base, stop, config_path).run()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import random
 import signal
@@ -10,9 +11,8 @@ import threading
 import time
 from typing import Any
 
-from kafold import config, devstack, kafka_clients, logs, topics
+from kafold import config, devstack, logs, topics
 from kafold.cli import add_config_arg
-from kafold.envelope import Event, encode
 
 log = logs.get("kafold.run")
 
@@ -20,10 +20,10 @@ log = logs.get("kafold.run")
 def register(sub: Any) -> None:
     p = sub.add_parser("run", help="run the main job locally: dev stack, topics, traffic generator, daemon")
     add_config_arg(p)
-    p.add_argument("--traffic", default="bank_traffic:events", metavar="MODULE:FUNCTION",
-                   help="event generator function(rng) yielding (aggregate id, version, type, payload); "
-                        "'' for none (default: the bank example's)")
-    p.add_argument("--rate", type=float, default=200.0, help="events per second the generator sends")
+    p.add_argument("--traffic", default="bank_traffic:commands", metavar="MODULE:FUNCTION",
+                   help="command generator function(rng) yielding (aggregate id, command dataclass) for the first "
+                        "aggregate; '' for none (default: the bank example's)")
+    p.add_argument("--rate", type=float, default=200.0, help="commands per second the generator sends")
     p.add_argument("--keep-stack", action="store_true", help="leave the dev stack running on exit")
     p.set_defaults(handler=handle)
 
@@ -71,23 +71,25 @@ def handle(args: argparse.Namespace) -> int:
 
 def _traffic(cfg: config.KafoldConfig, loaded: config.Loaded, ref: str, rate: float,
              stop: threading.Event) -> None:
-    """Produce the generator's events to the first aggregate's events topic at `rate` per second."""
+    """Send the generator's commands to the first aggregate at `rate` per second (in batches every 100 ms)."""
+    from kafold.client import CommandClient
+
     agg = cfg.aggregates[0]
     with config.python_path(cfg, loaded.base):
         module, _, func = ref.partition(":")
         generate = getattr(importlib.import_module(module), func)
-    producer = kafka_clients.producer(cfg.kafka, **{"enable.idempotence": True, "linger.ms": 20})
-    topic = agg.topic("events")
-    sent, started = 0, time.monotonic()
-    for aggregate_id, version, type_, payload in generate(random.Random(7)):
-        if stop.is_set():
-            break
-        key, value, headers = encode(Event.new(type_, agg.name, aggregate_id, version, payload))
-        producer.produce(topic, value=value, key=key, headers=headers)
-        producer.poll(0)
-        sent += 1
-        ahead = sent / rate - (time.monotonic() - started)
-        if ahead > 0:
-            stop.wait(ahead)
-    producer.flush(10)
-    log.info("traffic stopped", events=sent, topic=topic)
+    sent, started, pending = 0, time.monotonic(), []
+    with CommandClient(cfg.kafka, agg) as client:
+        for aggregate_id, command in generate(random.Random(7)):
+            if stop.is_set():
+                break
+            data = {f.name: getattr(command, f.name) for f in dataclasses.fields(command)}
+            pending.append(client.command(aggregate_id, type(command).__name__, data))
+            ahead = (sent + len(pending)) / rate - (time.monotonic() - started)
+            if ahead > 0 or len(pending) >= 1000:
+                client.send_many(pending, wait=False)
+                sent += len(pending)
+                pending = []
+                if ahead > 0:
+                    stop.wait(ahead)
+    log.info("traffic stopped", commands=sent, topic=agg.topic("commands"))
