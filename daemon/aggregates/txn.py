@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from confluent_kafka import KafkaException, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from kafold import kafka_clients, logs
 from kafold.config import KafkaConfig
@@ -69,7 +69,7 @@ class TransactionalWriter:
             return True
         except KafkaException as e:
             err = e.args[0]
-            if err.fatal() or not err.txn_requires_abort():
+            if err.fatal() or err.code() in FENCED or not err.txn_requires_abort():
                 raise _convert(e, "commit") from e
             log.warning("aggregate.txn_aborting", transactional_id=self.transactional_id, error=str(err))
             self.abort()
@@ -106,9 +106,14 @@ class TransactionalWriter:
         self.producer.flush(5)
 
 
+# A newer producer with our transactional.id exists: we are the zombie. Whatever flag the broker's error carries,
+# nothing this instance does can succeed any more, so it stops rather than trying to abort.
+FENCED = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH})
+
+
 def _convert(e: KafkaException, doing: str) -> Exception:
     err = e.args[0]
-    if err.fatal():
+    if err.fatal() or err.code() in FENCED:
         return FatalError(f"transactional producer {doing} failed (fenced or broken; this instance must stop): "
                           f"{err.str()}")
     if err.retriable():

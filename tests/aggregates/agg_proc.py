@@ -1,0 +1,30 @@
+"""A runtime process for the crash tests: `python agg_proc.py BOOTSTRAP NAME PARTITIONS INSTANCE` runs until killed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from agg_support import bank_config, runtime
+
+from kafold import logs
+from kafold.config import KafkaConfig
+
+# Short group timeouts so a restarted process rejoins in seconds on the embedded broker (a dead member is
+# only evicted after its session / rebalance timeout); production keeps Kafka's defaults.
+KAFKA = dict(session_timeout_ms=2000, heartbeat_interval_ms=500, rebalance_timeout_ms=3000)
+
+
+def main() -> None:
+    bootstrap, name, partitions, instance = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    logs.configure("info", "json")
+    kafka = KafkaConfig(bootstrap_servers=bootstrap, **KAFKA)  # type: ignore[arg-type]
+    rt = runtime(kafka, bank_config(name, partitions=partitions), instance)
+    rt.daemon = rt.daemon.__class__(group_prefix="kt", batch_max_records=100, batch_max_wait_ms=20)
+    rt.run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""kill -9 of the runtime process at random points: exactly one result per command, no duplicate events."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from agg_support import bank_config, create_topics, events, fold_balances, results
+
+from kafold.client import CommandClient
+from kafold.config import KafkaConfig
+
+HERE = Path(__file__).resolve().parent
+ACCOUNTS, COMMANDS, KILLS = 100, 10_000, 20
+
+
+def _model(cmds: list[tuple[str, str, int]]) -> tuple[dict[str, int], dict[int, bool]]:
+    """The independent expectation: balances, and whether each command (by index) is accepted."""
+    balance: dict[str, int] = {}
+    accepted: dict[int, bool] = {}
+    for i, (aid, kind, amount) in enumerate(cmds):
+        if kind == "OpenAccount":
+            ok = aid not in balance
+            balance.setdefault(aid, 0)
+        elif kind == "Deposit":
+            ok = True
+            balance[aid] += amount
+        else:
+            ok = amount <= balance[aid]
+            balance[aid] -= amount if ok else 0
+        accepted[i] = ok
+    return balance, accepted
+
+
+@pytest.mark.slow
+def test_kill_minus_nine_at_random_points(kafka_config: KafkaConfig, unique: str, tmp_path: Path) -> None:
+    agg = bank_config(unique, partitions=2)
+    create_topics(kafka_config, agg)
+    rng = random.Random(5)
+    accounts = [f"acc-{i:03d}" for i in range(ACCOUNTS)]
+    plan = [(a, "OpenAccount", 0) for a in accounts]
+    while len(plan) < COMMANDS:
+        plan.append((rng.choice(accounts), rng.choice(("Deposit", "Withdraw")), rng.randint(1, 100)))
+    client = CommandClient(kafka_config, agg)
+    cmds = [client.command(aid, kind, {"owner": aid} if kind == "OpenAccount" else {"amount": amount})
+            for aid, kind, amount in plan]
+
+    def send() -> None:  # spread the commands over the kills
+        for i in range(0, len(cmds), 125):
+            client.send_many(cmds[i:i + 125], wait=False)
+            time.sleep(0.9)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    log = (tmp_path / "runtime.log").open("ab")
+    argv = [sys.executable, str(HERE / "agg_proc.py"), kafka_config.bootstrap_servers, agg.name, "2", "crash"]
+    kills = 0
+    deadline = time.monotonic() + 240
+    try:
+        while kills < KILLS:
+            proc = subprocess.Popen(argv, stdout=log, stderr=log)
+            time.sleep(rng.uniform(2.0, 6.0))  # before, during or after the group join and recovery
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            kills += 1
+            assert time.monotonic() < deadline, f"only {kills} kills in time"
+        sender.join(120)
+        proc = subprocess.Popen(argv, stdout=log, stderr=log)
+        try:
+            want = len(cmds)
+            while len(results(kafka_config, agg)) < want and time.monotonic() < deadline:
+                time.sleep(1)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    finally:
+        client.close()
+        log.close()
+    got = results(kafka_config, agg)
+    by_id: dict[str, list[dict]] = {}
+    for r in got:
+        by_id.setdefault(r["command_id"], []).append(r)
+    assert kills >= KILLS
+    assert set(by_id) == {c.command_id for c in cmds}, "a command has no result"
+    assert all(len(v) == 1 for v in by_id.values()), "a command has more than one result"
+    balances, accepted = _model(plan)
+    assert [by_id[c.command_id][0]["status"] == "accepted" for c in cmds] == [accepted[i] for i in range(len(cmds))]
+    evs = events(kafka_config, agg)
+    versions: dict[str, list[int]] = {}
+    for e in evs:
+        versions.setdefault(e["aggregate_id"], []).append(e["version"])
+    assert all(v == list(range(1, len(v) + 1)) for v in versions.values()), "versions not consecutive"
+    assert len({e["event_id"] for e in evs}) == len(evs)
+    folded = fold_balances(evs)
+    assert {a: b for a, (_, b, _) in folded.items()} == balances
