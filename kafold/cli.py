@@ -11,7 +11,8 @@ from kafold import __version__, logs
 from kafold.errors import ConfigError, KafoldError
 
 # Each module exposes register(subparsers); its handlers take the parsed args and return an exit code.
-COMMAND_MODULES = ("config", "dev", "topics", "daemon", "run", "bench", "db", "dlq", "status", "snapshot", "effects")
+COMMAND_MODULES = ("config", "dev", "topics", "daemon", "run", "aggregate", "status", "db", "dlq", "effects",
+                   "snapshot", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

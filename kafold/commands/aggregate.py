@@ -1,0 +1,87 @@
+"""`kafold command send` and `kafold state get`: request/reply with an aggregate, and its current state."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from kafold import config, devstack
+from kafold.cli import add_config_arg
+from kafold.errors import ConfigError, KafoldError
+
+
+def register(sub: Any) -> None:
+    cmd = sub.add_parser("command", help="send a command to an aggregate (and wait for its result)")
+    csub = cmd.add_subparsers(dest="command_action", metavar="ACTION", required=True)
+    send = csub.add_parser("send", help="send one command; --wait prints its result")
+    add_config_arg(send)
+    send.add_argument("aggregate", help="aggregate name ([[aggregates]].name)")
+    send.add_argument("id", help="aggregate id")
+    send.add_argument("type", help="command type, e.g. Deposit")
+    send.add_argument("--data", default="{}", help="command data as a JSON object")
+    send.add_argument("--expected-version", type=int, default=None, help="reject unless the aggregate is at it")
+    send.add_argument("--wait", action="store_true", help="wait for the result and print it")
+    send.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the result")
+    send.set_defaults(handler=send_command)
+    state = sub.add_parser("state", help="the current state of one aggregate (snapshot + tail)")
+    ssub = state.add_subparsers(dest="state_action", metavar="ACTION", required=True)
+    get = ssub.add_parser("get", help="print the state of AGGREGATE ID as JSON, and how it was obtained")
+    add_config_arg(get)
+    get.add_argument("aggregate")
+    get.add_argument("id")
+    get.set_defaults(handler=get_state)
+
+
+def _aggregate(loaded: config.Loaded, name: str) -> config.AggregateConfig:
+    for agg in loaded.config.aggregates:
+        if agg.name == name:
+            return agg
+    known = ", ".join(a.name for a in loaded.config.aggregates) or "none"
+    raise ConfigError([f"{loaded.path}: aggregates: no aggregate named {name!r} (configured: {known})"])
+
+
+def send_command(args: argparse.Namespace) -> int:
+    from kafold.client import CommandClient
+
+    loaded = config.load_file(args.config)
+    agg = _aggregate(loaded, args.aggregate)
+    try:
+        data = json.loads(args.data)
+    except json.JSONDecodeError as e:
+        raise KafoldError(f"--data: not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise KafoldError("--data: expected a JSON object")
+    cfg = devstack.effective(loaded.config, need=("kafka",))
+    with CommandClient(cfg.kafka, agg) as client:
+        command = client.command(args.id, args.type, data, expected_version=args.expected_version)
+        result = client.send(command, wait=args.wait, timeout=args.timeout)
+    if result is None:
+        print(json.dumps({"command_id": command.command_id, "sent": True}))
+        return 0
+    print(json.dumps(result.to_json()))
+    return 0 if result.status == "accepted" else 1
+
+
+def get_state(args: argparse.Namespace) -> int:
+    from kafold.partitioning import partition_for
+    from kafold.snapshot.fold import Domain
+    from kafold.snapshot.restore import restore
+
+    loaded = config.load_file(args.config)
+    agg = _aggregate(loaded, args.aggregate)
+    cfg = devstack.effective(loaded.config, need=("kafka",))
+    paths = [str((loaded.base / p).resolve()) for p in cfg.daemon.python_path]
+    domain = Domain.load(agg, paths)
+    partition = partition_for(args.id.encode(), agg.partitions)
+    restored = restore(cfg.kafka, agg, domain, partition)
+    if args.id not in restored.states:
+        raise KafoldError(f"aggregate {args.aggregate}/{args.id} has no events (partition {partition})")
+    state, version = restored.states[args.id]
+    print(json.dumps({"aggregate": args.aggregate, "id": args.id, "version": version,
+                      "state": domain.to_json(state),
+                      "obtained": {"partition": partition, "snapshots_used_in_partition": restored.snapshots_used,
+                                   "tail_events_replayed": restored.events_read,
+                                   "replayed_from_offset": restored.start, "end_offset": restored.end}},
+                     default=str, indent=2))
+    return 0
