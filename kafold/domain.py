@@ -87,8 +87,8 @@ class AggregateDomain:
                                           and issubclass(v, Exception) and v.__module__ == dec_mod.__name__]
         rejections: tuple[type[BaseException], ...] = (Rejected, *(c for c in own if c is not Rejected))
         sample = initial()
-        to_json = getattr(ev_mod, "state_to_json", None) or _default_to_json
-        from_json = getattr(ev_mod, "state_from_json", None) or _default_from_json(sample)
+        to_json = getattr(ev_mod, "state_to_json", None) or default_state_to_json
+        from_json = getattr(ev_mod, "state_from_json", None) or default_state_from_json(sample)
         return cls(agg.name, initial, evolve, decide, dict(event_types), dict(command_types), rejections,
                    to_json, from_json)
 
@@ -160,13 +160,13 @@ def _fits(annotation: Any, value: Any) -> bool:
     return isinstance(value, allowed)
 
 
-def _default_to_json(state: Any) -> Any:
+def default_state_to_json(state: Any) -> Any:
     if dataclasses.is_dataclass(state) and not isinstance(state, type):
         return dataclasses.asdict(state)
     return state
 
 
-def _default_from_json(sample: Any) -> Callable[[Any], Any]:
+def default_state_from_json(sample: Any) -> Callable[[Any], Any]:
     if dataclasses.is_dataclass(sample) and not isinstance(sample, type):
         state_cls = type(sample)
         return lambda data: state_cls(**data)

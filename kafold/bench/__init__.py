@@ -1,4 +1,28 @@
 """`kafold bench AREA`: each area is a module here exposing add_arguments(parser) and run(args) -> dict of figures."""
 
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
 # area name -> module (kafold.bench.<module>); a module is imported only when its area runs.
 AREAS: dict[str, str] = {"projection": "projection", "daemon": "daemon", "snapshots": "snapshots", "effects": "effects"}
+
+
+@contextlib.contextmanager
+def embedded_stack(area: str) -> Iterator[tuple[str, str]]:
+    """(bootstrap servers, PostgreSQL URL) of the running `kafold dev` stack, or of one started for this bench."""
+    from kafold import devstack
+
+    running = devstack.status()
+    if running is not None:
+        yield running.bootstrap_servers, running.postgres_url
+        return
+    state = Path(tempfile.mkdtemp(prefix=f"kafold-bench-{area}-"))
+    try:
+        stack = devstack.up(state)
+        yield stack.bootstrap_servers, stack.postgres_url
+    finally:
+        devstack.down(state)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kafold import logs
+from kafold.bench import embedded_stack
 
 log = logs.get(__name__)
 
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.config:
             kafka = load_file(args.config).config.kafka
         else:
-            kafka = KafkaConfig(bootstrap_servers=stack.enter_context(_stack()))
+            kafka = KafkaConfig(bootstrap_servers=stack.enter_context(embedded_stack("daemon"))[0])
         # Short group timeouts: a first JoinGroup otherwise waits for the default rebalance timeout.
         kafka = KafkaConfig(**{**kafka.__dict__, "session_timeout_ms": 6000, "rebalance_timeout_ms": 6000,
                                "heartbeat_interval_ms": 1000})
@@ -45,21 +46,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "faust_take_batch": args.take, "faust_mean_batch": round(faust_batches, 1),
             "runner_us_per_event": round(1e6 / runner_rate, 2), "faust_us_per_event": round(1e6 / faust_rate, 2),
             "ratio": round(runner_rate / faust_rate, 1)}
-
-
-@contextlib.contextmanager
-def _stack() -> Any:
-    from kafold import devstack
-
-    running = devstack.status()
-    if running is not None:
-        yield running.bootstrap_servers
-        return
-    state = Path(tempfile.mkdtemp(prefix="kafold-bench-daemon-"))
-    try:
-        yield devstack.up(state).bootstrap_servers
-    finally:
-        devstack.down(state)
 
 
 def _produce(kafka: Any, topic: str, n: int, partitions: int) -> None:

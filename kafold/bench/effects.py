@@ -7,7 +7,6 @@ import contextlib
 import resource
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kafold import logs
+from kafold.bench import embedded_stack
 
 log = logs.get("kafold.bench.effects")
 
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cfg = load_file(args.config).config
             kafka, pg = cfg.kafka, cfg.postgres
         else:
-            bootstrap, pg_url = stack.enter_context(_stack())
+            bootstrap, pg_url = stack.enter_context(embedded_stack("effects"))
             kafka, pg = KafkaConfig(bootstrap_servers=bootstrap), PostgresConfig(url=pg_url)
         kafka = KafkaConfig(**{**kafka.__dict__, "session_timeout_ms": 6000, "rebalance_timeout_ms": 6000,
                                "heartbeat_interval_ms": 1000})
@@ -50,22 +50,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         figures.update(_commit_lag(kafka, pg, url, args))
     figures["rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return figures
-
-
-@contextlib.contextmanager
-def _stack() -> Iterator[tuple[str, str]]:
-    from kafold import devstack
-
-    running = devstack.status()
-    if running is not None:
-        yield running.bootstrap_servers, running.postgres_url
-        return
-    state = Path(tempfile.mkdtemp(prefix="kafold-bench-effects-"))
-    try:
-        stack = devstack.up(state)
-        yield stack.bootstrap_servers, stack.postgres_url
-    finally:
-        devstack.down(state)
 
 
 @contextlib.contextmanager

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from kafold import logs
+from kafold.bench import embedded_stack
 
 log = logs.get(__name__)
 
@@ -43,7 +42,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cfg = load_file(args.config).config
             kafka, pgc = cfg.kafka, cfg.postgres
         else:
-            bootstrap, url = stack.enter_context(_stack())
+            bootstrap, url = stack.enter_context(embedded_stack("projection"))
             kafka, pgc = KafkaConfig(bootstrap_servers=bootstrap), PostgresConfig(url=url)
         # Short group timeouts: a first JoinGroup otherwise waits for the default rebalance timeout.
         kafka = KafkaConfig(**{**kafka.__dict__, "session_timeout_ms": 6000, "rebalance_timeout_ms": 6000,
@@ -65,22 +64,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "rows_changed_on_replay": replay["upserted"] + replay["deleted"],
             "replay_duplicates": replay["duplicates"],
             "rss_mb": first["rss_mb"], "rss_mb_at_20pct": first["rss_mb_at_20pct"]}
-
-
-@contextlib.contextmanager
-def _stack() -> Iterator[tuple[str, str]]:
-    from kafold import devstack
-
-    running = devstack.status()
-    if running is not None:
-        yield running.bootstrap_servers, running.postgres_url
-        return
-    state = Path(tempfile.mkdtemp(prefix="kafold-bench-projection-"))
-    try:
-        up = devstack.up(state)
-        yield up.bootstrap_servers, up.postgres_url
-    finally:
-        devstack.down(state)
 
 
 def _produce(kafka: Any, topic: str, n: int, partitions: int, accounts: int) -> int:

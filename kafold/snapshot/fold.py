@@ -7,7 +7,6 @@ aggregate's current version is a duplicate write and skipped too, so a replay ne
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -18,6 +17,7 @@ import orjson
 
 from kafold import logs
 from kafold.config import AggregateConfig
+from kafold.domain import default_state_from_json, default_state_to_json  # the same state JSON rules
 from kafold.errors import ConfigError
 from kafold.snapshot.record import Snapshot
 from kafold.snapshot.select import Identity
@@ -62,23 +62,10 @@ class Domain:
         if not isinstance(types, dict):
             raise ConfigError([f"{where}: evolve module {module.__name__!r} has no EVENT_TYPES dict "
                                "(event type name -> event class)"])
-        to_json = getattr(module, "state_to_json", None) or _default_to_json
-        from_json = getattr(module, "state_from_json", None) or _default_from_json(initial())
+        to_json = getattr(module, "state_to_json", None) or default_state_to_json
+        from_json = getattr(module, "state_from_json", None) or default_state_from_json(initial())
         ident = Identity(agg.name, agg.fingerprint, agg.state_schema_version)
         return cls(ident, initial, evolve, dict(types), to_json, from_json)
-
-
-def _default_to_json(state: Any) -> Any:
-    if dataclasses.is_dataclass(state) and not isinstance(state, type):
-        return dataclasses.asdict(state)
-    return state
-
-
-def _default_from_json(sample: Any) -> Callable[[Any], Any]:
-    if dataclasses.is_dataclass(sample) and not isinstance(sample, type):
-        state_cls = type(sample)
-        return lambda data: state_cls(**data)
-    return lambda data: data
 
 
 # Entry layout (a list, for speed): [state or None, version, covered offset, changed, base state JSON or None]
