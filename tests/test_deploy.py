@@ -107,3 +107,21 @@ def test_containerfile_install_steps_produce_a_working_kafold(tmp_path: Path) ->
                          env=env, cwd=tmp_path, capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().startswith(str(target))
+
+
+def test_grafana_dashboard_uses_only_metrics_the_daemon_exports() -> None:
+    """Every metric the dashboard queries is one the daemon's registry declares."""
+    import json
+    import re
+
+    from kafold.daemon.metrics import DaemonMetrics
+
+    registry = DaemonMetrics(lambda: []).registry
+    exported = set()
+    for family in registry.collect():
+        exported.add(family.name)
+        exported.update(sample.name for sample in family.samples)
+    exported |= {f"{name}_total" for name in exported} | {f"{name}_bucket" for name in exported}
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "kafold-dashboard.json").read_text())
+    queried = {m for p in dashboard["panels"] for t in p["targets"] for m in re.findall(r"\bkafold_[a-z_]+", t["expr"])}
+    assert queried and queried <= exported, queried - exported
