@@ -12,7 +12,7 @@ from kafold.errors import ConfigError, KafoldError
 
 # Each module exposes register(subparsers); its handlers take the parsed args and return an exit code.
 COMMAND_MODULES = ("config", "dev", "topics", "daemon", "run", "aggregate", "status", "db", "dlq", "effects",
-                   "snapshot", "bench")
+                   "snapshot", "bench", "projection")
 
 
 def build_parser() -> argparse.ArgumentParser:

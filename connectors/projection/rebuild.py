@@ -1,0 +1,378 @@
+"""Blue-green rebuilds of a projection: replay the source topics into a shadow table, then swap it in atomically.
+
+Note on offsets and commits
+---------------------------
+The rebuild reads with a plain consumer and manual assignment (no consumer group, nothing committed to Kafka), so
+it never disturbs the live connector nor triggers any effect connector. Its progress is the shadow writer's own
+checkpoints (`<name>:rebuild`) written in the same transaction as the shadow rows and their tracking records
+(namespace `<name>:rebuild`), exactly as the live writer does (see writer.py): a killed rebuild resumes from them.
+
+The shadow never goes past the live connector: partition by partition it applies only offsets below the live
+checkpoint (the target), re-read as the live connector advances. When every shadow checkpoint equals its target,
+the swap transaction locks the live table (ACCESS EXCLUSIVE: it waits for the live writer's in-flight batch and
+blocks the next one) and the live checkpoint rows (FOR UPDATE), re-reads the targets, applies the remaining tail
+into the shadow while holding the lock, renames live -> old and shadow -> live, drops old (unless kept), deletes
+the rebuild checkpoints and marks the rebuild swapped; then commits. At that instant the new table holds exactly
+the events below the live checkpoints, which is what the live writer's tracking namespace has recorded, so the live
+connector continues from its own checkpoints with its own tracking, untouched. Its statements name the table, so
+its next batch (even one blocked on the lock) resolves the name again and writes into the new table.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from kafold import db, logs
+from kafold.config import KafkaConfig, KafoldConfig, PostgresConfig, python_path
+from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition
+from kafold.connectors.projection import sql as q
+from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
+from kafold.connectors.projection.mapping import Mapping, load_mapper
+from kafold.connectors.projection.writer import DeadLetter, ProjectionWriter
+from kafold.errors import ConfigError, DecodeError, FatalError, KafoldError, RecordError
+
+log = logs.get(__name__)
+
+OFFSET_BEGINNING = -2  # librdkafka's logical offset
+ACTIVE = ("copying", "catching-up")
+
+
+class UnknownTypeError(RecordError):
+    """The projection does not handle this event type and the connector says to dead-letter it."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a rebuild of one `postgres-projection` connector works on."""
+
+    name: str
+    kafka: KafkaConfig
+    pgc: PostgresConfig
+    config: ProjectionConfig
+    mapping: Mapping
+    topics: tuple[str, ...]
+    on_unknown: str
+
+    @property
+    def shadow(self) -> str:
+        return f"{self.config.table[:48]}_kafold_rebuild"
+
+    @property
+    def key(self) -> str:
+        """Checkpoint key and tracking namespace of the rebuild."""
+        return f"{self.name}:rebuild"
+
+
+@dataclass
+class Progress:
+    """Where a rebuild stands: offsets covered by the shadow out of the live connector's (the target)."""
+
+    phase: str
+    done: int
+    total: int
+    events: int = 0
+    batch: int = 0
+
+
+def plan(cfg: KafoldConfig, base: Path, name: str) -> Plan:
+    """The rebuild of connector `name`; ConfigError naming the problem when there is no such projection."""
+    from kafold.connectors.projection.connector import ProjectionConnector
+    from kafold.connectors.registry import instantiate
+
+    by_name = {c.name: (i, c) for i, c in enumerate(cfg.connectors)}
+    if name not in by_name:
+        known = ", ".join(sorted(by_name)) or "none"
+        raise ConfigError([f"connectors: no connector named {name!r} (configured: {known})"])
+    i, settings = by_name[name]
+    with python_path(cfg, base):
+        connector = instantiate(settings, base, f"connectors[{i}]")
+        if not isinstance(connector, ProjectionConnector):
+            raise ConfigError([f"connectors[{i}].class: {name!r} is a {settings.connector_class!r} connector; "
+                               "only postgres-projection connectors can be rebuilt"])
+        pc: ProjectionConfig = connector.config
+        mapping = Mapping(pc, load_mapper(pc.mapper) if pc.mapper else None)
+    return Plan(name, cfg.kafka, cfg.postgres, pc, mapping, tuple(settings.topics), settings.on_unknown_type)
+
+
+def state(pgc: PostgresConfig, name: str) -> dict[str, Any] | None:
+    """The rebuild_state row of projection `name` (None if it was never rebuilt)."""
+    from psycopg.rows import dict_row
+
+    with db.connect(pgc, row_factory=dict_row) as conn:
+        return conn.execute(sql.SQL("SELECT * FROM {} WHERE projection = %s").format(
+            db.table(pgc, "rebuild_state")), (name,)).fetchone()
+
+
+def offsets(pgc: PostgresConfig, key: str, conn: psycopg.Connection[Any] | None = None,
+            lock: bool = False) -> dict[TopicPartition, int]:
+    """The checkpoints stored under `key` (FOR UPDATE with `lock`: blocks the writer's next checkpoint)."""
+    query = sql.SQL("{} FOR UPDATE" if lock else "{}").format(q.load_checkpoints(db.table(pgc, "checkpoints")))
+    if conn is None:
+        with db.connect(pgc) as own:
+            rows = own.execute(query, (key,)).fetchall()
+    else:
+        rows = conn.execute(query, (key,)).fetchall()
+    return {TopicPartition(t, p): o for t, p, o in rows}
+
+
+class _NotYet(KafoldError):
+    """The tail under the lock was too long or did not arrive: release the lock and catch up first."""
+
+
+class Rebuild:
+    """Runs one rebuild to its swap; `stop` (a threading.Event) ends it early, resumable."""
+
+    def __init__(self, plan: Plan, *, keep_old: bool = False, batch: int = 5000, max_tail: int = 20000,
+                 on_progress: Callable[[Progress], None] | None = None,
+                 stop: threading.Event | None = None) -> None:
+        self.plan, self.keep_old, self.batch, self.max_tail = plan, keep_old, batch, max_tail
+        self.on_progress = on_progress
+        self.stop = stop or threading.Event()
+        self.writer = ProjectionWriter(plan.pgc, plan.config, plan.mapping, plan.key, plan.key, plan.shadow)
+        self.positions: dict[TopicPartition, int] = {}
+        self.assigned: set[TopicPartition] = set()
+        self.phase = "copying"
+        self.events = 0
+        self.tail = 0  # offsets applied while the live writer waited, in the last swap attempt
+        self.log = log.bind(projection=plan.name, shadow=plan.shadow)
+
+    # ---- state ------------------------------------------------------------------------------------------
+    def _begin(self) -> bool:
+        """Resume the rebuild in progress, or start afresh; True when resuming."""
+        p, c = self.plan, self.plan.config
+        states, shadow = db.table(p.pgc, "rebuild_state"), q.qualified(c.schema, p.shadow)
+        with db.connect(p.pgc) as conn, conn.transaction():
+            row = conn.execute(sql.SQL("SELECT phase, shadow_table, to_regclass(%s) IS NOT NULL FROM {} "
+                                       "WHERE projection = %s FOR UPDATE").format(states),
+                               (q.regclass_text(c.schema, p.shadow), p.name)).fetchone()
+            if row is not None and row[0] in ACTIVE and row[1] == p.shadow and row[2]:
+                self.phase = row[0]
+                return True
+            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(shadow))
+            self._forget(conn)
+            conn.execute(q.create_table(c.schema, p.shadow, c.columns, c.key_columns, VERSION_COLUMN))
+            conn.execute(sql.SQL(
+                "INSERT INTO {} (projection, shadow_table, namespace, phase, events, started_at, updated_at) "
+                "VALUES (%s, %s, %s, 'copying', 0, now(), now()) ON CONFLICT (projection) DO UPDATE SET "
+                "shadow_table = EXCLUDED.shadow_table, namespace = EXCLUDED.namespace, phase = 'copying', "
+                "events = 0, started_at = now(), updated_at = now()").format(states), (p.name, p.shadow, p.key))
+        return False
+
+    def _forget(self, conn: psycopg.Connection[Any]) -> None:
+        """Remove the rebuild's checkpoints, tracking records and dead letters (the live ones stay)."""
+        pgc, key = self.plan.pgc, self.plan.key
+        conn.execute(sql.SQL("DELETE FROM {} WHERE connector = %s").format(db.table(pgc, "checkpoints")), (key,))
+        conn.execute(sql.SQL("DELETE FROM {} WHERE projection = %s").format(db.table(pgc, "tracking")), (key,))
+        conn.execute(sql.SQL("DELETE FROM {} WHERE connector = %s").format(db.table(pgc, "dead_letters")), (key,))
+
+    def _save(self, phase: str, conn: psycopg.Connection[Any] | None = None) -> None:
+        self.phase = phase
+        query = sql.SQL("UPDATE {} SET phase = %s, events = %s, updated_at = now() WHERE projection = %s").format(
+            db.table(self.plan.pgc, "rebuild_state"))
+        params = (phase, sum(self.positions.values()), self.plan.name)
+        if conn is not None:
+            conn.execute(query, params)
+        else:
+            with db.connect(self.plan.pgc) as own:
+                own.execute(query, params)
+
+    # ---- the run ----------------------------------------------------------------------------------------
+    def run(self) -> Progress:
+        """Replay, catch up with the live connector and swap; returns the final progress (phase 'swapped', or
+        the phase reached when stopped)."""
+        from kafold import kafka_clients
+
+        resumed = self._begin()
+        self.positions = {tp: off for tp, off in self.writer.checkpoints().items()}
+        self.log.info("rebuild resumed" if resumed else "rebuild started", phase=self.phase,
+                      covered=sum(self.positions.values()))
+        consumer = kafka_clients.consumer(self.plan.kafka, f"kafold-rebuild.{self.plan.name}",
+                                          **{"enable.partition.eof": False})
+        try:
+            partitions = self._partitions(consumer)
+            for tp in partitions:
+                self.positions.setdefault(tp, 0)
+            while not self.stop.is_set():
+                targets = self._ours(offsets(self.plan.pgc, self.plan.name))
+                if self._caught_up(targets):
+                    if self.phase == "copying":
+                        self._save("catching-up")
+                    if self._try_swap(consumer):
+                        break
+                    continue
+                self._step(consumer, targets)
+        finally:
+            consumer.close()
+            self.writer.close()
+        done = sum(self.positions.values())
+        return Progress(self.phase, done, done, self.events)
+
+    def _partitions(self, consumer: Any) -> list[TopicPartition]:
+        out: list[TopicPartition] = []
+        for topic in self.plan.topics:
+            meta = consumer.list_topics(topic, timeout=15).topics.get(topic)
+            if meta is None or meta.error is not None or not meta.partitions:
+                raise FatalError(f"rebuild of {self.plan.name!r}: source topic {topic!r} does not exist")
+            out += [TopicPartition(topic, p) for p in sorted(meta.partitions)]
+        return out
+
+    def _ours(self, targets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
+        """The live checkpoints of the configured source topics (a topic dropped from the config is ignored)."""
+        return {tp: off for tp, off in targets.items() if tp.topic in self.plan.topics}
+
+    def _caught_up(self, targets: dict[TopicPartition, int]) -> bool:
+        return all(self.positions.get(tp, 0) >= off for tp, off in targets.items())
+
+    def _assign(self, consumer: Any, targets: dict[TopicPartition, int]) -> None:
+        """Fetch exactly the partitions that are behind their target, from the shadow's checkpoint."""
+        from confluent_kafka import TopicPartition as KafkaTP
+
+        want = {tp for tp, off in targets.items() if self.positions.get(tp, 0) < off}
+        gone, new = self.assigned - want, want - self.assigned
+        if gone:
+            consumer.incremental_unassign([KafkaTP(tp.topic, tp.partition) for tp in gone])
+        if new:
+            consumer.incremental_assign([KafkaTP(tp.topic, tp.partition, self.positions.get(tp) or OFFSET_BEGINNING)
+                                         for tp in new])
+        self.assigned = want
+
+    def _step(self, consumer: Any, targets: dict[TopicPartition, int], wait_s: float = 0.5) -> None:
+        """One consumed batch applied to the shadow (offsets below the targets only)."""
+        self._assign(consumer, targets)
+        msgs = consumer.consume(self.batch, wait_s)
+        records: list[SinkRecord] = []
+        dead: list[DeadLetter] = []
+        advance: dict[TopicPartition, int] = {}
+        overrun: set[TopicPartition] = set()  # fetched past the target: re-fetch from the target later
+        for m in msgs:
+            err = m.error()
+            if err is not None:
+                if err.fatal():
+                    raise FatalError(f"rebuild consumer: {err}")
+                continue
+            tp, off = TopicPartition(m.topic(), m.partition()), m.offset()
+            target = targets.get(tp, 0)
+            if tp not in self.assigned or off < advance.get(tp, self.positions.get(tp, 0)):
+                continue  # fetched before an unassign, or already covered
+            if off >= target:  # nothing in between exists: the shadow is at the target
+                advance[tp] = max(advance.get(tp, 0), target)
+                overrun.add(tp)
+                continue
+            advance[tp] = off + 1
+            record = self._record(m, dead)
+            if record is not None:
+                records.append(record)
+        if overrun:
+            from confluent_kafka import TopicPartition as KafkaTP
+
+            consumer.incremental_unassign([KafkaTP(tp.topic, tp.partition) for tp in overrun])
+            self.assigned -= overrun
+        if not advance:
+            return
+        started = time.perf_counter()
+        result = self.writer.write(records, dead, offsets=advance)
+        for tp, off in advance.items():
+            self.positions[tp] = max(off, self.positions.get(tp, 0))
+        self.events += len(records)
+        if self.on_progress is not None:
+            self.on_progress(Progress(self.phase, sum(self.positions.values()), sum(targets.values()),
+                                      self.events, len(msgs)))
+        self._save(self.phase)
+        self.log.debug("rebuild batch", records=len(msgs), applied=result.events - result.duplicates,
+                       upserted=result.upserted, deleted=result.deleted, dead_lettered=result.dead_lettered,
+                       duration_ms=round((time.perf_counter() - started) * 1000, 1))
+
+    def _record(self, m: Any, dead: list[DeadLetter]) -> SinkRecord | None:
+        """The message as a SinkRecord; None when skipped or dead-lettered (as the live runner does)."""
+        from kafold.envelope import decode
+
+        try:
+            event = decode(m.key(), m.value(), m.headers(), raw=m)
+            if not self.plan.mapping.handles(event.type):
+                if self.plan.on_unknown == "fail":
+                    raise FatalError(f"{m.topic()}[{m.partition()}]@{m.offset()}: unknown event type "
+                                     f"{event.type!r}")
+                if self.plan.on_unknown == "skip":
+                    return None
+                raise UnknownTypeError(f"unknown event type {event.type!r}", raw=m, reason="unknown-type")
+        except (DecodeError, UnknownTypeError) as e:
+            dead.append((RawRecord.of(m), e))
+            return None
+        ts_kind, ts = m.timestamp()
+        return SinkRecord(m.topic(), m.partition(), m.offset(), event.aggregate_id, event, ts if ts_kind else None)
+
+    # ---- the swap ---------------------------------------------------------------------------------------
+    def _try_swap(self, consumer: Any) -> bool:
+        """The swap transaction; False (rolled back, nothing changed) when the tail under the lock is too long."""
+        p, c = self.plan, self.plan.config
+        live, shadow = q.qualified(c.schema, c.table), q.qualified(c.schema, p.shadow)
+        dead = db.table(p.pgc, "dead_letters")
+        started = time.perf_counter()
+        try:
+            with db.connect(p.pgc) as conn, conn.transaction():
+                conn.execute("SET LOCAL lock_timeout = '60s'")
+                exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL",
+                                      (q.regclass_text(c.schema, c.table),)).fetchone()
+                if exists and exists[0]:  # waits for the live writer's batch in flight, blocks the next one
+                    conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(live))
+                targets = self._ours(offsets(p.pgc, p.name, conn, lock=True))
+                self.tail = tail = sum(max(0, off - self.positions.get(tp, 0)) for tp, off in targets.items())
+                if tail > self.max_tail:
+                    raise _NotYet(f"{tail} records behind")
+                deadline = time.monotonic() + 30
+                while not self._caught_up(targets):  # the tail, into the shadow, while the live writer waits
+                    if time.monotonic() > deadline or self.stop.is_set():
+                        raise _NotYet("the tail did not arrive")
+                    self._step(consumer, targets, 0.02)  # short polls: the live writer is waiting
+                self.writer.close()
+                self._rename(conn, exists is not None and bool(exists[0]), live, shadow)
+                conn.execute(sql.SQL("DELETE FROM {} WHERE connector = %s").format(
+                    db.table(p.pgc, "checkpoints")), (p.key,))
+                # Records the new mapping refused become the live connector's dead letters (not lost); those the
+                # live connector already recorded are dropped with the rest of the rebuild's bookkeeping.
+                conn.execute(sql.SQL(
+                    "UPDATE {} d SET connector = %s WHERE d.connector = %s AND NOT EXISTS (SELECT 1 FROM {} l "
+                    "WHERE l.connector = %s AND l.topic = d.topic AND l.partition = d.partition "
+                    "AND l.\"offset\" = d.\"offset\")").format(dead, dead), (p.name, p.key, p.name))
+                self._save("swapped", conn)
+        except _NotYet as e:
+            self.log.info("not caught up under the lock; catching up again", reason=str(e))
+            return False
+        except psycopg.errors.LockNotAvailable:
+            self.log.warning("could not lock the live table within 60 s; trying again")
+            return False
+        locked_ms = round((time.perf_counter() - started) * 1000, 1)
+        with db.connect(p.pgc) as conn, conn.transaction():
+            self._forget(conn)
+        self.log.info("rebuild swapped", table=f"{c.schema}.{c.table}", events=self.events,
+                      covered=sum(self.positions.values()), locked_ms=locked_ms, tail_under_lock=self.tail,
+                      kept_old=self.keep_old)
+        return True
+
+    def _rename(self, conn: psycopg.Connection[Any], exists: bool, live: sql.Composed, shadow: sql.Composed) -> None:
+        """live -> old (dropped unless kept), shadow -> live; the primary key keeps the live table's name."""
+        c = self.plan.config
+        pk = sql.SQL("SELECT conname FROM pg_constraint WHERE conrelid = to_regclass(%s) AND contype = 'p'")
+        live_pk = conn.execute(pk, (q.regclass_text(c.schema, c.table),)).fetchone() if exists else None
+        shadow_pk = conn.execute(pk, (q.regclass_text(c.schema, self.plan.shadow),)).fetchone()
+        if exists:
+            old = f"{c.table[:40]}_old_{datetime.now(UTC):%Y%m%d%H%M%S}"
+            conn.execute(sql.SQL("ALTER TABLE {} RENAME TO {}").format(live, sql.Identifier(old)))
+            if not self.keep_old:
+                conn.execute(sql.SQL("DROP TABLE {}").format(q.qualified(c.schema, old)))
+            elif live_pk is not None:
+                conn.execute(sql.SQL("ALTER TABLE {} RENAME CONSTRAINT {} TO {}").format(
+                    q.qualified(c.schema, old), sql.Identifier(live_pk[0]), sql.Identifier(f"{old}_pkey")))
+        conn.execute(sql.SQL("ALTER TABLE {} RENAME TO {}").format(shadow, sql.Identifier(c.table)))
+        if live_pk is not None and shadow_pk is not None:
+            conn.execute(sql.SQL("ALTER TABLE {} RENAME CONSTRAINT {} TO {}").format(
+                live, sql.Identifier(shadow_pk[0]), sql.Identifier(live_pk[0])))

@@ -1,0 +1,230 @@
+"""Blue-green rebuilds: under live traffic the swapped table equals the live result; a killed rebuild resumes."""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from contract import create_topic, produce, wait_for
+from projection_support import (
+    dead_letters,
+    deposited,
+    encoded,
+    ends_of,
+    fold,
+    history,
+    opened,
+    read_table,
+    running,
+    settings,
+    stored_offsets,
+    table_name,
+    wait_for_offsets,
+)
+from test_projection_kill9 import write_config
+
+from kafold import db
+from kafold.config import KafkaConfig, KafoldConfig, PostgresConfig
+from kafold.connectors.projection import rebuild as rb
+from kafold.envelope import Event
+
+PARTITIONS = 4
+
+
+def _oid(pgc: PostgresConfig, table: str) -> int | None:
+    with db.connect(pgc) as conn:
+        row = conn.execute("SELECT to_regclass(%s)::oid", (f"public.{table}",)).fetchone()
+    return None if row is None or row[0] is None else int(row[0])
+
+
+def _count(pgc: PostgresConfig, query: str, *params: Any) -> int:
+    with db.connect(pgc) as conn:
+        row = conn.execute(query, params).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def traffic(first_accounts: int, new_accounts: int) -> Iterator[Event]:
+    """Endless live traffic: new accounts open, then every account keeps receiving deposits (versions in order;
+    deposits to closed accounts are ignored by both the projection and the fold)."""
+    version = {a: 12 for a in range(first_accounts)}  # history() used versions up to 11 (the closes)
+    for a in range(first_accounts, first_accounts + new_accounts):
+        yield opened(f"acc-{a}", f"owner-{a}")
+        version[a] = 2
+    for r in itertools.count():
+        for a in sorted(version):
+            yield deposited(f"acc-{a}", version[a], (a + r) % 97 + 1)
+            version[a] += 1
+
+
+class Producer(threading.Thread):
+    """Produces live traffic in small chunks until stopped; keeps every event and its coordinates."""
+
+    def __init__(self, kafka: KafkaConfig, topic: str, source: Iterator[Event], chunk: int = 40) -> None:
+        super().__init__(daemon=True)
+        self.kafka, self.topic, self.source, self.chunk = kafka, topic, source, chunk
+        self.events: list[Event] = []
+        self.coords: list[tuple[int, int]] = []
+        self.halt = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while not self.halt.is_set():
+                batch = list(itertools.islice(self.source, self.chunk))
+                self.coords += produce(self.kafka, self.topic, encoded(batch, PARTITIONS))
+                self.events += batch
+                self.halt.wait(0.05)  # pacing only: the test asserts no timing
+        except BaseException as e:  # surfaced by the test
+            self.error = e
+
+
+class Reader(threading.Thread):
+    """Reads the live table over and over, as a service would, recording any error."""
+
+    def __init__(self, pgc: PostgresConfig, table: str) -> None:
+        super().__init__(daemon=True)
+        self.pgc, self.table = pgc, table
+        self.reads = 0
+        self.errors: list[BaseException] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        with db.connect(self.pgc) as conn:
+            while not self.halt.is_set():
+                try:
+                    conn.execute(f'SELECT count(*), sum(balance) FROM public."{self.table}"').fetchone()
+                    self.reads += 1
+                except psycopg.Error as e:
+                    self.errors.append(e)
+                self.halt.wait(0.01)
+
+
+class RacedRebuild(rb.Rebuild):
+    """Lets the live connector move ahead of the shadow just before the swap, so that the swap must apply the
+    remaining tail while it holds the lock (the race a busy live connector causes)."""
+
+    def _try_swap(self, consumer: Any) -> bool:
+        def live_ahead() -> bool:
+            live = rb.offsets(self.plan.pgc, self.plan.name)
+            return any(off > self.positions.get(tp, 0) for tp, off in live.items())
+        wait_for(live_ahead, "the live connector to move ahead")
+        return super()._try_swap(consumer)
+
+
+@pytest.mark.timeout(300)
+def test_rebuild_under_live_traffic_swaps_in_a_table_equal_to_the_live_result(
+        kafka_config: KafkaConfig, pg_config: PostgresConfig, unique: str) -> None:
+    topic, table, control = f"{unique}.events", table_name(), table_name()
+    create_topic(kafka_config, topic, partitions=PARTITIONS)
+    first = history(accounts=200, deposits=9, close_every=7)
+    coords = produce(kafka_config, topic, encoded(first, PARTITIONS))
+    live_cfg = settings(unique, topic, table)
+    control_cfg = settings(f"{unique}-control", topic, control)  # the same projection, never rebuilt
+    plan = rb.plan(KafoldConfig(kafka=kafka_config, postgres=pg_config, connectors=[live_cfg, control_cfg]),
+                   Path("."), unique)
+    with running(kafka_config, pg_config, live_cfg, unique, batch=200) as live, \
+            running(kafka_config, pg_config, control_cfg, f"{unique}-c", batch=200) as ctrl:
+        wait_for_offsets(pg_config, unique, topic, ends_of(coords), live)
+        wait_for_offsets(pg_config, control_cfg.name, topic, ends_of(coords), ctrl)
+        old_oid, live_conn = _oid(pg_config, table), live.task.writer.conn  # type: ignore[attr-defined]
+        producer, reader = Producer(kafka_config, topic, traffic(200, 50)), Reader(pg_config, table)
+        producer.start()
+        reader.start()
+        try:
+            wait_for(lambda: len(producer.events) >= 400, "live traffic to flow")
+            rebuild = RacedRebuild(plan, batch=100)
+            result = rebuild.run()
+            produced_at_swap = len(producer.events)
+            assert result.phase == "swapped" and rebuild.tail > 0
+            # The live writer keeps running on the same session while traffic continues after the swap.
+            wait_for(lambda: len(producer.events) >= produced_at_swap + 400, "traffic after the swap")
+        finally:
+            producer.halt.set()
+            producer.join(30)
+            reader.halt.set()
+            reader.join(30)
+        assert producer.error is None
+        all_events, all_coords = first + producer.events, coords + producer.coords
+        wait_for_offsets(pg_config, unique, topic, ends_of(all_coords), live)
+        wait_for_offsets(pg_config, control_cfg.name, topic, ends_of(all_coords), ctrl)
+        assert not live.failed and live.task.writer.conn is live_conn  # type: ignore[attr-defined]
+    new_oid = _oid(pg_config, table)
+    assert new_oid is not None and new_oid != old_oid  # the shadow became the live table
+    assert _oid(pg_config, plan.shadow) is None and old_oid not in _oids_of(pg_config)  # old one dropped
+    assert reader.reads > 0 and reader.errors == []  # the live table kept serving through the swap
+    expected = fold(all_events)
+    assert read_table(pg_config, table) == expected  # events after the swap landed in the new table
+    assert read_table(pg_config, control) == expected  # ...which is what it would be without the rebuild
+    state = rb.state(pg_config, unique)
+    assert state is not None and state["phase"] == "swapped"
+    assert stored_offsets(pg_config, plan.key, topic) == {}
+    assert _count(pg_config, "SELECT count(*) FROM kafold.tracking WHERE projection = %s", plan.key) == 0
+
+
+def _oids_of(pgc: PostgresConfig) -> set[int]:
+    with db.connect(pgc) as conn:
+        return {int(r[0]) for r in conn.execute("SELECT oid FROM pg_class WHERE relkind = 'r'").fetchall()}
+
+
+@pytest.mark.timeout(300)
+def test_a_rebuild_killed_halfway_resumes_and_finishes_correctly(
+        kafka_config: KafkaConfig, pg_config: PostgresConfig, pg_url: str, unique: str, tmp_path: Path) -> None:
+    topic, table = f"{unique}.events", table_name()
+    create_topic(kafka_config, topic, partitions=2)
+    events = history(accounts=400, deposits=24, close_every=9)
+    poison = (1, b"acc-1", b"not an envelope", None)  # dead-lettered by the live connector and by the rebuild
+    coords = produce(kafka_config, topic, [*encoded(events[:5000], 2), poison, *encoded(events[5000:], 2)])
+    with running(kafka_config, pg_config, settings(unique, topic, table), unique, batch=1000) as live:
+        wait_for_offsets(pg_config, unique, topic, ends_of(coords), live)
+    conf = write_config(tmp_path / "kafold.toml", kafka_config, pg_url, unique, topic, table)
+    log = tmp_path / "rebuild.log"
+    cmd = [str(Path(sys.executable).parent / "kafold"), "--log-format", "json", "projection", "rebuild", unique,
+           "-c", str(conf), "--batch", "20"]
+
+    def covered() -> int:
+        state = rb.state(pg_config, unique)
+        return int(state["events"]) if state is not None else 0
+
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: covered() >= 2000 or proc.poll() is not None, "the rebuild to be under way", 60)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    before = rb.state(pg_config, unique)
+    assert before is not None and before["phase"] in rb.ACTIVE, f"not killed halfway; see {log}"
+    assert 0 < before["events"] < len(events)
+    shown = subprocess.run([*cmd[:4], "status", unique, "-c", str(conf)], capture_output=True, text=True,
+                           timeout=60)
+    assert shown.returncode == 0 and before["phase"] in shown.stdout and "behind" in shown.stdout
+    with open(log, "ab") as out:
+        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=120)
+    assert done.returncode == 0, f"see {log}"
+    after = rb.state(pg_config, unique)
+    assert after is not None and after["phase"] == "swapped"
+    assert after["started_at"] == before["started_at"]  # resumed, not restarted
+    assert "rebuild resumed" in log.read_text()
+    assert read_table(pg_config, table) == fold(events)
+    assert [d[:2] for d in dead_letters(pg_config, unique)] == [(topic, 1)]  # recorded once, by the live one
+    assert dead_letters(pg_config, f"{unique}:rebuild") == []
+    assert _oid(pg_config, f"{table[:48]}_kafold_rebuild") is None
+
+
+def test_rebuild_of_an_unknown_connector_is_a_clear_error_naming_it(tmp_path: Path) -> None:
+    conf = write_config(tmp_path / "kafold.toml", KafkaConfig(bootstrap_servers="127.0.0.1:1"),
+                        "postgresql://nobody@127.0.0.1:1/none", "known", "t.events", "accounts")
+    for action in ("rebuild", "status"):
+        done = subprocess.run([str(Path(sys.executable).parent / "kafold"), "projection", action, "nope", "-c",
+                               str(conf)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2  # a configuration error, found before connecting to anything
+        assert "no connector named 'nope'" in done.stderr and "configured: known" in done.stderr
