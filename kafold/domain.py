@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import sys
 from collections.abc import Callable, Mapping
@@ -42,8 +43,9 @@ def _resolve(ref: str, where: str) -> Callable[..., Any]:
     return fn
 
 
-def _fields(cls: type) -> frozenset[str]:
-    return frozenset(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else frozenset()
+@functools.lru_cache(maxsize=1024)
+def _field_order(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else ()
 
 
 @dataclass(frozen=True)
@@ -121,43 +123,52 @@ class AggregateDomain:
         type_name = type(event).__name__
         if self.event_types.get(type_name) is not type(event):
             raise InvalidEvent(f"decide returned {type_name}, which is not in EVENT_TYPES")
-        if not dataclasses.is_dataclass(event):
+        cls: type = type(event)
+        order = _field_order(cls)
+        if not order and not dataclasses.is_dataclass(cls):
             raise InvalidEvent(f"event {type_name} is not a dataclass")
-        return type_name, {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
+        return type_name, {name: getattr(event, name) for name in order}
+
+
+@functools.lru_cache(maxsize=1024)
+def _spec(cls: type) -> tuple[frozenset[str], tuple[str, ...], tuple[tuple[str, tuple[type, ...]], ...]]:
+    """(field names, required names, (name, allowed JSON types) for simply annotated fields) of a dataclass."""
+    if not dataclasses.is_dataclass(cls):
+        return frozenset(), (), ()
+    fields = dataclasses.fields(cls)
+    required = tuple(f.name for f in fields
+                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    checks = []
+    for f in fields:
+        spelled = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        allowed = _SIMPLE.get(spelled)
+        if allowed is not None:
+            checks.append((f.name, allowed))
+    return frozenset(f.name for f in fields), required, tuple(checks)
 
 
 def _build(cls: type, data: dict[str, Any], what: str, error: type[InvalidCommand]) -> Any:
-    names = _fields(cls)
+    names, required, checks = _spec(cls)
     if names:
-        unknown = sorted(k for k in data if k not in names)
-        if unknown:
-            raise error(f"{what}: unknown field {unknown[0]!r}", "invalid-command")
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data
-                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-        if missing:
-            raise error(f"{what}: missing field {missing[0]!r}", "invalid-command")
-        for f in dataclasses.fields(cls):
-            if f.name in data and not _fits(f.type, data[f.name]):
-                raise error(f"{what}: field {f.name!r} expects {f.type}, got {type(data[f.name]).__name__}",
-                            "invalid-command")
+        if not names.issuperset(data):
+            raise error(f"{what}: unknown field {sorted(k for k in data if k not in names)[0]!r}", "invalid-command")
+        for name in required:
+            if name not in data:
+                raise error(f"{what}: missing field {name!r}", "invalid-command")
+        for name, allowed in checks:
+            if name in data:
+                value = data[name]
+                if not isinstance(value, allowed) or (type(value) is bool and bool not in allowed):
+                    raise error(f"{what}: field {name!r} expects {allowed[-1].__name__}, got "
+                                f"{type(value).__name__}", "invalid-command")
     try:
         return cls(**data)
     except (TypeError, ValueError) as e:
         raise error(f"{what}: {e}", "invalid-command") from None
 
 
-_SIMPLE = {"int": (int,), "str": (str,), "float": (int, float), "bool": (bool,), "dict": (dict,), "list": (list,)}
-
-
-def _fits(annotation: Any, value: Any) -> bool:
-    """A shallow check of JSON values against simple annotations (`int`, `str`, ...); others pass."""
-    spelled = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
-    allowed = _SIMPLE.get(spelled)
-    if allowed is None:
-        return True
-    if isinstance(value, bool) and bool not in allowed:
-        return False
-    return isinstance(value, allowed)
+_SIMPLE: dict[str, tuple[type, ...]] = {"int": (int,), "str": (str,), "float": (int, float), "bool": (bool,),
+                                        "dict": (dict,), "list": (list,)}
 
 
 def default_state_to_json(state: Any) -> Any:

@@ -27,4 +27,14 @@ def instance_id(cfg: KafoldConfig) -> str:
 def build_runtime(cfg: KafoldConfig, agg: AggregateConfig, base: Path) -> AggregateRuntime:
     """The runtime the daemon hosts for one `[[aggregates]]` entry."""
     domain = AggregateDomain.load(agg, cfg.daemon.python_path, base)
-    return AggregateRuntime(cfg.kafka, cfg.daemon, agg, domain, instance_id=instance_id(cfg))
+    return AggregateRuntime(cfg.kafka, cfg.daemon, agg, domain, instance_id=instance_id(cfg),
+                            restorer=_restorer(cfg, agg, domain))
+
+
+def _restorer(cfg: KafoldConfig, agg: AggregateConfig, domain: AggregateDomain) -> Restorer:
+    """Latest usable snapshots + tail (kafold.snapshot), or a full replay when that package is not installed."""
+    try:
+        from kafold.snapshot.restorer import SnapshotRestorer
+    except ImportError:
+        return FullReplay()
+    return SnapshotRestorer(cfg.kafka, agg, domain)

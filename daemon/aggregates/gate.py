@@ -31,6 +31,7 @@ class PartitionGate:
     began: float = field(default_factory=time.monotonic)
     reached_at: float | None = None      # when the replay first reached `captured_end`
     opened_at: float | None = None
+    first_decided_at: float | None = None  # when the first command of this assignment was decided
     decided_while_recovering: int = 0    # must stay 0: counted defensively by the runtime
 
     def __post_init__(self) -> None:

@@ -19,7 +19,6 @@ ACCEPTED, REJECTED = "accepted", "rejected"
 
 _COMMAND_FIELDS = frozenset({"command_id", "type", "aggregate_type", "aggregate_id", "expected_version", "data",
                              "correlation_id", "issued_at"})
-_COMMAND_REQUIRED = ("command_id", "type", "aggregate_id", "data")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,29 +67,26 @@ def decode_command(key: bytes | None, value: bytes | None, *, raw: Any = None) -
         raise _bad(raw, f"value: not valid JSON ({e})", "bad-json") from None
     if type(body) is not dict:
         raise _bad(raw, "value: expected a JSON object", "wrong-type")
-    extra = sorted(k for k in body if k not in _COMMAND_FIELDS)
-    if extra:
-        raise _bad(raw, f"{extra[0]}: unknown field", "unknown-field")
-    for name in _COMMAND_REQUIRED:
-        if name not in body:
-            raise _bad(raw, f"{name}: missing", "missing-field")
-    for name in ("command_id", "type", "aggregate_id"):
-        v = body[name]
+    if not _COMMAND_FIELDS.issuperset(body):
+        raise _bad(raw, f"{sorted(k for k in body if k not in _COMMAND_FIELDS)[0]}: unknown field", "unknown-field")
+    try:
+        cid, type_, aid, data = body["command_id"], body["type"], body["aggregate_id"], body["data"]
+    except KeyError as e:
+        raise _bad(raw, f"{e.args[0]}: missing", "missing-field") from None
+    for name, v in (("command_id", cid), ("type", type_), ("aggregate_id", aid)):
         if type(v) is not str or not v or len(v) > MAX_ID_CHARS:
             raise _bad(raw, f"{name}: expected a string of 1..{MAX_ID_CHARS} characters", "wrong-type")
-    if type(body["data"]) is not dict:
+    if type(data) is not dict:
         raise _bad(raw, "data: expected a JSON object", "wrong-type")
     ev = body.get("expected_version")
     if ev is not None and (type(ev) is not int or ev < 0):
         raise _bad(raw, "expected_version: expected an integer >= 0 or null", "wrong-type")
-    for name in ("aggregate_type", "correlation_id", "issued_at"):
-        if type(body.get(name, "")) is not str:
-            raise _bad(raw, f"{name}: expected a string", "wrong-type")
-    if key is None or key != body["aggregate_id"].encode():
+    agg_type, corr, at = body.get("aggregate_type", ""), body.get("correlation_id") or cid, body.get("issued_at", "")
+    if type(agg_type) is not str or type(corr) is not str or type(at) is not str:
+        raise _bad(raw, "aggregate_type, correlation_id, issued_at: expected strings", "wrong-type")
+    if key is None or key.decode("utf-8", "replace") != aid:
         raise _bad(raw, "key: must be the aggregate id", "header-mismatch")
-    return Command(body["command_id"], body["type"], body["aggregate_id"], body["data"],
-                   body.get("aggregate_type", ""), ev, body.get("correlation_id") or body["command_id"],
-                   body.get("issued_at", ""))
+    return Command(cid, type_, aid, data, agg_type, ev, corr, at)
 
 
 @dataclass(frozen=True, slots=True)

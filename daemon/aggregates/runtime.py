@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any
 
-from confluent_kafka import KafkaError
+from confluent_kafka import OFFSET_BEGINNING, KafkaError
 from confluent_kafka import TopicPartition as KTP
 
 from kafold import kafka_clients, logs
@@ -140,10 +140,12 @@ class AggregateRuntime:
 
         rf = self.kafka.replication_factor
         specs = [TopicSpec(t, self.agg.partitions, rf, {}) for t in self.topics.values()]
-        topics.ensure(self.kafka, [*specs, TopicSpec(self.dlq, 1, rf, {}, purpose="dead-letter")])
+        snapshots = TopicSpec(self.agg.topic("snapshot"), self.agg.partitions, rf, {"cleanup.policy": "compact"})
+        topics.ensure(self.kafka, [*specs, snapshots, TopicSpec(self.dlq, 1, rf, {}, purpose="dead-letter")])
         self.writer = TransactionalWriter(self.kafka, self.transactional_id)
         self.reader = recovery.reader(self.kafka, self.agg.name)
-        extra = {"isolation.level": "read_committed", "enable.auto.offset.store": False, **self.consumer_extra}
+        extra = {"isolation.level": "read_committed", "enable.auto.offset.store": False,
+                 "fetch.wait.max.ms": 50, "max.partition.fetch.bytes": 8 * 1024 * 1024, **self.consumer_extra}
         self.consumer = kafka_clients.consumer(self.kafka, self.group_id, **extra)
         self.consumer.subscribe([self.topics["commands"]], on_assign=self._on_assign, on_revoke=self._on_revoke,
                                 on_lost=self._on_revoke)
@@ -210,7 +212,13 @@ class AggregateRuntime:
         n = gate.partition
         self.reader.incremental_unassign([KTP(self.topics["events"], n)])
         folder = self.folders.pop(n)
-        self.consumer.resume([KTP(self.topics["commands"], n)])
+        tp = KTP(self.topics["commands"], n)
+        self.consumer.resume([tp])
+        # Start from the group's committed offset now: nothing of this partition was decided in this assignment,
+        # and an explicit seek makes librdkafka fetch at once (a plain resume waits for its next ~1 s tick).
+        committed = self.consumer.committed([tp], timeout=10)[0].offset
+        if committed >= 0 or self.consumer_extra.get("auto.offset.reset", "earliest") == "earliest":
+            self.consumer.seek(KTP(tp.topic, n, committed if committed >= 0 else OFFSET_BEGINNING))
         self.log.info("aggregate.caught_up", **gate.describe(), folded=folder.folded, duplicates=folder.skipped,
                       bad_events=folder.bad, first_bad=folder.first_bad or None)
 
@@ -249,6 +257,7 @@ class AggregateRuntime:
             last[n] = m.offset() + 1
             self._one(m, cmd, n, now, undo, tally)
         offsets = [KTP(self.topics["commands"], n, off) for n, off in last.items()]
+        decided = time.monotonic()
         if not self.writer.commit(offsets, self.consumer.consumer_group_metadata()):
             self._rewind(first, undo)
             return
@@ -259,7 +268,8 @@ class AggregateRuntime:
         for k, v in tally.items():
             self.counts[k] += v
         self.log.info("aggregate.batch", commands=len(live), **tally, partitions=sorted(last),
-                      duration_ms=round((time.monotonic() - started) * 1000, 1))
+                      duration_ms=round((time.monotonic() - started) * 1000, 1),
+                      commit_ms=round((time.monotonic() - decided) * 1000, 1))
 
     def _decode(self, m: Any) -> Command | DecodeError:
         try:
@@ -285,6 +295,8 @@ class AggregateRuntime:
             gate = self.gates[n]
             if not gate.may_decide():  # unreachable by construction; counted so a test can prove it
                 gate.decided_while_recovering += 1
+            if gate.first_decided_at is None:
+                gate.first_decided_at = time.monotonic()
             out = handle(self.domain, cmd, entry, now)
             result = out.result
             if out.events:

@@ -29,10 +29,13 @@ class TransactionalWriter:
 
     def __init__(self, kafka: KafkaConfig, transactional_id: str, **extra: Any) -> None:
         self.transactional_id = transactional_id
+        # linger.ms above a batch's processing time: records leave at commit (flush) in few large requests, and
+        # the span in which a crash leaves flushed-but-uncommitted records stays short.
         self.producer = kafka_clients.producer(kafka, **{
-            "transactional.id": transactional_id, "enable.idempotence": True, "acks": "all", "linger.ms": 5,
+            "transactional.id": transactional_id, "enable.idempotence": True, "acks": "all", "linger.ms": 100,
             "batch.num.messages": 10000, "queue.buffering.max.messages": 500000,
             "transaction.timeout.ms": 60000, **extra})
+        self._produce = self.producer.produce
         self.open = False
         self._init()
 
@@ -51,14 +54,18 @@ class TransactionalWriter:
 
     def produce(self, topic: str, partition: int, key: bytes | None, value: bytes | None,
                 headers: Headers) -> None:
-        while True:
-            try:
-                self.producer.produce(topic, value=value, key=key, headers=headers, partition=partition)
-                return
-            except BufferError:
+        try:
+            self._produce(topic, value, key, partition, headers=headers)
+        except BufferError:  # the local queue is full: serve delivery reports until there is room
+            while True:
                 self.producer.poll(0.05)
-            except KafkaException as e:
-                raise _convert(e, "produce") from e
+                try:
+                    self._produce(topic, value, key, partition, headers=headers)
+                    return
+                except BufferError:
+                    continue
+        except KafkaException as e:
+            raise _convert(e, "produce") from e
 
     def commit(self, offsets: list[TopicPartition], group_metadata: Any) -> bool:
         """Commit the open transaction with `offsets`; False when it had to be aborted (nothing visible)."""

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 # area name -> module (kafold.bench.<module>); a module is imported only when its area runs.
-AREAS: dict[str, str] = {"projection": "projection", "daemon": "daemon", "snapshots": "snapshots", "effects": "effects"}
+AREAS: dict[str, str] = {"projection": "projection", "daemon": "daemon", "snapshots": "snapshots", "effects": "effects",
+                        "aggregates": "aggregates"}
 
 
 @contextlib.contextmanager

@@ -88,7 +88,14 @@ def test_kill_minus_nine_at_random_points(kafka_config: KafkaConfig, unique: str
         by_id.setdefault(r["command_id"], []).append(r)
     assert kills >= KILLS
     assert set(by_id) == {c.command_id for c in cmds}, "a command has no result"
-    assert all(len(v) == 1 for v in by_id.values()), "a command has more than one result"
+    # Each command has one result. The only extra allowed is the broker quirk's trace: tansu returns records of
+    # aborted transactions to read_committed readers (real Kafka does not), so a kill between a batch's flush
+    # and its commit leaves that batch's events and results visible; the restarted runtime then finds the
+    # command ids among the events' causation ids and repeats the outcome (`duplicate`), writing no event.
+    for rs in by_id.values():
+        firsts = [r for r in rs if not r["duplicate"]]
+        assert len(firsts) == 1, f"a command was decided {len(firsts)} times: {rs}"
+        assert all((r["version"], r["event_ids"]) == (firsts[0]["version"], firsts[0]["event_ids"]) for r in rs)
     balances, accepted = _model(plan)
     assert [by_id[c.command_id][0]["status"] == "accepted" for c in cmds] == [accepted[i] for i in range(len(cmds))]
     evs = events(kafka_config, agg)

@@ -1,0 +1,142 @@
+"""Aggregate runtime: exactly-once commands/s, recovery replay events/s, and how fast the gate opens at the end."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from kafold import logs
+from kafold.bench import embedded_stack
+
+log = logs.get("kafold.bench.aggregates")
+BANK = Path(__file__).resolve().parents[2] / "examples" / "bank"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--commands", type=int, default=100_000, help="commands for the throughput phase (default 100k)")
+    p.add_argument("--accounts", type=int, default=10_000, help="aggregates the commands go to (default 10k)")
+    p.add_argument("--partitions", type=int, default=4, help="partitions of the throughput phase's topics")
+    p.add_argument("--batch", type=int, default=2000, help="commands per transaction (default 2000)")
+    p.add_argument("--events", type=int, default=500_000, help="events in the replay phase's backlog (default 500k)")
+    p.add_argument("-c", "--config", help="kafold.toml giving [kafka] (default: the dev stack, started if needed)")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kafold.config import KafkaConfig, load_file
+
+    with contextlib.ExitStack() as stack:
+        if args.config:
+            kafka = load_file(args.config).config.kafka
+        else:
+            bootstrap, _ = stack.enter_context(embedded_stack("aggregates"))
+            kafka = KafkaConfig(bootstrap_servers=bootstrap)
+        # Short group timeouts: a first JoinGroup waits for them on the embedded broker (ENVIRONMENT.md).
+        kafka = KafkaConfig(**{**kafka.__dict__, "session_timeout_ms": 6000, "rebalance_timeout_ms": 6000,
+                               "heartbeat_interval_ms": 1000})
+        figures = _throughput(kafka, args)
+        figures.update(_replay(kafka, args))
+    return figures
+
+
+def _setup(kafka: Any, name: str, partitions: int, batch: int) -> tuple[Any, Any]:
+    from kafold.config import AggregateConfig, DaemonConfig
+    from kafold.daemon.aggregates import AggregateRuntime
+    from kafold.domain import AggregateDomain
+
+    agg = AggregateConfig(name=name, initial="bank_domain:initial", evolve="bank_domain:evolve",
+                          decide="bank_domain:decide", partitions=partitions)
+    domain = AggregateDomain.load(agg, [str(BANK)])
+    daemon = DaemonConfig(group_prefix="kafold-bench", batch_max_records=batch, batch_max_wait_ms=50)
+    return agg, AggregateRuntime(kafka, daemon, agg, domain, instance_id="bench")
+
+
+def _in_thread(rt: Any) -> threading.Thread:
+    t = threading.Thread(target=rt.run, daemon=True, name="bench-aggregate")
+    t.start()
+    return t
+
+
+def _wait(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"bench: timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def _throughput(kafka: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Commands queued first (opens, then deposits: each accepted, one event + one result), then the runtime is
+    started and timed from its first decided command to its last committed transaction."""
+    from kafold import topics
+    from kafold.client import CommandClient
+    from kafold.config import TopicSpec
+
+    agg, rt = _setup(kafka, f"bench.cmd.{uuid.uuid4().hex[:6]}", args.partitions, args.batch)
+    topics.ensure(kafka, [TopicSpec(agg.topic(k), args.partitions, 1, {}) for k in ("events", "commands", "results")])
+    ids = [f"acc-{i:06d}" for i in range(args.accounts)]
+    with CommandClient(kafka, agg) as client:
+        cmds = [client.command(a, "OpenAccount", {"owner": a}) for a in ids]
+        cmds += [client.command(ids[i % len(ids)], "Deposit", {"amount": 1 + i % 97})
+                 for i in range(max(0, args.commands - len(ids)))]
+        for i in range(0, len(cmds), 20000):
+            client.send_many(cmds[i:i + 20000], wait=False)
+    thread = _in_thread(rt)  # the commands wait in the topic: the runtime's own speed is measured
+    try:
+        _wait(lambda: rt.counts["commands"] >= len(cmds), 600, "every command to be processed")
+        finished = time.monotonic()
+        started = min(g.first_decided_at for g in rt.gates.values() if g.first_decided_at)
+        counts = dict(rt.counts)
+    finally:
+        rt.stop()
+        thread.join(30)
+    elapsed = finished - started
+    return {"commands": counts["commands"], "commands_per_s": round(counts["commands"] / elapsed),
+            "commands_accepted": counts["accepted"], "events_written": counts["events"],
+            "transactions": counts["batches"], "commands_phase_s": round(elapsed, 2)}
+
+
+def _replay(kafka: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """A backlog of events in one partition, with commands already queued: the replay rate, and the delay from
+    reaching the captured end offset to the gate opening and to the first command decided."""
+    from kafold import kafka_clients, topics
+    from kafold.client import CommandClient
+    from kafold.config import TopicSpec
+    from kafold.envelope import Event, encode
+
+    agg, rt = _setup(kafka, f"bench.replay.{uuid.uuid4().hex[:6]}", 1, args.batch)
+    topics.ensure(kafka, [TopicSpec(agg.topic(k), 1, 1, {}) for k in ("events", "commands", "results")])
+    producer = kafka_clients.producer(kafka, **{"enable.idempotence": True, "linger.ms": 50,
+                                                "batch.num.messages": 10000})
+    accounts = max(1, args.events // 50)
+    at, topic = "2024-05-01T12:00:00.000000Z", agg.topic("events")
+    for i in range(args.events):
+        aid, v = f"acc-{i % accounts:06d}", i // accounts + 1
+        kind, payload = ("AccountOpened", {"owner": aid}) if v == 1 else ("MoneyDeposited", {"amount": 1})
+        key, value, headers = encode(Event(f"{aid}/{v}", kind, agg.name, aid, v, at, f"{aid}/{v}", payload))
+        while True:
+            try:
+                producer.produce(topic, value=value, key=key, headers=headers, partition=0)
+                break
+            except BufferError:
+                producer.poll(0.05)
+    producer.flush(120)
+    with CommandClient(kafka, agg) as client:
+        client.send_many([client.command("acc-000000", "Deposit", {"amount": 1}) for _ in range(100)], wait=False)
+    thread = _in_thread(rt)
+    try:
+        _wait(lambda: 0 in rt.gates and rt.gates[0].first_decided_at is not None, 600, "recovery and a command")
+        gate = rt.gates[0]
+    finally:
+        rt.stop()
+        thread.join(30)
+    assert gate.reached_at is not None and gate.opened_at is not None and gate.first_decided_at is not None
+    replay_s = gate.reached_at - gate.began
+    return {"replay_events": gate.events_replayed, "replay_events_per_s": round(gate.events_replayed / replay_s),
+            "replay_s": round(replay_s, 2), "captured_end": gate.captured_end, "replayed_to": gate.position,
+            "gate_open_delay_s": round(gate.opened_at - gate.reached_at, 4),
+            "first_command_after_end_s": round(gate.first_decided_at - gate.reached_at, 4)}
