@@ -95,6 +95,27 @@ class Event:
     causation_id: str | None = None
 
     def __post_init__(self) -> None:
+        # Fast path (decode's hot loop): one expression that holds exactly when every check below passes; any
+        # doubt falls through to the checks, which name the field.
+        at, cause, m = self.occurred_at, self.causation_id, MAX_ID_CHARS
+        if (type(self.event_id) is str and 0 < len(self.event_id) <= m and type(self.type) is str
+                and 0 < len(self.type) <= m and type(self.aggregate_type) is str
+                and 0 < len(self.aggregate_type) <= m and type(self.aggregate_id) is str
+                and 0 < len(self.aggregate_id) <= m and type(self.correlation_id) is str
+                and 0 < len(self.correlation_id) <= m
+                and (cause is None or (type(cause) is str and 0 < len(cause) <= m))
+                and type(self.version) is int and self.version >= 1 and type(self.schema_version) is int
+                and self.schema_version >= 1 and type(self.payload) is dict and type(at) is str
+                and at.endswith("Z")):
+            try:
+                datetime.fromisoformat(at)
+                return
+            except ValueError:
+                pass
+        self._check()
+
+    def _check(self) -> None:
+        """Every field check in order; raises _Invalid naming the first wrong field."""
         _text("event_id", self.event_id)
         _text("type", self.type)
         _text("aggregate_type", self.aggregate_type)

@@ -33,9 +33,10 @@ def metadata(schema: str | None = None) -> sa.MetaData:
     )
     sa.Table(
         "tracking", md,
-        sa.Column("projection", sa.Text, primary_key=True),
-        sa.Column("event_id", sa.Text, primary_key=True),
-        comment="Event ids a projection has applied (dedup records); a replay hits the primary key.",
+        sa.Column("event_key", sa.LargeBinary, primary_key=True),
+        sa.Column("projection", sa.Text, nullable=False),
+        comment="Events a projection has applied (dedup records), keyed by BLAKE2b-128(namespace, event id); "
+                "a replay hits the primary key.",
     )
     sa.Table(
         "dead_letters", md,

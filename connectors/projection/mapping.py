@@ -64,6 +64,8 @@ def load_mapper(ref: str) -> Mapper:
 
 
 def _add(current: Any, delta: Any, what: str, event: Event) -> Any:
+    if type(delta) is int and (type(current) is int or current is None):  # the common case, checked exactly
+        return delta if current is None else current + delta
     if isinstance(delta, bool) or not isinstance(delta, int | float | Decimal):
         raise MappingError(f"event {event.event_id} ({event.type}): {what} is not a number")
     if current is None:
@@ -94,8 +96,13 @@ class Mapping:
 
     def key(self, event: Event) -> tuple[Any, ...]:
         """The row key of `event`; MappingError if a key source is missing or null."""
-        values = tuple(read(event) for read in self._keys)
-        if any(v is None for v in values):
+        if len(self._keys) == 1:  # the common case, without a generator per event
+            value = self._keys[0](event)
+            if value is None:
+                raise MappingError(f"event {event.event_id} ({event.type}): a key column would be null")
+            return (value,)
+        values = tuple([read(event) for read in self._keys])
+        if None in values:
             raise MappingError(f"event {event.event_id} ({event.type}): a key column would be null")
         return values
 

@@ -148,9 +148,9 @@ def merge_stage(shape: TableShape, guard: bool) -> sql.Composed:
 
 
 def track(tracking: sql.Composed) -> sql.Composed:
-    """Record event ids as applied; returns the ids that were new (the rest are duplicates)."""
-    return sql.SQL("INSERT INTO {} (projection, event_id) SELECT %s, unnest(%b::text[]) "
-                   "ON CONFLICT DO NOTHING RETURNING event_id").format(tracking)
+    """Record tracking keys as applied; returns the keys that were new (the rest are duplicates)."""
+    return sql.SQL("INSERT INTO {} (event_key, projection) SELECT unnest(%b::bytea[]), %s "
+                   "ON CONFLICT DO NOTHING RETURNING event_key").format(tracking)
 
 
 def save_checkpoints(checkpoints: sql.Composed) -> sql.Composed:

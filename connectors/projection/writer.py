@@ -2,14 +2,16 @@
 
 Note on offsets and commits
 ---------------------------
-Per batch, one transaction: (1) the batch's event ids go into the tracking table with ON CONFLICT DO NOTHING,
-RETURNING the new ones — the rest are duplicates and are dropped; (2) the current rows of the affected keys are
-read in one SELECT; (3) the new events are folded in order in Python, skipping any event whose
-aggregate version is <= the row's `_kafold_version`; (4) changed rows are COPYed into a staging table and merged
-with one INSERT … ON CONFLICT DO UPDATE (guarded by version again), removed rows go with one DELETE … USING;
-(5) the next offset of every partition the batch covers is upserted into the checkpoints table, monotonically
-(`WHERE next_offset < EXCLUDED.next_offset`), so a zombie writer after a rebalance cannot move it back; (6) commit.
-The checkpoint therefore always describes exactly the rows: PostgreSQL is the source of truth for offsets.
+Per batch, one transaction: (1) the batch's tracking keys go into the tracking table with ON CONFLICT DO NOTHING,
+RETURNING the new ones — the rest are duplicates and are dropped (a tracking key is the 16-byte BLAKE2b of the
+namespace and the event id, 16 bytes: one small primary key instead of two text columns); (2) the current
+rows of the affected keys are read in one SELECT; (3) the new events are folded in order in Python, skipping any
+event whose aggregate version is <= the row's `_kafold_version`; (4) changed rows are COPYed into a staging table
+and merged with one INSERT … ON CONFLICT DO UPDATE (guarded by version again), removed rows go with one DELETE …
+USING; (5) the next offset of every partition the batch covers is upserted into the checkpoints table,
+monotonically (`WHERE next_offset < EXCLUDED.next_offset`), so a zombie writer after a rebalance cannot move it
+back; (6) commit. The checkpoint therefore always describes exactly the rows: PostgreSQL is the source of truth for
+offsets.
 
 A concurrent writer of the same events (a zombie task after a rebalance) blocks on the tracking rows' primary
 key until the first commits, then sees them as duplicates: no event is applied twice; its row reads come after
@@ -24,6 +26,8 @@ rest is applied. Connection failures are RetriableError: the caller retries the 
 
 from __future__ import annotations
 
+import hashlib
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -95,12 +99,23 @@ def headers_json(headers: Sequence[tuple[str, Any]]) -> list[list[Any]]:
 
 
 def _next_offsets(records: Sequence[SinkRecord]) -> dict[TopicPartition, int]:
-    out: dict[TopicPartition, int] = {}
+    last: dict[tuple[str, int], int] = {}  # plain tuples: TopicPartition per record costs ~1 µs
     for r in records:
-        tp = r.tp
-        if out.get(tp, -1) <= r.offset:
-            out[tp] = r.offset + 1
-    return out
+        k = (r.topic, r.partition)
+        if last.get(k, -1) <= r.offset:
+            last[k] = r.offset + 1
+    return {TopicPartition(*k): off for k, off in last.items()}
+
+
+def tracking_prefix(namespace: str) -> bytes:
+    """What precedes the event id in the hashed tracking key (length-prefixed, so no two pairs collide)."""
+    raw = namespace.encode()
+    return b"%d:" % len(raw) + raw + b"/"
+
+
+def tracking_key(prefix: bytes, event_id: str) -> bytes:
+    """The tracking key of an event in a namespace: BLAKE2b-128 of the pair (collision-resistant, unlike md5)."""
+    return hashlib.blake2b(prefix + event_id.encode(), digest_size=16).digest()
 
 
 class ProjectionWriter:
@@ -119,6 +134,7 @@ class ProjectionWriter:
         self._dead = db.table(pgc, "dead_letters")
         self._json: set[str] = set()
         self._advance = True
+        self._prefix = tracking_prefix(self.namespace)
 
     # ---- session ----------------------------------------------------------------------------------------
     def connection(self) -> psycopg.Connection[Any]:
@@ -244,32 +260,46 @@ class ProjectionWriter:
         shape, mapping = self.shape, self.mapping
         result = BatchResult(events=len(records), transactions=1, dead_lettered=len(dead))
         skip = {id(r) for r in excluded}
-        first: dict[str, SinkRecord] = {}
+        first: dict[bytes, SinkRecord] = {}
+        prefix, hashed = self._prefix, hashlib.blake2b
         for r in records:
             if id(r) not in skip:
-                first.setdefault(r.event.event_id, r)
+                first.setdefault(hashed(prefix + r.event.event_id.encode(), digest_size=16).digest(), r)
+        # Keys of every candidate (a key error counts only if the event turns out to be new), then ONE round
+        # trip: the tracking insert, and after it (same session, in order) the current rows of those keys.
+        key_of = mapping.key
+        key_errors: dict[int, MappingError] = {}
+        record_keys: dict[int, tuple[Any, ...]] = {}
+        for r in first.values():
+            try:
+                record_keys[id(r)] = key_of(r.event)
+            except MappingError as e:
+                key_errors[id(r)] = e
+        keys = list(dict.fromkeys(record_keys.values()))
+        names = shape.written
+        loaded: dict[tuple[Any, ...], Row] = {}
         fresh: list[SinkRecord] = []
         if first:
-            new_ids = {row[0] for row in conn.execute(q.track(self._tracking), (self.namespace, list(first))
-                                                       ).fetchall()}
-            fresh = [r for eid, r in first.items() if eid in new_ids]
+            with conn.pipeline():
+                tracked = conn.execute(q.track(self._tracking), (list(first), self.namespace))
+                found = (conn.execute(q.select_rows(shape), [list(col) for col in zip(*keys, strict=True)])
+                         if keys else None)
+            new_keys = {row[0] for row in tracked.fetchall()}
+            fresh = [r for tk, r in first.items() if tk in new_keys]
+            if found is not None:
+                nkeys = [names.index(k) for k in shape.keys]
+                key_at = operator.itemgetter(*nkeys) if len(nkeys) > 1 else None
+                i0 = nkeys[0]
+                for row in found.fetchall():
+                    loaded[key_at(row) if key_at else (row[i0],)] = dict(zip(names, row, strict=True))
         result.duplicates = len(records) - len(excluded) - len(fresh)
-        # keys, then the current rows of those keys (locked), in one statement
         keyed: list[tuple[tuple[Any, ...], SinkRecord]] = []
         bad: list[tuple[SinkRecord, RecordError]] = []
         for r in fresh:
-            try:
-                keyed.append((mapping.key(r.event), r))
-            except MappingError as e:
-                bad.append((r, MappingError(str(e), raw=r)))
-        keys = list(dict.fromkeys(k for k, _ in keyed))
-        loaded: dict[tuple[Any, ...], Row] = {}
-        if keys:
-            columns = list(zip(*keys, strict=True))
-            names = shape.written
-            nkeys = [names.index(k) for k in shape.keys]
-            for row in conn.execute(q.select_rows(shape), [list(col) for col in columns]).fetchall():
-                loaded[tuple(row[i] for i in nkeys)] = dict(zip(names, row, strict=True))
+            if id(r) in key_errors:
+                bad.append((r, MappingError(str(key_errors[id(r)]), raw=r)))
+            else:
+                keyed.append((record_keys[id(r)], r))
         state: dict[tuple[Any, ...], Row | None] = dict(loaded)
         for key, r in keyed:
             row = state.get(key)
@@ -291,28 +321,34 @@ class ProjectionWriter:
         deletes = [key for key, row in state.items() if row is None and key in loaded]
         if upserts:
             written, special = shape.written, self._json
+            values_of = operator.itemgetter(*written) if len(written) > 1 else (lambda row: (row[written[0]],))
             with conn.cursor().copy(q.copy_stage(shape)) as copy:
+                write_row = copy.write_row
                 for row in upserts:
-                    values = [row[c] for c in written]
-                    if special or any(type(v) is dict for v in values):
+                    values = values_of(row)
+                    if special or dict in map(type, values):
                         values = [self._value(c, v) for c, v in zip(written, values, strict=True)]
-                    copy.write_row(values)
-            result.upserted = conn.execute(q.merge_stage(shape, mapping.guard)).rowcount
-        if deletes:
-            result.deleted = conn.execute(q.delete_rows(shape), [list(c) for c in zip(*deletes, strict=True)]
-                                          ).rowcount
-        if dead:
-            with conn.cursor() as cur:
-                cur.executemany(q.insert_dead_letters(self._dead), [self._dead_row(raw, err) for raw, err in dead])
+                    write_row(values)
         advance = _next_offsets(records) if self._advance else {}
         for tp, off in offsets.items():
             advance[tp] = max(off, advance.get(tp, -1))
         advance = {tp: off for tp, off in advance.items() if off >= 0}
-        if advance:
-            tps = list(advance)
-            conn.execute(q.save_checkpoints(self._checkpoints),
-                         (self.connector, [tp.topic for tp in tps], [tp.partition for tp in tps],
-                          [advance[tp] for tp in tps]))
+        # The rest in ONE round trip: merge, deletes, dead letters, checkpoints (the commit follows).
+        with conn.pipeline():
+            merged = conn.execute(q.merge_stage(shape, mapping.guard)) if upserts else None
+            removed = (conn.execute(q.delete_rows(shape), [list(c) for c in zip(*deletes, strict=True)])
+                       if deletes else None)
+            if dead:
+                with conn.cursor() as cur:
+                    cur.executemany(q.insert_dead_letters(self._dead),
+                                    [self._dead_row(raw, err) for raw, err in dead])
+            if advance:
+                tps = list(advance)
+                conn.execute(q.save_checkpoints(self._checkpoints),
+                             (self.connector, [tp.topic for tp in tps], [tp.partition for tp in tps],
+                              [advance[tp] for tp in tps]))
+        result.upserted = merged.rowcount if merged is not None else 0
+        result.deleted = removed.rowcount if removed is not None else 0
         result.checkpoints = advance
         return result
 

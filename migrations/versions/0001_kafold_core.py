@@ -38,9 +38,11 @@ def upgrade() -> None:
     )
     op.create_table(
         "tracking",
+        # event_key = BLAKE2b-128(namespace, event id) (see connectors/projection/writer.py): one 16-byte key
+        # per applied event; `projection` (the namespace) is kept for counts and for dropping a namespace.
+        sa.Column("event_key", sa.LargeBinary, nullable=False),
         sa.Column("projection", sa.Text, nullable=False),
-        sa.Column("event_id", sa.Text, nullable=False),
-        sa.PrimaryKeyConstraint("projection", "event_id", name="pk_tracking"),
+        sa.PrimaryKeyConstraint("event_key", name="pk_tracking"),
         schema=schema,
     )
     op.create_table(
