@@ -57,6 +57,26 @@ class SinkRecord:
         return TopicPartition(self.topic, self.partition)
 
 
+_new = object.__new__
+_SINK_SET = tuple(SinkRecord.__dict__[name].__set__
+                  for name in ("topic", "partition", "offset", "key", "event", "timestamp_ms"))
+
+
+def sink_record(topic: str, partition: int, offset: int, key: str, event: Event,
+                timestamp_ms: int | None) -> SinkRecord:
+    """SinkRecord(...) for the runner's per-record loop: fills the slots directly (the frozen dataclass's
+    __init__ calls object.__setattr__ per field, ~0.6 µs a record more); the result is the same immutable record."""
+    r = _new(SinkRecord)
+    s = _SINK_SET
+    s[0](r, topic)
+    s[1](r, partition)
+    s[2](r, offset)
+    s[3](r, key)
+    s[4](r, event)
+    s[5](r, timestamp_ms)
+    return r
+
+
 @dataclass(frozen=True, slots=True)
 class RawRecord:
     """A Kafka record as bytes (what the dead-letter queue stores)."""

@@ -37,6 +37,7 @@ from kafold.connectors.api import (
     SinkTask,
     SinkTaskContext,
     TopicPartition,
+    sink_record,
 )
 from kafold.connectors.dlq import DeadLetterWriter
 from kafold.daemon.progress import BatchStats, ProgressTracker, last_event_times
@@ -187,6 +188,8 @@ class SinkRunner:
         seen: dict[TopicPartition, int] = {}
         dead = skipped = 0
         on_unknown = self.connector.settings.on_unknown_type
+        tp, last_topic, last_part = None, None, -1
+        handles = self.task.handles
         for m in msgs:
             err = m.error()
             if err is not None:
@@ -194,13 +197,16 @@ class SinkRunner:
                     raise FatalError(f"consumer error: {err}")
                 self.log.warning("consumer error", error=str(err))
                 continue
-            tp = TopicPartition(m.topic(), m.partition())
-            seen[tp] = m.offset() + 1
+            topic, part, offset = m.topic(), m.partition(), m.offset()
+            if part != last_part or topic != last_topic:  # records come in runs per partition
+                tp, last_topic, last_part = TopicPartition(topic, part), topic, part
+            assert tp is not None
+            seen[tp] = offset + 1
             try:
                 event = decode(m.key(), m.value(), m.headers(), raw=m)
-                if not self.task.handles(event.type):
+                if not handles(event.type):
                     if on_unknown == "fail":
-                        raise FatalError(f"{tp}@{m.offset()}: unknown event type {event.type!r}")
+                        raise FatalError(f"{tp}@{offset}: unknown event type {event.type!r}")
                     if on_unknown == "skip":
                         skipped += 1
                         continue
@@ -211,8 +217,7 @@ class SinkRunner:
                 dead += 1
                 continue
             ts_kind, ts = m.timestamp()
-            records.append(SinkRecord(tp.topic, tp.partition, m.offset(), event.aggregate_id, event,
-                                      ts if ts_kind else None))
+            records.append(sink_record(topic, part, offset, event.aggregate_id, event, ts if ts_kind else None))
         dead += self._put(records)
         self._flush_dead_letters()
         self.event_times.update(last_event_times(records, msgs))

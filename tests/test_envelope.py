@@ -8,10 +8,11 @@ from typing import Any
 
 import orjson
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kafold.envelope import (
+    MAX_BYTES,
     Event,
     decode,
     derive_event_id,
@@ -170,3 +171,68 @@ def test_peek_headers_reads_routing_without_the_value() -> None:
     assert peek_headers(good()[2]) == ("MoneyDeposited", "e-1", 3)
     with pytest.raises(DecodeError, match="kafold-version"):
         peek_headers(headers_with("kafold-version", None, drop=True))
+
+
+# ---- the fast path (msgspec) must agree with the strict path on every body --------------------------------------
+_FIELD_VALUES = (st.none() | st.booleans() | st.integers(-2**80, 2**80) | st.floats(allow_nan=False)
+                 | st.text(max_size=300) | st.sampled_from(["", "x", "2024-05-01T12:00:00Z", "2024-05-01T12:00:00",
+                                                            "2024-13-01T12:00:00Z", "Z", "1.0"])
+                 | st.dictionaries(st.text(max_size=5), st.integers(-2**70, 2**70) | st.text(max_size=5), max_size=3)
+                 | st.lists(st.integers(), max_size=3))
+
+
+def _raw_json(pairs: list[tuple[str, Any]]) -> bytes:
+    """A JSON object from pairs, keeping duplicate keys and integers beyond 64 bits (json, not orjson)."""
+    import json
+    return ("{" + ",".join(f"{json.dumps(k)}:{json.dumps(v)}" for k, v in pairs) + "}").encode()
+
+
+@settings(max_examples=400, suppress_health_check=[HealthCheck.too_slow])
+@given(changes=st.lists(st.tuples(st.sampled_from(["event_id", "type", "aggregate_type", "aggregate_id", "version",
+                                                   "occurred_at", "correlation_id", "payload", "schema_version",
+                                                   "causation_id", "extra"]), _FIELD_VALUES), max_size=3),
+       drop=st.sets(st.sampled_from(["payload", "schema_version", "causation_id", "version"]), max_size=2),
+       duplicate=st.booleans())
+def test_fast_and_strict_body_paths_agree(changes: list[tuple[str, Any]], drop: set[str], duplicate: bool) -> None:
+    from kafold.envelope import _fast_body, _strict_body
+
+    base = orjson.loads(encode(sample())[1])
+    pairs = [(k, v) for k, v in base.items() if k not in drop]
+    for name, value in changes:
+        if duplicate:
+            pairs.append((name, value))  # a repeated key: both paths must take the same one
+        else:
+            pairs = [(k, value if k == name else v) for k, v in pairs] + ([] if name in base else [(name, value)])
+    body = _raw_json(pairs)
+    fast = _fast_body(body)
+    try:
+        strict = _strict_body(body, None, MAX_BYTES)
+    except DecodeError:
+        assert fast is None, f"fast path accepted what the strict path refuses: {body[:200]!r}"
+        return
+    assert fast is None or fast == strict
+
+
+def test_fast_path_keeps_orjson_semantics_for_big_integers_and_escapes() -> None:
+    from kafold.envelope import _fast_body, _strict_body
+
+    value = encode(sample())[1]
+    for old, new in [(b'"payload":{', b'"payload":{"big":123456789012345678901234567890,'),
+                     (b'"payload":{', b'"payload":{"s":"\\u00e9\\ud83d\\ude00",'),
+                     (b'"payload":{', b'"payload":{"s":"\\ud800",'),
+                     (b'"type":', b'"type":"Other","type":')]:
+        body = value.replace(old, new, 1)
+        try:
+            strict = _strict_body(body, None, MAX_BYTES)
+        except DecodeError:
+            assert _fast_body(body) is None
+            continue
+        fast = _fast_body(body)
+        assert fast is None or fast == strict
+
+
+@given(event=events)
+def test_fast_path_takes_every_valid_event(event: Event) -> None:
+    from kafold.envelope import _fast_body
+
+    assert _fast_body(encode(event)[1]) == event  # None here would mean every record pays for the strict path

@@ -199,3 +199,15 @@ def test_a_retriable_put_is_retried_until_it_succeeds(kafka_config: KafkaConfig,
         finish(run)
     assert run.runner.error is None
     assert [r.offset for r in run.connector.received] == [0, 1, 2, 3, 4]
+
+
+def test_sink_record_fast_constructor_equals_the_dataclass() -> None:
+    from kafold.connectors.api import SinkRecord, sink_record
+    from kafold.envelope import Event
+
+    event = Event.new("Opened", "account", "a-1", 1, {})
+    fast = sink_record("t", 3, 42, "a-1", event, 1700)
+    assert fast == SinkRecord("t", 3, 42, "a-1", event, 1700)
+    assert fast.tp.partition == 3 and hash(fast.tp) == hash(SinkRecord("t", 3, 0, "k", event).tp)
+    with pytest.raises(AttributeError):
+        fast.offset = 1  # type: ignore[misc]  # still frozen

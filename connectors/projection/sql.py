@@ -72,7 +72,10 @@ def create_table(schema: str, table: str, columns: dict[str, str], keys: Sequenc
     if version_column:
         cols.append(sql.SQL("{} bigint NOT NULL DEFAULT 0").format(sql.Identifier(version_column)))
     cols.append(sql.SQL("PRIMARY KEY ({})").format(ids(keys)))
-    return sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(qualified(schema, table), sql.SQL(", ").join(cols))
+    # fillfactor 80: room on each page for HOT updates (a read model is updated far more than inserted into);
+    # 42k -> 47k events/s at 1M events in `kafold bench projection`.
+    return sql.SQL("CREATE TABLE IF NOT EXISTS {} ({}) WITH (fillfactor = 80)").format(
+        qualified(schema, table), sql.SQL(", ").join(cols))
 
 
 CATALOG_COLUMNS = sql.SQL(
@@ -148,9 +151,11 @@ def merge_stage(shape: TableShape, guard: bool) -> sql.Composed:
 
 
 def track(tracking: sql.Composed) -> sql.Composed:
-    """Record tracking keys as applied; returns the keys that were new (the rest are duplicates)."""
-    return sql.SQL("INSERT INTO {} (event_key, projection) SELECT unnest(%b::bytea[]), %s "
-                   "ON CONFLICT DO NOTHING RETURNING event_key").format(tracking)
+    """Record tracking keys as applied; one row: how many were new, and which — only when not all of them were
+    (the common case, every event new, then transfers one row instead of a key per event)."""
+    return sql.SQL("WITH ins AS (INSERT INTO {} (event_key, projection) SELECT unnest(%b::bytea[]), %s "
+                   "ON CONFLICT DO NOTHING RETURNING event_key) "
+                   "SELECT count(*), CASE WHEN count(*) < %s THEN array_agg(event_key) END FROM ins").format(tracking)
 
 
 def save_checkpoints(checkpoints: sql.Composed) -> sql.Composed:

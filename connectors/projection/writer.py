@@ -281,11 +281,15 @@ class ProjectionWriter:
         fresh: list[SinkRecord] = []
         if first:
             with conn.pipeline():
-                tracked = conn.execute(q.track(self._tracking), (list(first), self.namespace))
+                tracked = conn.execute(q.track(self._tracking), (list(first), self.namespace, len(first)))
                 found = (conn.execute(q.select_rows(shape), [list(col) for col in zip(*keys, strict=True)])
                          if keys else None)
-            new_keys = {row[0] for row in tracked.fetchall()}
-            fresh = [r for tk, r in first.items() if tk in new_keys]
+            count, new_keys = tracked.fetchone() or (0, None)
+            if count == len(first):
+                fresh = list(first.values())
+            else:
+                inserted = set(new_keys or ())
+                fresh = [r for tk, r in first.items() if tk in inserted]
             if found is not None:
                 nkeys = [names.index(k) for k in shape.keys]
                 key_at = operator.itemgetter(*nkeys) if len(nkeys) > 1 else None
