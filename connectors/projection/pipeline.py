@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kafold.connectors.api import SinkRecord, TopicPartition
-from kafold.connectors.projection.writer import BatchResult, DeadLetter, Report
+from kafold.connectors.projection.writer import BatchResult, DeadLetter, Prepared, Report
 from kafold.errors import RetriableError
 
 POLL_S = 0.02
@@ -38,6 +38,7 @@ class Job:
     records: list[SinkRecord]
     dead: list[DeadLetter]
     offsets: dict[TopicPartition, int]
+    prepared: Prepared | None = None  # ProjectionWriter.prepare of the records, computed on the runner's thread
     future: Future[BatchResult] | None = None
     started: float = field(default_factory=time.perf_counter)
 
@@ -47,7 +48,7 @@ class Job:
         offsets = {tp: off for tp, off in self.offsets.items() if tp not in tps}
         if not records and not self.dead and not offsets:
             return None
-        return Job(records, self.dead, offsets)
+        return Job(records, self.dead, offsets, self.prepared)  # keyed by id(record): still valid for a subset
 
 
 @dataclass

@@ -132,6 +132,8 @@ class ProjectionSinkTask(SinkTask):
             self.hint.pop(tp, None)
 
     def put(self, records: Sequence[SinkRecord]) -> None:
+        # Tracking and row keys now, while the previous batch's write is still running (it is pure work).
+        prepared = self.writer.prepare(records) if records else None
         self._settle()
         self._raise_fatal()
         if self.failed is not None:  # redo it first, here; RetriableError -> the runner backs off, offers again
@@ -142,7 +144,7 @@ class ProjectionSinkTask(SinkTask):
         hint, self.hint = self.hint, {}
         if not records and not dead and not hint:
             return
-        self.pipe.submit(Job(list(records), dead, hint))
+        self.pipe.submit(Job(list(records), dead, hint, prepared))
 
     def flush(self, offsets: Offsets) -> None:
         """Wait until every batch handed to `put` is in PostgreSQL (redoing a failed one)."""
@@ -177,7 +179,7 @@ class ProjectionSinkTask(SinkTask):
         return self._stored_of(offered)
 
     def _write(self, job: Job, report: Report) -> BatchResult:
-        return self.writer.write(job.records, job.dead, job.offsets, report=report)
+        return self.writer.write(job.records, job.dead, job.offsets, report=report, prepared=job.prepared)
 
     def _settle(self, timeout: float | None = None) -> None:
         """Wait for the write in flight and take its outcome (runner's thread)."""

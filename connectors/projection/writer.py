@@ -49,6 +49,7 @@ log = logs.get(__name__)
 
 DeadLetter = tuple[RawRecord, BaseException]
 Report = Callable[[Sequence[tuple[Any, BaseException]]], None]  # to the DLQ topic, acknowledged on return
+Prepared = dict[int, tuple[bytes, "tuple[Any, ...] | MappingError"]]  # id(record) -> (tracking key, row key)
 REJECTED = (psycopg.errors.IntegrityError, psycopg.errors.DataError)
 
 
@@ -134,6 +135,7 @@ class ProjectionWriter:
         self._dead = db.table(pgc, "dead_letters")
         self._json: set[str] = set()
         self._advance = True
+        self._prepared: Prepared | None = None
         self._prefix = tracking_prefix(self.namespace)
 
     # ---- session ----------------------------------------------------------------------------------------
@@ -202,10 +204,12 @@ class ProjectionWriter:
     # ---- the batch --------------------------------------------------------------------------------------
     def write(self, records: Sequence[SinkRecord], dead: Sequence[DeadLetter] = (),
               offsets: dict[TopicPartition, int] | None = None, report: Report | None = None,
-              advance: bool = True) -> BatchResult:
+              advance: bool = True, prepared: Prepared | None = None) -> BatchResult:
         """Apply `records`, record `dead` letters and advance checkpoints to cover `records` and `offsets`
-        (`advance=False`: leave checkpoints alone, e.g. when re-applying dead letters)."""
+        (`advance=False`: leave checkpoints alone, e.g. when re-applying dead letters). `prepared`: what
+        `prepare` gave for (at least) these records, else it is computed here."""
         self._advance = advance
+        self._prepared = prepared
         try:
             return self._isolating(list(records), list(dead), dict(offsets or {}), report)
         except RetriableError:
@@ -246,7 +250,7 @@ class ProjectionWriter:
             try:
                 conn = self.connection()
                 with db.transaction(conn):
-                    result = self._apply(conn, records, excluded, dead, offsets)
+                    result = self._apply(conn, records, excluded, dead, offsets, self._prepared)
                 return result
             except _Bad as e:  # rolled back: do it again without them, dead-lettered
                 if report is not None:
@@ -254,27 +258,41 @@ class ProjectionWriter:
                 excluded += [r for r, _ in e.bad]
                 dead = [*dead, *((RawRecord.of(r), err) for r, err in e.bad)]
 
+    def prepare(self, records: Sequence[SinkRecord]) -> Prepared:
+        """Per record (by id): its tracking key and its row key (or the MappingError). Pure, thread-safe: the
+        task computes it on the runner's thread while the previous batch is being written."""
+        prefix, hashed, key_of = self._prefix, hashlib.blake2b, self.mapping.key
+        out: Prepared = {}
+        for r in records:
+            try:
+                key: tuple[Any, ...] | MappingError = key_of(r.event)
+            except MappingError as e:
+                key = e
+            out[id(r)] = (hashed(prefix + r.event.event_id.encode(), digest_size=16).digest(), key)
+        return out
+
     def _apply(self, conn: psycopg.Connection[Any], records: list[SinkRecord], excluded: list[SinkRecord],
-               dead: list[DeadLetter], offsets: dict[TopicPartition, int]) -> BatchResult:
+               dead: list[DeadLetter], offsets: dict[TopicPartition, int],
+               prepared: Prepared | None) -> BatchResult:
         assert self.shape is not None
         shape, mapping = self.shape, self.mapping
         result = BatchResult(events=len(records), transactions=1, dead_lettered=len(dead))
         skip = {id(r) for r in excluded}
+        prep = prepared if prepared is not None else self.prepare(records)
         first: dict[bytes, SinkRecord] = {}
-        prefix, hashed = self._prefix, hashlib.blake2b
         for r in records:
             if id(r) not in skip:
-                first.setdefault(hashed(prefix + r.event.event_id.encode(), digest_size=16).digest(), r)
+                first.setdefault(prep[id(r)][0], r)
         # Keys of every candidate (a key error counts only if the event turns out to be new), then ONE round
         # trip: the tracking insert, and after it (same session, in order) the current rows of those keys.
-        key_of = mapping.key
         key_errors: dict[int, MappingError] = {}
         record_keys: dict[int, tuple[Any, ...]] = {}
         for r in first.values():
-            try:
-                record_keys[id(r)] = key_of(r.event)
-            except MappingError as e:
-                key_errors[id(r)] = e
+            k = prep[id(r)][1]
+            if type(k) is tuple:
+                record_keys[id(r)] = k
+            else:
+                key_errors[id(r)] = k  # type: ignore[assignment]
         keys = list(dict.fromkeys(record_keys.values()))
         names = shape.written
         loaded: dict[tuple[Any, ...], Row] = {}
