@@ -26,7 +26,11 @@ H_ERROR_MESSAGE = "kafold-dlq-error-message"
 H_REASON = "kafold-dlq-reason"
 H_CONNECTOR = "kafold-dlq-connector"
 H_TIMESTAMP = "kafold-dlq-timestamp"
+H_VALUE_DROPPED = "kafold-dlq-value-dropped"
 MAX_MESSAGE_CHARS = 2000
+# A dead letter must fit the DLQ topic's message limit (librdkafka's and Kafka's default is about 1 MB); a bigger
+# hostile record keeps its coordinates and error, its value stays in the source topic (and kafold.dead_letters).
+MAX_VALUE_BYTES = 900_000
 
 log = structlog.get_logger("kafold.connectors.dlq")
 
@@ -43,6 +47,13 @@ def dlq_headers(raw: RawRecord, error: BaseException, connector: str, now_ms: in
     ]
     original: Headers = [(k, v if v is not None else b"") for k, v in raw.headers if not k.startswith("kafold-dlq-")]
     return original + [(k, v.encode("utf-8", "replace")) for k, v in extra]
+
+
+def fitted(value: bytes | None, headers: Headers) -> tuple[bytes | None, Headers]:
+    """The value to dead-letter: None (and a `kafold-dlq-value-dropped: <size>` header) when it is too big."""
+    if value is None or len(value) <= MAX_VALUE_BYTES:
+        return value, headers
+    return None, [*headers, (H_VALUE_DROPPED, str(len(value)).encode())]
 
 
 class DeadLetterWriter(ErrantRecordReporter):
@@ -63,7 +74,7 @@ class DeadLetterWriter(ErrantRecordReporter):
         log.warning("record dead-lettered", connector=self.connector, topic=raw.topic,
                     partition=raw.partition, offset=raw.offset, error=type(error).__name__,
                     reason=getattr(error, "reason", None), dlq_topic=self.topic)
-        self._send(raw.key, raw.value, headers)
+        self._send(raw.key, *fitted(raw.value, headers))
 
     def _send(self, key: bytes | None, value: bytes | None, headers: Any) -> None:
         def delivered(err: Any, _msg: Any) -> None:

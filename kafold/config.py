@@ -11,7 +11,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from kafold.errors import ConfigError
 from kafold.schema import Problems, Secret, is_missing, load, setting
@@ -19,6 +19,8 @@ from kafold.schema import Problems, Secret, is_missing, load, setting
 ENV_PREFIX = "KAFOLD_"
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 IMPORT_REF_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+# libpq parameters that carry a secret: never accepted inside postgres.url.
+URL_SECRETS = frozenset({"password", "sslpassword"})
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class PostgresConfig:
     sslmode: str | None = setting(
         None, doc="libpq sslmode.", choices=("disable", "allow", "prefer", "require", "verify-ca", "verify-full"))
     sslrootcert: str | None = setting(None, doc="CA certificate file for verify-ca / verify-full.")
+    sslcert: str | None = setting(None, doc="Client certificate file (PEM) for certificate authentication.")
+    sslkey: str | None = setting(None, doc="Client private key file (PEM) for certificate authentication.")
     migrate_on_start: bool = setting(True, doc="Apply kafold's migrations when the daemon starts.")
 
 
@@ -187,14 +191,8 @@ def _check_refs(cfg: KafoldConfig, problems: Problems) -> None:
             problems.add(f"{where}.name", f"{con.name!r}: use letters, digits, '.', '_' or '-'")
         if not con.topics:
             problems.add(f"{where}.topics", "at least one source topic is required")
-    url = cfg.postgres.url
-    if url:
-        parts = urlsplit(url)
-        if parts.scheme not in ("postgresql", "postgres", "postgresql+psycopg"):
-            problems.add("postgres.url", f"expected a postgresql:// URL, got scheme {parts.scheme!r}")
-        if parts.password:
-            problems.add("postgres.url", "the URL carries a literal password; use postgres.password_env or "
-                         "postgres.password_file")
+    _check_postgres(cfg.postgres, problems)
+    _check_kafka_security(cfg.kafka, problems)
     for name, spec in topic_map(cfg).items():
         if not NAME_RE.match(name):
             problems.add("topics", f"invalid topic name {name!r}")
@@ -205,6 +203,64 @@ def _check_refs(cfg: KafoldConfig, problems: Problems) -> None:
             if other is not None and other.partitions != spec.partitions:
                 problems.add("topics", f"{spec.purpose} topic {name!r} has {spec.partitions} partitions but must be "
                              f"co-partitioned with {other.name!r} ({other.partitions})")
+
+
+def _check_postgres(pg: PostgresConfig, problems: Problems) -> None:
+    """The URL names no secret (neither `user:password@` nor `?password=`); certificate files exist."""
+    if pg.url:
+        parts = urlsplit(pg.url)
+        if parts.scheme not in ("postgresql", "postgres", "postgresql+psycopg"):
+            problems.add("postgres.url", f"expected a postgresql:// URL, got scheme {parts.scheme!r}")
+        if parts.password:
+            problems.add("postgres.url", "the URL carries a literal password; use postgres.password_env or "
+                         "postgres.password_file")
+        for name in sorted({k.lower() for k, _ in parse_qsl(parts.query, keep_blank_values=True)} & URL_SECRETS):
+            problems.add("postgres.url", f"the URL carries a literal {name}=; use postgres.password_env or "
+                         "postgres.password_file")
+    from kafold.connectors.projection.sql import check_identifier
+
+    if (msg := check_identifier(pg.schema)) is not None:
+        problems.add("postgres.schema", msg)
+    for key in ("sslrootcert", "sslcert", "sslkey"):
+        if getattr(pg, key):
+            _check_file(getattr(pg, key), f"postgres.{key}", problems)
+    if (pg.sslcert is None) != (pg.sslkey is None):
+        problems.add("postgres.sslkey", "give both sslcert and sslkey (certificate authentication) or neither")
+
+
+def _check_kafka_security(kafka: KafkaConfig, problems: Problems) -> None:
+    """SASL and TLS settings agree with security_protocol: none is silently ignored, none is missing."""
+    sasl = kafka.security_protocol in ("SASL_PLAINTEXT", "SASL_SSL")
+    tls = kafka.security_protocol in ("SSL", "SASL_SSL")
+    given_sasl = [k for k in ("sasl_mechanism", "sasl_username", "sasl_password") if getattr(kafka, k) is not None]
+    if given_sasl and not sasl:
+        problems.add("kafka.security_protocol", f"{kafka.security_protocol!r} ignores {', '.join(given_sasl)}; "
+                     "use SASL_SSL (or SASL_PLAINTEXT)")
+    if sasl and kafka.sasl_mechanism is None:
+        problems.add("kafka.sasl_mechanism", f"required with security_protocol = {kafka.security_protocol!r}")
+    if sasl and kafka.sasl_mechanism in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
+        if kafka.sasl_username is None:
+            problems.add("kafka.sasl_username", f"required with sasl_mechanism = {kafka.sasl_mechanism!r}")
+        if kafka.sasl_password is None and not problems.mentions("kafka.sasl_password"):
+            problems.add("kafka.sasl_password", f"required with sasl_mechanism = {kafka.sasl_mechanism!r} "
+                         "(sasl_password_env or sasl_password_file)")
+    given_tls = [k for k in ("ssl_ca_location", "ssl_certificate_location", "ssl_key_location", "ssl_key_password")
+                 if getattr(kafka, k) is not None]
+    if given_tls and not tls:
+        problems.add("kafka.security_protocol", f"{kafka.security_protocol!r} ignores {', '.join(given_tls)}; "
+                     "use SSL or SASL_SSL")
+    if (kafka.ssl_certificate_location is None) != (kafka.ssl_key_location is None):
+        problems.add("kafka.ssl_key_location", "give both ssl_certificate_location and ssl_key_location (mutual "
+                     "TLS) or neither")
+    for key in ("ssl_ca_location", "ssl_certificate_location", "ssl_key_location"):
+        if getattr(kafka, key):
+            _check_file(getattr(kafka, key), f"kafka.{key}", problems)
+
+
+def _check_file(path: str, where: str, problems: Problems) -> None:
+    """The clients open certificate paths as given (relative to the working directory): so does this check."""
+    if not Path(path).is_file():
+        problems.add(where, f"file {path!r} does not exist")
 
 
 def topic_map(cfg: KafoldConfig) -> dict[str, TopicSpec]:

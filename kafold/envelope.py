@@ -324,7 +324,8 @@ def _strict_body(value: bytes | None, raw: Any, max_bytes: int) -> Event:
         body = orjson.loads(value)
     except orjson.JSONDecodeError as e:
         text = str(e)
-        reason = "bad-utf8" if "UTF-8" in text else "too-deep" if "recursion" in text else "bad-json"
+        reason = ("bad-utf8" if "UTF-8" in text else "too-deep" if "recursion" in text or "depth" in text
+                  else "bad-json")
         raise _fail(raw, "value", f"not valid JSON ({text})", reason) from None
     if type(body) is not dict:
         raise _fail(raw, "value", f"expected a JSON object, got {_kind(body)}", "wrong-type")

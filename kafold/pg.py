@@ -25,8 +25,9 @@ def _extras(pg: PostgresConfig) -> dict[str, Any]:
         extras["password"] = pg.password.reveal()
     if pg.sslmode:
         extras["sslmode"] = pg.sslmode
-    if pg.sslrootcert:
-        extras["sslrootcert"] = pg.sslrootcert
+    for key in ("sslrootcert", "sslcert", "sslkey"):  # given, they override the same parameters in the URL
+        if getattr(pg, key):
+            extras[key] = getattr(pg, key)
     return extras
 
 

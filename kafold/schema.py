@@ -68,6 +68,11 @@ class Problems:
     def add(self, path: str, message: str) -> None:
         self.items.append(f"{self.file}: {path}: {message}")
 
+    def mentions(self, path: str) -> bool:
+        """True when a problem was already reported for `path` or a key below it (`path_env`, `path.x`)."""
+        head = f"{self.file}: {path}"
+        return any(p.startswith(head) and p[len(head)] in ":._[" for p in self.items)
+
 
 def join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key

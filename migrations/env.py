@@ -25,7 +25,10 @@ def run_migrations_offline() -> None:
 
 
 def _run(connection: sa.Connection) -> None:
-    connection.execute(sa.text(f'CREATE SCHEMA IF NOT EXISTS "{SCHEMA}"'))
+    # Not CREATE SCHEMA IF NOT EXISTS: that needs CREATE on the database even when the schema exists, which a
+    # least-privilege role owning only its schema lacks (docs/security.md). kafold.db holds an advisory lock here.
+    if connection.execute(sa.text("SELECT 1 FROM pg_namespace WHERE nspname = :s"), {"s": SCHEMA}).first() is None:
+        connection.execute(sa.text(f'CREATE SCHEMA "{SCHEMA}"'))
     context.configure(connection=connection, target_metadata=target_metadata, version_table_schema=SCHEMA,
                       include_schemas=True)
     with context.begin_transaction():

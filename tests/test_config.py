@@ -88,7 +88,8 @@ def test_secret_from_env_and_file(tmp_path: Path) -> None:
     secret_file = tmp_path / "pg-password"
     secret_file.write_text("from-file\n")
     secret_file.chmod(0o600)
-    text = (f'[kafka]\nsasl_password_env = "MY_PW"\n[postgres]\npassword_file = "{secret_file}"\n')
+    text = ('[kafka]\nsecurity_protocol = "SASL_SSL"\nsasl_mechanism = "SCRAM-SHA-512"\nsasl_username = "u"\n'
+            f'sasl_password_env = "MY_PW"\n[postgres]\npassword_file = "{secret_file}"\n')
     loaded = config.parse(text, tmp_path / "k.toml", {"MY_PW": "from-env"})
     os.environ["MY_PW"] = "from-env"
     try:

@@ -108,3 +108,18 @@ def test_any_config_loads_or_fails_with_config_error(doc: dict[str, Any], tmp_pa
         config.parse(text, path, {})
     except ConfigError as e:
         assert e.problems and all(p.startswith(f"{path}: ") for p in e.problems)
+
+
+def test_nesting_beyond_the_parsers_own_limits_is_a_decode_error() -> None:
+    """Thousands of levels (past msgspec's and orjson's recursion limits) raise DecodeError, never RecursionError."""
+    key, value, hdrs = encode(VALID)
+    for depth in (1000, 5000, 100_000):
+        nested = b"[" * depth + b"]" * depth
+        for data in (value.replace(b'"payload":{', b'"payload":{"d":' + nested + b",", 1),
+                     value[:-1] + b',"x":' + nested + b"}"):
+            try:
+                decode(key, data, hdrs)
+            except DecodeError as e:
+                assert e.reason in ("too-deep", "bad-json", "unknown-field"), e
+            else:
+                raise AssertionError("accepted a hostile payload")

@@ -93,3 +93,20 @@ def test_aiokafka_reports_a_missing_ca_file(tmp_path: Path) -> None:
                         ssl_ca_location=str(tmp_path / "nope.pem"))
     with pytest.raises(FileNotFoundError):
         aiokafka_kwargs(kafka)
+
+
+def test_librdkafka_accepts_the_generated_tls_settings() -> None:
+    """librdkafka loads the CA file when the client is created: a wrong path fails here, not at first use."""
+    kafka = KafkaConfig(bootstrap_servers="127.0.0.1:1", security_protocol="SSL", ssl_ca_location=SYSTEM_CA)
+    Producer(librdkafka(kafka)).flush(0)
+    with pytest.raises(Exception, match=r"ssl\.ca\.location"):
+        Producer(librdkafka(KafkaConfig(bootstrap_servers="127.0.0.1:1", security_protocol="SSL",
+                                        ssl_ca_location="/nonexistent/ca.pem")))
+
+
+def test_security_settings_of_another_protocol_are_not_sent() -> None:
+    """PLAINTEXT sends no SASL or TLS keys (the loader refuses such a mix; the client builder never leaks one)."""
+    conf = librdkafka(KafkaConfig(bootstrap_servers="b:1", sasl_username="u", ssl_ca_location="/ca.pem"))
+    assert not [k for k in conf if k.startswith(("sasl.", "ssl."))]
+    assert not {"sasl_plain_username", "ssl_context"} & set(aiokafka_kwargs(
+        KafkaConfig(bootstrap_servers="b:1", sasl_username="u", ssl_ca_location="/ca.pem")))

@@ -64,3 +64,13 @@ def test_sqlalchemy_url_connects_to_the_real_server(pg_config: PostgresConfig) -
     with engine.connect() as conn:
         user = conn.execute(sqlalchemy.text("select current_user")).scalar_one()
     assert user == conninfo_to_dict(conninfo(pg_config))["user"]
+
+
+def test_configured_tls_settings_override_the_url(tmp_path: Path) -> None:
+    """A weaker sslmode in the URL loses to [postgres].sslmode; client certificate files pass through."""
+    pg = PostgresConfig(url="postgresql://app@db/orders?sslmode=disable", sslmode="verify-full",
+                        sslrootcert="/ca.pem", sslcert="/client.crt", sslkey="/client.key")
+    params = conninfo_to_dict(conninfo(pg))
+    assert (params["sslmode"], params["sslrootcert"], params["sslcert"], params["sslkey"]) == \
+        ("verify-full", "/ca.pem", "/client.crt", "/client.key")
+    assert sqlalchemy_url(pg).query["sslmode"] == "verify-full"

@@ -2,7 +2,8 @@
 
 A secret written `whsec_<base64>` (the Standard Webhooks form) is base64-decoded to get the HMAC key; any other
 secret is used as its UTF-8 bytes. Receivers verify one signature of the space-separated list and reject
-timestamps too far from their clock (replay protection).
+timestamps too far from their clock (replay protection). `verify_request` is the receiver's side in one call: it
+takes the request's headers as received and never raises on hostile ones.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 PREFIX = "whsec_"
 
@@ -42,3 +43,17 @@ def verify(msg_id: str, timestamp: int, body: bytes, header: str, secret: str, *
         if version == "v1" and hmac.compare_digest(sig, expected):
             return True
     return False
+
+
+def verify_request(headers: Mapping[str, str], body: bytes, secrets: Iterable[str], *, now: int | None = None,
+                   tolerance_s: int = 300) -> bool:
+    """For receivers: True when `webhook-id`, `webhook-timestamp` and `webhook-signature` (any header case) are
+    present, the timestamp is within `tolerance_s` and a signature matches one of `secrets` (several during a
+    rotation). Missing, malformed or oversized headers give False, never an exception."""
+    lower = {k.lower(): v for k, v in headers.items()}
+    msg_id, stamp, header = lower.get("webhook-id"), lower.get("webhook-timestamp"), lower.get("webhook-signature")
+    if not msg_id or not stamp or not header or len(stamp) > 20 or not stamp.isascii() or not stamp.isdigit():
+        return False
+    if len(header) > 10_000:  # a legitimate header carries a few 44-character signatures
+        return False
+    return any(verify(msg_id, int(stamp), body, header, s, now=now, tolerance_s=tolerance_s) for s in secrets)

@@ -30,7 +30,7 @@ from confluent_kafka import TopicPartition as KTP
 from kafold import kafka_clients, logs
 from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig
 from kafold.connectors.api import RawRecord
-from kafold.connectors.dlq import dlq_headers
+from kafold.connectors.dlq import dlq_headers, fitted
 from kafold.daemon.aggregates import recovery
 from kafold.daemon.aggregates.gate import PartitionGate
 from kafold.daemon.aggregates.messages import REJECTED, Command, Result, decode_command, header
@@ -321,7 +321,7 @@ class AggregateRuntime:
         assert self.writer is not None
         raw = RawRecord.of(m)
         headers = dlq_headers(raw, error, f"aggregate.{self.agg.name}", int(time.time() * 1000))
-        self.writer.produce(self.dlq, 0, raw.key, raw.value, headers)
+        self.writer.produce(self.dlq, 0, raw.key, *fitted(raw.value, headers))  # an oversized value is dropped
         self.log.warning("aggregate.dead_lettered", partition=raw.partition, offset=raw.offset,
                          reason=error.reason, error=str(error)[:200])
 

@@ -1,4 +1,4 @@
-"""`kafold db upgrade|current -c FILE`: apply and inspect kafold's own migrations in `[postgres].schema`."""
+"""`kafold db upgrade|current|grant-sql -c FILE`: kafold's own migrations, and the GRANTs its role needs."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ def register(sub: Any) -> None:
     c = dsub.add_parser("current", help="show the revision the database is at and the code's head")
     add_config_arg(c)
     c.set_defaults(handler=current)
+    g = dsub.add_parser("grant-sql", help="print the least-privilege GRANTs for the schemas and tables the config uses")
+    add_config_arg(g)
+    g.add_argument("--role", default="", help="role to grant to (default: the user in postgres.url, else kafold)")
+    g.set_defaults(handler=grant_sql)
 
 
 def _pg(args: argparse.Namespace) -> config.PostgresConfig:
@@ -37,3 +41,15 @@ def current(args: argparse.Namespace) -> int:
     now, heads = db.current(pgc), db.heads()
     print(f"schema {pgc.schema!r}: current {now or '(none)'}, head {', '.join(heads)}")
     return 0 if now in heads else 1
+
+
+def grant_sql(args: argparse.Namespace) -> int:
+    """Print the statements; nothing is executed (an administrator reviews and runs them)."""
+    from urllib.parse import urlsplit
+
+    from kafold import grants
+
+    loaded = config.load_file(args.config)
+    role = args.role or urlsplit(loaded.config.postgres.url).username or "kafold"
+    print("\n".join(grants.grant_sql(loaded.config, loaded.base, role)))
+    return 0
