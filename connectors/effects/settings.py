@@ -51,10 +51,15 @@ class WebhookConfig(EffectConfig):
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
+        # Error messages show the URL without its query and credentials: they may hold a token.
+        shown = f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}{parts.path}"
         if parts.scheme not in ("https", "http") or not parts.netloc:
-            raise ValueError(f"url: expected an https:// URL, got {self.url!r}")
+            raise ValueError(f"url: expected an https:// URL, got {shown!r}")
+        if parts.username is not None or parts.password is not None:
+            raise ValueError(f"url: credentials in the URL ({shown!r}) would be logged and stored in plain text; "
+                             "sign requests with `secret` or send a header")
         if parts.scheme == "http" and not self.allow_http:
-            raise ValueError(f"url: {self.url!r} is plain http; use https or set allow_http = true")
+            raise ValueError(f"url: {shown!r} is plain http; use https or set allow_http = true")
         if self.body not in ("event", "payload") and ":" not in self.body:
             raise ValueError(f"body: expected `event`, `payload` or `module:function`, got {self.body!r}")
         for name in self.headers:

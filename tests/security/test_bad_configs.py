@@ -54,6 +54,8 @@ NEW_KINDS: dict[str, tuple[str, str, str]] = {
     "literal_secret_in_connector": (webhook('url = "https://h.example/x"\nsecret = "{secret}"'),
                                     "connectors[0].config.secret", "literal secrets are refused"),
     "plain_http_webhook": (webhook('url = "http://h.example/x"'), "connectors[0].config", "plain http"),
+    "credentials_in_webhook_url": (webhook('url = "https://u:{secret}@h.example/x?token={secret}"'),
+                                   "connectors[0].config", "credentials in the URL"),
     "hostile_table_name": (projection(table="x; DROP TABLE y"), "connectors[0].config: table",
                            "not a valid SQL identifier"),
     "quoted_table_name": (projection(table='"a"'), "connectors[0].config: table", "not a valid SQL identifier"),
