@@ -99,6 +99,11 @@ class AggregateConfig:
     def topic(self, kind: str) -> str:
         return getattr(self, f"{kind}_topic") or f"{self.name}.{kind if kind != 'snapshot' else 'snapshots'}"
 
+    @property
+    def dlq_topic(self) -> str:
+        """Where the runtime dead-letters bad commands (one partition; see docs/aggregates.md)."""
+        return f"kafold.dlq.aggregate.{self.name}"
+
 
 @dataclass(frozen=True)
 class ConnectorConfig:
@@ -274,6 +279,7 @@ def topic_map(cfg: KafoldConfig) -> dict[str, TopicSpec]:
             out[agg.topic(kind)] = TopicSpec(agg.topic(kind), agg.partitions, rf, {}, events, kind)
         snap = agg.topic("snapshot")
         out[snap] = TopicSpec(snap, agg.partitions, rf, {"cleanup.policy": "compact"}, events, "snapshots")
+        out[agg.dlq_topic] = TopicSpec(agg.dlq_topic, 1, rf, {}, purpose="dead-letter")
     for con in cfg.connectors:
         out.setdefault(con.dlq_topic, TopicSpec(con.dlq_topic, 1, rf, {}, purpose="dead-letter"))
     for t in cfg.topics:

@@ -124,7 +124,8 @@ def test_example_config_is_valid_and_implies_its_topics() -> None:
     loaded = config.load_file(EXAMPLE, environ={})
     topics = config.topic_map(loaded.config)
     assert {"account.events", "account.commands", "account.results", "account.snapshots",
-            "kafold.dlq.accounts-log"} <= set(topics)
+            "kafold.dlq.accounts-log", "kafold.dlq.aggregate.account"} <= set(topics)
+    assert topics["kafold.dlq.aggregate.account"].purpose == "dead-letter"
     snap = topics["account.snapshots"]
     assert snap.configs["cleanup.policy"] == "compact"
     assert snap.copartition_with == "account.events"

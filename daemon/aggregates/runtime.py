@@ -47,7 +47,7 @@ RECOVERY_BATCH = 20000
 
 
 def dlq_topic(agg: AggregateConfig) -> str:
-    return f"kafold.dlq.aggregate.{agg.name}"
+    return agg.dlq_topic
 
 
 class AggregateRuntime:
