@@ -87,3 +87,18 @@ def unique(request: pytest.FixtureRequest) -> str:
     """A prefix for topic and group names that no other test (or earlier run on the same broker) uses."""
     name = re.sub(r"[^A-Za-z0-9]+", "-", request.node.name).strip("-")[:40]
     return f"kt.{name}.{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    """A test calling `kafold.cli.main` configures logging onto pytest's captured streams, which close after the
+    test: give the next tests (and session teardown) structlog's defaults and no such handler back."""
+    import logging
+
+    import structlog
+
+    yield
+    if structlog.is_configured():
+        structlog.reset_defaults()
+    root = logging.getLogger()
+    root.handlers[:] = [h for h in root.handlers if type(h) is not logging.StreamHandler]

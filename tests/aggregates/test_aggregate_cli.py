@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import structlog
 from agg_support import BANK, bank_config, create_topics, running, runtime, wait_for
 
 from kafold import cli
@@ -45,9 +44,3 @@ def test_send_commands_then_get_state(kafka_config: KafkaConfig, unique: str, tm
     assert got["obtained"]["tail_events_replayed"] == 2
     assert cli.main(["state", "get", "-c", str(toml), agg.name, "nobody"]) == 1
 
-
-@pytest.fixture(autouse=True)
-def _restore_logging() -> object:
-    """cli.main configures structlog to print to the captured stderr; give later tests the defaults back."""
-    yield
-    structlog.reset_defaults()

@@ -1,0 +1,91 @@
+"""`kafold effects show` and `kafold effects reset-offsets`: the ledger answers, and a reset needs --yes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from contract import committed, create_topic, make_event, produce, wait_for
+from effects_support import start_effects
+from receiver import Receiver
+
+from kafold import cli
+from kafold.config import KafkaConfig, PostgresConfig
+from kafold.envelope import encode
+
+pytestmark = pytest.mark.integration
+
+
+def _config(path: Path, kafka: KafkaConfig, pg: PostgresConfig, hooks: str, topic: str, url: str) -> Path:
+    path.write_text(f"""
+[kafka]
+bootstrap_servers = "{kafka.bootstrap_servers}"
+[postgres]
+url = "{pg.url}"
+schema = "{pg.schema}"
+[daemon]
+group_prefix = "kt"
+
+[[connectors]]
+name = "{hooks}"
+class = "webhook"
+topics = ["{topic}"]
+[connectors.config]
+url = "{url}"
+allow_http = true
+
+[[connectors]]
+name = "{hooks}-log"
+class = "log"
+topics = ["{topic}"]
+""")
+    return path
+
+
+def test_show_and_reset_offsets(kafka_config: KafkaConfig, effects_pg: PostgresConfig, receiver: Receiver,
+                                unique: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    topic = f"{unique}.events"
+    create_topic(kafka_config, topic, 2)
+    events = [make_event(f"k{i % 3}", i // 3 + 1) for i in range(6)]
+    produce(kafka_config, topic, [(i % 2, *encode(e)) for i, e in enumerate(events)])
+    url = receiver.url  # type: ignore[attr-defined]
+    run = start_effects(kafka_config, effects_pg, unique, topic, "webhook", {"url": url, "allow_http": True})
+    try:
+        wait_for(lambda: len(receiver.delivered_at()) == 6, "six deliveries", 60)
+        group = run.runner.group_id
+        wait_for(lambda: sum(committed(kafka_config, group, topic, 2).values()) == 6, "offsets committed", 60)
+    finally:
+        run.finish()
+    assert group == f"kt.{unique}"  # the group the CLI derives from [daemon].group_prefix and the name
+    cfg = _config(tmp_path / "kafold.toml", kafka_config, effects_pg, unique, topic, url)
+
+    # The ledger answers "was it delivered, when, how many tries".
+    assert cli.main(["effects", "show", events[0].event_id, "-c", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert f"{unique}: succeeded after 1 attempt(s)" in out and topic in out
+    assert cli.main(["effects", "show", "no-such-event", "-c", str(cfg)]) == 1
+    assert "no effect recorded for event no-such-event" in capsys.readouterr().out
+
+    # Without --yes nothing moves.
+    assert cli.main(["effects", "reset-offsets", unique, "--to-earliest", "-c", str(cfg)]) == 1
+    assert "Add --yes" in capsys.readouterr().out
+    assert committed(kafka_config, group, topic, 2) == {0: 3, 1: 3}
+
+    # With --yes the group goes back to the start: the next run re-reads the events, and the ledger (succeeded)
+    # keeps the receiver from seeing them again.
+    assert cli.main(["effects", "reset-offsets", unique, "--to-earliest", "--yes", "-c", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert f"{topic}[0]  -> 0" in out and f"{topic}[1]  -> 0" in out
+    assert committed(kafka_config, group, topic, 2) == {0: 0, 1: 0}
+    again = start_effects(kafka_config, effects_pg, unique, topic, "webhook", {"url": url, "allow_http": True})
+    try:
+        wait_for(lambda: committed(kafka_config, group, topic, 2) == {0: 3, 1: 3}, "re-committed", 60)
+    finally:
+        again.finish()
+    assert len(receiver.requests) == 6  # deduplicated by the ledger: no effect fired twice
+
+    # Only effect connectors can be reset; unknown names are named.
+    assert cli.main(["effects", "reset-offsets", f"{unique}-log", "--to-latest", "--yes", "-c", str(cfg)]) == 1
+    assert "is not an effect connector" in capsys.readouterr().err
+    assert cli.main(["effects", "reset-offsets", "nope", "--to-latest", "--yes", "-c", str(cfg)]) == 1
+    assert "no connector named 'nope'" in capsys.readouterr().err
