@@ -157,6 +157,11 @@ class SinkTaskContext(ABC):
     def errant_record_reporter(self) -> ErrantRecordReporter | None:
         """The dead-letter reporter of this connector."""
 
+    def committed_offsets(self) -> Mapping[TopicPartition, int]:
+        """The offsets the runner has committed to Kafka (next offset to read, per partition), as far as it
+        knows: a task that must act only after a commit (at-most-once) checks here that the commit happened."""
+        return {}
+
 
 class SinkTask(ABC):
     """Receives batches of decoded events from Kafka. Required: start, put, stop."""

@@ -88,6 +88,9 @@ class _Context(SinkTaskContext):
     def errant_record_reporter(self) -> ErrantRecordReporter | None:
         return self.runner.reporter
 
+    def committed_offsets(self) -> Mapping[TopicPartition, int]:
+        return dict(self.runner.committed)  # updated only after consumer.commit returned without error
+
 
 class SinkRunner:
     """Runs one task of a sink connector in the calling thread until `stop` is set or the task fails."""

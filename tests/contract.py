@@ -39,6 +39,7 @@ class LocalContext(SinkTaskContext):
         self.seeks: dict[TopicPartition, int] = {}
         self.commit_requested = False
         self.reporter = reporter
+        self.committed: dict[TopicPartition, int] = {}  # what "the runner" committed: set by the test
 
     def assignment(self) -> frozenset[TopicPartition]:
         return frozenset(self.assigned)
@@ -57,6 +58,9 @@ class LocalContext(SinkTaskContext):
 
     def errant_record_reporter(self) -> ErrantRecordReporter | None:
         return self.reporter
+
+    def committed_offsets(self) -> dict[TopicPartition, int]:
+        return dict(self.committed)
 
 
 def make_event(aggregate_id: str, version: int, type_: str = "ThingHappened", **payload: Any) -> Event:

@@ -116,10 +116,18 @@ class EffectSinkTask(SinkTask):
                 self.log.info("fetching paused: too many effects in flight", in_flight=self.tracker.in_flight)
 
     def _release_committed(self) -> None:
-        """at-most-once: records whose commit the runner has performed since the last call may now run."""
+        """at-most-once: records whose commit the runner has performed since the last call may now run; those
+        whose commit failed (e.g. during a rebalance) go back to be held and offered again — running them
+        uncommitted could run them twice after a crash."""
         if self.committing:
-            ready, self.committing = self.committing, []
-            self.executor.submit(ready)
+            done = self.context.committed_offsets()
+            ready = [r for r in self.committing if r.offset < done.get(r.tp, -1)]
+            if len(ready) < len(self.committing):
+                self.held = [r for r in self.committing if r.offset >= done.get(r.tp, -1)] + self.held
+                self._request()
+            self.committing = []
+            if ready:
+                self.executor.submit(ready)
 
     def pre_commit(self, offsets: Offsets) -> Offsets:
         self.acknowledged = self.completions

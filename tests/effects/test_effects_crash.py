@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +114,43 @@ def test_at_most_once_a_crash_between_commit_and_effect_never_repeats_one(
     # lost = committed (handed over) with a crashing event but not yet run: bounded by max_in_flight + a batch
     assert len(lost) <= 3 * (10 + 10)
     assert len(ran) >= 300 - 3 - len(lost)
+
+
+def test_at_most_once_holds_records_whose_commit_failed(effects_pg: PostgresConfig, kafka_config: KafkaConfig,
+                                                        unique: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's commit of the offered offsets failed (e.g. a rebalance): the effects must not run until a
+    commit covering them succeeds — run uncommitted, a crash would run them again."""
+    from contract import LocalContext
+
+    from kafold.config import ConnectorConfig
+    from kafold.connectors.api import SinkRecord, TopicPartition
+    from kafold.connectors.effects.task import with_services
+    from kafold.connectors.registry import instantiate
+
+    effect_log = tmp_path / "effects.log"
+    monkeypatch.setenv("KT_EFFECT_LOG", str(effect_log))
+    settings = ConnectorConfig(name=unique, connector_class="python", topics=["t"],
+                               config={"function": "crash_effect:record", "delivery": "at-most-once"})
+    connector = instantiate(settings, Path("."))
+    task = connector.task_class()
+    ctx = LocalContext(unique)
+    tp = TopicPartition("t", 0)
+    ctx.assigned = {tp}
+    task.start(with_services(connector.task_configs(1)[0], kafka_config, effects_pg), ctx)
+    try:
+        task.open([tp])
+        events = [make_event("k", v) for v in (1, 2)]
+        task.put([SinkRecord("t", 0, i, "k", e) for i, e in enumerate(events)])
+        assert task.pre_commit({tp: 2}) == {tp: 2}  # at-most-once: offered for commit before running
+        task.put([])  # the runner calls in again, but its commit failed: ctx.committed is still empty
+        time.sleep(0.5)
+        assert not effect_log.exists(), "an effect ran although its offset was never committed"
+        assert task.pre_commit({tp: 2}) == {tp: 2}  # offered again
+        ctx.committed[tp] = 2  # this time the commit went through
+        task.put([])
+        wait_for(lambda: effect_log.exists() and len(effect_log.read_text().split()) == 2, "both effects ran", 30)
+        assert effect_log.read_text().split() == [e.event_id for e in events]
+    finally:
+        task.close([tp])
+        task.stop()
