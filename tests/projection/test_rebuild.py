@@ -228,3 +228,26 @@ def test_rebuild_of_an_unknown_connector_is_a_clear_error_naming_it(tmp_path: Pa
                                str(conf)], capture_output=True, text=True, timeout=60)
         assert done.returncode == 2  # a configuration error, found before connecting to anything
         assert "no connector named 'nope'" in done.stderr and "configured: known" in done.stderr
+
+
+def test_rebuild_with_keep_old_keeps_the_replaced_table_beside_the_new_one(
+        kafka_config: KafkaConfig, pg_config: PostgresConfig, unique: str) -> None:
+    topic, table = f"{unique}.events", table_name()
+    create_topic(kafka_config, topic, partitions=2)
+    events = history(accounts=60, deposits=5, close_every=11)
+    coords = produce(kafka_config, topic, encoded(events, 2))
+    live_cfg = settings(unique, topic, table)
+    plan = rb.plan(KafoldConfig(kafka=kafka_config, postgres=pg_config, connectors=[live_cfg]), Path("."), unique)
+    with running(kafka_config, pg_config, live_cfg, unique, batch=100) as live:
+        wait_for_offsets(pg_config, unique, topic, ends_of(coords), live)
+        old_oid = _oid(pg_config, table)
+        result = rb.Rebuild(plan, keep_old=True, batch=50).run()
+    assert result.phase == "swapped"
+    expected = fold(events)
+    assert read_table(pg_config, table) == expected and _oid(pg_config, table) != old_oid
+    with db.connect(pg_config) as conn:
+        kept = conn.execute("SELECT c.relname, (SELECT conname FROM pg_constraint WHERE conrelid = c.oid AND "
+                            "contype = 'p') FROM pg_class c WHERE c.oid = %s", (old_oid,)).fetchone()
+    assert kept is not None and kept[0].startswith(f"{table[:40]}_old_")  # the replaced table, renamed, kept
+    assert kept[1] == f"{kept[0]}_pkey"  # its primary key renamed along, so the names do not clash
+    assert read_table(pg_config, kept[0]) == expected  # it held the live result at the swap
