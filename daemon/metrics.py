@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kafold.daemon.rebuild_metrics import RebuildCollector
 from kafold.daemon.runner import BatchStats, SinkRunner
 from kafold.daemon.tasks import ConnectorGroup
 
@@ -33,6 +34,7 @@ class DaemonMetrics:
         self.batches = Histogram("kafold_batch_duration_seconds", "Time to decode, put and commit one batch.",
                                  labels, buckets=BATCH_BUCKETS, registry=self.registry)
         self.registry.register(_TaskCollector(groups))
+        self.registry.register(RebuildCollector(groups))
 
     def observe(self, runner: SinkRunner, stats: BatchStats) -> None:
         """SinkRunner.on_batch hook (runs in the task's thread; prometheus_client is thread-safe)."""

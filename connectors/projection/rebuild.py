@@ -124,6 +124,19 @@ def offsets(pgc: PostgresConfig, key: str, conn: psycopg.Connection[Any] | None 
     return {TopicPartition(t, p): o for t, p, o in rows}
 
 
+def progress(pgc: PostgresConfig, name: str) -> tuple[str, int, int] | None:
+    """(phase, offsets the shadow covers, offsets it is behind the live connector) of the rebuild of projection
+    `name`, from PostgreSQL alone (what the daemon's /metrics reports); None if it was never rebuilt."""
+    row = state(pgc, name)
+    if row is None:
+        return None
+    behind = 0
+    if row["phase"] in ACTIVE:
+        live, shadow = offsets(pgc, name), offsets(pgc, f"{name}:rebuild")
+        behind = sum(max(0, off - shadow.get(tp, 0)) for tp, off in live.items())
+    return str(row["phase"]), int(row["events"]), behind
+
+
 class _NotYet(KafoldError):
     """The tail under the lock was too long or did not arrive: release the lock and catch up first."""
 

@@ -204,6 +204,11 @@ def test_a_rebuild_killed_halfway_resumes_and_finishes_correctly(
     before = rb.state(pg_config, unique)
     assert before is not None and before["phase"] in rb.ACTIVE, f"not killed halfway; see {log}"
     assert 0 < before["events"] < len(events)
+    # The daemon's /metrics shows the rebuild under way, read from PostgreSQL.
+    gauges = _rebuild_gauges(kafka_config, pg_config, unique, topic, table)
+    assert gauges == {"kafold_rebuild_active": 1.0, "kafold_rebuild_offsets_covered": float(before["events"]),
+                      "kafold_rebuild_offsets_behind": gauges["kafold_rebuild_offsets_behind"]}
+    assert gauges["kafold_rebuild_offsets_behind"] > 0
     shown = subprocess.run([*cmd[:4], "status", unique, "-c", str(conf)], capture_output=True, text=True,
                            timeout=60)
     assert shown.returncode == 0 and before["phase"] in shown.stdout and "behind" in shown.stdout
@@ -218,6 +223,23 @@ def test_a_rebuild_killed_halfway_resumes_and_finishes_correctly(
     assert [d[:2] for d in dead_letters(pg_config, unique)] == [(topic, 1)]  # recorded once, by the live one
     assert dead_letters(pg_config, f"{unique}:rebuild") == []
     assert _oid(pg_config, f"{table[:48]}_kafold_rebuild") is None
+    after_gauges = _rebuild_gauges(kafka_config, pg_config, unique, topic, table)
+    assert after_gauges["kafold_rebuild_active"] == 0.0 and after_gauges["kafold_rebuild_offsets_behind"] == 0.0
+
+
+def _rebuild_gauges(kafka: KafkaConfig, pgc: PostgresConfig, name: str, topic: str, table: str) -> dict[str, float]:
+    """The rebuild gauges a daemon hosting this projection exports (its metrics collector, fed by the host's
+    connector groups)."""
+    from kafold.config import DaemonConfig
+    from kafold.connectors.registry import instantiate
+    from kafold.daemon.rebuild_metrics import RebuildCollector
+    from kafold.daemon.tasks import ConnectorGroup, TaskSlot
+
+    connector = instantiate(settings(name, topic, table), Path("."))
+    slot = TaskSlot(connector, {**connector.task_configs(1)[0], "postgres": pgc}, kafka, DaemonConfig())
+    collector = RebuildCollector(lambda: [ConnectorGroup(connector, [slot])])
+    return {family.name: family.samples[0].value for family in collector.collect()
+            if family.samples and family.samples[0].labels == {"connector": name}}
 
 
 def test_rebuild_of_an_unknown_connector_is_a_clear_error_naming_it(tmp_path: Path) -> None:
