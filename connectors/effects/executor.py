@@ -170,7 +170,16 @@ class Executor:
         while True:
             items = await self._intake.get()
             ids = [i.record.event.event_id for i in items]
-            finished = await asyncio.to_thread(self.ledger.finished_ids, ids)
+            delay = 0.1
+            while True:  # PostgreSQL away (restarting): wait and ask again; nothing runs before the ledger answers
+                try:
+                    finished = await asyncio.to_thread(self.ledger.finished_ids, ids)
+                    break
+                except Exception as e:
+                    log.warning("reading the delivery ledger failed; retrying", connector=self.name,
+                                error=describe(e), retry_in_s=delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
             for item in items:
                 if self.epochs.get(item.record.tp) != item.epoch:
                     continue  # revoked while waiting

@@ -14,8 +14,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -94,7 +95,7 @@ class Ledger:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._read_lock = threading.Lock()
-        self._reader = psycopg.connect(self._dsn, autocommit=True)
+        self._reader: psycopg.Connection[Any] = psycopg.connect(self._dsn, autocommit=True)
         self._thread = threading.Thread(target=self._run, name=f"kafold-ledger-{connector}", daemon=True)
         self._thread.start()
 
@@ -265,8 +266,26 @@ class Ledger:
                   p.parked_at) for k, p in heads.items()])
 
     # ---- reads and release steps (executor thread pool; one at a time) ----------------------------------------
+    @contextmanager
+    def _reading(self, transaction: bool = False) -> Iterator[psycopg.Cursor[Any]]:
+        """A cursor on the reader connection, reopened if PostgreSQL restarted since (a broken connection is
+        closed here and the error raised as RetriableError: the caller's next try gets a fresh one)."""
+        with self._read_lock:
+            try:
+                if self._reader.closed or self._reader.broken:
+                    self._reader = psycopg.connect(self._dsn, autocommit=True)
+                if transaction:
+                    with self._reader.transaction(), self._reader.cursor() as cur:
+                        yield cur
+                else:
+                    with self._reader.cursor() as cur:
+                        yield cur
+            except psycopg.OperationalError as e:
+                self._reader.close()
+                raise RetriableError(f"PostgreSQL: {e}") from e
+
     def _read(self, query: sql.Composed, params: Iterable[Any]) -> list[tuple[Any, ...]]:
-        with self._read_lock, self._reader.cursor() as cur:
+        with self._reading() as cur:
             cur.execute(query, tuple(params))
             return cur.fetchall() if cur.description else []
 
@@ -301,7 +320,7 @@ class Ledger:
 
     def settle(self, key: str, event_id: str, status: str, outcome: Outcome | None) -> None:
         """A parked event left the queue (`succeeded` or `skipped`): ledger updated, parked row deleted."""
-        with self._read_lock, self._reader.transaction(), self._reader.cursor() as cur:
+        with self._reading(transaction=True) as cur:
             cur.execute(sql.SQL("DELETE FROM {} WHERE connector = %s AND event_id = %s").format(
                 table(self.schema, "effect_parked")), (self.connector, event_id))
             o = outcome
@@ -314,7 +333,7 @@ class Ledger:
 
     def repark(self, key: str, event_id: str, error: str, outcome: Outcome) -> None:
         """A released event failed again: it becomes the key's head again; the request is answered."""
-        with self._read_lock, self._reader.transaction(), self._reader.cursor() as cur:
+        with self._reading(transaction=True) as cur:
             cur.execute(sql.SQL("UPDATE {} SET head = true, error = %s WHERE connector = %s AND event_id = %s").format(
                 table(self.schema, "effect_parked")), (error, self.connector, event_id))
             cur.execute(sql.SQL("UPDATE {} SET head_event_id = %s, error = %s, requested_action = NULL, "

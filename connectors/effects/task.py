@@ -37,11 +37,12 @@ from kafold.connectors.effects.settings import (
     WebhookConfig,
 )
 from kafold.connectors.effects.tracker import OffsetTracker
-from kafold.errors import FatalError
+from kafold.errors import FatalError, RetriableError
 
 log = logs.get("kafold.connectors.effects")
 
 PUT_BLOCK_S = 1.0
+OPEN_RETRY_S = 60.0  # how long `open` waits for PostgreSQL (parked keys) before failing the task
 
 
 class EffectSinkTask(SinkTask):
@@ -146,7 +147,19 @@ class EffectSinkTask(SinkTask):
         return self.tracker.committable(dict(offsets))
 
     def open(self, partitions: Collection[TopicPartition]) -> None:
-        self.executor.open(list(partitions), self.ledger.parked_keys())
+        # Parked keys first (their later events must queue behind them); PostgreSQL may be restarting.
+        delay, deadline = 0.2, time.monotonic() + OPEN_RETRY_S
+        while True:
+            try:
+                parked = self.ledger.parked_keys()
+                break
+            except RetriableError as e:
+                if time.monotonic() + delay > deadline:
+                    raise
+                self.log.warning("reading parked keys failed; retrying", error=str(e), retry_in_s=delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        self.executor.open(list(partitions), parked)
 
     def close(self, partitions: Collection[TopicPartition]) -> None:
         gone = set(partitions)
