@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kafold-installed
 CONFIG ?= examples/bank/kafold.toml
 
-.PHONY: install run test lint unit integration bench clean
+.PHONY: install run test lint unit integration bench chaos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ lint: install
 
 test: lint
 	$(BIN)/python -m pytest
+
+## the long chaos soak (30 minutes, >= 200 faults, >= 1M events; figures in docs/reliability.md)
+chaos: install
+	$(BIN)/python tests/chaos/run_chaos.py $(CHAOS_ARGS)
 
 unit: install
 	$(BIN)/python -m pytest -m "not integration"

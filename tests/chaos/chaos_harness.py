@@ -1,0 +1,691 @@
+"""Chaos harness: a workload with known outcomes, faults injected while it runs, and an independent checker.
+
+The stack is the harness's own (a tansu broker and a PostgreSQL cluster started for the run), so it can pause the
+broker and stop PostgreSQL without disturbing anything else. The daemon runs as a subprocess on a TOML file that
+hosts the bank aggregate (`account`, commands -> events), two projections (`accounts` over the aggregate's events,
+`items` over events the harness publishes itself) and a webhook effect (`hooks`, over the same items) delivering
+to a receiver in this process. Faults, by kind:
+
+- `daemon-kill`: kill -9 of the daemon, restarted at once;
+- `broker-pause`: SIGSTOP of the broker, SIGCONT after a pause;
+- `pg-restart`: immediate stop of PostgreSQL (SIGQUIT: no checkpoint, sessions cut), then start again;
+- `webhook-fail` / `webhook-hang` / `webhook-drop`: for a while the receiver answers 500, hangs past the client
+  timeout, or applies the event and drops the connection without answering;
+- `republish-dup` / `republish-old`: records already published are published again (the same bytes), or an older
+  version of an item after newer ones;
+- `snapshot-kill`: a Spark snapshot job killed halfway (kill -9), the next one run to completion.
+
+Invariants checked once the faults stop and the system settled (see `check`): each projection equals an independent
+fold (0 missing, 0 duplicate rows); every command has exactly one result (content), versions per aggregate are
+consecutive with no two events on one version; every item event was delivered >= 1 time and applied once per
+idempotency key at the receiver; no key left parked; committed/stored offsets equal the end offsets; snapshot + tail
+equals a full replay. Broker quirk (tansu, ../shared/ENVIRONMENT.md and tests/aggregates/test_transactions.py):
+read_committed readers also see records of aborted transactions, so a command re-processed after a kill may show
+its (identical) result and events twice on the topics: the checker compares distinct contents and dedups events by
+their deterministic ids, which is what every kafold consumer does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiohttp import web
+from confluent_kafka import Consumer, Producer
+from confluent_kafka import TopicPartition as KafkaTP
+
+from kafold import db, devstack, kafka_clients
+from kafold.config import KafkaConfig, PostgresConfig, load_file
+from kafold.envelope import Event, decode, encode
+
+ROOT = Path(__file__).resolve().parents[2]
+KAFOLD = str(Path(sys.executable).parent / "kafold")
+ITEMS = "chaos.items"
+ITEM_PARTITIONS = 4
+KINDS = ("daemon-kill", "broker-pause", "pg-restart", "webhook-fail", "webhook-hang", "webhook-drop",
+         "republish-dup", "republish-old", "snapshot-kill")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------------------------- the receiver
+class Receiver:
+    """A webhook target on 127.0.0.1 that applies each idempotency key once and can be told to misbehave."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.applied: dict[str, int] = {}   # webhook-id -> times it was applied (must end at 1 for each)
+        self.deliveries: Counter[str] = Counter()  # webhook-id -> requests received
+        self.lock = threading.Lock()
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/hook"
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._ready = threading.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+        if not self._ready.wait(15):
+            raise RuntimeError("receiver did not start")
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_post("/hook", self._handle)
+        runner = web.AppRunner(app, access_log=None)
+        self.loop.run_until_complete(runner.setup())
+        self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        self.loop.run_forever()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        key = request.headers.get("webhook-id", "")
+        await request.read()
+        mode = self.mode
+        with self.lock:
+            self.deliveries[key] += 1
+        if mode == "fail":
+            return web.Response(status=500)
+        if mode == "hang":
+            await asyncio.sleep(30)  # past the client's timeout
+            return web.Response(status=500)
+        with self.lock:
+            if key not in self.applied:  # the receiver's own dedup by idempotency key
+                self.applied[key] = 1
+        if mode == "drop" and request.transport is not None:
+            request.transport.abort()  # applied, but the client never hears so: it must retry
+        return web.Response(status=204)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+# ---------------------------------------------------------------------------------------------- the stack
+@dataclass
+class Stack:
+    state: Path
+    kafka: KafkaConfig
+    pg: PostgresConfig
+    broker_pid: int
+
+    @classmethod
+    def up(cls, state: Path) -> Stack:
+        s = devstack.up(state)
+        return cls(state, KafkaConfig(bootstrap_servers=s.bootstrap_servers, session_timeout_ms=6000,
+                                      heartbeat_interval_ms=1000), PostgresConfig(url=s.postgres_url), s.broker.pid)
+
+    def pause_broker(self, seconds: float) -> None:
+        os.kill(self.broker_pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            os.kill(self.broker_pid, signal.SIGCONT)
+
+    def restart_postgres(self) -> None:
+        proc = devstack._postmaster_pid(self.state)
+        if proc is not None:
+            os.kill(proc.pid, signal.SIGQUIT)  # PostgreSQL's immediate shutdown: no checkpoint, crash recovery next
+            deadline = time.monotonic() + 30
+            while proc.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        devstack._start_postgres(self.state)
+
+    def down(self) -> None:
+        try:
+            os.kill(self.broker_pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        devstack.down(self.state)
+        # The stack file knows the first postmaster only; a restarted one is found by its data directory.
+        devstack._stop(devstack._postmaster_pid(self.state), signal.SIGINT)
+
+
+# ---------------------------------------------------------------------------------------------- config, daemon
+def write_config(path: Path, stack: Stack, receiver: Receiver, http_port: int) -> Path:
+    path.write_text(f"""
+[kafka]
+bootstrap_servers = "{stack.kafka.bootstrap_servers}"
+session_timeout_ms = 6000
+heartbeat_interval_ms = 1000
+
+[postgres]
+url = "{stack.pg.url}"
+
+[daemon]
+python_path = ["{ROOT / 'examples' / 'bank'}"]
+http_port = {http_port}
+group_prefix = "chaos"
+batch_max_records = 2000
+shutdown_grace_s = 5
+
+[[aggregates]]
+name = "account"
+initial = "bank_domain:initial"
+evolve = "bank_domain:evolve"
+decide = "bank_domain:decide"
+partitions = 4
+fingerprint = "account-v1"
+
+[[connectors]]
+name = "accounts"
+class = "postgres-projection"
+topics = ["account.events"]
+[connectors.config]
+table = "accounts"
+key_columns = ["account_id"]
+mapper = "bank_projection:account_row"
+[connectors.config.columns]
+account_id = "text"
+owner = "text"
+currency = "text"
+balance = "bigint"
+status = "text"
+opened_at = "timestamptz"
+updated_at = "timestamptz"
+
+[[connectors]]
+name = "items"
+class = "postgres-projection"
+topics = ["{ITEMS}"]
+[connectors.config]
+table = "items"
+key_columns = ["item_id"]
+[connectors.config.columns]
+item_id = "text"
+value = "bigint"
+[[connectors.config.on]]
+type = "ItemSet"
+set = {{ value = "payload.value" }}
+
+[[connectors]]
+name = "hooks"
+class = "webhook"
+topics = ["{ITEMS}"]
+[connectors.config]
+url = "{receiver.url}"
+allow_http = true
+timeout_s = 1.0
+concurrency = 64
+max_attempts = 1000000
+max_age_s = 100000
+backoff_initial_s = 0.05
+backoff_max_s = 1.0
+
+[[topics]]
+name = "{ITEMS}"
+partitions = {ITEM_PARTITIONS}
+""")
+    return path
+
+
+class Daemon:
+    """`kafold daemon -c FILE` as a subprocess, killed with -9 and restarted on demand."""
+
+    def __init__(self, config: Path, log: Path) -> None:
+        self.config, self.log = config, log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen([KAFOLD, "--log-format", "json", "daemon", "-c", str(self.config)],
+                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def kill9(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+
+
+# ---------------------------------------------------------------------------------------------- the workload
+@dataclass
+class Workload:
+    """Commands to the bank aggregate and ItemSet events, each with a known expected outcome."""
+
+    kafka: KafkaConfig
+    config: Path
+    rng: random.Random
+    commands: dict[str, tuple[str, str, int]] = field(default_factory=dict)  # id -> (account, type, amount)
+    items: list[tuple[int, bytes, bytes, Any]] = field(default_factory=list)  # (partition, key, value, headers)
+    item_versions: dict[str, int] = field(default_factory=dict)
+    accounts: list[str] = field(default_factory=list)
+    produced: int = 0
+
+    def __post_init__(self) -> None:
+        from kafold.client import CommandClient
+
+        cfg = load_file(self.config).config
+        self.client = CommandClient(self.kafka, cfg.aggregates[0])
+        self.producer = Producer(kafka_clients.librdkafka(self.kafka, **{"enable.idempotence": True,
+                                                                          "linger.ms": 20}))
+        self.lock = threading.Lock()
+
+    def step(self, n_items: int, n_commands: int) -> None:
+        """Publish n_items ItemSet events and send n_commands commands (opens first, then deposits)."""
+        batch = []
+        for _ in range(n_items):
+            item = f"item-{self.rng.randrange(2000)}"
+            v = self.item_versions.get(item, 0) + 1
+            self.item_versions[item] = v
+            key, value, headers = encode(Event.new("ItemSet", "item", item, v, {"value": self.rng.randrange(10**6)}))
+            batch.append((hash(item) % ITEM_PARTITIONS, key, value, headers))
+        self._publish(batch)
+        cmds = []
+        for _ in range(n_commands):
+            if len(self.accounts) < 50 or self.rng.random() < 0.02:
+                acc = f"acc-{len(self.accounts)}"
+                self.accounts.append(acc)
+                cmd = self.client.command(acc, "OpenAccount", {"owner": f"owner-{acc}"})
+                self.commands[cmd.command_id] = (acc, "OpenAccount", 0)
+            else:
+                acc = self.rng.choice(self.accounts)
+                amount = self.rng.randrange(1, 1000)
+                cmd = self.client.command(acc, "Deposit", {"amount": amount})
+                self.commands[cmd.command_id] = (acc, "Deposit", amount)
+            cmds.append(cmd)
+        if cmds:
+            self.client.send_many(cmds, wait=False)
+        self.produced += len(batch) + len(cmds)
+
+    def _publish(self, batch: list[tuple[int, bytes, bytes, Any]], keep: bool = True) -> None:
+        with self.lock:
+            for p, key, value, headers in batch:
+                while True:
+                    try:
+                        self.producer.produce(ITEMS, value=value, key=key, headers=headers, partition=p)
+                        break
+                    except BufferError:
+                        self.producer.poll(0.1)
+            self.producer.poll(0)
+            if keep:
+                self.items += batch
+
+    def republish(self, old: bool) -> int:
+        """Publish again records already published: random ones (duplicates), or, with `old`, an earlier version
+        of items that have newer ones (out of order). Returns how many."""
+        if not self.items:
+            return 0
+        if old:
+            picks = [r for r in self.rng.sample(self.items, min(200, len(self.items)))][:50]
+        else:
+            picks = self.rng.sample(self.items[-2000:], min(50, len(self.items)))
+        self._publish(picks, keep=False)
+        return len(picks)
+
+    def flush(self) -> None:
+        with self.lock:
+            if self.producer.flush(60):
+                raise RuntimeError("workload records not acknowledged")
+        self.client.producer.flush(60)
+
+
+# ---------------------------------------------------------------------------------------------- reading back
+def read_topic(kafka: KafkaConfig, topic: str) -> list[Any]:
+    """Every record of `topic` (read_committed). Read until the consumer goes idle rather than up to the high
+    watermark: see `end_offsets` for the broker quirk, and on a transactional topic the last offset is a marker."""
+    consumer = Consumer(kafka_clients.librdkafka(kafka, **{"group.id": f"chaos-read-{uuid.uuid4().hex[:6]}",
+                                                            "enable.auto.commit": False,
+                                                            "isolation.level": "read_committed"}))
+    try:
+        meta = consumer.list_topics(topic, timeout=15).topics[topic]
+        consumer.assign([KafkaTP(topic, p, 0) for p in meta.partitions])
+        out: list[Any] = []
+        idle = 0
+        while idle < 3:
+            msgs = consumer.consume(10000, 1.0)
+            idle = 0 if msgs else idle + 1
+            out += [m for m in msgs if m.error() is None]
+        return out
+    finally:
+        consumer.close()
+
+
+def end_offsets(kafka: KafkaConfig, topic: str) -> dict[int, int]:
+    """Per partition, the offset after the last data record (what a consumer that handled everything stores).
+
+    Broker quirk (tansu, see ../shared/ENVIRONMENT.md): its high watermark can lag the log by a few records, and
+    on a transactional topic the last offset is a commit marker that consumers never see; so the end is found by
+    reading the tail of each partition, not from the watermark alone.
+    """
+    consumer = Consumer(kafka_clients.librdkafka(kafka, **{"group.id": f"chaos-ends-{uuid.uuid4().hex[:6]}",
+                                                            "enable.auto.commit": False,
+                                                            "isolation.level": "read_committed"}))
+    try:
+        meta = consumer.list_topics(topic, timeout=15).topics[topic]
+        ends: dict[int, int] = {}
+        starts = []
+        for p in meta.partitions:
+            high = consumer.get_watermark_offsets(KafkaTP(topic, p), timeout=15)[1]
+            ends[p] = 0
+            starts.append(KafkaTP(topic, p, max(0, high - 2000)))
+        consumer.assign(starts)
+        idle, deadline = 0, time.monotonic() + 60
+        while idle < 2 and time.monotonic() < deadline:  # only after the workload stopped: it then goes idle
+            msgs = consumer.consume(5000, 1.0)
+            idle = 0 if msgs else idle + 1
+            for m in msgs:
+                if m.error() is None:
+                    ends[m.partition()] = max(ends[m.partition()], m.offset() + 1)
+        return ends
+    finally:
+        consumer.close()
+
+
+def watermarks(kafka: KafkaConfig, topic: str) -> dict[int, int]:
+    """High watermarks (cheap; may lag the log a little on tansu — good enough to time a recovery)."""
+    consumer = Consumer(kafka_clients.librdkafka(kafka, **{"group.id": "chaos-watermarks"}))
+    try:
+        meta = consumer.list_topics(topic, timeout=15).topics[topic]
+        return {p: consumer.get_watermark_offsets(KafkaTP(topic, p), timeout=15)[1] for p in meta.partitions}
+    finally:
+        consumer.close()
+
+
+def group_offsets(kafka: KafkaConfig, group: str, topic: str, partitions: int) -> dict[int, int]:
+    consumer = Consumer(kafka_clients.librdkafka(kafka, **{"group.id": group}))
+    try:
+        got = consumer.committed([KafkaTP(topic, p) for p in range(partitions)], timeout=15)
+        return {tp.partition: tp.offset for tp in got if tp.offset >= 0}
+    finally:
+        consumer.close()
+
+
+def stored_offsets(pg: PostgresConfig, connector: str) -> dict[tuple[str, int], int]:
+    try:
+        with db.connect(pg) as conn:
+            rows = conn.execute("SELECT topic, partition, next_offset FROM kafold.checkpoints WHERE connector = %s",
+                                (connector,)).fetchall()
+    except Exception:  # PostgreSQL restarting, or not migrated yet
+        return {}
+    return {(t, p): o for t, p, o in rows}
+
+
+# ---------------------------------------------------------------------------------------------- the run
+@dataclass
+class Report:
+    seconds: float = 0.0
+    events: int = 0
+    commands: int = 0
+    faults: Counter[str] = field(default_factory=Counter)
+    recoveries: list[float] = field(default_factory=list)
+    unrecovered: int = 0
+    invariants: list[str] = field(default_factory=list)
+    violations: list[str] = field(default_factory=list)
+
+    def text(self) -> str:
+        rec = sorted(self.recoveries)
+        p50 = statistics.median(rec) if rec else 0.0
+        p99 = rec[min(len(rec) - 1, int(len(rec) * 0.99))] if rec else 0.0
+        lines = [f"workload: {self.events:,} events ({self.commands:,} commands) in {self.seconds:.0f} s",
+                 f"faults injected: {sum(self.faults.values())} of {len(self.faults)} kinds: "
+                 + ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())),
+                 f"recovery (fault end -> items projection past the end offsets seen then): p50 {p50:.1f} s, "
+                 f"p99 {p99:.1f} s over {len(rec)} faults ({self.unrecovered} not recovered before the next)",
+                 f"invariants checked: {len(self.invariants)}"]
+        lines += [f"  - {i}" for i in self.invariants]
+        lines.append(f"violations: {len(self.violations)}")
+        lines += [f"  ! {v}" for v in self.violations]
+        return "\n".join(lines)
+
+
+class Chaos:
+    """One chaos run: stack, receiver, daemon, workload, faults; then `check`."""
+
+    def __init__(self, workdir: Path, *, seed: int = 7, pause_s: tuple[float, float] = (2.0, 4.0),
+                 spark: bool = True) -> None:
+        self.dir = workdir
+        self.rng = random.Random(seed)
+        self.pause_s = pause_s
+        self.spark = spark
+        self.report = Report()
+        self.stack = Stack.up(workdir / "stack")
+        self.receiver = Receiver()
+        self.receiver.start()
+        self.config = write_config(workdir / "kafold.toml", self.stack, self.receiver, free_port())
+        env_ok = subprocess.run([KAFOLD, "topics", "ensure", "-c", str(self.config)], capture_output=True,
+                                text=True, timeout=120)
+        if env_ok.returncode != 0:
+            raise RuntimeError(f"topics ensure failed: {env_ok.stderr}")
+        self.daemon = Daemon(self.config, workdir / "daemon.log")
+        self.workload = Workload(self.stack.kafka, self.config, self.rng)
+        self._pending: list[threading.Thread] = []
+
+    def close(self) -> None:
+        self.daemon.stop()
+        self.receiver.stop()
+        self.stack.down()
+
+    # ---- faults ----
+    def _fault(self, kind: str) -> None:
+        if kind == "daemon-kill":
+            self.daemon.kill9()
+            self.daemon.start()
+        elif kind == "broker-pause":
+            self.stack.pause_broker(self.rng.uniform(*self.pause_s))
+        elif kind == "pg-restart":
+            self.stack.restart_postgres()
+        elif kind in ("webhook-fail", "webhook-hang", "webhook-drop"):
+            self.receiver.mode = kind.split("-")[1]
+            time.sleep(self.rng.uniform(2.0, 4.0))
+            self.receiver.mode = "ok"
+        elif kind in ("republish-dup", "republish-old"):
+            self.workload.republish(old=kind == "republish-old")
+        elif kind == "snapshot-kill":
+            self._snapshot(kill_after=self.rng.uniform(6.0, 12.0))
+        self.report.faults[kind] += 1
+        self._watch_recovery()
+
+    def _snapshot(self, kill_after: float | None) -> int:
+        with open(self.dir / "snapshot.log", "ab") as out:
+            proc = subprocess.Popen([KAFOLD, "--log-format", "json", "snapshot", "run", "-c", str(self.config),
+                                     "--master", "local[1]"], stdout=out, stderr=subprocess.STDOUT)
+            try:
+                return proc.wait(kill_after) if kill_after is not None else proc.wait(600)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGKILL)
+                return proc.wait(30)
+
+    def _watch_recovery(self) -> None:
+        """Time from now (fault end) until the items projection has stored offsets past the current end."""
+        try:
+            target = watermarks(self.stack.kafka, ITEMS)
+        except Exception:
+            return
+        started = time.monotonic()
+
+        def watch() -> None:
+            deadline = started + 300
+            while time.monotonic() < deadline:
+                stored = stored_offsets(self.stack.pg, "items")
+                if all(stored.get((ITEMS, p), 0) >= off for p, off in target.items()):
+                    self.report.recoveries.append(time.monotonic() - started)
+                    return
+                time.sleep(0.2)
+            self.report.unrecovered += 1
+
+        t = threading.Thread(target=watch, daemon=True)
+        t.start()
+        self._pending.append(t)
+
+    def run(self, seconds: float, fault_every_s: float, items_per_s: int, commands_per_s: int) -> None:
+        """Workload for `seconds`, a fault every ~fault_every_s (kinds in a shuffled cycle so each appears)."""
+        self.daemon.start()
+        stop = threading.Event()
+        started = time.monotonic()
+
+        def load() -> None:
+            tick = 0.2
+            while not stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    self.workload.step(int(items_per_s * tick), max(1, int(commands_per_s * tick)))
+                except BufferError:
+                    pass
+                stop.wait(max(0.0, tick - (time.monotonic() - t0)))
+
+        loader = threading.Thread(target=load, daemon=True)
+        loader.start()
+        kinds = [k for k in KINDS if self.spark or k != "snapshot-kill"]
+        cycle: list[str] = []
+        try:
+            time.sleep(min(10.0, seconds / 10))  # let the daemon join its groups first
+            while time.monotonic() - started < seconds:
+                if not cycle:
+                    cycle = list(kinds)
+                    self.rng.shuffle(cycle)
+                self._fault(cycle.pop())
+                time.sleep(self.rng.uniform(0.5, 1.5) * fault_every_s)
+        finally:
+            stop.set()
+            loader.join(30)
+        self.workload.flush()
+        self.report.seconds = time.monotonic() - started
+        self.report.commands = len(self.workload.commands)
+        self.report.events = len(self.workload.items)
+
+    # ---- the checker ----
+    def settle(self, timeout: float) -> list[str]:
+        """Wait until every consumer is at the end offsets; returns what did not get there."""
+        kafka, pg = self.stack.kafka, self.stack.pg
+        deadline = time.monotonic() + timeout
+        missing: list[str] = []
+        while time.monotonic() < deadline:
+            missing = []
+            items_end, events_end = end_offsets(kafka, ITEMS), end_offsets(kafka, "account.events")
+            commands_end = end_offsets(kafka, "account.commands")
+            stored_items, stored_acc = stored_offsets(pg, "items"), stored_offsets(pg, "accounts")
+            for p, end in items_end.items():
+                if stored_items.get((ITEMS, p), 0) != end:
+                    missing.append(f"items stored offset {ITEMS}[{p}] {stored_items.get((ITEMS, p))} != end {end}")
+            for p, end in events_end.items():
+                if stored_acc.get(("account.events", p), 0) != end:
+                    missing.append(f"accounts stored offset account.events[{p}] != end {end}")
+            hooks = group_offsets(kafka, "chaos.hooks", ITEMS, ITEM_PARTITIONS)
+            for p, end in items_end.items():
+                if hooks.get(p, 0) != end:
+                    missing.append(f"hooks committed {ITEMS}[{p}] {hooks.get(p)} != end {end}")
+            cmds = group_offsets(kafka, "chaos.aggregate.account", "account.commands", 4)
+            if cmds and any(cmds.get(p, 0) != end for p, end in commands_end.items()):
+                missing.append(f"commands committed {cmds} != end {commands_end}")
+            if not missing:
+                return []
+            time.sleep(1.0)
+        return missing
+
+    def check(self, settle_timeout: float = 180.0) -> Report:
+        r = self.report
+        for t in self._pending:
+            t.join(0)
+        unsettled = self.settle(settle_timeout)
+        r.invariants.append("stored/committed offsets of every projection, effect and aggregate equal the end "
+                            "offsets")
+        r.violations += unsettled
+        kafka, pg = self.stack.kafka, self.stack.pg
+
+        # Items: the projection equals the fold of the unique events (newest version per item wins).
+        newest: dict[str, tuple[int, int]] = {}
+        unique_items: set[str] = set()
+        for m in read_topic(kafka, ITEMS):
+            e = decode(m.key(), m.value(), m.headers())
+            unique_items.add(e.event_id)
+            if e.aggregate_id not in newest or e.version > newest[e.aggregate_id][0]:
+                newest[e.aggregate_id] = (e.version, e.payload["value"])
+        with db.connect(pg) as conn:
+            rows = conn.execute("SELECT item_id, value, _kafold_version FROM public.items").fetchall()
+        table = {i: (v, val) for i, val, v in rows}
+        r.invariants.append("items table == independent fold of the items topic (0 missing, 0 extra, newest "
+                            "version wins)")
+        if len(rows) != len(table):
+            r.violations.append("items: duplicate rows")
+        for item, want in newest.items():
+            if table.get(item) != want:
+                r.violations.append(f"items: {item} is {table.get(item)}, expected {want}")
+        r.violations += [f"items: unexpected row {i}" for i in set(table) - set(newest)]
+
+        # Commands: exactly one result content per command; versions consecutive; balances equal the fold.
+        results: dict[str, set[tuple[Any, ...]]] = defaultdict(set)
+        for m in read_topic(kafka, "account.results"):
+            body = orjson.loads(m.value())
+            results[body["command_id"]].add((body["status"], body["version"], tuple(body.get("event_ids") or ())))
+        r.invariants.append("every command sent has exactly one result (distinct content)")
+        for cid in self.workload.commands:
+            got = results.get(cid, set())
+            if len(got) != 1:
+                r.violations.append(f"command {cid}: {len(got)} distinct results")
+        events: dict[str, Event] = {}
+        for m in read_topic(kafka, "account.events"):
+            e = decode(m.key(), m.value(), m.headers())
+            events.setdefault(e.event_id, e)
+        by_agg: dict[str, list[Event]] = defaultdict(list)
+        for e in events.values():
+            by_agg[e.aggregate_id].append(e)
+        r.invariants.append("per aggregate: versions 1..n, consecutive, one event per version")
+        balances: dict[str, int] = {}
+        for agg, evs in by_agg.items():
+            versions = sorted(e.version for e in evs)
+            if versions != list(range(1, len(versions) + 1)):
+                r.violations.append(f"{agg}: versions {versions[:10]}... not consecutive / duplicated")
+            balances[agg] = sum(e.payload.get("amount", 0) for e in evs if e.type == "MoneyDeposited")
+        expected_balance: dict[str, int] = defaultdict(int)
+        for cid, (acc, kind, amount) in self.workload.commands.items():
+            status = next(iter(results.get(cid, {("?", 0, ())})))[0]
+            if kind == "Deposit" and status == "accepted":
+                expected_balance[acc] += amount
+        with db.connect(pg) as conn:
+            acc_rows = dict(conn.execute("SELECT account_id, balance FROM public.accounts").fetchall())
+        r.invariants.append("accounts table == fold of the accepted commands (and of the events topic)")
+        for acc in set(expected_balance) | set(acc_rows):
+            want = expected_balance.get(acc, 0)
+            if acc_rows.get(acc) != want or balances.get(acc, 0) != want:
+                r.violations.append(f"{acc}: table {acc_rows.get(acc)}, events {balances.get(acc)}, commands {want}")
+
+        # Effects: delivered >= 1, applied once per idempotency key, nothing parked.
+        r.invariants.append("every item event delivered >= 1 time and applied exactly once per idempotency key")
+        with self.receiver.lock:
+            applied, deliveries = dict(self.receiver.applied), dict(self.receiver.deliveries)
+        for eid in unique_items:
+            if deliveries.get(eid, 0) < 1 or applied.get(eid) != 1:
+                r.violations.append(f"effect {eid}: delivered {deliveries.get(eid, 0)}, applied {applied.get(eid)}")
+        r.violations += [f"effect for an unknown event {k}" for k in set(applied) - unique_items]
+        with db.connect(pg) as conn:
+            parked = conn.execute("SELECT count(*) FROM kafold.effect_parked WHERE connector = 'hooks'").fetchone()
+        r.invariants.append("no key left parked (every failure was temporary)")
+        if parked and parked[0]:
+            r.violations.append(f"{parked[0]} effect(s) parked")
+
+        # Snapshots: a full job after the killed ones, then snapshot + tail == full replay.
+        if self.spark:
+            code = self._snapshot(kill_after=None)
+            verify = subprocess.run([KAFOLD, "snapshot", "verify", "-c", str(self.config)], capture_output=True,
+                                    text=True, timeout=600)
+            r.invariants.append("snapshot + tail == full replay (kafold snapshot verify, after killed jobs)")
+            if code != 0 or verify.returncode != 0:
+                r.violations.append(f"snapshot job exit {code}; verify exit {verify.returncode}: "
+                                    f"{(verify.stdout + verify.stderr).strip()[-300:]}")
+        return r

@@ -1,0 +1,47 @@
+"""`make chaos`: the long chaos run (default 30 minutes, >= 200 faults, >= 1M events); prints the report.
+
+    python tests/chaos/run_chaos.py [--minutes 30] [--fault-every 3] [--items-per-s 600] [--commands-per-s 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from chaos_harness import Chaos
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--fault-every", type=float, default=3.0, help="seconds between faults (on average)")
+    p.add_argument("--items-per-s", type=int, default=600)
+    p.add_argument("--commands-per-s", type=int, default=40)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    args = p.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="kafold-chaos-"))
+    print(f"chaos run: {args.minutes:g} min, work directory {workdir}", flush=True)
+    started = time.monotonic()
+    chaos = Chaos(workdir, seed=args.seed, pause_s=(5.0, 30.0), spark=shutil.which("java") is not None)
+    try:
+        chaos.run(seconds=args.minutes * 60, fault_every_s=args.fault_every, items_per_s=args.items_per_s,
+                  commands_per_s=args.commands_per_s)
+        report = chaos.check(settle_timeout=600)
+    finally:
+        chaos.close()
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print(report.text())
+    print(f"wall time {time.monotonic() - started:.0f} s")
+    return 0 if not report.violations else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
