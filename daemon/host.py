@@ -222,6 +222,18 @@ class DaemonHost:
         return self.exit_code
 
 
+def _loopback(host: str) -> bool:
+    """True for a host name or address that only this machine can reach."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class TasksService(mode.Service):
     """Starts every sink task and aggregate thread; watches them; stops them within the grace period."""
 
@@ -239,6 +251,10 @@ class TasksService(mode.Service):
                  if self.host.cfg.daemon.http_port else None)
         if not self.host.slots and not self.host.aggregates:
             log.warning("no connectors or aggregates configured; serving HTTP only")
+        d = self.host.cfg.daemon
+        if d.http_port and self.host.token is None and not _loopback(d.http_host):
+            log.warning("the REST API listens beyond localhost without a token: anyone who can reach it can pause, "
+                        "resume and restart connectors; set [daemon] api_token_file", http_host=d.http_host)
 
     @mode.Service.task
     async def _watch(self) -> None:

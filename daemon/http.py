@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 
 class HostView(View):
-    """Base view: knows the host; every endpoint but /health requires the bearer token when one is configured."""
+    """Base view: knows the host; every endpoint but /health and /ready requires the bearer token when one is
+    configured."""
 
     host: DaemonHost
     public = False
@@ -47,6 +48,10 @@ class Health(HostView):
 
 
 class Ready(HostView):
+    # Public like /health: orchestrator probes (kubelet, systemd) cannot carry a secret; it shows only the
+    # connectors' readiness, no offsets, data or configuration.
+    public = True
+
     async def get(self, request: Request, **kwargs: Any) -> Response:
         ready, report = self.host.ready_report()
         return self.json(report, status=200 if ready else 503)

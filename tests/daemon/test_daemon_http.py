@@ -146,7 +146,7 @@ def test_pause_stops_consumption_without_a_rebalance_and_resume_continues(
 
 
 @pytest.mark.parametrize("via", ["env", "file"])
-def test_with_a_token_every_endpoint_but_health_needs_it(
+def test_with_a_token_every_endpoint_but_health_and_ready_needs_it(
         tmp_path: Path, kafka_config: KafkaConfig, unique: str, monkeypatch: pytest.MonkeyPatch, via: str) -> None:
     topic = f"{unique}.events"
     create_topic(kafka_config, topic)
@@ -162,7 +162,8 @@ def test_with_a_token_every_endpoint_but_health_needs_it(
     path = write_config(tmp_path, kafka_config, unique, topic, port=free_port(), daemon_extra=extra)
     with daemon_in_process(path, token=token) as d:
         assert d.get("/health", token=None)[0] == 200
-        for p in ("/ready", "/metrics", "/connectors", "/connectors/sink/status", "/connectors/sink/offsets"):
+        assert d.get("/ready", token=None)[0] in (200, 503)  # public: probes carry no secret
+        for p in ("/metrics", "/connectors", "/connectors/sink/status", "/connectors/sink/offsets"):
             status, body = d.get(p, token=None)
             assert status == 401 and body["error_code"] == 401, p
             assert d.get(p, token="wrong")[0] == 401, p
@@ -170,3 +171,18 @@ def test_with_a_token_every_endpoint_but_health_needs_it(
         assert d.runner.api_paused is False
         assert d.get("/connectors") == (200, ["sink"])
         assert d.get("/metrics")[0] == 200
+
+
+def test_an_api_reachable_beyond_localhost_without_a_token_is_warned_about(
+        kafka_config: KafkaConfig, unique: str, tmp_path: Path) -> None:
+    from structlog.testing import capture_logs
+
+    topic = f"{unique}.events"
+    create_topic(kafka_config, topic, 1)
+    for host, warned in (("0.0.0.0", True), ("127.0.0.1", False)):
+        path = write_config(tmp_path, kafka_config, f"{unique}{int(warned)}", topic, port=free_port(),
+                            daemon_extra=f'http_host = "{host}"')
+        with capture_logs() as logs, daemon_in_process(path):
+            wait_for(lambda logs=logs: any(e["event"] == "daemon started" for e in logs), "the daemon to start")
+        warnings = [e for e in logs if "listens beyond localhost without a token" in e["event"]]
+        assert bool(warnings) is warned, host
