@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import signal
 import tempfile
 import threading
 import time
@@ -33,7 +34,7 @@ from kafold.connectors.registry import instantiate
 from kafold.daemon import connect_api, http, offsets
 from kafold.daemon.metrics import DaemonMetrics
 from kafold.daemon.tasks import AggregateSlot, ConnectorGroup, TaskSlot, aggregate_factory, join_all
-from kafold.errors import FatalError
+from kafold.errors import ConfigError, FatalError, KafoldError
 from kafold.snapshot.scheduler import SnapshotScheduler
 
 log = logs.get(__name__)
@@ -87,6 +88,8 @@ class DaemonHost:
         self.worker: _Worker | None = None
         self._background: set[Any] = set()
         self.background_stop: Any = None
+        self.config_path = config_path
+        self._reload_lock = threading.Lock()
         self.groups = self._build_groups()
         self.aggregates = self._build_aggregates()
         # [snapshots] enabled: snapshot jobs as `kafold snapshot run` child processes (the Spark JVM stays out of
@@ -96,12 +99,14 @@ class DaemonHost:
             self.scheduler = SnapshotScheduler.from_config(config_path, cfg.snapshots, cfg.kafka, cfg.aggregates)
 
     # ---- building ---------------------------------------------------------------------------------------
-    def _build_groups(self) -> list[ConnectorGroup]:
+    def _build_groups(self, only: set[str] | None = None) -> list[ConnectorGroup]:
         task_daemon = dataclasses.replace(
             self.cfg.daemon, shutdown_grace_s=max(0.0, self.cfg.daemon.shutdown_grace_s - STOP_OVERHEAD_S - 0.5))
         groups: list[ConnectorGroup] = []
         with python_path(self.cfg, self.base):
             for i, settings in enumerate(self.cfg.connectors):
+                if only is not None and settings.name not in only:
+                    continue
                 connector = instantiate(settings, self.base, f"connectors[{i}]")
                 if not connector.is_sink():
                     raise FatalError(f"connector {settings.name!r}: the daemon runs sink connectors only")
@@ -131,6 +136,65 @@ class DaemonHost:
             app.page(path, name=view.__name__)(type(view.__name__, (view,), {"host": self}))
         app.service(type("KafoldTasks", (TasksService,), {"host": self}))
         return app
+
+    # ---- reload (SIGHUP, POST /reload) --------------------------------------------------------------------
+    def reload(self) -> dict[str, list[str]]:
+        """Re-read the configuration file and apply its connectors: added ones start, removed ones stop, changed
+        ones restart (each stop commits what is done, see daemon.tasks), unchanged ones keep running. An invalid
+        file raises ConfigError and changes nothing. Other sections need a restart: they are reported, not applied.
+        """
+        from kafold import config as kconfig
+        from kafold import devstack
+        from kafold.commands.daemon import needs
+
+        if self.config_path is None:
+            raise KafoldError("this daemon was not started from a configuration file; nothing to reload")
+        with self._reload_lock:
+            loaded = kconfig.load_file(self.config_path)
+            new = devstack.effective(loaded.config, need=needs(loaded))
+            old = {c.name: c for c in self.cfg.connectors}
+            fresh = {c.name: c for c in new.connectors}
+            added = [n for n in fresh if n not in old]
+            removed = [n for n in old if n not in fresh]
+            changed = [n for n in fresh if n in old and fresh[n] != old[n]]
+            kept = [n for n in fresh if n in old and fresh[n] == old[n]]
+            ignored = [s for s in ("kafka", "postgres", "daemon", "aggregates", "snapshots", "topics")
+                       if getattr(new, s) != getattr(self.cfg, s)]
+            previous = self.cfg
+            self.cfg = dataclasses.replace(self.cfg, connectors=new.connectors)
+            try:
+                built = {g.name: g for g in self._build_groups(only={*added, *changed})}
+            except Exception:
+                self.cfg = previous  # nothing was stopped yet
+                raise
+            for name in [*removed, *changed]:
+                group = self.group(name)
+                for slot in group.slots if group is not None else []:
+                    slot.stop()
+                for slot in group.slots if group is not None else []:
+                    if not slot.join(self.restart_timeout):
+                        log.error("task did not stop for the reload", task=slot.name)
+            by_name = {g.name: g for g in self.groups}
+            self.groups = [built[n] if n in built else by_name[n] for n in fresh]
+            for name in [*added, *changed]:
+                for slot in built[name].slots:
+                    slot.start()
+            result = {"added": added, "removed": removed, "changed": changed, "unchanged": kept,
+                      "needs_restart": ignored}
+            log.info("configuration reloaded", **result)
+            if ignored:
+                log.warning("reload: these sections changed and apply only after a restart", sections=ignored)
+            return result
+
+    def reload_logged(self) -> None:
+        """`reload` for a signal handler: an error is logged; the running configuration stays."""
+        try:
+            self.reload()
+        except ConfigError as e:
+            log.error("reload refused: the configuration file is invalid; the running configuration stays",
+                      problems=e.problems)
+        except Exception as e:
+            log.error("reload failed; the running configuration stays", error_class=type(e).__name__, error=str(e))
 
     # ---- state ------------------------------------------------------------------------------------------
     @property
@@ -251,6 +315,11 @@ class TasksService(mode.Service):
                  if self.host.cfg.daemon.http_port else None)
         if not self.host.slots and not self.host.aggregates:
             log.warning("no connectors or aggregates configured; serving HTTP only")
+        try:  # SIGHUP reloads the connectors (systemd: ExecReload); only possible on the main thread's loop
+            asyncio.get_running_loop().add_signal_handler(
+                signal.SIGHUP, lambda: self.host.background(self.host.reload_logged))
+        except (RuntimeError, ValueError, NotImplementedError):
+            log.debug("SIGHUP reload not available (not the main thread); POST /reload still is")
         d = self.host.cfg.daemon
         if d.http_port and self.host.token is None and not _loopback(d.http_host):
             log.warning("the REST API listens beyond localhost without a token: anyone who can reach it can pause, "

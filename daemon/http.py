@@ -101,10 +101,27 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
+class Reload(HostView):
+    """POST /reload: re-read the configuration file and apply its connectors (as SIGHUP does)."""
+
+    async def post(self, request: Request, **kwargs: Any) -> Response:
+        from kafold.errors import ConfigError, KafoldError
+
+        try:
+            result = await self.host.call(self.host.reload)
+        except ConfigError as e:
+            return self.json({"error_code": 400, "message": "the configuration file is invalid; the running "
+                              "configuration stays", "problems": e.problems}, status=400)
+        except KafoldError as e:
+            return self.json({"error_code": 409, "message": str(e)}, status=409)
+        return self.json(result)
+
+
 ROUTES: dict[str, type[HostView]] = {
     "/health": Health,
     "/ready": Ready,
     "/metrics": Metrics,
     "/status": Status,
     "/aggregates/{name}/{id}": AggregateState,
+    "/reload": Reload,
 }

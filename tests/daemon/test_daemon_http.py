@@ -118,7 +118,11 @@ def test_connect_endpoints_return_kafka_connect_json_shapes(
         assert status == 202 and body["name"] == "sink" and body["tasks"][0]["state"] == "RESTARTING"
         wait_for(lambda: d.runner is not old_runner and d.runner.counts["assignments"] > 0, "the restarted task")
         assert d.get("/connectors/sink/status")[1]["tasks"][0]["state"] == "RUNNING"
+        second = d.runner
         assert d.call("POST", "/connectors/sink/restart") == (204, None)
+        # Stop only after that restart's task joined its group: leaving in the middle of a first join can stall
+        # the group on the embedded broker (../shared/ENVIRONMENT.md), and the daemon would miss its grace period.
+        wait_for(lambda: d.runner is not second and d.runner.counts["assignments"] > 0, "the second restart")
 
 
 def test_pause_stops_consumption_without_a_rebalance_and_resume_continues(
