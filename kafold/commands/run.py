@@ -1,4 +1,4 @@
-"""`kafold run -c FILE`: the local main job: dev stack (unless configured), topics, traffic, daemon."""
+"""`kafold run -c FILE`: the local main job: dev stack, topics, traffic, demo receiver, daemon, live view."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 
 from kafold import config, devstack, logs, topics
 from kafold.cli import add_config_arg
+from kafold.run_view import DemoReceiver, LiveView
 
 log = logs.get("kafold.run")
 
@@ -25,6 +26,8 @@ def register(sub: Any) -> None:
                         "aggregate; '' for none (default: the bank example's)")
     p.add_argument("--rate", type=float, default=200.0, help="commands per second the generator sends")
     p.add_argument("--keep-stack", action="store_true", help="leave the dev stack running on exit")
+    p.add_argument("--receiver-port", type=int, default=8089,
+                   help="port of the demo webhook receiver on 127.0.0.1 (0: do not start it)")
     p.set_defaults(handler=handle)
 
 
@@ -44,24 +47,39 @@ def handle(args: argparse.Namespace) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     generator: threading.Thread | None = None
+    receiver = DemoReceiver(args.receiver_port) if args.receiver_port else None
+    view: LiveView | None = None
+    sent = [0]
     try:
+        if receiver is not None and receiver.start():
+            print(f"demo webhook receiver on http://127.0.0.1:{args.receiver_port}/")
         report = topics.ensure(cfg.kafka, config.topic_map(cfg).values())
         print(report.table())
         if not report.ok:
             return 1
         if args.traffic and cfg.aggregates:
-            generator = threading.Thread(target=_traffic, args=(cfg, loaded, args.traffic, args.rate, stop),
+            generator = threading.Thread(target=_traffic, args=(cfg, loaded, args.traffic, args.rate, stop, sent),
                                          name="kafold-traffic", daemon=True)
             generator.start()
-        print(f"daemon running on {args.config}; PostgreSQL: psql '{cfg.postgres.url}'")
-        print("Ctrl-C stops everything")
+        print(f"daemon running on {args.config}")
+        print(f"query the projections: psql '{cfg.postgres.url}' -c 'SELECT * FROM accounts LIMIT 10'")
+        if cfg.daemon.http_port:
+            print(f"metrics: http://127.0.0.1:{cfg.daemon.http_port}/metrics   status: kafold status -c {args.config}")
+            view = LiveView(cfg, receiver, lambda: sent[0], stop)
+            view.start()
+        print("Ctrl-C stops everything", flush=True)
         from kafold.commands.daemon import run as run_daemon
 
-        return run_daemon(cfg, loaded.base, stop)
+        return run_daemon(cfg, loaded.base, stop, config_path=loaded.path)
     finally:
         stop.set()
         if generator is not None:
             generator.join(5)
+        if view is not None:
+            view.join(5)
+        if receiver is not None:
+            receiver.stop()
+        _stop_jobs()
         for s, h in previous.items():
             signal.signal(s, h)
         if started_stack and not args.keep_stack:
@@ -69,8 +87,37 @@ def handle(args: argparse.Namespace) -> int:
             print("dev stack stopped")
 
 
+def _stop_jobs() -> None:
+    """Snapshot jobs the daemon started (`kafold snapshot run` children and their Spark JVMs) outlive it by
+    design (a run finishes on its own); `kafold run` leaves nothing behind, so they are stopped here."""
+    import psutil
+
+    jobs = [c for c in psutil.Process().children() if "snapshot" in " ".join(_cmdline(c))]
+    procs = [p for job in jobs for p in (job, *job.children(recursive=True))]
+    for p in procs:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    if jobs:
+        print(f"stopped {len(jobs)} snapshot job(s) still running")
+
+
+def _cmdline(p: Any) -> list[str]:
+    try:
+        return list(p.cmdline())
+    except Exception:
+        return []
+
+
 def _traffic(cfg: config.KafoldConfig, loaded: config.Loaded, ref: str, rate: float,
-             stop: threading.Event) -> None:
+             stop: threading.Event, sent_total: list[int]) -> None:
     """Send the generator's commands to the first aggregate at `rate` per second (in batches every 100 ms)."""
     from kafold.client import CommandClient
 
@@ -89,6 +136,7 @@ def _traffic(cfg: config.KafoldConfig, loaded: config.Loaded, ref: str, rate: fl
             if ahead > 0 or len(pending) >= 1000:
                 client.send_many(pending, wait=False)
                 sent += len(pending)
+                sent_total[0] = sent
                 pending = []
                 if ahead > 0:
                     stop.wait(ahead)
