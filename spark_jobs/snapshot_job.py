@@ -4,9 +4,10 @@ Runs as `kafold snapshot run -c FILE` or through spark-submit on any cluster:
     JOB=$(python -c 'import kafold.spark_jobs.snapshot_job as m; print(m.__file__)')
     spark-submit --master spark://host:7077 "$JOB" -c kafold.toml
 
-Per Kafka partition (one Spark task each, no shuffle: an aggregate's events all live in one partition) the task
-gets its header, base snapshots and the events after the lowest covered offset from the data source, folds them
-with the aggregate's own `evolve`, and writes a snapshot at the range end for every aggregate that changed.
+Per Kafka partition (one Spark task each, no shuffle: an aggregate's events all live in one partition) the data
+source (kafold.spark_jobs.source) reads the base snapshots and the events after the lowest covered offset, folds
+them with the aggregate's own `evolve`, and hands over one encoded snapshot per aggregate that changed; the
+mapInArrow stage here writes them and the partition's marker, and reports progress and a summary row.
 
 Offset note: snapshots are flushed (idempotent producer, acks=all) before the partition's marker is written, so a
 marker is only ever seen after every snapshot it vouches for. A task or job killed halfway leaves snapshots that
@@ -30,9 +31,9 @@ from kafold import kafka_clients, logs
 from kafold.config import AggregateConfig, KafkaConfig
 from kafold.errors import FatalError
 from kafold.snapshot import kafka_io
-from kafold.snapshot.fold import Domain, Folder
-from kafold.snapshot.record import Marker
-from kafold.spark_jobs.source import BASE, HEADER, NAME, SCHEMA, KafkaEventsSource, load_spec, spec_json, unpack
+from kafold.snapshot.record import H_KIND, KIND_SNAPSHOT, Marker
+from kafold.spark_jobs import source
+from kafold.spark_jobs.source import HEADER, SNAPSHOT, STATS
 
 log = logs.get(__name__)
 
@@ -41,71 +42,58 @@ log = logs.get(__name__)
 REFRESH_LAG = 100_000
 SUMMARY = ("partition int, start long, end long, events_read long, events_folded long, skipped long, bad long, "
            "snapshots long, aggregates long, rejected string, fold_s double, write_s double")
-
-_DOMAINS: dict[str, Domain] = {}  # per Python worker process: import the domain once
-
-
-def _domain(agg: AggregateConfig, python_path: list[str]) -> Domain:
-    key = f"{agg.name}|{agg.initial}|{agg.evolve}|{agg.fingerprint}|{agg.state_schema_version}"
-    if key not in _DOMAINS:
-        _DOMAINS[key] = Domain.load(agg, python_path)
-    return _DOMAINS[key]
+_SNAPSHOT_HEADERS = [(H_KIND, KIND_SNAPSHOT)]
 
 
-def fold_partition(spec: str, refresh_lag: int, progress: Any, batches: Iterator[Any]) -> Iterator[Any]:
-    """mapInArrow body: header + bases + events of one Kafka partition in, one summary row out."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    kafka, agg, python_path, _ = load_spec(spec)
-    domain = _domain(agg, python_path)
-    kafka_io.writer(kafka).poll(0)  # start the producer's handshake now, while the fold runs
-    current: dict[str, Any] = {}
-    began = time.monotonic()
-    for batch in batches:
-        head = int(pc.sum(pc.less(batch.column(0), BASE + 1)).as_py() or 0)  # header/base rows come first
-        if head:
-            for kind, part, off, key, value in zip(*(c.to_pylist() for c in batch.slice(0, head).columns),
-                                                   strict=True):
-                if kind == HEADER:
-                    if current:
-                        yield _finish(kafka, agg, current, refresh_lag, began)
-                    current = {"partition": part, "start": off, "header": orjson.loads(value),
-                               "folder": Folder(domain)}
-                    began = time.monotonic()
-                else:
-                    version, covered, state = orjson.loads(value)
-                    current["folder"].add_base(key, version, covered, state)
-            batch = batch.slice(head)
-        folder: Folder = current["folder"] if current else None  # type: ignore[assignment]
-        for packed in batch.column(4):
-            offsets, keys, values = unpack(pa, packed)
-            folder.fold(offsets, keys, values)
-            if progress is not None:
-                progress.add(len(offsets))
-    if current:
-        yield _finish(kafka, agg, current, refresh_lag, began)
-
-
-def _finish(kafka: KafkaConfig, agg: AggregateConfig, current: dict[str, Any], refresh_lag: int,
-            began: float) -> Any:
-    import pyarrow as pa
-
-    folder: Folder = current["folder"]
-    p, end = current["partition"], current["header"]["end"]
-    folded_at = time.monotonic()
-    folder.log_bad(p)
+def write_partition(spec: str, progress: Any, batches: Iterator[Any]) -> Iterator[Any]:
+    """mapInArrow body: the header, snapshot and stats rows of one Kafka partition in, one summary row out."""
+    kafka, agg, _, _ = source.load_spec(spec)
     producer = kafka_io.writer(kafka)
-    ident = folder.domain.identity
-    written = kafka_io.write(producer, agg.topic("snapshot"), p, folder.snapshots(p, end, refresh_lag))
+    producer.poll(0)  # start the producer's handshake now, while the fold runs
+    topic = agg.topic("snapshot")
+    current: dict[str, Any] = {}
+    for batch in batches:
+        kinds = batch.column(0).to_pylist()
+        if kinds.count(SNAPSHOT) == len(kinds):  # the bulk: a batch of snapshots, all of one partition
+            current["writes"].add(zip(batch.column(3).to_pylist(), batch.column(4).to_pylist(),
+                                      _same_headers(len(kinds)), strict=True))
+            continue
+        for kind, part, off, key, value in zip(kinds, *(c.to_pylist() for c in batch.columns[1:]), strict=True):
+            if kind == HEADER:
+                if current:
+                    yield _finish(producer, agg, current)
+                current = {"partition": part, "start": off, "header": orjson.loads(value), "stats": None,
+                           "writes": kafka_io.Writes(producer, topic, part)}
+            elif kind == SNAPSHOT:
+                current["writes"].add([(key, value, _SNAPSHOT_HEADERS)])
+            elif kind == STATS:
+                current["stats"] = orjson.loads(value)
+                if progress is not None:  # an accumulator: the driver sees it when the task ends
+                    progress.add(current["stats"]["events_read"])
+    if current:
+        yield _finish(producer, agg, current)
+
+
+def _same_headers(n: int) -> Iterator[list[tuple[str, bytes]]]:
+    return (_SNAPSHOT_HEADERS for _ in range(n))
+
+
+def _finish(producer: Any, agg: AggregateConfig, current: dict[str, Any]) -> Any:
+    import pyarrow as pa
+
+    p, end, stats = current["partition"], current["header"]["end"], current["stats"]
+    if stats is None:  # the source stopped before its stats row: never vouch for an unfinished partition
+        raise FatalError(f"aggregate {agg.name!r}: partition {p}: the fold ended before its last row")
+    write_began = time.monotonic()
+    written = current["writes"].flush()
     # Only after every snapshot above is acknowledged: the marker vouching for them.
     kafka_io.write(producer, agg.topic("snapshot"), p,
-                   [Marker(ident.aggregate_type, p, end, ident.fingerprint, ident.state_schema_version)])
-    done = time.monotonic()
-    row = {"partition": p, "start": current["start"], "end": end, "events_read": folder.read,
-           "events_folded": folder.folded, "skipped": folder.skipped, "bad": folder.bad, "snapshots": written,
-           "aggregates": len(folder.entries), "rejected": orjson.dumps(current["header"]["rejected"]).decode(),
-           "fold_s": folded_at - began, "write_s": done - folded_at}
+                   [Marker(agg.name, p, end, agg.fingerprint, agg.state_schema_version)])
+    row = {"partition": p, "start": current["start"], "end": end, "events_read": stats["events_read"],
+           "events_folded": stats["events_folded"], "skipped": stats["skipped"], "bad": stats["bad"],
+           "snapshots": written, "aggregates": stats["aggregates"],
+           "rejected": orjson.dumps(current["header"]["rejected"]).decode(), "fold_s": stats["fold_s"],
+           "write_s": stats["encode_s"] + time.monotonic() - write_began}
     log.info("snapshot.partition", aggregate=agg.name, **{k: v for k, v in row.items() if k != "rejected"})
     return pa.RecordBatch.from_pylist([row], schema=_summary_schema(pa))
 
@@ -158,11 +146,12 @@ def run(spark: Any, kafka: KafkaConfig, agg: AggregateConfig, python_path: list[
 
     began = time.monotonic()
     parts = partitions if partitions is not None else partitions_of(kafka, agg)
-    spark.dataSource.register(KafkaEventsSource)
-    spec = spec_json(kafka, agg, python_path, parts)
+    spark.dataSource.register(source.KafkaFoldSource)
+    spec = source.spec_json(kafka, agg, python_path, parts, refresh_lag)
     counter = spark.sparkContext.accumulator(0)
-    df = spark.read.format(NAME).schema(SCHEMA).option("spec", spec).load()  # given: no schema() round trip
-    out = df.mapInArrow(functools.partial(fold_partition, spec, refresh_lag, counter), SUMMARY)
+    # the schema is given: no schema() round trip to a Python worker
+    df = spark.read.format(source.NAME).schema(source.SCHEMA).option("spec", spec).load()
+    out = df.mapInArrow(functools.partial(write_partition, spec, counter), SUMMARY)
     spark.sparkContext.setJobGroup(f"kafold-snapshot-{agg.name}", f"snapshot {agg.name}")
     with watch(spark, len(parts), counter, reporter):
         rows = [r.asDict() for r in out.collect()]

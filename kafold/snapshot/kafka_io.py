@@ -137,33 +137,54 @@ def writer(kafka: KafkaConfig) -> Any:
     return _WRITERS[key]
 
 
-def write(producer: Any, topic: str, partition: int, items: Iterable[Snapshot | Marker]) -> int:
-    """Produce snapshots (then, if given, a marker last) to `partition` and wait until all are acknowledged.
+Encoded = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]
+
+
+class Writes:
+    """Records produced to one partition of `topic`; `flush` waits until all are acknowledged or raises.
 
     The partition is the events partition the snapshots were folded from, so a snapshot sits in the same
     partition number as its aggregate's events whatever partitioner the event producers use.
     """
-    failures: list[str] = []
 
-    def on_delivery(err: Any, _msg: Any) -> None:
+    def __init__(self, producer: Any, topic: str, partition: int) -> None:
+        self.producer, self.topic, self.partition = producer, topic, partition
+        self.failures: list[str] = []
+        self.count = 0
+
+    def _delivered(self, err: Any, _msg: Any) -> None:
         if err is not None:
-            failures.append(str(err))
+            self.failures.append(str(err))
 
-    count = 0
-    for item in items:
-        key, value, headers = item.encode()
-        while True:
-            try:
-                producer.produce(topic, value=value, key=key, headers=headers, partition=partition,
-                                 on_delivery=on_delivery)
-                break
-            except BufferError:
-                producer.poll(0.1)
-        count += 1
-        if count % 1000 == 0:
-            producer.poll(0)
-    left = producer.flush(60)
-    if failures or left:
-        raise RetriableError(f"{topic}[{partition}]: {len(failures) + left} snapshot writes failed "
-                             f"({failures[0] if failures else 'flush timed out'})")
-    return count
+    def add(self, records: Iterable[Encoded]) -> int:
+        """Produce (key, value, headers) records in order; how many."""
+        producer, topic, partition, on_delivery = self.producer, self.topic, self.partition, self._delivered
+        n = 0
+        for key, value, headers in records:
+            while True:
+                try:
+                    producer.produce(topic, value=value, key=key, headers=headers, partition=partition,
+                                     on_delivery=on_delivery)
+                    break
+                except BufferError:
+                    producer.poll(0.1)
+            n += 1
+            if n % 1000 == 0:
+                producer.poll(0)
+        self.count += n
+        return n
+
+    def flush(self) -> int:
+        """Wait for every record added so far; RetriableError if any failed (nothing after them may be written)."""
+        left = self.producer.flush(60)
+        if self.failures or left:
+            raise RetriableError(f"{self.topic}[{self.partition}]: {len(self.failures) + left} snapshot writes "
+                                 f"failed ({self.failures[0] if self.failures else 'flush timed out'})")
+        return self.count
+
+
+def write(producer: Any, topic: str, partition: int, items: Iterable[Snapshot | Marker]) -> int:
+    """Produce snapshots (then, if given, a marker last) to `partition` and wait until all are acknowledged."""
+    writes = Writes(producer, topic, partition)
+    writes.add(item.encode() for item in items)
+    return writes.flush()
