@@ -7,12 +7,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kafold.daemon.rebuild_metrics import RebuildCollector
 from kafold.daemon.runner import BatchStats, SinkRunner
 from kafold.daemon.tasks import ConnectorGroup
+from kafold.snapshot.select import REJECTED
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TASK_STATES = ("UNASSIGNED", "RUNNING", "PAUSED", "FAILED", "RESTARTING", "STOPPED")
@@ -35,6 +36,7 @@ class DaemonMetrics:
                                  labels, buckets=BATCH_BUCKETS, registry=self.registry)
         self.registry.register(_TaskCollector(groups))
         self.registry.register(RebuildCollector(groups))
+        self.registry.register(_SnapshotCollector())
 
     def observe(self, runner: SinkRunner, stats: BatchStats) -> None:
         """SinkRunner.on_batch hook (runs in the task's thread; prometheus_client is thread-safe)."""
@@ -85,3 +87,18 @@ class _TaskCollector(Collector):
                         position.add_metric(labels, float(p.position))
                     caught.add_metric(labels, 1.0 if p.caught_up else 0.0)
         yield from (lag, lag_s, position, caught, state)
+
+
+class _SnapshotCollector(Collector):
+    """Snapshot records restore refused to use (checksum, fingerprint, schema, ahead of the events, ...)."""
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        family = CounterMetricFamily("kafold_snapshots_rejected", "Snapshot records never used by a restore, by "
+                                     "aggregate type and reason (restore fell back to an older one or a full "
+                                     "replay).", labels=("aggregate", "reason"))
+        for (aggregate, reason), n in sorted(REJECTED.items()):
+            family.add_metric([aggregate, reason], n)
+        yield family

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from snaphelpers import Bank, partition_of, snapshot_partition, write_raw
 
+from kafold.daemon.metrics import DaemonMetrics
 from kafold.snapshot import Snapshot, restore
 from kafold.snapshot.select import REJECTED
 
@@ -59,6 +60,8 @@ def test_a_bad_snapshot_is_detected_never_used_and_restore_stays_correct(bank: B
     full = restore(bank.kafka, bank.agg, bank.domain, 0, use_snapshots=False)
     assert fast.rejected == {defect: 1}
     assert REJECTED[(bank.agg.name, defect)] == before + 1
+    exposed = DaemonMetrics(list).render().decode()  # the daemon's /metrics shows it
+    assert f'kafold_snapshots_rejected_total{{aggregate="{bank.agg.name}",reason="{defect}"}} {before + 1}.0' in exposed
     assert fast.states[victim] == full.states[victim] and fast.states[victim][0].owner != "forged"
     assert fast.states == full.states
     assert fast.start == end  # fell back to the older, intact snapshot of the victim: still only the tail
