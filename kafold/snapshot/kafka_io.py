@@ -53,6 +53,16 @@ def bounds(consumer: Consumer, topic: str, partition: int) -> tuple[int, int]:
     return low, max(end, _position(consumer, topic, partition, end))
 
 
+def exists(consumer: Consumer, topic: str) -> bool:
+    """Whether the broker knows `topic` (a metadata request; consumers never auto-create topics here)."""
+    try:
+        meta = consumer.list_topics(topic, timeout=10)
+    except KafkaException as e:
+        raise RetriableError(f"{topic}: cannot read metadata: {e}") from e
+    found = meta.topics.get(topic)
+    return found is not None and found.error is None and bool(found.partitions)
+
+
 def _position(consumer: Consumer, topic: str, partition: int, default: int) -> int:
     pos = consumer.position([TopicPartition(topic, partition)])[0].offset
     return pos if pos >= 0 else default

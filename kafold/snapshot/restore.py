@@ -42,7 +42,12 @@ def select_partition(consumer: Any, agg: AggregateConfig, identity: Identity, pa
     """Read the snapshot partition and choose the usable snapshot per aggregate (latest-per-key ourselves:
     compaction is lazy, so older versions and out-of-order writes may still be on the topic)."""
     selector = Selector(identity, partition, low, end)
-    for key, value, offset in kafka_io.records(consumer, agg.topic("snapshot"), partition):
+    topic = agg.topic("snapshot")
+    if not kafka_io.exists(consumer, topic):  # reading it would only stall: no snapshots, a full replay
+        log.warning("snapshot.topic_missing", aggregate=agg.name, topic=topic, partition=partition,
+                    fallback="full replay", fix="run `kafold topics ensure`")
+        return selector.result()
+    for key, value, offset in kafka_io.records(consumer, topic, partition):
         selector.feed(key, value, offset)
     return selector.result()
 

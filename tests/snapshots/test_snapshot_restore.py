@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from snaphelpers import Bank, partition_of, snapshot_partition, write_raw
+from snaphelpers import Bank, bank_aggregate, partition_of, snapshot_partition, write_raw
 
+from kafold import topics
+from kafold.config import KafkaConfig, TopicSpec
 from kafold.daemon.metrics import DaemonMetrics
 from kafold.snapshot import Snapshot, restore
 from kafold.snapshot.select import REJECTED
@@ -100,3 +102,16 @@ def test_runtime_restorer_hook_gives_snapshot_states_and_the_tail_start(bank: Ba
     base = SnapshotRestorer(bank.kafka, bank.agg, AggregateDomain.load(bank.agg, [BANK])).restore(1, 0, fast.end)
     assert base.start == end == fast.start and base.snapshot_version == end
     assert len(base.states) == fast.snapshots_used > 0
+
+
+def test_a_missing_snapshot_topic_means_a_full_replay_not_an_error(kafka_config: KafkaConfig, unique: str) -> None:
+    """Before: reading the absent topic stalled, then failed the restore with RetriableError."""
+    agg = bank_aggregate(unique)
+    topics.ensure(kafka_config, [TopicSpec(agg.topic("events"), agg.partitions, 1, {})])  # no snapshot topic
+    bank = Bank(kafka_config, agg)
+    bank.produce(80)
+    for p in bank.partitions():
+        fast = restore(bank.kafka, bank.agg, bank.domain, p)
+        full = restore(bank.kafka, bank.agg, bank.domain, p, use_snapshots=False)
+        assert fast.snapshots_used == 0 and fast.events_read == full.events_read > 0
+        assert fast.states == full.states
