@@ -100,9 +100,21 @@ def read_range(consumer: Consumer, topic: str, partition: int, start: int, end: 
             if done or (end is not None and position >= end):
                 return
             if time.monotonic() - last_progress > STALL_S:
-                raise RetriableError(f"{topic}[{partition}]: no progress for {STALL_S:.0f} s before offset {end}")
+                raise RetriableError(f"{topic}[{partition}]: no progress for {STALL_S:.0f} s before offset {end} "
+                                     f"({_where(consumer, topic, partition, position)})")
     finally:
         consumer.unassign()
+
+
+def _where(consumer: Consumer, topic: str, partition: int, position: int) -> str:
+    """Where a stalled read stands, for its error: our position, the consumer's, and the fetch watermarks."""
+    tp = TopicPartition(topic, partition)
+    try:
+        low, high = consumer.get_watermark_offsets(tp, cached=True)
+        at = consumer.position([tp])[0].offset
+    except KafkaException as e:
+        return f"next offset {position}; watermarks unavailable: {e}"
+    return f"next offset {position}, consumer position {at}, fetch watermarks {low}..{high}"
 
 
 def _sift(msgs: list[Any], end: int | None, topic: str, partition: int) -> tuple[

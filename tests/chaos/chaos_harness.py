@@ -397,6 +397,34 @@ def end_offsets(kafka: KafkaConfig, topic: str) -> dict[int, int]:
         consumer.close()
 
 
+def tail_diagnostics(kafka: KafkaConfig, topic: str, last: int = 30) -> str:
+    """What a stalled reader faced: per partition, ListOffsets under both isolation levels and the last records
+    read uncommitted (offset, key, headers), for the report's work directory."""
+    lines = []
+    for isolation in ("read_committed", "read_uncommitted"):
+        consumer = Consumer(kafka_clients.librdkafka(kafka, **{"group.id": f"chaos-diag-{uuid.uuid4().hex[:6]}",
+                                                                "enable.auto.commit": False,
+                                                                "isolation.level": isolation}))
+        try:
+            meta = consumer.list_topics(topic, timeout=15).topics[topic]
+            for p in meta.partitions:
+                low, high = consumer.get_watermark_offsets(KafkaTP(topic, p), timeout=15, cached=False)
+                lines.append(f"{topic}[{p}] {isolation}: ListOffsets {low}..{high}")
+                if isolation == "read_uncommitted":
+                    consumer.assign([KafkaTP(topic, p, max(0, high - last))])
+                    idle = 0
+                    while idle < 2:
+                        msgs = consumer.consume(1000, 1.0)
+                        idle = 0 if msgs else idle + 1
+                        lines += [f"  {m.offset()} key={m.key()!r} headers={m.headers()} error={m.error()}"
+                                  for m in msgs]
+                    cached = consumer.get_watermark_offsets(KafkaTP(topic, p), cached=True)
+                    lines.append(f"  fetch watermarks {cached}")
+        finally:
+            consumer.close()
+    return "\n".join(lines) + "\n"
+
+
 def watermarks(kafka: KafkaConfig, topic: str) -> dict[int, int]:
     """High watermarks (cheap; may lag the log a little on tansu — good enough to time a recovery)."""
     consumer = Consumer(kafka_clients.librdkafka(kafka, **{"group.id": "chaos-watermarks"}))
@@ -688,4 +716,5 @@ class Chaos:
             if code != 0 or verify.returncode != 0:
                 r.violations.append(f"snapshot job exit {code}; verify exit {verify.returncode}: "
                                     f"{(verify.stdout + verify.stderr).strip()[-300:]}")
+                (self.dir / "diagnostics.txt").write_text(tail_diagnostics(kafka, "account.events"))
         return r
