@@ -101,6 +101,48 @@ def _topics(kafka: Any, agg: Any) -> None:
                           TopicSpec(agg.topic("snapshot"), agg.partitions, 1, {"cleanup.policy": "compact"})])
 
 
+def _pass_through(batches: Iterator[Any]) -> Iterator[Any]:
+    yield from batches
+
+
+def _job_floor(spark: Any, partitions: int, runs: int = 3) -> float:
+    """The fixed cost of a Spark job of the snapshot job's shape doing nothing: a Python data source with
+    `partitions` input partitions, one row each, through a mapInArrow stage (best of `runs`)."""
+    from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+
+    class _Reader(DataSourceReader):
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def partitions(self) -> list[InputPartition]:
+            return [InputPartition(i) for i in range(self.n)]
+
+        def read(self, partition: InputPartition) -> Iterator[Any]:
+            import pyarrow as pa
+
+            yield pa.RecordBatch.from_pylist([{"x": partition.value}], schema=pa.schema([("x", pa.int64())]))
+
+    class _Noop(DataSource):
+        @classmethod
+        def name(cls) -> str:
+            return "kafold_bench_noop"
+
+        def schema(self) -> str:
+            return "x long"
+
+        def reader(self, schema: Any) -> DataSourceReader:
+            return _Reader(int(self.options["partitions"]))
+
+    spark.dataSource.register(_Noop)
+    best = float("inf")
+    for _ in range(runs):
+        began = time.monotonic()
+        (spark.read.format("kafold_bench_noop").schema("x long").option("partitions", str(partitions)).load()
+         .mapInArrow(_pass_through, "x long").collect())
+        best = min(best, time.monotonic() - began)
+    return best
+
+
 def _fold(kafka: Any, master: str, events: int, aggregates: int) -> dict[str, Any]:
     from kafold.spark_jobs import snapshot_job
     from kafold.spark_jobs.session import session
@@ -113,6 +155,7 @@ def _fold(kafka: Any, master: str, events: int, aggregates: int) -> dict[str, An
     _topics(kafka, warm)
     History(kafka, warm, 1000).produce(20_000)
     snapshot_job.run(spark, kafka, warm, [str(BANK)])
+    floor = _job_floor(spark, warm.partitions)
     agg = _aggregate(f"bench.fold.{run_id}", 4)
     _topics(kafka, agg)
     history = History(kafka, agg, aggregates)
@@ -125,7 +168,8 @@ def _fold(kafka: Any, master: str, events: int, aggregates: int) -> dict[str, An
             "fold_aggregates": aggregates, "fold_job_s": round(full.duration_s, 2),
             "fold_events_per_s": round(full.events_per_s), "fold_task_events_per_s": round(task_fold),
             "incremental_events": incremental.events_read, "incremental_job_s": round(incremental.duration_s, 3),
-            "incremental_cost_ratio": round(incremental.duration_s / full.duration_s, 4)}
+            "incremental_cost_ratio": round(incremental.duration_s / full.duration_s, 4),
+            "spark_job_floor_s": round(floor, 3)}
 
 
 def _restore_case(kafka: Any, history_events: int, tail: int, aggregates: int) -> tuple[float, float, int]:
