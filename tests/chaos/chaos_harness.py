@@ -55,6 +55,7 @@ from kafold.envelope import Event, decode, encode
 ROOT = Path(__file__).resolve().parents[2]
 KAFOLD = str(Path(sys.executable).parent / "kafold")
 ITEMS = "chaos.items"
+INSTANCE_ID = "chaos-1"  # the daemon's KAFOLD_INSTANCE_ID: its transactional ids end with it
 ITEM_PARTITIONS = 4
 KINDS = ("daemon-kill", "broker-pause", "pg-restart", "webhook-fail", "webhook-hang", "webhook-drop",
          "republish-dup", "republish-old", "snapshot-kill")
@@ -247,7 +248,8 @@ class Daemon:
     def start(self) -> None:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen([KAFOLD, "--log-format", "json", "daemon", "-c", str(self.config)],
-                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env={**os.environ, "KAFOLD_INSTANCE_ID": INSTANCE_ID})
 
     def kill9(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -397,6 +399,31 @@ def end_offsets(kafka: KafkaConfig, topic: str) -> dict[int, int]:
         consumer.close()
 
 
+def stalled_partitions(kafka: KafkaConfig, topic: str, wait_s: float = 5.0) -> list[int]:
+    """Partitions where a read_committed reader placed one record before the reported end gets neither a record
+    nor end-of-partition within `wait_s` (the stall `kafka_io.bounds` would run into)."""
+    consumer = Consumer(kafka_clients.librdkafka(kafka, **{"group.id": f"chaos-lso-{uuid.uuid4().hex[:6]}",
+                                                            "enable.auto.commit": False, "enable.partition.eof": True,
+                                                            "isolation.level": "read_committed"}))
+    try:
+        meta = consumer.list_topics(topic, timeout=15).topics[topic]
+        stuck = []
+        for p in meta.partitions:
+            low, high = consumer.get_watermark_offsets(KafkaTP(topic, p), timeout=15, cached=False)
+            if high <= low:
+                continue
+            consumer.assign([KafkaTP(topic, p, high - 1)])
+            deadline, answered = time.monotonic() + wait_s, False
+            while not answered and time.monotonic() < deadline:
+                answered = bool(consumer.consume(100, 0.2))
+            consumer.unassign()
+            if not answered:
+                stuck.append(p)
+        return stuck
+    finally:
+        consumer.close()
+
+
 def tail_diagnostics(kafka: KafkaConfig, topic: str, last: int = 30) -> str:
     """What a stalled reader faced: per partition, ListOffsets under both isolation levels and the last records
     read uncommitted (offset, key, headers), for the report's work directory."""
@@ -465,6 +492,7 @@ class Report:
     unrecovered: int = 0
     invariants: list[str] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # broker quirks met on the way (not violations)
 
     def text(self) -> str:
         rec = sorted(self.recoveries)
@@ -479,6 +507,7 @@ class Report:
         lines += [f"  - {i}" for i in self.invariants]
         lines.append(f"violations: {len(self.violations)}")
         lines += [f"  ! {v}" for v in self.violations]
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
@@ -626,6 +655,28 @@ class Chaos:
             time.sleep(1.0)
         return missing
 
+    def _resolve_open_transactions(self) -> None:
+        """Broker quirk (tansu): it enforces no transaction timeout, and after a run of kill -9s and fencings
+        during broker pauses its last stable offset has twice (in 30-minute runs) stayed one record below the end
+        of an events partition whose data was all committed and read. A read_committed reader placed at the end
+        then gets neither records nor end-of-partition, so the snapshot job's end-of-range probe stalls. Real
+        Kafka aborts a transaction left open after `transaction.timeout.ms` (60 s for kafold's runtime) and its
+        ListOffsets reports the last stable offset. What a restart does here: stop the daemon (its producer
+        aborts an open transaction) and initialise a producer with its transactional id (the broker aborts
+        whatever that id still holds). Seen before and after, it is reported as a note, not hidden."""
+        stuck = stalled_partitions(self.stack.kafka, "account.events")
+        self.daemon.stop()
+        producer = Producer(kafka_clients.librdkafka(self.stack.kafka, **{
+            "transactional.id": f"chaos.aggregate.account.{INSTANCE_ID}"}))
+        producer.init_transactions(30)
+        producer.flush(5)
+        if stuck:
+            after = stalled_partitions(self.stack.kafka, "account.events")
+            self.report.notes.append(f"broker quirk: account.events partitions {stuck} had a last stable offset "
+                                     f"below their end (a read_committed reader at the end got no end-of-"
+                                     f"partition); after stopping the daemon and fencing its transactional id: "
+                                     f"{after or 'none'}")
+
     def check(self, settle_timeout: float = 180.0) -> Report:
         r = self.report
         for t in self._pending:
@@ -709,6 +760,7 @@ class Chaos:
 
         # Snapshots: a full job after the killed ones, then snapshot + tail == full replay.
         if self.spark:
+            self._resolve_open_transactions()
             code = self._snapshot(kill_after=None)
             verify = subprocess.run([KAFOLD, "snapshot", "verify", "-c", str(self.config)], capture_output=True,
                                     text=True, timeout=600)
