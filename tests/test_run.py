@@ -49,7 +49,7 @@ def test_run_flows_events_and_stops_cleanly(tmp_path: Path) -> None:
         def until(what: str, check: Callable[[], bool]) -> None:
             while not check():
                 assert proc.poll() is None, f"kafold run exited early:\n{''.join(err_lines[-20:])}"
-                assert time.monotonic() < deadline, f"{what}: not in time"
+                assert time.monotonic() < deadline, f"{what}: not in time; last log lines:\n{''.join(err_lines[-25:])}"
                 time.sleep(0.5)
                 if not stack_pids and (tmp_path / "dev" / "stack.json").exists():
                     state = json.loads((tmp_path / "dev" / "stack.json").read_text())
