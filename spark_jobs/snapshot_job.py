@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import sys
 import time
 from collections.abc import Iterator
@@ -56,7 +57,7 @@ def write_partition(spec: str, progress: Any, batches: Iterator[Any]) -> Iterato
         kinds = batch.column(0).to_pylist()
         if kinds.count(SNAPSHOT) == len(kinds):  # the bulk: a batch of snapshots, all of one partition
             current["writes"].add(zip(batch.column(3).to_pylist(), batch.column(4).to_pylist(),
-                                      _same_headers(len(kinds)), strict=True))
+                                      itertools.repeat(_SNAPSHOT_HEADERS, len(kinds)), strict=True))
             continue
         for kind, part, off, key, value in zip(kinds, *(c.to_pylist() for c in batch.columns[1:]), strict=True):
             if kind == HEADER:
@@ -72,10 +73,6 @@ def write_partition(spec: str, progress: Any, batches: Iterator[Any]) -> Iterato
                     progress.add(current["stats"]["events_read"])
     if current:
         yield _finish(producer, agg, current)
-
-
-def _same_headers(n: int) -> Iterator[list[tuple[str, bytes]]]:
-    return (_SNAPSHOT_HEADERS for _ in range(n))
 
 
 def _finish(producer: Any, agg: AggregateConfig, current: dict[str, Any]) -> Any:

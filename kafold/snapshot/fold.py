@@ -85,10 +85,6 @@ class Folder:
         self.bad = 0         # could not be decoded or applied; left out of every state
         self.first_bad: list[tuple[int, str]] = []
 
-    def add_base(self, key: bytes, version: int, offset: int, state_json: Any) -> None:
-        """A base snapshot given as its parts (the Spark source ships them this way)."""
-        self.entries[key] = [None, version, offset, False, state_json]
-
     def fold(self, offsets: Sequence[int], keys: Sequence[bytes | None], values: Sequence[bytes | None]) -> None:
         """Apply one batch of events (parallel sequences, offset order)."""
         entries, loads, types, evolve = self.entries, orjson.loads, self.domain.event_types, self.domain.evolve
