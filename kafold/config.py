@@ -128,6 +128,11 @@ class SnapshotConfig:
     every_n_events: int = setting(0, doc="Also run once this many new events arrived (0 = off).", minimum=0)
     spark_master: str = setting("local[*]", doc="Spark master URL for snapshot jobs.")
     spark_conf: dict[str, str] = setting(factory=dict, doc="Extra Spark settings.")
+    engine: str = setting("auto", doc="Where runs fold: spark, local (in the kafold process), or auto (local when "
+                          "a run has at most local_max_events unfolded events, else Spark).",
+                          choices=("auto", "spark", "local"))
+    local_max_events: int = setting(200_000, doc="With engine auto: the most unfolded events (summed over the "
+                                    "partitions) a run folds in-process instead of starting a Spark job.", minimum=0)
 
 
 @dataclass(frozen=True)

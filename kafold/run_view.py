@@ -182,7 +182,7 @@ class LiveView:
         return (f"commands {f.commands_per_s:,.0f}/s ({f.commands_sent:,} sent) | {conns or 'connectors starting'} "
                 f"| effects delivered {f.effects_delivered:,} | parked keys "
                 f"{'-' if f.parked_keys is None else f.parked_keys} | snapshots {snaps}"
-                + ("" if self.java else " (no Java: snapshot jobs cannot run)"))
+                + ("" if self.java else " (no Java: runs above local_max_events cannot use Spark)"))
 
     def table(self, f: Figures) -> Any:
         from rich.table import Table
@@ -197,7 +197,7 @@ class LiveView:
         t.add_row("effects delivered (demo receiver)", f"{f.effects_delivered:,}")
         t.add_row("parked keys", "-" if f.parked_keys is None else str(f.parked_keys))
         t.add_row("snapshots written", ("-" if f.snapshots is None else f"{f.snapshots:,}")
-                  + ("" if self.java else " (no Java)"))
+                  + ("" if self.java else " (no Java: in-process runs only)"))
         return t
 
     def _loop(self) -> None:

@@ -23,24 +23,22 @@ import itertools
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from kafold import kafka_clients, logs
+from kafold import logs
 from kafold.config import AggregateConfig, KafkaConfig
 from kafold.errors import FatalError
 from kafold.snapshot import kafka_io
-from kafold.snapshot.record import H_KIND, KIND_SNAPSHOT, Marker
+from kafold.snapshot.partition import write_marker
+from kafold.snapshot.record import H_KIND, KIND_SNAPSHOT
+from kafold.snapshot.runs import REFRESH_LAG, JobResult, partitions_of
 from kafold.spark_jobs import source
 from kafold.spark_jobs.source import HEADER, SNAPSHOT, STATS
 
 log = logs.get(__name__)
 
-# Unchanged aggregates whose snapshot lags the range end by more than this many offsets get theirs moved
-# forward, so dormant aggregates do not hold every later run and restore back at an old offset.
-REFRESH_LAG = 100_000
 SUMMARY = ("partition int, start long, end long, events_read long, events_folded long, skipped long, bad long, "
            "snapshots long, aggregates long, rejected string, fold_s double, write_s double")
 _SNAPSHOT_HEADERS = [(H_KIND, KIND_SNAPSHOT)]
@@ -83,9 +81,7 @@ def _finish(producer: Any, agg: AggregateConfig, current: dict[str, Any]) -> Any
         raise FatalError(f"aggregate {agg.name!r}: partition {p}: the fold ended before its last row")
     write_began = time.monotonic()
     written = current["writes"].flush()
-    # Only after every snapshot above is acknowledged: the marker vouching for them.
-    kafka_io.write(producer, agg.topic("snapshot"), p,
-                   [Marker(agg.name, p, end, agg.fingerprint, agg.state_schema_version)])
+    write_marker(producer, agg, p, end)  # only after every snapshot above is acknowledged
     row = {"partition": p, "start": current["start"], "end": end, "events_read": stats["events_read"],
            "events_folded": stats["events_folded"], "skipped": stats["skipped"], "bad": stats["bad"],
            "snapshots": written, "aggregates": stats["aggregates"],
@@ -98,41 +94,6 @@ def _finish(producer: Any, agg: AggregateConfig, current: dict[str, Any]) -> Any
 def _summary_schema(pa: Any) -> Any:
     types = {"int": pa.int32(), "long": pa.int64(), "string": pa.string(), "double": pa.float64()}
     return pa.schema([(name, types[kind]) for name, kind in (f.split() for f in SUMMARY.split(", "))])
-
-
-@dataclass
-class JobResult:
-    """What one run did for one aggregate type."""
-
-    aggregate: str
-    partitions: int = 0
-    events_read: int = 0
-    events_folded: int = 0
-    snapshots: int = 0
-    aggregates: int = 0
-    bad: int = 0
-    rejected: dict[str, int] = field(default_factory=dict)
-    duration_s: float = 0.0
-    rows: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def events_per_s(self) -> float:
-        return self.events_read / self.duration_s if self.duration_s > 0 else 0.0
-
-
-def partitions_of(kafka: KafkaConfig, agg: AggregateConfig) -> list[int]:
-    """The events topic's partitions (from the broker); the snapshot topic must have as many."""
-    meta = kafka_clients.admin(kafka).list_topics(timeout=15)
-    counts = {t: len(meta.topics[t].partitions) for t in (agg.topic("events"), agg.topic("snapshot"))
-              if t in meta.topics and meta.topics[t].error is None}
-    events, snaps = counts.get(agg.topic("events")), counts.get(agg.topic("snapshot"))
-    if events is None or snaps is None:
-        missing = agg.topic("events") if events is None else agg.topic("snapshot")
-        raise FatalError(f"aggregate {agg.name!r}: topic {missing!r} does not exist; run `kafold topics ensure`")
-    if events != snaps:
-        raise FatalError(f"aggregate {agg.name!r}: snapshot topic {agg.topic('snapshot')!r} has {snaps} partitions "
-                         f"but must be co-partitioned with {agg.topic('events')!r} ({events})")
-    return list(range(events))
 
 
 def run(spark: Any, kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], *,
@@ -152,15 +113,10 @@ def run(spark: Any, kafka: KafkaConfig, agg: AggregateConfig, python_path: list[
     spark.sparkContext.setJobGroup(f"kafold-snapshot-{agg.name}", f"snapshot {agg.name}")
     with watch(spark, len(parts), counter, reporter):
         rows = [r.asDict() for r in out.collect()]
-    result = JobResult(agg.name, len(rows), rows=rows, duration_s=time.monotonic() - began)
+    result = JobResult(agg.name, engine="spark")
     for r in rows:
-        result.events_read += r["events_read"]
-        result.events_folded += r["events_folded"]
-        result.snapshots += r["snapshots"]
-        result.aggregates += r["aggregates"]
-        result.bad += r["bad"]
-        for reason, n in orjson.loads(r["rejected"]).items():
-            result.rejected[reason] = result.rejected.get(reason, 0) + n
+        result.add_row(r, orjson.loads(r["rejected"]))
+    result.duration_s = time.monotonic() - began
     log.info("snapshot.job", aggregate=agg.name, partitions=result.partitions, events_read=result.events_read,
              events_folded=result.events_folded, snapshots=result.snapshots, aggregates=result.aggregates,
              bad=result.bad, rejected=result.rejected or None, duration_s=round(result.duration_s, 2),

@@ -2,9 +2,10 @@
 
 Each input partition reads, with confluent-kafka, the partition's usable base snapshots and then the events at
 offsets [start, end) (`start`: the lowest offset a base snapshot leaves unfolded), folds them with the aggregate's
-own `evolve` (kafold.snapshot.fold, the code restore and verify use) and yields, in order: one header row (the
-range: start..end, and what snapshot selection rejected), one row per snapshot to write (key, encoded value;
-checksummed here), and one stats row (counts and timings). While it folds it logs its progress every 5 s.
+own `evolve` (kafold.snapshot.partition: the code restore, verify and local runs use) and yields, in order: one
+header row (the range: start..end, and what snapshot selection rejected), one row per snapshot to write (key,
+encoded value; checksummed here), and one stats row (counts and timings). While it folds it logs its progress
+every 5 s.
 
 Why the fold happens inside the source: handing every event to the JVM and on to a second Python worker cost more
 than the fold itself (~5.5 µs an event of ~10.5 µs, see docs/benchmarks.md). Folded this way the JVM moves one row
@@ -36,7 +37,6 @@ except ImportError:  # pragma: no cover - pyspark is the optional `spark` extra
 NAME = "kafold_fold"
 SCHEMA = "kind byte, partition int, offset long, key binary, value binary"
 HEADER, SNAPSHOT, STATS = 0, 2, 3
-BATCH = 20000         # events read from Kafka (and folded) at a time
 LOG_EVERY_S = 5.0
 SNAPSHOT_ROWS = 5000  # snapshot rows per Arrow batch
 
@@ -51,8 +51,8 @@ def spec_json(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], 
                        "python_path": python_path, "partitions": partitions, "refresh_lag": refresh_lag})
 
 
-def load_spec(text: str) -> tuple[KafkaConfig, AggregateConfig, list[str], list[int]]:
-    raw = json.loads(text)
+def load_spec(spec: str | dict[str, Any]) -> tuple[KafkaConfig, AggregateConfig, list[str], list[int]]:
+    raw = json.loads(spec) if isinstance(spec, str) else spec
     kafka: dict[str, Any] = {k: (Secret(v["source"]) if isinstance(v, dict) else v) for k, v in raw["kafka"].items()}
     return KafkaConfig(**kafka), AggregateConfig(**raw["aggregate"]), raw["python_path"], raw["partitions"]
 
@@ -91,33 +91,23 @@ class _Reader(DataSourceReader):
         import pyarrow as pa
 
         from kafold.snapshot import kafka_io
-        from kafold.snapshot.fold import Folder
-        from kafold.snapshot.restore import select_partition
+        from kafold.snapshot.partition import fold_partition, progress_logger
 
-        kafka, agg, python_path, _ = load_spec(self.spec)
-        refresh_lag = int(json.loads(self.spec)["refresh_lag"])
+        raw = json.loads(self.spec)
+        kafka, agg, python_path, _ = load_spec(raw)
+        refresh_lag = int(raw["refresh_lag"])
         domain = domain_of(agg, python_path)
         p = partition.value  # InputPartition(value): the Kafka partition number
         consumer = kafka_io.reader(kafka)
         try:
-            low, end = kafka_io.bounds(consumer, agg.topic("events"), p)
-            sel = select_partition(consumer, agg, domain.identity, p, low, end)
-            header = orjson.dumps({"low": low, "end": end, "rejected": dict(sel.rejected),
-                                   "full_replay": len(sel.orphans)})
-            yield _batch(pa, [HEADER], p, [sel.start], [None], [header])
-            began = logged = time.monotonic()
-            folder = Folder(domain, sel.bases)
-            for offsets, keys, values in kafka_io.read_range(consumer, agg.topic("events"), p, sel.start, end,
-                                                             batch=BATCH):
-                folder.fold(offsets, keys, values)
-                if time.monotonic() - logged >= LOG_EVERY_S:
-                    logged = time.monotonic()
-                    log.info("snapshot.partition_progress", aggregate=agg.name, partition=p, offset=offsets[-1],
-                             end=end, events_read=folder.read, events_per_s=round(folder.read / (logged - began)))
+            folded = fold_partition(consumer, agg, domain, p, on_batch=progress_logger(agg, p, LOG_EVERY_S))
         finally:
             consumer.close()
+        sel, folder, end = folded.selection, folded.folder, folded.selection.end
+        header = orjson.dumps({"low": sel.low, "end": end, "rejected": dict(sel.rejected),
+                               "full_replay": len(sel.orphans)})
+        yield _batch(pa, [HEADER], p, [sel.start], [None], [header])
         folded_at = time.monotonic()
-        folder.log_bad(p)
         snapshots = 0
         rows: tuple[list[bytes | None], list[bytes | None]] = ([], [])
         for snap in folder.snapshots(p, end, refresh_lag):
@@ -133,7 +123,7 @@ class _Reader(DataSourceReader):
             yield _batch(pa, [SNAPSHOT] * len(rows[0]), p, [end] * len(rows[0]), *rows)
         stats = {"events_read": folder.read, "events_folded": folder.folded, "skipped": folder.skipped,
                  "bad": folder.bad, "aggregates": len(folder.entries), "snapshots": snapshots,
-                 "fold_s": folded_at - began, "encode_s": time.monotonic() - folded_at}
+                 "fold_s": folded.fold_s, "encode_s": time.monotonic() - folded_at}
         yield _batch(pa, [STATS], p, [end], [None], [orjson.dumps(stats)])
 
 

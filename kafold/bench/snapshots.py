@@ -144,6 +144,10 @@ def _job_floor(spark: Any, partitions: int, runs: int = 3) -> float:
 
 
 def _fold(kafka: Any, master: str, events: int, aggregates: int) -> dict[str, Any]:
+    """The full run (Spark, forced: a --quick history is small enough for auto to fold it in-process), then 1% new
+    events folded as `kafold snapshot run` does by default (engine auto: in-process), then another 1% with Spark
+    forced, so both incremental costs are shown against the full run."""
+    from kafold.snapshot import runs
     from kafold.spark_jobs import snapshot_job
     from kafold.spark_jobs.session import session
 
@@ -160,15 +164,22 @@ def _fold(kafka: Any, master: str, events: int, aggregates: int) -> dict[str, An
     _topics(kafka, agg)
     history = History(kafka, agg, aggregates)
     history.produce(events)
-    full = snapshot_job.run(spark, kafka, agg, [str(BANK)])
+    full = runs.run(kafka, agg, [str(BANK)], lambda: spark, engine="spark")  # the Spark fold rate (target)
     history.produce(events // 100)
-    incremental = snapshot_job.run(spark, kafka, agg, [str(BANK)])
+    incremental = runs.run(kafka, agg, [str(BANK)], lambda: spark, engine="auto")
+    history.produce(events // 100)
+    incremental_spark = runs.run(kafka, agg, [str(BANK)], lambda: spark, engine="spark")
     task_fold = sum(r["events_read"] for r in full.rows) / max(1e-9, max(r["fold_s"] for r in full.rows))
-    return {"spark_startup_s": round(startup, 2), "fold_events": full.events_read,
+    return {"spark_startup_s": round(startup, 2), "fold_engine": full.engine, "fold_events": full.events_read,
             "fold_aggregates": aggregates, "fold_job_s": round(full.duration_s, 2),
             "fold_events_per_s": round(full.events_per_s), "fold_task_events_per_s": round(task_fold),
-            "incremental_events": incremental.events_read, "incremental_job_s": round(incremental.duration_s, 3),
+            "incremental_engine": incremental.engine, "incremental_events": incremental.events_read,
+            "incremental_snapshots": incremental.snapshots, "incremental_plan_s": round(incremental.plan_s, 3),
+            "incremental_job_s": round(incremental.duration_s, 3),
             "incremental_cost_ratio": round(incremental.duration_s / full.duration_s, 4),
+            "incremental_spark_events": incremental_spark.events_read,
+            "incremental_spark_job_s": round(incremental_spark.duration_s, 3),
+            "incremental_spark_cost_ratio": round(incremental_spark.duration_s / full.duration_s, 4),
             "spark_job_floor_s": round(floor, 3)}
 
 

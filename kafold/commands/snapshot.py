@@ -1,4 +1,4 @@
-"""`kafold snapshot run|verify`: fold event history into snapshots with Spark, and audit snapshot + tail."""
+"""`kafold snapshot run|verify`: fold history into snapshots (Spark, or in-process when small); audit them."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ EX_TEMPFAIL = 75  # another run holds the lock
 def register(sub: Any) -> None:
     p = sub.add_parser("snapshot", help="snapshot aggregate state with Spark; verify snapshots against replay")
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    run = actions.add_parser("run", help="fold new events into snapshots (incremental; Spark, --master)")
+    run = actions.add_parser("run", help="fold new events into snapshots (incremental; Spark or in-process)")
     add_run_arguments(run)
     run.set_defaults(handler=handle_run)
     ver = actions.add_parser("verify", help="recompute state from scratch and compare with snapshot + tail")
@@ -39,6 +39,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--aggregate", metavar="NAME", help="only this aggregate type (default: all)")
     p.add_argument("--master", metavar="URL",
                    help="Spark master (default [snapshots].spark_master, local[*]; under spark-submit: its --master)")
+    p.add_argument("--engine", choices=("auto", "spark", "local"),
+                   help="fold with Spark, in this process, or auto: in this process when at most "
+                        "[snapshots].local_max_events are unfolded (default [snapshots].engine, auto)")
     p.add_argument("--refresh-lag", type=int, default=None, metavar="OFFSETS",
                    help="move unchanged snapshots lagging the end by more than this forward (default 100000)")
 
@@ -96,7 +99,7 @@ def _reporter(name: str) -> tuple[Any, Any]:
 
 
 def handle_run(args: argparse.Namespace) -> int:
-    from kafold.spark_jobs import snapshot_job
+    from kafold.snapshot import runs
     from kafold.spark_jobs.session import session
 
     loaded = config.load_file(args.config)
@@ -104,38 +107,49 @@ def handle_run(args: argparse.Namespace) -> int:
     aggs = _aggregates(cfg, args.aggregate, args.config)
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit chose the master
     master = args.master or (None if under_submit else cfg.snapshots.spark_master)
+    engine = getattr(args, "engine", None) or cfg.snapshots.engine
+    started: dict[str, Any] = {}
+
+    def spark() -> Any:  # started on first use: a run that folds in-process never starts a JVM
+        if "session" not in started:
+            began = time.monotonic()
+            started["session"] = session(master, cfg.snapshots.spark_conf)
+            started["startup_s"] = time.monotonic() - began
+        return started["session"]
+
     with run_lock(args.config) as locked:
         if not locked:
             print("another snapshot run for this configuration is in progress; skipped", file=sys.stderr)
             return EX_TEMPFAIL
         began = time.monotonic()
-        spark = session(master, cfg.snapshots.spark_conf)
-        startup = time.monotonic() - began
         results = []
         for agg in aggs:
             display, report = _reporter(agg.name)
             with display:
-                results.append(snapshot_job.run(spark, cfg.kafka, agg, _python_path(loaded), reporter=report,
-                                                refresh_lag=args.refresh_lag or snapshot_job.REFRESH_LAG))
+                results.append(runs.run(cfg.kafka, agg, _python_path(loaded), spark, engine=engine,
+                                        local_max_events=cfg.snapshots.local_max_events, reporter=report,
+                                        refresh_lag=args.refresh_lag or runs.REFRESH_LAG))
     total = time.monotonic() - began
-    print(f"{'AGGREGATE':<20} {'PARTITIONS':>10} {'EVENTS FOLDED':>14} {'SNAPSHOTS':>10} {'AGGREGATES':>10} "
-          f"{'BAD':>6} {'TIME':>8} {'EVENTS/S':>10}")
+    startup = started.get("startup_s", 0.0)
+    print(f"{'AGGREGATE':<20} {'ENGINE':<6} {'PARTITIONS':>10} {'EVENTS FOLDED':>14} {'SNAPSHOTS':>10} "
+          f"{'AGGREGATES':>10} {'BAD':>6} {'TIME':>8} {'EVENTS/S':>10}")
     for r in results:
-        print(f"{r.aggregate:<20} {r.partitions:>10} {r.events_folded:>14,} {r.snapshots:>10,} {r.aggregates:>10,} "
-              f"{r.bad:>6} {r.duration_s:>7.2f}s {r.events_per_s:>10,.0f}")
+        print(f"{r.aggregate:<20} {r.engine:<6} {r.partitions:>10} {r.events_folded:>14,} {r.snapshots:>10,} "
+              f"{r.aggregates:>10,} {r.bad:>6} {r.duration_s:>7.2f}s {r.events_per_s:>10,.0f}")
         if r.rejected:
             print(f"  rejected snapshots (fell back to older snapshot or full replay): {r.rejected}")
-    print(f"spark start-up {startup:.2f}s, jobs {total - startup:.2f}s, total {total:.2f}s")
+    spark_note = f"spark start-up {startup:.2f}s, " if "session" in started else "no Spark job needed, "
+    print(f"{spark_note}jobs {total - startup:.2f}s, total {total:.2f}s")
     log.info("snapshot.summary", aggregates=len(results), events_folded=sum(r.events_folded for r in results),
-             snapshots=sum(r.snapshots for r in results), spark_startup_s=round(startup, 2),
-             jobs_s=round(total - startup, 2))
+             snapshots=sum(r.snapshots for r in results), engines=sorted({r.engine for r in results}),
+             spark_startup_s=round(startup, 2) if "session" in started else None, jobs_s=round(total - startup, 2))
     return 0
 
 
 def handle_verify(args: argparse.Namespace) -> int:
     from kafold.snapshot.fold import Domain
+    from kafold.snapshot.runs import partitions_of
     from kafold.snapshot.verify import verify
-    from kafold.spark_jobs.snapshot_job import partitions_of
 
     loaded = config.load_file(args.config)
     cfg = devstack.effective(loaded.config, need=("kafka",))

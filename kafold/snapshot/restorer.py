@@ -13,7 +13,7 @@ from kafold.config import AggregateConfig, KafkaConfig
 from kafold.daemon.aggregates.recovery import Base
 from kafold.domain import AggregateDomain
 from kafold.snapshot import kafka_io
-from kafold.snapshot.restore import select_partition
+from kafold.snapshot.partition import select_partition
 from kafold.snapshot.select import Identity
 
 

@@ -13,7 +13,8 @@ to a receiver in this process. Faults, by kind:
   timeout, or applies the event and drops the connection without answering;
 - `republish-dup` / `republish-old`: records already published are published again (the same bytes), or an older
   version of an item after newer ones;
-- `snapshot-kill`: a Spark snapshot job killed halfway (kill -9), the next one run to completion.
+- `snapshot-kill`: a snapshot run killed halfway (kill -9), alternately a Spark job and an in-process run; the
+  final one (engine auto) runs to completion.
 
 Invariants checked once the faults stop and the system settled (see `check`): each projection equals an independent
 fold (0 missing, 0 duplicate rows); every command has exactly one result (content), versions per aggregate are
@@ -553,15 +554,18 @@ class Chaos:
             self.receiver.mode = "ok"
         elif kind in ("republish-dup", "republish-old"):
             self.workload.republish(old=kind == "republish-old")
-        elif kind == "snapshot-kill":
-            self._snapshot(kill_after=self.rng.uniform(6.0, 12.0))
+        elif kind == "snapshot-kill":  # alternately a Spark job (in its JVM start or its tasks) and a local run
+            spark = self.report.faults[kind] % 2 == 0
+            self._snapshot(kill_after=self.rng.uniform(6.0, 12.0) if spark else self.rng.uniform(0.8, 2.5),
+                           engine="spark" if spark else "local")
         self.report.faults[kind] += 1
         self._watch_recovery()
 
-    def _snapshot(self, kill_after: float | None) -> int:
+    def _snapshot(self, kill_after: float | None, engine: str = "auto") -> int:
         with open(self.dir / "snapshot.log", "ab") as out:
             proc = subprocess.Popen([KAFOLD, "--log-format", "json", "snapshot", "run", "-c", str(self.config),
-                                     "--master", "local[1]"], stdout=out, stderr=subprocess.STDOUT)
+                                     "--master", "local[1]", "--engine", engine], stdout=out,
+                                    stderr=subprocess.STDOUT)
             try:
                 return proc.wait(kill_after) if kill_after is not None else proc.wait(600)
             except subprocess.TimeoutExpired:

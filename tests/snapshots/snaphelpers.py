@@ -74,23 +74,16 @@ class Bank:
 
 
 def snapshot_partition(bank: Bank, p: int, limit: int | None = None) -> int:
-    """What one snapshot job task does for partition `p` (fold everything, write snapshots, then the marker),
-    without Spark; returns the end offset. `limit` writes only that many snapshots and no marker."""
-    from kafold.snapshot import Folder, Marker, kafka_io
+    """What a snapshot run does for partition `p`, folding from scratch (a snapshot for every aggregate, then the
+    marker), without Spark; returns the end offset. `limit` writes only that many snapshots and no marker."""
+    from kafold.snapshot import kafka_io
+    from kafold.snapshot.partition import fold_partition, write_folded
 
     consumer = kafka_io.reader(bank.kafka)
-    low, end = kafka_io.bounds(consumer, bank.agg.topic("events"), p)
-    folder = Folder(bank.domain)
-    folder.fold_messages(kafka_io.read_range(consumer, bank.agg.topic("events"), p, low, end))
+    folded = fold_partition(consumer, bank.agg, bank.domain, p, use_snapshots=False)
     consumer.close()
-    producer = kafka_io.writer(bank.kafka)
-    snaps = list(folder.snapshots(p, end))
-    kafka_io.write(producer, bank.agg.topic("snapshot"), p, snaps[:limit])
-    if limit is None:
-        ident = bank.domain.identity
-        kafka_io.write(producer, bank.agg.topic("snapshot"), p,
-                       [Marker(ident.aggregate_type, p, end, ident.fingerprint, ident.state_schema_version)])
-    return int(end)
+    write_folded(kafka_io.writer(bank.kafka), bank.agg, folded, None, limit=limit)
+    return int(folded.selection.end)
 
 
 def write_raw(bank: Bank, p: int, key: bytes, value: bytes) -> None:

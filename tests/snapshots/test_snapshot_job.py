@@ -11,14 +11,22 @@ from typing import Any
 import pytest
 from snaphelpers import BANK, Bank, snapshot_records
 
-from kafold.snapshot import Folder, kafka_io, record, restore
+from kafold.snapshot import Folder, kafka_io, record, restore, runs
 from kafold.spark_jobs import snapshot_job
 
 pytestmark = pytest.mark.spark
 
 
-def _job(spark: Any, bank: Bank) -> snapshot_job.JobResult:
+def _job(spark: Any, bank: Bank) -> runs.JobResult:
     return snapshot_job.run(spark, bank.kafka, bank.agg, [BANK])
+
+
+def _no_spark() -> Any:
+    raise AssertionError("this run should not have needed Spark")
+
+
+def _local(bank: Bank) -> runs.JobResult:
+    return runs.run(bank.kafka, bank.agg, [BANK], _no_spark, engine="local")
 
 
 def _assert_restore_equals_full_replay(bank: Bank) -> None:
@@ -79,7 +87,9 @@ KILLER = textwrap.dedent("""
 """)
 
 
-def test_a_job_killed_halfway_then_rerun_is_consistent_and_folds_nothing_twice(spark: Any, bank: Bank) -> None:
+@pytest.mark.parametrize("engine", ["spark", "local"])
+def test_a_job_killed_halfway_then_rerun_is_consistent_and_folds_nothing_twice(spark: Any, bank: Bank,
+                                                                              engine: str) -> None:
     bank.produce(500)
     here = os.path.dirname(__file__)
     proc = subprocess.run([sys.executable, "-c", KILLER, here, bank.kafka.bootstrap_servers, bank.agg.name, "5"],
@@ -90,10 +100,69 @@ def test_a_job_killed_halfway_then_rerun_is_consistent_and_folds_nothing_twice(s
     # Restore after the crash is already correct: no marker, so the aggregates without snapshots are replayed.
     _assert_restore_equals_full_replay(bank)
     bank.produce(40)
-    rerun = _job(spark, bank)
-    assert rerun.bad == 0 and rerun.rejected == {}
+    job = (lambda: _job(spark, bank)) if engine == "spark" else (lambda: _local(bank))
+    rerun = job()
+    assert rerun.engine == engine and rerun.bad == 0 and rerun.rejected == {}
     _assert_restore_equals_full_replay(bank)
     _assert_every_snapshot_true_at_its_offset(bank)
-    again = _job(spark, bank)  # nothing new: nothing folded, nothing written
+    again = job()  # nothing new: nothing folded, nothing written
     # (it may re-read events below an unchanged snapshot's offset and skip them: see REFRESH_LAG)
     assert again.events_folded == 0 and again.snapshots == 0
+
+
+def test_auto_folds_a_small_increment_in_process_with_the_same_result(spark: Any, bank: Bank) -> None:
+    """After a Spark run, an increment under local_max_events is folded without Spark: only the new events are
+    read, and the snapshots it writes are as true as the Spark job's."""
+    bank.produce(800)
+    first = runs.run(bank.kafka, bank.agg, [BANK], lambda: spark, engine="auto", local_max_events=500)
+    assert first.engine == "spark" and first.events_folded == 800  # 800 pending > 500: Spark
+    bank.produce(60)
+    second = runs.run(bank.kafka, bank.agg, [BANK], _no_spark, engine="auto", local_max_events=500)
+    assert second.engine == "local"
+    assert second.events_read == 60 and second.events_folded == 60 and 0 < second.snapshots <= 60
+    assert second.partitions == bank.agg.partitions and second.bad == 0
+    for p in bank.partitions():  # right after the local run, restore folds nothing (unchanged aggregates' older
+        assert restore(bank.kafka, bank.agg, bank.domain, p).events_folded == 0  # snapshots: re-read, skipped)
+    _assert_restore_equals_full_replay(bank)
+    _assert_every_snapshot_true_at_its_offset(bank)
+    bank.produce(30)
+    third = _job(spark, bank)  # and Spark carries on from the local run's snapshots and markers
+    assert third.events_folded == 30 and third.events_read <= 60 + 30  # (re-reads the local run's range)
+    _assert_restore_equals_full_replay(bank)
+
+
+def test_plan_counts_the_events_each_partition_still_has_to_fold(bank: Bank) -> None:
+    """The planner's pending count is what a run will read; it stops early once past the limit."""
+    bank.produce(300)
+    planned = runs.plan(bank.kafka, bank.agg, bank.domain, bank.partitions())
+    assert planned.events == 300 and set(planned.selections) == set(bank.partitions())
+    assert runs.choose("auto", planned, 300) == "local" and runs.choose("auto", planned, 299) == "spark"
+    assert runs.choose("spark", planned, 10**9) == "spark" and runs.choose("local", planned, 0) == "local"
+    early = runs.plan(bank.kafka, bank.agg, bank.domain, bank.partitions(), stop_above=0)
+    assert len(early.pending) == 1  # the first partition was already over the limit
+    _local(bank)
+    assert runs.plan(bank.kafka, bank.agg, bank.domain, bank.partitions()).events == 0
+    bank.produce(25)
+    assert runs.plan(bank.kafka, bank.agg, bank.domain, bank.partitions()).events == 25
+
+
+def test_cli_run_folds_a_small_history_in_process_and_says_so(bank: Bank, tmp_path: Any,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`kafold snapshot run` with the default engine (auto) starts no Spark for a small run; verify agrees."""
+    from kafold import cli
+
+    bank.produce(120)
+    toml = tmp_path / "kafold.toml"
+    agg = bank.agg
+    toml.write_text(f'[kafka]\nbootstrap_servers = "{bank.kafka.bootstrap_servers}"\n'
+                    f'[daemon]\npython_path = ["{BANK}"]\n'
+                    f'[[aggregates]]\nname = "{agg.name}"\ninitial = "{agg.initial}"\nevolve = "{agg.evolve}"\n'
+                    f'decide = "{agg.decide}"\npartitions = {agg.partitions}\nfingerprint = "{agg.fingerprint}"\n')
+    assert cli.main(["snapshot", "run", "-c", str(toml)]) == 0
+    out = capsys.readouterr().out
+    row = next(line.split() for line in out.splitlines() if line.startswith(agg.name))
+    assert row[1:4] == ["local", str(agg.partitions), "120"]  # engine, partitions, events folded
+    assert "no Spark job needed" in out
+    _assert_restore_equals_full_replay(bank)
+    assert cli.main(["snapshot", "verify", "-c", str(toml)]) == 0
+    assert "0 mismatches" in capsys.readouterr().out

@@ -1,0 +1,114 @@
+"""One events partition folded on its usable snapshots, and the snapshots + marker that record the result.
+
+Shared by restore, verify, the Spark job's data source and the in-process (local) snapshot run, so every reader of
+state folds the same way.
+
+Offset note: the range end is captured first (`kafka_io.bounds`, the fetch path's end), snapshots claiming an
+offset past it are rejected as ahead of the events, and the tail is read from `Selection.start` up to that end.
+When writing, the snapshots are flushed (idempotent producer, acks=all) before the partition's marker, so a marker
+is only ever seen after every snapshot it vouches for; a run killed in between leaves snapshots that are each true
+at the offset they claim, and no marker.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kafold import logs
+from kafold.config import AggregateConfig
+from kafold.snapshot import kafka_io
+from kafold.snapshot.fold import Domain, Folder
+from kafold.snapshot.record import Marker
+from kafold.snapshot.select import Identity, Selection, Selector
+
+log = logs.get(__name__)
+BATCH = 20000  # events read from Kafka (and folded) at a time
+OnBatch = Callable[[Folder, int, int], None]  # (folder, last offset folded, range end)
+
+
+def select_partition(consumer: Any, agg: AggregateConfig, identity: Identity, partition: int,
+                     low: int, end: int) -> Selection:
+    """Read the snapshot partition and choose the usable snapshot per aggregate (latest-per-key ourselves:
+    compaction is lazy, so older versions and out-of-order writes may still be on the topic)."""
+    selector = Selector(identity, partition, low, end)
+    topic = agg.topic("snapshot")
+    if not kafka_io.exists(consumer, topic):  # reading it would only stall: no snapshots, a full replay
+        log.warning("snapshot.topic_missing", aggregate=agg.name, topic=topic, partition=partition,
+                    fallback="full replay", fix="run `kafold topics ensure`")
+        return selector.result()
+    for key, value, offset in kafka_io.records(consumer, topic, partition):
+        selector.feed(key, value, offset)
+    return selector.result()
+
+
+def plan_partition(consumer: Any, agg: AggregateConfig, identity: Identity, partition: int,
+                   use_snapshots: bool = True) -> Selection:
+    """The partition's range end and its usable snapshots (or none: a full replay)."""
+    low, end = kafka_io.bounds(consumer, agg.topic("events"), partition)
+    if not use_snapshots:
+        return Selection(partition, low, end)
+    return select_partition(consumer, agg, identity, partition, low, end)
+
+
+@dataclass
+class Folded:
+    """A partition folded from `selection.start` to `selection.end` on the selection's bases."""
+
+    selection: Selection
+    folder: Folder
+    fold_s: float
+
+
+def fold_partition(consumer: Any, agg: AggregateConfig, domain: Domain, partition: int, *,
+                   selection: Selection | None = None, use_snapshots: bool = True,
+                   on_batch: OnBatch | None = None) -> Folded:
+    """Fold one events partition: its usable snapshots (`selection`, planned here when not given) + the tail."""
+    sel = selection or plan_partition(consumer, agg, domain.identity, partition, use_snapshots)
+    began = time.monotonic()
+    folder = Folder(domain, sel.bases)
+    for offsets, keys, values in kafka_io.read_range(consumer, agg.topic("events"), partition, sel.start, sel.end,
+                                                     batch=BATCH):
+        folder.fold(offsets, keys, values)
+        if on_batch is not None:
+            on_batch(folder, offsets[-1], sel.end)
+    folder.log_bad(partition)
+    return Folded(sel, folder, time.monotonic() - began)
+
+
+def progress_logger(agg: AggregateConfig, partition: int, every_s: float = 5.0) -> OnBatch:
+    """An `on_batch` hook logging `snapshot.partition_progress` at most every `every_s` seconds."""
+    began = logged = time.monotonic()
+
+    def report(folder: Folder, offset: int, end: int) -> None:
+        nonlocal logged
+        now = time.monotonic()
+        if now - logged >= every_s:
+            logged = now
+            log.info("snapshot.partition_progress", aggregate=agg.name, partition=partition, offset=offset, end=end,
+                     events_read=folder.read, events_per_s=round(folder.read / (now - began)))
+    return report
+
+
+def write_marker(producer: Any, agg: AggregateConfig, partition: int, end: int) -> None:
+    """The marker of a finished partition; call only once its snapshots are acknowledged (see the note above)."""
+    kafka_io.write(producer, agg.topic("snapshot"), partition,
+                   [Marker(agg.name, partition, end, agg.fingerprint, agg.state_schema_version)])
+
+
+def write_folded(producer: Any, agg: AggregateConfig, folded: Folded, refresh_lag: int | None,
+                 limit: int | None = None) -> int:
+    """Write a folded partition's snapshots, then (once all are acknowledged) its marker; how many snapshots.
+    `limit` writes only that many snapshots and no marker (what a run killed halfway leaves, for tests)."""
+    sel = folded.selection
+    writes = kafka_io.Writes(producer, agg.topic("snapshot"), sel.partition)
+    snaps = folded.folder.snapshots(sel.partition, sel.end, refresh_lag)
+    if limit is not None:
+        snaps = list(snaps)[:limit]
+    writes.add(s.encode() for s in snaps)
+    written = writes.flush()
+    if limit is None:
+        write_marker(producer, agg, sel.partition, sel.end)
+    return written

@@ -1,0 +1,180 @@
+"""A snapshot run of one aggregate type: plan it, then fold small increments in this process and large ones in Spark.
+
+A Spark job has a fixed cost whatever it folds (a JVM and its session, ~6 s here; then ~0.5-1 s a job for
+planning the Python data source, starting Python workers and scheduling tasks, see docs/benchmarks.md). An
+incremental run over a few thousand new events is a few tenths of a second of folding, so with `engine = "auto"`
+a run first plans each partition (its end, its usable snapshots, so the events still to fold) and folds in this
+process when the total is at most `local_max_events`; bigger runs, first runs over a long history and
+`engine = "spark"` go to Spark. Both fold with the same code (kafold.snapshot.partition) and write the same
+records, so a snapshot does not say, and does not need to say, which engine made it.
+
+Offset note: the local run writes exactly what a Spark task writes: per partition the snapshots at the end
+captured when the partition was planned, flushed, then the marker (kafold.snapshot.partition). Plans keep their
+selections (the base snapshots) for the local run, up to KEEP_BASES of them; past that a partition is planned
+again when it is folded, which reads its snapshots twice but bounds the memory a plan holds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafold import kafka_clients, logs
+from kafold.config import AggregateConfig, KafkaConfig
+from kafold.errors import FatalError
+from kafold.snapshot import kafka_io
+from kafold.snapshot.fold import Domain
+from kafold.snapshot.partition import fold_partition, plan_partition, progress_logger, write_folded
+from kafold.snapshot.select import Selection
+
+log = logs.get(__name__)
+KEEP_BASES = 200_000
+# Unchanged aggregates whose snapshot lags the range end by more than this many offsets get theirs moved
+# forward, so dormant aggregates do not hold every later run and restore back at an old offset.
+REFRESH_LAG = 100_000
+Reporter = Callable[[int, int, int], None]  # (partitions done, partitions in all, events read so far)
+
+
+@dataclass
+class JobResult:
+    """What one run did for one aggregate type."""
+
+    aggregate: str
+    partitions: int = 0
+    events_read: int = 0
+    events_folded: int = 0
+    snapshots: int = 0
+    aggregates: int = 0
+    bad: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    duration_s: float = 0.0
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    engine: str = "spark"
+    plan_s: float = 0.0  # planning (auto): reading each partition's end and snapshots before choosing
+
+    @property
+    def events_per_s(self) -> float:
+        return self.events_read / self.duration_s if self.duration_s > 0 else 0.0
+
+    def add_row(self, row: dict[str, Any], rejected: dict[str, int]) -> None:
+        self.rows.append(row)
+        self.partitions += 1
+        for name in ("events_read", "events_folded", "snapshots", "aggregates", "bad"):
+            setattr(self, name, getattr(self, name) + row[name])
+        for reason, n in rejected.items():
+            self.rejected[reason] = self.rejected.get(reason, 0) + n
+
+
+def partitions_of(kafka: KafkaConfig, agg: AggregateConfig) -> list[int]:
+    """The events topic's partitions (from the broker); the snapshot topic must have as many."""
+    meta = kafka_clients.admin(kafka).list_topics(timeout=15)
+    counts = {t: len(meta.topics[t].partitions) for t in (agg.topic("events"), agg.topic("snapshot"))
+              if t in meta.topics and meta.topics[t].error is None}
+    events, snaps = counts.get(agg.topic("events")), counts.get(agg.topic("snapshot"))
+    if events is None or snaps is None:
+        missing = agg.topic("events") if events is None else agg.topic("snapshot")
+        raise FatalError(f"aggregate {agg.name!r}: topic {missing!r} does not exist; run `kafold topics ensure`")
+    if events != snaps:
+        raise FatalError(f"aggregate {agg.name!r}: snapshot topic {agg.topic('snapshot')!r} has {snaps} partitions "
+                         f"but must be co-partitioned with {agg.topic('events')!r} ({events})")
+    return list(range(events))
+
+
+@dataclass
+class Plan:
+    """Per partition, the range still to fold; `selections` keeps the plans a local run can reuse."""
+
+    pending: dict[int, int] = field(default_factory=dict)  # partition -> events in [start, end)
+    selections: dict[int, Selection] = field(default_factory=dict)
+    duration_s: float = 0.0
+
+    @property
+    def events(self) -> int:
+        return sum(self.pending.values())
+
+
+def plan(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitions: list[int],
+         stop_above: int | None = None) -> Plan:
+    """Plan every partition (stops early once more than `stop_above` events are pending: Spark will run)."""
+    began = time.monotonic()
+    out = Plan()
+    kept = 0
+    consumer = kafka_io.reader(kafka)
+    try:
+        for p in partitions:
+            sel = plan_partition(consumer, agg, domain.identity, p)
+            out.pending[p] = sel.end - sel.start
+            if kept + len(sel.bases) <= KEEP_BASES:
+                out.selections[p] = sel
+                kept += len(sel.bases)
+            if stop_above is not None and out.events > stop_above:
+                break
+    finally:
+        consumer.close()
+    out.duration_s = time.monotonic() - began
+    return out
+
+
+def run_local(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitions: list[int], *,
+              refresh_lag: int = REFRESH_LAG, planned: Plan | None = None,
+              reporter: Reporter | None = None) -> JobResult:
+    """Fold and write every partition in this process, one after the other (what the Spark tasks do)."""
+    began = time.monotonic()
+    result = JobResult(agg.name, engine="local", plan_s=planned.duration_s if planned else 0.0)
+    selections = planned.selections if planned else {}
+    consumer = kafka_io.reader(kafka)
+    producer = kafka_io.writer(kafka)
+    try:
+        for done, p in enumerate(partitions):
+            folded = fold_partition(consumer, agg, domain, p, selection=selections.pop(p, None),
+                                    on_batch=progress_logger(agg, p))
+            write_began = time.monotonic()
+            written = write_folded(producer, agg, folded, refresh_lag)
+            sel, folder = folded.selection, folded.folder
+            row = {"partition": p, "start": sel.start, "end": sel.end, "events_read": folder.read,
+                   "events_folded": folder.folded, "skipped": folder.skipped, "bad": folder.bad,
+                   "snapshots": written, "aggregates": len(folder.entries), "fold_s": folded.fold_s,
+                   "write_s": time.monotonic() - write_began}
+            log.info("snapshot.partition", aggregate=agg.name, engine="local", **row)
+            result.add_row(row, dict(sel.rejected))
+            if reporter is not None:
+                reporter(done + 1, len(partitions), result.events_read)
+    finally:
+        consumer.close()
+    result.duration_s = time.monotonic() - began + result.plan_s
+    return result
+
+
+def choose(engine: str, planned: Plan | None, local_max_events: int) -> str:
+    """"local" or "spark" for a run: the configured engine, or with auto the plan's size against the limit."""
+    if engine != "auto":
+        return engine
+    return "local" if planned is not None and planned.events <= local_max_events else "spark"
+
+
+def run(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], spark: Callable[[], Any], *,
+        engine: str = "auto", local_max_events: int = 200_000, refresh_lag: int = REFRESH_LAG,
+        reporter: Reporter | None = None) -> JobResult:
+    """Snapshot one aggregate type with the engine `engine` asks for; `spark()` gives the SparkSession (started
+    only when a run needs it)."""
+    parts = partitions_of(kafka, agg)
+    planned = domain = None
+    if engine != "spark":
+        domain = Domain.load(agg, python_path)
+        planned = plan(kafka, agg, domain, parts, stop_above=local_max_events if engine == "auto" else None)
+    chosen = choose(engine, planned, local_max_events)
+    log.info("snapshot.plan", aggregate=agg.name, engine=chosen, configured=engine, partitions=len(parts),
+             pending_events=planned.events if planned else None,
+             plan_s=round(planned.duration_s, 3) if planned else None)
+    if chosen == "local" and domain is not None:
+        return run_local(kafka, agg, domain, parts, refresh_lag=refresh_lag, planned=planned, reporter=reporter)
+    from kafold.spark_jobs import snapshot_job
+
+    result = snapshot_job.run(spark(), kafka, agg, python_path, partitions=parts, refresh_lag=refresh_lag,
+                              reporter=reporter)
+    if planned is not None:
+        result.plan_s = planned.duration_s
+        result.duration_s += planned.duration_s
+    return result
