@@ -171,10 +171,22 @@ _SIMPLE: dict[str, tuple[type, ...]] = {"int": (int,), "str": (str,), "float": (
                                         "dict": (dict,), "list": (list,)}
 
 
+_STATE_FIELDS: dict[type, tuple[str, ...]] = {}
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+
+
 def default_state_to_json(state: Any) -> Any:
-    if dataclasses.is_dataclass(state) and not isinstance(state, type):
-        return dataclasses.asdict(state)
-    return state
+    """A dataclass state as a dict of its fields (nested values converted like `dataclasses.asdict`), else as is."""
+    names = _STATE_FIELDS.get(type(state))
+    if names is None:
+        if not dataclasses.is_dataclass(state) or isinstance(state, type):
+            return state
+        names = _STATE_FIELDS[type(state)] = tuple(f.name for f in dataclasses.fields(state))
+    out = {name: getattr(state, name) for name in names}
+    for value in out.values():  # flat states (the common case) need no deep copy
+        if type(value) not in _PLAIN:
+            return dataclasses.asdict(state)
+    return out
 
 
 def default_state_from_json(sample: Any) -> Callable[[Any], Any]:

@@ -18,6 +18,7 @@ import orjson
 from kafold import logs
 from kafold.config import AggregateConfig
 from kafold.domain import default_state_from_json, default_state_to_json  # the same state JSON rules
+from kafold.envelope import utc_now
 from kafold.errors import ConfigError
 from kafold.snapshot.record import Snapshot
 from kafold.snapshot.select import Identity
@@ -150,7 +151,7 @@ class Folder:
         """Snapshots at `end` for aggregates changed by this fold (and for unchanged ones whose snapshot lags
         `end` by more than `refresh_lag` offsets: same state and version, moved forward, which is still true
         because they have no events in between)."""
-        ident, to_json = self.domain.identity, self.domain.to_json
+        ident, to_json, created_at = self.domain.identity, self.domain.to_json, utc_now()  # one time for the run
         for key, e in self.entries.items():
             if e[CHANGED]:
                 state_json = to_json(e[STATE])
@@ -159,7 +160,7 @@ class Folder:
             else:
                 continue
             yield Snapshot(ident.aggregate_type, key.decode(), state_json, e[VERSION], partition, end,
-                           ident.fingerprint, ident.state_schema_version)
+                           ident.fingerprint, ident.state_schema_version, created_at)
 
     def log_bad(self, partition: int) -> None:
         if self.bad:
