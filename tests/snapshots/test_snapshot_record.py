@@ -30,6 +30,16 @@ def test_a_changed_state_fails_the_checksum() -> None:
         record.decode(key, tampered)
 
 
+def test_a_changed_checksum_fails_in_the_layout_encode_writes() -> None:
+    """encode appends the checksum to the canonical bytes (read back by a fast path): a wrong one still fails."""
+    key, value, _ = SNAP.encode()
+    assert value.endswith(b'"checksum":"' + orjson.loads(value)["checksum"].encode() + b'"}')
+    digit = value[-3:-2]
+    broken = value[:-3] + (b"0" if digit != b"0" else b"1") + value[-2:]
+    with pytest.raises(ChecksumError, match="checksum"):
+        record.decode(key, broken)
+
+
 @pytest.mark.parametrize(("value", "message"), [
     (b"not json", "value: not valid JSON"),
     (b"[1]", "value: expected a JSON object"),
