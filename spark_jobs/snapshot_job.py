@@ -117,10 +117,10 @@ def run(spark: Any, kafka: KafkaConfig, agg: AggregateConfig, python_path: list[
     for r in rows:
         result.add_row(r, orjson.loads(r["rejected"]))
     result.duration_s = time.monotonic() - began
-    log.info("snapshot.job", aggregate=agg.name, partitions=result.partitions, events_read=result.events_read,
-             events_folded=result.events_folded, snapshots=result.snapshots, aggregates=result.aggregates,
-             bad=result.bad, rejected=result.rejected or None, duration_s=round(result.duration_s, 2),
-             events_per_s=round(result.events_per_s))
+    log.info("snapshot.job", aggregate=agg.name, engine="spark", partitions=result.partitions,
+             events_read=result.events_read, events_folded=result.events_folded, snapshots=result.snapshots,
+             aggregates=result.aggregates, bad=result.bad, rejected=result.rejected or None,
+             duration_s=round(result.duration_s, 2), events_per_s=round(result.events_per_s))
     return result
 
 

@@ -144,6 +144,11 @@ def run_local(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitio
     finally:
         consumer.close()
     result.duration_s = time.monotonic() - began + result.plan_s
+    log.info("snapshot.job", aggregate=agg.name, engine="local", partitions=result.partitions,
+             events_read=result.events_read, events_folded=result.events_folded, snapshots=result.snapshots,
+             aggregates=result.aggregates, bad=result.bad, rejected=result.rejected or None,
+             plan_s=round(result.plan_s, 3), duration_s=round(result.duration_s, 3),
+             events_per_s=round(result.events_per_s))
     return result
 
 
