@@ -104,7 +104,7 @@ class CommandClient:
     def _results_reader(self) -> Any:
         if self._reader is None:
             self._reader = kafka_clients.consumer(self.kafka, f"kafold.client.{self.agg.name}", **{
-                "isolation.level": "read_committed", "fetch.wait.max.ms": 10})
+                "isolation.level": "read_committed", "fetch.wait.max.ms": kafka_clients.RANGE_FETCH_WAIT_MS})
         return self._reader
 
     def _collect(self, wanted: set[str], starts: dict[int, int], timeout: float) -> dict[str, Result]:

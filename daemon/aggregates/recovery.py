@@ -48,10 +48,7 @@ class FullReplay:
 
 def reader(kafka: KafkaConfig, name: str) -> Any:
     """A group-less events reader (assign only, never commits) that reports partition EOF, read_committed."""
-    return kafka_clients.consumer(kafka, f"kafold.aggregate.{name}.reader", **{
-        "enable.partition.eof": True, "isolation.level": "read_committed",
-        "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024,
-        "queued.min.messages": 200000, "fetch.wait.max.ms": 5})
+    return kafka_clients.range_reader(kafka, f"kafold.aggregate.{name}.reader")
 
 
 def bounds(consumer: Any, topic: str, partition: int) -> tuple[int, int]:

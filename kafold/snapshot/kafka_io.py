@@ -25,10 +25,7 @@ Batch = tuple[list[int], list[bytes | None], list[bytes | None]]
 
 def reader(kafka: KafkaConfig) -> Consumer:
     """A group-less reader (assign only, never commits) that reports partition EOF."""
-    return kafka_clients.consumer(kafka, "kafold.snapshot.reader", **{
-        "enable.partition.eof": True, "isolation.level": "read_committed",
-        "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024,
-        "queued.min.messages": 200000, "fetch.wait.max.ms": 2})  # short: EOF (the end) shows up at once
+    return kafka_clients.range_reader(kafka, "kafold.snapshot.reader")
 
 
 def _poll(consumer: Consumer, size: int, timeout: float) -> list[Any]:
