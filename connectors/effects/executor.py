@@ -208,7 +208,11 @@ class Executor:
             while st.queue and not st.parked:
                 item = st.queue[0]
                 result = await self._attempt(item)
-                st.queue.popleft()
+                # While the attempt ran, a revocation may have cleared the queue and a new assignment of the
+                # partition queued the key's events again (this same state, so they wait for this attempt and
+                # keep their order): only the attempted item leaves the queue.
+                if st.queue and st.queue[0] is item:
+                    st.queue.popleft()
                 if self.epochs.get(item.record.tp) != item.epoch:
                     continue
                 if result.ok:
