@@ -37,17 +37,62 @@ def _poll(consumer: Consumer, size: int, timeout: float) -> list[Any]:
 
 def bounds(consumer: Consumer, topic: str, partition: int) -> tuple[int, int]:
     """(first offset, end offset) of a partition, the end as the fetch path reports it."""
+    return bounds_many(consumer, topic, [partition])[partition]
+
+
+def bounds_many(consumer: Consumer, topic: str, partitions: list[int]) -> dict[int, tuple[int, int]]:
+    """`bounds` of several partitions, probed together (one wait for the ends instead of one per partition)."""
+    out: dict[int, tuple[int, int]] = {}
+    for p in partitions:
+        try:
+            out[p] = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)
+        except KafkaException as e:
+            raise RetriableError(f"{topic}[{p}]: cannot list offsets: {e}") from e
+    starts = {p: max(low, listed - 1) for p, (low, listed) in out.items() if listed > low}
+    positions: dict[int, int] = {}  # where each read stopped: past a trailing transaction marker too
+    for p, offsets, _, _ in read_to_ends(consumer, topic, starts, positions):
+        low, end = out[p]
+        out[p] = (low, max(end, offsets[-1] + 1))
+    return {p: (low, max(low, end, positions.get(p, -1))) for p, (low, end) in out.items()}
+
+
+def read_to_ends(consumer: Consumer, topic: str, starts: dict[int, int], positions: dict[int, int] | None = None
+                 ) -> Iterator[tuple[int, list[int], list[bytes | None], list[bytes | None]]]:
+    """Records of several partitions, each from its start up to its partition EOF, as (partition, offsets, keys,
+    values) batches; per partition in offset order (partitions interleave). Records after a partition's EOF (new
+    data) are left for the next read, as `read_range` does. `positions` gets the consumer's position of each
+    partition that reached its EOF."""
+    if not starts:
+        return
+    consumer.assign([TopicPartition(topic, p, off) for p, off in starts.items()])
+    remaining = set(starts)
+    last_progress = time.monotonic()
     try:
-        low, listed = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10, cached=False)
-    except KafkaException as e:
-        raise RetriableError(f"{topic}[{partition}]: cannot list offsets: {e}") from e
-    if listed <= low:
-        return low, low
-    end = listed
-    for offsets, _, _ in read_range(consumer, topic, partition, max(low, listed - 1), None):
-        if offsets:
-            end = max(end, offsets[-1] + 1)
-    return low, max(end, _position(consumer, topic, partition, end))
+        while remaining:
+            batches: dict[int, Batch] = {}
+            for m in _poll(consumer, 20000, 0.01):
+                p, err = m.partition(), m.error()
+                if err is not None:
+                    if err.code() != KafkaError._PARTITION_EOF:
+                        raise RetriableError(f"{topic}[{p}]: {err.str()}")
+                    remaining.discard(p)
+                    if positions is not None and m.offset() >= 0:
+                        positions[p] = m.offset()  # an EOF event carries the offset the fetch stopped at
+                    last_progress = time.monotonic()
+                elif p in remaining:
+                    batch = batches.setdefault(p, ([], [], []))
+                    batch[0].append(m.offset())
+                    batch[1].append(m.key())
+                    batch[2].append(m.value())
+            for p, (offsets, keys, values) in batches.items():
+                last_progress = time.monotonic()
+                yield p, offsets, keys, values
+            if remaining and time.monotonic() - last_progress > STALL_S:
+                p = min(remaining)
+                raise RetriableError(f"{topic}[{p}]: no progress for {STALL_S:.0f} s before partition EOF "
+                                     f"({_where(consumer, topic, p, -1)})")
+    finally:
+        consumer.unassign()
 
 
 def exists(consumer: Consumer, topic: str) -> bool:
@@ -58,11 +103,6 @@ def exists(consumer: Consumer, topic: str) -> bool:
         raise RetriableError(f"{topic}: cannot read metadata: {e}") from e
     found = meta.topics.get(topic)
     return found is not None and found.error is None and bool(found.partitions)
-
-
-def _position(consumer: Consumer, topic: str, partition: int, default: int) -> int:
-    pos = consumer.position([TopicPartition(topic, partition)])[0].offset
-    return pos if pos >= 0 else default
 
 
 def read_range(consumer: Consumer, topic: str, partition: int, start: int, end: int | None,
@@ -141,6 +181,15 @@ def records(consumer: Consumer, topic: str, partition: int) -> Iterator[tuple[by
     """Every record of a (snapshot) partition as (key, value, offset), in log order, up to partition EOF."""
     for offsets, keys, values in read_range(consumer, topic, partition, OFFSET_BEGINNING, None):
         yield from zip(keys, values, offsets, strict=True)
+
+
+def records_many(consumer: Consumer, topic: str, partitions: list[int]) -> Iterator[
+        tuple[int, bytes | None, bytes | None, int]]:
+    """Every record of several (snapshot) partitions as (partition, key, value, offset), read together, per
+    partition in log order, each up to its partition EOF."""
+    for p, offsets, keys, values in read_to_ends(consumer, topic, dict.fromkeys(partitions, OFFSET_BEGINNING)):
+        for key, value, offset in zip(keys, values, offsets, strict=True):
+            yield p, key, value, offset
 
 
 _WRITERS: dict[str, Any] = {}

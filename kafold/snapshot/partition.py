@@ -44,6 +44,22 @@ def select_partition(consumer: Any, agg: AggregateConfig, identity: Identity, pa
     return selector.result()
 
 
+def select_partitions(consumer: Any, agg: AggregateConfig, identity: Identity, partitions: list[int]
+                      ) -> list[Selection]:
+    """`plan_partition` for several partitions at once: their ends probed together and their snapshot partitions
+    read together (each partition's records still fed in log order to its own selector)."""
+    ends = kafka_io.bounds_many(consumer, agg.topic("events"), partitions)
+    selectors = {p: Selector(identity, p, *ends[p]) for p in partitions}
+    topic = agg.topic("snapshot")
+    if kafka_io.exists(consumer, topic):
+        for p, key, value, offset in kafka_io.records_many(consumer, topic, partitions):
+            selectors[p].feed(key, value, offset)
+    else:
+        log.warning("snapshot.topic_missing", aggregate=agg.name, topic=topic, partitions=partitions,
+                    fallback="full replay", fix="run `kafold topics ensure`")
+    return [selectors[p].result() for p in partitions]
+
+
 def plan_partition(consumer: Any, agg: AggregateConfig, identity: Identity, partition: int,
                    use_snapshots: bool = True) -> Selection:
     """The partition's range end and its usable snapshots (or none: a full replay)."""

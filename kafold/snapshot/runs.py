@@ -26,11 +26,12 @@ from kafold.config import AggregateConfig, KafkaConfig
 from kafold.errors import FatalError
 from kafold.snapshot import kafka_io
 from kafold.snapshot.fold import Domain
-from kafold.snapshot.partition import fold_partition, plan_partition, progress_logger, write_folded
+from kafold.snapshot.partition import fold_partition, progress_logger, select_partitions, write_folded
 from kafold.snapshot.select import Selection
 
 log = logs.get(__name__)
 KEEP_BASES = 200_000
+PLAN_TOGETHER = 8  # partitions planned at a time (their selections are in memory together)
 # Unchanged aggregates whose snapshot lags the range end by more than this many offsets get theirs moved
 # forward, so dormant aggregates do not hold every later run and restore back at an old offset.
 REFRESH_LAG = 100_000
@@ -97,18 +98,22 @@ class Plan:
 
 def plan(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitions: list[int],
          stop_above: int | None = None) -> Plan:
-    """Plan every partition (stops early once more than `stop_above` events are pending: Spark will run)."""
+    """Plan every partition (stops early once more than `stop_above` events are pending: Spark will run).
+
+    Partitions are planned PLAN_TOGETHER at a time with one reader (their ends and snapshot partitions read
+    together: one fetch wait for the ends instead of one per partition) and the same selection restore uses."""
     began = time.monotonic()
     out = Plan()
     kept = 0
     consumer = kafka_io.reader(kafka)
     try:
-        for p in partitions:
-            sel = plan_partition(consumer, agg, domain.identity, p)
-            out.pending[p] = sel.end - sel.start
-            if kept + len(sel.bases) <= KEEP_BASES:
-                out.selections[p] = sel
-                kept += len(sel.bases)
+        for i in range(0, len(partitions), PLAN_TOGETHER):
+            chunk = partitions[i:i + PLAN_TOGETHER]
+            for sel in select_partitions(consumer, agg, domain.identity, chunk):
+                out.pending[sel.partition] = sel.end - sel.start
+                if kept + len(sel.bases) <= KEEP_BASES:
+                    out.selections[sel.partition] = sel
+                    kept += len(sel.bases)
             if stop_above is not None and out.events > stop_above:
                 break
     finally:
@@ -168,6 +173,7 @@ def run(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], spark:
     planned = domain = None
     if engine != "spark":
         domain = Domain.load(agg, python_path)
+        kafka_io.writer(kafka).poll(0)  # the idempotent producer's handshake runs while the plan reads
         planned = plan(kafka, agg, domain, parts, stop_above=local_max_events if engine == "auto" else None)
     chosen = choose(engine, planned, local_max_events)
     log.info("snapshot.plan", aggregate=agg.name, engine=chosen, configured=engine, partitions=len(parts),

@@ -131,13 +131,14 @@ def test_auto_folds_a_small_increment_in_process_with_the_same_result(spark: Any
     _assert_restore_equals_full_replay(bank)
 
 
-def test_plan_counts_the_events_each_partition_still_has_to_fold(bank: Bank) -> None:
+def test_plan_counts_the_events_each_partition_still_has_to_fold(bank: Bank, monkeypatch: pytest.MonkeyPatch) -> None:
     """The planner's pending count is what a run will read; it stops early once past the limit."""
     bank.produce(300)
     planned = runs.plan(bank.kafka, bank.agg, bank.domain, bank.partitions())
     assert planned.events == 300 and set(planned.selections) == set(bank.partitions())
     assert runs.choose("auto", planned, 300) == "local" and runs.choose("auto", planned, 299) == "spark"
     assert runs.choose("spark", planned, 10**9) == "spark" and runs.choose("local", planned, 0) == "local"
+    monkeypatch.setattr(runs, "PLAN_TOGETHER", 1)  # one partition at a time: the early stop is visible
     early = runs.plan(bank.kafka, bank.agg, bank.domain, bank.partitions(), stop_above=0)
     assert len(early.pending) == 1  # the first partition was already over the limit
     _local(bank)
