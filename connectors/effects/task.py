@@ -169,10 +169,16 @@ class EffectSinkTask(SinkTask):
         self.executor.close(list(partitions))
 
     def stop(self) -> None:
-        self.executor.stop()
-        self.ledger.close()
-        self.dlq.close()
-        self.log.info("effect task stopped", **self.executor.counts)
+        # start() may have failed part way (PostgreSQL still starting): close what it got to.
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.stop()
+        for name in ("ledger", "dlq"):
+            part = getattr(self, name, None)
+            if part is not None:
+                part.close()
+        if executor is not None:
+            self.log.info("effect task stopped", **executor.counts)
 
 
 def build_effect(config: EffectConfig, kafka: KafkaConfig, name: str) -> Effect:
