@@ -107,7 +107,7 @@ def handle_run(args: argparse.Namespace) -> int:
     aggs = _aggregates(cfg, args.aggregate, args.config)
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit chose the master
     master = args.master or (None if under_submit else cfg.snapshots.spark_master)
-    engine = getattr(args, "engine", None) or cfg.snapshots.engine
+    engine = args.engine or cfg.snapshots.engine
     started: dict[str, Any] = {}
 
     def spark() -> Any:  # started on first use: a run that folds in-process never starts a JVM

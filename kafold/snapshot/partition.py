@@ -33,15 +33,7 @@ def select_partition(consumer: Any, agg: AggregateConfig, identity: Identity, pa
                      low: int, end: int) -> Selection:
     """Read the snapshot partition and choose the usable snapshot per aggregate (latest-per-key ourselves:
     compaction is lazy, so older versions and out-of-order writes may still be on the topic)."""
-    selector = Selector(identity, partition, low, end)
-    topic = agg.topic("snapshot")
-    if not kafka_io.exists(consumer, topic):  # reading it would only stall: no snapshots, a full replay
-        log.warning("snapshot.topic_missing", aggregate=agg.name, topic=topic, partition=partition,
-                    fallback="full replay", fix="run `kafold topics ensure`")
-        return selector.result()
-    for key, value, offset in kafka_io.records(consumer, topic, partition):
-        selector.feed(key, value, offset)
-    return selector.result()
+    return _select(consumer, agg, {partition: Selector(identity, partition, low, end)})[0]
 
 
 def select_partitions(consumer: Any, agg: AggregateConfig, identity: Identity, partitions: list[int]
@@ -49,15 +41,18 @@ def select_partitions(consumer: Any, agg: AggregateConfig, identity: Identity, p
     """`plan_partition` for several partitions at once: their ends probed together and their snapshot partitions
     read together (each partition's records still fed in log order to its own selector)."""
     ends = kafka_io.bounds_many(consumer, agg.topic("events"), partitions)
-    selectors = {p: Selector(identity, p, *ends[p]) for p in partitions}
+    return _select(consumer, agg, {p: Selector(identity, p, *ends[p]) for p in partitions})
+
+
+def _select(consumer: Any, agg: AggregateConfig, selectors: dict[int, Selector]) -> list[Selection]:
     topic = agg.topic("snapshot")
     if kafka_io.exists(consumer, topic):
-        for p, key, value, offset in kafka_io.records_many(consumer, topic, partitions):
+        for p, key, value, offset in kafka_io.records_many(consumer, topic, list(selectors)):
             selectors[p].feed(key, value, offset)
-    else:
-        log.warning("snapshot.topic_missing", aggregate=agg.name, topic=topic, partitions=partitions,
+    else:  # reading it would only stall: no snapshots, a full replay
+        log.warning("snapshot.topic_missing", aggregate=agg.name, topic=topic, partitions=list(selectors),
                     fallback="full replay", fix="run `kafold topics ensure`")
-    return [selectors[p].result() for p in partitions]
+    return [sel.result() for sel in selectors.values()]
 
 
 def plan_partition(consumer: Any, agg: AggregateConfig, identity: Identity, partition: int,
@@ -114,17 +109,10 @@ def write_marker(producer: Any, agg: AggregateConfig, partition: int, end: int) 
                    [Marker(agg.name, partition, end, agg.fingerprint, agg.state_schema_version)])
 
 
-def write_folded(producer: Any, agg: AggregateConfig, folded: Folded, refresh_lag: int | None,
-                 limit: int | None = None) -> int:
-    """Write a folded partition's snapshots, then (once all are acknowledged) its marker; how many snapshots.
-    `limit` writes only that many snapshots and no marker (what a run killed halfway leaves, for tests)."""
+def write_folded(producer: Any, agg: AggregateConfig, folded: Folded, refresh_lag: int | None) -> int:
+    """Write a folded partition's snapshots, then (once all are acknowledged) its marker; how many snapshots."""
     sel = folded.selection
-    writes = kafka_io.Writes(producer, agg.topic("snapshot"), sel.partition)
-    snaps = folded.folder.snapshots(sel.partition, sel.end, refresh_lag)
-    if limit is not None:
-        snaps = list(snaps)[:limit]
-    writes.add(s.encode() for s in snaps)
-    written = writes.flush()
-    if limit is None:
-        write_marker(producer, agg, sel.partition, sel.end)
+    written = kafka_io.write(producer, agg.topic("snapshot"), sel.partition,
+                             folded.folder.snapshots(sel.partition, sel.end, refresh_lag))
+    write_marker(producer, agg, sel.partition, sel.end)
     return written
