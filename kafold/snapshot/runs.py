@@ -168,24 +168,28 @@ def run(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], spark:
         engine: str = "auto", local_max_events: int = 200_000, refresh_lag: int = REFRESH_LAG,
         reporter: Reporter | None = None) -> JobResult:
     """Snapshot one aggregate type with the engine `engine` asks for; `spark()` gives the SparkSession (started
-    only when a run needs it)."""
+    only when a run needs it). The result's duration is the whole run but the SparkSession's start."""
+    began = time.monotonic()
+    if engine != "spark":
+        kafka_io.writer(kafka)  # first: the idempotent producer's handshake runs while the plan reads
     parts = partitions_of(kafka, agg)
     planned = domain = None
     if engine != "spark":
         domain = Domain.load(agg, python_path)
-        kafka_io.writer(kafka).poll(0)  # the idempotent producer's handshake runs while the plan reads
         planned = plan(kafka, agg, domain, parts, stop_above=local_max_events if engine == "auto" else None)
     chosen = choose(engine, planned, local_max_events)
     log.info("snapshot.plan", aggregate=agg.name, engine=chosen, configured=engine, partitions=len(parts),
              pending_events=planned.events if planned else None,
              plan_s=round(planned.duration_s, 3) if planned else None)
     if chosen == "local" and domain is not None:
-        return run_local(kafka, agg, domain, parts, refresh_lag=refresh_lag, planned=planned, reporter=reporter)
+        result = run_local(kafka, agg, domain, parts, refresh_lag=refresh_lag, planned=planned, reporter=reporter)
+        result.duration_s = time.monotonic() - began
+        return result
     from kafold.spark_jobs import snapshot_job
 
+    before_job = time.monotonic() - began
     result = snapshot_job.run(spark(), kafka, agg, python_path, partitions=parts, refresh_lag=refresh_lag,
                               reporter=reporter)
-    if planned is not None:
-        result.plan_s = planned.duration_s
-        result.duration_s += planned.duration_s
+    result.plan_s = planned.duration_s if planned is not None else 0.0
+    result.duration_s += before_job
     return result
