@@ -334,6 +334,8 @@ class TasksService(mode.Service):
                 log.info("stop requested", reason="failure" if host.exit_code else "stop event")
                 host.background_stop = asyncio.ensure_future(host.worker.stop())
                 return
+            for slot in host.slots:
+                slot.check_polling()
             if not notified and host.ready_report()[0]:
                 notified = host.notifier.ready("caught up") or True
             interval = host.notifier.watchdog_interval_s

@@ -40,6 +40,7 @@ from kafold.connectors.api import (
     sink_record,
 )
 from kafold.connectors.dlq import DeadLetterWriter
+from kafold.daemon.liveness import STATS_INTERVAL_MS, GroupState, GroupWatch
 from kafold.daemon.progress import BatchStats, ProgressTracker, last_event_times
 from kafold.envelope import decode
 from kafold.errors import DecodeError, FatalError, KafoldError, RecordError, RetriableError
@@ -122,7 +123,8 @@ class SinkRunner:
         self.backing_off = False
         self.failed = False
         self.error: BaseException | None = None
-        self.counts = {"batches": 0, "records": 0, "dead_lettered": 0, "skipped": 0, "polls": 0, "assignments": 0}
+        self.counts = {"batches": 0, "records": 0, "dead_lettered": 0, "skipped": 0, "polls": 0, "assignments": 0,
+                       "rejoins": 0}
         self.on_batch: Callable[[BatchStats], None] | None = None  # called in this thread after each batch
         self.progress = ProgressTracker(str(self.consumer_extra.get("auto.offset.reset", "earliest")))
         self.committed: dict[TopicPartition, int] = {}
@@ -130,6 +132,8 @@ class SinkRunner:
         self.api_paused = False  # paused through the REST API (applied between polls)
         self._pause_request: bool | None = None
         self.started = self.stopped = False
+        self.last_poll = time.monotonic()  # when the loop last served the consumer (the host warns when it stops)
+        self.group_watch = GroupWatch(kafka.rebalance_timeout_ms / 1000, kafka.session_timeout_ms / 1000)
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -152,18 +156,17 @@ class SinkRunner:
     # ---- the loop ---------------------------------------------------------------------------------------
     def run(self) -> None:
         """Consume until stopped; raises nothing — a fatal error is logged and kept in `self.error`."""
-        extra = {"isolation.level": "read_committed", "enable.auto.offset.store": False,
-                 **self.consumer_extra}
-        self.consumer = kafka_clients.consumer(self.kafka, self.group_id, **extra)
+        self.consumer = self._new_consumer()
         wait = self.daemon.batch_max_wait_ms / 1000
         try:
             self.task.start(self.task_config, self.context)
-            self.consumer.subscribe(list(self.connector.settings.topics), on_assign=self._on_assign,
-                                    on_revoke=self._on_revoke, on_lost=self._on_lost)
+            self._subscribe()
             self.log.info("sink task started", group=self.group_id,
                           topics=list(self.connector.settings.topics))
             self.started = True
             while not self.stop_event.is_set():
+                self.last_poll = time.monotonic()
+                self._watch_group()
                 self._apply_requests()
                 self._apply_seeks()
                 msgs = self.consumer.consume(self.daemon.batch_max_records, wait)
@@ -184,6 +187,47 @@ class SinkRunner:
                            error_class=type(e).__name__, error=str(e), exc_info=not isinstance(e, FatalError))
         finally:
             self._shutdown()
+
+    def _new_consumer(self) -> Any:
+        extra = {"isolation.level": "read_committed", "enable.auto.offset.store": False,
+                 "statistics.interval.ms": STATS_INTERVAL_MS, "stats_cb": self._on_stats, **self.consumer_extra}
+        return kafka_clients.consumer(self.kafka, self.group_id, **extra)
+
+    def _subscribe(self) -> None:
+        self.consumer.subscribe(list(self.connector.settings.topics), on_assign=self._on_assign,
+                                on_revoke=self._on_revoke, on_lost=self._on_lost)
+        self.group_watch.reset()
+
+    def _on_stats(self, stats_json: str) -> None:  # librdkafka statistics, served by consume() in this thread
+        state = GroupState.from_stats(stats_json)
+        if state is not None:
+            self.group_watch.update(state)
+
+    def _watch_group(self) -> None:
+        """Warn while the group join is pending; past the rebalance timeout (wedged) leave and join again."""
+        watch = self.group_watch
+        if watch.unsteady_since is None:
+            return
+        now = time.monotonic()
+        if watch.wedged(now):
+            self.log.error("group join still pending past the rebalance and session timeouts; leaving the group "
+                           "and joining again with a new consumer", group=self.group_id, **watch.fields(now))
+            self._rejoin()
+        elif watch.should_warn(now):
+            self.log.warning("group join pending: no partitions assigned yet", group=self.group_id,
+                             **watch.fields(now))
+
+    def _rejoin(self) -> None:
+        """Release what this task holds (committed as in a rebalance), close the consumer, subscribe a new one."""
+        if self.assigned:
+            self._on_revoke(self.consumer, [KafkaTP(tp.topic, tp.partition) for tp in self.assigned])
+        try:
+            self.consumer.close()
+        except Exception as e:
+            self.log.warning("closing the old consumer failed", error=str(e))
+        self.consumer = self._new_consumer()
+        self._subscribe()
+        self.counts["rejoins"] += 1
 
     def _batch(self, msgs: list[Any]) -> None:
         started = time.monotonic()
@@ -298,6 +342,7 @@ class SinkRunner:
         try:
             until = time.monotonic() + seconds
             while (left := until - time.monotonic()) > 0:
+                self.last_poll = time.monotonic()
                 for m in self.consumer.consume(100, min(left, 0.2)):
                     if m.error() is None:  # a partition assigned meanwhile: rewind so nothing is skipped
                         self.consumer.seek(KafkaTP(m.topic(), m.partition(), m.offset()))

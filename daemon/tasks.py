@@ -8,8 +8,10 @@ is a stop followed by a fresh runner on a fresh consumer, which resumes from the
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,6 +22,8 @@ from kafold.connectors.api import Connector
 from kafold.daemon.runner import BatchStats, SinkRunner
 
 log = logs.get(__name__)
+
+POLL_STALL_WARN_S = 60.0  # a running task whose loop has not served its consumer this long is logged, with its stack
 
 
 class AggregateRuntime(Protocol):
@@ -47,6 +51,7 @@ class TaskSlot:
         self.stopping = False
         self.runner = self._new_runner()
         self.thread: threading.Thread | None = None
+        self._stall_logged = float("-inf")
 
     @property
     def name(self) -> str:
@@ -81,6 +86,21 @@ class TaskSlot:
     def stop(self) -> None:
         self.stopping = True
         self.runner.stop()
+
+    def check_polling(self, now: float | None = None) -> bool:
+        """Log a running task whose loop has not served its consumer for POLL_STALL_WARN_S (at most once per that
+        period), with where its thread is; True when it is stalled. The consumer leaves the group once this
+        reaches the rebalance timeout, so the stack is what to look at."""
+        r, now = self.runner, time.monotonic() if now is None else now
+        if not r.started or r.stopped or self.thread is None or now - r.last_poll < POLL_STALL_WARN_S:
+            return False
+        if now - self._stall_logged >= POLL_STALL_WARN_S:
+            self._stall_logged = now
+            frame = sys._current_frames().get(self.thread.ident or -1)
+            stack = "".join(traceback.format_stack(frame, limit=12)) if frame is not None else "(thread gone)"
+            log.warning("sink task not polling its consumer", task=self.name, since_s=round(now - r.last_poll, 1),
+                        stack=stack)
+        return True
 
     def join(self, timeout: float) -> bool:
         """Wait for the thread; True when it ended."""

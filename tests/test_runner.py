@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from kafold import kafka_clients
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig
 from kafold.connectors import registry
 from kafold.connectors.api import Connector, SinkRecord, SinkTask, SinkTaskContext
+from kafold.daemon import tasks
+from kafold.daemon.liveness import GroupWatch
 from kafold.daemon.runner import SinkRunner
 from kafold.envelope import encode
 from kafold.errors import FatalError, RetriableError
@@ -28,6 +31,7 @@ from kafold.schema import setting
 class RecordingConfig:
     fail_on_type: str = setting("", doc="put raises FatalError on a batch holding this event type.")
     retriable_failures: int = setting(0, doc="put raises RetriableError this many times first.", minimum=0)
+    put_delay_s: float = setting(0.0, doc="put sleeps this long first (a slow sink).", minimum=0.0)
 
 
 class RecordingTask(SinkTask):
@@ -39,6 +43,8 @@ class RecordingTask(SinkTask):
         self.failures = 0
 
     def put(self, records: Any) -> None:
+        if self.config.put_delay_s:
+            time.sleep(self.config.put_delay_s)
         if self.failures < self.config.retriable_failures:
             self.failures += 1
             raise RetriableError("sink unavailable (test)")
@@ -211,3 +217,82 @@ def test_sink_record_fast_constructor_equals_the_dataclass() -> None:
     assert fast.tp.partition == 3 and hash(fast.tp) == hash(SinkRecord("t", 3, 0, "k", event).tp)
     with pytest.raises(AttributeError):
         fast.offset = 1  # type: ignore[misc]  # still frozen
+
+
+def test_the_consumer_reports_its_group_steady_with_its_assignment(kafka_config: KafkaConfig, unique: str) -> None:
+    """librdkafka's statistics reach the runner: once assigned, the group is steady with both partitions."""
+    topic = f"{unique}.events"
+    create_topic(kafka_config, topic, 2)
+    run = start(kafka_config, unique, topic)
+    try:
+        wait_for(lambda: run.runner.assigned and run.runner.group_watch.current is not None
+                 and run.runner.group_watch.current.steady, "a steady group report", timeout=30)
+        state = run.runner.group_watch.current
+        assert state is not None and state.assignment_size == 2 and state.rebalances >= 1
+        assert run.runner.group_watch.pending_s() == 0.0
+    finally:
+        finish(run)
+
+
+class _WedgeOnce(GroupWatch):
+    """A watch that calls the join wedged once (a coordinator that never answers cannot be made on demand)."""
+
+    fire = False
+
+    def wedged(self, now: float | None = None) -> bool:
+        fired, self.fire = self.fire, False
+        return fired
+
+
+def test_a_wedged_join_leaves_the_group_and_joins_again_losing_nothing(kafka_config: KafkaConfig,
+                                                                        unique: str) -> None:
+    topic = f"{unique}.events"
+    create_topic(kafka_config, topic, 2)
+    produce(kafka_config, topic, [(v % 2, *valid(f"a{v % 2}", v)) for v in range(1, 21)])
+    with capture_logs() as logs:
+        run = start(kafka_config, unique, topic)
+        try:
+            wait_for(lambda: committed(kafka_config, run.runner.group_id, topic, 2) == {0: 10, 1: 10}, "first 20")
+            watch = run.runner.group_watch = _WedgeOnce(60.0, 6.0)
+            for _ in range(20):  # a statistics report in between may call the group steady again: inject anew
+                watch.fire, watch.unsteady_since = True, time.monotonic()
+                time.sleep(0.5)
+                if run.runner.counts["rejoins"]:
+                    break
+            assert run.runner.counts["rejoins"] == 1
+            produce(kafka_config, topic, [(v % 2, *valid(f"a{v % 2}", v)) for v in range(21, 41)])
+            wait_for(lambda: committed(kafka_config, run.runner.group_id, topic, 2) == {0: 20, 1: 20},
+                     "the events after the rejoin")
+        finally:
+            finish(run)
+    assert run.runner.error is None and run.runner.counts["assignments"] >= 2
+    assert sorted({(r.partition, r.offset) for r in run.connector.received}) == [
+        (p, o) for p in (0, 1) for o in range(20)]
+    rejoined = [e for e in logs if e["event"].startswith("group join still pending")]
+    assert len(rejoined) == 1 and rejoined[0]["group"] == run.runner.group_id
+
+
+def test_a_task_stuck_in_put_is_logged_with_its_stack(kafka_config: KafkaConfig, unique: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tasks, "POLL_STALL_WARN_S", 0.5)
+    topic = f"{unique}.events"
+    create_topic(kafka_config, topic, 1)
+    produce(kafka_config, topic, [(0, *valid("a", v)) for v in range(1, 4)])
+    settings = ConnectorConfig(name=unique, connector_class="test_runner:RecordingConnector", topics=[topic],
+                               config={"put_delay_s": 4.0})
+    connector = registry.instantiate(settings, Path("."))
+    daemon = DaemonConfig(group_prefix="kt", batch_max_records=10, batch_max_wait_ms=100, shutdown_grace_s=5)
+    slot = tasks.TaskSlot(connector, connector.task_configs(1)[0], kafka_config, daemon)
+    assert not slot.check_polling()  # not started
+    with capture_logs() as logs:
+        slot.start()
+        try:
+            wait_for(slot.check_polling, "the stall to be seen", timeout=30)
+            assert not any(e["event"] == "sink task not polling its consumer" and e is not logs[-1] for e in logs)
+            slot.check_polling()  # within the period: not logged again
+        finally:
+            slot.stop()
+            assert slot.join(30)
+    stalls = [e for e in logs if e["event"] == "sink task not polling its consumer"]
+    assert len(stalls) == 1 and stalls[0]["task"] == f"{unique}[0]"
+    assert "in put" in stalls[0]["stack"] and "time.sleep" in stalls[0]["stack"]
