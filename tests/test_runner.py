@@ -225,7 +225,7 @@ def test_the_consumer_reports_its_group_steady_with_its_assignment(kafka_config:
     create_topic(kafka_config, topic, 2)
     run = start(kafka_config, unique, topic)
     try:
-        wait_for(lambda: run.runner.assigned and run.runner.group_watch.current is not None
+        wait_for(lambda: bool(run.runner.assigned) and run.runner.group_watch.current is not None
                  and run.runner.group_watch.current.steady, "a steady group report", timeout=30)
         state = run.runner.group_watch.current
         assert state is not None and state.assignment_size == 2 and state.rebalances >= 1
