@@ -200,8 +200,14 @@ class SinkRunner:
 
     def _on_stats(self, stats_json: str) -> None:  # librdkafka statistics, served by consume() in this thread
         state = GroupState.from_stats(stats_json)
-        if state is not None:
-            self.group_watch.update(state)
+        if state is None:
+            return
+        before = self.group_watch.current
+        if before is None or (before.state, before.join_state) != (state.state, state.join_state):
+            self.log.info("consumer group state", group=self.group_id, group_state=state.state,
+                          join_state=state.join_state, assignment_size=state.assignment_size,
+                          rebalances=state.rebalances, rebalance_reason=state.rebalance_reason)
+        self.group_watch.update(state)
 
     def _watch_group(self) -> None:
         """Warn while the group join is pending; past the rebalance timeout (wedged) leave and join again."""
