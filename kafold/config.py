@@ -273,6 +273,13 @@ def _check_file(path: str, where: str, problems: Problems) -> None:
         problems.add(where, f"file {path!r} does not exist")
 
 
+# The snapshot topic keeps the latest snapshot per aggregate (compaction). Kafka compacts closed segments only,
+# so segments roll hourly and the cleaner starts at 10% dirty: readers (each snapshot run, each restore) read the
+# whole partition, and without these it would hold every run's snapshots until the default week-long segment
+# closes.
+SNAPSHOT_TOPIC_CONFIGS = {"cleanup.policy": "compact", "segment.ms": "3600000", "min.cleanable.dirty.ratio": "0.1"}
+
+
 def topic_map(cfg: KafoldConfig) -> dict[str, TopicSpec]:
     """Every topic the configuration implies, by name; explicit [[topics]] entries override implied settings."""
     rf = cfg.kafka.replication_factor
@@ -283,7 +290,7 @@ def topic_map(cfg: KafoldConfig) -> dict[str, TopicSpec]:
         for kind in ("commands", "results"):
             out[agg.topic(kind)] = TopicSpec(agg.topic(kind), agg.partitions, rf, {}, events, kind)
         snap = agg.topic("snapshot")
-        out[snap] = TopicSpec(snap, agg.partitions, rf, {"cleanup.policy": "compact"}, events, "snapshots")
+        out[snap] = TopicSpec(snap, agg.partitions, rf, dict(SNAPSHOT_TOPIC_CONFIGS), events, "snapshots")
         out[agg.dlq_topic] = TopicSpec(agg.dlq_topic, 1, rf, {}, purpose="dead-letter")
     for con in cfg.connectors:
         out.setdefault(con.dlq_topic, TopicSpec(con.dlq_topic, 1, rf, {}, purpose="dead-letter"))

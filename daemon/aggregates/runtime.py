@@ -136,11 +136,11 @@ class AggregateRuntime:
 
     def _start(self) -> None:
         from kafold import topics
-        from kafold.config import TopicSpec
+        from kafold.config import SNAPSHOT_TOPIC_CONFIGS, TopicSpec
 
         rf = self.kafka.replication_factor
         specs = [TopicSpec(t, self.agg.partitions, rf, {}) for t in self.topics.values()]
-        snapshots = TopicSpec(self.agg.topic("snapshot"), self.agg.partitions, rf, {"cleanup.policy": "compact"})
+        snapshots = TopicSpec(self.agg.topic("snapshot"), self.agg.partitions, rf, dict(SNAPSHOT_TOPIC_CONFIGS))
         topics.ensure(self.kafka, [*specs, snapshots, TopicSpec(self.dlq, 1, rf, {}, purpose="dead-letter")])
         self.writer = TransactionalWriter(self.kafka, self.transactional_id)
         self.reader = recovery.reader(self.kafka, self.agg.name)

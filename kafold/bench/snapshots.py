@@ -95,10 +95,10 @@ def _aggregate(name: str, partitions: int) -> Any:
 
 def _topics(kafka: Any, agg: Any) -> None:
     from kafold import topics
-    from kafold.config import TopicSpec
+    from kafold.config import SNAPSHOT_TOPIC_CONFIGS, TopicSpec
 
     topics.ensure(kafka, [TopicSpec(agg.topic("events"), agg.partitions, 1, {}),
-                          TopicSpec(agg.topic("snapshot"), agg.partitions, 1, {"cleanup.policy": "compact"})])
+                          TopicSpec(agg.topic("snapshot"), agg.partitions, 1, dict(SNAPSHOT_TOPIC_CONFIGS))])
 
 
 def _pass_through(batches: Iterator[Any]) -> Iterator[Any]:
