@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, KafkaError
+from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTP
 
 from kafold import kafka_clients, logs
@@ -44,6 +44,7 @@ from kafold.errors import DecodeError, FatalError, RecordError
 log = logs.get(__name__)
 
 RECOVERY_BATCH = 20000
+COMMITTED_TIMEOUT_S = 10.0
 
 
 def dlq_topic(agg: AggregateConfig) -> str:
@@ -216,9 +217,16 @@ class AggregateRuntime:
         self.consumer.resume([tp])
         # Start from the group's committed offset now: nothing of this partition was decided in this assignment,
         # and an explicit seek makes librdkafka fetch at once (a plain resume waits for its next ~1 s tick).
-        committed = self.consumer.committed([tp], timeout=10)[0].offset
-        if committed >= 0 or self.consumer_extra.get("auto.offset.reset", "earliest") == "earliest":
-            self.consumer.seek(KTP(tp.topic, n, committed if committed >= 0 else OFFSET_BEGINNING))
+        # The seek only saves that tick: if the lookup fails (a paused or overloaded broker), the resumed partition
+        # still starts at the committed offset, which librdkafka fetches itself (retrying) before its first fetch.
+        try:
+            committed = self.consumer.committed([tp], timeout=COMMITTED_TIMEOUT_S)[0].offset
+        except KafkaException as e:
+            self.log.warning("aggregate.committed_offset_unavailable", partition=n, error=str(e),
+                             fallback="the consumer looks the committed offset up itself")
+        else:
+            if committed >= 0 or self.consumer_extra.get("auto.offset.reset", "earliest") == "earliest":
+                self.consumer.seek(KTP(tp.topic, n, committed if committed >= 0 else OFFSET_BEGINNING))
         self.log.info("aggregate.caught_up", **gate.describe(), folded=folder.folded, duplicates=folder.skipped,
                       bad_events=folder.bad, first_bad=folder.first_bad or None)
 

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
-from agg_support import bank_config, create_topics, events, read_all, results, running, runtime, wait_for
-from confluent_kafka import Producer
+from agg_support import (
+    DAEMON,
+    bank_config,
+    bank_domain,
+    create_topics,
+    events,
+    read_all,
+    results,
+    running,
+    runtime,
+    wait_for,
+)
+from confluent_kafka import KafkaError, KafkaException, Producer
+from structlog.testing import capture_logs
 
 from kafold.client import CommandClient
 from kafold.config import KafkaConfig
 from kafold.connectors.dlq import H_REASON
-from kafold.daemon.aggregates import dlq_topic
+from kafold.daemon.aggregates import AggregateRuntime, dlq_topic
 
 
 def test_commands_yield_events_and_results_with_consecutive_versions(kafka_config: KafkaConfig,
@@ -111,3 +124,41 @@ def test_bad_commands_are_rejected_and_dead_lettered_and_the_rest_flows(kafka_co
     reasons = sorted(dict(m.headers())[H_REASON].decode() for m in dead)
     assert reasons == ["bad-json", "invalid-command", "invalid-command", "unknown-type"]
     assert [e["version"] for e in events(kafka_config, agg)] == [1, 2]
+
+
+class _CommittedTimesOut:
+    """The runtime's commands consumer, except that its first committed() lookup times out (as it does while
+    the broker is paused: seen in the chaos soak, where it used to stop the daemon)."""
+
+    def __init__(self, consumer: Any) -> None:
+        self._consumer, self.failed = consumer, 0
+
+    def committed(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.failed:
+            self.failed += 1
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "Failed to get committed offsets (test)"))
+        return self._consumer.committed(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._consumer, name)
+
+
+class _FlakyLookupRuntime(AggregateRuntime):
+    def _start(self) -> None:
+        super()._start()
+        self.consumer = _CommittedTimesOut(self.consumer)
+
+
+def test_a_committed_offset_lookup_that_times_out_does_not_stop_the_runtime(kafka_config: KafkaConfig,
+                                                                           unique: str) -> None:
+    agg = bank_config(unique)
+    create_topics(kafka_config, agg)
+    with capture_logs() as logs:
+        rt = _FlakyLookupRuntime(kafka_config, DAEMON, agg, bank_domain(agg), instance_id="i1")
+        with running(rt) as r, CommandClient(kafka_config, agg) as client:
+            wait_for(lambda: r.runtime.ready, what="runtime live")
+            opened = client.send(client.command("acc-1", "OpenAccount", {"owner": "ann"}))
+            assert opened is not None and (opened.status, opened.version) == ("accepted", 1)
+        assert r.error == [] and r.runtime.error is None
+    assert isinstance(rt.consumer, _CommittedTimesOut) and rt.consumer.failed == 1
+    assert [e for e in logs if e["event"] == "aggregate.committed_offset_unavailable"]
