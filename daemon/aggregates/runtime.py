@@ -39,12 +39,13 @@ from kafold.daemon.aggregates.store import Entry, StateStore
 from kafold.daemon.aggregates.txn import TransactionalWriter
 from kafold.domain import AggregateDomain
 from kafold.envelope import utc_now
-from kafold.errors import DecodeError, FatalError, RecordError
+from kafold.errors import DecodeError, FatalError, RecordError, RetriableError
 
 log = logs.get(__name__)
 
 RECOVERY_BATCH = 20000
 COMMITTED_TIMEOUT_S = 10.0
+ASSIGN_RETRY_S = 120.0  # well under the default rebalance timeout (max.poll.interval.ms, 300 s)
 
 
 def dlq_topic(agg: AggregateConfig) -> str:
@@ -161,13 +162,30 @@ class AggregateRuntime:
         events = self.topics["events"]
         for p in partitions:
             n = p.partition
-            low, end = recovery.bounds(self.reader, events, n)
-            base = self.restorer.restore(n, low, end)
+            low, end, base = self._retrying(n, lambda n=n: self._restore(events, n))
             self.gates[n] = PartitionGate(n, end, start=base.start, snapshot_version=base.snapshot_version)
             folder = self.folders[n] = recovery.Folder(self.domain, self.store, n)
             folder.seed(base)
             self.reader.incremental_assign([KTP(events, n, base.start)])
             self.log.info("aggregate.recovering", partition=n, low=low, captured_end=end, start=base.start)
+
+    def _restore(self, events: str, n: int) -> tuple[int, int, Any]:
+        low, end = recovery.bounds(self.reader, events, n)
+        return low, end, self.restorer.restore(n, low, end)
+
+    def _retrying(self, n: int, step: Any) -> Any:
+        """`step()` until it succeeds; a RetriableError (the broker paused or unreachable) is retried with backoff
+        for up to ASSIGN_RETRY_S (the group keeps the membership: heartbeats run in the background), then raised."""
+        deadline, delay = time.monotonic() + ASSIGN_RETRY_S, 0.5
+        while True:
+            try:
+                return step()
+            except RetriableError as e:
+                if self.stop_event.is_set() or time.monotonic() + delay > deadline:
+                    raise
+                self.log.warning("aggregate.restore_retrying", partition=n, error=str(e), retry_in_s=delay)
+                self.stop_event.wait(delay)
+                delay = min(delay * 2, 5.0)
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
         mine = [p.partition for p in partitions if p.partition in self.gates]

@@ -24,6 +24,7 @@ from kafold.client import CommandClient
 from kafold.config import KafkaConfig
 from kafold.connectors.dlq import H_REASON
 from kafold.daemon.aggregates import AggregateRuntime, dlq_topic
+from kafold.errors import RetriableError
 
 
 def test_commands_yield_events_and_results_with_consecutive_versions(kafka_config: KafkaConfig,
@@ -162,3 +163,28 @@ def test_a_committed_offset_lookup_that_times_out_does_not_stop_the_runtime(kafk
         assert r.error == [] and r.runtime.error is None
     assert isinstance(rt.consumer, _CommittedTimesOut) and rt.consumer.failed == 1
     assert [e for e in logs if e["event"] == "aggregate.committed_offset_unavailable"]
+
+
+class _FlakyRestoreRuntime(AggregateRuntime):
+    """The first restore on assignment fails as it does while the broker is paused (ListOffsets times out)."""
+
+    failures = 0
+
+    def _restore(self, events: str, n: int) -> Any:
+        if not self.failures:
+            self.failures += 1
+            raise RetriableError(f"{events}[{n}]: cannot list offsets: timed out (test)")
+        return super()._restore(events, n)
+
+
+def test_a_restore_that_fails_retriably_on_assignment_is_retried(kafka_config: KafkaConfig, unique: str) -> None:
+    agg = bank_config(unique)
+    create_topics(kafka_config, agg)
+    with capture_logs() as logs:
+        rt = _FlakyRestoreRuntime(kafka_config, DAEMON, agg, bank_domain(agg), instance_id="i1")
+        with running(rt) as r, CommandClient(kafka_config, agg) as client:
+            wait_for(lambda: r.runtime.ready, what="runtime live")
+            opened = client.send(client.command("acc-1", "OpenAccount", {"owner": "ann"}))
+            assert opened is not None and opened.status == "accepted"
+        assert r.error == [] and rt.error is None and rt.failures == 1
+    assert [e for e in logs if e["event"] == "aggregate.restore_retrying"]
