@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 from kafold.config import KafkaConfig
@@ -87,9 +88,26 @@ def admin(kafka: KafkaConfig, **extra: Any) -> AdminClient:
 
 
 def producer(kafka: KafkaConfig, **extra: Any) -> Producer:
+    """A producer; an idempotent one is connected right away (see `_connect`)."""
     from confluent_kafka import Producer
 
-    return Producer(librdkafka(kafka, **extra))
+    made = Producer(librdkafka(kafka, **extra))
+    if extra.get("enable.idempotence") and "transactional.id" not in extra:
+        threading.Thread(target=_connect, args=(made,), name="kafold-producer-connect", daemon=True).start()
+    return made
+
+
+def _connect(made: Producer) -> None:
+    """librdkafka asks for an idempotent producer's id at creation, finds no broker connected yet (connections are
+    made on demand) and retries on a 500 ms timer, which connects nothing either: its first write waited ~1 s
+    (measured, docs/benchmarks.md). A metadata request connects now, so the retry finds a broker (~0.25-0.5 s).
+    Transactional producers need not: `init_transactions` connects and waits."""
+    from confluent_kafka import KafkaException
+
+    try:
+        made.list_topics(timeout=10)
+    except KafkaException:
+        pass  # only a warm-up: the writes themselves report an unreachable broker
 
 
 def consumer(kafka: KafkaConfig, group_id: str, **extra: Any) -> Consumer:

@@ -8,7 +8,6 @@ read_committed: events of aborted transactions are never folded.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -201,22 +200,9 @@ def writer(kafka: KafkaConfig) -> Any:
     process and broker config: its start-up handshake (a producer id) costs a round of waits, so it is reused."""
     key = repr(kafka)
     if key not in _WRITERS:
-        producer = _WRITERS[key] = kafka_clients.producer(kafka, **{
-            "enable.idempotence": True, "acks": "all", "linger.ms": 20, "batch.num.messages": 10000})
-        # librdkafka asks for the producer id at creation, finds no broker connected yet (connections are made on
-        # demand) and retries on a 500 ms timer, which connects nothing either: the first write then waited ~1 s
-        # (measured, docs/benchmarks.md). A metadata request in the background connects now, so the retry finds
-        # a broker; callers create the writer early for the handshake to overlap their reading and folding.
-        threading.Thread(target=_connect, args=(producer,), name="kafold-snapshot-writer-connect",
-                         daemon=True).start()
+        _WRITERS[key] = kafka_clients.producer(kafka, **{"enable.idempotence": True, "acks": "all",
+                                                         "linger.ms": 20, "batch.num.messages": 10000})
     return _WRITERS[key]
-
-
-def _connect(producer: Any) -> None:
-    try:
-        producer.list_topics(timeout=10)
-    except KafkaException:
-        pass  # only a warm-up: the writes themselves report an unreachable broker
 
 
 Encoded = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]
