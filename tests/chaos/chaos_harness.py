@@ -240,30 +240,61 @@ partitions = {ITEM_PARTITIONS}
 
 
 class Daemon:
-    """`kafold daemon -c FILE` as a subprocess, killed with -9 and restarted on demand."""
+    """`kafold daemon -c FILE` as a subprocess, killed with -9 and restarted on demand; supervised like systemd's
+    `Restart=on-failure` (deploy/): a daemon that exits by itself is started again after RESTART_S."""
+
+    RESTART_S = 1.0
 
     def __init__(self, config: Path, log: Path) -> None:
         self.config, self.log = config, log
         self.proc: subprocess.Popen[bytes] | None = None
+        self.exits: list[int] = []  # exit codes of the daemon's own exits (restarted by the supervisor)
+        self._lock = threading.Lock()
+        self._supervising = threading.Event()
 
     def start(self) -> None:
+        with self._lock:
+            self._start()
+        if not self._supervising.is_set():
+            self._supervising.set()
+            threading.Thread(target=self._supervise, daemon=True).start()
+
+    def _start(self) -> None:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen([KAFOLD, "--log-format", "json", "daemon", "-c", str(self.config)],
                                          stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env={**os.environ, "KAFOLD_INSTANCE_ID": INSTANCE_ID})
 
-    def kill9(self) -> None:
+    def _supervise(self) -> None:
+        while self._supervising.is_set():
+            time.sleep(0.5)
+            with self._lock:
+                if self._supervising.is_set() and self.proc is not None and self.proc.poll() is not None:
+                    self.exits.append(self.proc.returncode)
+                    time.sleep(self.RESTART_S)
+                    self._start()
+
+    def restart9(self) -> None:
+        """The daemon-kill fault: kill -9, then start again at once."""
+        with self._lock:
+            self._kill9()
+            self._start()
+
+    def _kill9(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(30)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill9()
+        """SIGTERM (kill -9 after 30 s); not restarted until `start` is called again."""
+        self._supervising.clear()
+        with self._lock:
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    self._kill9()
 
 
 # ---------------------------------------------------------------------------------------------- the workload
@@ -542,8 +573,7 @@ class Chaos:
     # ---- faults ----
     def _fault(self, kind: str) -> None:
         if kind == "daemon-kill":
-            self.daemon.kill9()
-            self.daemon.start()
+            self.daemon.restart9()
         elif kind == "broker-pause":
             self.stack.pause_broker(self.rng.uniform(*self.pause_s))
         elif kind == "pg-restart":
@@ -686,6 +716,9 @@ class Chaos:
         for t in self._pending:
             t.join(0)
         unsettled = self.settle(settle_timeout)
+        if self.daemon.exits:
+            r.notes.append(f"the daemon exited by itself {len(self.daemon.exits)} time(s) (exit codes "
+                           f"{sorted(set(self.daemon.exits))}; its log says why) and was restarted by the supervisor")
         r.invariants.append("stored/committed offsets of every projection, effect and aggregate equal the end "
                             "offsets")
         r.violations += unsettled
