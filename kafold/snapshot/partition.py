@@ -36,17 +36,19 @@ def select_partition(consumer: Any, agg: AggregateConfig, identity: Identity, pa
     return _select(consumer, agg, {partition: Selector(identity, partition, low, end)})[0]
 
 
-def select_partitions(consumer: Any, agg: AggregateConfig, identity: Identity, partitions: list[int]
-                      ) -> list[Selection]:
+def select_partitions(consumer: Any, agg: AggregateConfig, identity: Identity, partitions: list[int], *,
+                      topic_exists: bool = False) -> list[Selection]:
     """`plan_partition` for several partitions at once: their ends probed together and their snapshot partitions
-    read together (each partition's records still fed in log order to its own selector)."""
+    read together (each partition's records still fed in log order to its own selector). `topic_exists`: the
+    caller has just seen the snapshot topic in the broker's metadata (no need to ask again)."""
     ends = kafka_io.bounds_many(consumer, agg.topic("events"), partitions)
-    return _select(consumer, agg, {p: Selector(identity, p, *ends[p]) for p in partitions})
+    return _select(consumer, agg, {p: Selector(identity, p, *ends[p]) for p in partitions}, topic_exists)
 
 
-def _select(consumer: Any, agg: AggregateConfig, selectors: dict[int, Selector]) -> list[Selection]:
+def _select(consumer: Any, agg: AggregateConfig, selectors: dict[int, Selector], topic_exists: bool = False
+            ) -> list[Selection]:
     topic = agg.topic("snapshot")
-    if kafka_io.exists(consumer, topic):
+    if topic_exists or kafka_io.exists(consumer, topic):
         for p, key, value, offset in kafka_io.records_many(consumer, topic, list(selectors)):
             selectors[p].feed(key, value, offset)
     else:  # reading it would only stall: no snapshots, a full replay
@@ -103,10 +105,14 @@ def progress_logger(agg: AggregateConfig, partition: int, every_s: float = 5.0) 
     return report
 
 
+def marker(agg: AggregateConfig, partition: int, end: int) -> Marker:
+    """The marker of a finished partition; write it only once its snapshots are acknowledged (see the note above)."""
+    return Marker(agg.name, partition, end, agg.fingerprint, agg.state_schema_version)
+
+
 def write_marker(producer: Any, agg: AggregateConfig, partition: int, end: int) -> None:
-    """The marker of a finished partition; call only once its snapshots are acknowledged (see the note above)."""
-    kafka_io.write(producer, agg.topic("snapshot"), partition,
-                   [Marker(agg.name, partition, end, agg.fingerprint, agg.state_schema_version)])
+    """Write `marker(...)` and wait for it (call only once the partition's snapshots are acknowledged)."""
+    kafka_io.write(producer, agg.topic("snapshot"), partition, [marker(agg, partition, end)])
 
 
 def write_folded(producer: Any, agg: AggregateConfig, folded: Folded, refresh_lag: int | None) -> int:

@@ -8,8 +8,9 @@ process when the total is at most `local_max_events`; bigger runs, first runs ov
 `engine = "spark"` go to Spark. Both fold with the same code (kafold.snapshot.partition) and write the same
 records, so a snapshot does not say, and does not need to say, which engine made it.
 
-Offset note: the local run writes exactly what a Spark task writes: per partition the snapshots at the end
-captured when the partition was planned, flushed, then the marker (kafold.snapshot.partition). Plans keep their
+Offset note: the local run writes exactly what the Spark tasks write: per partition the snapshots at the end
+captured when the partition was planned and then the marker, written only once every snapshot of the run is
+acknowledged (kafold.snapshot.partition). Plans keep their
 selections (the base snapshots) for the local run, up to KEEP_BASES of them; past that a partition is planned
 again when it is folded, which reads its snapshots twice but bounds the memory a plan holds.
 """
@@ -26,7 +27,7 @@ from kafold.config import AggregateConfig, KafkaConfig
 from kafold.errors import FatalError
 from kafold.snapshot import kafka_io
 from kafold.snapshot.fold import Domain
-from kafold.snapshot.partition import fold_partition, progress_logger, select_partitions, write_folded
+from kafold.snapshot.partition import fold_partition, marker, progress_logger, select_partitions
 from kafold.snapshot.select import Selection
 
 log = logs.get(__name__)
@@ -68,9 +69,9 @@ class JobResult:
             self.rejected[reason] = self.rejected.get(reason, 0) + n
 
 
-def partitions_of(kafka: KafkaConfig, agg: AggregateConfig) -> list[int]:
+def partitions_of(kafka: KafkaConfig, agg: AggregateConfig, client: Any = None) -> list[int]:
     """The events topic's partitions (from the broker); the snapshot topic must have as many."""
-    meta = kafka_clients.admin(kafka).list_topics(timeout=15)
+    meta = (client or kafka_clients.admin(kafka)).list_topics(timeout=15)
     counts = {t: len(meta.topics[t].partitions) for t in (agg.topic("events"), agg.topic("snapshot"))
               if t in meta.topics and meta.topics[t].error is None}
     events, snaps = counts.get(agg.topic("events")), counts.get(agg.topic("snapshot"))
@@ -97,19 +98,20 @@ class Plan:
 
 
 def plan(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitions: list[int],
-         stop_above: int | None = None) -> Plan:
+         stop_above: int | None = None, reader: Any = None) -> Plan:
     """Plan every partition (stops early once more than `stop_above` events are pending: Spark will run).
+    `partitions` come from `partitions_of`, which found both topics.
 
     Partitions are planned PLAN_TOGETHER at a time with one reader (their ends and snapshot partitions read
     together: one fetch wait for the ends instead of one per partition) and the same selection restore uses."""
     began = time.monotonic()
     out = Plan()
     kept = 0
-    consumer = kafka_io.reader(kafka)
+    consumer = reader or kafka_io.reader(kafka)
     try:
         for i in range(0, len(partitions), PLAN_TOGETHER):
             chunk = partitions[i:i + PLAN_TOGETHER]
-            for sel in select_partitions(consumer, agg, domain.identity, chunk):
+            for sel in select_partitions(consumer, agg, domain.identity, chunk, topic_exists=True):
                 out.pending[sel.partition] = sel.end - sel.start
                 if kept + len(sel.bases) <= KEEP_BASES:
                     out.selections[sel.partition] = sel
@@ -117,37 +119,56 @@ def plan(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitions: l
             if stop_above is not None and out.events > stop_above:
                 break
     finally:
-        consumer.close()
+        if reader is None:
+            consumer.close()
     out.duration_s = time.monotonic() - began
     return out
 
 
 def run_local(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitions: list[int], *,
               refresh_lag: int = REFRESH_LAG, planned: Plan | None = None,
-              reporter: Reporter | None = None) -> JobResult:
-    """Fold and write every partition in this process, one after the other (what the Spark tasks do)."""
+              reporter: Reporter | None = None, reader: Any = None) -> JobResult:
+    """Fold every partition in this process, one after the other, handing each one's snapshots to the producer
+    as it goes; then wait for all of them to be acknowledged and write the markers (what the Spark tasks do per
+    partition, with two waits for the broker instead of two per partition). A partition's folded states are
+    dropped once its snapshots are encoded."""
     began = time.monotonic()
     result = JobResult(agg.name, engine="local", plan_s=planned.duration_s if planned else 0.0)
     selections = planned.selections if planned else {}
-    consumer = kafka_io.reader(kafka)
+    consumer = reader or kafka_io.reader(kafka)
     producer = kafka_io.writer(kafka)
+    topic = agg.topic("snapshot")
+    done: list[tuple[dict[str, Any], kafka_io.Writes, Selection]] = []
     try:
-        for done, p in enumerate(partitions):
+        for n, p in enumerate(partitions):
             folded = fold_partition(consumer, agg, domain, p, selection=selections.pop(p, None),
                                     on_batch=progress_logger(agg, p))
             write_began = time.monotonic()
-            written = write_folded(producer, agg, folded, refresh_lag)
             sel, folder = folded.selection, folded.folder
-            row = {"partition": p, "start": sel.start, "end": sel.end, "events_read": folder.read,
-                   "events_folded": folder.folded, "skipped": folder.skipped, "bad": folder.bad,
-                   "snapshots": written, "aggregates": len(folder.entries), "fold_s": folded.fold_s,
-                   "write_s": time.monotonic() - write_began}
-            log.info("snapshot.partition", aggregate=agg.name, engine="local", **row)
-            result.add_row(row, dict(sel.rejected))
+            writes = kafka_io.Writes(producer, topic, p)
+            writes.add(snap.encode() for snap in folder.snapshots(p, sel.end, refresh_lag))
+            done.append(({"partition": p, "start": sel.start, "end": sel.end, "events_read": folder.read,
+                          "events_folded": folder.folded, "skipped": folder.skipped, "bad": folder.bad,
+                          "snapshots": writes.count, "aggregates": len(folder.entries), "fold_s": folded.fold_s,
+                          "write_s": time.monotonic() - write_began}, writes, sel))
             if reporter is not None:
-                reporter(done + 1, len(partitions), result.events_read)
+                reporter(n + 1, len(partitions), sum(row["events_read"] for row, _, _ in done))
+        flush_began = time.monotonic()
+        for _, writes, _ in done:
+            writes.flush()  # every snapshot acknowledged before any marker that vouches for it is written
+        markers = [kafka_io.Writes(producer, topic, sel.partition) for _, _, sel in done]
+        for writes, (_, _, sel) in zip(markers, done, strict=True):
+            writes.add([marker(agg, sel.partition, sel.end).encode()])
+        for writes in markers:
+            writes.flush()
+        flush_s = time.monotonic() - flush_began
     finally:
-        consumer.close()
+        if reader is None:
+            consumer.close()
+    for row, _, sel in done:
+        row["write_s"] += flush_s / len(done)  # the shared waits, spread evenly
+        log.info("snapshot.partition", aggregate=agg.name, engine="local", **row)
+        result.add_row(row, dict(sel.rejected))
     result.duration_s = time.monotonic() - began + result.plan_s
     log.info("snapshot.job", aggregate=agg.name, engine="local", partitions=result.partitions,
              events_read=result.events_read, events_folded=result.events_folded, snapshots=result.snapshots,
@@ -170,21 +191,28 @@ def run(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], spark:
     """Snapshot one aggregate type with the engine `engine` asks for; `spark()` gives the SparkSession (started
     only when a run needs it). The result's duration is the whole run but the SparkSession's start."""
     began = time.monotonic()
-    if engine != "spark":
+    planned: Plan | None = None
+    if engine == "spark":
+        parts = partitions_of(kafka, agg)
+        log.info("snapshot.plan", aggregate=agg.name, engine="spark", configured=engine, partitions=len(parts))
+    else:
         kafka_io.writer(kafka)  # first: the idempotent producer's handshake runs while the plan reads
-    parts = partitions_of(kafka, agg)
-    planned = domain = None
-    if engine != "spark":
-        domain = Domain.load(agg, python_path)
-        planned = plan(kafka, agg, domain, parts, stop_above=local_max_events if engine == "auto" else None)
-    chosen = choose(engine, planned, local_max_events)
-    log.info("snapshot.plan", aggregate=agg.name, engine=chosen, configured=engine, partitions=len(parts),
-             pending_events=planned.events if planned else None,
-             plan_s=round(planned.duration_s, 3) if planned else None)
-    if chosen == "local" and domain is not None:
-        result = run_local(kafka, agg, domain, parts, refresh_lag=refresh_lag, planned=planned, reporter=reporter)
-        result.duration_s = time.monotonic() - began
-        return result
+        reader = kafka_io.reader(kafka)  # one reader (one connection) for the metadata, the plan and the fold
+        try:
+            parts = partitions_of(kafka, agg, reader)
+            domain = Domain.load(agg, python_path)
+            planned = plan(kafka, agg, domain, parts, stop_above=local_max_events if engine == "auto" else None,
+                           reader=reader)
+            chosen = choose(engine, planned, local_max_events)
+            log.info("snapshot.plan", aggregate=agg.name, engine=chosen, configured=engine, partitions=len(parts),
+                     pending_events=planned.events, plan_s=round(planned.duration_s, 3))
+            if chosen == "local":
+                result = run_local(kafka, agg, domain, parts, refresh_lag=refresh_lag, planned=planned,
+                                   reporter=reporter, reader=reader)
+                result.duration_s = time.monotonic() - began
+                return result
+        finally:
+            reader.close()
     from kafold.spark_jobs import snapshot_job
 
     before_job = time.monotonic() - began
