@@ -46,6 +46,7 @@ from kafold.connectors.projection.mapping import load_mapper
 from kafold.connectors.projection.pipeline import Job, WriteAhead
 from kafold.connectors.projection.writer import BatchResult, DeadLetter, ProjectionWriter, Report, elapsed_ms
 from kafold.errors import FatalError, RetriableError
+from kafold.retry import retrying
 
 log = logs.get("kafold.connectors.projection")
 
@@ -98,16 +99,13 @@ class ProjectionSinkTask(SinkTask):
         self.log.info("projection task started", namespace=self.writer.namespace)
 
     def _retrying(self, what: str, fn: Any) -> Any:
-        deadline, delay = time.monotonic() + START_RETRY_S, 0.2
-        while True:
-            try:
-                return fn()
-            except RetriableError as e:
-                if time.monotonic() + delay > deadline:
-                    raise FatalError(f"projection {self.name!r}: {what}: {e}") from e
-                self.log.warning("PostgreSQL not available; retrying", step=what, error=str(e), retry_in_s=delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        def warn(e: RetriableError, delay: float) -> None:
+            self.log.warning("PostgreSQL not available; retrying", step=what, error=str(e), retry_in_s=delay)
+
+        try:
+            return retrying(fn, within_s=START_RETRY_S, on_retry=warn)
+        except RetriableError as e:
+            raise FatalError(f"projection {self.name!r}: {what}: {e}") from e
 
     def handles(self, event_type: str) -> bool:
         return self.mapping.handles(event_type)

@@ -40,6 +40,7 @@ from kafold.daemon.aggregates.txn import TransactionalWriter
 from kafold.domain import AggregateDomain
 from kafold.envelope import utc_now
 from kafold.errors import DecodeError, FatalError, RecordError, RetriableError
+from kafold.retry import retrying
 
 log = logs.get(__name__)
 
@@ -162,7 +163,7 @@ class AggregateRuntime:
         events = self.topics["events"]
         for p in partitions:
             n = p.partition
-            low, end, base = self._retrying(n, lambda n=n: self._restore(events, n))
+            low, end, base = self._restore_retrying(events, n)
             self.gates[n] = PartitionGate(n, end, start=base.start, snapshot_version=base.snapshot_version)
             folder = self.folders[n] = recovery.Folder(self.domain, self.store, n)
             folder.seed(base)
@@ -173,19 +174,14 @@ class AggregateRuntime:
         low, end = recovery.bounds(self.reader, events, n)
         return low, end, self.restorer.restore(n, low, end)
 
-    def _retrying(self, n: int, step: Any) -> Any:
-        """`step()` until it succeeds; a RetriableError (the broker paused or unreachable) is retried with backoff
-        for up to ASSIGN_RETRY_S (the group keeps the membership: heartbeats run in the background), then raised."""
-        deadline, delay = time.monotonic() + ASSIGN_RETRY_S, 0.5
-        while True:
-            try:
-                return step()
-            except RetriableError as e:
-                if self.stop_event.is_set() or time.monotonic() + delay > deadline:
-                    raise
-                self.log.warning("aggregate.restore_retrying", partition=n, error=str(e), retry_in_s=delay)
-                self.stop_event.wait(delay)
-                delay = min(delay * 2, 5.0)
+    def _restore_retrying(self, events: str, n: int) -> tuple[int, int, Any]:
+        """`_restore`, its RetriableErrors (the broker paused or unreachable) retried with backoff for up to
+        ASSIGN_RETRY_S (the group keeps the membership: heartbeats run in the background), then raised."""
+        def warn(e: RetriableError, delay: float) -> None:
+            self.log.warning("aggregate.restore_retrying", partition=n, error=str(e), retry_in_s=delay)
+
+        return retrying(lambda: self._restore(events, n), within_s=ASSIGN_RETRY_S, on_retry=warn,
+                        first_delay=0.5, stop=self.stop_event)
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
         mine = [p.partition for p in partitions if p.partition in self.gates]

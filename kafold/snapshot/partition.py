@@ -114,11 +114,3 @@ def write_marker(producer: Any, agg: AggregateConfig, partition: int, end: int) 
     """Write `marker(...)` and wait for it (call only once the partition's snapshots are acknowledged)."""
     kafka_io.write(producer, agg.topic("snapshot"), partition, [marker(agg, partition, end)])
 
-
-def write_folded(producer: Any, agg: AggregateConfig, folded: Folded, refresh_lag: int | None) -> int:
-    """Write a folded partition's snapshots, then (once all are acknowledged) its marker; how many snapshots."""
-    sel = folded.selection
-    written = kafka_io.write(producer, agg.topic("snapshot"), sel.partition,
-                             folded.folder.snapshots(sel.partition, sel.end, refresh_lag))
-    write_marker(producer, agg, sel.partition, sel.end)
-    return written

@@ -7,6 +7,7 @@ from typing import Any
 
 from agg_support import (
     DAEMON,
+    Running,
     bank_config,
     bank_domain,
     create_topics,
@@ -150,17 +151,24 @@ class _FlakyLookupRuntime(AggregateRuntime):
         self.consumer = _CommittedTimesOut(self.consumer)
 
 
-def test_a_committed_offset_lookup_that_times_out_does_not_stop_the_runtime(kafka_config: KafkaConfig,
-                                                                           unique: str) -> None:
+def _serve_one_command(kafka_config: KafkaConfig, unique: str, runtime_class: type[AggregateRuntime]
+                       ) -> tuple[AggregateRuntime, Running, Any, list[Any]]:
+    """Run `runtime_class` on a fresh aggregate until it serves one OpenAccount; (runtime, run, result, logs)."""
     agg = bank_config(unique)
     create_topics(kafka_config, agg)
     with capture_logs() as logs:
-        rt = _FlakyLookupRuntime(kafka_config, DAEMON, agg, bank_domain(agg), instance_id="i1")
+        rt = runtime_class(kafka_config, DAEMON, agg, bank_domain(agg), instance_id="i1")
         with running(rt) as r, CommandClient(kafka_config, agg) as client:
             wait_for(lambda: r.runtime.ready, what="runtime live")
             opened = client.send(client.command("acc-1", "OpenAccount", {"owner": "ann"}))
-            assert opened is not None and (opened.status, opened.version) == ("accepted", 1)
-        assert r.error == [] and r.runtime.error is None
+    return rt, r, opened, logs
+
+
+def test_a_committed_offset_lookup_that_times_out_does_not_stop_the_runtime(kafka_config: KafkaConfig,
+                                                                           unique: str) -> None:
+    rt, r, opened, logs = _serve_one_command(kafka_config, unique, _FlakyLookupRuntime)
+    assert opened is not None and (opened.status, opened.version) == ("accepted", 1)
+    assert r.error == [] and r.runtime.error is None
     assert isinstance(rt.consumer, _CommittedTimesOut) and rt.consumer.failed == 1
     assert [e for e in logs if e["event"] == "aggregate.committed_offset_unavailable"]
 
@@ -178,13 +186,7 @@ class _FlakyRestoreRuntime(AggregateRuntime):
 
 
 def test_a_restore_that_fails_retriably_on_assignment_is_retried(kafka_config: KafkaConfig, unique: str) -> None:
-    agg = bank_config(unique)
-    create_topics(kafka_config, agg)
-    with capture_logs() as logs:
-        rt = _FlakyRestoreRuntime(kafka_config, DAEMON, agg, bank_domain(agg), instance_id="i1")
-        with running(rt) as r, CommandClient(kafka_config, agg) as client:
-            wait_for(lambda: r.runtime.ready, what="runtime live")
-            opened = client.send(client.command("acc-1", "OpenAccount", {"owner": "ann"}))
-            assert opened is not None and opened.status == "accepted"
-        assert r.error == [] and rt.error is None and rt.failures == 1
+    rt, r, opened, logs = _serve_one_command(kafka_config, unique, _FlakyRestoreRuntime)
+    assert opened is not None and opened.status == "accepted"
+    assert r.error == [] and rt.error is None and isinstance(rt, _FlakyRestoreRuntime) and rt.failures == 1
     assert [e for e in logs if e["event"] == "aggregate.restore_retrying"]

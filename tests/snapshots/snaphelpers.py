@@ -77,18 +77,18 @@ def snapshot_partition(bank: Bank, p: int, limit: int | None = None) -> int:
     """What a snapshot run does for partition `p`, folding from scratch (a snapshot for every aggregate, then the
     marker), without Spark; returns the end offset. `limit` writes only that many snapshots and no marker."""
     from kafold.snapshot import kafka_io
-    from kafold.snapshot.partition import fold_partition, write_folded
+    from kafold.snapshot.partition import fold_partition, write_marker
 
     consumer = kafka_io.reader(bank.kafka)
     folded = fold_partition(consumer, bank.agg, bank.domain, p, use_snapshots=False)
     consumer.close()
     producer = kafka_io.writer(bank.kafka)
-    if limit is None:
-        write_folded(producer, bank.agg, folded, None)
-    else:  # a run killed between its snapshot writes and its marker
-        snaps = list(folded.folder.snapshots(p, folded.selection.end))
-        kafka_io.write(producer, bank.agg.topic("snapshot"), p, snaps[:limit])
-    return int(folded.selection.end)
+    end = folded.selection.end
+    snaps = list(folded.folder.snapshots(p, end))
+    kafka_io.write(producer, bank.agg.topic("snapshot"), p, snaps if limit is None else snaps[:limit])
+    if limit is None:  # otherwise: a run killed between its snapshot writes and its marker
+        write_marker(producer, bank.agg, p, end)
+    return int(end)
 
 
 def write_raw(bank: Bank, p: int, key: bytes, value: bytes) -> None:
