@@ -9,7 +9,7 @@ import pytest
 from confluent_kafka import Producer
 
 from kafold.config import KafkaConfig
-from kafold.kafka_clients import aiokafka_kwargs, librdkafka
+from kafold.kafka_clients import RECONNECT_BACKOFF_MS, aiokafka_kwargs, librdkafka
 from kafold.schema import Secret
 
 SYSTEM_CA = ssl.get_default_verify_paths().cafile or "/etc/ssl/certs/ca-certificates.crt"
@@ -24,7 +24,12 @@ def secrets(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_plaintext_has_only_the_basics() -> None:
     conf = librdkafka(KafkaConfig(bootstrap_servers="b1:9092,b2:9092", client_id="svc"))
     assert conf == {"bootstrap.servers": "b1:9092,b2:9092", "client.id": "svc",
-                    "security.protocol": "PLAINTEXT"}
+                    "security.protocol": "PLAINTEXT", "reconnect.backoff.ms": RECONNECT_BACKOFF_MS}
+
+
+def test_a_client_option_given_by_the_caller_wins_over_kafolds_default() -> None:
+    conf = librdkafka(KafkaConfig(bootstrap_servers="b:9092"), **{"reconnect.backoff.ms": 250})
+    assert conf["reconnect.backoff.ms"] == 250
 
 
 def test_sasl_ssl_reveals_secrets_and_maps_every_tls_setting(secrets: None) -> None:

@@ -21,6 +21,7 @@ from kafold.snapshot.record import Marker, Snapshot
 
 STALL_S = 30.0
 Batch = tuple[list[int], list[bytes | None], list[bytes | None]]
+TP = tuple[str, int]  # (topic, partition)
 
 
 def reader(kafka: KafkaConfig) -> Consumer:
@@ -42,54 +43,103 @@ def bounds(consumer: Consumer, topic: str, partition: int) -> tuple[int, int]:
 
 def bounds_many(consumer: Consumer, topic: str, partitions: list[int]) -> dict[int, tuple[int, int]]:
     """`bounds` of several partitions, probed together (one wait for the ends instead of one per partition)."""
-    out: dict[int, tuple[int, int]] = {}
-    for p in partitions:
-        try:
-            out[p] = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)
-        except KafkaException as e:
-            raise RetriableError(f"{topic}[{p}]: cannot list offsets: {e}") from e
-    starts = {p: max(low, listed - 1) for p, (low, listed) in out.items() if listed > low}
-    positions: dict[int, int] = {}  # where each read stopped: past a trailing transaction marker too
-    for p, offsets, _, _ in read_to_ends(consumer, topic, starts, positions):
-        low, end = out[p]
-        out[p] = (low, max(end, offsets[-1] + 1))
-    return {p: (low, max(low, end, positions.get(p, -1))) for p, (low, end) in out.items()}
+    probe = Probe(topic, partitions)
+    for tp, offsets, _, _ in read_many(consumer, probe.ranges(consumer), probe.positions):
+        probe.saw(tp[1], offsets)
+    return probe.bounds()
+
+
+class Probe:
+    """Finding partitions' ends on the fetch path: `ranges` (ListOffsets, then a read from one record before the
+    listed end up to partition EOF) can be read together with other ranges (`read_many`); feed this topic's
+    batches to `saw` and, once the read is over, `bounds` gives (first offset, end offset) per partition."""
+
+    def __init__(self, topic: str, partitions: list[int]) -> None:
+        self.topic = topic
+        self.listed: dict[int, tuple[int, int]] = {}
+        self.partitions = partitions
+        self.positions: dict[TP, int] = {}  # where each read stopped: past a trailing transaction marker too
+
+    def ranges(self, consumer: Consumer) -> dict[TP, tuple[int, int | None]]:
+        for p in self.partitions:
+            try:
+                self.listed[p] = consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10,
+                                                                cached=False)
+            except KafkaException as e:
+                raise RetriableError(f"{self.topic}[{p}]: cannot list offsets: {e}") from e
+        return {(self.topic, p): (max(low, listed - 1), None) for p, (low, listed) in self.listed.items()
+                if listed > low}
+
+    def saw(self, partition: int, offsets: list[int]) -> None:
+        low, end = self.listed[partition]
+        self.listed[partition] = (low, max(end, offsets[-1] + 1))
+
+    def bounds(self) -> dict[int, tuple[int, int]]:
+        return {p: (low, max(low, end, self.positions.get((self.topic, p), -1)))
+                for p, (low, end) in self.listed.items()}
 
 
 def read_to_ends(consumer: Consumer, topic: str, starts: dict[int, int], positions: dict[int, int] | None = None
                  ) -> Iterator[tuple[int, list[int], list[bytes | None], list[bytes | None]]]:
-    """Records of several partitions, each from its start up to its partition EOF, as (partition, offsets, keys,
-    values) batches; per partition in offset order (partitions interleave). Records after a partition's EOF (new
-    data) are left for the next read, as `read_range` does. `positions` gets the consumer's position of each
-    partition that reached its EOF."""
-    if not starts:
+    """Records of several partitions of one topic, each from its start up to its partition EOF, as (partition,
+    offsets, keys, values) batches (`read_many` for one topic)."""
+    reached: dict[TP, int] = {}
+    for (_, p), offsets, keys, values in read_many(consumer, {(topic, p): (off, None) for p, off in starts.items()},
+                                                   reached):
+        yield p, offsets, keys, values
+    if positions is not None:
+        positions.update({p: off for (_, p), off in reached.items()})
+
+
+def read_many(consumer: Consumer, ranges: dict[TP, tuple[int, int | None]], positions: dict[TP, int] | None = None
+              ) -> Iterator[tuple[TP, list[int], list[bytes | None], list[bytes | None]]]:
+    """Records of several (topic, partition) ranges read together, as ((topic, partition), offsets, keys, values)
+    batches, per partition in offset order (partitions interleave). A range (start, end) stops before `end`, or
+    with `end` None at its partition EOF; records past a range's end (new data) are left for the next read, as
+    `read_range` does. `positions` gets the consumer's position of each partition that reached its EOF.
+
+    One assignment for all the ranges: their fetches share rounds (and the wait for their EOFs), where reading
+    them one after the other pays a fetch round (and a broker-side wait at each EOF) per range."""
+    remaining = {tp: end for tp, (start, end) in ranges.items() if end is None or start < end}
+    if not remaining:
         return
-    consumer.assign([TopicPartition(topic, p, off) for p, off in starts.items()])
-    remaining = set(starts)
+    consumer.assign([TopicPartition(t, p, ranges[(t, p)][0]) for t, p in remaining])
     last_progress = time.monotonic()
     try:
         while remaining:
-            batches: dict[int, Batch] = {}
+            batches: dict[TP, Batch] = {}
             for m in _poll(consumer, 20000, 0.01):
-                p, err = m.partition(), m.error()
+                tp, err = (m.topic(), m.partition()), m.error()
+                if tp not in remaining:
+                    continue
+                end = remaining[tp]
                 if err is not None:
                     if err.code() != KafkaError._PARTITION_EOF:
-                        raise RetriableError(f"{topic}[{p}]: {err.str()}")
-                    remaining.discard(p)
-                    if positions is not None and m.offset() >= 0:
-                        positions[p] = m.offset()  # an EOF event carries the offset the fetch stopped at
-                    last_progress = time.monotonic()
-                elif p in remaining:
-                    batch = batches.setdefault(p, ([], [], []))
-                    batch[0].append(m.offset())
-                    batch[1].append(m.key())
-                    batch[2].append(m.value())
-            for p, (offsets, keys, values) in batches.items():
+                        raise RetriableError(f"{tp[0]}[{tp[1]}]: {err.str()}")
+                    if end is None or m.offset() >= end:  # an EOF below a known end: the range is not there yet
+                        del remaining[tp]
+                        if positions is not None and m.offset() >= 0:
+                            positions[tp] = m.offset()  # an EOF event carries the offset the fetch stopped at
+                        last_progress = time.monotonic()
+                    continue
+                offset = m.offset()
+                if end is not None and offset >= end:
+                    del remaining[tp]
+                    continue
+                batch = batches.setdefault(tp, ([], [], []))
+                batch[0].append(offset)
+                batch[1].append(m.key())
+                batch[2].append(m.value())
+                if end is not None and offset + 1 >= end:
+                    del remaining[tp]
+            for tp, (offsets, keys, values) in batches.items():
                 last_progress = time.monotonic()
-                yield p, offsets, keys, values
+                yield tp, offsets, keys, values
             if remaining and time.monotonic() - last_progress > STALL_S:
-                p = min(remaining)
-                raise RetriableError(f"{topic}[{p}]: no progress for {STALL_S:.0f} s before partition EOF "
+                topic, p = min(remaining)
+                end = remaining[(topic, p)]
+                where = "partition EOF" if end is None else f"offset {end}"
+                raise RetriableError(f"{topic}[{p}]: no progress for {STALL_S:.0f} s before {where} "
                                      f"({_where(consumer, topic, p, -1)})")
     finally:
         consumer.unassign()

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from confluent_kafka import OFFSET_BEGINNING
+
 from kafold import logs
 from kafold.config import AggregateConfig
 from kafold.snapshot import kafka_io
@@ -33,37 +35,54 @@ def select_partition(consumer: Any, agg: AggregateConfig, identity: Identity, pa
                      low: int, end: int) -> Selection:
     """Read the snapshot partition and choose the usable snapshot per aggregate (latest-per-key ourselves:
     compaction is lazy, so older versions and out-of-order writes may still be on the topic)."""
-    return _select(consumer, agg, {partition: Selector(identity, partition, low, end)})[0]
+    selector = Selector(identity, partition, low, end)
+    topic = agg.topic("snapshot")
+    if kafka_io.exists(consumer, topic):
+        for _, key, value, offset in kafka_io.records_many(consumer, topic, [partition]):
+            selector.feed(key, value, offset)
+    else:  # reading it would only stall: no snapshots, a full replay
+        log.warning("snapshot.topic_missing", aggregate=agg.name, topic=topic, partitions=[partition],
+                    fallback="full replay", fix="run `kafold topics ensure`")
+    return selector.result()
 
 
 def select_partitions(consumer: Any, agg: AggregateConfig, identity: Identity, partitions: list[int], *,
                       topic_exists: bool = False) -> list[Selection]:
-    """`plan_partition` for several partitions at once: their ends probed together and their snapshot partitions
-    read together (each partition's records still fed in log order to its own selector). `topic_exists`: the
-    caller has just seen the snapshot topic in the broker's metadata (no need to ask again)."""
-    ends = kafka_io.bounds_many(consumer, agg.topic("events"), partitions)
-    return _select(consumer, agg, {p: Selector(identity, p, *ends[p]) for p in partitions}, topic_exists)
+    """`plan_partition` for several partitions at once, in one read: the events partitions' ends probed and the
+    snapshot partitions read together (one assignment: the probe's wait for its EOFs overlaps the snapshot read;
+    each partition's snapshot records still fed in log order to its own selector). `topic_exists`: the caller has
+    just seen the snapshot topic in the broker's metadata (no need to ask again).
 
-
-def _select(consumer: Any, agg: AggregateConfig, selectors: dict[int, Selector], topic_exists: bool = False
-            ) -> list[Selection]:
-    topic = agg.topic("snapshot")
+    Offset note: while the read runs, each selector knows only the end ListOffsets listed, which the probe's end
+    is never below; a snapshot claiming an offset past it waits (`Selector` defers it) until the probe settles
+    the end, and is then accepted or rejected as ahead of the events."""
+    topic, events = agg.topic("snapshot"), agg.topic("events")
+    probe = kafka_io.Probe(events, partitions)
+    ranges = probe.ranges(consumer)
+    selectors = {p: Selector(identity, p, *probe.listed[p], end_final=False) for p in partitions}
     if topic_exists or kafka_io.exists(consumer, topic):
-        for p, key, value, offset in kafka_io.records_many(consumer, topic, list(selectors)):
-            selectors[p].feed(key, value, offset)
+        ranges.update({(topic, p): (OFFSET_BEGINNING, None) for p in partitions})
     else:  # reading it would only stall: no snapshots, a full replay
-        log.warning("snapshot.topic_missing", aggregate=agg.name, topic=topic, partitions=list(selectors),
+        log.warning("snapshot.topic_missing", aggregate=agg.name, topic=topic, partitions=partitions,
                     fallback="full replay", fix="run `kafold topics ensure`")
-    return [sel.result() for sel in selectors.values()]
+    for (t, p), offsets, keys, values in kafka_io.read_many(consumer, ranges, probe.positions):
+        if t == events:
+            probe.saw(p, offsets)
+        else:
+            feed = selectors[p].feed
+            for key, value, offset in zip(keys, values, offsets, strict=True):
+                feed(key, value, offset)
+    ends = probe.bounds()
+    return [selectors[p].settle(*ends[p]).result() for p in partitions]
 
 
 def plan_partition(consumer: Any, agg: AggregateConfig, identity: Identity, partition: int,
                    use_snapshots: bool = True) -> Selection:
     """The partition's range end and its usable snapshots (or none: a full replay)."""
-    low, end = kafka_io.bounds(consumer, agg.topic("events"), partition)
     if not use_snapshots:
+        low, end = kafka_io.bounds(consumer, agg.topic("events"), partition)
         return Selection(partition, low, end)
-    return select_partition(consumer, agg, identity, partition, low, end)
+    return select_partitions(consumer, agg, identity, [partition])[0]
 
 
 @dataclass
@@ -89,6 +108,28 @@ def fold_partition(consumer: Any, agg: AggregateConfig, domain: Domain, partitio
             on_batch(folder, offsets[-1], sel.end)
     folder.log_bad(partition)
     return Folded(sel, folder, time.monotonic() - began)
+
+
+def fold_partitions(consumer: Any, agg: AggregateConfig, domain: Domain, selections: list[Selection], *,
+                    on_batch: Callable[[int], OnBatch] | None = None) -> list[Folded]:
+    """`fold_partition` for several planned partitions, their tails read together (one assignment: the fetch
+    rounds are shared instead of paid per partition); each partition folded in offset order by its own Folder.
+    `on_batch(partition)` gives a partition's hook. Each result's `fold_s` is an even share of the whole read."""
+    began = time.monotonic()
+    topic = agg.topic("events")
+    folders = {sel.partition: Folder(domain, sel.bases) for sel in selections}
+    hooks = {sel.partition: on_batch(sel.partition) for sel in selections} if on_batch is not None else {}
+    ends = {sel.partition: sel.end for sel in selections}
+    ranges: dict[kafka_io.TP, tuple[int, int | None]] = {(topic, sel.partition): (sel.start, sel.end)
+                                                         for sel in selections}
+    for (_, p), offsets, keys, values in kafka_io.read_many(consumer, ranges):
+        folders[p].fold(offsets, keys, values)
+        if p in hooks:
+            hooks[p](folders[p], offsets[-1], ends[p])
+    share = (time.monotonic() - began) / max(1, len(selections))
+    for p, folder in folders.items():
+        folder.log_bad(p)
+    return [Folded(sel, folders[sel.partition], share) for sel in selections]
 
 
 def progress_logger(agg: AggregateConfig, partition: int, every_s: float = 5.0) -> OnBatch:

@@ -17,8 +17,10 @@ again when it is folded, which reads its snapshots twice but bounds the memory a
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +29,7 @@ from kafold.config import AggregateConfig, KafkaConfig
 from kafold.errors import FatalError
 from kafold.snapshot import kafka_io
 from kafold.snapshot.fold import Domain
-from kafold.snapshot.partition import fold_partition, marker, progress_logger, select_partitions
+from kafold.snapshot.partition import fold_partition, fold_partitions, marker, progress_logger, select_partitions
 from kafold.snapshot.select import Selection
 
 log = logs.get(__name__)
@@ -128,10 +130,10 @@ def plan(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitions: l
 def run_local(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitions: list[int], *,
               refresh_lag: int = REFRESH_LAG, planned: Plan | None = None,
               reporter: Reporter | None = None, reader: Any = None) -> JobResult:
-    """Fold every partition in this process, one after the other, handing each one's snapshots to the producer
-    as it goes; then wait for all of them to be acknowledged and write the markers (what the Spark tasks do per
-    partition, with two waits for the broker instead of two per partition). A partition's folded states are
-    dropped once its snapshots are encoded."""
+    """Fold every partition in this process: the planned ones with their tails read together, the others (plans
+    past KEEP_BASES) one after the other; hand each one's snapshots to the producer, then wait for all of them to
+    be acknowledged and write the markers (what the Spark tasks do per partition, with two waits for the broker
+    instead of two per partition). A partition's folded states are dropped once its snapshots are encoded."""
     began = time.monotonic()
     result = JobResult(agg.name, engine="local", plan_s=planned.duration_s if planned else 0.0)
     selections = planned.selections if planned else {}
@@ -140,9 +142,13 @@ def run_local(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitio
     topic = agg.topic("snapshot")
     done: list[tuple[dict[str, Any], kafka_io.Writes, Selection]] = []
     try:
+        planned_together = fold_partitions(consumer, agg, domain, [selections.pop(p) for p in partitions
+                                                                    if p in selections],
+                                           on_batch=lambda p: progress_logger(agg, p))
+        together = {f.selection.partition: f for f in planned_together}
         for n, p in enumerate(partitions):
-            folded = fold_partition(consumer, agg, domain, p, selection=selections.pop(p, None),
-                                    on_batch=progress_logger(agg, p))
+            folded = together.pop(p, None) or fold_partition(consumer, agg, domain, p,
+                                                             on_batch=progress_logger(agg, p))
             write_began = time.monotonic()
             sel, folder = folded.selection, folded.folder
             writes = kafka_io.Writes(producer, topic, p)
@@ -178,6 +184,22 @@ def run_local(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitio
     return result
 
 
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off while a run plans and folds in this process. The plan and fold
+    allocate tens of thousands of objects that stay alive (snapshots, states), which sets off full collections
+    that scan the whole heap: 20-45 ms of a 0.3 s increment, measured (docs/benchmarks.md). The run makes no
+    reference cycles of its own, so nothing waits for the collector but what a domain's code might leave; the
+    collector runs again once the run is over. Runs past `local_max_events` go to Spark outside this."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def choose(engine: str, planned: Plan | None, local_max_events: int) -> str:
     """"local" or "spark" for a run: the configured engine, or with auto the plan's size against the limit."""
     if engine != "auto":
@@ -199,18 +221,19 @@ def run(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], spark:
         kafka_io.writer(kafka)  # first: the idempotent producer's handshake runs while the plan reads
         reader = kafka_io.reader(kafka)  # one reader (one connection) for the metadata, the plan and the fold
         try:
-            parts = partitions_of(kafka, agg, reader)
-            domain = Domain.load(agg, python_path)
-            planned = plan(kafka, agg, domain, parts, stop_above=local_max_events if engine == "auto" else None,
-                           reader=reader)
-            chosen = choose(engine, planned, local_max_events)
-            log.info("snapshot.plan", aggregate=agg.name, engine=chosen, configured=engine, partitions=len(parts),
-                     pending_events=planned.events, plan_s=round(planned.duration_s, 3))
-            if chosen == "local":
-                result = run_local(kafka, agg, domain, parts, refresh_lag=refresh_lag, planned=planned,
-                                   reporter=reporter, reader=reader)
-                result.duration_s = time.monotonic() - began
-                return result
+            with _cyclic_gc_paused():
+                parts = partitions_of(kafka, agg, reader)
+                domain = Domain.load(agg, python_path)
+                planned = plan(kafka, agg, domain, parts, stop_above=local_max_events if engine == "auto" else None,
+                               reader=reader)
+                chosen = choose(engine, planned, local_max_events)
+                log.info("snapshot.plan", aggregate=agg.name, engine=chosen, configured=engine, partitions=len(parts),
+                         pending_events=planned.events, plan_s=round(planned.duration_s, 3))
+                if chosen == "local":
+                    result = run_local(kafka, agg, domain, parts, refresh_lag=refresh_lag, planned=planned,
+                                       reporter=reporter, reader=reader)
+                    result.duration_s = time.monotonic() - began
+                    return result
         finally:
             reader.close()
     from kafold.spark_jobs import snapshot_job

@@ -65,10 +65,24 @@ class Selector:
     usable ones the highest (offset, version) wins, whatever the log order.
     """
 
-    def __init__(self, identity: Identity, partition: int, low: int, end: int) -> None:
+    def __init__(self, identity: Identity, partition: int, low: int, end: int, *, end_final: bool = True) -> None:
         self.identity = identity
         self.sel = Selection(partition, low, end)
         self._first_rejected: dict[str, str] = {}
+        # end_final False: `end` is a lower bound of the partition's end until `settle` gives it; records claiming
+        # an offset past it wait here (in log order) to be judged then
+        self._deferred: list[tuple[bytes | None, bytes | None, int | None]] | None = None if end_final else []
+
+    def settle(self, low: int, end: int) -> Selector:
+        """The partition's bounds are known (`end` is not below the one given at creation): judge the deferred
+        records. The choice is what feeding every record with these bounds from the start gives, since it does
+        not depend on the order records are fed in (an older snapshot fed before a deferred newer one is then
+        replaced rather than counted as out-of-order)."""
+        deferred, self._deferred = self._deferred or [], None
+        self.sel.low, self.sel.end = low, end
+        for key, value, offset in deferred:
+            self.feed(key, value, offset)
+        return self
 
     def _reject(self, reason: str, key: bytes | None, offset: int | None) -> None:
         self.sel.rejected[reason] += 1
@@ -102,6 +116,9 @@ class Selector:
             self._reject("corrupt", key, offset)
             return
         assert key is not None  # decode checked that the key is the aggregate id
+        if self._deferred is not None and snap.offset > self.sel.end:
+            self._deferred.append((key, value, offset))
+            return
         reason = self._check(snap)
         if reason is not None:
             self._orphan(key)
@@ -127,6 +144,9 @@ class Selector:
         except DecodeError:
             self._reject("corrupt", key, offset)
             return
+        if self._deferred is not None and marker.offset > self.sel.end:
+            self._deferred.append((key, value, offset))
+            return
         reason = self._check(marker)
         if reason is not None:
             self._reject(reason, key, offset)
@@ -134,6 +154,8 @@ class Selector:
             self.sel.marker = marker
 
     def result(self) -> Selection:
+        if self._deferred is not None:
+            raise RuntimeError("Selector.result() before settle(): the partition's end is not known yet")
         sel = self.sel
         if sel.rejected:
             log.warning("snapshot.rejected", aggregate=self.identity.aggregate_type, partition=sel.partition,

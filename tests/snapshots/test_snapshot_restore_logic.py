@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import orjson
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from snaphelpers import bank_aggregate, bank_domain, generate
@@ -132,3 +134,39 @@ def test_duplicate_event_versions_are_not_folded_twice() -> None:
     assert fold(evs + dup, Folder(DOMAIN)).states() == fold(evs, Folder(DOMAIN)).states()
 
 
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 200), accounts=st.integers(1, 8), seed=st.integers(0, 10**6),
+       cuts=st.lists(st.floats(0, 1), min_size=1, max_size=3),
+       bad=st.lists(st.sampled_from(KINDS), max_size=4), listed=st.floats(0, 1), end_past=st.integers(0, 10))
+def test_a_selection_settled_later_equals_one_that_knew_the_end(n: int, accounts: int, seed: int,
+                                                                cuts: list[float], bad: list[str], listed: float,
+                                                                end_past: int) -> None:
+    """The plan reads snapshots while it probes the events' end, knowing only a lower bound of it (the end
+    ListOffsets listed): records past that wait and are judged once the end is settled. Whatever the bound, the
+    outcome is the selection made knowing the end from the start (bases, start, marker, orphans, rejections; an
+    older snapshot seen after a deferred newer one is simply not chosen rather than counted out-of-order)."""
+    evs = events(n, seed, accounts)
+    rng = random.Random(seed)
+    recs: list[tuple[bytes, bytes]] = []
+    for c in sorted(int(f * n) for f in cuts):
+        recs += snapshot_records(evs, c)
+    for kind in bad:
+        recs.append(junk(kind, evs, n // 2, rng))
+    end = n + end_past  # the probe may settle past the listed end (the end the fetch path reports)
+    knowing, later = Selector(IDENT, 0, 0, end), Selector(IDENT, 0, 0, int(listed * n), end_final=False)
+    for offset, (key, value) in enumerate(recs):
+        knowing.feed(key, value, offset)
+        later.feed(key, value, offset)
+    expected, got = knowing.result(), later.settle(0, end).result()
+    assert (got.bases, got.start, got.marker, got.orphans) == (expected.bases, expected.start, expected.marker,
+                                                               expected.orphans)
+    def judged(rejected: Counter[str]) -> dict[str, int]:
+        return {reason: count for reason, count in rejected.items() if reason != "out-of-order"}
+    assert judged(got.rejected) == judged(expected.rejected)
+
+
+def test_a_selector_must_be_settled_before_its_result() -> None:
+    with pytest.raises(RuntimeError, match="settle"):
+        Selector(IDENT, 0, 0, 10, end_final=False).result()
