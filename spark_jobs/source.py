@@ -110,8 +110,7 @@ class _Reader(DataSourceReader):
         folded_at = time.monotonic()
         snapshots = 0
         rows: tuple[list[bytes | None], list[bytes | None]] = ([], [])
-        for snap in folder.snapshots(p, end, refresh_lag):
-            key, value, _ = snap.encode()
+        for key, value, _ in folder.encoded_snapshots(p, end, refresh_lag):
             rows[0].append(key)
             rows[1].append(value)
             if len(rows[0]) >= SNAPSHOT_ROWS:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +20,11 @@ from kafold.config import AggregateConfig
 from kafold.domain import default_state_from_json, default_state_to_json  # the same state JSON rules
 from kafold.envelope import utc_now
 from kafold.errors import ConfigError
-from kafold.snapshot.record import Snapshot
+from kafold.snapshot.record import Encoder, Snapshot
 from kafold.snapshot.select import Identity
 
 log = logs.get(__name__)
+Encoded = tuple[bytes, bytes, list[tuple[str, bytes]]]
 
 
 def _ref(ref: str, where: str) -> Any:
@@ -151,16 +152,27 @@ class Folder:
         """Snapshots at `end` for aggregates changed by this fold (and for unchanged ones whose snapshot lags
         `end` by more than `refresh_lag` offsets: same state and version, moved forward, which is still true
         because they have no events in between)."""
-        ident, to_json, created_at = self.domain.identity, self.domain.to_json, utc_now()  # one time for the run
+        ident, created_at = self.domain.identity, utc_now()  # one time for the run
+        for key, state_json, version in self._due(end, refresh_lag):
+            yield Snapshot(ident.aggregate_type, key.decode(), state_json, version, partition, end,
+                           ident.fingerprint, ident.state_schema_version, created_at)
+
+    def encoded_snapshots(self, partition: int, end: int, refresh_lag: int | None = None) -> Iterator[Encoded]:
+        """`snapshots(...)` as the (key, value, headers) records to produce (`Snapshot.encode`'s bytes)."""
+        ident = self.domain.identity
+        encoder = Encoder(ident.aggregate_type, partition, end, ident.fingerprint, ident.state_schema_version,
+                          utc_now())
+        encode = encoder.encode
+        for key, state_json, version in self._due(end, refresh_lag):
+            yield encode(key.decode(), state_json, version)
+
+    def _due(self, end: int, refresh_lag: int | None) -> Iterator[tuple[bytes, Any, int]]:
+        to_json = self.domain.to_json
         for key, e in self.entries.items():
             if e[CHANGED]:
-                state_json = to_json(e[STATE])
+                yield key, to_json(e[STATE]), e[VERSION]
             elif refresh_lag is not None and e[BASE] is not None and end - e[COVERED] > refresh_lag:
-                state_json = e[BASE]
-            else:
-                continue
-            yield Snapshot(ident.aggregate_type, key.decode(), state_json, e[VERSION], partition, end,
-                           ident.fingerprint, ident.state_schema_version, created_at)
+                yield key, e[BASE], e[VERSION]
 
     def log_bad(self, partition: int) -> None:
         if self.bad:

@@ -67,6 +67,28 @@ class Snapshot(NamedTuple):
         return self.aggregate_id.encode(), value, [(H_KIND, KIND_SNAPSHOT)]
 
 
+class Encoder:
+    """`Snapshot.encode` for the snapshots of one run's partition, which share every field but the aggregate id,
+    state and version: the same bytes (a property test pins it), written from a template instead of building and
+    sorting each record's ten fields (2.5 -> 1.5 us a snapshot)."""
+
+    def __init__(self, aggregate_type: str, partition: int, offset: int, fingerprint: str,
+                 state_schema_version: int, created_at: str) -> None:
+        dumps = orjson.dumps
+        # the canonical layout: keys sorted, so aggregate_id first, then these, then state, then the last two
+        self._middle = (b',"aggregate_type":%s,"created_at":%s,"fingerprint":%s,"format":%d,"offset":%d,'
+                        b'"partition":%d,"state":' % (dumps(aggregate_type), dumps(created_at), dumps(fingerprint),
+                                                      FORMAT, offset, partition))
+        self._schema = b',"state_schema_version":%d,"version":' % state_schema_version
+
+    def encode(self, aggregate_id: str, state: Any, version: int) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
+        canonical = b'{"aggregate_id":%s%s%s%s%d}' % (orjson.dumps(aggregate_id), self._middle,
+                                                      orjson.dumps(state, option=orjson.OPT_SORT_KEYS),
+                                                      self._schema, version)
+        value = b'%s,"checksum":"sha256:%s"}' % (canonical[:-1], hashlib.sha256(canonical).hexdigest().encode())
+        return aggregate_id.encode(), value, [(H_KIND, KIND_SNAPSHOT)]
+
+
 @dataclass(frozen=True, slots=True)
 class Marker:
     """A snapshot run finished a partition.

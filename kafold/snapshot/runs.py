@@ -152,7 +152,7 @@ def run_local(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitio
             write_began = time.monotonic()
             sel, folder = folded.selection, folded.folder
             writes = kafka_io.Writes(producer, topic, p)
-            writes.add(snap.encode() for snap in folder.snapshots(p, sel.end, refresh_lag))
+            writes.add(folder.encoded_snapshots(p, sel.end, refresh_lag))
             done.append(({"partition": p, "start": sel.start, "end": sel.end, "events_read": folder.read,
                           "events_folded": folder.folded, "skipped": folder.skipped, "bad": folder.bad,
                           "snapshots": writes.count, "aggregates": len(folder.entries), "fold_s": folded.fold_s,
