@@ -14,19 +14,51 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
-from kafold import kafka_clients
+from kafold import kafka_clients, logs
 from kafold.config import KafkaConfig
 from kafold.errors import RetriableError
 from kafold.snapshot.record import Marker, Snapshot
 
+log = logs.get(__name__)
 STALL_S = 30.0
 Batch = tuple[list[int], list[bytes | None], list[bytes | None]]
 TP = tuple[str, int]  # (topic, partition)
 
 
+# The readers' group id. They assign partitions themselves and never join the group; a finished snapshot run
+# commits, under this group, each events partition's end it snapshotted up to (`record_progress`), so Kafka's
+# tooling shows per partition how many events came after the last run (its "lag"), and the next run starts
+# fetching the new events while it reads the snapshots (`progress`). A hint only: what a run folds is decided by
+# the snapshots and markers it reads, never by these offsets.
+PROGRESS_GROUP = "kafold.snapshot.reader"
+
+
 def reader(kafka: KafkaConfig) -> Consumer:
-    """A group-less reader (assign only, never commits) that reports partition EOF."""
-    return kafka_clients.range_reader(kafka, "kafold.snapshot.reader")
+    """A reader that assigns partitions itself (never joins its group) and reports partition EOF."""
+    return kafka_clients.range_reader(kafka, PROGRESS_GROUP)
+
+
+def progress(consumer: Consumer, topic: str, partitions: list[int]) -> dict[int, int]:
+    """Where the last finished snapshot run ended, per events partition (committed by `record_progress`); empty
+    when unknown or unreadable (a hint: the run then reads as it would without it)."""
+    try:
+        found = consumer.committed([TopicPartition(topic, p) for p in partitions], timeout=5)
+    except KafkaException as e:
+        log.info("snapshot.progress_unavailable", topic=topic, error=str(e))
+        return {}
+    return {tp.partition: tp.offset for tp in found if tp.error is None and tp.offset >= 0}
+
+
+def record_progress(consumer: Consumer, topic: str, ends: dict[int, int]) -> None:
+    """Commit each events partition's snapshotted end under PROGRESS_GROUP (call once the markers are written);
+    a failure is logged and otherwise ignored (see PROGRESS_GROUP)."""
+    if not ends:
+        return
+    try:
+        consumer.commit(offsets=[TopicPartition(topic, p, end) for p, end in sorted(ends.items())],
+                        asynchronous=False)
+    except KafkaException as e:
+        log.warning("snapshot.progress_not_recorded", topic=topic, error=str(e), effect="none on snapshots")
 
 
 def _poll(consumer: Consumer, size: int, timeout: float) -> list[Any]:
@@ -60,15 +92,18 @@ class Probe:
         self.partitions = partitions
         self.positions: dict[TP, int] = {}  # where each read stopped: past a trailing transaction marker too
 
-    def ranges(self, consumer: Consumer) -> dict[TP, tuple[int, int | None]]:
+    def ranges(self, consumer: Consumer, earlier: dict[int, int] | None = None) -> dict[TP, tuple[int, int | None]]:
+        """The reads that find the ends; `earlier` asks for some partitions to be read from an earlier offset
+        (the probe then also fetches the records from there: `select_partitions`' prefetch)."""
         for p in self.partitions:
             try:
                 self.listed[p] = consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10,
                                                                 cached=False)
             except KafkaException as e:
                 raise RetriableError(f"{self.topic}[{p}]: cannot list offsets: {e}") from e
-        return {(self.topic, p): (max(low, listed - 1), None) for p, (low, listed) in self.listed.items()
-                if listed > low}
+        earlier = earlier or {}
+        return {(self.topic, p): (max(low, min(earlier.get(p, listed), listed - 1)), None)
+                for p, (low, listed) in self.listed.items() if listed > low}
 
     def saw(self, partition: int, offsets: list[int]) -> None:
         low, end = self.listed[partition]

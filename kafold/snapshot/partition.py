@@ -12,9 +12,10 @@ at the offset they claim, and no marker.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING
@@ -46,19 +47,49 @@ def select_partition(consumer: Any, agg: AggregateConfig, identity: Identity, pa
     return selector.result()
 
 
+@dataclass
+class Prefetched:
+    """Events of one partition read while planning: every record at offsets [first, until), in offset order."""
+
+    first: int
+    until: int
+    offsets: list[int] = field(default_factory=list)
+    keys: list[bytes | None] = field(default_factory=list)
+    values: list[bytes | None] = field(default_factory=list)
+
+    def add(self, offsets: list[int], keys: list[bytes | None], values: list[bytes | None]) -> None:
+        self.offsets += offsets
+        self.keys += keys
+        self.values += values
+
+
 def select_partitions(consumer: Any, agg: AggregateConfig, identity: Identity, partitions: list[int], *,
-                      topic_exists: bool = False) -> list[Selection]:
+                      topic_exists: bool = False, prefetch: dict[int, int] | None = None,
+                      prefetch_max: int = 0, prefetched: dict[int, Prefetched] | None = None) -> list[Selection]:
     """`plan_partition` for several partitions at once, in one read: the events partitions' ends probed and the
     snapshot partitions read together (one assignment: the probe's wait for its EOFs overlaps the snapshot read;
     each partition's snapshot records still fed in log order to its own selector). `topic_exists`: the caller has
     just seen the snapshot topic in the broker's metadata (no need to ask again).
 
+    `prefetch` (partition -> offset, from `kafka_io.progress`): the probe reads those partitions from that offset
+    instead of from their last record, keeping the events in `prefetched` (while their total, by the listed ends,
+    stays within `prefetch_max`), so a fold need not fetch them again (`fold_partitions`).
+
     Offset note: while the read runs, each selector knows only the end ListOffsets listed, which the probe's end
     is never below; a snapshot claiming an offset past it waits (`Selector` defers it) until the probe settles
-    the end, and is then accepted or rejected as ahead of the events."""
+    the end, and is then accepted or rejected as ahead of the events. A prefetch only moves where the probe starts
+    reading; it changes no selection."""
     topic, events = agg.topic("snapshot"), agg.topic("events")
     probe = kafka_io.Probe(events, partitions)
     ranges = probe.ranges(consumer)
+    early: dict[int, Prefetched] = {}
+    budget = prefetch_max if prefetched is not None else 0
+    for p, at in sorted((prefetch or {}).items()):
+        low, listed = probe.listed.get(p, (0, 0))
+        start = max(low, min(at, listed))
+        if (events, p) in ranges and start < listed and listed - start <= budget:
+            early[p], budget = Prefetched(start, start), budget - (listed - start)
+            ranges[(events, p)] = (start, None)
     selectors = {p: Selector(identity, p, *probe.listed[p], end_final=False) for p in partitions}
     if topic_exists or kafka_io.exists(consumer, topic):
         ranges.update({(topic, p): (OFFSET_BEGINNING, None) for p in partitions})
@@ -68,11 +99,18 @@ def select_partitions(consumer: Any, agg: AggregateConfig, identity: Identity, p
     for (t, p), offsets, keys, values in kafka_io.read_many(consumer, ranges, probe.positions):
         if t == events:
             probe.saw(p, offsets)
+            if p in early:
+                early[p].add(offsets, keys, values)
         else:
             feed = selectors[p].feed
             for key, value, offset in zip(keys, values, offsets, strict=True):
                 feed(key, value, offset)
     ends = probe.bounds()
+    for p, pre in early.items():
+        pre.until = max(pre.first, pre.offsets[-1] + 1 if pre.offsets else pre.first,
+                        probe.positions.get((events, p), -1))
+    if prefetched is not None:
+        prefetched.update(early)
     return [selectors[p].settle(*ends[p]).result() for p in partitions]
 
 
@@ -111,21 +149,44 @@ def fold_partition(consumer: Any, agg: AggregateConfig, domain: Domain, partitio
 
 
 def fold_partitions(consumer: Any, agg: AggregateConfig, domain: Domain, selections: list[Selection], *,
+                    prefetched: dict[int, Prefetched] | None = None,
                     on_batch: Callable[[int], OnBatch] | None = None) -> list[Folded]:
     """`fold_partition` for several planned partitions, their tails read together (one assignment: the fetch
     rounds are shared instead of paid per partition); each partition folded in offset order by its own Folder.
-    `on_batch(partition)` gives a partition's hook. Each result's `fold_s` is an even share of the whole read."""
+    Events `prefetched` while planning are folded from memory: only what they do not cover is read (before them,
+    then after them). `on_batch(partition)` gives a partition's hook. Each result's `fold_s` is an even share."""
     began = time.monotonic()
     topic = agg.topic("events")
     folders = {sel.partition: Folder(domain, sel.bases) for sel in selections}
     hooks = {sel.partition: on_batch(sel.partition) for sel in selections} if on_batch is not None else {}
     ends = {sel.partition: sel.end for sel in selections}
-    ranges: dict[kafka_io.TP, tuple[int, int | None]] = {(topic, sel.partition): (sel.start, sel.end)
-                                                         for sel in selections}
-    for (_, p), offsets, keys, values in kafka_io.read_many(consumer, ranges):
+    pre = {sel.partition: prefetched[sel.partition] for sel in selections
+           if prefetched and sel.partition in prefetched and prefetched[sel.partition].until <= sel.end}
+    before: dict[kafka_io.TP, tuple[int, int | None]] = {}
+    after: dict[kafka_io.TP, tuple[int, int | None]] = {}
+    for sel in selections:
+        got = pre.get(sel.partition)
+        if got is None:
+            before[(topic, sel.partition)] = (sel.start, sel.end)
+        else:
+            before[(topic, sel.partition)] = (sel.start, min(got.first, sel.end))
+            after[(topic, sel.partition)] = (max(sel.start, got.until), sel.end)
+
+    def fold(p: int, offsets: list[int], keys: list[bytes | None], values: list[bytes | None]) -> None:
         folders[p].fold(offsets, keys, values)
         if p in hooks:
             hooks[p](folders[p], offsets[-1], ends[p])
+
+    for (_, p), offsets, keys, values in kafka_io.read_many(consumer, before):
+        fold(p, offsets, keys, values)
+    for sel in selections:
+        got = pre.get(sel.partition)
+        if got is not None and got.offsets:
+            skip = bisect.bisect_left(got.offsets, sel.start)  # a snapshot may cover some of them
+            if skip < len(got.offsets):
+                fold(sel.partition, got.offsets[skip:], got.keys[skip:], got.values[skip:])
+    for (_, p), offsets, keys, values in kafka_io.read_many(consumer, after):
+        fold(p, offsets, keys, values)
     share = (time.monotonic() - began) / max(1, len(selections))
     for p, folder in folders.items():
         folder.log_bad(p)

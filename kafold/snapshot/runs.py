@@ -29,12 +29,20 @@ from kafold.config import AggregateConfig, KafkaConfig
 from kafold.errors import FatalError
 from kafold.snapshot import kafka_io
 from kafold.snapshot.fold import Domain
-from kafold.snapshot.partition import fold_partition, fold_partitions, marker, progress_logger, select_partitions
+from kafold.snapshot.partition import (
+    Prefetched,
+    fold_partition,
+    fold_partitions,
+    marker,
+    progress_logger,
+    select_partitions,
+)
 from kafold.snapshot.select import Selection
 
 log = logs.get(__name__)
 KEEP_BASES = 200_000
 PLAN_TOGETHER = 8  # partitions planned at a time (their selections are in memory together)
+PREFETCH_MAX = 50_000  # new events a plan may read ahead for the local run (held in memory until folded)
 # Unchanged aggregates whose snapshot lags the range end by more than this many offsets get theirs moved
 # forward, so dormant aggregates do not hold every later run and restore back at an old offset.
 REFRESH_LAG = 100_000
@@ -92,6 +100,7 @@ class Plan:
 
     pending: dict[int, int] = field(default_factory=dict)  # partition -> events in [start, end)
     selections: dict[int, Selection] = field(default_factory=dict)
+    prefetched: dict[int, Prefetched] = field(default_factory=dict)  # new events read while planning
     duration_s: float = 0.0
 
     @property
@@ -105,15 +114,20 @@ def plan(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitions: l
     `partitions` come from `partitions_of`, which found both topics.
 
     Partitions are planned PLAN_TOGETHER at a time with one reader (their ends and snapshot partitions read
-    together: one fetch wait for the ends instead of one per partition) and the same selection restore uses."""
+    together: one fetch wait for the ends instead of one per partition) and the same selection restore uses.
+    Where the last run ended is known (`kafka_io.progress`), the events since are fetched in the same read, up
+    to PREFETCH_MAX of them, for the local run to fold without fetching them again."""
     began = time.monotonic()
     out = Plan()
     kept = 0
     consumer = reader or kafka_io.reader(kafka)
     try:
+        hints = kafka_io.progress(consumer, agg.topic("events"), partitions)
         for i in range(0, len(partitions), PLAN_TOGETHER):
             chunk = partitions[i:i + PLAN_TOGETHER]
-            for sel in select_partitions(consumer, agg, domain.identity, chunk, topic_exists=True):
+            budget = PREFETCH_MAX - sum(len(pre.offsets) for pre in out.prefetched.values())
+            for sel in select_partitions(consumer, agg, domain.identity, chunk, topic_exists=True,
+                                         prefetch=hints, prefetch_max=budget, prefetched=out.prefetched):
                 out.pending[sel.partition] = sel.end - sel.start
                 if kept + len(sel.bases) <= KEEP_BASES:
                     out.selections[sel.partition] = sel
@@ -144,6 +158,7 @@ def run_local(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitio
     try:
         planned_together = fold_partitions(consumer, agg, domain, [selections.pop(p) for p in partitions
                                                                     if p in selections],
+                                           prefetched=planned.prefetched if planned else None,
                                            on_batch=lambda p: progress_logger(agg, p))
         together = {f.selection.partition: f for f in planned_together}
         for n, p in enumerate(partitions):
@@ -182,6 +197,11 @@ def run_local(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitio
              plan_s=round(result.plan_s, 3), duration_s=round(result.duration_s, 3),
              events_per_s=round(result.events_per_s))
     return result
+
+
+def _ends(result: JobResult) -> dict[int, int]:
+    """Each partition's end a finished run snapshotted up to (its marker's offset)."""
+    return {row["partition"]: row["end"] for row in result.rows}
 
 
 @contextlib.contextmanager
@@ -232,8 +252,10 @@ def run(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], spark:
                 if chosen == "local":
                     result = run_local(kafka, agg, domain, parts, refresh_lag=refresh_lag, planned=planned,
                                        reporter=reporter, reader=reader)
+                    kafka_io.record_progress(reader, agg.topic("events"), _ends(result))
                     result.duration_s = time.monotonic() - began
                     return result
+                planned.prefetched.clear()  # Spark reads for itself
         finally:
             reader.close()
     from kafold.spark_jobs import snapshot_job
@@ -241,6 +263,11 @@ def run(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], spark:
     before_job = time.monotonic() - began
     result = snapshot_job.run(spark(), kafka, agg, python_path, partitions=parts, refresh_lag=refresh_lag,
                               reporter=reporter)
+    reader = kafka_io.reader(kafka)
+    try:
+        kafka_io.record_progress(reader, agg.topic("events"), _ends(result))
+    finally:
+        reader.close()
     result.plan_s = planned.duration_s if planned is not None else 0.0
     result.duration_s += before_job
     return result

@@ -131,6 +131,37 @@ def test_auto_folds_a_small_increment_in_process_with_the_same_result(spark: Any
     _assert_restore_equals_full_replay(bank)
 
 
+@pytest.mark.parametrize("hint", ["recorded", "ahead", "behind", "zero"])
+def test_the_progress_hint_only_moves_where_reading_starts(bank: Bank, hint: str) -> None:
+    """A finished run records each partition's end under the readers' group (Kafka's tooling shows the events
+    since as lag); the next plan fetches the events from there together with the snapshots. Whatever the hint
+    says (true, past the end, before the snapshots, zero), the runs fold the same events and write true
+    snapshots: what is folded is decided by the snapshots and markers alone."""
+    bank.produce(300)
+    first = _local(bank)
+    events = bank.agg.topic("events")
+    consumer = kafka_io.reader(bank.kafka)
+    try:
+        recorded = kafka_io.progress(consumer, events, bank.partitions())
+        assert recorded == {row["partition"]: row["end"] for row in first.rows}
+        if hint != "recorded":
+            kafka_io.record_progress(consumer, events, {
+                p: {"ahead": end + 1000, "behind": max(0, end - 30), "zero": 0}[hint] for p, end in recorded.items()})
+    finally:
+        consumer.close()
+    bank.produce(40)
+    planned = runs.plan(bank.kafka, bank.agg, bank.domain, bank.partitions())
+    prefetched = sum(len(pre.offsets) for pre in planned.prefetched.values())
+    assert prefetched == {"recorded": 40, "ahead": 0, "behind": 40 + 30 * len(recorded), "zero": 340}[hint]
+    second = _local(bank)
+    assert second.events_folded == 40 and second.bad == 0
+    bank.produce(20)  # aggregates the second run did not touch keep older snapshots: the tail starts before it
+    third = _local(bank)
+    assert third.events_folded == 20 and third.events_read > 20 and third.bad == 0
+    _assert_restore_equals_full_replay(bank)
+    _assert_every_snapshot_true_at_its_offset(bank)
+
+
 def test_plan_counts_the_events_each_partition_still_has_to_fold(bank: Bank, monkeypatch: pytest.MonkeyPatch) -> None:
     """The planner's pending count is what a run will read; it stops early once past the limit."""
     bank.produce(300)
