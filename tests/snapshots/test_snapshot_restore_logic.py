@@ -65,6 +65,15 @@ def junk(kind: str, evs: list[tuple[int, bytes, bytes]], cut: int, rng: random.R
 KINDS = ("checksum", "fingerprint", "schema", "ahead", "out-of-order")
 
 
+def topic_records(evs: list[tuple[int, bytes, bytes]], cuts: list[float], bad: list[str],
+                  rng: random.Random) -> list[tuple[bytes, bytes]]:
+    """A snapshot topic: the records of runs at the given cuts (fractions of the history), then junk of each kind."""
+    recs: list[tuple[bytes, bytes]] = []
+    for c in sorted(int(f * len(evs)) for f in cuts):
+        recs += snapshot_records(evs, c)
+    return recs + [junk(kind, evs, len(evs) // 2, rng) for kind in bad]
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 300), accounts=st.integers(1, 12), seed=st.integers(0, 10**6),
        cuts=st.lists(st.floats(0, 1), min_size=0, max_size=3),
@@ -73,12 +82,7 @@ def test_snapshot_plus_tail_equals_full_replay(n: int, accounts: int, seed: int,
                                                bad: list[str]) -> None:
     """For any history, any sequence of snapshot runs and any junk on the topic, restore == full replay."""
     evs = events(n, seed, accounts)
-    rng = random.Random(seed)
-    recs: list[tuple[bytes, bytes]] = []
-    for c in sorted(int(f * n) for f in cuts):
-        recs += snapshot_records(evs, c)
-    for kind in bad:
-        recs.append(junk(kind, evs, n // 2, rng))
+    recs = topic_records(evs, cuts, bad, random.Random(seed))
     selector = Selector(IDENT, 0, 0, n)
     for offset, (key, value) in enumerate(recs):
         selector.feed(key, value, offset)
@@ -148,12 +152,7 @@ def test_a_selection_settled_later_equals_one_that_knew_the_end(n: int, accounts
     outcome is the selection made knowing the end from the start (bases, start, marker, orphans, rejections; an
     older snapshot seen after a deferred newer one is simply not chosen rather than counted out-of-order)."""
     evs = events(n, seed, accounts)
-    rng = random.Random(seed)
-    recs: list[tuple[bytes, bytes]] = []
-    for c in sorted(int(f * n) for f in cuts):
-        recs += snapshot_records(evs, c)
-    for kind in bad:
-        recs.append(junk(kind, evs, n // 2, rng))
+    recs = topic_records(evs, cuts, bad, random.Random(seed))
     end = n + end_past  # the probe may settle past the listed end (the end the fetch path reports)
     knowing, later = Selector(IDENT, 0, 0, end), Selector(IDENT, 0, 0, int(listed * n), end_final=False)
     for offset, (key, value) in enumerate(recs):
