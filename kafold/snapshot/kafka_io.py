@@ -92,18 +92,17 @@ class Probe:
         self.partitions = partitions
         self.positions: dict[TP, int] = {}  # where each read stopped: past a trailing transaction marker too
 
-    def ranges(self, consumer: Consumer, earlier: dict[int, int] | None = None) -> dict[TP, tuple[int, int | None]]:
-        """The reads that find the ends; `earlier` asks for some partitions to be read from an earlier offset
-        (the probe then also fetches the records from there: `select_partitions`' prefetch)."""
+    def ranges(self, consumer: Consumer) -> dict[TP, tuple[int, int | None]]:
+        """The reads that find the ends (ListOffsets first: `listed`). A caller may start one earlier (the probe
+        then also fetches the records from there: `select_partitions`' prefetch)."""
         for p in self.partitions:
             try:
                 self.listed[p] = consumer.get_watermark_offsets(TopicPartition(self.topic, p), timeout=10,
                                                                 cached=False)
             except KafkaException as e:
                 raise RetriableError(f"{self.topic}[{p}]: cannot list offsets: {e}") from e
-        earlier = earlier or {}
-        return {(self.topic, p): (max(low, min(earlier.get(p, listed), listed - 1)), None)
-                for p, (low, listed) in self.listed.items() if listed > low}
+        return {(self.topic, p): (max(low, listed - 1), None) for p, (low, listed) in self.listed.items()
+                if listed > low}
 
     def saw(self, partition: int, offsets: list[int]) -> None:
         low, end = self.listed[partition]

@@ -3,8 +3,10 @@
 Shared by restore, verify, the Spark job's data source and the in-process (local) snapshot run, so every reader of
 state folds the same way.
 
-Offset note: the range end is captured first (`kafka_io.bounds`, the fetch path's end), snapshots claiming an
-offset past it are rejected as ahead of the events, and the tail is read from `Selection.start` up to that end.
+Offset note: the range end is the fetch path's end (`kafka_io.Probe`: read to partition EOF from the last record
+ListOffsets lists, in the same read as the snapshot partition); snapshots claiming an offset past it are rejected as
+ahead of the events, and the tail is read from `Selection.start` up to that end (some of it possibly already read
+with the probe: `Prefetched`).
 When writing, the snapshots are flushed (idempotent producer, acks=all) before the partition's marker, so a marker
 is only ever seen after every snapshot it vouches for; a run killed in between leaves snapshots that are each true
 at the offset they claim, and no marker.
