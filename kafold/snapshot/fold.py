@@ -20,11 +20,10 @@ from kafold.config import AggregateConfig
 from kafold.domain import default_state_from_json, default_state_to_json  # the same state JSON rules
 from kafold.envelope import utc_now
 from kafold.errors import ConfigError
-from kafold.snapshot.record import Encoder, Snapshot
+from kafold.snapshot.record import Encoded, Encoder, Snapshot
 from kafold.snapshot.select import Identity
 
 log = logs.get(__name__)
-Encoded = tuple[bytes, bytes, list[tuple[str, bytes]]]
 
 
 def _ref(ref: str, where: str) -> Any:

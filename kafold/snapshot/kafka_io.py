@@ -17,7 +17,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from kafold import kafka_clients, logs
 from kafold.config import KafkaConfig
 from kafold.errors import RetriableError
-from kafold.snapshot.record import Marker, Snapshot
+from kafold.snapshot.record import Encoded, Marker, Snapshot
 
 log = logs.get(__name__)
 STALL_S = 30.0
@@ -111,18 +111,6 @@ class Probe:
     def bounds(self) -> dict[int, tuple[int, int]]:
         return {p: (low, max(low, end, self.positions.get((self.topic, p), -1)))
                 for p, (low, end) in self.listed.items()}
-
-
-def read_to_ends(consumer: Consumer, topic: str, starts: dict[int, int], positions: dict[int, int] | None = None
-                 ) -> Iterator[tuple[int, list[int], list[bytes | None], list[bytes | None]]]:
-    """Records of several partitions of one topic, each from its start up to its partition EOF, as (partition,
-    offsets, keys, values) batches (`read_many` for one topic)."""
-    reached: dict[TP, int] = {}
-    for (_, p), offsets, keys, values in read_many(consumer, {(topic, p): (off, None) for p, off in starts.items()},
-                                                   reached):
-        yield p, offsets, keys, values
-    if positions is not None:
-        positions.update({p: off for (_, p), off in reached.items()})
 
 
 def read_many(consumer: Consumer, ranges: dict[TP, tuple[int, int | None]], positions: dict[TP, int] | None = None
@@ -271,7 +259,8 @@ def records_many(consumer: Consumer, topic: str, partitions: list[int]) -> Itera
         tuple[int, bytes | None, bytes | None, int]]:
     """Every record of several (snapshot) partitions as (partition, key, value, offset), read together, per
     partition in log order, each up to its partition EOF."""
-    for p, offsets, keys, values in read_to_ends(consumer, topic, dict.fromkeys(partitions, OFFSET_BEGINNING)):
+    for (_, p), offsets, keys, values in read_many(consumer, {(topic, p): (OFFSET_BEGINNING, None)
+                                                              for p in partitions}):
         for key, value, offset in zip(keys, values, offsets, strict=True):
             yield p, key, value, offset
 
@@ -287,9 +276,6 @@ def writer(kafka: KafkaConfig) -> Any:
         _WRITERS[key] = kafka_clients.producer(kafka, **{"enable.idempotence": True, "acks": "all",
                                                          "linger.ms": 20, "batch.num.messages": 10000})
     return _WRITERS[key]
-
-
-Encoded = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]
 
 
 class Writes:

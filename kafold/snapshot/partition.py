@@ -40,13 +40,19 @@ def select_partition(consumer: Any, agg: AggregateConfig, identity: Identity, pa
     compaction is lazy, so older versions and out-of-order writes may still be on the topic)."""
     selector = Selector(identity, partition, low, end)
     topic = agg.topic("snapshot")
-    if kafka_io.exists(consumer, topic):
+    if _readable(consumer, agg, [partition]):
         for _, key, value, offset in kafka_io.records_many(consumer, topic, [partition]):
             selector.feed(key, value, offset)
-    else:  # reading it would only stall: no snapshots, a full replay
-        log.warning("snapshot.topic_missing", aggregate=agg.name, topic=topic, partitions=[partition],
-                    fallback="full replay", fix="run `kafold topics ensure`")
     return selector.result()
+
+
+def _readable(consumer: Any, agg: AggregateConfig, partitions: list[int], topic_exists: bool = False) -> bool:
+    """Whether the snapshot topic can be read; when missing, reading it would only stall: warn (a full replay)."""
+    if topic_exists or kafka_io.exists(consumer, agg.topic("snapshot")):
+        return True
+    log.warning("snapshot.topic_missing", aggregate=agg.name, topic=agg.topic("snapshot"), partitions=partitions,
+                fallback="full replay", fix="run `kafold topics ensure`")
+    return False
 
 
 @dataclass
@@ -93,11 +99,8 @@ def select_partitions(consumer: Any, agg: AggregateConfig, identity: Identity, p
             early[p], budget = Prefetched(start, start), budget - (listed - start)
             ranges[(events, p)] = (start, None)
     selectors = {p: Selector(identity, p, *probe.listed[p], end_final=False) for p in partitions}
-    if topic_exists or kafka_io.exists(consumer, topic):
+    if _readable(consumer, agg, partitions, topic_exists):
         ranges.update({(topic, p): (OFFSET_BEGINNING, None) for p in partitions})
-    else:  # reading it would only stall: no snapshots, a full replay
-        log.warning("snapshot.topic_missing", aggregate=agg.name, topic=topic, partitions=partitions,
-                    fallback="full replay", fix="run `kafold topics ensure`")
     for (t, p), offsets, keys, values in kafka_io.read_many(consumer, ranges, probe.positions):
         if t == events:
             probe.saw(p, offsets)

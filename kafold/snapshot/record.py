@@ -26,6 +26,27 @@ _MARKER_FIELDS = frozenset({"format", "aggregate_type", "partition", "offset", "
                             "state_schema_version", "created_at", "checksum"})
 
 
+Encoded = tuple[bytes, bytes, list[tuple[str, bytes]]]  # (key, value, headers) to produce
+_CHECKSUM_AT = b',"checksum":"sha256:'
+_TAIL = len(_CHECKSUM_AT) + 64 + len(b'"}')
+
+
+def _seal(canonical: bytes) -> bytes:
+    """A snapshot's value: its canonical encoding with the checksum of those bytes appended as the last field
+    (one serialisation instead of two; readers recompute it from the parsed fields, so order is free)."""
+    return b'%s%s%s"}' % (canonical[:-1], _CHECKSUM_AT, hashlib.sha256(canonical).hexdigest().encode())
+
+
+def _sealed_digest(value: bytes) -> bytes | None:
+    """For a value laid out as `_seal` writes it whose appended digest is the hash of the bytes before it, that
+    digest (hex); None for any other layout or a mismatch. Those bytes are exactly what the content is parsed from,
+    so a match vouches for the content."""
+    if len(value) <= _TAIL or not value.endswith(b'"}') or value[-_TAIL:-_TAIL + 20] != _CHECKSUM_AT:
+        return None
+    digest = value[-66:-2]
+    return digest if hashlib.sha256(value[:-_TAIL] + b"}").hexdigest().encode() == digest else None
+
+
 def checksum(body: dict[str, Any]) -> str:
     """sha256 over the canonical encoding (orjson, keys sorted at every level) of every field but `checksum`."""
     canonical = orjson.dumps({k: v for k, v in body.items() if k != "checksum"}, option=orjson.OPT_SORT_KEYS)
@@ -57,14 +78,12 @@ class Snapshot(NamedTuple):
                 "fingerprint": self.fingerprint, "state_schema_version": self.state_schema_version,
                 "created_at": self.created_at or utc_now()}
 
-    def encode(self) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
+    def encode(self) -> Encoded:
         """(key, value, headers) to produce; the checksum is computed here (any given one is ignored).
 
-        The value is the canonical encoding the checksum covers with the checksum appended as the last field
-        (one serialisation instead of two; readers recompute it from the parsed fields, so order is free)."""
+        The value is the canonical encoding with its checksum appended (`_seal`)."""
         canonical = orjson.dumps(self.body(), option=orjson.OPT_SORT_KEYS)
-        value = b'%s,"checksum":"sha256:%s"}' % (canonical[:-1], hashlib.sha256(canonical).hexdigest().encode())
-        return self.aggregate_id.encode(), value, [(H_KIND, KIND_SNAPSHOT)]
+        return self.aggregate_id.encode(), _seal(canonical), [(H_KIND, KIND_SNAPSHOT)]
 
 
 class Encoder:
@@ -81,12 +100,11 @@ class Encoder:
                                                       FORMAT, offset, partition))
         self._schema = b',"state_schema_version":%d,"version":' % state_schema_version
 
-    def encode(self, aggregate_id: str, state: Any, version: int) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
+    def encode(self, aggregate_id: str, state: Any, version: int) -> Encoded:
         canonical = b'{"aggregate_id":%s%s%s%s%d}' % (orjson.dumps(aggregate_id), self._middle,
                                                       orjson.dumps(state, option=orjson.OPT_SORT_KEYS),
                                                       self._schema, version)
-        value = b'%s,"checksum":"sha256:%s"}' % (canonical[:-1], hashlib.sha256(canonical).hexdigest().encode())
-        return aggregate_id.encode(), value, [(H_KIND, KIND_SNAPSHOT)]
+        return aggregate_id.encode(), _seal(canonical), [(H_KIND, KIND_SNAPSHOT)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +124,7 @@ class Marker:
     created_at: str = ""
     checksum: str = ""
 
-    def encode(self) -> tuple[bytes, bytes, list[tuple[str, bytes]]]:
+    def encode(self) -> Encoded:
         body = {"format": FORMAT, "aggregate_type": self.aggregate_type, "partition": self.partition,
                 "offset": self.offset, "fingerprint": self.fingerprint,
                 "state_schema_version": self.state_schema_version, "created_at": self.created_at or utc_now()}
@@ -152,16 +170,11 @@ def _body(key: bytes | None, value: bytes | None, fields: frozenset[str], raw: A
     return body
 
 
-_TAIL = len(b',"checksum":"sha256:') + 64 + len(b'"}')
-
-
 def _appended_checksum_matches(value: bytes, stated: str) -> bool:
-    """The fast check for what `Snapshot.encode` writes: the canonical bytes, then the checksum as the last field.
-    Those bytes are exactly what the content was parsed from, so their hash matching the stated one vouches for
-    the content; any other layout (or a mismatch) is checked the canonical way by the caller."""
-    if len(value) <= _TAIL or not value.endswith(b'"}') or value[-_TAIL:-_TAIL + 20] != b',"checksum":"sha256:':
-        return False
-    return "sha256:" + hashlib.sha256(value[:-_TAIL] + b"}").hexdigest() == stated
+    """The fast check for what `Snapshot.encode` writes (`_sealed_digest`) against the stated checksum; any other
+    layout (or a mismatch) is checked the canonical way by the caller."""
+    digest = _sealed_digest(value)
+    return digest is not None and "sha256:" + digest.decode() == stated
 
 
 _INTS = ("version", "partition", "offset", "state_schema_version")
@@ -188,16 +201,11 @@ def decode_marker(key: bytes | None, value: bytes | None, *, raw: Any = None) ->
     return Marker(**body)
 
 
-_CHECKSUM_AT = b',"checksum":"sha256:'
-
-
 def _decode_written(key: bytes | None, value: bytes | None) -> Snapshot | None:
     """The fast path (every snapshot read goes through here: plans, restores): a record laid out as
     `Snapshot.encode` writes it, whose appended checksum matches its bytes, with every field of the right type.
     None for anything else, which the strict path then decodes or rejects, naming the defect."""
-    if value is None or key is None or len(value) <= _TAIL or value[-_TAIL:-_TAIL + 20] != _CHECKSUM_AT \
-            or not value.endswith(b'"}') \
-            or hashlib.sha256(value[:-_TAIL] + b"}").hexdigest().encode() != value[-66:-2]:
+    if value is None or key is None or _sealed_digest(value) is None:
         return None
     try:
         b = orjson.loads(value)
