@@ -63,7 +63,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "replay_events_per_s": round(replay["events"] / replay["seconds"]),
             "rows_changed_on_replay": replay["upserted"] + replay["deleted"],
             "replay_duplicates": replay["duplicates"],
-            "rss_mb": first["rss_mb"], "rss_mb_at_20pct": first["rss_mb_at_20pct"]}
+            "rss_mb": first["rss_mb"], "rss_mb_at_20pct": first["rss_mb_at_20pct"],
+            # CPU of the first pass (kafold's process and, when it runs here, PostgreSQL's): steadier than the
+            # rate on a shared machine, and it shows which side the two cores went to.
+            "cpu_us_per_event": first["cpu_us_per_event"], "cores_busy": first["cores_busy"]}
 
 
 def _produce(kafka: Any, topic: str, n: int, partitions: int, accounts: int) -> int:
@@ -116,16 +119,20 @@ def _project(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argp
         group_prefix=f"{name}.{uuid.uuid4().hex[:4]}", batch_max_records=args.batch))
     proc = psutil.Process()
     marks: dict[str, float] = {}
+    pg: list[Any] = []
 
     def on_batch(stats: Any) -> None:
         if "first" not in marks:
             marks["first"] = time.perf_counter() - stats.duration_s
+            pg.extend(_postgres_processes(runner.task.writer.conn))  # type: ignore[attr-defined]
+            marks["cpu0"], marks["pg0"] = _cpu_s([proc]), _cpu_s(pg)
         done = runner.counts["records"]
         if "rss20" not in marks and done >= args.events // 5:
             marks["rss20"] = proc.memory_info().rss / 2**20
         if done >= args.events:
             runner.task.flush({})  # the last batch's write is in flight: the clock stops at its commit
             marks["last"] = time.perf_counter()
+            marks["cpu1"], marks["pg1"] = _cpu_s([proc]), _cpu_s(pg)
             marks["rss"] = proc.memory_info().rss / 2**20
             runner.stop()
 
@@ -136,9 +143,45 @@ def _project(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argp
     if runner.error is not None or "last" not in marks:
         raise RuntimeError(f"projection run failed: {runner.error!r}")
     totals = runner.task.totals  # type: ignore[attr-defined]
-    return {"events": runner.counts["records"], "seconds": marks["last"] - marks["first"],
+    seconds, events = marks["last"] - marks["first"], runner.counts["records"]
+    cpu = {"kafold": marks["cpu1"] - marks["cpu0"], "postgres": marks["pg1"] - marks["pg0"] if pg else None}
+    return {"events": events, "seconds": seconds,
+            "cpu_us_per_event": {k: None if v is None else round(v / events * 1e6, 1) for k, v in cpu.items()},
+            "cores_busy": {k: None if v is None else round(v / seconds, 2) for k, v in cpu.items()},
             "upserted": totals.upserted, "deleted": totals.deleted, "duplicates": totals.duplicates,
             "rss_mb": round(marks["rss"]), "rss_mb_at_20pct": round(marks.get("rss20", marks["rss"]))}
+
+
+def _cpu_s(procs: list[Any]) -> float:
+    """User + system CPU seconds of `procs` so far (a process gone since is left out)."""
+    import psutil
+
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def _postgres_processes(conn: Any) -> list[Any]:
+    """The local PostgreSQL server's processes (postmaster and children), found from the connection's backend;
+    none when the server is not on this machine (its pid would mean nothing here)."""
+    import psutil
+
+    host = conn.info.host if conn is not None else ""
+    if not (host.startswith("/") or host in ("localhost", "127.0.0.1", "::1")):
+        return []
+    try:
+        backend = psutil.Process(conn.info.backend_pid)
+        postmaster = backend.parent()
+        if postmaster is None or "postgres" not in postmaster.name():
+            return []
+        return [postmaster, *postmaster.children()]
+    except psutil.Error:
+        return []
 
 
 def _forget_checkpoints(pgc: Any, name: str) -> None:
