@@ -187,6 +187,12 @@ class SinkTask(ABC):
         handed to the reporter; a task that keeps its own dead-letter store records it here. Default: nothing."""
         return None
 
+    def yield_point(self) -> None:
+        """Called by the runner every few hundred records while it decodes a batch: a task whose own thread needs
+        the interpreter right now (the projection's writer between PostgreSQL round trips) may wait here briefly,
+        so the GIL goes to the slower stage first. Must return within a few milliseconds. Default: nothing."""
+        return None
+
     def flush(self, offsets: Offsets) -> None:
         """Make everything handed to `put` up to `offsets` durable."""
         return None

@@ -48,6 +48,7 @@ from kafold.errors import DecodeError, FatalError, KafoldError, RecordError, Ret
 log = structlog.get_logger("kafold.daemon.runner")
 
 MAX_BACKOFF_S = 10.0
+YIELD_EVERY_MASK = 255  # the decode loop offers the task a yield point every 256 records (SinkTask.yield_point)
 
 
 class _Abandoned(KafoldError):
@@ -242,8 +243,10 @@ class SinkRunner:
         dead = skipped = 0
         on_unknown = self.connector.settings.on_unknown_type
         tp, last_topic, last_part = None, None, -1
-        handles = self.task.handles
-        for m in msgs:
+        handles, yield_point = self.task.handles, self.task.yield_point
+        for i, m in enumerate(msgs):
+            if not i & YIELD_EVERY_MASK:
+                yield_point()
             err = m.error()
             if err is not None:
                 if err.fatal():

@@ -40,7 +40,11 @@ class RecordingTask(SinkTask):
     def start(self, task_config: Any, context: SinkTaskContext) -> None:
         self.config: RecordingConfig = task_config["config"]
         self.received: list[SinkRecord] = task_config["received"]
+        self.yield_points: list[int] = task_config.setdefault("yield_points", [])
         self.failures = 0
+
+    def yield_point(self) -> None:
+        self.yield_points.append(len(self.received))
 
     def put(self, records: Any) -> None:
         if self.config.put_delay_s:
@@ -63,9 +67,10 @@ class RecordingConnector(Connector[RecordingConfig]):
     def __init__(self, settings: ConnectorConfig, config: RecordingConfig) -> None:
         super().__init__(settings, config)
         self.received: list[SinkRecord] = []
+        self.yield_points: list[int] = []
 
     def task_configs(self, max_tasks: int) -> list[dict[str, Any]]:
-        return [{"task_id": 0, "config": self.config, "received": self.received}]
+        return [{"task_id": 0, "config": self.config, "received": self.received, "yield_points": self.yield_points}]
 
 
 @dataclass
@@ -136,6 +141,14 @@ def test_every_valid_event_is_put_exactly_once_in_partition_order(scenario: dict
     got = {p: [r.offset for r in scenario["received"] if r.partition == p] for p in (0, 1)}
     assert got == expected
     assert all(r.event.payload["secret"].startswith("SECRET-") for r in scenario["received"])
+
+
+def test_the_decode_loop_offers_the_task_a_yield_point_in_each_batch(scenario: dict[str, Any]) -> None:
+    # Batches of <= 10 records here: one yield point each (every 256 records), before any of its records is put.
+    run = scenario["run"]
+    points = run.connector.yield_points
+    assert len(points) == run.runner.counts["batches"] > 0
+    assert points == sorted(points) and points[-1] <= len(scenario["received"])
 
 
 def test_malformed_records_land_in_the_dlq_with_their_coordinates(

@@ -61,6 +61,11 @@ STOP_WAIT_S = 8.0  # the daemon exits within 10 s of SIGTERM
 # default gen-0 threshold (700) runs the cyclic GC dozens of times per batch: 50,000 took 7.6 s to 6.1 s.
 SWITCH_INTERVAL_S = 0.0005
 GC_GEN0_THRESHOLD = 50_000
+# The runner's decoding waits at its yield points (every 256 records) while the writer runs Python, at most this
+# long each time: the batch being written is on the critical path, the next one is not. The GIL otherwise
+# alternates between the two threads and stretches the writer's Python ~2x (kafold bench projection: 33-34k ->
+# 36-41k events/s, docs/benchmarks.md).
+YIELD_WAIT_S = 0.004
 
 
 class ProjectionSinkTask(SinkTask):
@@ -109,6 +114,10 @@ class ProjectionSinkTask(SinkTask):
 
     def handles(self, event_type: str) -> bool:
         return self.mapping.handles(event_type)
+
+    def yield_point(self) -> None:
+        if not self.pipe.done():  # a write in flight that is running Python now: let it go first
+            self.writer.idle.wait(YIELD_WAIT_S)
 
     def open(self, partitions: Collection[TopicPartition]) -> None:
         self._settle()  # the writer is free, and an earlier write's checkpoints are visible

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -163,6 +164,11 @@ class ProjectionWriter:
         self._optimistic = True  # fold while the tracking insert runs (see _apply); off after duplicates
         self._prepared: Prepared | None = None
         self._prefix = tracking_prefix(self.namespace)
+        # Set while this writer is not running Python (waiting for PostgreSQL, or between writes): the task's
+        # yield point lets the runner's decoding wait for it, so the batch being written — the slower stage —
+        # gets the interpreter first (see task.py).
+        self.idle = threading.Event()
+        self.idle.set()
 
     # ---- session ----------------------------------------------------------------------------------------
     def connection(self) -> psycopg.Connection[Any]:
@@ -236,6 +242,9 @@ class ProjectionWriter:
         `prepare` gave for (at least) these records, else it is computed here."""
         self._advance = advance
         self._prepared = prepared
+        idle = self.idle
+        if report is not None:  # reporting waits for the runner's thread: never make it wait for us meanwhile
+            report = _idle_during(report, idle)
         try:
             return self._isolating(list(records), list(dead), dict(offsets or {}), report)
         except RetriableError:
@@ -244,6 +253,8 @@ class ProjectionWriter:
         except psycopg.OperationalError as e:
             self.close()
             raise RetriableError(f"PostgreSQL: {e}") from e
+        finally:
+            idle.set()
 
     def _isolating(self, records: list[SinkRecord], dead: list[DeadLetter], offsets: dict[TopicPartition, int],
                    report: Report | None) -> BatchResult:
@@ -306,6 +317,8 @@ class ProjectionWriter:
         shape, mapping = self.shape, self.mapping
         result = BatchResult(events=len(records), transactions=1, dead_lettered=len(dead))
         skip = {id(r) for r in excluded}
+        idle = self.idle
+        idle.clear()
         prep = prepared if prepared is not None else self.prepare(records)
         first: dict[bytes, SinkRecord] = {}
         for r in records:
@@ -333,18 +346,23 @@ class ProjectionWriter:
                         # The rows first; then the tracking insert runs in the server while the batch is folded
                         # here, assuming every candidate is new (see the module note).
                         found = self._select(conn, keys)
+                        idle.set()
                         pipe.sync()
+                        idle.clear()
                         tracked = conn.execute(q.track_new(self._tracking), (list(first), self.namespace))
                         folded = self._fold(candidates, self._rows(found), record_keys, key_errors)
+                        idle.set()
                     else:
                         # ONE round trip: the tracking insert, and after it (same session, in order) the rows.
                         tracked = conn.execute(q.track(self._tracking), (list(first), self.namespace, len(first)))
                         found = self._select(conn, keys) if keys else None
+                        idle.set()
             except psycopg.errors.UniqueViolation as e:
                 if not optimistic:
                     raise
                 self._optimistic = False
                 raise _Duplicates() from e
+            idle.clear()
             count, new_keys = (tracked.rowcount, None) if optimistic else (tracked.fetchone() or (0, None))
             if count == len(first):
                 fresh = candidates
@@ -378,6 +396,7 @@ class ProjectionWriter:
         for tp, off in offsets.items():
             advance[tp] = max(off, advance.get(tp, -1))
         advance = {tp: off for tp, off in advance.items() if off >= 0}
+        idle.set()  # from here on PostgreSQL's turn: the merge, the checkpoint, the commit
         # The rest in ONE round trip: merge, deletes, dead letters, checkpoints (the commit follows).
         with conn.pipeline():
             merged = conn.execute(q.merge_stage(shape, mapping.guard)) if upserts else None
@@ -453,6 +472,17 @@ class ProjectionWriter:
         return (self.connector, raw.topic, raw.partition, raw.offset, raw.key, raw.value,
                 Jsonb(headers_json(raw.headers)), f"{cls.__module__}.{cls.__qualname__}", str(error)[:2000],
                 getattr(error, "reason", "task-error"))
+
+
+def _idle_during(report: Report, idle: threading.Event) -> Report:
+    def reporting(bad: Sequence[tuple[Any, BaseException]]) -> None:
+        idle.set()
+        try:
+            report(bad)
+        finally:
+            idle.clear()
+
+    return reporting
 
 
 def elapsed_ms(started: float) -> float:

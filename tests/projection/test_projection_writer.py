@@ -42,6 +42,7 @@ def test_duplicates_switch_the_writer_to_the_conflict_order_until_a_clean_batch(
         clean = writer.write([*c, *late])
         assert (clean.duplicates, clean.stale, writer._optimistic) == (0, 1, True)
         assert writer.write(c).duplicates == len(c)  # a replay of a batch: all duplicates, nothing written
+        assert writer.idle.is_set()  # between writes the runner's yield points never wait for this writer
     finally:
         writer.close()
     assert read_table(pg_config, table) == fold(events)
