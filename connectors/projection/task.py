@@ -63,8 +63,8 @@ SWITCH_INTERVAL_S = 0.0005
 GC_GEN0_THRESHOLD = 50_000
 # The runner's decoding waits at its yield points (every 256 records) while the writer runs Python, at most this
 # long each time: the batch being written is on the critical path, the next one is not. The GIL otherwise
-# alternates between the two threads and stretches the writer's Python ~2x (kafold bench projection: 33-34k ->
-# 36-41k events/s, docs/benchmarks.md).
+# alternates between the two threads and stretches the writer's Python (kafold bench projection: +6-13 %,
+# docs/benchmarks.md).
 YIELD_WAIT_S = 0.004
 
 
