@@ -1,4 +1,5 @@
-"""The daemon's workers: one thread per sink task (restartable) and per aggregate runtime, with their states.
+"""The daemon's workers: one thread per sink task (restartable; or a child process, following it from a thread)
+and per aggregate runtime, with their states.
 
 Note on commits at stop and restart: stopping a slot sets its runner's stop event; the runner finishes or
 abandons the in-flight batch, commits what is done and closes its partitions (see `daemon.runner`). A restart
@@ -20,6 +21,7 @@ from kafold import logs
 from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig, KafoldConfig
 from kafold.connectors.api import Connector
 from kafold.daemon.runner import BatchStats, SinkRunner
+from kafold.daemon.task_process import RemoteRunner, TaskSpec
 
 log = logs.get(__name__)
 
@@ -58,11 +60,14 @@ class TaskSlot:
         return f"{self.connector.name}[{self.task_id}]"
 
     def _new_runner(self) -> SinkRunner:
-        runner = SinkRunner(self.connector, self.task_config, kafka=self.kafka, daemon=self.daemon)
+        runner = self._runner()
         if self.on_batch is not None:
             hook = self.on_batch
             runner.on_batch = lambda stats: hook(runner, stats)
         return runner
+
+    def _runner(self) -> SinkRunner:
+        return SinkRunner(self.connector, self.task_config, kafka=self.kafka, daemon=self.daemon)
 
     def start(self) -> None:
         runner = self.runner
@@ -96,11 +101,14 @@ class TaskSlot:
             return False
         if now - self._stall_logged >= POLL_STALL_WARN_S:
             self._stall_logged = now
-            frame = sys._current_frames().get(self.thread.ident or -1)
-            stack = "".join(traceback.format_stack(frame, limit=12)) if frame is not None else "(thread gone)"
             log.warning("sink task not polling its consumer", task=self.name, since_s=round(now - r.last_poll, 1),
-                        stack=stack)
+                        stack=self._stack())
         return True
+
+    def _stack(self) -> str:
+        """Where the task's thread is (for the stall warning)."""
+        frame = sys._current_frames().get(self.thread.ident or -1) if self.thread is not None else None
+        return "".join(traceback.format_stack(frame, limit=12)) if frame is not None else "(thread gone)"
 
     def join(self, timeout: float) -> bool:
         """Wait for the thread; True when it ended."""
@@ -126,6 +134,25 @@ class TaskSlot:
             return True
         finally:
             self.restarting = False
+
+
+class ProcessTaskSlot(TaskSlot):
+    """A sink task whose runner runs in a child process (`daemon.task_processes`, see daemon.task_process); the
+    slot's thread follows the child, and `runner` is the parent's view of it."""
+
+    def __init__(self, connector: Connector[Any], task_config: dict[str, Any], kafka: KafkaConfig,
+                 daemon: DaemonConfig, spec: TaskSpec,
+                 on_batch: Callable[[SinkRunner, BatchStats], None] | None = None,
+                 on_exit: Callable[[TaskSlot], None] | None = None) -> None:
+        self.spec = spec
+        super().__init__(connector, task_config, kafka, daemon, on_batch, on_exit)
+
+    def _runner(self) -> SinkRunner:
+        return RemoteRunner(self.connector, int(self.task_config.get("task_id", 0)), self.spec)  # type: ignore[return-value]
+
+    def _stack(self) -> str:
+        pid = getattr(self.runner, "pid", None)
+        return f"(in task process {pid}: py-spy dump --pid {pid} shows where)"
 
 
 @dataclasses.dataclass

@@ -68,6 +68,8 @@ class DaemonConfig:
     batch_max_records: int = setting(5000, doc="Largest batch handed to a sink task.", minimum=1)
     batch_max_wait_ms: int = setting(200, doc="Longest wait to fill a batch.", minimum=1)
     shutdown_grace_s: float = setting(10.0, doc="Time SIGTERM gives in-flight batches to finish.", minimum=0)
+    task_processes: bool = setting(False, doc="Run each sink task in its own child process (one interpreter "
+                                   "each), so a connector with tasks_max > 1 uses several cores.")
     log_level: str = setting("info", doc="Log level.", choices=("debug", "info", "warning", "error"))
     python_path: list[str] = setting(
         factory=list, doc="Folders (relative to the config file) added to sys.path for user modules.")

@@ -8,10 +8,13 @@ import sys
 import structlog
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+_current = ("info", "auto")  # what `configure` was last given (a task process configures itself the same way)
 
 
 def configure(level: str = "info", fmt: str = "auto") -> None:
     """Configure structlog and stdlib logging (faust, aiokafka) to write one line per event on stderr."""
+    global _current
+    _current = (level, fmt)
     pretty = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
     shared: list[structlog.types.Processor] = [
         structlog.contextvars.merge_contextvars,
@@ -33,6 +36,11 @@ def configure(level: str = "info", fmt: str = "auto") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(max(_LEVELS[level], logging.WARNING))  # third-party chatter only from warnings up
+
+
+def current() -> tuple[str, str]:
+    """(level, format) as last configured."""
+    return _current
 
 
 def get(name: str) -> structlog.stdlib.BoundLogger:

@@ -1,0 +1,222 @@
+"""Sink tasks in child processes (`daemon.task_processes`): one interpreter per task, so a connector's tasks use cores.
+
+A sink task is GIL-bound: one interpreter runs the runner's decoding and the writer's folding at about one core
+(docs/benchmarks.md). With `task_processes = true` each task's SinkRunner runs in its own process, started with
+`spawn` (no fork of a threaded parent holding librdkafka handles), with its own consumer — the same group, so the
+partitions split between the tasks exactly as between threads — and its own PostgreSQL connection. The parent
+keeps a `RemoteRunner` per task: the same attributes the daemon's views read from a SinkRunner (state, progress,
+counts, error), updated from the child's status messages, and the same calls (stop, request_pause).
+
+Note on offsets and commits: nothing moves across the pipe but status and requests. The child's runner commits
+exactly as it does in a thread (PostgreSQL first, then Kafka, see daemon.runner and the projection's writer), so
+a child that dies — kill -9 included — leaves what a crashed daemon leaves: the records after its last commit
+are delivered again to whichever task gets the partitions, and the sinks' idempotence makes that harmless.
+A child whose parent is gone (the pipe closes, kill -9 of the daemon included) stops its runner the graceful way:
+it finishes or abandons its batch within the grace period, commits what is done and exits. SIGTERM and SIGINT sent
+to the child itself (systemd signals the whole control group; Ctrl-C the foreground process group) do the same.
+A child that exits by itself is a task that stopped by itself: the daemon fails fast (exit 1), as with threads.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from kafold import logs
+from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig
+from kafold.connectors.api import Connector
+from kafold.daemon.progress import BatchStats
+from kafold.errors import KafoldError
+
+log = logs.get(__name__)
+
+STATUS_INTERVAL_S = 0.25  # the child reports at least this often (and after every batch)
+
+
+class TaskProcessError(KafoldError):
+    """A task in a child process failed or its process died; `trace` is what Connect's status shows."""
+
+    def __init__(self, message: str, trace: str) -> None:
+        super().__init__(message)
+        self.trace = trace
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What a child needs to build its task, all picklable: the connector is built again from its settings."""
+
+    settings: ConnectorConfig
+    base: Path
+    python_path: tuple[str, ...]
+    task_index: int
+    tasks_max: int
+    kafka: KafkaConfig
+    postgres: PostgresConfig
+    daemon: DaemonConfig
+    log: tuple[str, str]
+
+
+class RemoteRunner:
+    """The parent's view of a SinkRunner running in a child process; `run` starts the child and follows it."""
+
+    def __init__(self, connector: Connector[Any], task_id: int, spec: TaskSpec) -> None:
+        self.connector = connector
+        self.spec = spec
+        self.context = SimpleNamespace(task_id=task_id, connector_name=connector.name)
+        self.group_id = f"{spec.daemon.group_prefix}.{connector.name}"
+        self.progress = SimpleNamespace(snapshot={})  # dict[TopicPartition, PartitionProgress], replaced whole
+        self.counts: dict[str, int] = {"batches": 0, "records": 0, "dead_lettered": 0, "skipped": 0, "polls": 0,
+                                       "assignments": 0, "rejoins": 0}
+        self.on_batch: Any = None  # called with BatchStats in the parent's follower thread
+        self.error: BaseException | None = None
+        self.failed = self.started = self.stopped = self.api_paused = False
+        self.last_poll = time.monotonic()
+        self.pid: int | None = None
+        self._state = "UNASSIGNED"
+        self._conn: Connection | None = None
+        self._lock = threading.Lock()
+        self._stop_requested = False
+        self._pause: bool | None = None
+
+    @property
+    def state(self) -> str:
+        if self.failed and self.error is not None:
+            return "FAILED"
+        return self._state
+
+    def stop(self) -> None:
+        self._stop_requested = True
+        self._send(("stop",))
+
+    def request_pause(self, paused: bool) -> None:
+        self._pause = paused
+        self._send(("pause", paused))
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        with self._lock:
+            if self._conn is None:
+                return  # not started yet: `run` sends what was requested
+            try:
+                self._conn.send(message)
+            except OSError:
+                pass  # the child is gone; its end is handled by `run`
+
+    def run(self) -> None:
+        """Start the child and follow its reports until it exits (blocks; the TaskSlot's thread)."""
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=child_main, args=(child, self.spec), daemon=False,
+                              name=f"kafold-task-{self.connector.name}-{self.context.task_id}")
+        process.start()
+        child.close()
+        self.pid = process.pid
+        with self._lock:
+            self._conn = parent
+        if self._pause is not None:
+            self._send(("pause", self._pause))
+        if self._stop_requested:
+            self._send(("stop",))
+        log.info("task process started", connector=self.connector.name, task=self.context.task_id, pid=self.pid)
+        final = False
+        try:
+            while True:
+                try:
+                    message = parent.recv()
+                except (EOFError, OSError):
+                    break
+                final = self._apply(message) or final
+        finally:
+            process.join()
+            with self._lock:
+                self._conn = None
+            parent.close()
+        if not final:  # no last report: the process died (kill -9, OOM killer, a crash in C)
+            self.failed = True
+            self.error = TaskProcessError(f"task process {self.pid} exited with code {process.exitcode}",
+                                          f"task process exited with code {process.exitcode}")
+            log.error("task process died", connector=self.connector.name, task=self.context.task_id, pid=self.pid,
+                      exitcode=process.exitcode)
+        self.stopped = True
+
+    def _apply(self, message: dict[str, Any]) -> bool:
+        """Take one status report; True when it is the child's last."""
+        for stats in message.get("batches", ()):
+            if self.on_batch is not None:
+                self.on_batch(stats)
+        self.counts = message["counts"]
+        self.progress = SimpleNamespace(snapshot=message["snapshot"])
+        self.last_poll = message["last_poll"]  # CLOCK_MONOTONIC: one clock for every process of the machine
+        self.started, self.api_paused, self._state = message["started"], message["api_paused"], message["state"]
+        if message.get("error") is not None:
+            kind, text = message["error"]
+            self.error = TaskProcessError(text, f"{kind}: {text}")
+            self.failed = True
+        return bool(message.get("final"))
+
+
+def child_main(conn: Connection, spec: TaskSpec) -> None:
+    """The child process: build the task's SinkRunner, run it in a thread, report, follow the parent's requests."""
+    from kafold.connectors.registry import instantiate
+    from kafold.daemon.runner import SinkRunner
+
+    logs.configure(*spec.log)
+    sys.path[:0] = [p for p in spec.python_path if p not in sys.path]
+    connector = instantiate(spec.settings, spec.base)
+    task_config = {**connector.task_configs(spec.tasks_max)[spec.task_index], "kafka": spec.kafka,
+                   "postgres": spec.postgres}
+    runner = SinkRunner(connector, task_config, kafka=spec.kafka, daemon=spec.daemon)
+    batches: list[BatchStats] = []
+    send_lock = threading.Lock()
+
+    def report(final: bool = False) -> None:
+        error = runner.error
+        with send_lock:
+            done = batches[:]
+            del batches[:]
+            conn.send({"state": runner.state, "started": runner.started, "api_paused": runner.api_paused,
+                       "counts": dict(runner.counts), "snapshot": dict(runner.progress.snapshot),
+                       "last_poll": runner.last_poll, "batches": done, "final": final,
+                       "error": (type(error).__name__, str(error)) if error is not None else None})
+
+    def on_batch(stats: BatchStats) -> None:
+        with send_lock:
+            batches.append(stats)
+        try:
+            report()
+        except OSError:
+            runner.stop()  # the parent is gone
+
+    runner.on_batch = on_batch
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: runner.stop())
+    thread = threading.Thread(target=runner.run, name=f"kafold-{connector.name}-{spec.task_index}")
+    thread.start()
+    while thread.is_alive():
+        try:
+            if conn.poll(STATUS_INTERVAL_S):
+                request = conn.recv()
+                if request[0] == "stop":
+                    runner.stop()
+                elif request[0] == "pause":
+                    runner.request_pause(bool(request[1]))
+            report()
+        except (EOFError, OSError):  # the parent is gone: stop as on SIGTERM, then exit
+            runner.stop()
+            thread.join()
+            return
+    thread.join()
+    try:
+        report(final=True)
+    except OSError:
+        pass
+    conn.close()
+    sys.exit(1 if runner.failed else 0)
+
