@@ -33,14 +33,13 @@ from kafold.connectors.api import TopicPartition
 from kafold.connectors.registry import instantiate
 from kafold.daemon import connect_api, http, offsets
 from kafold.daemon.metrics import DaemonMetrics
-from kafold.daemon.task_process import TaskSpec
 from kafold.daemon.tasks import (
     AggregateSlot,
     ConnectorGroup,
-    ProcessTaskSlot,
     TaskSlot,
     aggregate_factory,
     join_all,
+    task_slots,
 )
 from kafold.errors import ConfigError, FatalError, KafoldError
 from kafold.snapshot.scheduler import SnapshotScheduler
@@ -118,23 +117,10 @@ class DaemonHost:
                 connector = instantiate(settings, self.base, f"connectors[{i}]")
                 if not connector.is_sink():
                     raise FatalError(f"connector {settings.name!r}: the daemon runs sink connectors only")
-                # Tasks get the configured services with their task config (Connect's worker config).
-                services = {"kafka": self.cfg.kafka, "postgres": self.cfg.postgres}
-                configs = connector.task_configs(settings.tasks_max)[: settings.tasks_max]
-                slots = [self._slot(connector, {**tc, **services}, task_daemon, index, len(configs))
-                         for index, tc in enumerate(configs)]
+                slots = task_slots(connector, self.cfg.kafka, self.cfg.postgres, task_daemon, self.base,
+                                   python_path(self.cfg, self.base).paths, self.metrics.observe, self._on_exit)
                 groups.append(ConnectorGroup(connector, slots))
         return groups
-
-    def _slot(self, connector: Any, task_config: dict[str, Any], task_daemon: Any, index: int,
-              count: int) -> TaskSlot:
-        """A thread per task, or with `daemon.task_processes` a child process per task (daemon.task_process)."""
-        if not self.cfg.daemon.task_processes:
-            return TaskSlot(connector, task_config, self.cfg.kafka, task_daemon, self.metrics.observe, self._on_exit)
-        spec = TaskSpec(connector.settings, self.base, tuple(python_path(self.cfg, self.base).paths), index, count,
-                        self.cfg.kafka, self.cfg.postgres, task_daemon, logs.current())
-        return ProcessTaskSlot(connector, task_config, self.cfg.kafka, task_daemon, spec, self.metrics.observe,
-                               self._on_exit)
 
     def _build_aggregates(self) -> dict[str, AggregateSlot]:
         if not self.cfg.aggregates:

@@ -48,6 +48,10 @@ from kafold.errors import DecodeError, FatalError, KafoldError, RecordError, Ret
 log = structlog.get_logger("kafold.daemon.runner")
 
 MAX_BACKOFF_S = 10.0
+# librdkafka's prefetch queue (queued.max.messages.kbytes) per consumer: its default, 64 MB, is ~40 batches of
+# 5,000 300-byte events sitting in memory; 16 MB still holds ~10 batches ahead of the loop. Measured with
+# `kafold bench projection` (docs/benchmarks.md): the same rate, ~55 MB less RSS per task.
+PREFETCH_KBYTES = 16384
 YIELD_EVERY_MASK = 255  # the decode loop offers the task a yield point every 256 records (SinkTask.yield_point)
 
 
@@ -191,6 +195,7 @@ class SinkRunner:
 
     def _new_consumer(self) -> Any:
         extra = {"isolation.level": "read_committed", "enable.auto.offset.store": False,
+                 "queued.max.messages.kbytes": PREFETCH_KBYTES,
                  "statistics.interval.ms": STATS_INTERVAL_MS, "stats_cb": self._on_stats, **self.consumer_extra}
         return kafka_clients.consumer(self.kafka, self.group_id, **extra)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kafold import logs
-from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig, KafoldConfig
+from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig, KafoldConfig, PostgresConfig
 from kafold.connectors.api import Connector
 from kafold.daemon.runner import BatchStats, SinkRunner
 from kafold.daemon.task_process import RemoteRunner, TaskSpec
@@ -153,6 +153,21 @@ class ProcessTaskSlot(TaskSlot):
     def _stack(self) -> str:
         pid = getattr(self.runner, "pid", None)
         return f"(in task process {pid}: py-spy dump --pid {pid} shows where)"
+
+
+def task_slots(connector: Connector[Any], kafka: KafkaConfig, postgres: PostgresConfig, daemon: DaemonConfig,
+               base: Path, python_paths: list[str],
+               on_batch: Callable[[SinkRunner, BatchStats], None] | None = None,
+               on_exit: Callable[[TaskSlot], None] | None = None) -> list[TaskSlot]:
+    """The slots of a connector's tasks (at most `tasks_max`): threads, or with `daemon.task_processes` child
+    processes. Each task gets the configured services with its task config (Connect's worker config)."""
+    n = connector.settings.tasks_max
+    configs = [{**tc, "kafka": kafka, "postgres": postgres} for tc in connector.task_configs(n)[:n]]
+    if not daemon.task_processes:
+        return [TaskSlot(connector, tc, kafka, daemon, on_batch, on_exit) for tc in configs]
+    return [ProcessTaskSlot(connector, tc, kafka, daemon, TaskSpec(
+        connector.settings, base, tuple(python_paths), i, len(configs), kafka, postgres, daemon, logs.current()),
+        on_batch, on_exit) for i, tc in enumerate(configs)]
 
 
 @dataclasses.dataclass

@@ -28,6 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partitions", type=int, default=4, help="partitions of the benchmark topic")
     p.add_argument("--accounts", type=int, default=0, help="distinct aggregates (default events / 10)")
     p.add_argument("--batch", type=int, default=5000, help="daemon.batch_max_records")
+    p.add_argument("--tasks", type=int, default=2, help="tasks_max of the connector (default 2: one per core)")
+    p.add_argument("--task-processes", action=argparse.BooleanOptionalAction, default=True,
+                   help="daemon.task_processes: each task in its own process (default) or --no-task-processes: "
+                   "threads of this one")
     p.add_argument("--baseline-events", type=int, default=5000, help="sample size of the naive baseline")
     p.add_argument("-c", "--config", help="kafold.toml giving [kafka] and [postgres] (default: the dev stack, "
                    "started if needed)")
@@ -61,8 +65,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "events_per_s": round(rate), "baseline_events_per_s": round(baseline),
             "baseline_sample": args.baseline_events, "ratio": round(rate / baseline, 1),
             "replay_events_per_s": round(replay["events"] / replay["seconds"]),
-            "rows_changed_on_replay": replay["upserted"] + replay["deleted"],
-            "replay_duplicates": replay["duplicates"],
+            "rows_changed_on_replay": replay["rows_changed"], "rows_written_first_pass": first["rows_changed"],
+            "tasks": args.tasks, "task_processes": args.task_processes,
+            # RSS of the task processes together (with --no-task-processes: of this process)
             "rss_mb": first["rss_mb"], "rss_mb_at_20pct": first["rss_mb_at_20pct"],
             # CPU of the first pass (kafold's process and, when it runs here, PostgreSQL's): steadier than the
             # rate on a shared machine, and it shows which side the two cores went to.
@@ -102,54 +107,110 @@ def _produce(kafka: Any, topic: str, n: int, partitions: int, accounts: int) -> 
 
 
 def _project(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Run the projection connector under the SinkRunner until every event went through; time from the first
-    batch (the group join is not the hot path)."""
+    """Run the connector's tasks as the daemon does (threads, or child processes with --task-processes) until
+    PostgreSQL's checkpoints cover every event; time from the first batch (the group join is not the hot path)
+    to that commit. Rows changed are counted in PostgreSQL itself (rows whose xmin is newer than the run)."""
     import psutil
+    from psycopg import sql
 
+    from kafold import db
     from kafold.config import ConnectorConfig, DaemonConfig
     from kafold.connectors.registry import instantiate
-    from kafold.daemon.runner import SinkRunner
+    from kafold.daemon.tasks import task_slots
 
     settings = ConnectorConfig(name=name, connector_class="postgres-projection", topics=[topic],
-                               config={"table": table, "key_columns": ["account_id"], "columns": COLUMNS,
-                                       "on": RULES})
+                               tasks_max=args.tasks, config={"table": table, "key_columns": ["account_id"],
+                                                             "columns": COLUMNS, "on": RULES})
     connector = instantiate(settings, Path("."))
-    task_config = {**connector.task_configs(1)[0], "kafka": kafka, "postgres": pgc}  # as the daemon host does
-    runner = SinkRunner(connector, task_config, kafka=kafka, daemon=DaemonConfig(
-        group_prefix=f"{name}.{uuid.uuid4().hex[:4]}", batch_max_records=args.batch))
-    proc = psutil.Process()
+    daemon = DaemonConfig(group_prefix=f"{name}.{uuid.uuid4().hex[:4]}", batch_max_records=args.batch,
+                          task_processes=args.task_processes)
     marks: dict[str, float] = {}
+    lock = threading.Lock()
+    procs: list[Any] = []
     pg: list[Any] = []
 
-    def on_batch(stats: Any) -> None:
-        if "first" not in marks:
-            marks["first"] = time.perf_counter() - stats.duration_s
-            pg.extend(_postgres_processes(runner.task.writer.conn))  # type: ignore[attr-defined]
-            marks["cpu0"], marks["pg0"] = _cpu_s([proc]), _cpu_s(pg)
-        done = runner.counts["records"]
-        if "rss20" not in marks and done >= args.events // 5:
-            marks["rss20"] = proc.memory_info().rss / 2**20
-        if done >= args.events:
-            runner.task.flush({})  # the last batch's write is in flight: the clock stops at its commit
-            marks["last"] = time.perf_counter()
-            marks["cpu1"], marks["pg1"] = _cpu_s([proc]), _cpu_s(pg)
-            marks["rss"] = proc.memory_info().rss / 2**20
-            runner.stop()
+    def rss() -> float:
+        return sum(_rss(p) for p in procs) / 2**20
 
-    runner.on_batch = on_batch
-    thread = threading.Thread(target=runner.run)
-    thread.start()
-    thread.join()
-    if runner.error is not None or "last" not in marks:
-        raise RuntimeError(f"projection run failed: {runner.error!r}")
-    totals = runner.task.totals  # type: ignore[attr-defined]
-    seconds, events = marks["last"] - marks["first"], runner.counts["records"]
+    def on_batch(runner: Any, stats: Any) -> None:
+        with lock:
+            if "first" not in marks:
+                marks["first"] = time.perf_counter() - stats.duration_s
+                pg[:] = [*pg[:1], *(pg[0].children() if pg else [])]  # the postmaster: now with the writers' backends
+                marks["cpu0"], marks["pg0"] = _cpu_s(procs), _cpu_s(pg)
+            marks["records"] = marks.get("records", 0) + stats.records
+            if "rss20" not in marks and marks["records"] >= args.events // 5:
+                marks["rss20"] = rss()
+
+    slots = task_slots(connector, kafka, pgc, daemon, Path("."), [], on_batch)
+    with db.connect(pgc) as conn:
+        pg[:] = _postgres_processes(conn)[:1]
+        table_id = sql.Identifier(table)
+        before = _table_state(conn, table_id)
+        for slot in slots:
+            slot.start()
+        if args.task_processes:
+            while any(getattr(s.runner, "pid", None) is None for s in slots):
+                time.sleep(0.01)
+            procs[:] = [psutil.Process(s.runner.pid) for s in slots]  # type: ignore[attr-defined]
+        else:
+            procs[:] = [psutil.Process()]
+        query = sql.SQL("SELECT coalesce(sum(next_offset), 0) FROM {} WHERE connector = %s").format(
+            db.table(pgc, "checkpoints"))
+        try:
+            while True:
+                if any(s.failed or s.runner.stopped for s in slots):
+                    raise RuntimeError(f"projection run failed: {[repr(s.runner.error) for s in slots]}")
+                if marks.get("records", 0) >= args.events and \
+                        conn.execute(query, (name,)).fetchone()[0] >= args.events:  # type: ignore[index]
+                    marks["last"] = time.perf_counter()
+                    marks["cpu1"], marks["pg1"] = _cpu_s(procs), _cpu_s(pg)
+                    marks["rss"] = rss()
+                    break
+                time.sleep(0.01)
+        finally:
+            for slot in slots:
+                slot.stop()
+            for slot in slots:
+                slot.join(30)
+        after = _table_state(conn, table_id)
+        changed = after["changed_since"](before) + max(0, before["rows"] - after["rows"])  # written + removed
+    seconds, events = marks["last"] - marks["first"], args.events
     cpu = {"kafold": marks["cpu1"] - marks["cpu0"], "postgres": marks["pg1"] - marks["pg0"] if pg else None}
     return {"events": events, "seconds": seconds,
             "cpu_us_per_event": {k: None if v is None else round(v / events * 1e6, 1) for k, v in cpu.items()},
             "cores_busy": {k: None if v is None else round(v / seconds, 2) for k, v in cpu.items()},
-            "upserted": totals.upserted, "deleted": totals.deleted, "duplicates": totals.duplicates,
+            "rows_changed": changed,
             "rss_mb": round(marks["rss"]), "rss_mb_at_20pct": round(marks.get("rss20", marks["rss"]))}
+
+
+def _table_state(conn: Any, table: Any) -> dict[str, Any]:
+    """Row count and a transaction id mark of the projection table (None rows: not created yet)."""
+    from psycopg import sql
+
+    xid = conn.execute("SELECT txid_current()").fetchone()[0]
+    conn.commit()
+    exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table.as_string(conn),)).fetchone()[0]
+    rows = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table)).fetchone()[0] if exists else 0
+
+    def changed_since(earlier: dict[str, Any]) -> int:
+        """Rows written (inserted or updated) by transactions after `earlier` was taken."""
+        if not exists:
+            return 0
+        q = sql.SQL("SELECT count(*) FROM {} WHERE xmin::text::bigint > %s").format(table)
+        return int(conn.execute(q, (earlier["xid"] % 2**32,)).fetchone()[0])
+
+    conn.commit()
+    return {"xid": xid, "rows": rows, "changed_since": changed_since}
+
+
+def _rss(proc: Any) -> int:
+    import psutil
+
+    try:
+        return int(proc.memory_info().rss)
+    except psutil.Error:
+        return 0
 
 
 def _cpu_s(procs: list[Any]) -> float:
