@@ -8,7 +8,6 @@ import json
 import re
 import signal
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -99,7 +98,7 @@ def test_tasks_in_child_processes_split_partitions_and_survive_kill_9_of_a_child
         children = _children(daemon)
         children[0].send_signal(signal.SIGKILL)
         assert daemon.wait(30) == 1
-        gone, alive = psutil.wait_procs(children, timeout=15)
+        alive = psutil.wait_procs(children, timeout=15)[1]
         assert not alive, f"task processes left behind: {alive}"
     finally:
         if daemon.poll() is None:
@@ -122,10 +121,8 @@ def test_tasks_in_child_processes_split_partitions_and_survive_kill_9_of_a_child
         daemon.wait(10)
         # Each child sees its pipe close and stops the graceful way: batch finished or abandoned, offsets of what
         # is done committed, exit — within the grace period (5 s here) and the group leave.
-        started = time.monotonic()
-        gone, alive = psutil.wait_procs(children, timeout=20)
-        assert not alive, f"task processes outlived the daemon: {alive}"
-        assert time.monotonic() - started < 20
+        alive = psutil.wait_procs(children, timeout=20)[1]
+        assert not alive, f"task processes outlived the daemon by 20 s: {alive}"
     finally:
         if daemon.poll() is None:
             daemon.kill()
