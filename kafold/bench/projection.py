@@ -67,8 +67,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "replay_events_per_s": round(replay["events"] / replay["seconds"]),
             "rows_changed_on_replay": replay["rows_changed"], "rows_written_first_pass": first["rows_changed"],
             "tasks": args.tasks, "task_processes": args.task_processes,
-            # RSS of the task processes together (with --no-task-processes: of this process)
-            "rss_mb": first["rss_mb"], "rss_mb_at_20pct": first["rss_mb_at_20pct"],
+            # RSS of the task processes added up (with --no-task-processes: of this process); PSS added up
+            "rss_mb": first["rss_mb"], "rss_mb_at_20pct": first["rss_mb_at_20pct"], "pss_mb": first["pss_mb"],
             # CPU of the first pass (kafold's process and, when it runs here, PostgreSQL's): steadier than the
             # rate on a shared machine, and it shows which side the two cores went to.
             "cpu_us_per_event": first["cpu_us_per_event"], "cores_busy": first["cores_busy"]}
@@ -130,7 +130,7 @@ def _project(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argp
     pg: list[Any] = []
 
     def rss() -> float:
-        return sum(_rss(p) for p in procs) / 2**20
+        return sum(_memory(p, "rss") for p in procs) / 2**20
 
     def on_batch(runner: Any, stats: Any) -> None:
         with lock:
@@ -166,6 +166,7 @@ def _project(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argp
                     marks["last"] = time.perf_counter()
                     marks["cpu1"], marks["pg1"] = _cpu_s(procs), _cpu_s(pg)
                     marks["rss"] = rss()
+                    marks["pss"] = sum(_memory(p, "pss") for p in procs) / 2**20
                     break
                 time.sleep(0.01)
         finally:
@@ -181,7 +182,8 @@ def _project(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argp
             "cpu_us_per_event": {k: None if v is None else round(v / events * 1e6, 1) for k, v in cpu.items()},
             "cores_busy": {k: None if v is None else round(v / seconds, 2) for k, v in cpu.items()},
             "rows_changed": changed,
-            "rss_mb": round(marks["rss"]), "rss_mb_at_20pct": round(marks.get("rss20", marks["rss"]))}
+            "rss_mb": round(marks["rss"]), "rss_mb_at_20pct": round(marks.get("rss20", marks["rss"])),
+            "pss_mb": round(marks["pss"])}
 
 
 def _table_state(conn: Any, table: Any) -> dict[str, Any]:
@@ -204,11 +206,12 @@ def _table_state(conn: Any, table: Any) -> dict[str, Any]:
     return {"xid": xid, "rows": rows, "changed_since": changed_since}
 
 
-def _rss(proc: Any) -> int:
+def _memory(proc: Any, kind: str) -> int:
+    """RSS, or PSS (shared pages such as the libraries' code counted once across the processes sharing them)."""
     import psutil
 
     try:
-        return int(proc.memory_info().rss)
+        return int(getattr(proc.memory_full_info() if kind == "pss" else proc.memory_info(), kind))
     except psutil.Error:
         return 0
 
