@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--events", type=int, default=1_000_000, help="events to project (default 1M)")
     p.add_argument("--partitions", type=int, default=4, help="partitions of the benchmark topic")
     p.add_argument("--accounts", type=int, default=0, help="distinct aggregates (default events / 10)")
-    p.add_argument("--batch", type=int, default=5000, help="daemon.batch_max_records")
+    p.add_argument("--batch", type=int, default=2500, help="daemon.batch_max_records (default 2500: with a task per "
+                   "core, smaller batches cost less CPU per event than 5,000; docs/benchmarks.md)")
     p.add_argument("--tasks", type=int, default=2, help="tasks_max of the connector (default 2: one per core)")
     p.add_argument("--task-processes", action=argparse.BooleanOptionalAction, default=True,
                    help="daemon.task_processes: each task in its own process (default) or --no-task-processes: "
