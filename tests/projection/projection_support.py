@@ -113,6 +113,12 @@ def encoded(events: Iterable[Event], partitions: int) -> list[tuple[int, bytes |
     return [(int(e.aggregate_id.rpartition("-")[2]) % partitions, *encode(e)) for e in events]
 
 
+def thirds(items: list[Any]) -> list[list[Any]]:
+    """`items` cut into three consecutive parts (produced one by one between faults)."""
+    n = len(items)
+    return [items[: n // 3], items[n // 3: 2 * n // 3], items[2 * n // 3:]]
+
+
 def ends_of(coords: list[tuple[int, int]]) -> dict[int, int]:
     ends: dict[int, int] = {}
     for p, o in coords:

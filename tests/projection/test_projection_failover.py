@@ -12,7 +12,16 @@ from pathlib import Path
 
 import pytest
 from contract import create_topic, produce, wait_for
-from projection_support import encoded, ends_of, fold, history, read_table, stored_offsets, table_name
+from projection_support import (
+    encoded,
+    ends_of,
+    fold,
+    history,
+    read_table,
+    stored_offsets,
+    table_name,
+    thirds,
+)
 from test_projection_kill9 import start_daemon, write_config
 
 from kafold import db
@@ -46,14 +55,14 @@ def test_second_daemon_splits_partitions_then_survives_a_kill_9_exactly_once(
     create_topic(kafka_config, topic, partitions=PARTITIONS)
     events = history(accounts=600, deposits=29, close_every=11)  # ~18k events
     items = encoded(events, PARTITIONS)
-    thirds = [items[: len(items) // 3], items[len(items) // 3: 2 * len(items) // 3], items[2 * len(items) // 3:]]
+    parts = thirds(items)
     ports = [_port(), _port()]
     confs = []
     for i, port in enumerate(ports):  # the same group and connector; only the HTTP port differs
         conf = write_config(tmp_path / f"kafold-{i}.toml", kafka_config, pg_url, unique, topic, table)
         conf.write_text(conf.read_text().replace("http_port = 0", f"http_port = {port}"))
         confs.append(conf)
-    coords = produce(kafka_config, topic, thirds[0])
+    coords = produce(kafka_config, topic, parts[0])
     daemons: list[subprocess.Popen[bytes]] = []
     try:
         daemons.append(start_daemon(confs[0], pg_url, tmp_path / "daemon-0.log"))
@@ -64,13 +73,13 @@ def test_second_daemon_splits_partitions_then_survives_a_kill_9_exactly_once(
             a, b = _assigned(ports[0], unique), _assigned(ports[1], unique)
             return bool(a) and bool(b) and not a & b and a | b == set(range(PARTITIONS))
         wait_for(split, "the partitions to split between the two daemons", 90)
-        coords += produce(kafka_config, topic, thirds[1])  # both work on it
-        wait_for(lambda: sum(stored_offsets(pg_config, unique, topic).values()) > len(thirds[0]), "progress", 60)
+        coords += produce(kafka_config, topic, parts[1])  # both work on it
+        wait_for(lambda: sum(stored_offsets(pg_config, unique, topic).values()) > len(parts[0]), "progress", 60)
         victim = daemons[1]
         victim.send_signal(signal.SIGKILL)  # mid-work: its in-flight batch and uncommitted offsets are lost
         victim.wait(10)
         assert all(d.poll() is None for d in daemons[:1])
-        coords += produce(kafka_config, topic, thirds[2])
+        coords += produce(kafka_config, topic, parts[2])
         wait_for(lambda: _assigned(ports[0], unique) == set(range(PARTITIONS)), "the survivor takes over", 90)
         ends = ends_of(coords)
         wait_for(lambda: stored_offsets(pg_config, unique, topic) == ends, "the survivor reaches the end", 120)

@@ -15,7 +15,16 @@ from typing import Any
 import psutil
 import pytest
 from contract import create_topic, produce, wait_for
-from projection_support import encoded, ends_of, fold, history, read_table, stored_offsets, table_name
+from projection_support import (
+    encoded,
+    ends_of,
+    fold,
+    history,
+    read_table,
+    stored_offsets,
+    table_name,
+    thirds,
+)
 from test_projection_failover import _assigned, _port
 from test_projection_kill9 import start_daemon, write_config
 
@@ -51,6 +60,12 @@ def _children(daemon: subprocess.Popen[bytes]) -> list[psutil.Process]:
         return []
 
 
+def _kill(daemon: subprocess.Popen[bytes]) -> None:
+    if daemon.poll() is None:
+        daemon.kill()
+        daemon.wait(10)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tasks_in_child_processes_split_partitions_and_survive_kill_9_of_a_child_and_of_the_daemon(
@@ -59,13 +74,13 @@ def test_tasks_in_child_processes_split_partitions_and_survive_kill_9_of_a_child
     create_topic(kafka_config, topic, partitions=PARTITIONS)
     events = history(accounts=600, deposits=29, close_every=11)  # ~18k events
     items = encoded(events, PARTITIONS)
-    thirds = [items[: len(items) // 3], items[len(items) // 3: 2 * len(items) // 3], items[2 * len(items) // 3:]]
+    parts = thirds(items)
     port = _port()
     conf = write_config(tmp_path / "kafold.toml", kafka_config, pg_url, unique, topic, table)
     text = conf.read_text().replace("http_port = 0", f"http_port = {port}\ntask_processes = true")
     conf.write_text(text.replace('class = "postgres-projection"', 'class = "postgres-projection"\ntasks_max = 2'))
     log = tmp_path / "daemon.log"
-    coords = produce(kafka_config, topic, thirds[0])
+    coords = produce(kafka_config, topic, parts[0])
     lives = iter(range(10))
 
     def start() -> subprocess.Popen[bytes]:
@@ -93,17 +108,15 @@ def test_tasks_in_child_processes_split_partitions_and_survive_kill_9_of_a_child
 
         # 2. kill -9 of one child, mid-work: the daemon notices and stops with exit code 1 (fail fast, the
         # supervisor restarts it); the other child is stopped, not orphaned.
-        coords += produce(kafka_config, topic, thirds[1])
-        wait_for(lambda: sum(stored_offsets(pg_config, unique, topic).values()) > len(thirds[0]), "progress", 60)
+        coords += produce(kafka_config, topic, parts[1])
+        wait_for(lambda: sum(stored_offsets(pg_config, unique, topic).values()) > len(parts[0]), "progress", 60)
         children = _children(daemon)
         children[0].send_signal(signal.SIGKILL)
         assert daemon.wait(30) == 1
         alive = psutil.wait_procs(children, timeout=15)[1]
         assert not alive, f"task processes left behind: {alive}"
     finally:
-        if daemon.poll() is None:
-            daemon.kill()
-            daemon.wait(10)
+        _kill(daemon)
     assert '"task process died"' in log.read_text()
 
     # 3. Restarted: every event so far exactly once; then kill -9 of the daemon itself, mid-work.
@@ -112,8 +125,8 @@ def test_tasks_in_child_processes_split_partitions_and_survive_kill_9_of_a_child
         wait_for(lambda: stored_offsets(pg_config, unique, topic) == ends_of(coords) or daemon.poll() is not None,
                  "the restarted daemon to catch up", 120)
         assert daemon.poll() is None, f"the daemon exited early; see {log}"
-        coords += produce(kafka_config, topic, thirds[2])
-        wait_for(lambda: sum(stored_offsets(pg_config, unique, topic).values()) > len(thirds[0]) + len(thirds[1]),
+        coords += produce(kafka_config, topic, parts[2])
+        wait_for(lambda: sum(stored_offsets(pg_config, unique, topic).values()) > len(parts[0]) + len(parts[1]),
                  "progress on the last third", 60)
         children = _children(daemon)
         assert len(children) == 2
@@ -124,9 +137,7 @@ def test_tasks_in_child_processes_split_partitions_and_survive_kill_9_of_a_child
         alive = psutil.wait_procs(children, timeout=20)[1]
         assert not alive, f"task processes outlived the daemon by 20 s: {alive}"
     finally:
-        if daemon.poll() is None:
-            daemon.kill()
-            daemon.wait(10)
+        _kill(daemon)
 
     # 4. A last daemon reaches the end: the table equals an independent fold, each event tracked once.
     daemon = start()
