@@ -8,6 +8,7 @@ import json
 import re
 import signal
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,12 @@ PARTITIONS = 4
 def _get(port: int, path: str) -> Any:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
         return json.loads(resp.read())
+
+
+def _put(port: int, path: str) -> int:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method="PUT", data=b"")
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        return int(resp.status)
 
 
 def _task_partitions(port: int) -> dict[int, set[int]]:
@@ -108,7 +115,17 @@ def test_tasks_in_child_processes_split_partitions_and_survive_kill_9_of_a_child
 
         # 2. kill -9 of one child, mid-work: the daemon notices and stops with exit code 1 (fail fast, the
         # supervisor restarts it); the other child is stopped, not orphaned.
+        # Pause and resume through the Connect API reach the children (and their states come back).
+        def states() -> list[str]:
+            return [t["state"] for t in _get(port, f"/connectors/{unique}/status")["tasks"]]
+        first = ends_of(coords)
+        assert _put(port, f"/connectors/{unique}/pause") == 202
+        wait_for(lambda: states() == ["PAUSED", "PAUSED"], "both task processes paused", 30)
         coords += produce(kafka_config, topic, parts[1])
+        time.sleep(2.0)  # paused: nothing of the second third may be applied meanwhile
+        assert stored_offsets(pg_config, unique, topic) == first
+        assert _put(port, f"/connectors/{unique}/resume") == 202
+        wait_for(lambda: states() == ["RUNNING", "RUNNING"], "both task processes running again", 30)
         wait_for(lambda: sum(stored_offsets(pg_config, unique, topic).values()) > len(parts[0]), "progress", 60)
         children = _children(daemon)
         children[0].send_signal(signal.SIGKILL)
