@@ -6,17 +6,18 @@ import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
-import sqlalchemy as sa
 from psycopg import sql
-from sqlalchemy.pool import NullPool
 
 from kafold import logs, pg
 from kafold.config import ENV_PREFIX, PostgresConfig
 from kafold.errors import ConfigError, RetriableError
 from kafold.schema import Problems, is_missing, load
+
+if TYPE_CHECKING:  # SQLAlchemy and Alembic are imported only to migrate: a task process that does not keeps ~20 MB
+    import sqlalchemy as sa
 
 log = logs.get(__name__)
 
@@ -35,6 +36,9 @@ def connect(pgc: PostgresConfig, *, autocommit: bool = True, **kwargs: Any) -> p
 
 def engine(pgc: PostgresConfig) -> sa.Engine:
     """A SQLAlchemy engine without pooling (each `connect` is a fresh session, as Alembic recommends)."""
+    import sqlalchemy as sa
+    from sqlalchemy.pool import NullPool
+
     return sa.create_engine(pg.sqlalchemy_url(pgc), poolclass=NullPool)
 
 
@@ -68,6 +72,7 @@ def downgrade(pgc: PostgresConfig, revision: str) -> str | None:
 
 
 def _migrate(pgc: PostgresConfig, direction: str, revision: str) -> str | None:
+    import sqlalchemy as sa
     from alembic import command
 
     try:

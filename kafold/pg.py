@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from sqlalchemy.engine import URL
 
 from kafold.config import PostgresConfig
 from kafold.errors import ConfigError
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
 
 
 def _libpq_url(url: str) -> str:
@@ -43,6 +45,8 @@ def conninfo(pg: PostgresConfig) -> str:
 
 def sqlalchemy_url(pg: PostgresConfig) -> URL:
     """A `postgresql+psycopg` SQLAlchemy URL; str() masks the password, `render_as_string(False)` shows it."""
+    from sqlalchemy.engine import URL
+
     params = {k: str(v) for k, v in conninfo_to_dict(conninfo(pg)).items() if v is not None}
     host, port = str(params.get("host", "")), str(params.get("port", ""))
     simple = host and not host.startswith("/") and "," not in host and "," not in port
