@@ -49,8 +49,9 @@ log = structlog.get_logger("kafold.daemon.runner")
 
 MAX_BACKOFF_S = 10.0
 # librdkafka's prefetch queue (queued.max.messages.kbytes) per consumer: its default, 64 MB, is ~40 batches of
-# 5,000 300-byte events sitting in memory; 16 MB still holds ~10 batches ahead of the loop. Measured with
-# `kafold bench projection` (docs/benchmarks.md): the same rate, ~55 MB less RSS per task.
+# 5,000 300-byte events sitting in memory; 16 MB still holds ~10 batches ahead of the loop. Measured with two
+# projection task processes (docs/benchmarks.md): the same rate, ~55 MB less RSS per task; 8 MB and 4 MB starved
+# the loop.
 PREFETCH_KBYTES = 16384
 YIELD_EVERY_MASK = 255  # the decode loop offers the task a yield point every 256 records (SinkTask.yield_point)
 

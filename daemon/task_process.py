@@ -60,7 +60,7 @@ class TaskSpec:
     settings: ConnectorConfig
     base: Path
     python_path: tuple[str, ...]
-    task_index: int
+    task_index: int  # which of connector.task_configs(tasks_max) this child runs
     tasks_max: int
     kafka: KafkaConfig
     postgres: PostgresConfig

@@ -166,7 +166,7 @@ def task_slots(connector: Connector[Any], kafka: KafkaConfig, postgres: Postgres
     if not daemon.task_processes:
         return [TaskSlot(connector, tc, kafka, daemon, on_batch, on_exit) for tc in configs]
     return [ProcessTaskSlot(connector, tc, kafka, daemon, TaskSpec(
-        connector.settings, base, tuple(python_paths), i, len(configs), kafka, postgres, daemon, logs.current()),
+        connector.settings, base, tuple(python_paths), i, n, kafka, postgres, daemon, logs.current()),
         on_batch, on_exit) for i, tc in enumerate(configs)]
 
 
