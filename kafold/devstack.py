@@ -8,6 +8,7 @@ import fcntl
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -307,8 +308,11 @@ def _stop(proc: Proc | None, first: signal.Signals) -> None:
 
 # ---------------------------------------------------------------------------- public API
 
-def up(state_dir: Path | None = None) -> DevStack:
-    """Start whatever part of the stack is not running (idempotent) and return its addresses."""
+def up(state_dir: Path | None = None, *, fresh: bool = False) -> DevStack:
+    """Start whatever part of the stack is not running (idempotent) and return its addresses. `fresh`: a
+    PostgreSQL that has to be started starts from an empty data dir (its previous data removed): what `kafold run`
+    asks for, since the broker keeps nothing once stopped and checkpoints, tracking rows and projections derived from
+    its earlier events would otherwise point past the new topics' ends."""
     state_dir = (state_dir or default_state_dir()).expanduser().resolve()
     with _locked(state_dir):
         state = _read_state(state_dir)
@@ -322,6 +326,8 @@ def up(state_dir: Path | None = None) -> DevStack:
                 state["broker"] = dataclasses.asdict(broker)
                 _write_state(state_dir, state)  # recorded at once, so `down` finds it even if postgres fails
             if pg is None or not pg.alive():
+                if fresh:
+                    shutil.rmtree(state_dir / "pg", ignore_errors=True)
                 state["postgres_url"], pg = _start_postgres(state_dir)
                 started.append(pg)
                 state["postgres"] = dataclasses.asdict(pg)

@@ -86,6 +86,21 @@ def test_postgres_data_survives_a_restart_of_the_stack(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+def test_a_fresh_start_drops_postgres_data_but_never_under_a_running_server(tmp_path: Path) -> None:
+    try:
+        with psycopg.connect(devstack.up(tmp_path).postgres_url, autocommit=True) as conn:
+            conn.execute("create table kept (x int)")
+        with psycopg.connect(devstack.up(tmp_path, fresh=True).postgres_url) as conn:  # running: left alone
+            assert conn.execute("select to_regclass('kept') is not null").fetchone() == (True,)
+        devstack.down(tmp_path)
+        with psycopg.connect(devstack.up(tmp_path, fresh=True).postgres_url) as conn:
+            assert conn.execute("select to_regclass('kept') is not null").fetchone() == (False,)
+    finally:
+        devstack.down(tmp_path)
+    assert _processes(tmp_path) == []
+
+
+@pytest.mark.integration
 def test_a_dead_broker_is_restarted_on_the_same_port(tmp_path: Path) -> None:
     try:
         first = devstack.up(tmp_path)

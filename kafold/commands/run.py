@@ -36,9 +36,11 @@ def handle(args: argparse.Namespace) -> int:
     cfg = loaded.config
     started_stack = False
     if not (cfg.kafka.bootstrap_servers and cfg.postgres.url) and devstack.status() is None:
-        stack = devstack.up()
+        # Fresh: the broker is memory-only, so the last run's events are gone; PostgreSQL's data derived from them
+        # (checkpoints past the new topics' ends, tracking rows, projections) is dropped with them.
+        stack = devstack.up(fresh=True)
         started_stack = True
-        print(f"dev stack up: broker {stack.bootstrap_servers}, PostgreSQL {stack.postgres_url}")
+        print(f"dev stack up (fresh): broker {stack.bootstrap_servers}, PostgreSQL {stack.postgres_url}")
     cfg = devstack.effective(cfg)
     stop = threading.Event()
 
