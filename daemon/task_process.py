@@ -87,7 +87,6 @@ class RemoteRunner:
         self._state = "UNASSIGNED"
         self._conn: Connection | None = None
         self._lock = threading.Lock()
-        self._stop_requested = False
         self._stop_event = threading.Event()
         self._pause: bool | None = None
 
@@ -98,7 +97,6 @@ class RemoteRunner:
         return self._state
 
     def stop(self) -> None:
-        self._stop_requested = True
         self._stop_event.set()
         self._send(("stop",))
 
@@ -154,7 +152,7 @@ class RemoteRunner:
             self._conn = parent
         if self._pause is not None:
             self._send(("pause", self._pause))
-        if self._stop_requested:
+        if self._stop_event.is_set():
             self._send(("stop",))
         log.info("task process started", connector=self.connector.name, task=self.context.task_id, pid=self.pid)
         final = False

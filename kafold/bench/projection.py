@@ -128,7 +128,7 @@ def _project(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argp
     marks: dict[str, float] = {}
     lock = threading.Lock()
     procs: list[Any] = []
-    pg: list[Any] = []
+    pg: list[Any] = []  # the local PostgreSQL's processes, listed at the first batch (the writers' backends exist)
 
     def rss() -> float:
         return sum(_memory(p, "rss") for p in procs) / 2**20
@@ -137,7 +137,7 @@ def _project(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argp
         with lock:
             if "first" not in marks:
                 marks["first"] = time.perf_counter() - stats.duration_s
-                pg[:] = [*pg[:1], *(pg[0].children() if pg else [])]  # the postmaster: now with the writers' backends
+                pg[:] = [postmaster, *postmaster.children()] if postmaster is not None else []
                 marks["cpu0"], marks["pg0"] = _cpu_s(procs), _cpu_s(pg)
             marks["records"] = marks.get("records", 0) + stats.records
             if "rss20" not in marks and marks["records"] >= args.events // 5:
@@ -145,9 +145,9 @@ def _project(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argp
 
     slots = task_slots(connector, kafka, pgc, daemon, Path("."), [], on_batch)
     with db.connect(pgc) as conn:
-        pg[:] = _postgres_processes(conn)[:1]
+        postmaster = _postmaster(conn)
         table_id = sql.Identifier(table)
-        before = _table_state(conn, table_id)
+        xid_before, rows_before = _xid_and_rows(conn, table_id)
         for slot in slots:
             slot.start()
         if args.task_processes:
@@ -175,8 +175,7 @@ def _project(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argp
                 slot.stop()
             for slot in slots:
                 slot.join(30)
-        after = _table_state(conn, table_id)
-        changed = after["changed_since"](before) + max(0, before["rows"] - after["rows"])  # written + removed
+        changed = _rows_changed(conn, table_id, xid_before, rows_before)
     seconds, events = marks["last"] - marks["first"], args.events
     cpu = {"kafold": marks["cpu1"] - marks["cpu0"], "postgres": marks["pg1"] - marks["pg0"] if pg else None}
     return {"events": events, "seconds": seconds,
@@ -187,24 +186,27 @@ def _project(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argp
             "pss_mb": round(marks["pss"])}
 
 
-def _table_state(conn: Any, table: Any) -> dict[str, Any]:
-    """Row count and a transaction id mark of the projection table (None rows: not created yet)."""
+def _xid_and_rows(conn: Any, table: Any) -> tuple[int, int]:
+    """A transaction id to compare rows' xmin with, and the table's row count."""
+    return int(conn.execute("SELECT txid_current()").fetchone()[0]), _row_count(conn, table)
+
+
+def _row_count(conn: Any, table: Any) -> int:
+    """Rows in `table` (0 before it exists)."""
     from psycopg import sql
 
-    xid = conn.execute("SELECT txid_current()").fetchone()[0]
-    conn.commit()
-    exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table.as_string(conn),)).fetchone()[0]
-    rows = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table)).fetchone()[0] if exists else 0
+    if not conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table.as_string(conn),)).fetchone()[0]:
+        return 0
+    return int(conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table)).fetchone()[0])
 
-    def changed_since(earlier: dict[str, Any]) -> int:
-        """Rows written (inserted or updated) by transactions after `earlier` was taken."""
-        if not exists:
-            return 0
-        q = sql.SQL("SELECT count(*) FROM {} WHERE xmin::text::bigint > %s").format(table)
-        return int(conn.execute(q, (earlier["xid"] % 2**32,)).fetchone()[0])
 
-    conn.commit()
-    return {"xid": xid, "rows": rows, "changed_since": changed_since}
+def _rows_changed(conn: Any, table: Any, xid: int, rows_before: int) -> int:
+    """Rows written (inserted or updated) by transactions after `xid`, plus rows removed since."""
+    from psycopg import sql
+
+    written = conn.execute(sql.SQL("SELECT count(*) FROM {} WHERE xmin::text::bigint > %s").format(table),
+                           (xid % 2**32,)).fetchone()[0]
+    return int(written) + max(0, rows_before - _row_count(conn, table))
 
 
 def _memory(proc: Any, kind: str) -> int:
@@ -231,22 +233,19 @@ def _cpu_s(procs: list[Any]) -> float:
     return total
 
 
-def _postgres_processes(conn: Any) -> list[Any]:
-    """The local PostgreSQL server's processes (postmaster and children), found from the connection's backend;
-    none when the server is not on this machine (its pid would mean nothing here)."""
+def _postmaster(conn: Any) -> Any:
+    """The local PostgreSQL server's postmaster, found from the connection's backend; None when the server is not
+    on this machine (its pid would mean nothing here)."""
     import psutil
 
     host = conn.info.host if conn is not None else ""
     if not (host.startswith("/") or host in ("localhost", "127.0.0.1", "::1")):
-        return []
+        return None
     try:
-        backend = psutil.Process(conn.info.backend_pid)
-        postmaster = backend.parent()
-        if postmaster is None or "postgres" not in postmaster.name():
-            return []
-        return [postmaster, *postmaster.children()]
+        postmaster = psutil.Process(conn.info.backend_pid).parent()
     except psutil.Error:
-        return []
+        return None
+    return postmaster if postmaster is not None and "postgres" in postmaster.name() else None
 
 
 def _forget_checkpoints(pgc: Any, name: str) -> None:
