@@ -16,6 +16,9 @@ from kafold.errors import DecodeError, FatalError
 
 MAX_BYTES = 1_000_000
 MAX_DEPTH = 32
+# The integers a payload may hold: what orjson (and so `encode`) writes exactly. Beyond them JSON decoders round to
+# a float; `decode` refuses such a payload (reason int-range) rather than hand on a silently changed number.
+INT_MIN, INT_MAX = -(2**63), 2**64 - 1
 MAX_ID_CHARS = 256
 
 H_TYPE = "kafold-type"
@@ -251,8 +254,8 @@ _Count = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    """The envelope fields as msgspec checks them in C: decode's fast path. The payload stays raw bytes and is
-    parsed by orjson, exactly as the strict path parses it (orjson and msgspec differ on integers beyond 64 bits)."""
+    """The envelope fields and the payload as msgspec checks and builds them in C, in one pass: decode's fast path.
+    msgspec keeps integers beyond 64 bits exact (orjson rounds them to floats); `_check_record` refuses them."""
 
     event_id: _Id
     type: _Id
@@ -261,7 +264,7 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, gc=False):
     version: _Count
     occurred_at: str
     correlation_id: _Id
-    payload: msgspec.Raw
+    payload: dict[str, Any]
     schema_version: _Count = 1
     causation_id: _Id | None = None
 
@@ -280,11 +283,10 @@ def _fast_body(value: bytes) -> Event | None:
     decides, and names the defect). Differential-tested against the strict path (tests/test_envelope.py)."""
     try:
         b = _BODY.decode(value)
-        payload = orjson.loads(memoryview(b.payload))
-    except (msgspec.DecodeError, orjson.JSONDecodeError, RecursionError):  # RecursionError: hostile nesting
+    except (msgspec.MsgspecError, ValueError, RecursionError):  # RecursionError: hostile nesting
         return None
-    at = b.occurred_at
-    if type(payload) is not dict or not at.endswith("Z"):
+    at, payload = b.occurred_at, b.payload
+    if not at.endswith("Z"):
         return None
     try:
         datetime.fromisoformat(at)
@@ -335,6 +337,11 @@ def _strict_body(value: bytes | None, raw: Any, max_bytes: int) -> Event:
     if not body.keys() >= _REQUIRED_SET:
         missing = next(name for name in _REQUIRED if name not in body)
         raise _fail(raw, missing, "missing", "missing-field")
+    if type(body.get("payload")) is dict:
+        try:  # orjson rounds integers beyond 64 bits to floats: the payload again, exactly, as the fast path has it
+            body["payload"] = msgspec.json.decode(value)["payload"]
+        except (msgspec.MsgspecError, ValueError, RecursionError):
+            pass  # deeper than msgspec goes: refused as too deep by _check_record
     try:
         event = Event(**body)
     except _Invalid as e:
@@ -342,11 +349,29 @@ def _strict_body(value: bytes | None, raw: Any, max_bytes: int) -> Event:
     return event
 
 
+def _wide_int(node: Any) -> list[str | int] | None:
+    """The keys leading to an integer in `node` (dict or list) beyond 64 bits, outside what orjson (and so kafold's
+    encode) writes exactly; None when there is none."""
+    for k, child in node.items() if type(node) is dict else enumerate(node):
+        kind = type(child)
+        if kind is int and not INT_MIN <= child <= INT_MAX:
+            return [k]
+        if kind is dict or kind is list:
+            found = _wide_int(child)
+            if found is not None:
+                return [k, *found]
+    return None
+
+
 def _check_record(event: Event, key: bytes | None, value: bytes, headers: Sequence[tuple[str, bytes | None]] | None,
                   raw: Any, max_depth: int) -> Event:
     """The record-level rules around a valid body: nesting depth, key, routing headers."""
     if _too_deep(value, event.payload, max_depth):
         raise _fail(raw, "payload", f"nests deeper than {max_depth} levels", "too-deep")
+    wide = _wide_int(event.payload)
+    if wide is not None:  # JSON decoders (orjson among them) would round it to a float: refused, never rounded
+        where = "payload" + "".join(f"[{k}]" if type(k) is int else f".{str(k)[:40]}" for k in wide)
+        raise _fail(raw, where, "integer beyond 64 bits (send it as a string)", "int-range")
     # Fast path: kafold's own encoding (exactly the four routing headers, in order, bytes equal to the body's
     # fields, key equal to the aggregate id) is accepted by byte comparison; anything else takes the checks below.
     if headers is not None and len(headers) == 4 and key == event.aggregate_id.encode():

@@ -106,6 +106,11 @@ CASES: dict[str, tuple[Any, Any, Any, str, str]] = {
                         "wrong-type"),
     "causation not a string": (b"acc-1", body_with(causation_id=5), good()[2], "causation_id", "wrong-type"),
     "too deep": (b"acc-1", orjson.dumps(BAD_DEEP), good()[2], "payload", "too-deep"),
+    "integer beyond 64 bits": (b"acc-1", good()[1].replace(b'"payload":{', b'"payload":{"n":18446744073709551616,'),
+                               good()[2], "payload.n", "int-range"),
+    "negative integer beyond 64 bits, nested": (
+        b"acc-1", good()[1].replace(b'"payload":{', b'"payload":{"l":[0,{"n":-9223372036854775809}],'),
+        good()[2], "payload.l[1].n", "int-range"),
     "no key": (None, good()[1], good()[2], "key", "missing-field"),
     "key not utf-8": (b"\xff", good()[1], good()[2], "key", "bad-utf8"),
     "key is another aggregate": (b"acc-2", good()[1], good()[2], "key", "header-mismatch"),
@@ -213,12 +218,15 @@ def test_fast_and_strict_body_paths_agree(changes: list[tuple[str, Any]], drop: 
     assert fast is None or fast == strict
 
 
-def test_fast_path_keeps_orjson_semantics_for_big_integers_and_escapes() -> None:
-    from kafold.envelope import _fast_body, _strict_body
+def test_both_paths_keep_big_integers_exact_and_agree_on_escapes() -> None:
+    from kafold.envelope import INT_MAX, INT_MIN, _fast_body, _strict_body
 
     value = encode(sample())[1]
-    for old, new in [(b'"payload":{', b'"payload":{"big":123456789012345678901234567890,'),
-                     (b'"payload":{', b'"payload":{"s":"\\u00e9\\ud83d\\ude00",'),
+    big = b'"payload":{"f":1.5,"big":123456789012345678901234567890,'
+    fast, strict = _fast_body(value.replace(b'"payload":{', big, 1)), _strict_body(
+        value.replace(b'"payload":{', big, 1), None, MAX_BYTES)
+    assert fast is not None and fast == strict and fast.payload["big"] == 123456789012345678901234567890
+    for old, new in [(b'"payload":{', b'"payload":{"s":"\\u00e9\\ud83d\\ude00",'),
                      (b'"payload":{', b'"payload":{"s":"\\ud800",'),
                      (b'"type":', b'"type":"Other","type":')]:
         body = value.replace(old, new, 1)
@@ -229,6 +237,9 @@ def test_fast_path_keeps_orjson_semantics_for_big_integers_and_escapes() -> None
             continue
         fast = _fast_body(body)
         assert fast is None or fast == strict
+    # the edges of what encode writes exactly come through decode unchanged
+    edge = dataclasses.replace(sample(), payload={"lo": INT_MIN, "hi": INT_MAX, "l": [INT_MAX, {"x": INT_MIN}]})
+    assert decode(*encode(edge)) == edge
 
 
 @given(event=events)

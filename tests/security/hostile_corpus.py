@@ -100,6 +100,9 @@ def events() -> list[Hostile]:
     add("schema-invalid-payload", encode(Event.new("AccountOpened", "account", "acc-912", 1, {"name": CANARY})),
         "schema-invalid", "payload.owner is missing")
     add("nul-in-text", encode(_opened(913, {"owner": CANARY + "\u0000"})), "db-rejected", "NUL")
+    key, value, headers = encode(_opened(914))
+    add("integer-beyond-64-bits", (key, value.replace(b'"payload":{', b'"payload":{"n":18446744073709551616,', 1),
+                                   headers), "int-range", "payload.n: integer beyond 64 bits")
     return out
 
 
