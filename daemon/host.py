@@ -31,7 +31,7 @@ from kafold import logs, sdnotify
 from kafold.config import KafoldConfig, python_path
 from kafold.connectors.api import TopicPartition
 from kafold.connectors.registry import instantiate
-from kafold.daemon import connect_api, http, offsets
+from kafold.daemon import connect_api, http, offsets, signals
 from kafold.daemon.metrics import DaemonMetrics
 from kafold.daemon.tasks import (
     AggregateSlot,
@@ -69,6 +69,9 @@ class _Worker(faust.Worker):
     def install_signal_handlers(self) -> None:
         if threading.current_thread() is threading.main_thread():
             super().install_signal_handlers()
+            early = signals.received()
+            if early is not None:  # kept since `kafold daemon` started (daemon.signals): handled as if just sent
+                self._schedule_shutdown(early)
 
     def _schedule_shutdown(self, signal: Any) -> None:  # mode's hook for SIGTERM/SIGINT
         if not self._signal_stop_time:
@@ -308,6 +311,9 @@ class TasksService(mode.Service):
     host: DaemonHost
 
     async def on_start(self) -> None:
+        if signals.received() is not None:  # stopping already (daemon.signals): start no task only to stop it
+            log.info("stop requested before the tasks started; none started")
+            return
         for slot in self.host.slots:
             slot.start()
         for agg in self.host.aggregates.values():

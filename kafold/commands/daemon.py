@@ -18,6 +18,9 @@ def register(sub: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
+    from kafold.daemon import signals
+
+    signals.catch_early()  # before the imports and checks below: a supervisor's SIGTERM now still stops gracefully
     loaded = config.load_file(args.config)
     return run(devstack.effective(loaded.config, need=needs(loaded)), loaded.base, config_path=loaded.path)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from contract import committed, create_topic, make_event, produce, wait_for
@@ -56,3 +57,38 @@ def test_a_failing_task_stops_the_daemon_with_exit_code_1(
     assert "this test task always fails" in proc.stderr
     assert '"a task stopped by itself; stopping the daemon (exit 1)"' in proc.stderr
     assert committed(kafka_config, f"{unique}.sink", topic, 1) == {0: -1001}, "nothing committed past the failure"
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has a handler for SIGTERM (its SigCgt mask in /proc), i.e. Python code installed one."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(mask & (1 << (signal.SIGTERM - 1)))
+
+
+def test_sigterm_while_the_daemon_is_still_starting_stops_it_gracefully_with_exit_0(
+        tmp_path: Path, kafka_config: KafkaConfig, unique: str) -> None:
+    topic = f"{unique}.events"
+    create_topic(kafka_config, topic)
+    path = write_config(tmp_path, kafka_config, unique, topic, connector=PLUGIN,
+                        config_toml=f'{{ record_file = "{tmp_path / "handled.txt"}" }}')
+    proc = subprocess.Popen([*KAFOLD, str(path)], stderr=subprocess.PIPE, text=True)
+    try:
+        # The first handler a daemon installs is the one for its start-up (the worker's own comes a second or more
+        # later, after Faust's imports): SIGTERM as soon as one is there (polled every 5 ms).
+        deadline = time.monotonic() + 30
+        while not _catches_sigterm(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err  # not -15 (killed by the signal), not a KeyboardInterrupt traceback
+    assert '"stop requested"' in err and '"daemon stopped"' in err
+    assert "Traceback" not in err
+    assert '"phase": "starting"' in err or '"phase":"starting"' in err, "the start-up's handler took it"
+    assert "none started" in err  # the worker got the signal before its tasks: none started only to be stopped
