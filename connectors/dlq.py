@@ -96,6 +96,8 @@ class DeadLetterWriter(ErrantRecordReporter):
         self._producer.poll(0)
 
     def flush(self, timeout: float) -> None:
+        if not self._pending and not self._failed:
+            return  # nothing reported since the last flush (the runner flushes after every batch)
         deadline = time.monotonic() + timeout
         while True:
             retry, self._failed = self._failed, []
