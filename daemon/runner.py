@@ -48,11 +48,15 @@ from kafold.errors import DecodeError, FatalError, KafoldError, RecordError, Ret
 log = structlog.get_logger("kafold.daemon.runner")
 
 MAX_BACKOFF_S = 10.0
-# librdkafka's prefetch queue (queued.max.messages.kbytes) per consumer: its default, 64 MB, is ~40 batches of
-# 5,000 300-byte events sitting in memory; 16 MB still holds ~10 batches ahead of the loop. Measured with two
-# projection task processes (docs/benchmarks.md): the same rate, ~55 MB less RSS per task; 8 MB and 4 MB starved
-# the loop.
-PREFETCH_KBYTES = 16384
+# librdkafka's prefetch queue per consumer (queued.max.messages.kbytes; its default is 64 MB) and how long the
+# fetcher waits before it looks again when that queue is full (fetch.queue.backoff.ms; its default is 1 s). 2 MB is
+# ~6,600 300-byte events, a few batches ahead of the loop; checked again every 10 ms, it refills long before the loop
+# drains it. Each queued message costs librdkafka about as much again as its payload, so the queue's real footprint
+# is about twice its setting. Measured with two projection task processes (docs/benchmarks.md): 16 MB with the 1 s
+# backoff held ~40 MB per task; 2 MB with 10 ms gives the same rate with ~20 MB less per task (16 MB, 8 MB and 4 MB
+# with the 1 s backoff: 4 MB and 8 MB starved the loop, as the queue emptied within the backoff).
+PREFETCH_KBYTES = 2048
+FETCH_QUEUE_BACKOFF_MS = 10
 YIELD_EVERY_MASK = 255  # the decode loop offers the task a yield point every 256 records (SinkTask.yield_point)
 
 
@@ -196,7 +200,7 @@ class SinkRunner:
 
     def _new_consumer(self) -> Any:
         extra = {"isolation.level": "read_committed", "enable.auto.offset.store": False,
-                 "queued.max.messages.kbytes": PREFETCH_KBYTES,
+                 "queued.max.messages.kbytes": PREFETCH_KBYTES, "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
                  "statistics.interval.ms": STATS_INTERVAL_MS, "stats_cb": self._on_stats, **self.consumer_extra}
         return kafka_clients.consumer(self.kafka, self.group_id, **extra)
 

@@ -1,11 +1,12 @@
 """Sink tasks in child processes (`daemon.task_processes`): one interpreter per task, so a connector's tasks use cores.
 
 A sink task is GIL-bound: one interpreter runs the runner's decoding and the writer's folding at about one core
-(docs/benchmarks.md). With `task_processes = true` each task's SinkRunner runs in its own process, started with
-`spawn` (no fork of a threaded parent holding librdkafka handles), with its own consumer — the same group, so the
-partitions split between the tasks exactly as between threads — and its own PostgreSQL connection. The parent
-keeps a `RemoteRunner` per task: the same attributes the daemon's views read from a SinkRunner (state, progress,
-counts, error), updated from the child's status messages, and the same calls (stop, request_pause).
+(docs/benchmarks.md). With `task_processes = true` each task's SinkRunner runs in its own process, a fresh
+interpreter (`python -c ...`, never a fork of a threaded parent holding librdkafka handles) talking to the parent
+over a socket pair, with its own consumer — the same group, so the partitions split between the tasks exactly as
+between threads — and its own PostgreSQL connection. The parent keeps a `RemoteRunner` per task: the same
+attributes the daemon's views read from a SinkRunner (state, progress, counts, error), updated from the child's
+status messages, and the same calls (stop, request_pause).
 
 Note on offsets and commits: nothing moves across the pipe but status and requests. The child's runner commits
 exactly as it does in a thread (PostgreSQL first, then Kafka, see daemon.runner and the projection's writer), so
@@ -21,8 +22,9 @@ kafold's migrations (`postgres.migrate_on_start`) run in the parent before the c
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -141,12 +143,7 @@ class RemoteRunner:
         spec = self._migrated()
         if spec is None:
             return
-        ctx = multiprocessing.get_context("spawn")
-        parent, child = ctx.Pipe()
-        process = ctx.Process(target=child_main, args=(child, spec), daemon=False,
-                              name=f"kafold-task-{self.connector.name}-{self.context.task_id}")
-        process.start()
-        child.close()
+        process, parent = _start(spec, f"{self.connector.name}#{self.context.task_id}")
         self.pid = process.pid
         with self._lock:
             self._conn = parent
@@ -164,16 +161,16 @@ class RemoteRunner:
                     break
                 final = self._apply(message) or final
         finally:
-            process.join()
+            process.wait()
             with self._lock:
                 self._conn = None
             parent.close()
         if not final:  # no last report: the process died (kill -9, OOM killer, a crash in C)
             self.failed = True
-            self.error = TaskProcessError(f"task process {self.pid} exited with code {process.exitcode}",
-                                          f"task process exited with code {process.exitcode}")
+            self.error = TaskProcessError(f"task process {self.pid} exited with code {process.returncode}",
+                                          f"task process exited with code {process.returncode}")
             log.error("task process died", connector=self.connector.name, task=self.context.task_id, pid=self.pid,
-                      exitcode=process.exitcode)
+                      exitcode=process.returncode)
         self.stopped = True
 
     def _apply(self, message: dict[str, Any]) -> bool:
@@ -190,6 +187,25 @@ class RemoteRunner:
             self.error = TaskProcessError(text, f"{kind}: {text}")
             self.failed = True
         return bool(message.get("final"))
+
+
+def _start(spec: TaskSpec, label: str) -> tuple[subprocess.Popen[bytes], Connection]:
+    """A child interpreter running `main` and the parent's end of its connection, the spec already sent. A plain
+    subprocess rather than multiprocessing's spawn: no resource tracker process (~13 MB) and no re-import of the
+    daemon's __main__ in the child. The label (connector#task) only names the process in `ps`."""
+    ours, theirs = socket.socketpair()
+    with theirs:
+        process = subprocess.Popen([sys.executable, "-c", "from kafold.daemon.task_process import main; main()",
+                                    str(theirs.fileno()), label], pass_fds=(theirs.fileno(),))
+    conn = Connection(ours.detach())
+    conn.send(spec)
+    return process, conn
+
+
+def main() -> None:
+    """The child's entry point: argv[1] is its end of the socket pair; the first message is its TaskSpec."""
+    conn = Connection(int(sys.argv[1]))
+    child_main(conn, conn.recv())
 
 
 def child_main(conn: Connection, spec: TaskSpec) -> None:

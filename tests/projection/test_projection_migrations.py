@@ -13,8 +13,8 @@ from kafold import db
 from kafold.config import PostgresConfig
 
 
-def test_the_migrations_have_a_single_head() -> None:
-    assert len(db.heads()) == 1
+def test_the_migrations_have_a_single_head_and_it_is_the_one_upgrade_recognises_without_alembic() -> None:
+    assert db.heads() == [db.HEAD]
 
 
 def test_upgrade_creates_the_tables_in_the_configured_schema_from_any_directory(
@@ -24,6 +24,7 @@ def test_upgrade_creates_the_tables_in_the_configured_schema_from_any_directory(
     assert db.current(pgc) is None
     assert db.upgrade(pgc) == db.heads()[0]
     assert db.upgrade(pgc) == db.heads()[0]  # idempotent
+    assert db._recorded(pgc) == [db.HEAD]  # what the second upgrade read to skip Alembic
     with db.connect(pgc) as conn:
         tables = {r[0] for r in conn.execute(
             "SELECT table_name FROM information_schema.tables WHERE table_schema = %s", (pgc.schema,))}

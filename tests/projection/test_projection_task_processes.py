@@ -60,9 +60,10 @@ def _task_partitions(port: int) -> dict[int, set[int]]:
 
 
 def _children(daemon: subprocess.Popen[bytes]) -> list[psutil.Process]:
-    """The daemon's task processes (multiprocessing's resource tracker, also a child, left out)."""
+    """The daemon's task processes (its only children here: the connector has no snapshot runs)."""
     try:
-        return [c for c in psutil.Process(daemon.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        return [c for c in psutil.Process(daemon.pid).children()
+                if "kafold.daemon.task_process" in " ".join(c.cmdline())]
     except psutil.Error:
         return []
 
@@ -103,10 +104,11 @@ def test_tasks_in_child_processes_split_partitions_and_survive_kill_9_of_a_child
     daemon = start()
     try:
         wait_for(lambda: len(_children(daemon)) == 2 or daemon.poll() is not None, "two task processes", 60)
+        assert len(psutil.Process(daemon.pid).children()) == 2  # no helper process beside them (no resource tracker)
         def split() -> bool:
-            parts = _task_partitions(port)
-            return (set(parts) == {0, 1} and all(parts.values()) and not parts[0] & parts[1]
-                    and parts[0] | parts[1] == set(range(PARTITIONS)))
+            owned = _task_partitions(port)
+            return (set(owned) == {0, 1} and all(owned.values()) and not owned[0] & owned[1]
+                    and owned[0] | owned[1] == set(range(PARTITIONS)))
         wait_for(split, "the partitions to split between the two task processes", 90)
         wait_for(lambda: stored_offsets(pg_config, unique, topic) == ends_of(coords), "the first third", 90)
         status = _get(port, f"/connectors/{unique}/status")
