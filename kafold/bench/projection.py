@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import threading
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
+import tomllib
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +21,8 @@ from kafold import logs
 from kafold.bench import embedded_stack
 
 log = logs.get(__name__)
+
+RSS_SAMPLE_S = 0.5  # how often the daemon's memory is sampled for its peak
 
 COLUMNS = {"account_id": "text", "owner": "text", "balance": "bigint", "last_amount": "bigint", "status": "text"}
 RULES = [
@@ -32,34 +41,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", type=int, default=2, help="tasks_max of the connector (default 2: one per core)")
     p.add_argument("--task-processes", action=argparse.BooleanOptionalAction, default=True,
                    help="daemon.task_processes: each task in its own process (default) or --no-task-processes: "
-                   "threads of this one")
+                   "threads of the daemon's one process")
     p.add_argument("--baseline-events", type=int, default=5000, help="sample size of the naive baseline")
     p.add_argument("-c", "--config", help="kafold.toml giving [kafka] and [postgres] (default: the dev stack, "
                    "started if needed)")
 
 
+@dataclass(frozen=True)
+class DaemonStack:
+    """Where the benchmark's daemons run: [kafka] and [postgres] as the daemon's kafold.toml gives them, the
+    environment it adds (the embedded PostgreSQL's URL, kept out of the file), the same settings loaded (for the
+    bench's own clients) and a scratch folder for the configs and logs."""
+
+    kafka_raw: dict[str, Any]
+    postgres_raw: dict[str, Any]
+    env: dict[str, str]
+    kafka: Any
+    postgres: Any
+    workdir: Path
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kafold import db
     from kafold.config import KafkaConfig, PostgresConfig, load_file
 
     logs.configure("warning")
     with contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kafold-bench-projection-")))
         if args.config:
             cfg = load_file(args.config).config
-            kafka, pgc = cfg.kafka, cfg.postgres
+            raw = tomllib.loads(Path(args.config).read_text())
+            daemons = DaemonStack(raw.get("kafka", {}), raw.get("postgres", {}), {}, cfg.kafka, cfg.postgres, workdir)
         else:
             bootstrap, url = stack.enter_context(embedded_stack("projection"))
-            kafka, pgc = KafkaConfig(bootstrap_servers=bootstrap), PostgresConfig(url=url)
+            daemons = DaemonStack({"bootstrap_servers": bootstrap}, {}, {"KAFOLD_POSTGRES__URL": url},
+                                  KafkaConfig(bootstrap_servers=bootstrap), PostgresConfig(url=url), workdir)
         # Short group timeouts: a first JoinGroup otherwise waits for the default rebalance timeout.
-        kafka = KafkaConfig(**{**kafka.__dict__, "session_timeout_ms": 6000, "rebalance_timeout_ms": 6000,
+        kafka = KafkaConfig(**{**daemons.kafka.__dict__, "session_timeout_ms": 6000, "rebalance_timeout_ms": 6000,
                                "heartbeat_interval_ms": 1000})
         name = f"kafold.bench.projection.{uuid.uuid4().hex[:8]}"
         topic, table = f"{name}.events", f"bench_{uuid.uuid4().hex[:8]}"
         accounts = args.accounts or max(1, args.events // 10)
         value_bytes = _produce(kafka, topic, args.events, args.partitions, accounts)
-        first = _project(kafka, pgc, name, topic, table, args)
-        _forget_checkpoints(pgc, name)
-        replay = _project(kafka, pgc, name, topic, table, args)
-        baseline = _baseline(kafka, pgc, topic, args.baseline_events)
+        db.upgrade(daemons.postgres)  # kafold's tables, polled below while the daemon starts (it upgrades too)
+        first = _project(daemons, name, topic, table, args)
+        _forget_checkpoints(daemons.postgres, name)
+        replay = _project(daemons, name, topic, table, args)
+        baseline = _baseline(kafka, daemons.postgres, topic, args.baseline_events)
     rate = first["events"] / first["seconds"]
     return {"events": args.events, "partitions": args.partitions, "accounts": accounts,
             "value_bytes": value_bytes, "batch": args.batch,
@@ -68,8 +96,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "replay_events_per_s": round(replay["events"] / replay["seconds"]),
             "rows_changed_on_replay": replay["rows_changed"], "rows_written_first_pass": first["rows_changed"],
             "tasks": args.tasks, "task_processes": args.task_processes,
-            # RSS of the task processes added up (with --no-task-processes: of this process); PSS added up
-            "rss_mb": first["rss_mb"], "rss_mb_at_20pct": first["rss_mb_at_20pct"], "pss_mb": first["pss_mb"],
+            # The daemon's memory: RSS of its processes added up (the daemon, and its task processes), at the end,
+            # at 20 % of the events and the largest sampled; PSS added up (shared library pages counted once).
+            "daemon_processes": first["processes"], "rss_mb": first["rss_mb"],
+            "rss_mb_at_20pct": first["rss_mb_at_20pct"], "rss_mb_peak": first["rss_mb_peak"],
+            "pss_mb": first["pss_mb"],
             # CPU of the first pass (kafold's process and, when it runs here, PostgreSQL's): steadier than the
             # rate on a shared machine, and it shows which side the two cores went to.
             "cpu_us_per_event": first["cpu_us_per_event"], "cores_busy": first["cores_busy"]}
@@ -107,83 +138,120 @@ def _produce(kafka: Any, topic: str, n: int, partitions: int, accounts: int) -> 
     return round(total / max(1, n))
 
 
-def _project(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argparse.Namespace) -> dict[str, Any]:
-    """Run the connector's tasks as the daemon does (threads, or child processes with --task-processes) until
-    PostgreSQL's checkpoints cover every event; time from the first batch (the group join is not the hot path)
-    to that commit. Rows changed are counted in PostgreSQL itself (rows whose xmin is newer than the run)."""
+def _project(stack: DaemonStack, name: str, topic: str, table: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Run `kafold daemon` on a connector for `topic` until PostgreSQL's checkpoints cover every event, measuring
+    the daemon as an operator would: its whole process tree (the daemon, and with task processes its children) for
+    RSS, PSS and CPU. The clock runs from the first stored checkpoint (the start-up and the group join are not the
+    hot path; the events that first commit covered are left out of the count) to the one covering every event.
+    Rows changed are counted in PostgreSQL itself (rows whose xmin is newer than the run)."""
     import psutil
     from psycopg import sql
 
     from kafold import db
-    from kafold.config import ConnectorConfig, DaemonConfig
-    from kafold.connectors.registry import instantiate
-    from kafold.daemon.tasks import task_slots
 
-    settings = ConnectorConfig(name=name, connector_class="postgres-projection", topics=[topic],
-                               tasks_max=args.tasks, config={"table": table, "key_columns": ["account_id"],
-                                                             "columns": COLUMNS, "on": RULES})
-    connector = instantiate(settings, Path("."))
-    daemon = DaemonConfig(group_prefix=f"{name}.{uuid.uuid4().hex[:4]}", batch_max_records=args.batch,
-                          task_processes=args.task_processes)
-    marks: dict[str, float] = {}
-    lock = threading.Lock()
-    procs: list[Any] = []
-    pg: list[Any] = []  # the local PostgreSQL's processes, listed at the first batch (the writers' backends exist)
-
-    def rss() -> float:
-        return sum(_memory(p, "rss") for p in procs) / 2**20
-
-    def on_batch(runner: Any, stats: Any) -> None:
-        with lock:
-            if "first" not in marks:
-                marks["first"] = time.perf_counter() - stats.duration_s
-                pg[:] = [postmaster, *postmaster.children()] if postmaster is not None else []
-                marks["cpu0"], marks["pg0"] = _cpu_s(procs), _cpu_s(pg)
-            marks["records"] = marks.get("records", 0) + stats.records
-            if "rss20" not in marks and marks["records"] >= args.events // 5:
-                marks["rss20"] = rss()
-
-    slots = task_slots(connector, kafka, pgc, daemon, Path("."), [], on_batch)
-    with db.connect(pgc) as conn:
+    conf = stack.workdir / f"{name}.{uuid.uuid4().hex[:4]}.toml"
+    conf.write_text(_daemon_toml(stack, name, topic, table, args))
+    log_path = conf.with_suffix(".log")
+    with db.connect(stack.postgres) as conn:
         postmaster = _postmaster(conn)
         table_id = sql.Identifier(table)
         xid_before, rows_before = _xid_and_rows(conn, table_id)
-        for slot in slots:
-            slot.start()
-        if args.task_processes:
-            while any(getattr(s.runner, "pid", None) is None for s in slots):
-                time.sleep(0.01)
-            procs[:] = [psutil.Process(s.runner.pid) for s in slots]  # type: ignore[attr-defined]
-        else:
-            procs[:] = [psutil.Process()]
         query = sql.SQL("SELECT coalesce(sum(next_offset), 0) FROM {} WHERE connector = %s").format(
-            db.table(pgc, "checkpoints"))
+            db.table(stack.postgres, "checkpoints"))
+        with open(log_path, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-c", "import sys; from kafold.cli import main; sys.exit(main())",
+                                     "--log-format", "json", "daemon", "-c", str(conf)],
+                                    stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **stack.env})
+        daemon = psutil.Process(proc.pid)
+        marks: dict[str, Any] = {}
+        peak = 0.0
         try:
             while True:
-                if any(s.failed or s.runner.stopped for s in slots):
-                    raise RuntimeError(f"projection run failed: {[repr(s.runner.error) for s in slots]}")
-                if marks.get("records", 0) >= args.events and \
-                        conn.execute(query, (name,)).fetchone()[0] >= args.events:  # type: ignore[index]
-                    marks["last"] = time.perf_counter()
-                    marks["cpu1"], marks["pg1"] = _cpu_s(procs), _cpu_s(pg)
-                    marks["rss"] = rss()
-                    marks["pss"] = sum(_memory(p, "pss") for p in procs) / 2**20
+                if proc.poll() is not None:
+                    raise RuntimeError(f"kafold daemon exited with code {proc.returncode} before the end; its "
+                                       f"log ({log_path}) ends:\n{_tail(log_path)}")
+                covered = int(conn.execute(query, (name,)).fetchone()[0])  # type: ignore[index]
+                now = time.perf_counter()
+                if covered and "first" not in marks:
+                    tree = _tree(daemon)
+                    pg = [postmaster, *postmaster.children()] if postmaster is not None else []
+                    marks.update(first=now, covered=covered, tree=tree, pg=pg, cpu0=_cpu_s(tree), pg0=_cpu_s(pg),
+                                 sampled=now)
+                if "first" in marks and now - marks["sampled"] >= RSS_SAMPLE_S:
+                    marks["sampled"] = now
+                    peak = max(peak, _mb(marks["tree"], "rss"))
+                    if "rss20" not in marks and covered >= args.events // 5:
+                        marks["rss20"] = _mb(marks["tree"], "rss")
+                if covered >= args.events:
+                    tree = marks["tree"]
+                    marks.update(last=now, cpu1=_cpu_s(tree), pg1=_cpu_s(marks["pg"]), rss=_mb(tree, "rss"),
+                                 pss=_mb(tree, "pss"))
                     break
                 time.sleep(0.01)
         finally:
-            for slot in slots:
-                slot.stop()
-            for slot in slots:
-                slot.join(30)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         changed = _rows_changed(conn, table_id, xid_before, rows_before)
-    seconds, events = marks["last"] - marks["first"], args.events
-    cpu = {"kafold": marks["cpu1"] - marks["cpu0"], "postgres": marks["pg1"] - marks["pg0"] if pg else None}
-    return {"events": events, "seconds": seconds,
+    if proc.returncode != 0:
+        raise RuntimeError(f"kafold daemon exited with code {proc.returncode} on SIGTERM; its log ({log_path}) "
+                           f"ends:\n{_tail(log_path)}")
+    seconds, events = marks["last"] - marks["first"], args.events - marks["covered"]
+    cpu = {"kafold": marks["cpu1"] - marks["cpu0"], "postgres": marks["pg1"] - marks["pg0"] if marks["pg"] else None}
+    return {"events": events, "seconds": seconds, "processes": len(marks["tree"]),
             "cpu_us_per_event": {k: None if v is None else round(v / events * 1e6, 1) for k, v in cpu.items()},
             "cores_busy": {k: None if v is None else round(v / seconds, 2) for k, v in cpu.items()},
-            "rows_changed": changed,
-            "rss_mb": round(marks["rss"]), "rss_mb_at_20pct": round(marks.get("rss20", marks["rss"])),
+            "rows_changed": changed, "rss_mb": round(marks["rss"]),
+            "rss_mb_at_20pct": round(marks.get("rss20", marks["rss"])), "rss_mb_peak": round(max(peak, marks["rss"])),
             "pss_mb": round(marks["pss"])}
+
+
+def _daemon_toml(stack: DaemonStack, name: str, topic: str, table: str, args: argparse.Namespace) -> str:
+    """The daemon's kafold.toml: [kafka] and [postgres] as given (no secrets: the loader takes references only),
+    short group timeouts, and the one connector."""
+    kafka = {**stack.kafka_raw, "session_timeout_ms": 6000, "rebalance_timeout_ms": 6000,
+             "heartbeat_interval_ms": 1000}
+    daemon = {"group_prefix": f"{name}.{uuid.uuid4().hex[:4]}", "http_port": 0, "batch_max_records": args.batch,
+              "task_processes": args.task_processes}
+    connector = {"name": name, "class": "postgres-projection", "topics": [topic], "tasks_max": args.tasks,
+                 "config": {"table": table, "key_columns": ["account_id"], "columns": COLUMNS, "on": RULES}}
+    sections = [("kafka", kafka), ("postgres", stack.postgres_raw), ("daemon", daemon)]
+    text = "".join(f"[{section}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in body.items()) + "\n"
+                   for section, body in sections)
+    return text + "[[connectors]]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in connector.items())
+
+
+def _toml(value: Any) -> str:
+    """A TOML value (inline tables and arrays; strings in JSON's escaping, which TOML's basic strings share)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value) if isinstance(value, str) else str(value)
+
+
+def _tree(proc: Any) -> list[Any]:
+    """A process and its descendants (the daemon, its task processes and multiprocessing's helpers)."""
+    import psutil
+
+    try:
+        return [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return [proc]
+
+
+def _mb(procs: list[Any], kind: str) -> float:
+    """RSS or PSS of `procs` added up, in MiB."""
+    return sum(_memory(p, kind) for p in procs) / 2**20
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def _xid_and_rows(conn: Any, table: Any) -> tuple[int, int]:
