@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
+import re
 import stat
 import types
 import typing
@@ -276,9 +278,9 @@ def reference(cls: type, heading: str, depth: int = 3) -> list[str]:
         else:
             key = f"`{f.name}`"
             if f.default is not _MISSING:
-                default = "—" if f.default is None else f"`{_toml(f.default)}`"
+                default = "—" if f.default is None else f"`{toml_value(f.default)}`"
             elif f.default_factory is not _MISSING:
-                default = f"`{_toml(f.default_factory())}`"  # type: ignore[operator]
+                default = f"`{toml_value(f.default_factory())}`"  # type: ignore[operator]
             else:
                 default = "**required**"
         doc = f.metadata.get("doc", "")
@@ -297,13 +299,21 @@ def reference(cls: type, heading: str, depth: int = 3) -> list[str]:
     return lines
 
 
-def _toml(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """A TOML inline value: strings in JSON's escaping (valid TOML basic-string escapes), keys bare when they can be."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return f'"{value}"'
+        return json.dumps(value, ensure_ascii=False)
     if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_toml_key(str(k))} = {toml_value(v)}" for k, v in value.items()) + "}"
     return str(value)
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else json.dumps(key, ensure_ascii=False)

@@ -6,10 +6,22 @@ import contextlib
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 # area name -> module (kafold.bench.<module>); a module is imported only when its area runs.
 AREAS: dict[str, str] = {"projection": "projection", "daemon": "daemon", "snapshots": "snapshots", "effects": "effects",
                         "aggregates": "aggregates"}
+
+# Short group timeouts for the benches' consumers: a first JoinGroup waits for them on the embedded broker
+# (ENVIRONMENT.md), and otherwise for the default rebalance timeout.
+SHORT_GROUP_TIMEOUTS = {"session_timeout_ms": 6000, "rebalance_timeout_ms": 6000, "heartbeat_interval_ms": 1000}
+
+
+def short_group(kafka: Any) -> Any:
+    """`kafka` (a KafkaConfig) with SHORT_GROUP_TIMEOUTS."""
+    from kafold.config import KafkaConfig
+
+    return KafkaConfig(**{**kafka.__dict__, **SHORT_GROUP_TIMEOUTS})
 
 
 @contextlib.contextmanager

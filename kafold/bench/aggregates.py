@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kafold import logs
-from kafold.bench import embedded_stack
+from kafold.bench import embedded_stack, short_group
 
 log = logs.get("kafold.bench.aggregates")
 BANK = Path(__file__).resolve().parents[2] / "examples" / "bank"
@@ -35,9 +35,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             bootstrap, _ = stack.enter_context(embedded_stack("aggregates"))
             kafka = KafkaConfig(bootstrap_servers=bootstrap)
-        # Short group timeouts: a first JoinGroup waits for them on the embedded broker (ENVIRONMENT.md).
-        kafka = KafkaConfig(**{**kafka.__dict__, "session_timeout_ms": 6000, "rebalance_timeout_ms": 6000,
-                               "heartbeat_interval_ms": 1000})
+        kafka = short_group(kafka)
         figures = _throughput(kafka, args)
         figures.update(_replay(kafka, args))
     return figures

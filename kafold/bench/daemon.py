@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kafold import logs
-from kafold.bench import embedded_stack
+from kafold.bench import embedded_stack, short_group
 
 log = logs.get(__name__)
 
@@ -34,9 +34,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             kafka = load_file(args.config).config.kafka
         else:
             kafka = KafkaConfig(bootstrap_servers=stack.enter_context(embedded_stack("daemon"))[0])
-        # Short group timeouts: a first JoinGroup otherwise waits for the default rebalance timeout.
-        kafka = KafkaConfig(**{**kafka.__dict__, "session_timeout_ms": 6000, "rebalance_timeout_ms": 6000,
-                               "heartbeat_interval_ms": 1000})
+        kafka = short_group(kafka)
         topic = f"kafold.bench.daemon.{uuid.uuid4().hex[:8]}"
         _produce(kafka, topic, args.events, args.partitions)
         runner_rate = _runner(kafka, topic, args.events)

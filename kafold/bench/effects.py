@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kafold import logs
-from kafold.bench import embedded_stack
+from kafold.bench import embedded_stack, short_group
 
 log = logs.get("kafold.bench.effects")
 
@@ -41,8 +41,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else:
             bootstrap, pg_url = stack.enter_context(embedded_stack("effects"))
             kafka, pg = KafkaConfig(bootstrap_servers=bootstrap), PostgresConfig(url=pg_url)
-        kafka = KafkaConfig(**{**kafka.__dict__, "session_timeout_ms": 6000, "rebalance_timeout_ms": 6000,
-                               "heartbeat_interval_ms": 1000})
+        kafka = short_group(kafka)
         pg = PostgresConfig(**{**pg.__dict__, "schema": "kafold_bench_effects"})
         db.upgrade(pg)
         url = stack.enter_context(_receiver())

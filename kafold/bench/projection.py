@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -18,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kafold import logs
-from kafold.bench import embedded_stack
+from kafold.bench import SHORT_GROUP_TIMEOUTS, embedded_stack, short_group
+from kafold.schema import toml_value
 
 log = logs.get(__name__)
 
@@ -76,9 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             bootstrap, url = stack.enter_context(embedded_stack("projection"))
             daemons = DaemonStack({"bootstrap_servers": bootstrap}, {}, {"KAFOLD_POSTGRES__URL": url},
                                   KafkaConfig(bootstrap_servers=bootstrap), PostgresConfig(url=url), workdir)
-        # Short group timeouts: a first JoinGroup otherwise waits for the default rebalance timeout.
-        kafka = KafkaConfig(**{**daemons.kafka.__dict__, "session_timeout_ms": 6000, "rebalance_timeout_ms": 6000,
-                               "heartbeat_interval_ms": 1000})
+        kafka = short_group(daemons.kafka)
         name = f"kafold.bench.projection.{uuid.uuid4().hex[:8]}"
         topic, table = f"{name}.events", f"bench_{uuid.uuid4().hex[:8]}"
         accounts = args.accounts or max(1, args.events // 10)
@@ -212,31 +210,19 @@ def _project(stack: DaemonStack, name: str, topic: str, table: str, args: argpar
 def _daemon_toml(stack: DaemonStack, name: str, topic: str, table: str, args: argparse.Namespace) -> str:
     """The daemon's kafold.toml: [kafka] and [postgres] as given (no secrets: the loader takes references only),
     short group timeouts, and the one connector."""
-    kafka = {**stack.kafka_raw, "session_timeout_ms": 6000, "rebalance_timeout_ms": 6000,
-             "heartbeat_interval_ms": 1000}
+    kafka = {**stack.kafka_raw, **SHORT_GROUP_TIMEOUTS}
     daemon = {"group_prefix": f"{name}.{uuid.uuid4().hex[:4]}", "http_port": 0, "batch_max_records": args.batch,
               "task_processes": args.task_processes}
     connector = {"name": name, "class": "postgres-projection", "topics": [topic], "tasks_max": args.tasks,
                  "config": {"table": table, "key_columns": ["account_id"], "columns": COLUMNS, "on": RULES}}
     sections = [("kafka", kafka), ("postgres", stack.postgres_raw), ("daemon", daemon)]
-    text = "".join(f"[{section}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in body.items()) + "\n"
+    text = "".join(f"[{section}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in body.items()) + "\n"
                    for section, body in sections)
-    return text + "[[connectors]]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in connector.items())
-
-
-def _toml(value: Any) -> str:
-    """A TOML value (inline tables and arrays; strings in JSON's escaping, which TOML's basic strings share)."""
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return json.dumps(value) if isinstance(value, str) else str(value)
+    return text + "[[connectors]]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in connector.items())
 
 
 def _tree(proc: Any) -> list[Any]:
-    """A process and its descendants (the daemon, its task processes and multiprocessing's helpers)."""
+    """A process and its descendants (the daemon and its task processes)."""
     import psutil
 
     try:

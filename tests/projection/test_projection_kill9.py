@@ -27,21 +27,14 @@ from projection_support import (
 
 from kafold import db
 from kafold.config import KafkaConfig, PostgresConfig
+from kafold.schema import toml_value
 
 KILLS = 20
 PARTITIONS = 4
 
 
-def _toml(value: object) -> str:
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    return f'"{value}"' if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
-
-
 def write_config(path: Path, kafka: KafkaConfig, pg_url: str, unique: str, topic: str, table: str) -> Path:
-    rules = "".join("\n[[connectors.config.on]]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in rule.items())
+    rules = "".join("\n[[connectors.config.on]]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in rule.items())
                     for rule in RULES)
     path.write_text(f"""
 [kafka]
@@ -69,7 +62,7 @@ topics = ["{topic}"]
 [connectors.config]
 table = "{table}"
 key_columns = ["account_id"]
-columns = {_toml(COLUMNS)}
+columns = {toml_value(COLUMNS)}
 {rules}
 """)
     return path
