@@ -87,10 +87,12 @@ class AggregateState(HostView):
             return self.problem(404, f"Aggregate {name} not found")
         if not slot.ready:
             return self.problem(503, f"Aggregate {name} is recovering; state is not served until caught up")
-        state = await self.host.call(slot.runtime.get_state, id)
-        if state is None:
+        got = await self.host.call(slot.runtime.get, id)
+        if got is None:
             return self.problem(404, f"Aggregate {name}/{id} not found")
-        return self.json({"aggregate": name, "id": id, "state": _jsonable(state)})
+        state, version, source = got
+        return self.json({"aggregate": name, "id": id, "version": version, "state": _jsonable(state),
+                          "read_from": source})
 
 
 def _jsonable(value: Any) -> Any:

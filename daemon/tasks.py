@@ -37,6 +37,8 @@ class AggregateRuntime(Protocol):
 
     def get_state(self, aggregate_id: str) -> Any: ...
 
+    def get(self, aggregate_id: str) -> tuple[Any, int, str] | None: ...
+
 
 class TaskSlot:
     """One sink task: its current SinkRunner and thread; `restart` replaces both."""

@@ -97,6 +97,11 @@ class AggregateConfig:
     fingerprint: str = setting("v1", doc="Identifies the fold (bump when evolve changes); snapshots must match.")
     state_schema_version: int = setting(1, doc="Version of the state's shape stored in snapshots.", minimum=1)
     cache_max_aggregates: int = setting(100000, doc="Aggregates kept in memory per process (LRU).", minimum=1)
+    idempotency_window_s: float = setting(86400.0, doc="A command id retried within this many seconds (by command "
+                                          "time) gets its first outcome back, nothing written.", minimum=0)
+    idempotency_max_ids: int = setting(1_000_000, doc="Most command ids the window holds per process (memory "
+                                       "bound); beyond it the oldest are forgotten early, with a warning.",
+                                       minimum=1)
 
     def topic(self, kind: str) -> str:
         return getattr(self, f"{kind}_topic") or f"{self.name}.{kind if kind != 'snapshot' else 'snapshots'}"

@@ -55,6 +55,11 @@ def utc_now() -> str:
     return format_time(datetime.now(UTC))
 
 
+def epoch_ms(iso: str) -> int:
+    """An envelope time (ISO-8601 UTC, as `utc_now` spells it) as epoch milliseconds."""
+    return int(datetime.fromisoformat(iso).timestamp() * 1000)
+
+
 def format_time(moment: datetime) -> str:
     """An aware datetime as an envelope timestamp (`2024-05-01T12:00:00.000000Z`)."""
     if moment.tzinfo is None:

@@ -60,7 +60,8 @@ def load_spec(spec: str | dict[str, Any]) -> tuple[KafkaConfig, AggregateConfig,
 def domain_of(agg: AggregateConfig, python_path: list[str]) -> Any:
     from kafold.snapshot.fold import Domain
 
-    key = f"{agg.name}|{agg.initial}|{agg.evolve}|{agg.fingerprint}|{agg.state_schema_version}"
+    key = f"{agg.name}|{agg.initial}|{agg.evolve}|{agg.fingerprint}|{agg.state_schema_version}|" \
+          f"{agg.idempotency_window_s}"
     if key not in _DOMAINS:
         _DOMAINS[key] = Domain.load(agg, python_path)
     return _DOMAINS[key]

@@ -101,6 +101,7 @@ class Result:
     reason: str | None = None
     correlation_id: str = ""
     duplicate: bool = False  # the command id was processed before; this repeats its outcome
+    at: str = ""  # the command's time (ISO-8601 UTC), which the idempotency window counts from
 
     @property
     def accepted(self) -> bool:
@@ -109,7 +110,7 @@ class Result:
     def encode(self) -> tuple[bytes, bytes, Headers]:
         body = {"command_id": self.command_id, "aggregate_id": self.aggregate_id, "status": self.status,
                 "version": self.version, "event_ids": list(self.event_ids), "reason": self.reason,
-                "correlation_id": self.correlation_id, "duplicate": self.duplicate}
+                "correlation_id": self.correlation_id, "duplicate": self.duplicate, "at": self.at}
         return self.aggregate_id.encode(), orjson.dumps(body), [(H_COMMAND_ID, self.command_id.encode())]
 
     def to_json(self) -> dict[str, Any]:
@@ -121,7 +122,7 @@ def decode_result(value: bytes) -> Result:
     body = orjson.loads(value)
     return Result(body["command_id"], body["aggregate_id"], body["status"], body["version"],
                   tuple(body.get("event_ids") or ()), body.get("reason"), body.get("correlation_id", ""),
-                  bool(body.get("duplicate", False)))
+                  bool(body.get("duplicate", False)), body.get("at") or "")
 
 
 def header(headers: Sequence[tuple[str, bytes | None]] | None, name: str) -> str | None:

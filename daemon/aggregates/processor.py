@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kafold.daemon.aggregates import window
 from kafold.daemon.aggregates.messages import ACCEPTED, REJECTED, Command, Result
 from kafold.daemon.aggregates.store import Entry
 from kafold.domain import AggregateDomain, InvalidCommand, InvalidEvent
-from kafold.envelope import Event, Headers, derive_event_id, encode, utc_now
+from kafold.envelope import Event, Headers, derive_event_id, encode
 from kafold.errors import FatalError, RecordError
 
 Encoded = tuple[bytes, bytes, Headers]
@@ -17,61 +18,92 @@ Encoded = tuple[bytes, bytes, Headers]
 @dataclass
 class Outcome:
     """What handling a command produced. `error` set = the command is also dead-lettered (a client or domain
-    defect, not a business rejection). `state`/`version` are the entry's values after the command."""
+    defect, not a business rejection). `state`/`version` are the entry's values after the command. `remember`:
+    the outcome to keep in the idempotency window (None for a repeat, which keeps the first)."""
 
     result: Result
     events: list[Encoded] = field(default_factory=list)
     state: Any = None
     version: int = 0
     error: RecordError | None = None
+    remember: window.Outcome | None = None
+    refused: str | None = None  # why the last line of defence answered instead of writing
 
 
-def _reject(cmd: Command, entry: Entry, reason: str, error: RecordError | None = None) -> Outcome:
+def event_ids(command_id: str, version_before: int, n: int) -> tuple[str, ...]:
+    """The ids of the `n` events a command decided at `version_before` writes: `derive_event_id(command_id, v)`
+    with v = each event's version - 1. Deterministic for a re-decision after a crash (same state, same version),
+    and distinct for a retry decided again after the window (a later version), so no id is ever written twice."""
+    return tuple(derive_event_id(command_id, version_before + i) for i in range(n))
+
+
+def _reject(cmd: Command, entry: Entry, reason: str, t: int, at: str, error: RecordError | None = None
+            ) -> Outcome:
     return Outcome(Result(cmd.command_id, cmd.aggregate_id, REJECTED, entry.version, (), reason,
-                          cmd.correlation_id), [], entry.state, entry.version, error)
+                          cmd.correlation_id, at=at), [], entry.state, entry.version, error,
+                   window.rejected(t, entry.version, reason))
 
 
-def handle(domain: AggregateDomain, cmd: Command, entry: Entry, now: str | None = None) -> Outcome:
-    """Decide `cmd` on `entry` (not modified). Never raises on bad input: it becomes a rejected Outcome."""
+def repeat(cmd: Command, entry: Entry, seen: window.Outcome, at: str) -> Outcome:
+    """The first outcome of `cmd.command_id` again, as a duplicate: nothing written, state unchanged."""
+    version, reason = seen.version, seen.reason
+    ids = () if reason is not None else event_ids(cmd.command_id, version - seen.events, seen.events)
+    return Outcome(Result(cmd.command_id, cmd.aggregate_id, ACCEPTED if reason is None else REJECTED, version, ids,
+                          reason, cmd.correlation_id, duplicate=True, at=at), [], entry.state, entry.version)
+
+
+def handle(domain: AggregateDomain, cmd: Command, entry: Entry, at: str, t: int, window_ms: int) -> Outcome:
+    """Decide `cmd` (its command time: `at`, ISO; `t`, ms) on `entry` (not modified). Never raises on bad input:
+    it becomes a rejected Outcome. A command id decided within `window_ms` before repeats its first outcome."""
     seen = entry.recent.get(cmd.command_id)
-    if seen is not None:  # idempotency guard: the same command id again repeats the first outcome
-        version_after, n = seen
-        again = tuple(derive_event_id(cmd.command_id, i) for i in range(n))
-        return Outcome(Result(cmd.command_id, cmd.aggregate_id, ACCEPTED, version_after, again, None,
-                              cmd.correlation_id, duplicate=True), [], entry.state, entry.version)
+    if seen is not None and t - seen.t <= window_ms:
+        return repeat(cmd, entry, seen, at)
+    out = _decide(domain, cmd, entry, at, t)
+    for h in (out.remember.hashes if out.remember else ()):
+        owner = entry.events.get(h)
+        if owner is not None:  # the last line of defence: an event id already in this aggregate's window
+            first = entry.recent.get(owner)
+            why = f"an event id it would write was already written by command {owner!r}"
+            answer = repeat(cmd, entry, first, at) if first is not None else _reject(cmd, entry, why, t, at)
+            answer.refused = why
+            return answer
+    return out
+
+
+def _decide(domain: AggregateDomain, cmd: Command, entry: Entry, at: str, t: int) -> Outcome:
     if cmd.expected_version is not None and cmd.expected_version != entry.version:
-        return _reject(cmd, entry, f"expected version {cmd.expected_version}, aggregate is at {entry.version}")
+        return _reject(cmd, entry, f"expected version {cmd.expected_version}, aggregate is at {entry.version}",
+                       t, at)
     try:
         command = domain.command(cmd.type, cmd.data)
     except InvalidCommand as e:
-        return _reject(cmd, entry, str(e), RecordError(str(e), reason=e.reason))
+        return _reject(cmd, entry, str(e), t, at, RecordError(str(e), reason=e.reason))
     try:
         decided = domain.decide(command, entry.state)
     except domain.rejections as e:
-        return _reject(cmd, entry, str(e) or type(e).__name__)
+        return _reject(cmd, entry, str(e) or type(e).__name__, t, at)
     except Exception as e:  # a bug in decide must not stop the runtime: dead-letter the command
         msg = f"decide raised {type(e).__name__}: {e}"
-        return _reject(cmd, entry, msg, RecordError(msg, reason="decide-error"))
+        return _reject(cmd, entry, msg, t, at, RecordError(msg, reason="decide-error"))
     if not isinstance(decided, list | tuple):
         msg = f"decide returned {type(decided).__name__}, expected a list of events"
-        return _reject(cmd, entry, msg, RecordError(msg, reason="decide-error"))
-    state, version, at = entry.state, entry.version, now or utc_now()
+        return _reject(cmd, entry, msg, t, at, RecordError(msg, reason="decide-error"))
+    state, version = entry.state, entry.version
     events: list[Encoded] = []
-    ids: list[str] = []
+    ids = event_ids(cmd.command_id, version, len(decided))
     try:
         for i, ev in enumerate(decided):
             type_name, payload = domain.event_payload(ev)
             state = domain.evolve(state, ev)
-            eid = derive_event_id(cmd.command_id, i)
+            eid = ids[i]
             events.append(encode(Event(eid, type_name, domain.name, cmd.aggregate_id, version + i + 1, at,
                                        cmd.correlation_id or cmd.command_id, payload, 1, cmd.command_id)))
-            ids.append(eid)
     except (InvalidEvent, FatalError, ValueError) as e:
         msg = f"cannot store the decided events: {e}"
-        return _reject(cmd, entry, msg, RecordError(msg, reason="bad-event"))
+        return _reject(cmd, entry, msg, t, at, RecordError(msg, reason="bad-event"))
     except Exception as e:
         msg = f"evolve raised {type(e).__name__}: {e}"
-        return _reject(cmd, entry, msg, RecordError(msg, reason="evolve-error"))
+        return _reject(cmd, entry, msg, t, at, RecordError(msg, reason="evolve-error"))
     new_version = version + len(events)
-    return Outcome(Result(cmd.command_id, cmd.aggregate_id, ACCEPTED, new_version, tuple(ids), None,
-                          cmd.correlation_id), events, state, new_version)
+    return Outcome(Result(cmd.command_id, cmd.aggregate_id, ACCEPTED, new_version, ids, None, cmd.correlation_id,
+                          at=at), events, state, new_version, None, window.accepted(t, new_version, ids))

@@ -10,6 +10,7 @@ replay stops is the catch-up gate's business (`gate.PartitionGate`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -19,8 +20,12 @@ from confluent_kafka import KafkaError, TopicPartition
 
 from kafold import kafka_clients, logs
 from kafold.config import KafkaConfig
+from kafold.daemon.aggregates.messages import REJECTED, decode_result
+from kafold.daemon.aggregates.processor import event_ids as processor_event_ids
 from kafold.daemon.aggregates.store import Entry, StateStore
+from kafold.daemon.aggregates.window import accepted, rejected
 from kafold.domain import AggregateDomain
+from kafold.envelope import epoch_ms
 from kafold.errors import RetriableError
 
 log = logs.get(__name__)
@@ -28,11 +33,13 @@ log = logs.get(__name__)
 
 @dataclass
 class Base:
-    """Where a partition's recovery starts: base states (id -> (state, version)) and the tail's first offset."""
+    """Where a partition's recovery starts: base states (id -> (state, version)), the idempotency window each
+    snapshot carried (id -> [[command id, time ms, version after, events], ...]) and the tail's first offset."""
 
     start: int
     states: dict[str, tuple[Any, int]] = field(default_factory=dict)
     snapshot_version: int | None = None  # e.g. the snapshot run's offset; None = no snapshot used
+    windows: dict[str, list[list[Any]]] = field(default_factory=dict)
 
 
 class Restorer(Protocol):
@@ -70,14 +77,19 @@ class Folder:
         self.first_bad: list[tuple[int, str]] = []
 
     def seed(self, base: Base) -> None:
+        window = self.store.window
         for aid, (state, version) in base.states.items():
-            self.store.put(aid, Entry(state, version, self.partition))
+            entry = Entry(state, version, self.partition)
+            for cid, t, version_after, n in base.windows.get(aid, ()):
+                ids = processor_event_ids(cid, version_after - n, n)
+                window.remember(entry, aid, cid, accepted(t, version_after, ids))
+            self.store.put(aid, entry)
 
     def fold(self, msgs: Iterable[Any]) -> None:
         """Fold data records (errors and EOFs must be filtered out by the caller)."""
         entries, evicted = self.store.entries, self.store.evicted.get(self.partition, ())
         loads, evolve, make, initial = orjson.loads, self.domain.evolve, self.domain.event, self.domain.initial
-        only, partition = self.only, self.partition
+        only, partition, add_event = self.only, self.partition, self.store.window.add_event
         folded = skipped = 0
         for m in msgs:
             try:
@@ -101,7 +113,9 @@ class Folder:
                 entry.version = version
                 cause = body.get("causation_id")
                 if cause:
-                    entry.note(cause, version, 1)
+                    seen = entry.recent.get(cause)
+                    add_event(entry, aid, cause, seen.t if seen is not None and seen.reason is None
+                              else epoch_ms(body["occurred_at"]), version, body["event_id"])
                 folded += 1
             except Exception as e:  # a bad event is left out of every state; counted and logged per partition
                 self.bad += 1
@@ -114,8 +128,6 @@ class Folder:
 def read_until_eof(consumer: Any, topic: str, partition: int, start: int, on_batch: Any,
                    batch: int = 20000, stall_s: float = 30.0) -> int:
     """Feed records [start, partition EOF) to `on_batch(msgs)`; the offset EOF was reported at (the true end)."""
-    import time
-
     consumer.assign([TopicPartition(topic, partition, start)])
     last = time.monotonic()
     try:
@@ -142,8 +154,9 @@ def read_until_eof(consumer: Any, topic: str, partition: int, start: int, on_bat
 
 
 def reload(consumer: Any, topic: str, domain: AggregateDomain, store: StateStore, partition: int,
-           ids: set[str]) -> int:
-    """Rebuild evicted aggregates `ids` of one partition by replaying it filtered by key; events read."""
+           ids: set[str], results: str | None = None) -> int:
+    """Rebuild evicted aggregates `ids` of one partition by replaying it filtered by key (and their idempotency
+    window from the results partition `results`, when given); events read."""
     low, _ = bounds(consumer, topic, partition)
     with store.lock:
         for aid in ids:
@@ -158,6 +171,59 @@ def reload(consumer: Any, topic: str, domain: AggregateDomain, store: StateStore
         folder.fold(wanted)
 
     read_until_eof(consumer, topic, partition, low, feed)
+    if results is not None:
+        note_results(consumer, results, domain, store, partition, only=ids)
     log.info("aggregate.reloaded", topic=topic, partition=partition, aggregates=len(ids), events_read=read,
              folded=folder.folded, bad=folder.bad)
+    return read
+
+
+def note_results(consumer: Any, topic: str, domain: AggregateDomain, store: StateStore, partition: int,
+                 only: set[str] | None = None, now_ms: int | None = None) -> int:
+    """Add to the idempotency window the outcomes on results partition `partition` within the window that events
+    cannot give: rejections, and acceptances that wrote no event. Results read.
+
+    Offset note: reading starts at the first result whose record time is within the window of the latest command
+    time known (ListOffsets by timestamp; results carry their command's time) and stops at the partition's end
+    under read_committed, so results of aborted transactions never count. Repeats (`duplicate`) are skipped: the
+    first outcome is the one that counts, and an id already known from the events keeps that outcome."""
+    window = store.window
+    high = max(window.high, now_ms if now_ms is not None else int(time.time() * 1000))
+    since = high - window.window_ms
+    try:
+        found = consumer.offsets_for_times([TopicPartition(topic, partition, max(0, since))], timeout=10)
+    except Exception as e:
+        raise RetriableError(f"{topic}[{partition}]: cannot look up offsets by time: {e}") from e
+    start = found[0].offset
+    if start < 0:  # no result at or after `since`
+        return 0
+    evicted = store.evicted.get(partition, ())
+    read = 0
+
+    def feed(msgs: list[Any]) -> None:
+        nonlocal read
+        read += len(msgs)
+        with store.lock:
+            for m in msgs:
+                try:
+                    r = decode_result(m.value())
+                except Exception:
+                    continue  # not a result kafold wrote; the window cannot use it
+                aid = r.aggregate_id
+                if r.duplicate or (r.event_ids and r.status != REJECTED) or (only is not None and aid not in only):
+                    continue  # an acceptance with events is known from those events, which are the truth
+                entry = store.entries.get(aid)
+                if entry is None:
+                    if aid in evicted:
+                        continue  # rebuilt with its events when it is reloaded
+                    entry = Entry(domain.initial(), 0, partition)
+                    store.put(aid, entry)
+                if r.command_id in entry.recent:
+                    continue
+                t = epoch_ms(r.at) if r.at else m.timestamp()[1]
+                window.remember(entry, aid, r.command_id, rejected(t, r.version, r.reason or "") if
+                                r.status == REJECTED else accepted(t, r.version, r.event_ids))
+
+    read_until_eof(consumer, topic, partition, start, feed)
+    window.expire(store.entries)
     return read

@@ -14,17 +14,23 @@ A batch (up to `batch_max_records` commands or `batch_max_wait_ms`) is one trans
 and the offsets after the batch. A crash before the commit aborts all of it: the commands are read again and
 decided on the state rebuilt from committed events only, so no event is written twice. If the commit is
 aborted, the consumer is sought back to the batch's first offsets and the touched states are restored from an
-undo log. The idempotency guard (an aggregate's last command ids, rebuilt from the events' causation ids)
-answers a command id seen before with its first outcome and no new events.
+undo log.
+
+The idempotency window (window.py) answers a command id decided within `idempotency_window_s` (by command time)
+with its first outcome and no new events, accepted or rejected. It is rebuilt wherever states are: from the
+snapshot that seeds a partition (snapshots carry it), from the replayed events' causation ids, and from the
+results partition of the same number (rejections, acceptances without events) before a partition opens; an
+evicted aggregate gets it back with its state; a rebalance rebuilds it on the instance taking the partition over.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from datetime import UTC, datetime
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException
+from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTP
 
 from kafold import kafka_clients, logs
@@ -37,8 +43,9 @@ from kafold.daemon.aggregates.messages import REJECTED, Command, Result, decode_
 from kafold.daemon.aggregates.processor import handle
 from kafold.daemon.aggregates.store import Entry, StateStore
 from kafold.daemon.aggregates.txn import TransactionalWriter
+from kafold.daemon.aggregates.window import Window
 from kafold.domain import AggregateDomain
-from kafold.envelope import utc_now
+from kafold.envelope import format_time
 from kafold.errors import DecodeError, FatalError, RecordError, RetriableError
 from kafold.retry import retrying
 
@@ -47,6 +54,22 @@ log = logs.get(__name__)
 RECOVERY_BATCH = 20000
 COMMITTED_TIMEOUT_S = 10.0
 ASSIGN_RETRY_S = 120.0  # well under the default rebalance timeout (max.poll.interval.ms, 300 s)
+CLOCK_SKEW_MS = 60_000  # a command time further ahead of this host's clock is taken as this host's clock
+
+
+def command_time(m: Any, now_ms: int) -> int:
+    """A command's time (ms): its record's timestamp, or `now_ms` when it has none or one from the future (a
+    client clock far ahead must not push every other id out of the window)."""
+    kind, ts = m.timestamp()
+    return ts if kind != TIMESTAMP_NOT_AVAILABLE and 0 < ts <= now_ms + CLOCK_SKEW_MS else now_ms
+
+
+def iso_time(ms: int) -> str:
+    return format_time(datetime.fromtimestamp(ms / 1000, UTC))
+
+
+# Per aggregate touched in a batch: (state, version) as committed (None: new in this batch), command ids decided
+Undo = dict[str, tuple[tuple[Any, int] | None, list[str]]]
 
 
 def dlq_topic(agg: AggregateConfig) -> str:
@@ -67,7 +90,8 @@ class AggregateRuntime:
         self.topics = {k: agg.topic(k) for k in ("commands", "events", "results")}
         self.dlq = dlq_topic(agg)
         self.consumer_extra = dict(consumer_extra or {})
-        self.store = StateStore(agg.cache_max_aggregates)
+        self.window_ms = int(agg.idempotency_window_s * 1000)
+        self.store = StateStore(agg.cache_max_aggregates, Window(self.window_ms, agg.idempotency_max_ids))
         self.gates: dict[int, PartitionGate] = {}
         self.folders: dict[int, recovery.Folder] = {}
         self.positions: dict[int, int] = {}
@@ -89,14 +113,16 @@ class AggregateRuntime:
     def partitions(self) -> list[dict[str, object]]:
         return [g.describe() for g in sorted(list(self.gates.values()), key=lambda g: g.partition)]
 
-    def get(self, aggregate_id: str) -> tuple[Any, int] | None:
-        """(state, version) of a cached aggregate of a LIVE partition; reloads an evicted one. None = unknown
-        here (not assigned to this instance, still recovering, or no events yet)."""
+    def get(self, aggregate_id: str) -> tuple[Any, int, str] | None:
+        """(state, version, where it was read from) of an aggregate of a LIVE partition: "memory" (the cache) or
+        "events" (evicted, rebuilt from its events partition). None = unknown here (not assigned to this
+        instance, still recovering, or no events yet)."""
         with self.store.lock:
             entry = self.store.entries.get(aggregate_id)
             if entry is not None:
                 gate = self.gates.get(entry.partition)
-                return (entry.state, entry.version) if gate is not None and gate.live else None
+                live = gate is not None and gate.live and entry.version > 0
+                return (entry.state, entry.version, "memory") if live else None
             partition = next((p for p, ids in self.store.evicted.items() if aggregate_id in ids), None)
         if partition is None:
             return None
@@ -107,7 +133,14 @@ class AggregateRuntime:
         finally:
             reader.close()
         found = private.entries.get(aggregate_id)
-        return (found.state, found.version) if found is not None and found.version else None
+        return (found.state, found.version, "events") if found is not None and found.version else None
+
+    def idempotency(self) -> dict[str, int]:
+        """The idempotency window's figures: ids held, expired, dropped early (beyond idempotency_max_ids)."""
+        with self.store.lock:
+            w = self.store.window
+            return {"ids_held": w.held(self.store.entries), "expired": w.expired, "dropped_early": w.dropped_early,
+                    "window_s": self.window_ms // 1000, "max_ids": w.max_ids}
 
     def get_state(self, aggregate_id: str) -> Any:
         """The domain state of one aggregate, or None (thread-safe; served at GET /aggregates/{name}/{id})."""
@@ -227,6 +260,7 @@ class AggregateRuntime:
         n = gate.partition
         self.reader.incremental_unassign([KTP(self.topics["events"], n)])
         folder = self.folders.pop(n)
+        results = self._note_results_retrying(n)
         tp = KTP(self.topics["commands"], n)
         self.consumer.resume([tp])
         # Start from the group's committed offset now: nothing of this partition was decided in this assignment,
@@ -242,7 +276,21 @@ class AggregateRuntime:
             if committed >= 0 or self.consumer_extra.get("auto.offset.reset", "earliest") == "earliest":
                 self.consumer.seek(KTP(tp.topic, n, committed if committed >= 0 else OFFSET_BEGINNING))
         self.log.info("aggregate.caught_up", **gate.describe(), folded=folder.folded, duplicates=folder.skipped,
-                      bad_events=folder.bad, first_bad=folder.first_bad or None)
+                      bad_events=folder.bad, first_bad=folder.first_bad or None, results_read=results)
+
+    def _note_results_retrying(self, n: int) -> int:
+        """The window's outcomes from results partition `n` (recovery.note_results), retried like a restore."""
+        def note() -> int:
+            reader = recovery.reader(self.kafka, self.agg.name)
+            try:
+                return recovery.note_results(reader, self.topics["results"], self.domain, self.store, n)
+            finally:
+                reader.close()
+
+        def warn(e: RetriableError, delay: float) -> None:
+            self.log.warning("aggregate.results_retrying", partition=n, error=str(e), retry_in_s=delay)
+
+        return retrying(note, within_s=ASSIGN_RETRY_S, on_retry=warn, first_delay=0.5, stop=self.stop_event)
 
     # ---- commands ---------------------------------------------------------------------------------------
     def _batch(self, msgs: list[Any]) -> None:
@@ -267,17 +315,17 @@ class AggregateRuntime:
         decoded = [self._decode(m) for m in live]
         self._reload_missing(live)
         assert self.writer is not None
-        undo: dict[str, Entry | None] = {}
+        undo: Undo = {}
         tally = dict.fromkeys(("accepted", "rejected", "dead_lettered", "duplicates", "events"), 0)
         first: dict[int, int] = {}
         last: dict[int, int] = {}
-        now = utc_now()
+        now_ms = int(time.time() * 1000)
         self.writer.begin()
         for m, cmd in zip(live, decoded, strict=True):
             n = m.partition()
             first.setdefault(n, m.offset())
             last[n] = m.offset() + 1
-            self._one(m, cmd, n, now, undo, tally)
+            self._one(m, cmd, n, command_time(m, now_ms), undo, tally)
         offsets = [KTP(self.topics["commands"], n, off) for n, off in last.items()]
         decided = time.monotonic()
         if not self.writer.commit(offsets, self.consumer.consumer_group_metadata()):
@@ -299,13 +347,13 @@ class AggregateRuntime:
         except DecodeError as e:
             return e
 
-    def _one(self, m: Any, cmd: Command | DecodeError, n: int, now: str, undo: dict[str, Entry | None],
-             tally: dict[str, int]) -> None:
+    def _one(self, m: Any, cmd: Command | DecodeError, n: int, t: int, undo: Undo, tally: dict[str, int]) -> None:
         assert self.writer is not None
+        at = iso_time(t)
         if isinstance(cmd, DecodeError):
             key = m.key() or b""
             cid = header(m.headers(), "kafold-command-id") or f"{m.topic()}/{n}/{m.offset()}"
-            result = Result(cid, key.decode("utf-8", "replace"), REJECTED, 0, (), str(cmd), cid)
+            result = Result(cid, key.decode("utf-8", "replace"), REJECTED, 0, (), str(cmd), cid, at=at)
             self._dead_letter(m, cmd)
             tally["rejected"] += 1
             tally["dead_lettered"] += 1
@@ -319,25 +367,30 @@ class AggregateRuntime:
                 gate.decided_while_recovering += 1
             if gate.first_decided_at is None:
                 gate.first_decided_at = time.monotonic()
-            out = handle(self.domain, cmd, entry, now)
+            out = handle(self.domain, cmd, entry, at, t, self.window_ms)
             result = out.result
-            if out.events:
-                if cmd.aggregate_id not in undo:  # first change in this batch: keep the committed entry
-                    undo[cmd.aggregate_id] = None if fresh else entry.copy()
+            if out.remember is not None:  # decided (not a repeat): its outcome joins the window
+                aid = cmd.aggregate_id
+                if aid not in undo:  # first change in this batch: keep what was committed
+                    undo[aid] = (None if fresh else (entry.state, entry.version), [])
+                undo[aid][1].append(cmd.command_id)
                 for key, value, headers in out.events:
-                    self.writer.produce(self.topics["events"], n, key, value, headers)
+                    self.writer.produce(self.topics["events"], n, key, value, headers, timestamp=t)
                 entry.state, entry.version = out.state, out.version
-                entry.note(cmd.command_id, out.version, len(out.events))
+                self.store.window.remember(entry, aid, cmd.command_id, out.remember)
                 if fresh:
-                    self.store.put(cmd.aggregate_id, entry)
+                    self.store.put(aid, entry)
                 tally["events"] += len(out.events)
+            if out.refused:
+                self.log.error("aggregate.event_id_refused", command_id=cmd.command_id,
+                               aggregate_id=cmd.aggregate_id, partition=n, offset=m.offset(), reason=out.refused)
             if out.error is not None:
                 out.error.raw = m
                 self._dead_letter(m, out.error)
                 tally["dead_lettered"] += 1
             tally["duplicates" if result.duplicate else "accepted" if result.accepted else "rejected"] += 1
         key, value, headers = result.encode()
-        self.writer.produce(self.topics["results"], n, key, value, headers)
+        self.writer.produce(self.topics["results"], n, key, value, headers, timestamp=t)
 
     def _dead_letter(self, m: Any, error: RecordError) -> None:
         assert self.writer is not None
@@ -362,20 +415,27 @@ class AggregateRuntime:
         reader = recovery.reader(self.kafka, self.agg.name)
         try:
             for n, ids in wanted.items():
-                recovery.reload(reader, self.topics["events"], self.domain, self.store, n, ids)
+                recovery.reload(reader, self.topics["events"], self.domain, self.store, n, ids,
+                                results=self.topics["results"])
                 self.counts["reloads"] += len(ids)
         finally:
             reader.close()
 
-    def _rewind(self, first: dict[int, int], undo: dict[str, Entry | None]) -> None:
-        """After an aborted transaction: restore the touched states and read the batch's commands again."""
+    def _rewind(self, first: dict[int, int], undo: Undo) -> None:
+        """After an aborted transaction: restore the touched states (and take their outcomes back out of the
+        window) and read the batch's commands again."""
         self.counts["aborts"] += 1
         with self.store.lock:
-            for aid, old in undo.items():
+            for aid, (old, command_ids) in undo.items():
+                entry = self.store.entries.get(aid)
+                if entry is None:
+                    continue
+                for cid in command_ids:
+                    self.store.window.forget(entry, cid)
                 if old is None:
                     self.store.entries.pop(aid, None)
                 else:
-                    self.store.put(aid, old)
+                    entry.state, entry.version = old
         for n, off in first.items():
             if n in self.gates:
                 self.consumer.seek(KTP(self.topics["commands"], n, off))

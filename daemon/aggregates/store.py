@@ -1,4 +1,5 @@
-"""In-memory aggregate states: a bounded LRU over every assigned partition, with an evicted set for reloads."""
+"""In-memory aggregate states: a bounded LRU over every assigned partition, with an evicted set for reloads, and
+the idempotency window of their command ids (window.py)."""
 
 from __future__ import annotations
 
@@ -6,34 +7,21 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-RECENT_COMMANDS = 32  # command ids remembered per aggregate for the idempotency guard
+from kafold.daemon.aggregates.window import Outcome, Window
 
 
 class Entry:
-    """One aggregate's state, version, partition and its last processed command ids -> (version after, events)."""
+    """One aggregate's state, version and partition, the outcomes of its command ids within the idempotency
+    window (`recent`: command id -> window.Outcome) and the hashes of the event ids they wrote -> command id."""
 
-    __slots__ = ("partition", "recent", "state", "version")
+    __slots__ = ("events", "partition", "recent", "state", "version")
 
-    def __init__(self, state: Any, version: int, partition: int, recent: dict[str, tuple[int, int]] | None = None
-                 ) -> None:
+    def __init__(self, state: Any, version: int, partition: int) -> None:
         self.state = state
         self.version = version
         self.partition = partition
-        self.recent: dict[str, tuple[int, int]] = recent if recent is not None else {}
-
-    def note(self, command_id: str, version_after: int, events: int, keep: int = RECENT_COMMANDS) -> None:
-        """Remember that `command_id` produced `events` events ending at `version_after`."""
-        recent = self.recent
-        prior = recent.get(command_id)
-        if prior is not None:  # more events of the same command (replay): extend its range
-            events = prior[1] + 1 if version_after > prior[0] else prior[1]
-            version_after = max(version_after, prior[0])
-        recent[command_id] = (version_after, events)
-        if len(recent) > keep:
-            del recent[next(iter(recent))]
-
-    def copy(self) -> Entry:
-        return Entry(self.state, self.version, self.partition, dict(self.recent))
+        self.recent: dict[str, Outcome] = {}
+        self.events: dict[int, str] = {}
 
 
 class StateStore:
@@ -42,8 +30,9 @@ class StateStore:
     neither cached nor evicted has no events yet). Every method takes the lock: `get_state` runs on other threads.
     """
 
-    def __init__(self, max_aggregates: int) -> None:
+    def __init__(self, max_aggregates: int, window: Window | None = None) -> None:
         self.max_aggregates = max_aggregates
+        self.window = window or Window(24 * 3600 * 1000, 1_000_000)
         self.entries: OrderedDict[str, Entry] = OrderedDict()
         self.evicted: dict[int, set[str]] = {}
         self.lock = threading.RLock()
@@ -76,6 +65,7 @@ class StateStore:
                 self.evicted.setdefault(entry.partition, set()).add(aid)
                 n += 1
             self.evictions += n
+            self.window.expire(self.entries)
             return n
 
     def drop_partition(self, partition: int) -> None:

@@ -53,14 +53,15 @@ class TransactionalWriter:
         self.open = True
 
     def produce(self, topic: str, partition: int, key: bytes | None, value: bytes | None,
-                headers: Headers) -> None:
+                headers: Headers, timestamp: int = 0) -> None:
+        """Queue one record of the open transaction; `timestamp` (ms) 0 = the producer's clock."""
         try:
-            self._produce(topic, value, key, partition, headers=headers)
+            self._produce(topic, value, key, partition, headers=headers, timestamp=timestamp)
         except BufferError:  # the local queue is full: serve delivery reports until there is room
             while True:
                 self.producer.poll(0.05)
                 try:
-                    self._produce(topic, value, key, partition, headers=headers)
+                    self._produce(topic, value, key, partition, headers=headers, timestamp=timestamp)
                     return
                 except BufferError:
                     continue

@@ -18,7 +18,7 @@ import orjson
 from kafold import logs
 from kafold.config import AggregateConfig
 from kafold.domain import default_state_from_json, default_state_to_json  # the same state JSON rules
-from kafold.envelope import utc_now
+from kafold.envelope import epoch_ms, utc_now
 from kafold.errors import ConfigError
 from kafold.snapshot.record import Encoded, Encoder, Snapshot
 from kafold.snapshot.select import Identity
@@ -49,6 +49,7 @@ class Domain:
     event_types: dict[str, type]
     to_json: Callable[[Any], Any]
     from_json: Callable[[Any], Any]
+    window_ms: int = 86_400_000  # the aggregate's idempotency window, which snapshots carry
 
     @classmethod
     def load(cls, agg: AggregateConfig, python_path: Sequence[str] = ()) -> Domain:
@@ -66,11 +67,24 @@ class Domain:
         to_json = getattr(module, "state_to_json", None) or default_state_to_json
         from_json = getattr(module, "state_from_json", None) or default_state_from_json(initial())
         ident = Identity(agg.name, agg.fingerprint, agg.state_schema_version)
-        return cls(ident, initial, evolve, dict(types), to_json, from_json)
+        return cls(ident, initial, evolve, dict(types), to_json, from_json, int(agg.idempotency_window_s * 1000))
 
 
-# Entry layout (a list, for speed): [state or None, version, covered offset, changed, base state JSON or None]
-STATE, VERSION, COVERED, CHANGED, BASE = range(5)
+# Entry layout (a list, for speed): [state or None, version, covered offset, changed, base state JSON or None,
+# idempotency window: command id -> [command time ms, version after, events]]
+STATE, VERSION, COVERED, CHANGED, BASE, WINDOW = range(6)
+
+
+def _window(commands: Any) -> dict[str, list[int]]:
+    return {c[0]: [c[1], c[2], c[3]] for c in commands}
+
+
+def _commands(window: dict[str, list[int]], window_ms: int) -> list[list[Any]]:
+    """A snapshot's `commands`: the window's ids within `window_ms` of the aggregate's latest command time."""
+    if not window:
+        return []
+    cutoff = max(w[0] for w in window.values()) - window_ms
+    return [[cid, *w] for cid, w in window.items() if w[0] >= cutoff]
 
 
 class Folder:
@@ -79,7 +93,7 @@ class Folder:
     def __init__(self, domain: Domain, bases: dict[bytes, Snapshot] | None = None) -> None:
         self.domain = domain
         self.entries: dict[bytes, list[Any]] = {
-            key: [None, s.version, s.offset, False, s.state] for key, s in (bases or {}).items()}
+            key: [None, s.version, s.offset, False, s.state, _window(s.commands)] for key, s in (bases or {}).items()}
         self.read = 0        # events seen
         self.folded = 0      # events applied
         self.skipped = 0     # covered by a snapshot or duplicate versions
@@ -95,7 +109,7 @@ class Folder:
         for offset, key, value in zip(offsets, keys, values, strict=True):
             entry = entries.get(key)  # type: ignore[arg-type]
             if entry is None:
-                entry = entries[key] = [None, 0, 0, False, None]  # type: ignore[index]
+                entry = entries[key] = [None, 0, 0, False, None, {}]  # type: ignore[index]
             elif offset < entry[2]:
                 skipped += 1
                 continue
@@ -115,6 +129,14 @@ class Folder:
                     base = entry[4]
                     state = initial() if base is None else from_json(base)
                 entry[0] = evolve(state, event)
+                cause = body.get("causation_id")
+                if cause:
+                    seen = entry[5].get(cause)
+                    if seen is None:
+                        entry[5][cause] = [epoch_ms(body["occurred_at"]), version, 1]
+                    else:
+                        seen[1] = version
+                        seen[2] += 1
             except Exception as e:  # a bad event is left out of the state, counted and logged per batch
                 self._bad(offset, key, e)
                 continue
@@ -129,7 +151,7 @@ class Folder:
         self.bad += 1
         if len(self.first_bad) < 5:
             self.first_bad.append((offset, type(error).__name__))
-        if key is not None and self.entries.get(key) == [None, 0, 0, False, None]:
+        if key is not None and self.entries.get(key) == [None, 0, 0, False, None, {}]:
             del self.entries[key]  # nothing usable for it yet
 
     def fold_messages(self, batches: Iterable[tuple[list[int], list[bytes | None], list[bytes | None]]]) -> None:
@@ -152,9 +174,9 @@ class Folder:
         `end` by more than `refresh_lag` offsets: same state and version, moved forward, which is still true
         because they have no events in between)."""
         ident, created_at = self.domain.identity, utc_now()  # one time for the run
-        for key, state_json, version in self._due(end, refresh_lag):
+        for key, state_json, version, commands in self._due(end, refresh_lag):
             yield Snapshot(ident.aggregate_type, key.decode(), state_json, version, partition, end,
-                           ident.fingerprint, ident.state_schema_version, created_at)
+                           ident.fingerprint, ident.state_schema_version, created_at, "", commands)
 
     def encoded_snapshots(self, partition: int, end: int, refresh_lag: int | None = None) -> Iterator[Encoded]:
         """`snapshots(...)` as the (key, value, headers) records to produce (`Snapshot.encode`'s bytes)."""
@@ -162,16 +184,16 @@ class Folder:
         encoder = Encoder(ident.aggregate_type, partition, end, ident.fingerprint, ident.state_schema_version,
                           utc_now())
         encode = encoder.encode
-        for key, state_json, version in self._due(end, refresh_lag):
-            yield encode(key.decode(), state_json, version)
+        for key, state_json, version, commands in self._due(end, refresh_lag):
+            yield encode(key.decode(), state_json, version, commands)
 
-    def _due(self, end: int, refresh_lag: int | None) -> Iterator[tuple[bytes, Any, int]]:
-        to_json = self.domain.to_json
+    def _due(self, end: int, refresh_lag: int | None) -> Iterator[tuple[bytes, Any, int, list[list[Any]]]]:
+        to_json, window_ms = self.domain.to_json, self.domain.window_ms
         for key, e in self.entries.items():
             if e[CHANGED]:
-                yield key, to_json(e[STATE]), e[VERSION]
+                yield key, to_json(e[STATE]), e[VERSION], _commands(e[WINDOW], window_ms)
             elif refresh_lag is not None and e[BASE] is not None and end - e[COVERED] > refresh_lag:
-                yield key, e[BASE], e[VERSION]
+                yield key, e[BASE], e[VERSION], _commands(e[WINDOW], window_ms)
 
     def log_bad(self, partition: int) -> None:
         if self.bad:

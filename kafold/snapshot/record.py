@@ -11,7 +11,9 @@ import orjson
 from kafold.envelope import utc_now
 from kafold.errors import DecodeError
 
-FORMAT = 1
+# Format 2 added `commands`, the aggregate's idempotency window; a format-1 snapshot lacks it, so it is not used
+# (restore falls back, saying why) rather than forget the command ids it covers.
+FORMAT = 2
 # Snapshot records carry this header; the per-partition marker record says "marker" (see `Marker`).
 H_KIND = "kafold-snapshot"
 KIND_SNAPSHOT = b"aggregate"
@@ -21,7 +23,7 @@ KIND_MARKER = b"marker"
 MARKER_KEY_PREFIX = b"\x00kafold.partition."
 
 _SNAPSHOT_FIELDS = frozenset({"format", "aggregate_type", "aggregate_id", "state", "version", "partition", "offset",
-                              "fingerprint", "state_schema_version", "created_at", "checksum"})
+                              "fingerprint", "state_schema_version", "created_at", "checksum", "commands"})
 _MARKER_FIELDS = frozenset({"format", "aggregate_type", "partition", "offset", "fingerprint",
                             "state_schema_version", "created_at", "checksum"})
 
@@ -71,12 +73,14 @@ class Snapshot(NamedTuple):
     state_schema_version: int
     created_at: str = ""
     checksum: str = ""
+    # The idempotency window at `offset`: [command id, command time ms, version after, events] per command id
+    commands: Any = ()
 
     def body(self) -> dict[str, Any]:
         return {"format": FORMAT, "aggregate_type": self.aggregate_type, "aggregate_id": self.aggregate_id,
                 "state": self.state, "version": self.version, "partition": self.partition, "offset": self.offset,
                 "fingerprint": self.fingerprint, "state_schema_version": self.state_schema_version,
-                "created_at": self.created_at or utc_now()}
+                "created_at": self.created_at or utc_now(), "commands": [list(c) for c in self.commands]}
 
     def encode(self) -> Encoded:
         """(key, value, headers) to produce; the checksum is computed here (any given one is ignored).
@@ -94,16 +98,18 @@ class Encoder:
     def __init__(self, aggregate_type: str, partition: int, offset: int, fingerprint: str,
                  state_schema_version: int, created_at: str) -> None:
         dumps = orjson.dumps
-        # the canonical layout: keys sorted, so aggregate_id first, then these, then state, then the last two
-        self._middle = (b',"aggregate_type":%s,"created_at":%s,"fingerprint":%s,"format":%d,"offset":%d,'
-                        b'"partition":%d,"state":' % (dumps(aggregate_type), dumps(created_at), dumps(fingerprint),
-                                                      FORMAT, offset, partition))
+        # the canonical layout: keys sorted, so aggregate_id, aggregate_type, commands, then these, then state,
+        # then the last two
+        self._type = b',"aggregate_type":%s,"commands":' % dumps(aggregate_type)
+        self._middle = (b',"created_at":%s,"fingerprint":%s,"format":%d,"offset":%d,"partition":%d,"state":'
+                        % (dumps(created_at), dumps(fingerprint), FORMAT, offset, partition))
         self._schema = b',"state_schema_version":%d,"version":' % state_schema_version
 
-    def encode(self, aggregate_id: str, state: Any, version: int) -> Encoded:
-        canonical = b'{"aggregate_id":%s%s%s%s%d}' % (orjson.dumps(aggregate_id), self._middle,
-                                                      orjson.dumps(state, option=orjson.OPT_SORT_KEYS),
-                                                      self._schema, version)
+    def encode(self, aggregate_id: str, state: Any, version: int, commands: Any = ()) -> Encoded:
+        dumps = orjson.dumps
+        canonical = b'{"aggregate_id":%s%s%s%s%s%s%d}' % (dumps(aggregate_id), self._type, dumps(list(commands)),
+                                                          self._middle, dumps(state, option=orjson.OPT_SORT_KEYS),
+                                                          self._schema, version)
         return aggregate_id.encode(), _seal(canonical), [(H_KIND, KIND_SNAPSHOT)]
 
 
@@ -165,6 +171,9 @@ def _body(key: bytes | None, value: bytes | None, fields: frozenset[str], raw: A
     for name in _STRS:
         if type(body[name]) is not str:
             raise DecodeError(f"snapshot record: {name}: expected a string", raw=raw, reason="wrong-type")
+    if "commands" in body and not _commands_ok(body["commands"]):
+        raise DecodeError("snapshot record: commands: expected [[command id, time, version, events], ...]", raw=raw,
+                          reason="wrong-type")
     if not _appended_checksum_matches(value, body["checksum"]) and body["checksum"] != checksum(body):
         raise ChecksumError("snapshot record: checksum: does not match the content", raw=raw, reason="checksum")
     return body
@@ -175,6 +184,12 @@ def _appended_checksum_matches(value: bytes, stated: str) -> bool:
     layout (or a mismatch) is checked the canonical way by the caller."""
     digest = _sealed_digest(value)
     return digest is not None and "sha256:" + digest.decode() == stated
+
+
+def _commands_ok(commands: Any) -> bool:
+    return type(commands) is list and all(
+        type(c) is list and len(c) == 4 and type(c[0]) is str and all(type(x) is int for x in c[1:])
+        for c in commands)
 
 
 _INTS = ("version", "partition", "offset", "state_schema_version")
@@ -213,11 +228,12 @@ def _decode_written(key: bytes | None, value: bytes | None) -> Snapshot | None:
         return None
     if type(b) is not dict or b.keys() != _SNAPSHOT_FIELDS or b["format"] != FORMAT:
         return None
-    aid, atype, fp, created, version, partition, offset, schema = (
+    aid, atype, fp, created, version, partition, offset, schema, commands = (
         b["aggregate_id"], b["aggregate_type"], b["fingerprint"], b["created_at"], b["version"], b["partition"],
-        b["offset"], b["state_schema_version"])
+        b["offset"], b["state_schema_version"], b["commands"])
     if not (type(aid) is str and type(atype) is str and type(fp) is str and type(created) is str
             and type(version) is int and type(partition) is int and type(offset) is int and type(schema) is int
-            and version >= 0 and partition >= 0 and offset >= 0 and schema >= 0 and key == aid.encode()):
+            and version >= 0 and partition >= 0 and offset >= 0 and schema >= 0 and key == aid.encode()
+            and _commands_ok(commands)):
         return None
-    return Snapshot(atype, aid, b["state"], version, partition, offset, fp, schema, created, b["checksum"])
+    return Snapshot(atype, aid, b["state"], version, partition, offset, fp, schema, created, b["checksum"], commands)

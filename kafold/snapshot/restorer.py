@@ -31,5 +31,6 @@ class SnapshotRestorer:
         finally:
             consumer.close()
         states = {key.decode(): (self.domain.state_from_json(s.state), s.version) for key, s in sel.bases.items()}
+        windows = {key.decode(): list(s.commands) for key, s in sel.bases.items() if s.commands}
         return Base(start=sel.start, states=states,
-                    snapshot_version=sel.marker.offset if sel.marker is not None else None)
+                    snapshot_version=sel.marker.offset if sel.marker is not None else None, windows=windows)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from agg_support import BANK, bank_config, bank_domain
 
 from kafold.config import AggregateConfig
 from kafold.daemon.aggregates.gate import LIVE, RECOVERING, PartitionGate
 from kafold.daemon.aggregates.messages import Command, decode_command, decode_result
-from kafold.daemon.aggregates.processor import handle
+from kafold.daemon.aggregates.processor import handle as _handle
 from kafold.daemon.aggregates.store import Entry, StateStore
+from kafold.daemon.aggregates.window import Window, accepted, rejected
 from kafold.domain import AggregateDomain, InvalidCommand, InvalidEvent
 from kafold.envelope import decode, derive_event_id
 from kafold.errors import ConfigError, DecodeError
@@ -62,6 +65,13 @@ def test_command_envelope_round_trip_and_defects() -> None:
         decode_command(b"a", b"{")
 
 
+AT, T0, DAY_MS = "2026-01-01T00:00:00.000000Z", 1_767_225_600_000, 86_400_000
+
+
+def handle(d: AggregateDomain, cmd: Command, entry: Entry, t: int = T0) -> Any:
+    return _handle(d, cmd, entry, AT, t, DAY_MS)
+
+
 def test_handle_accepts_with_derived_ids_and_consecutive_versions() -> None:
     d = bank_domain(bank_config("account"))
     entry = Entry(d.initial(), 0, 0)
@@ -84,12 +94,73 @@ def test_handle_rejects_version_mismatch_and_business_rule_without_dead_letter()
 
 def test_handle_dead_letters_invalid_commands_and_repeats_known_command_ids() -> None:
     d = bank_domain(bank_config("account"))
-    entry = Entry(d.initial(), 4, 0, {"c9": (4, 2)})
+    entry = Entry(d.initial(), 4, 0)
+    Window(DAY_MS, 100).remember(entry, "a", "c9", accepted(T0, 4, [derive_event_id("c9", 2),
+                                                                    derive_event_id("c9", 3)]))
     bad = handle(d, Command.new("account", "a", "Teleport", {}), entry)
     assert bad.result.status == "rejected" and bad.error is not None and bad.error.reason == "unknown-type"
-    again = handle(d, Command.new("account", "a", "Deposit", {"amount": 1}, command_id="c9"), entry)
-    assert again.result.duplicate and again.events == [] and again.result.event_ids == (
-        derive_event_id("c9", 0), derive_event_id("c9", 1))
+    again = handle(d, Command.new("account", "a", "Deposit", {"amount": 1}, command_id="c9"), entry, T0 + 5)
+    assert again.result.duplicate and again.events == [] and again.remember is None and again.result.event_ids == (
+        derive_event_id("c9", 2), derive_event_id("c9", 3))
+
+
+def test_event_ids_follow_the_version_so_a_decision_after_the_window_never_reuses_one() -> None:
+    d = bank_domain(bank_config("account"))
+    entry = Entry(d.initial(), 0, 0)
+    opened = handle(d, Command.new("account", "a", "OpenAccount", {"owner": "x"}, command_id="c1"), entry)
+    entry.state, entry.version = opened.state, opened.version
+    Window(DAY_MS, 100).remember(entry, "a", "c1", opened.remember)
+    dep = handle(d, Command.new("account", "a", "Deposit", {"amount": 5}, command_id="d1"), entry)
+    assert dep.result.event_ids == (derive_event_id("d1", 1),)  # the event's version - 1
+    late = handle(d, Command.new("account", "a", "OpenAccount", {"owner": "x"}, command_id="c1"), entry,
+                  T0 + DAY_MS + 1)
+    assert not late.result.duplicate and late.result.status == "rejected"  # decided again: already open
+
+
+def test_a_retried_rejection_repeats_even_when_the_state_would_now_accept() -> None:
+    d = bank_domain(bank_config("account"))
+    entry = Entry(d.initial(), 0, 0)
+    window = Window(DAY_MS, 100)
+    early = handle(d, Command.new("account", "a", "Deposit", {"amount": 5}, command_id="d1"), entry)
+    assert early.result.status == "rejected" and early.remember is not None
+    window.remember(entry, "a", "d1", early.remember)
+    opened = handle(d, Command.new("account", "a", "OpenAccount", {"owner": "x"}, command_id="o1"), entry)
+    entry.state, entry.version = opened.state, opened.version
+    retry = handle(d, Command.new("account", "a", "Deposit", {"amount": 5}, command_id="d1"), entry, T0 + 60_000)
+    assert retry.result.duplicate and retry.result.status == "rejected" and retry.result.reason == "account is new"
+    assert retry.result.version == 0 and retry.events == []
+
+
+def test_the_last_line_of_defence_refuses_an_event_id_already_in_the_window() -> None:
+    d = bank_domain(bank_config("account"))
+    entry = Entry(d.initial(), 0, 0)
+    # an event with the id this command would write is in the window under another command id (a foreign writer)
+    Window(DAY_MS, 100).remember(entry, "a", "other", accepted(T0, 1, [derive_event_id("c1", 0)]))
+    out = handle(d, Command.new("account", "a", "OpenAccount", {"owner": "x"}, command_id="c1"), entry)
+    assert out.events == [] and out.refused and out.result.duplicate and out.result.version == 1
+
+
+def test_window_expires_by_command_time_and_bounds_the_ids_held() -> None:
+    window = Window(1000, 3)
+    entries = {"a": Entry(None, 0, 0), "b": Entry(None, 0, 0)}
+    for i, t in enumerate((0, 500, 900)):
+        window.remember(entries["a" if i % 2 == 0 else "b"], "a" if i % 2 == 0 else "b", f"c{i}",
+                        rejected(T0 + t, 0, "no"))
+    assert window.expire(entries) == 0  # all within 1 s of the latest command time
+    window.remember(entries["b"], "b", "c3", rejected(T0 + 1200, 0, "no"))  # c0 is now older than the window
+    assert window.expire(entries) == 1 and "c0" not in entries["a"].recent and window.dropped_early == 0
+    window.remember(entries["a"], "a", "c4", rejected(T0 + 1300, 0, "no"))
+    window.remember(entries["a"], "a", "c5", rejected(T0 + 1400, 0, "no"))  # 5 held > 3: two go early
+    assert window.expire(entries) == 2 and window.dropped_early == 2 and window.held(entries) == 3
+    window.forget(entries["a"], "c5")
+    assert window.held(entries) == 2
+
+
+def test_window_counts_each_replayed_event_once_per_command() -> None:
+    window, entry = Window(DAY_MS, 100), Entry(None, 0, 0)
+    for version in (1, 2, 2):  # the second event of c1, then the same event again (a duplicate write)
+        window.add_event(entry, "a", "c1", T0, version, derive_event_id("c1", version - 1))
+    assert entry.recent["c1"].version == 2 and entry.recent["c1"].events == 2 and len(entry.events) == 2
 
 
 def test_gate_opens_only_at_partition_eof_at_or_past_the_captured_end() -> None:
@@ -120,15 +191,6 @@ def test_store_evicts_least_recently_used_and_remembers_them() -> None:
     assert not store.is_evicted(3, "b")
     store.drop_partition(3)
     assert len(store) == 0
-
-
-def test_entry_remembers_a_bounded_number_of_command_ids() -> None:
-    e = Entry(None, 0, 0)
-    for i in range(40):
-        e.note(f"c{i}", i + 1, 1, keep=32)
-    assert len(e.recent) == 32 and "c0" not in e.recent and e.recent["c39"] == (40, 1)
-    e.note("c39", 41, 1, keep=32)  # a second event of the same command during a replay
-    assert e.recent["c39"] == (41, 2)
 
 
 def test_result_round_trip() -> None:

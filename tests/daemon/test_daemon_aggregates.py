@@ -52,4 +52,4 @@ snapshot_topic = "{unique}.snapshots"
             assert result is not None and result.status == "accepted", result
         status, body = d.get("/aggregates/account/acc-1")
         assert status == 200 and body["aggregate"] == "account" and body["id"] == "acc-1"
-        assert body["state"]["owner"] == "ada"
+        assert body["state"]["owner"] == "ada" and body["version"] == 1 and body["read_from"] == "memory"

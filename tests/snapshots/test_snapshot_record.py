@@ -11,7 +11,8 @@ from kafold.errors import DecodeError
 from kafold.snapshot import record
 from kafold.snapshot.record import ChecksumError, Marker, Snapshot
 
-SNAP = Snapshot("account", "acc-1", {"status": "open", "balance": 500}, 3, 1, 42, "v1", 1)
+SNAP = Snapshot("account", "acc-1", {"status": "open", "balance": 500}, 3, 1, 42, "v1", 1, "", "",
+                [["cmd-1", 1_767_225_600_000, 3, 1]])
 
 
 def test_snapshot_round_trips_with_checksum_over_canonical_encoding() -> None:
@@ -107,14 +108,18 @@ def test_the_fast_path_agrees_with_the_strict_one(aid: str, state: object, versi
 @settings(max_examples=300, deadline=None)
 @given(aid=_ids, state=_states, version=st.integers(0, 10**9), partition=st.integers(0, 500),
        offset=st.integers(0, 10**12), atype=_ids, fingerprint=_ids, schema=st.integers(0, 1000),
-       created=st.text(max_size=30))
+       created=st.text(max_size=30),
+       commands=st.lists(st.tuples(_ids, st.integers(0, 2**50), st.integers(0, 10**9), st.integers(0, 100)).map(list),
+                         max_size=5))
 def test_the_run_encoder_writes_the_bytes_snapshot_encode_writes(aid: str, state: object, version: int,
                                                                  partition: int, offset: int, atype: str,
                                                                  fingerprint: str, schema: int,
-                                                                 created: str) -> None:
+                                                                 created: str, commands: list[list[object]]
+                                                                 ) -> None:
     """Runs encode their snapshots from a template (record.Encoder); any snapshot comes out byte for byte as
     `Snapshot.encode` writes it, so it checksums and decodes the same."""
-    snap = Snapshot(atype, aid, state, version, partition, offset, fingerprint, schema, created or "t")
-    encoded = record.Encoder(atype, partition, offset, fingerprint, schema, created or "t").encode(aid, state, version)
+    snap = Snapshot(atype, aid, state, version, partition, offset, fingerprint, schema, created or "t", "", commands)
+    encoded = record.Encoder(atype, partition, offset, fingerprint, schema, created or "t").encode(
+        aid, state, version, commands)
     assert encoded == snap.encode()
     assert record.decode(*encoded[:2]) == snap._replace(checksum=record.decode(*snap.encode()[:2]).checksum)
