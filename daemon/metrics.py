@@ -23,7 +23,8 @@ BATCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 class DaemonMetrics:
     """One registry per daemon (so several can live in one process, e.g. in tests)."""
 
-    def __init__(self, groups: Callable[[], list[ConnectorGroup]]) -> None:
+    def __init__(self, groups: Callable[[], list[ConnectorGroup]],
+                 aggregates: Callable[[], dict[str, Any]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ("connector", "task")
         self.events = Counter("kafold_events_processed", "Records handled by sink tasks (put, dead-lettered or "
@@ -37,6 +38,8 @@ class DaemonMetrics:
         self.registry.register(_TaskCollector(groups))
         self.registry.register(RebuildCollector(groups))
         self.registry.register(_SnapshotCollector())
+        if aggregates is not None:
+            self.registry.register(_IdempotencyCollector(aggregates))
 
     def observe(self, runner: SinkRunner, stats: BatchStats) -> None:
         """SinkRunner.on_batch hook (runs in the task's thread; prometheus_client is thread-safe)."""
@@ -102,3 +105,30 @@ class _SnapshotCollector(Collector):
         for (aggregate, reason), n in sorted(REJECTED.items()):
             family.add_metric([aggregate, reason], n)
         yield family
+
+
+class _IdempotencyCollector(Collector):
+    """The aggregates' idempotency windows: ids tracked, and ids forgotten (expired, or early: the bound)."""
+
+    def __init__(self, aggregates: Callable[[], dict[str, Any]]) -> None:
+        self.aggregates = aggregates
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        held = GaugeMetricFamily("kafold_aggregate_idempotency_ids", "Command ids the idempotency window tracks "
+                                 "(at most idempotency_max_ids).", labels=("aggregate",))
+        expired = CounterMetricFamily("kafold_aggregate_idempotency_expired", "Command ids forgotten once older "
+                                      "than the window.", labels=("aggregate",))
+        early = CounterMetricFamily("kafold_aggregate_idempotency_dropped_early", "Command ids forgotten before "
+                                    "the window passed, to stay within idempotency_max_ids.", labels=("aggregate",))
+        for name, slot in sorted(self.aggregates().items()):
+            store = getattr(slot.runtime, "store", None)  # a runtime that keeps no window has no figures
+            if store is None:
+                continue
+            w = store.window
+            held.add_metric([name], float(len(w.times)))
+            expired.add_metric([name], float(w.expired))
+            early.add_metric([name], float(w.dropped_early))
+        yield from (held, expired, early)

@@ -55,9 +55,18 @@ def utc_now() -> str:
     return format_time(datetime.now(UTC))
 
 
+_LAST_EPOCH: list[tuple[str, int]] = [("", 0)]  # one (time, ms) pair, swapped whole: safe across threads
+
+
 def epoch_ms(iso: str) -> int:
-    """An envelope time (ISO-8601 UTC, as `utc_now` spells it) as epoch milliseconds."""
-    return int(datetime.fromisoformat(iso).timestamp() * 1000)
+    """An envelope time (ISO-8601 UTC, as `utc_now` spells it) as epoch milliseconds. Replays meet runs of events
+    with one time (a command's events share it), so the last answer is kept."""
+    last = _LAST_EPOCH[0]
+    if last[0] == iso:
+        return last[1]
+    ms = int(datetime.fromisoformat(iso).timestamp() * 1000)
+    _LAST_EPOCH[0] = (iso, ms)
+    return ms
 
 
 def format_time(moment: datetime) -> str:

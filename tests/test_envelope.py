@@ -247,3 +247,12 @@ def test_fast_path_takes_every_valid_event(event: Event) -> None:
     from kafold.envelope import _fast_body
 
     assert _fast_body(encode(event)[1]) == event  # None here would mean every record pays for the strict path
+
+
+def test_epoch_ms_reads_envelope_times_and_repeats_the_last_answer() -> None:
+    from kafold.envelope import epoch_ms
+
+    assert epoch_ms("2026-01-01T00:00:00.000000Z") == 1_767_225_600_000
+    assert epoch_ms("2026-01-01T00:00:00.500000Z") == 1_767_225_600_500
+    assert epoch_ms("2026-01-01T00:00:00.500000Z") == 1_767_225_600_500
+    assert epoch_ms("2026-01-01T00:00:00.000000Z") == 1_767_225_600_000

@@ -9,7 +9,7 @@ from kafold.daemon.aggregates import window
 from kafold.daemon.aggregates.messages import ACCEPTED, REJECTED, Command, Result
 from kafold.daemon.aggregates.store import Entry
 from kafold.domain import AggregateDomain, InvalidCommand, InvalidEvent
-from kafold.envelope import Event, Headers, derive_event_id, encode
+from kafold.envelope import Event, Headers, encode
 from kafold.errors import FatalError, RecordError
 
 Encoded = tuple[bytes, bytes, Headers]
@@ -30,13 +30,6 @@ class Outcome:
     refused: str | None = None  # why the last line of defence answered instead of writing
 
 
-def event_ids(command_id: str, version_before: int, n: int) -> tuple[str, ...]:
-    """The ids of the `n` events a command decided at `version_before` writes: `derive_event_id(command_id, v)`
-    with v = each event's version - 1. Deterministic for a re-decision after a crash (same state, same version),
-    and distinct for a retry decided again after the window (a later version), so no id is ever written twice."""
-    return tuple(derive_event_id(command_id, version_before + i) for i in range(n))
-
-
 def _reject(cmd: Command, entry: Entry, reason: str, t: int, at: str, error: RecordError | None = None
             ) -> Outcome:
     return Outcome(Result(cmd.command_id, cmd.aggregate_id, REJECTED, entry.version, (), reason,
@@ -44,10 +37,13 @@ def _reject(cmd: Command, entry: Entry, reason: str, t: int, at: str, error: Rec
                    window.rejected(t, entry.version, reason))
 
 
+event_ids = window.event_ids
+
+
 def repeat(cmd: Command, entry: Entry, seen: window.Outcome, at: str) -> Outcome:
     """The first outcome of `cmd.command_id` again, as a duplicate: nothing written, state unchanged."""
-    version, reason = seen.version, seen.reason
-    ids = () if reason is not None else event_ids(cmd.command_id, version - seen.events, seen.events)
+    _, version, n, reason = window.unpack(seen)
+    ids = () if reason is not None else event_ids(cmd.command_id, version - n, n)
     return Outcome(Result(cmd.command_id, cmd.aggregate_id, ACCEPTED if reason is None else REJECTED, version, ids,
                           reason, cmd.correlation_id, duplicate=True, at=at), [], entry.state, entry.version)
 
@@ -56,11 +52,11 @@ def handle(domain: AggregateDomain, cmd: Command, entry: Entry, at: str, t: int,
     """Decide `cmd` (its command time: `at`, ISO; `t`, ms) on `entry` (not modified). Never raises on bad input:
     it becomes a rejected Outcome. A command id decided within `window_ms` before repeats its first outcome."""
     seen = entry.recent.get(cmd.command_id)
-    if seen is not None and t - seen.t <= window_ms:
+    if seen is not None and t - window.time_of(seen) <= window_ms:
         return repeat(cmd, entry, seen, at)
     out = _decide(domain, cmd, entry, at, t)
-    for h in (out.remember.hashes if out.remember else ()):
-        owner = entry.events.get(h)
+    for eid in out.result.event_ids:
+        owner = entry.events.get(hash(eid))
         if owner is not None:  # the last line of defence: an event id already in this aggregate's window
             first = entry.recent.get(owner)
             why = f"an event id it would write was already written by command {owner!r}"
@@ -106,4 +102,4 @@ def _decide(domain: AggregateDomain, cmd: Command, entry: Entry, at: str, t: int
         return _reject(cmd, entry, msg, t, at, RecordError(msg, reason="evolve-error"))
     new_version = version + len(events)
     return Outcome(Result(cmd.command_id, cmd.aggregate_id, ACCEPTED, new_version, ids, None, cmd.correlation_id,
-                          at=at), events, state, new_version, None, window.accepted(t, new_version, ids))
+                          at=at), events, state, new_version, None, window.accepted(t, new_version, len(ids)))

@@ -21,9 +21,8 @@ from confluent_kafka import KafkaError, TopicPartition
 from kafold import kafka_clients, logs
 from kafold.config import KafkaConfig
 from kafold.daemon.aggregates.messages import REJECTED, decode_result
-from kafold.daemon.aggregates.processor import event_ids as processor_event_ids
 from kafold.daemon.aggregates.store import Entry, StateStore
-from kafold.daemon.aggregates.window import accepted, rejected
+from kafold.daemon.aggregates.window import accepted, event_ids, rejected, time_of
 from kafold.domain import AggregateDomain
 from kafold.envelope import epoch_ms
 from kafold.errors import RetriableError
@@ -81,8 +80,7 @@ class Folder:
         for aid, (state, version) in base.states.items():
             entry = Entry(state, version, self.partition)
             for cid, t, version_after, n in base.windows.get(aid, ()):
-                ids = processor_event_ids(cid, version_after - n, n)
-                window.remember(entry, aid, cid, accepted(t, version_after, ids))
+                window.remember(entry, aid, cid, accepted(t, version_after, n), event_ids(cid, version_after - n, n))
             self.store.put(aid, entry)
 
     def fold(self, msgs: Iterable[Any]) -> None:
@@ -114,7 +112,7 @@ class Folder:
                 cause = body.get("causation_id")
                 if cause:
                     seen = entry.recent.get(cause)
-                    add_event(entry, aid, cause, seen.t if seen is not None and seen.reason is None
+                    add_event(entry, aid, cause, time_of(seen) if type(seen) is int
                               else epoch_ms(body["occurred_at"]), version, body["event_id"])
                 folded += 1
             except Exception as e:  # a bad event is left out of every state; counted and logged per partition
@@ -222,7 +220,7 @@ def note_results(consumer: Any, topic: str, domain: AggregateDomain, store: Stat
                     continue
                 t = epoch_ms(r.at) if r.at else m.timestamp()[1]
                 window.remember(entry, aid, r.command_id, rejected(t, r.version, r.reason or "") if
-                                r.status == REJECTED else accepted(t, r.version, r.event_ids))
+                                r.status == REJECTED else accepted(t, r.version, 0))
 
     read_until_eof(consumer, topic, partition, start, feed)
     window.expire(store.entries)

@@ -377,7 +377,7 @@ class AggregateRuntime:
                 for key, value, headers in out.events:
                     self.writer.produce(self.topics["events"], n, key, value, headers, timestamp=t)
                 entry.state, entry.version = out.state, out.version
-                self.store.window.remember(entry, aid, cmd.command_id, out.remember)
+                self.store.window.remember(entry, aid, cmd.command_id, out.remember, result.event_ids)
                 if fresh:
                     self.store.put(aid, entry)
                 tally["events"] += len(out.events)

@@ -7,37 +7,59 @@ clock says when they run. An id decided at time t absorbs a retry whose own time
 
 Ids are forgotten oldest first: once they are older than the window measured back from the latest command time
 this runtime has seen (`high`), or, earlier, when more than `max_ids` are held (memory is bounded; each such early
-drop is counted and logged). The outcomes live in their aggregate's `Entry.recent`; this class keeps the order in
-which they expire across all aggregates of a runtime.
+drop is counted and logged). The outcomes live in their aggregate's `Entry.recent`, with the hashes of the event
+ids they wrote in `Entry.events` (the last line of defence); this class keeps the order in which they expire
+across all aggregates of a runtime.
+
+Memory: an accepted outcome is one int (time, version after, events written, packed), a rejection a tuple; the
+expiry order is three deques of references rather than a tuple per id (docs/benchmarks.md has the bytes per id).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from kafold import logs
+from kafold.envelope import derive_event_id
 
 log = logs.get(__name__)
 
-class Outcome(NamedTuple):
-    """What a command id got: its command time (ms), the version after it (rejected: the version it was rejected
-    at), the events it wrote, the rejection reason (None: accepted) and the hashes of its event ids."""
-
-    t: int
-    version: int
-    events: int
-    reason: str | None
-    hashes: tuple[int, ...]
+# An accepted outcome packed in one int: t << 64 | version after << 20 | events; a rejection (or an accepted one
+# too large to pack) is (t, version, events, reason).
+Outcome = int | tuple[int, int, int, str | None]
+_EVENTS_BITS, _VERSION_BITS = 20, 44
+_EVENTS_MASK, _VERSION_MASK = (1 << _EVENTS_BITS) - 1, (1 << _VERSION_BITS) - 1
 
 
-def accepted(t: int, version_after: int, event_ids: tuple[str, ...] | list[str]) -> Outcome:
-    return Outcome(t, version_after, len(event_ids), None, tuple(hash(e) for e in event_ids))
+def accepted(t: int, version_after: int, events: int) -> Outcome:
+    if 0 <= events <= _EVENTS_MASK and 0 <= version_after <= _VERSION_MASK and t >= 0:
+        return t << 64 | version_after << _EVENTS_BITS | events
+    return (t, version_after, events, None)
 
 
 def rejected(t: int, version: int, reason: str) -> Outcome:
-    return Outcome(t, version, 0, reason, ())
+    return (t, version, 0, reason)
+
+
+def unpack(outcome: Outcome) -> tuple[int, int, int, str | None]:
+    """(command time ms, version after (a rejection: the version it was rejected at), events written, rejection
+    reason or None for an acceptance)."""
+    if type(outcome) is int:
+        return outcome >> 64, outcome >> _EVENTS_BITS & _VERSION_MASK, outcome & _EVENTS_MASK, None
+    return outcome  # type: ignore[return-value]
+
+
+def time_of(outcome: Outcome) -> int:
+    return outcome >> 64 if type(outcome) is int else outcome[0]  # type: ignore[index]
+
+
+def event_ids(command_id: str, version_before: int, n: int) -> tuple[str, ...]:
+    """The ids of the `n` events a command decided at `version_before` writes: `derive_event_id(command_id, v)`
+    with v = each event's version - 1. Deterministic for a re-decision after a crash (same state, same version),
+    and distinct for a retry decided again after the window (a later version), so no id is ever written twice."""
+    return tuple(derive_event_id(command_id, version_before + i) for i in range(n))
 
 
 class Window:
@@ -46,58 +68,84 @@ class Window:
     def __init__(self, window_ms: int, max_ids: int) -> None:
         self.window_ms = window_ms
         self.max_ids = max_ids
-        self.order: deque[tuple[int, str, str]] = deque()  # (t, aggregate id, command id), in insertion order
+        # the expiry order, in insertion order: command time, aggregate id, command id (three deques: no tuple)
+        self.times: deque[int] = deque()
+        self.aggregates: deque[str] = deque()
+        self.commands: deque[str] = deque()
         self.high = 0
         self.expired = 0
         self.dropped_early = 0
 
     def fresh(self, outcome: Outcome, t: int) -> bool:
         """Whether `outcome` still absorbs a retry at command time `t`."""
-        return t - outcome.t <= self.window_ms
+        return t - time_of(outcome) <= self.window_ms
 
-    def remember(self, entry: Any, aggregate_id: str, command_id: str, outcome: Outcome) -> None:
-        """Record the outcome of `command_id` on `entry` (a later record of the same id replaces it)."""
+    def remember(self, entry: Any, aggregate_id: str, command_id: str, outcome: Outcome,
+                 written: Sequence[str] = ()) -> None:
+        """Record the outcome of `command_id` on `entry`, with the ids of the events it wrote (a later record of
+        the same id replaces it)."""
         if command_id in entry.recent:
             self.forget(entry, command_id)
         entry.recent[command_id] = outcome
-        for h in outcome.hashes:
-            entry.events[h] = command_id
-        self.order.append((outcome.t, aggregate_id, command_id))
-        if outcome.t > self.high:
-            self.high = outcome.t
+        for eid in written:
+            entry.events[hash(eid)] = command_id
+        t = time_of(outcome)
+        self.times.append(t)
+        self.aggregates.append(aggregate_id)
+        self.commands.append(command_id)
+        if t > self.high:
+            self.high = t
 
     def add_event(self, entry: Any, aggregate_id: str, command_id: str, t: int, version: int,
                   event_id: str) -> None:
         """A replayed event: extend its command's accepted outcome (or start it); idempotent per event id."""
-        h = hash(event_id)
         seen = entry.recent.get(command_id)
-        if seen is None or seen.reason is not None:
-            self.remember(entry, aggregate_id, command_id, Outcome(t, version, 1, None, (h,)))
-        elif h not in seen.hashes:
-            entry.recent[command_id] = Outcome(seen.t, max(seen.version, version), seen.events + 1, None,
-                                               (*seen.hashes, h))
-            entry.events[h] = command_id
+        if seen is None and 0 <= version <= _VERSION_MASK and t >= 0:  # the replay's common case, inlined
+            entry.recent[command_id] = t << 64 | version << _EVENTS_BITS | 1
+            entry.events[hash(event_id)] = command_id
+            self.times.append(t)
+            self.aggregates.append(aggregate_id)
+            self.commands.append(command_id)
+            if t > self.high:
+                self.high = t
+            return
+        h = hash(event_id)
+        if entry.events.get(h) == command_id:
+            return
+        if seen is None or type(seen) is not int:
+            self.remember(entry, aggregate_id, command_id, accepted(t, version, 1), (event_id,))
+            return
+        t0, after, n, _ = unpack(seen)
+        entry.recent[command_id] = accepted(t0, max(after, version), n + 1)
+        entry.events[h] = command_id
 
     def forget(self, entry: Any, command_id: str) -> None:
-        """Take back an outcome recorded in a batch whose transaction aborted."""
+        """Take an outcome back out (expired, or recorded in a batch whose transaction aborted)."""
         outcome = entry.recent.pop(command_id, None)
-        if outcome is not None:
-            for h in outcome.hashes:
-                entry.events.pop(h, None)
+        if outcome is None:
+            return
+        _, after, n, reason = unpack(outcome)
+        if reason is None and n:
+            events = entry.events
+            for eid in event_ids(command_id, after - n, n):
+                if events.get(hash(eid)) == command_id:
+                    del events[hash(eid)]
 
     def expire(self, entries: Mapping[str, Any]) -> int:
         """Drop ids past the window (and beyond `max_ids`); entries evicted meanwhile are skipped."""
-        order, cutoff, n = self.order, self.high - self.window_ms, 0
-        early = 0
-        while order and (order[0][0] < cutoff or len(order) > self.max_ids):
-            t, aid, cid = order.popleft()
+        times, aggs, cmds = self.times, self.aggregates, self.commands
+        cutoff, n, early = self.high - self.window_ms, 0, 0
+        while times and (times[0] < cutoff or len(times) > self.max_ids):
+            t, aid, cid = times.popleft(), aggs.popleft(), cmds.popleft()
             entry = entries.get(aid)
             if entry is None:
                 continue
             outcome = entry.recent.get(cid)
-            if outcome is None or outcome.t != t:
+            if outcome is None or time_of(outcome) != t:
                 continue
             self.forget(entry, cid)
+            if not entry.recent:
+                entry.events.clear()  # ids of events written by others than this window's commands go too
             n += 1
             if t >= cutoff:
                 early += 1

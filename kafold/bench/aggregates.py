@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partitions", type=int, default=4, help="partitions of the throughput phase's topics")
     p.add_argument("--batch", type=int, default=2000, help="commands per transaction (default 2000)")
     p.add_argument("--events", type=int, default=500_000, help="events in the replay phase's backlog (default 500k)")
+    p.add_argument("--no-window-baseline", action="store_true",
+                   help="skip the same-run baseline with the idempotency window off")
     p.add_argument("-c", "--config", help="kafold.toml giving [kafka] (default: the dev stack, started if needed)")
 
 
@@ -37,17 +39,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             kafka = KafkaConfig(bootstrap_servers=bootstrap)
         kafka = short_group(kafka)
         figures = _throughput(kafka, args)
+        if not args.no_window_baseline:  # the same phase with the window off (ids forgotten at once)
+            off = _throughput(kafka, args, window_s=0.0)
+            figures["commands_per_s_window_off"] = off["commands_per_s"]
+            figures["window_on_over_off"] = round(figures["commands_per_s"] / off["commands_per_s"], 3)
         figures.update(_replay(kafka, args))
+        figures.update(window_memory())
     return figures
 
 
-def _setup(kafka: Any, name: str, partitions: int, batch: int) -> tuple[Any, Any]:
+def window_memory(ids: int = 200_000, aggregates: int = 10_000) -> dict[str, Any]:
+    """Bytes per command id held in the idempotency window (tracemalloc over `ids` outcomes with uuid command
+    ids, one event each, spread over `aggregates`), and what that means at 30,000 commands/s."""
+    import tracemalloc
+
+    from kafold.daemon.aggregates.store import Entry
+    from kafold.daemon.aggregates.window import Window, accepted, event_ids
+
+    entries = {f"acc-{i:06d}": Entry(None, 0, 0) for i in range(aggregates)}
+    names = list(entries)
+    cids = [str(uuid.uuid4()) for _ in range(ids)]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    window = Window(86_400_000, ids + 1)
+    t0 = int(time.time() * 1000)
+    for i, cid in enumerate(cids):
+        aid = names[i % aggregates]
+        entry = entries[aid]
+        entry.version += 1
+        window.remember(entry, aid, cid, accepted(t0 + i // 30, entry.version, 1), event_ids(cid, entry.version - 1, 1))
+    per_id = (tracemalloc.get_traced_memory()[0] - before) / ids
+    tracemalloc.stop()
+    rate = 30_000
+    return {"window_bytes_per_id": round(per_id),
+            "window_mb_per_minute_at_30k_per_s": round(per_id * rate * 60 / 2**20),
+            "window_mb_at_24h_at_30k_per_s": round(per_id * rate * 86_400 / 2**20),
+            "window_mb_at_max_ids_default": round(per_id * 1_000_000 / 2**20),
+            "window_s_held_at_30k_per_s_by_max_ids_default": round(1_000_000 / rate)}
+
+
+def _setup(kafka: Any, name: str, partitions: int, batch: int, window_s: float = 86_400.0) -> tuple[Any, Any]:
     from kafold.config import AggregateConfig, DaemonConfig
     from kafold.daemon.aggregates import AggregateRuntime
     from kafold.domain import AggregateDomain
 
     agg = AggregateConfig(name=name, initial="bank_domain:initial", evolve="bank_domain:evolve",
-                          decide="bank_domain:decide", partitions=partitions)
+                          decide="bank_domain:decide", partitions=partitions, idempotency_window_s=window_s)
     domain = AggregateDomain.load(agg, [str(BANK)])
     daemon = DaemonConfig(group_prefix="kafold-bench", batch_max_records=batch, batch_max_wait_ms=50)
     return agg, AggregateRuntime(kafka, daemon, agg, domain, instance_id="bench")
@@ -67,14 +104,14 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
         time.sleep(0.01)
 
 
-def _throughput(kafka: Any, args: argparse.Namespace) -> dict[str, Any]:
+def _throughput(kafka: Any, args: argparse.Namespace, window_s: float = 86_400.0) -> dict[str, Any]:
     """Commands queued first (opens, then deposits: each accepted, one event + one result), then the runtime is
     started and timed from its first decided command to its last committed transaction."""
     from kafold import topics
     from kafold.client import CommandClient
     from kafold.config import TopicSpec
 
-    agg, rt = _setup(kafka, f"bench.cmd.{uuid.uuid4().hex[:6]}", args.partitions, args.batch)
+    agg, rt = _setup(kafka, f"bench.cmd.{uuid.uuid4().hex[:6]}", args.partitions, args.batch, window_s)
     topics.ensure(kafka, [TopicSpec(agg.topic(k), args.partitions, 1, {}) for k in ("events", "commands", "results")])
     ids = [f"acc-{i:06d}" for i in range(args.accounts)]
     with CommandClient(kafka, agg) as client:
@@ -89,11 +126,13 @@ def _throughput(kafka: Any, args: argparse.Namespace) -> dict[str, Any]:
         finished = time.monotonic()
         started = min(g.first_decided_at for g in rt.gates.values() if g.first_decided_at)
         counts = dict(rt.counts)
+        held = rt.idempotency()["ids_held"]
     finally:
         rt.stop()
         thread.join(30)
     elapsed = finished - started
     return {"commands": counts["commands"], "commands_per_s": round(counts["commands"] / elapsed),
+            "window_ids_held": held,
             "commands_accepted": counts["accepted"], "events_written": counts["events"],
             "transactions": counts["batches"], "commands_phase_s": round(elapsed, 2)}
 
@@ -115,7 +154,9 @@ def _replay(kafka: Any, args: argparse.Namespace) -> dict[str, Any]:
     for i in range(args.events):
         aid, v = f"acc-{i % accounts:06d}", i // accounts + 1
         kind, payload = ("AccountOpened", {"owner": aid}) if v == 1 else ("MoneyDeposited", {"amount": 1})
-        key, value, headers = encode(Event(f"{aid}/{v}", kind, agg.name, aid, v, at, f"{aid}/{v}", payload))
+        # each event caused by its own command id, as the runtime writes them: the replay rebuilds the window too
+        key, value, headers = encode(Event(f"{aid}/{v}", kind, agg.name, aid, v, at, f"{aid}/{v}", payload,
+                                           causation_id=f"cmd-{aid}/{v}"))
         while True:
             try:
                 producer.produce(topic, value=value, key=key, headers=headers, partition=0)

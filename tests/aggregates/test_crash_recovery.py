@@ -1,4 +1,5 @@
-"""kill -9 of the runtime process at random points: exactly one result per command, no duplicate events."""
+"""kill -9 of the runtime process at random points, with clients retrying earlier command ids meanwhile: each
+command decided once (its retries repeat that outcome), no duplicate events."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -43,6 +45,7 @@ def test_kill_minus_nine_at_random_points(kafka_config: KafkaConfig, unique: str
     agg = bank_config(unique, partitions=2)
     create_topics(kafka_config, agg)
     rng = random.Random(5)
+    rng_retry = random.Random(6)
     accounts = [f"acc-{i:03d}" for i in range(ACCOUNTS)]
     plan = [(a, "OpenAccount", 0) for a in accounts]
     while len(plan) < COMMANDS:
@@ -51,9 +54,13 @@ def test_kill_minus_nine_at_random_points(kafka_config: KafkaConfig, unique: str
     cmds = [client.command(aid, kind, {"owner": aid} if kind == "OpenAccount" else {"amount": amount})
             for aid, kind, amount in plan]
 
+    retries: list[int] = []  # indexes of commands sent again with the same id, as a client does on a timeout
+
     def send() -> None:  # spread the commands over the kills
         for i in range(0, len(cmds), 125):
-            client.send_many(cmds[i:i + 125], wait=False)
+            again = [rng_retry.randrange(i) for _ in range(10)] if i else []
+            retries.extend(again)
+            client.send_many(cmds[i:i + 125] + [cmds[j] for j in again], wait=False)
             time.sleep(0.9)
 
     sender = threading.Thread(target=send)
@@ -73,7 +80,7 @@ def test_kill_minus_nine_at_random_points(kafka_config: KafkaConfig, unique: str
         sender.join(120)
         proc = subprocess.Popen(argv, stdout=log, stderr=log)
         try:
-            want = len(cmds)
+            want = len(cmds) + len(retries)
             while len(results(kafka_config, agg)) < want and time.monotonic() < deadline:
                 time.sleep(1)
         finally:
@@ -88,6 +95,8 @@ def test_kill_minus_nine_at_random_points(kafka_config: KafkaConfig, unique: str
         by_id.setdefault(r["command_id"], []).append(r)
     assert kills >= KILLS
     assert set(by_id) == {c.command_id for c in cmds}, "a command has no result"
+    sends = Counter(c.command_id for c in cmds) + Counter(cmds[j].command_id for j in retries)
+    assert all(len(by_id[cid]) >= n for cid, n in sends.items()), "a retry has no result"
     # Each command has one result. Extras allowed are the broker quirk's trace: tansu returns records of aborted
     # transactions to read_committed readers (real Kafka does not), so a kill between a batch's flush and its
     # commit leaves what of that batch reached the broker visible -- all of it, or, when the kill came mid-flush,

@@ -12,7 +12,7 @@ from kafold.daemon.aggregates.gate import LIVE, RECOVERING, PartitionGate
 from kafold.daemon.aggregates.messages import Command, decode_command, decode_result
 from kafold.daemon.aggregates.processor import handle as _handle
 from kafold.daemon.aggregates.store import Entry, StateStore
-from kafold.daemon.aggregates.window import Window, accepted, rejected
+from kafold.daemon.aggregates.window import Window, accepted, rejected, unpack
 from kafold.domain import AggregateDomain, InvalidCommand, InvalidEvent
 from kafold.envelope import decode, derive_event_id
 from kafold.errors import ConfigError, DecodeError
@@ -95,8 +95,8 @@ def test_handle_rejects_version_mismatch_and_business_rule_without_dead_letter()
 def test_handle_dead_letters_invalid_commands_and_repeats_known_command_ids() -> None:
     d = bank_domain(bank_config("account"))
     entry = Entry(d.initial(), 4, 0)
-    Window(DAY_MS, 100).remember(entry, "a", "c9", accepted(T0, 4, [derive_event_id("c9", 2),
-                                                                    derive_event_id("c9", 3)]))
+    Window(DAY_MS, 100).remember(entry, "a", "c9", accepted(T0, 4, 2), [derive_event_id("c9", 2),
+                                                                       derive_event_id("c9", 3)])
     bad = handle(d, Command.new("account", "a", "Teleport", {}), entry)
     assert bad.result.status == "rejected" and bad.error is not None and bad.error.reason == "unknown-type"
     again = handle(d, Command.new("account", "a", "Deposit", {"amount": 1}, command_id="c9"), entry, T0 + 5)
@@ -109,7 +109,7 @@ def test_event_ids_follow_the_version_so_a_decision_after_the_window_never_reuse
     entry = Entry(d.initial(), 0, 0)
     opened = handle(d, Command.new("account", "a", "OpenAccount", {"owner": "x"}, command_id="c1"), entry)
     entry.state, entry.version = opened.state, opened.version
-    Window(DAY_MS, 100).remember(entry, "a", "c1", opened.remember)
+    Window(DAY_MS, 100).remember(entry, "a", "c1", opened.remember, opened.result.event_ids)
     dep = handle(d, Command.new("account", "a", "Deposit", {"amount": 5}, command_id="d1"), entry)
     assert dep.result.event_ids == (derive_event_id("d1", 1),)  # the event's version - 1
     late = handle(d, Command.new("account", "a", "OpenAccount", {"owner": "x"}, command_id="c1"), entry,
@@ -135,7 +135,7 @@ def test_the_last_line_of_defence_refuses_an_event_id_already_in_the_window() ->
     d = bank_domain(bank_config("account"))
     entry = Entry(d.initial(), 0, 0)
     # an event with the id this command would write is in the window under another command id (a foreign writer)
-    Window(DAY_MS, 100).remember(entry, "a", "other", accepted(T0, 1, [derive_event_id("c1", 0)]))
+    Window(DAY_MS, 100).remember(entry, "a", "other", accepted(T0, 1, 1), [derive_event_id("c1", 0)])
     out = handle(d, Command.new("account", "a", "OpenAccount", {"owner": "x"}, command_id="c1"), entry)
     assert out.events == [] and out.refused and out.result.duplicate and out.result.version == 1
 
@@ -160,7 +160,15 @@ def test_window_counts_each_replayed_event_once_per_command() -> None:
     window, entry = Window(DAY_MS, 100), Entry(None, 0, 0)
     for version in (1, 2, 2):  # the second event of c1, then the same event again (a duplicate write)
         window.add_event(entry, "a", "c1", T0, version, derive_event_id("c1", version - 1))
-    assert entry.recent["c1"].version == 2 and entry.recent["c1"].events == 2 and len(entry.events) == 2
+    assert unpack(entry.recent["c1"]) == (T0, 2, 2, None) and len(entry.events) == 2
+    window.forget(entry, "c1")
+    assert not entry.recent and not entry.events
+
+
+def test_outcomes_pack_and_unpack() -> None:
+    assert unpack(accepted(T0, 123_456, 3)) == (T0, 123_456, 3, None)
+    assert unpack(accepted(T0, 2**50, 3)) == (T0, 2**50, 3, None)  # too large to pack: a tuple
+    assert unpack(rejected(T0, 7, "no")) == (T0, 7, 0, "no")
 
 
 def test_gate_opens_only_at_partition_eof_at_or_past_the_captured_end() -> None:

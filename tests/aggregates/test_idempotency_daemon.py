@@ -118,11 +118,20 @@ def test_a_retry_after_a_snapshot_and_a_restart_is_decided_once_and_the_projecti
     client = Outside(kafka_config, agg)
     log = tmp_path / "daemon.log"
     proc = _daemon(conf, pg_url, log)
+
+    def row() -> tuple[int] | None:
+        with psycopg.connect(pg_url) as conn:
+            try:
+                return conn.execute(f'SELECT balance FROM "{table}" WHERE account_id = %s', ("acc",)).fetchone()
+            except psycopg.errors.UndefinedTable:
+                return None
+
     try:
         wait_for(lambda: _aggregate_live(port), 90, "the aggregate live")
         client.ask("open", "acc", "OpenAccount", {"owner": "bo"})
         first = client.ask("retry-2", "acc", "Deposit", {"amount": 1000})
         assert first["status"] == "accepted" and not first["duplicate"]
+        wait_for(lambda: row() == (1000,), 120, "the projection to show the deposit")
         _stop(proc)
         run = subprocess.run([KAFOLD, "snapshot", "run", "-c", str(conf), "--engine", "local"],
                              capture_output=True, text=True, timeout=300)
@@ -142,14 +151,10 @@ def test_a_retry_after_a_snapshot_and_a_restart_is_decided_once_and_the_projecti
         status, served = _get(port, "/aggregates/account/acc")
         assert status == 200 and served["state"]["balance"] == 1000 and served["version"] == 2, served
 
-        def row() -> tuple[int, int] | None:
-            with psycopg.connect(pg_url) as conn:
-                try:
-                    got = conn.execute(f'SELECT balance FROM "{table}" WHERE account_id = %s', ("acc",)).fetchone()
-                except psycopg.errors.UndefinedTable:
-                    return None
-            return got
-        wait_for(lambda: row() == (1000,), 60, "the projection to show the deposit once")
+        client.ask("after", "acc", "Deposit", {"amount": 1})
+        status, served = _get(port, "/aggregates/account/acc")
+        assert status == 200 and (served["state"]["balance"], served["version"]) == (1001, 3), served
+        wait_for(lambda: row() == (1001,), 120, "the projection to agree with the aggregate")
         caught_up = [json.loads(line) for line in log.read_text().splitlines()
                      if '"aggregate.caught_up"' in line]
         assert caught_up[-1]["snapshot_version"] is not None, caught_up[-1]  # restored from the snapshot
@@ -160,4 +165,4 @@ def test_a_retry_after_a_snapshot_and_a_restart_is_decided_once_and_the_projecti
             proc.wait()
         client.close()
     evs = events(kafka_config, agg)
-    assert [e["causation_id"] for e in evs] == ["open", "retry-2"]
+    assert [e["causation_id"] for e in evs] == ["open", "retry-2", "after"]

@@ -53,3 +53,5 @@ snapshot_topic = "{unique}.snapshots"
         status, body = d.get("/aggregates/account/acc-1")
         assert status == 200 and body["aggregate"] == "account" and body["id"] == "acc-1"
         assert body["state"]["owner"] == "ada" and body["version"] == 1 and body["read_from"] == "memory"
+        status, metrics = d.get("/metrics")
+        assert status == 200 and 'kafold_aggregate_idempotency_ids{aggregate="account"} 1.0' in metrics
