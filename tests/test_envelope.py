@@ -256,3 +256,14 @@ def test_epoch_ms_reads_envelope_times_and_repeats_the_last_answer() -> None:
     assert epoch_ms("2026-01-01T00:00:00.500000Z") == 1_767_225_600_500
     assert epoch_ms("2026-01-01T00:00:00.500000Z") == 1_767_225_600_500
     assert epoch_ms("2026-01-01T00:00:00.000000Z") == 1_767_225_600_000
+
+
+@given(st.integers(0, 253_402_300_799_999))
+def test_format_epoch_ms_writes_what_format_time_writes(ms: int) -> None:
+    from datetime import UTC, datetime
+
+    from kafold.envelope import epoch_ms, format_epoch_ms, format_time
+
+    text = format_epoch_ms(ms)
+    assert text == format_time(datetime.fromtimestamp(ms / 1000, UTC).replace(microsecond=ms % 1000 * 1000))
+    assert epoch_ms(text) == ms

@@ -39,6 +39,8 @@ class Base:
     states: dict[str, tuple[Any, int]] = field(default_factory=dict)
     snapshot_version: int | None = None  # e.g. the snapshot run's offset; None = no snapshot used
     windows: dict[str, list[list[Any]]] = field(default_factory=dict)
+    # aggregates whose snapshot carried only the ids decided from this time (ms) on: the rest is read back
+    partial: dict[str, int] = field(default_factory=dict)
 
 
 class Restorer(Protocol):
@@ -224,4 +226,44 @@ def note_results(consumer: Any, topic: str, domain: AggregateDomain, store: Stat
 
     read_until_eof(consumer, topic, partition, start, feed)
     window.expire(store.entries)
+    return read
+
+
+def note_events(consumer: Any, topic: str, store: StateStore, partition: int, ids: set[str], until: int) -> int:
+    """Add to the window of aggregates `ids` (restored from snapshots that carried only their newest command ids)
+    the command ids of their events within the window, below offset `until` (where the tail starts); their states
+    are not touched. Events read.
+
+    Offset note: reading starts at the first event whose record time is within the window of the latest command
+    time known (ListOffsets by timestamp; events carry their command's time) and stops at `until`; records past it
+    belong to the tail, which the gate folds."""
+    window = store.window
+    since = max(0, window.high - window.window_ms)
+    try:
+        found = consumer.offsets_for_times([TopicPartition(topic, partition, since)], timeout=10)
+    except Exception as e:
+        raise RetriableError(f"{topic}[{partition}]: cannot look up offsets by time: {e}") from e
+    start = found[0].offset
+    if start < 0 or start >= until:
+        return 0
+    read = 0
+
+    def feed(msgs: list[Any]) -> None:
+        nonlocal read
+        read += len(msgs)
+        with store.lock:
+            for m in msgs:
+                if m.offset() >= until or m.key() is None or m.key().decode("utf-8", "replace") not in ids:
+                    continue
+                try:
+                    body = orjson.loads(m.value())
+                    aid, cause = body["aggregate_id"], body.get("causation_id")
+                    entry = store.entries.get(aid)
+                    if cause and entry is not None and cause not in entry.recent:
+                        window.add_event(entry, aid, cause, epoch_ms(body["occurred_at"]), body["version"],
+                                         body["event_id"])
+                except Exception:
+                    continue  # a bad event was left out of the state too
+
+    read_until_eof(consumer, topic, partition, start, feed)
     return read

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import threading
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException
@@ -45,7 +44,7 @@ from kafold.daemon.aggregates.store import Entry, StateStore
 from kafold.daemon.aggregates.txn import TransactionalWriter
 from kafold.daemon.aggregates.window import Window
 from kafold.domain import AggregateDomain
-from kafold.envelope import format_time
+from kafold.envelope import format_epoch_ms
 from kafold.errors import DecodeError, FatalError, RecordError, RetriableError
 from kafold.retry import retrying
 
@@ -62,10 +61,6 @@ def command_time(m: Any, now_ms: int) -> int:
     client clock far ahead must not push every other id out of the window)."""
     kind, ts = m.timestamp()
     return ts if kind != TIMESTAMP_NOT_AVAILABLE and 0 < ts <= now_ms + CLOCK_SKEW_MS else now_ms
-
-
-def iso_time(ms: int) -> str:
-    return format_time(datetime.fromtimestamp(ms / 1000, UTC))
 
 
 # Per aggregate touched in a batch: (state, version) as committed (None: new in this batch), command ids decided
@@ -191,7 +186,6 @@ class AggregateRuntime:
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
         consumer.assign(partitions)
         consumer.pause(partitions)  # the gate: nothing is decided until the events are replayed
-        self.joined = True
         self.counts["assignments"] += 1
         events = self.topics["events"]
         for p in partitions:
@@ -200,8 +194,11 @@ class AggregateRuntime:
             self.gates[n] = PartitionGate(n, end, start=base.start, snapshot_version=base.snapshot_version)
             folder = self.folders[n] = recovery.Folder(self.domain, self.store, n)
             folder.seed(base)
+            if base.partial:
+                self._note_events_retrying(n, set(base.partial), base.start)
             self.reader.incremental_assign([KTP(events, n, base.start)])
             self.log.info("aggregate.recovering", partition=n, low=low, captured_end=end, start=base.start)
+        self.joined = True  # after the gates exist: `ready` must not see a joined runtime without them
 
     def _restore(self, events: str, n: int) -> tuple[int, int, Any]:
         low, end = recovery.bounds(self.reader, events, n)
@@ -278,6 +275,21 @@ class AggregateRuntime:
         self.log.info("aggregate.caught_up", **gate.describe(), folded=folder.folded, duplicates=folder.skipped,
                       bad_events=folder.bad, first_bad=folder.first_bad or None, results_read=results)
 
+    def _note_events_retrying(self, n: int, ids: set[str], until: int) -> None:
+        """The window's older ids of aggregates whose snapshots carried only their newest (recovery.note_events)."""
+        def note() -> int:
+            reader = recovery.reader(self.kafka, self.agg.name)
+            try:
+                return recovery.note_events(reader, self.topics["events"], self.store, n, ids, until)
+            finally:
+                reader.close()
+
+        def warn(e: RetriableError, delay: float) -> None:
+            self.log.warning("aggregate.window_events_retrying", partition=n, error=str(e), retry_in_s=delay)
+
+        read = retrying(note, within_s=ASSIGN_RETRY_S, on_retry=warn, first_delay=0.5, stop=self.stop_event)
+        self.log.info("aggregate.window_read_back", partition=n, aggregates=len(ids), events_read=read)
+
     def _note_results_retrying(self, n: int) -> int:
         """The window's outcomes from results partition `n` (recovery.note_results), retried like a restore."""
         def note() -> int:
@@ -349,7 +361,7 @@ class AggregateRuntime:
 
     def _one(self, m: Any, cmd: Command | DecodeError, n: int, t: int, undo: Undo, tally: dict[str, int]) -> None:
         assert self.writer is not None
-        at = iso_time(t)
+        at = format_epoch_ms(t)
         if isinstance(cmd, DecodeError):
             key = m.key() or b""
             cid = header(m.headers(), "kafold-command-id") or f"{m.topic()}/{n}/{m.offset()}"

@@ -79,12 +79,23 @@ def _window(commands: Any) -> dict[str, list[int]]:
     return {c[0]: [c[1], c[2], c[3]] for c in commands}
 
 
+# The most command ids one snapshot record carries: its value stays well under Kafka's default 1 MB record limit.
+# A busier aggregate's snapshot carries the newest ids and a marker ["", t, 0, 0] saying ids decided before t are
+# not carried; a restore reads them back from the events partition (daemon/aggregates/recovery.note_events).
+MAX_SNAPSHOT_COMMANDS = 8000
+
+
 def _commands(window: dict[str, list[int]], window_ms: int) -> list[list[Any]]:
     """A snapshot's `commands`: the window's ids within `window_ms` of the aggregate's latest command time."""
     if not window:
         return []
     cutoff = max(w[0] for w in window.values()) - window_ms
-    return [[cid, *w] for cid, w in window.items() if w[0] >= cutoff]
+    kept: list[list[Any]] = [[cid, *w] for cid, w in window.items() if w[0] >= cutoff]
+    if len(kept) <= MAX_SNAPSHOT_COMMANDS:
+        return kept
+    kept.sort(key=lambda c: c[1])
+    newest = kept[-MAX_SNAPSHOT_COMMANDS:]
+    return [["", newest[0][1], 0, 0], *newest]
 
 
 class Folder:

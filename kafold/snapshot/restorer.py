@@ -31,6 +31,9 @@ class SnapshotRestorer:
         finally:
             consumer.close()
         states = {key.decode(): (self.domain.state_from_json(s.state), s.version) for key, s in sel.bases.items()}
-        windows = {key.decode(): list(s.commands) for key, s in sel.bases.items() if s.commands}
+        windows = {key.decode(): [c for c in s.commands if c[0]] for key, s in sel.bases.items() if s.commands}
+        # a snapshot whose window was too big to carry whole says from when it carries it (MAX_SNAPSHOT_COMMANDS)
+        partial = {key.decode(): c[1] for key, s in sel.bases.items() for c in s.commands if not c[0]}
         return Base(start=sel.start, states=states,
-                    snapshot_version=sel.marker.offset if sel.marker is not None else None, windows=windows)
+                    snapshot_version=sel.marker.offset if sel.marker is not None else None, windows=windows,
+                    partial=partial)

@@ -234,3 +234,33 @@ def test_random_retries_restarts_and_snapshot_runs_decide_each_command_id_once(k
     evs = events(kafka_config, agg)
     _no_event_id_twice(evs)
     assert _projection(evs) == model
+
+
+def test_a_snapshot_too_busy_to_carry_its_whole_window_has_the_rest_read_back(
+        kafka_config: KafkaConfig, unique: str, monkeypatch: Any) -> None:
+    """A snapshot carries at most MAX_SNAPSHOT_COMMANDS ids (a record stays under Kafka's size limit); a restore
+    from one that carried fewer than its window reads the older ids back from the events."""
+    from kafold.snapshot import fold
+
+    monkeypatch.setattr(fold, "MAX_SNAPSHOT_COMMANDS", 5)
+    agg = bank_config(unique)
+    create_topics(kafka_config, agg)
+    client = Outside(kafka_config, agg)
+    with running(runtime(kafka_config, agg, "i1")) as r:
+        wait_for(lambda: r.runtime.ready, what="runtime live")
+        client.ask("open", "busy", "OpenAccount", {"owner": "b"})
+        first = client.ask("old-1", "busy", "Deposit", {"amount": 3})
+        for i in range(20):
+            client.send(f"d-{i}", "busy", "Deposit", {"amount": 1})
+        client.wait()
+    _snapshot_run(kafka_config, agg)
+    with running(runtime(kafka_config, agg, "i2", restorer=SnapshotRestorer(kafka_config, agg, bank_domain(agg)))
+                 ) as r2:
+        wait_for(lambda: r2.runtime.ready, what="runtime live again")
+        assert r2.runtime.gates[0].snapshot_version is not None  # restored from the snapshot
+        again = client.ask("old-1", "busy", "Deposit", {"amount": 3})
+        state = r2.runtime.get("busy")
+    client.close()
+    assert again["duplicate"] and again["event_ids"] == first["event_ids"]
+    assert state is not None and state[0].balance == 23
+    _no_event_id_twice(events(kafka_config, agg))
