@@ -114,7 +114,8 @@ class ProgressTracker:
         out: dict[TopicPartition, PartitionProgress] = {}
         for tp, p in self.snapshot.items():
             _lo, hi = consumer.get_watermark_offsets(KafkaTP(tp.topic, tp.partition), cached=True)
-            p = p.advance(positions.get(tp), hi if hi >= 0 else None)
+            pos = positions.get(tp)
+            p = p.advance(pos if pos is not None and pos >= 0 else None, hi if hi >= 0 else None)
             if tp in committed:
                 p = replace(p, committed=committed[tp])
             if tp in event_times:
@@ -144,6 +145,8 @@ class ProgressTracker:
             hi = ends[tp]
             start = k.offset if k.offset >= 0 else (starts.get(tp, 0) if self.reset == "earliest" else hi)
             position = positions.get(tp, start)
+            if position < 0:  # a logical offset (a seek to "beginning"/"end" before any fetch): where it points
+                position = start
             p = self.snapshot[tp]
             self.snapshot[tp] = replace(p, position=position, listed_end=hi,
                                         committed=k.offset if k.offset >= 0 else None).advance()

@@ -127,7 +127,7 @@ def test_a_retry_after_a_snapshot_and_a_restart_is_decided_once_and_the_projecti
                 return None
 
     try:
-        wait_for(lambda: _aggregate_live(port), 90, "the aggregate live")
+        wait_for(lambda: _get(port, "/ready")[0] == 200, 90, "the daemon ready (its projection on an empty topic)")
         client.ask("open", "acc", "OpenAccount", {"owner": "bo"})
         first = client.ask("retry-2", "acc", "Deposit", {"amount": 1000})
         assert first["status"] == "accepted" and not first["duplicate"]
