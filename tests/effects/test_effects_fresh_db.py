@@ -1,0 +1,117 @@
+"""A daemon whose only connector is an effect starts on an empty database: it applies kafold's migrations first."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import pytest
+from confluent_kafka import Consumer
+from contract import committed, create_topic, make_event, produce, wait_for
+from receiver import Receiver
+
+from kafold import config, kafka_clients
+from kafold.config import KafkaConfig
+from kafold.daemon.host import DaemonHost
+from kafold.envelope import Event, decode, encode
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture
+def empty_db(pg_url: str) -> Iterator[str]:
+    """The URL of a database created for this test, with nothing in it."""
+    name = f"kt_fresh_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    parts = urlsplit(pg_url)
+    try:
+        yield urlunsplit(parts._replace(path=f"/{name}"))
+    finally:
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def _tables(url: str) -> set[str]:
+    with psycopg.connect(url) as conn:
+        return {r[0] for r in conn.execute("SELECT table_name FROM information_schema.tables "
+                                           "WHERE table_schema = 'kafold'")}
+
+
+@pytest.mark.parametrize("kind", ["webhook", "kafka", "python"])
+def test_an_effect_only_daemon_starts_on_an_empty_database_and_delivers(
+        kind: str, tmp_path: Path, kafka_config: KafkaConfig, empty_db: str, receiver: Receiver, unique: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    topic, out = f"{unique}.events", f"{unique}.derived"
+    create_topic(kafka_config, topic)
+    assert _tables(empty_db) == set()
+    events = [make_event("a", v) for v in range(1, 4)]
+    produce(kafka_config, topic, [(0, *encode(e)) for e in events])
+    url = receiver.url  # type: ignore[attr-defined]
+    effect = {"webhook": f'{{ url = "{url}", allow_http = true }}',
+              "kafka": f'{{ topic = "{out}" }}',
+              "python": '{ function = "forward_effect:forward" }'}[kind]
+    if kind == "kafka":
+        create_topic(kafka_config, out)
+    monkeypatch.setenv("KT_FORWARD_URL", url)
+    path = tmp_path / "kafold.toml"
+    path.write_text(f"""
+[kafka]
+bootstrap_servers = "{kafka_config.bootstrap_servers}"
+session_timeout_ms = 6000
+rebalance_timeout_ms = 6000
+heartbeat_interval_ms = 1000
+
+[postgres]
+url = "{empty_db}"
+
+[daemon]
+group_prefix = "{unique}"
+http_port = 0
+shutdown_grace_s = 4.0
+batch_max_wait_ms = 100
+python_path = ["{HERE}"]
+
+[[connectors]]
+name = "only"
+class = "{kind}"
+topics = ["{topic}"]
+config = {effect}
+""")
+    loaded = config.load_file(path)
+    stop = threading.Event()
+    host = DaemonHost(loaded.config, loaded.base, stop)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(host.run()), name="test-daemon")
+    thread.start()
+    try:
+        wait_for(lambda: committed(kafka_config, f"{unique}.only", topic, 1) == {0: 3} or not thread.is_alive(),
+                 "the effects' commit")
+        assert thread.is_alive(), f"the daemon exited: {result}"
+    finally:
+        stop.set()
+        thread.join(30)
+    assert result == [0]
+    assert {"alembic_version", "effect_ledger", "effect_parked", "effect_parked_keys"} <= _tables(empty_db)
+    if kind == "kafka":
+        assert sorted(e.causation_id or "" for e in _read(kafka_config, out, 3)) == sorted(
+            e.event_id for e in events)
+    else:
+        assert receiver.per_key() == {"a": [1, 2, 3]}
+
+
+def _read(kafka: KafkaConfig, topic: str, n: int) -> list[Event]:
+    consumer = Consumer(kafka_clients.librdkafka(kafka, **{"group.id": f"{topic}.reader",
+                                                           "auto.offset.reset": "earliest"}))
+    consumer.subscribe([topic])
+    got: list[Event] = []
+    try:
+        wait_for(lambda: bool(got.extend(decode(m.key(), m.value(), m.headers()) for m in consumer.consume(10, 0.5)
+                                         if not m.error())) or len(got) >= n, "derived events")
+    finally:
+        consumer.close()
+    return got
