@@ -83,6 +83,7 @@ class RemoteRunner:
         self.error: BaseException | None = None
         self.failed = self.started = self.stopped = self.api_paused = False
         self.last_poll = time.monotonic()
+        self.task_status: dict[str, Any] = {}
         self.pid: int | None = None
         self._state = "UNASSIGNED"
         self._conn: Connection | None = None
@@ -152,6 +153,7 @@ class RemoteRunner:
                 self.on_batch(stats)
         self.counts = message["counts"]
         self.progress = SimpleNamespace(snapshot=message["snapshot"])
+        self.task_status = message.get("task_status", {})
         self.last_poll = message["last_poll"]  # CLOCK_MONOTONIC: one clock for every process of the machine
         self.started, self.api_paused, self._state = message["started"], message["api_paused"], message["state"]
         if message.get("error") is not None:
@@ -202,6 +204,7 @@ def child_main(conn: Connection, spec: TaskSpec) -> None:
             conn.send({"state": runner.state, "started": runner.started, "api_paused": runner.api_paused,
                        "counts": dict(runner.counts), "snapshot": dict(runner.progress.snapshot),
                        "last_poll": runner.last_poll, "batches": done, "final": final,
+                       "task_status": runner.task_status,
                        "error": (type(error).__name__, str(error)) if error is not None else None})
 
     def on_batch(stats: BatchStats) -> None:

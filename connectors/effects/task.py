@@ -150,6 +150,13 @@ class EffectSinkTask(SinkTask):
             return covered
         return self.tracker.committable(dict(offsets))
 
+    def status(self) -> dict[str, Any]:
+        executor = getattr(self, "executor", None)
+        if executor is None:
+            return {}
+        return {**executor.status(), "in_flight": self.tracker.in_flight,
+                "max_in_flight": self.config.max_in_flight, "fetch_paused": bool(self.paused)}
+
     def open(self, partitions: Collection[TopicPartition]) -> None:
         # Parked keys first (their later events must queue behind them); PostgreSQL may be restarting.
         delay, deadline = 0.2, time.monotonic() + OPEN_RETRY_S

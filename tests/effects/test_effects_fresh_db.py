@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,14 +11,12 @@ import psycopg
 import pytest
 from confluent_kafka import Consumer
 from contract import committed, create_topic, make_event, produce, wait_for
+from effects_support import daemon_config, daemon_thread
 from receiver import Receiver
 
-from kafold import config, kafka_clients
+from kafold import kafka_clients
 from kafold.config import KafkaConfig
-from kafold.daemon.host import DaemonHost
 from kafold.envelope import Event, decode, encode
-
-HERE = Path(__file__).parent
 
 
 @pytest.fixture
@@ -58,44 +55,11 @@ def test_an_effect_only_daemon_starts_on_an_empty_database_and_delivers(
     if kind == "kafka":
         create_topic(kafka_config, out)
     monkeypatch.setenv("KT_FORWARD_URL", url)
-    path = tmp_path / "kafold.toml"
-    path.write_text(f"""
-[kafka]
-bootstrap_servers = "{kafka_config.bootstrap_servers}"
-session_timeout_ms = 6000
-rebalance_timeout_ms = 6000
-heartbeat_interval_ms = 1000
-
-[postgres]
-url = "{empty_db}"
-
-[daemon]
-group_prefix = "{unique}"
-http_port = 0
-shutdown_grace_s = 4.0
-batch_max_wait_ms = 100
-python_path = ["{HERE}"]
-
-[[connectors]]
-name = "only"
-class = "{kind}"
-topics = ["{topic}"]
-config = {effect}
-""")
-    loaded = config.load_file(path)
-    stop = threading.Event()
-    host = DaemonHost(loaded.config, loaded.base, stop)
-    result: list[int] = []
-    thread = threading.Thread(target=lambda: result.append(host.run()), name="test-daemon")
-    thread.start()
-    try:
+    path = daemon_config(tmp_path / "kafold.toml", kafka_config, empty_db, "kafold", unique, topic, kind, effect)
+    with daemon_thread(path) as (_, thread):
         wait_for(lambda: committed(kafka_config, f"{unique}.only", topic, 1) == {0: 3} or not thread.is_alive(),
                  "the effects' commit")
-        assert thread.is_alive(), f"the daemon exited: {result}"
-    finally:
-        stop.set()
-        thread.join(30)
-    assert result == [0]
+        assert thread.is_alive(), "the daemon exited"
     assert {"alembic_version", "effect_ledger", "effect_parked", "effect_parked_keys"} <= _tables(empty_db)
     if kind == "kafka":
         assert sorted(e.causation_id or "" for e in _read(kafka_config, out, 3)) == sorted(

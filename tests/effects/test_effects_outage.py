@@ -4,13 +4,18 @@ heal on the `parked_retry_every_s` schedule."""
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
+from pathlib import Path
 from typing import Any
 
+import pytest
 from contract import committed, create_topic, make_event, produce, wait_for
-from effects_support import start_effects
+from effects_support import daemon_config, daemon_thread, free_port, start_effects
 from receiver import Receiver, Req
 
+from kafold import cli
 from kafold.config import KafkaConfig, PostgresConfig
 from kafold.connectors.effects import ops
 from kafold.envelope import encode
@@ -124,3 +129,54 @@ def test_4xx_parks_at_once_retry_after_is_honoured_max_age_parks_and_the_schedul
     finally:
         run.finish()
     assert receiver.per_key() == {k: [1, 2, 3] for k in keys}
+
+
+def test_the_circuit_state_is_on_metrics_and_in_kafold_status(
+        kafka_config: KafkaConfig, effects_pg: PostgresConfig, receiver: Receiver, unique: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    topic = f"{unique}.events"
+    create_topic(kafka_config, topic, 2)
+    down = [True]
+
+    async def outage(req: Req) -> tuple[int, dict[str, str]] | None:
+        return (503, {}) if down[0] else None
+
+    receiver.behaviour = outage
+    ends = _publish(kafka_config, topic, [f"k{i}" for i in range(20)], 2)
+    port = free_port()
+    url = receiver.url  # type: ignore[attr-defined]
+    effect = (f'{{ url = "{url}", allow_http = true, backoff_initial_s = 0.05, backoff_max_s = 0.5, '
+              'probe_max_s = 0.5 }')
+    path = daemon_config(tmp_path / "kafold.toml", kafka_config, effects_pg.url, effects_pg.schema, unique, topic,
+                         "webhook", effect, port=port)
+    endpoint = f'endpoint="http://127.0.0.1:{receiver.port}"'  # type: ignore[attr-defined]
+
+    def metric(name: str) -> float | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+                text = resp.read().decode()
+        except OSError:  # the HTTP server is not up yet
+            return None
+        for line in text.splitlines():
+            if line.startswith(name + "{") and endpoint in line:
+                return float(line.rsplit(" ", 1)[1])
+        return None
+
+    def status() -> list[dict[str, Any]]:
+        capsys.readouterr()  # the daemon's log lines so far
+        assert cli.main(["status", "-c", str(path), "--json"]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith('{"effects"'))
+        return list(json.loads(line)["effects"])
+
+    with daemon_thread(path) as (_, thread):
+        wait_for(lambda: metric("kafold_effect_circuit_open") == 1.0, "the circuit open on /metrics")
+        rows = status()
+        assert [(r["connector"], r["circuit"] in ("open", "probing")) for r in rows] == [("only", True)]
+        assert rows[0]["in_flight"] == 40 and rows[0]["parked_keys"] == 0
+        assert cli.main(["status", "-c", str(path)]) == 0
+        assert "CIRCUIT" in capsys.readouterr().out
+        down[0] = False
+        wait_for(lambda: committed(kafka_config, f"{unique}.only", topic, 2) == ends, "everything committed")
+        assert metric("kafold_effect_circuit_open") == 0.0 and (metric("kafold_effect_circuit_changes_total") or 0) >= 2
+        assert [r["circuit"] for r in status()] == ["closed"]
+        assert thread.is_alive()
