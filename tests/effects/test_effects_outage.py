@@ -180,3 +180,43 @@ def test_the_circuit_state_is_on_metrics_and_in_kafold_status(
         assert metric("kafold_effect_circuit_open") == 0.0 and (metric("kafold_effect_circuit_changes_total") or 0) >= 2
         assert [r["circuit"] for r in status()] == ["closed"]
         assert thread.is_alive()
+
+
+def test_events_held_while_waiting_are_bounded_fetching_pauses_without_a_rebalance_and_the_lag_shows_it(
+        kafka_config: KafkaConfig, effects_pg: PostgresConfig, receiver: Receiver, unique: str) -> None:
+    topic = f"{unique}.events"
+    create_topic(kafka_config, topic, 2)
+    down = [True]
+
+    async def outage(req: Req) -> tuple[int, dict[str, str]] | None:
+        return (503, {}) if down[0] else None
+
+    receiver.behaviour = outage
+    keys = [f"k{i}" for i in range(50)]
+    ends = _publish(kafka_config, topic, keys, 6)  # 300 events
+    limit, batch = 40, 50
+    run = start_effects(kafka_config, effects_pg, unique, topic, "webhook",
+                        _fast(receiver.url, max_in_flight=limit), batch=batch)  # type: ignore[attr-defined]
+    try:
+        task = lambda: run.runner.task  # noqa: E731
+        wait_for(lambda: task().status().get("fetch_paused") is True, "fetching paused")
+        held: list[int] = []
+        for _ in range(15):  # the endpoint stays down: the task holds at most one batch past the limit
+            held.append(task().status()["in_flight"])
+            time.sleep(0.2)
+        assert max(held) <= limit + batch, held
+        # Arriving while paused: not fetched, but in the lag. One record per produce request: the embedded
+        # broker's ListOffsets reports the last batch's base offset + 1, exact for single-record batches.
+        coords = [c for v in (7, 8) for i, k in enumerate(keys)
+                  for c in produce(kafka_config, topic, [(i % 2, *encode(make_event(k, v)))])]
+        ends = {p: max(o for pp, o in coords if pp == p) + 1 for p in (0, 1)}
+        wait_for(lambda: sum(p.lag or 0 for p in run.runner.progress.snapshot.values()) >= 400 - limit - batch,
+                 "the lag of the records not fetched", 30)
+        assert all(p.paused for p in run.runner.progress.snapshot.values())
+        down[0] = False
+        wait_for(lambda: committed(kafka_config, run.runner.group_id, topic, 2) == ends, "everything committed")
+        assert task().status()["fetch_paused"] is False
+        assert run.runner.counts["assignments"] == 1 and run.runner.counts["rejoins"] == 0  # no rebalance
+    finally:
+        run.finish()
+    assert receiver.per_key() == {k: list(range(1, 9)) for k in keys}
