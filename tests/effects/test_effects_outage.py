@@ -33,6 +33,17 @@ def _fast(url: str, **extra: Any) -> dict[str, Any]:
             "request_poll_s": 0.2, "concurrency": 8, **extra}
 
 
+def _outage(receiver: Receiver) -> list[bool]:
+    """Make the receiver answer 503 while the returned flag's [0] is True."""
+    down = [True]
+
+    async def outage(req: Req) -> tuple[int, dict[str, str]] | None:
+        return (503, {}) if down[0] else None
+
+    receiver.behaviour = outage
+    return down
+
+
 def test_refused_connections_for_longer_than_the_old_budget_park_nothing_and_all_arrive_in_order(
         kafka_config: KafkaConfig, effects_pg: PostgresConfig, receiver: Receiver, unique: str) -> None:
     topic = f"{unique}.events"
@@ -64,12 +75,7 @@ def test_a_down_endpoint_gets_probes_not_every_keys_retries_and_the_circuit_clos
     topic = f"{unique}.events"
     create_topic(kafka_config, topic, 2)
     keys = [f"k{i}" for i in range(20)]
-    down = [True]
-
-    async def outage(req: Req) -> tuple[int, dict[str, str]] | None:
-        return (503, {}) if down[0] else None
-
-    receiver.behaviour = outage
+    down = _outage(receiver)
     ends = _publish(kafka_config, topic, keys, 3)
     run = start_effects(kafka_config, effects_pg, unique, topic, "webhook", _fast(receiver.url))  # type: ignore[attr-defined]
     try:
@@ -136,12 +142,7 @@ def test_the_circuit_state_is_on_metrics_and_in_kafold_status(
         capsys: pytest.CaptureFixture[str]) -> None:
     topic = f"{unique}.events"
     create_topic(kafka_config, topic, 2)
-    down = [True]
-
-    async def outage(req: Req) -> tuple[int, dict[str, str]] | None:
-        return (503, {}) if down[0] else None
-
-    receiver.behaviour = outage
+    down = _outage(receiver)
     ends = _publish(kafka_config, topic, [f"k{i}" for i in range(20)], 2)
     port = free_port()
     url = receiver.url  # type: ignore[attr-defined]
@@ -186,12 +187,7 @@ def test_events_held_while_waiting_are_bounded_fetching_pauses_without_a_rebalan
         kafka_config: KafkaConfig, effects_pg: PostgresConfig, receiver: Receiver, unique: str) -> None:
     topic = f"{unique}.events"
     create_topic(kafka_config, topic, 2)
-    down = [True]
-
-    async def outage(req: Req) -> tuple[int, dict[str, str]] | None:
-        return (503, {}) if down[0] else None
-
-    receiver.behaviour = outage
+    down = _outage(receiver)
     keys = [f"k{i}" for i in range(50)]
     ends = _publish(kafka_config, topic, keys, 6)  # 300 events
     limit, batch = 40, 50
