@@ -54,7 +54,7 @@ def free_port() -> int:
 
 
 def daemon_config(path: Path, kafka: KafkaConfig, pg_url: str, schema: str, group_prefix: str, topic: str,
-                  kind: str, effect_toml: str, *, port: int = 0) -> Path:
+                  kind: str, effect_toml: str, *, port: int = 0, migrate: bool = True) -> Path:
     """A kafold.toml with one effect connector `only` (config = `effect_toml`, an inline table)."""
     path.write_text(f"""
 [kafka]
@@ -66,6 +66,7 @@ heartbeat_interval_ms = 1000
 [postgres]
 url = "{pg_url}"
 schema = "{schema}"
+migrate_on_start = {str(migrate).lower()}
 
 [daemon]
 group_prefix = "{group_prefix}"

@@ -14,8 +14,9 @@ from contract import committed, create_topic, make_event, produce, wait_for
 from effects_support import daemon_config, daemon_thread
 from receiver import Receiver
 
-from kafold import kafka_clients
+from kafold import config, kafka_clients
 from kafold.config import KafkaConfig
+from kafold.daemon.host import DaemonHost
 from kafold.envelope import Event, decode, encode
 
 
@@ -79,3 +80,18 @@ def _read(kafka: KafkaConfig, topic: str, n: int) -> list[Event]:
     finally:
         consumer.close()
     return got
+
+
+def test_without_migrations_an_empty_database_is_a_clear_error_naming_the_fix(
+        tmp_path: Path, kafka_config: KafkaConfig, empty_db: str, receiver: Receiver, unique: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    topic = f"{unique}.events"
+    create_topic(kafka_config, topic)
+    url = receiver.url  # type: ignore[attr-defined]
+    path = daemon_config(tmp_path / "kafold.toml", kafka_config, empty_db, "kafold", unique, topic, "webhook",
+                         f'{{ url = "{url}", allow_http = true }}', migrate=False)
+    loaded = config.load_file(path)
+    assert DaemonHost(loaded.config, loaded.base).run() == 1  # the task fails; the daemon fails fast
+    out = capsys.readouterr().out
+    assert "tables are missing in schema" in out and "run `kafold db upgrade` or set postgres.migrate_on_start" in out
+    assert _tables(empty_db) == set()
