@@ -54,7 +54,8 @@ def free_port() -> int:
 
 
 def daemon_config(path: Path, kafka: KafkaConfig, pg_url: str, schema: str, group_prefix: str, topic: str,
-                  kind: str, effect_toml: str, *, port: int = 0, migrate: bool = True) -> Path:
+                  kind: str, effect_toml: str, *, port: int = 0, migrate: bool = True,
+                  task_processes: bool = False) -> Path:
     """A kafold.toml with one effect connector `only` (config = `effect_toml`, an inline table)."""
     path.write_text(f"""
 [kafka]
@@ -74,6 +75,7 @@ http_port = {port}
 shutdown_grace_s = 4.0
 batch_max_wait_ms = 100
 python_path = ["{HERE}"]
+task_processes = {str(task_processes).lower()}
 
 [[connectors]]
 name = "only"

@@ -40,10 +40,11 @@ def _tables(url: str) -> set[str]:
                                            "WHERE table_schema = 'kafold'")}
 
 
-@pytest.mark.parametrize("kind", ["webhook", "kafka", "python"])
+@pytest.mark.parametrize(("kind", "processes"), [("webhook", False), ("kafka", False), ("python", False),
+                                                 ("webhook", True)])
 def test_an_effect_only_daemon_starts_on_an_empty_database_and_delivers(
-        kind: str, tmp_path: Path, kafka_config: KafkaConfig, empty_db: str, receiver: Receiver, unique: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        kind: str, processes: bool, tmp_path: Path, kafka_config: KafkaConfig, empty_db: str, receiver: Receiver,
+        unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
     topic, out = f"{unique}.events", f"{unique}.derived"
     create_topic(kafka_config, topic)
     assert _tables(empty_db) == set()
@@ -56,7 +57,8 @@ def test_an_effect_only_daemon_starts_on_an_empty_database_and_delivers(
     if kind == "kafka":
         create_topic(kafka_config, out)
     monkeypatch.setenv("KT_FORWARD_URL", url)
-    path = daemon_config(tmp_path / "kafold.toml", kafka_config, empty_db, "kafold", unique, topic, kind, effect)
+    path = daemon_config(tmp_path / "kafold.toml", kafka_config, empty_db, "kafold", unique, topic, kind, effect,
+                         task_processes=processes)
     with daemon_thread(path) as (_, thread):
         wait_for(lambda: committed(kafka_config, f"{unique}.only", topic, 1) == {0: 3} or not thread.is_alive(),
                  "the effects' commit")
