@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,11 +28,19 @@ def empty_db(pg_url: str) -> Iterator[str]:
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name}")
     parts = urlsplit(pg_url)
-    try:
-        yield urlunsplit(parts._replace(path=f"/{name}"))
-    finally:
-        with psycopg.connect(pg_url, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    yield urlunsplit(parts._replace(path=f"/{name}"))
+    # Dropped once the daemon's connections are gone (never forced: the server is shared by the session's tests);
+    # a database still in use is left to the session's throwaway server.
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with psycopg.connect(pg_url, autocommit=True) as conn:
+                conn.execute(f"DROP DATABASE IF EXISTS {name}")
+            return
+        except psycopg.errors.ObjectInUse:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
 
 
 def _tables(url: str) -> set[str]:
