@@ -202,6 +202,11 @@ class SinkTask(ABC):
         self.flush(offsets)
         return offsets
 
+    def status(self) -> dict[str, Any]:
+        """Task-specific state for /metrics and `kafold status` (plain JSON values; called from other threads,
+        so it only reads). Default: nothing."""
+        return {}
+
     def open(self, partitions: Collection[TopicPartition]) -> None:
         """Partitions newly assigned to this task (seek with context.offset if offsets live elsewhere)."""
         return None

@@ -9,6 +9,10 @@ docs/architecture.md). On SIGTERM/SIGINT the tasks stop fetching, finish or aban
 what is done and close; the runners get `shutdown_grace_s - STOP_OVERHEAD_S` so that the whole process, Faust's
 own loop shutdown included, exits within `daemon.shutdown_grace_s`. A task or aggregate that stops by itself
 (a failure) stops the daemon with exit code 1: fail fast, the supervisor restarts it.
+
+kafold's migrations (`postgres.migrate_on_start`) are applied once here, before any task or aggregate starts,
+whenever a hosted connector uses PostgreSQL: every task (thread or child process) then finds kafold's tables,
+whatever kind of connector it is. A reload that adds such a connector applies them before starting it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import faust
 import mode
 from faust.app.base import BootStrategy
 
-from kafold import logs, sdnotify
+from kafold import db, logs, sdnotify
 from kafold.config import KafoldConfig, python_path
 from kafold.connectors.api import TopicPartition
 from kafold.connectors.registry import instantiate
@@ -41,11 +45,13 @@ from kafold.daemon.tasks import (
     join_all,
     task_slots,
 )
-from kafold.errors import ConfigError, FatalError, KafoldError
+from kafold.errors import ConfigError, FatalError, KafoldError, RetriableError
+from kafold.retry import retrying
 from kafold.snapshot.scheduler import SnapshotScheduler
 
 log = logs.get(__name__)
 
+MIGRATE_RETRY_S = 30.0  # how long the start waits for PostgreSQL to apply the migrations (as a projection task)
 STOP_OVERHEAD_S = 2.0  # Faust/mode's loop shutdown (it gathers tasks and sleeps ~1 s) plus leaving the groups
 WATCH_INTERVAL_S = 0.2
 
@@ -112,6 +118,7 @@ class DaemonHost:
     def _build_groups(self, only: set[str] | None = None) -> list[ConnectorGroup]:
         task_daemon = dataclasses.replace(
             self.cfg.daemon, shutdown_grace_s=max(0.0, self.cfg.daemon.shutdown_grace_s - STOP_OVERHEAD_S - 0.5))
+        task_pg = dataclasses.replace(self.cfg.postgres, migrate_on_start=False)  # applied here (`migrate`)
         groups: list[ConnectorGroup] = []
         with python_path(self.cfg, self.base):
             for i, settings in enumerate(self.cfg.connectors):
@@ -120,7 +127,7 @@ class DaemonHost:
                 connector = instantiate(settings, self.base, f"connectors[{i}]")
                 if not connector.is_sink():
                     raise FatalError(f"connector {settings.name!r}: the daemon runs sink connectors only")
-                slots = task_slots(connector, self.cfg.kafka, self.cfg.postgres, task_daemon, self.base,
+                slots = task_slots(connector, self.cfg.kafka, task_pg, task_daemon, self.base,
                                    python_path(self.cfg, self.base).paths, self.metrics.observe, self._on_exit)
                 groups.append(ConnectorGroup(connector, slots))
         return groups
@@ -143,6 +150,25 @@ class DaemonHost:
             app.page(path, name=view.__name__)(type(view.__name__, (view,), {"host": self}))
         app.service(type("KafoldTasks", (TasksService,), {"host": self}))
         return app
+
+    # ---- migrations -------------------------------------------------------------------------------------
+    def needs_migrations(self, groups: list[ConnectorGroup] | None = None) -> bool:
+        """True when `postgres.migrate_on_start` is set and one of `groups` (default: all) uses PostgreSQL."""
+        groups = self.groups if groups is None else groups
+        return self.cfg.postgres.migrate_on_start and any(g.connector.uses_postgres for g in groups)
+
+    def migrate(self, groups: list[ConnectorGroup] | None = None) -> None:
+        """Apply kafold's migrations when `groups` need them, retrying while PostgreSQL is unreachable (up to
+        MIGRATE_RETRY_S, or until a stop is requested); raises the error after that."""
+        if not self.needs_migrations(groups):
+            return
+
+        def warn(e: RetriableError, delay: float) -> None:
+            log.warning("PostgreSQL not available; retrying", step="migrate", error=str(e), retry_in_s=delay)
+
+        revision = retrying(lambda: db.upgrade(self.cfg.postgres), within_s=MIGRATE_RETRY_S, on_retry=warn,
+                            stop=self.stop_event)
+        log.info("migrations applied", schema=self.cfg.postgres.schema, revision=revision)
 
     # ---- reload (SIGHUP, POST /reload) --------------------------------------------------------------------
     def reload(self) -> dict[str, list[str]]:
@@ -174,6 +200,7 @@ class DaemonHost:
             except Exception:
                 self.cfg = previous  # nothing was stopped yet
                 raise
+            self.migrate(list(built.values()))  # before anything stops: a failure changes nothing
             for name in [*removed, *changed]:
                 group = self.group(name)
                 for slot in group.slots if group is not None else []:
@@ -313,6 +340,15 @@ class TasksService(mode.Service):
     async def on_start(self) -> None:
         if signals.received() is not None:  # stopping already (daemon.signals): start no task only to stop it
             log.info("stop requested before the tasks started; none started")
+            return
+        try:
+            await self.host.call(self.host.migrate)
+        except Exception as e:  # no task could work without kafold's tables: fail fast
+            log.error("migrations failed; stopping the daemon (exit 1)", error_class=type(e).__name__, error=str(e))
+            self.host.exit_code = 1
+            self.host.request_stop()
+            return
+        if self.host.stop_event.is_set():
             return
         for slot in self.host.slots:
             slot.start()

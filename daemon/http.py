@@ -77,7 +77,10 @@ class Status(HostView):
                              "position": p.position, "end_offset": p.high_watermark if p.high_watermark is not None
                              else p.listed_end, "lag": p.lag, "lag_seconds": round(p.lag_seconds(), 3),
                              "caught_up": p.caught_up})
-        return self.json({"source": "daemon", "worker_id": self.host.worker_id, "partitions": rows})
+        effects = [{"connector": slot.connector.name, "task": slot.task_id, **st} for slot in self.host.slots
+                   if "circuit" in (st := slot.runner.task_status)]
+        return self.json({"source": "daemon", "worker_id": self.host.worker_id, "partitions": rows,
+                          "effects": effects})
 
 
 class AggregateState(HostView):

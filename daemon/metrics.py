@@ -73,12 +73,31 @@ class _TaskCollector(Collector):
         position = GaugeMetricFamily("kafold_consumer_position", "Next offset a task will handle.", labels=part)
         caught = GaugeMetricFamily("kafold_partition_caught_up", "1 once a partition reached the end offsets seen "
                                    "at its assignment.", labels=part)
+        effect = ("connector", "task", "endpoint")
+        circuit = GaugeMetricFamily("kafold_effect_circuit_open", "1 while an effect endpoint's circuit is open "
+                                    "(attempts wait; one probe at a time), else 0.", labels=effect)
+        changes = CounterMetricFamily("kafold_effect_circuit_changes", "Times the endpoint's circuit opened or "
+                                      "closed.", labels=effect)
+        in_flight = GaugeMetricFamily("kafold_effect_in_flight", "Events handed to an effect task and not yet "
+                                      "completed (running, waiting to retry, or queued behind their key).",
+                                      labels=effect)
+        paused = GaugeMetricFamily("kafold_effect_fetch_paused", "1 while the task stopped fetching because "
+                                   "max_in_flight events are held (the lag grows meanwhile).", labels=effect)
+        parked = GaugeMetricFamily("kafold_effect_parked_keys", "Keys parked in this task.", labels=effect)
         state = GaugeMetricFamily("kafold_task_state", "1 for the task's current state (Kafka Connect states).",
                                   labels=("connector", "task", "state"))
         now_ms = int(time.time() * 1000)
         for group in self.groups():
             for slot in group.slots:
                 current = slot.state
+                st = slot.runner.task_status
+                if "circuit" in st:
+                    labels = [group.name, str(slot.task_id), str(st["endpoint"])]
+                    circuit.add_metric(labels, 0.0 if st["circuit"] == "closed" else 1.0)
+                    changes.add_metric(labels, float(st["circuit_changes"]))
+                    in_flight.add_metric(labels, float(st["in_flight"]))
+                    paused.add_metric(labels, 1.0 if st["fetch_paused"] else 0.0)
+                    parked.add_metric(labels, float(st["parked_keys"]))
                 for s in TASK_STATES:
                     state.add_metric([group.name, str(slot.task_id), s], 1.0 if s == current else 0.0)
                 for p in slot.runner.progress.snapshot.values():
@@ -89,7 +108,7 @@ class _TaskCollector(Collector):
                     if p.position is not None:
                         position.add_metric(labels, float(p.position))
                     caught.add_metric(labels, 1.0 if p.caught_up else 0.0)
-        yield from (lag, lag_s, position, caught, state)
+        yield from (lag, lag_s, position, caught, state, circuit, changes, in_flight, paused, parked)
 
 
 class _SnapshotCollector(Collector):

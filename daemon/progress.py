@@ -8,8 +8,11 @@ at assignment and the high watermark carried by the first fetch response after i
 once a fetch response was seen and the task's position (the next offset after the records it handled) reached
 the target; the flag then stays set for that assignment, so later traffic does not make the daemon "unready".
 Some brokers under-report ListOffsets (only the base offset of the last batch + 1); the fetch watermark is exact,
-which is why the target takes both. The published `PartitionProgress` values are immutable snapshots, replaced
-as a whole after each poll, so other threads (HTTP, metrics) read them without locks.
+which is why the target takes both. A paused partition is not fetched, so its cached watermark stops moving: while
+partitions are paused (a sink holding back, e.g. effects waiting on a down endpoint) their end offsets are listed
+every PAUSED_END_QUERY_S instead, so the lag keeps growing as records arrive. The published `PartitionProgress`
+values are immutable snapshots, replaced as a whole after each poll, so other threads (HTTP, metrics) read
+them without locks.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from kafold.connectors.api import SinkRecord, TopicPartition
 
 OFFSET_INVALID = -1001
 QUERY_TIMEOUT_S = 5.0
+PAUSED_END_QUERY_S = 5.0
 LATEST, EARLIEST = -1, -2  # ListOffsets' logical timestamps
 
 
@@ -96,6 +100,8 @@ class ProgressTracker:
         self.reset = reset
         self.snapshot: dict[TopicPartition, PartitionProgress] = {}
         self._pending: set[TopicPartition] = set()  # assigned, start and target not yet queried
+        self._paused_ends: dict[TopicPartition, int] = {}  # listed end offsets of paused partitions
+        self._paused_listed_at = float("-inf")
 
     def assigned(self, tps: list[TopicPartition]) -> None:
         for tp in tps:
@@ -111,6 +117,7 @@ class ProgressTracker:
         """Query start and target of newly assigned partitions, then fold in positions and cached watermarks."""
         if self._pending:
             self._query(consumer, positions)
+        self._list_paused(consumer, paused)
         out: dict[TopicPartition, PartitionProgress] = {}
         for tp, p in self.snapshot.items():
             _lo, hi = consumer.get_watermark_offsets(KafkaTP(tp.topic, tp.partition), cached=True)
@@ -122,8 +129,24 @@ class ProgressTracker:
                 p = replace(p, event_time_ms=event_times[tp])
             if p.paused != (tp in paused):
                 p = replace(p, paused=tp in paused)
+            end = self._paused_ends.get(tp) if tp in paused else None
+            if end is not None and (p.high_watermark is None or end > p.high_watermark):
+                p = replace(p, high_watermark=end)
             out[tp] = p
         self.snapshot = out
+
+    def _list_paused(self, consumer: Any, paused: set[TopicPartition]) -> None:
+        tps = [tp for tp in paused if tp in self.snapshot]
+        if not tps:
+            self._paused_ends.clear()
+            return
+        if time.monotonic() - self._paused_listed_at < PAUSED_END_QUERY_S:
+            return
+        self._paused_listed_at = time.monotonic()
+        try:
+            self._paused_ends = self._list(consumer, tps, LATEST)
+        except Exception:  # tried again after the interval; the lag reads low meanwhile
+            return
 
     def _query(self, consumer: Any, positions: dict[TopicPartition, int]) -> None:
         # One ListOffsets request for every pending partition (offsets_for_times with the logical timestamps

@@ -153,6 +153,16 @@ class SinkRunner:
         self._pause_request = paused
 
     @property
+    def task_status(self) -> dict[str, Any]:
+        """The task's own status (SinkTask.status); {} before it started or when it cannot tell."""
+        if not self.started:
+            return {}
+        try:
+            return self.task.status()
+        except Exception:  # a view must never fail the scrape
+            return {}
+
+    @property
     def state(self) -> str:
         """Kafka Connect's task state: UNASSIGNED, RUNNING, PAUSED, FAILED (or STOPPED after a clean stop)."""
         if self.failed and self.error is not None:

@@ -16,12 +16,12 @@ A child whose parent is gone (the pipe closes, kill -9 of the daemon included) s
 it finishes or abandons its batch within the grace period, commits what is done and exits. SIGTERM and SIGINT sent
 to the child itself (systemd signals the whole control group; Ctrl-C the foreground process group) do the same.
 A child that exits by itself is a task that stopped by itself: the daemon fails fast (exit 1), as with threads.
-kafold's migrations (`postgres.migrate_on_start`) run in the parent before the child starts, not in each child.
+kafold's migrations (`postgres.migrate_on_start`) run in the daemon before any task starts (daemon.host), never in a
+child: children do not load SQLAlchemy and Alembic (~20 MB each).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import socket
 import subprocess
@@ -34,17 +34,15 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from kafold import db, logs
+from kafold import logs
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig
 from kafold.connectors.api import Connector
 from kafold.daemon.progress import BatchStats
-from kafold.errors import KafoldError, RetriableError
-from kafold.retry import retrying
+from kafold.errors import KafoldError
 
 log = logs.get(__name__)
 
 STATUS_INTERVAL_S = 0.25  # the child reports at least this often (and after every batch)
-MIGRATE_RETRY_S = 30.0  # as long as a projection task retries its start (connectors/projection/task.py)
 
 
 class TaskProcessError(KafoldError):
@@ -85,6 +83,7 @@ class RemoteRunner:
         self.error: BaseException | None = None
         self.failed = self.started = self.stopped = self.api_paused = False
         self.last_poll = time.monotonic()
+        self.task_status: dict[str, Any] = {}
         self.pid: int | None = None
         self._state = "UNASSIGNED"
         self._conn: Connection | None = None
@@ -115,35 +114,9 @@ class RemoteRunner:
             except OSError:
                 pass  # the child is gone; its end is handled by `run`
 
-    def _migrated(self) -> TaskSpec | None:
-        """The spec to start the child with: kafold's migrations applied here first when the task would apply them
-        at its start (`postgres.migrate_on_start`), so children never load SQLAlchemy and Alembic (~20 MB each).
-        None (and the error kept) when PostgreSQL stayed unreachable or the migration failed."""
-        spec = self.spec
-        if not (spec.postgres.migrate_on_start and self.connector.uses_postgres):
-            return spec
-
-        def warn(e: RetriableError, delay: float) -> None:
-            log.warning("PostgreSQL not available; retrying", step="migrate", connector=self.connector.name,
-                        error=str(e), retry_in_s=delay)
-
-        try:
-            retrying(lambda: db.upgrade(spec.postgres), within_s=MIGRATE_RETRY_S, on_retry=warn,
-                     stop=self._stop_event)
-        except Exception as e:
-            self.failed, self.stopped = True, True
-            self.error = TaskProcessError(f"migrations before the task process: {e}", f"{type(e).__name__}: {e}")
-            log.error("task process not started: migrations failed", connector=self.connector.name,
-                      task=self.context.task_id, error=str(e))
-            return None
-        return dataclasses.replace(spec, postgres=dataclasses.replace(spec.postgres, migrate_on_start=False))
-
     def run(self) -> None:
         """Start the child and follow its reports until it exits (blocks; the TaskSlot's thread)."""
-        spec = self._migrated()
-        if spec is None:
-            return
-        process, parent = _start(spec, f"{self.connector.name}#{self.context.task_id}")
+        process, parent = _start(self.spec, f"{self.connector.name}#{self.context.task_id}")
         self.pid = process.pid
         with self._lock:
             self._conn = parent
@@ -180,6 +153,7 @@ class RemoteRunner:
                 self.on_batch(stats)
         self.counts = message["counts"]
         self.progress = SimpleNamespace(snapshot=message["snapshot"])
+        self.task_status = message.get("task_status", {})
         self.last_poll = message["last_poll"]  # CLOCK_MONOTONIC: one clock for every process of the machine
         self.started, self.api_paused, self._state = message["started"], message["api_paused"], message["state"]
         if message.get("error") is not None:
@@ -230,6 +204,7 @@ def child_main(conn: Connection, spec: TaskSpec) -> None:
             conn.send({"state": runner.state, "started": runner.started, "api_paused": runner.api_paused,
                        "counts": dict(runner.counts), "snapshot": dict(runner.progress.snapshot),
                        "last_poll": runner.last_poll, "batches": done, "final": final,
+                       "task_status": runner.task_status,
                        "error": (type(error).__name__, str(error)) if error is not None else None})
 
     def on_batch(stats: BatchStats) -> None:

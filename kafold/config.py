@@ -56,7 +56,8 @@ class PostgresConfig:
     sslrootcert: str | None = setting(None, doc="CA certificate file for verify-ca / verify-full.")
     sslcert: str | None = setting(None, doc="Client certificate file (PEM) for certificate authentication.")
     sslkey: str | None = setting(None, doc="Client private key file (PEM) for certificate authentication.")
-    migrate_on_start: bool = setting(True, doc="Apply kafold's migrations when the daemon starts.")
+    migrate_on_start: bool = setting(True, doc="Apply kafold's migrations when the daemon starts (once, before any "
+                                     "task, whenever a connector uses PostgreSQL).")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -27,11 +28,13 @@ from kafold.connectors.effects.settings import (
 from kafold.connectors.effects.signing import sign
 from kafold.envelope import KAFOLD_NAMESPACE, Event, encode
 
-RETRY_STATUSES = frozenset({408, 409, 429})
+RETRY_STATUSES = frozenset({408, 409, 425, 429})
 
 
 class Effect(ABC):
     """One kind of side effect; `run` raises EffectError (or anything: treated as retriable)."""
+
+    endpoint = ""  # what the effect talks to (the circuit's label): no credentials, no query
 
     async def start(self) -> None:
         return None
@@ -82,6 +85,8 @@ class Webhook(Effect):
             import_ref(config.body) if config.body not in ("event", "payload") else None)
         self.session: Any = None
         self.url: Any = config.url
+        parts = urlsplit(config.url)
+        self.endpoint = f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}"
 
     async def start(self) -> None:
         import aiohttp
@@ -139,6 +144,7 @@ class KafkaEffect(Effect):
     def __init__(self, config: KafkaEffectConfig, kafka: KafkaConfig, connector: str) -> None:
         self.config = config
         self.connector = connector
+        self.endpoint = f"kafka:{config.topic}"
         self.function: Callable[[Event], Any] | None = import_ref(config.function) if config.function else None
         self.producer = kafka_clients.producer(kafka, **{"enable.idempotence": True, "acks": "all",
                                                          "linger.ms": 5})
@@ -212,6 +218,7 @@ class PythonEffect(Effect):
 
     def __init__(self, config: PythonEffectConfig) -> None:
         self.function = import_ref(config.function)
+        self.endpoint = f"python:{config.function}"
         self.is_async = inspect.iscoroutinefunction(self.function)
 
     async def run(self, event: Event) -> None:

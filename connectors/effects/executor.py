@@ -1,6 +1,11 @@
 """The ordered-per-key executor: an asyncio loop in its own thread runs effects concurrently across keys and
 strictly in order within a key, retries with backoff, and parks a key whose head event ran out of retries.
 
+Every attempt first passes the endpoint's circuit (connectors.effects.circuit): while the endpoint is down the
+keys' head events wait there (no request, no attempt counted) instead of retrying on their own; a key whose head
+waited or retried past `max_age_s` is parked. Parked keys are released on request (`kafold effects parked retry`)
+and, with `parked_retry_every_s`, on that schedule.
+
 Note on offsets
 ---------------
 The task `add`s every record to the OffsetTracker before handing it over; the executor marks it done only when
@@ -27,9 +32,10 @@ import orjson
 
 from kafold import logs
 from kafold.connectors.api import SinkRecord, TopicPartition
+from kafold.connectors.effects.circuit import CLOSED, Circuit
 from kafold.connectors.effects.drivers import Effect
 from kafold.connectors.effects.ledger import Ledger, Outcome, Parking, now
-from kafold.connectors.effects.policy import RetryPolicy, describe
+from kafold.connectors.effects.policy import RetriableEffectError, RetryPolicy, describe, retriable
 from kafold.connectors.effects.tracker import OffsetTracker
 from kafold.envelope import Event
 
@@ -69,10 +75,14 @@ class Executor:
 
     def __init__(self, name: str, effect: Effect, policy: RetryPolicy, ledger: Ledger, tracker: OffsetTracker,
                  concurrency: int, request_poll_s: float, on_progress: Callable[[], None],
-                 on_tick: Callable[[], None] | None = None) -> None:
+                 on_tick: Callable[[], None] | None = None, circuit: Circuit | None = None,
+                 parked_retry_every_s: float = 0.0) -> None:
         self.name = name
         self.effect = effect
         self.policy = policy
+        self.circuit = circuit or Circuit(name, effect.endpoint, ratio=0, window=1, probe_initial_s=1,
+                                          probe_max_s=1)
+        self.parked_retry_every_s = parked_retry_every_s
         self.ledger = ledger
         self.tracker = tracker
         self.concurrency = concurrency
@@ -234,18 +244,32 @@ class Executor:
                 self.keys.pop(key, None)
 
     async def _attempt(self, item: Item) -> Attempted:
-        """Attempt until success or until the policy says park; failed attempts go to the ledger as they happen."""
+        """Attempt until success or until the policy says park; failed attempts go to the ledger as they happen.
+        Each attempt waits for the circuit first; a transient failure while the circuit is open waits there (for
+        the probe that closes it) rather than on the key's own backoff."""
         while True:
+            item.started = item.started or time.monotonic()
+            try:
+                probe = await self.circuit.admit(item.started + self.policy.max_age_s)
+            except TimeoutError:
+                at = now()
+                item.first_at = item.first_at or at
+                error = (f"endpoint {self.circuit.endpoint} unavailable (circuit open) past max_age_s "
+                         f"({self.policy.max_age_s:g}s)")
+                return Attempted(False, Outcome(item.record, "parked", 0, item.first_at, at, None, error),
+                                 RetriableEffectError(error))
             at = now()
             item.first_at = item.first_at or at
-            item.started = item.started or time.monotonic()
             t0 = time.perf_counter()
             try:
                 async with self._sem:
                     await self.effect.run(item.record.event)
             except asyncio.CancelledError:
+                if probe:  # the probe's answer never came: the next one goes out after the backoff
+                    self.circuit.record(True, probe=True)
                 raise
             except Exception as e:
+                self.circuit.record(retriable(e), probe=probe, retry_after_s=getattr(e, "retry_after_s", None))
                 item.attempts += 1
                 self.counts["failed_attempts"] += 1
                 latency = (time.perf_counter() - t0) * 1000
@@ -255,8 +279,10 @@ class Executor:
                 if wait is None:
                     return Attempted(False, outcome, e)
                 self.ledger.outcome(outcome)
-                await asyncio.sleep(wait)
+                if self.circuit.state == CLOSED:
+                    await asyncio.sleep(wait)
                 continue
+            self.circuit.record(False, probe=probe)
             item.attempts += 1
             latency = (time.perf_counter() - t0) * 1000
             return Attempted(True, Outcome(item.record, "succeeded", 1, item.first_at, at, latency, None, now()))
@@ -295,18 +321,39 @@ class Executor:
             tick()
 
     async def _request_loop(self) -> None:
+        """Operators' `parked retry|skip` requests, and the `parked_retry_every_s` schedule (a retry of every
+        parked key of this task)."""
+        scheduled = time.monotonic()
         while True:
             await asyncio.sleep(self.request_poll_s)
+            due = self.parked_retry_every_s > 0 and time.monotonic() - scheduled >= self.parked_retry_every_s
+            if due:
+                scheduled = time.monotonic()
+                keys = [k for k, st in self.keys.items() if st.parked and not st.releasing]
+                if keys:
+                    log.info("scheduled retry of parked keys", connector=self.name, keys=len(keys))
+                for key in keys:
+                    self._release_key(key, skip=False)
             try:
                 requests = await asyncio.to_thread(self.ledger.requests)
             except Exception as e:
                 log.warning("reading parked-key requests failed", connector=self.name, error=describe(e))
                 continue
             for key, action in requests:
-                st = self.keys.get(key)
-                if st is not None and st.parked and not st.releasing and st.tp in self.epochs:
-                    st.releasing = True
-                    self._spawn(self._release(key, st, skip=action == "skip"))
+                self._release_key(key, skip=action == "skip")
+
+    def _release_key(self, key: str, *, skip: bool) -> None:
+        st = self.keys.get(key)
+        if st is not None and st.parked and not st.releasing and st.tp in self.epochs:
+            st.releasing = True
+            self._spawn(self._release(key, st, skip=skip))
+
+    def status(self) -> dict[str, Any]:
+        """The endpoint's circuit and the keys' state, for /metrics and /status (read from any thread)."""
+        keys = list(self.keys.values())
+        return {"endpoint": self.circuit.endpoint, "circuit": self.circuit.state,
+                "circuit_changes": self.circuit.changes, "waiting": self.circuit.waiting,
+                "keys": len(keys), "parked_keys": sum(1 for st in keys if st.parked)}
 
     async def _release(self, key: str, st: KeyState, *, skip: bool) -> None:
         """Re-run a parked key's events in order (after dropping the head for `skip`); unpark it when none is left."""

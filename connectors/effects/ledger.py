@@ -29,7 +29,7 @@ from kafold import logs
 from kafold.config import PostgresConfig
 from kafold.connectors.api import ErrantRecordReporter, SinkRecord
 from kafold.envelope import Event
-from kafold.errors import RetriableError
+from kafold.errors import FatalError, RetriableError
 from kafold.pg import conninfo
 
 log = logs.get("kafold.connectors.effects.ledger")
@@ -283,6 +283,10 @@ class Ledger:
             except psycopg.OperationalError as e:
                 self._reader.close()
                 raise RetriableError(f"PostgreSQL: {e}") from e
+            except psycopg.errors.UndefinedTable as e:
+                raise FatalError(f"effect connector {self.connector!r}: kafold's tables are missing in schema "
+                                 f"{self.schema!r} ({str(e).splitlines()[0]}); run `kafold db upgrade` or set "
+                                 "postgres.migrate_on_start = true") from e
 
     def _read(self, query: sql.Composed, params: Iterable[Any]) -> list[tuple[Any, ...]]:
         with self._reading() as cur:

@@ -64,6 +64,30 @@ def request(pg: PostgresConfig, key: str, action: str, connector: str | None = N
     return found[0]
 
 
+def request_all(pg: PostgresConfig, connector: str | None = None) -> int:
+    """Ask for a `retry` of every parked key (optionally of one connector); how many keys were asked for. Each
+    key's events run again in order; keys do not wait for one another."""
+    rows = _query(pg, sql.SQL("UPDATE {} SET requested_action = 'retry', requested_at = now() "
+                              "WHERE %s::text IS NULL OR connector = %s RETURNING key").format(
+        table(pg.schema, "effect_parked_keys")), (connector, connector))
+    return len(rows)
+
+
+def wait_all(pg: PostgresConfig, connector: str | None, timeout_s: float) -> tuple[int, int]:
+    """After `request_all`: (keys still waiting for their retry, keys parked again) once none waits or at the
+    timeout; keys released meanwhile are gone from the table."""
+    keys = table(pg.schema, "effect_parked_keys")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = _query(pg, sql.SQL("SELECT count(*) FILTER (WHERE requested_action IS NOT NULL) AS pending, "
+                                  "count(*) FILTER (WHERE requested_action IS NULL) AS parked FROM {} "
+                                  "WHERE %s::text IS NULL OR connector = %s").format(keys), (connector, connector))
+        pending, parked = int(rows[0]["pending"]), int(rows[0]["parked"])
+        if not pending or time.monotonic() >= deadline:
+            return pending, parked
+        time.sleep(0.2)
+
+
 def wait(pg: PostgresConfig, connector: str, key: str, timeout_s: float) -> str:
     """`released`, `parked` (the retry failed again) or `pending` (no daemon answered within the timeout)."""
     keys = table(pg.schema, "effect_parked_keys")

@@ -1,4 +1,9 @@
-"""How an effect attempt failed, and what to do next: retry after a full-jitter backoff, or park."""
+"""How an effect attempt failed, and what to do next: retry after a full-jitter backoff, or park.
+
+Transient failures (a refused connection, a timeout, 408/409/425/429, a 5xx) are retried until the event's
+`max_age_s` (a day by default: a receiver's deploy or an outage of hours heals by itself), and `max_attempts`
+when set; only permanent failures and events past their age are parked.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import random
 from dataclasses import dataclass
 
 from kafold.errors import KafoldError
+from kafold.retry import backoff
 
 
 class EffectError(KafoldError):
@@ -30,7 +36,7 @@ class PermanentEffectError(EffectError):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Exponential backoff with full jitter, bounded by attempts and by the age of the first attempt."""
+    """Exponential backoff with full jitter, bounded by the age of the first attempt (and attempts, unless 0)."""
 
     max_attempts: int
     max_age_s: float
@@ -41,16 +47,21 @@ class RetryPolicy:
         """Seconds to wait after failed attempt number `attempt` (1-based); a Retry-After wins when given."""
         if retry_after_s is not None:
             return max(0.0, retry_after_s)
-        return rng.uniform(0.0, min(self.cap_s, self.initial_s * 2 ** (attempt - 1)))
+        return rng.uniform(0.0, backoff(attempt, self.initial_s, self.cap_s))
 
     def next_delay(self, attempt: int, age_s: float, error: BaseException, rng: random.Random) -> float | None:
         """The wait before the next attempt, or None when the event must be parked now."""
-        if not getattr(error, "retriable", True) or attempt >= self.max_attempts:
+        if not retriable(error) or (self.max_attempts and attempt >= self.max_attempts):
             return None
         wait = self.delay(attempt, rng, getattr(error, "retry_after_s", None))
         if age_s + wait > self.max_age_s:
             return None
         return wait
+
+
+def retriable(error: BaseException) -> bool:
+    """Whether another attempt may succeed (anything but an EffectError saying otherwise is transient)."""
+    return bool(getattr(error, "retriable", True))
 
 
 def describe(error: BaseException, limit: int = 500) -> str:

@@ -19,13 +19,22 @@ class EffectConfig:
     delivery: str = setting(AT_LEAST_ONCE, doc="`at-least-once`: commit after the effect; `at-most-once`: commit "
                             "before it (a crash loses the in-flight effects, never repeats one).",
                             choices=(AT_LEAST_ONCE, AT_MOST_ONCE))
-    max_attempts: int = setting(8, doc="Attempts per event before it is parked.", minimum=1)
-    max_age_s: float = setting(3600.0, doc="Park an event once retrying it would pass this age (seconds since its "
-                               "first attempt).", minimum=0)
+    max_attempts: int = setting(0, doc="Attempts per event before it is parked; 0 = no limit (transient failures "
+                                "are retried until max_age_s).", minimum=0)
+    max_age_s: float = setting(86400.0, doc="Park an event once retrying it would pass this age (seconds since its "
+                               "first attempt); waiting on an open circuit counts.", minimum=0)
     backoff_initial_s: float = setting(0.2, doc="First retry delay cap; doubles per attempt (full jitter).",
                                        minimum=0)
-    backoff_max_s: float = setting(30.0, doc="Largest retry delay (a Retry-After is honoured up to max_age_s).",
+    backoff_max_s: float = setting(60.0, doc="Largest retry delay (a Retry-After is honoured up to max_age_s).",
                                    minimum=0)
+    circuit_failure_ratio: float = setting(0.5, doc="Open the endpoint's circuit when at least this share of the "
+                                           "last circuit_window requests failed transiently (0 = never).",
+                                           minimum=0)
+    circuit_window: int = setting(20, doc="Requests the circuit looks back on.", minimum=1)
+    probe_max_s: float = setting(10.0, doc="Longest wait between probes of an open circuit (from "
+                                 "backoff_initial_s, doubling; a Retry-After can make it longer).", minimum=0.01)
+    parked_retry_every_s: float = setting(0.0, doc="Re-release every parked key on this schedule, in order "
+                                          "(0 = only on `kafold effects parked retry`).", minimum=0)
     concurrency: int = setting(64, doc="Effects running at once (across keys; one at a time per key).", minimum=1)
     max_in_flight: int = setting(20000, doc="Events handed over but not yet completed before fetching pauses.",
                                  minimum=1)
@@ -33,6 +42,11 @@ class EffectConfig:
                                    minimum=1)
     request_poll_s: float = setting(1.0, doc="How often the task looks for `parked retry|skip` requests.",
                                     minimum=0.05)
+
+    def __post_init__(self) -> None:
+        if self.circuit_failure_ratio > 1:
+            raise ValueError(f"circuit_failure_ratio: expected a share between 0 and 1, got "
+                             f"{self.circuit_failure_ratio}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +64,7 @@ class WebhookConfig(EffectConfig):
     headers: dict[str, str] = setting(factory=dict, doc="Extra static request headers (no secrets here).")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         parts = urlsplit(self.url)
         # Error messages show the URL without its query and credentials: they may hold a token.
         shown = f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}{parts.path}"
@@ -82,6 +97,7 @@ class PythonEffectConfig(EffectConfig):
                             "PermanentEffectError to park at once, anything else is retried.")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if ":" not in self.function:
             raise ValueError(f"function: expected `module:function`, got {self.function!r}")
 

@@ -25,6 +25,7 @@ from kafold import db, logs
 from kafold.config import KafkaConfig, PostgresConfig
 from kafold.connectors.api import Connector, Offsets, SinkRecord, SinkTask, SinkTaskContext, TopicPartition
 from kafold.connectors.dlq import DeadLetterWriter
+from kafold.connectors.effects.circuit import Circuit
 from kafold.connectors.effects.drivers import Effect, KafkaEffect, PythonEffect, Webhook
 from kafold.connectors.effects.executor import Executor
 from kafold.connectors.effects.ledger import Ledger
@@ -66,8 +67,11 @@ class EffectSinkTask(SinkTask):
         self.ledger = Ledger(pg, self.name, self.dlq, self.config.ledger_flush_ms / 1000)
         c = self.config
         policy = RetryPolicy(c.max_attempts, c.max_age_s, c.backoff_initial_s, c.backoff_max_s)
-        self.executor = Executor(self.name, build_effect(c, kafka, self.name), policy, self.ledger, self.tracker,
-                                 c.concurrency, c.request_poll_s, self._progress, self._tick)
+        effect = build_effect(c, kafka, self.name)
+        circuit = Circuit(self.name, effect.endpoint, ratio=c.circuit_failure_ratio, window=c.circuit_window,
+                          probe_initial_s=c.backoff_initial_s, probe_max_s=c.probe_max_s)
+        self.executor = Executor(self.name, effect, policy, self.ledger, self.tracker, c.concurrency,
+                                 c.request_poll_s, self._progress, self._tick, circuit, c.parked_retry_every_s)
         self.executor.start()
         self.held: list[SinkRecord] = []       # at-most-once: waiting for the commit that covers them
         self.committing: list[SinkRecord] = []  # at-most-once: their commit was offered to the runner
@@ -145,6 +149,13 @@ class EffectSinkTask(SinkTask):
                 self.committing = ready  # released on the next call in; _tick asks for one
             return covered
         return self.tracker.committable(dict(offsets))
+
+    def status(self) -> dict[str, Any]:
+        executor = getattr(self, "executor", None)
+        if executor is None:
+            return {}
+        return {**executor.status(), "in_flight": self.tracker.in_flight,
+                "max_in_flight": self.config.max_in_flight, "fetch_paused": bool(self.paused)}
 
     def open(self, partitions: Collection[TopicPartition]) -> None:
         # Parked keys first (their later events must queue behind them); PostgreSQL may be restarting.

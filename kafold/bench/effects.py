@@ -1,4 +1,6 @@
-"""Webhook effects to a local receiver: effects/s with per-key order, commit lag at an offered rate, RSS."""
+"""Webhook effects to a local receiver: effects/s with per-key order, commit lag at an offered rate, RSS; with
+`--outage-s` also an outage of the receiver (connections refused) under the offered rate: how long after its return
+everything is delivered, how many keys were parked, and the process's RSS while it waited."""
 
 from __future__ import annotations
 
@@ -27,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=128, help="effects in flight at once")
     p.add_argument("--rate", type=float, default=1000.0, help="offered events/s in the commit-lag phase")
     p.add_argument("--seconds", type=float, default=20.0, help="length of the commit-lag phase")
+    p.add_argument("--outage-s", type=float, default=0.0,
+                   help="add an outage phase: the receiver refuses connections this long while events arrive at "
+                        "--rate (0 = no outage phase)")
     p.add_argument("-c", "--config", help="kafold.toml giving [kafka] and [postgres] (default: the dev stack)")
 
 
@@ -44,21 +49,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kafka = short_group(kafka)
         pg = PostgresConfig(**{**pg.__dict__, "schema": "kafold_bench_effects"})
         db.upgrade(pg)
-        url = stack.enter_context(_receiver())
-        figures = _throughput(kafka, pg, url, args)
+        url, control = stack.enter_context(_receiver())
+        figures = _throughput(kafka, pg, url, control, args)
         figures.update(_commit_lag(kafka, pg, url, args))
+        if args.outage_s > 0:
+            figures.update(_outage(kafka, pg, url, control, args))
     figures["rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     return figures
 
 
 @contextlib.contextmanager
-def _receiver() -> Iterator[str]:
-    """The receiver runs in its own process (its CPU is not the daemon's): POST /hook, GET /stats."""
+def _receiver() -> Iterator[tuple[str, str]]:
+    """The receiver runs in its own process (its CPU is not the daemon's): POST /hook on one port; GET /stats and
+    POST /down, /up (stop and restart listening on the hook port: connections refused meanwhile) on another."""
     proc = subprocess.Popen([sys.executable, "-c", "from kafold.bench.effects import serve; serve()"],
                             stdout=subprocess.PIPE, text=True)
     try:
-        port = int((proc.stdout.readline() if proc.stdout else "").strip())
-        yield f"http://127.0.0.1:{port}"
+        hook, control = (int(p) for p in (proc.stdout.readline() if proc.stdout else "").split())
+        yield f"http://127.0.0.1:{hook}", f"http://127.0.0.1:{control}"
     finally:
         proc.terminate()
         proc.wait(10)
@@ -75,6 +83,10 @@ def serve() -> None:
     last: dict[str, int] = {}
 
     async def hook(request: web.Request) -> web.Response:
+        if state.get("down"):  # a kept-alive connection of the client: dropped, as a stopping service does
+            if request.transport is not None:
+                request.transport.close()
+            return web.Response(status=503)
         doc = orjson.loads(await request.read())
         key, version = doc["aggregate_id"], doc["version"]
         if last.get(key, 0) >= version and request.headers["webhook-id"] not in state["ids"]:
@@ -87,29 +99,61 @@ def serve() -> None:
         return web.Response(status=204)
 
     async def stats(_: web.Request) -> web.Response:
-        return web.json_response({k: v for k, v in state.items() if k != "ids"} | {"unique": len(state["ids"])})
+        return web.json_response({k: v for k, v in state.items() if k not in ("ids", "down")} |
+                                 {"unique": len(state["ids"])})
+
+    sites: dict[str, Any] = {}
+
+    async def listen(port: int) -> int:
+        site = web.TCPSite(sites["runner"], "127.0.0.1", port, backlog=1024)
+        await site.start()
+        sites["hook"] = site
+        return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+
+    async def down(_: web.Request) -> web.Response:
+        state["down"] = True
+        await sites["hook"].stop()
+        return web.Response(status=204)
+
+    async def up(_: web.Request) -> web.Response:
+        await listen(sites["port"])
+        state["down"] = False
+        return web.Response(status=204)
 
     async def main() -> None:
         app = web.Application()
         app.router.add_post("/hook", hook)
-        app.router.add_get("/stats", stats)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
-        await site.start()
-        print(site._server.sockets[0].getsockname()[1], flush=True)  # type: ignore[union-attr]
+        sites["runner"] = runner
+        sites["port"] = await listen(0)
+        control = web.Application()
+        control.router.add_get("/stats", stats)
+        control.router.add_post("/down", down)
+        control.router.add_post("/up", up)
+        control_runner = web.AppRunner(control, access_log=None)
+        await control_runner.setup()
+        control_site = web.TCPSite(control_runner, "127.0.0.1", 0)
+        await control_site.start()
+        print(sites["port"], control_site._server.sockets[0].getsockname()[1], flush=True)  # type: ignore[union-attr]
         await asyncio.Event().wait()
 
     asyncio.run(main())
 
 
-def _stats(url: str) -> dict[str, Any]:
+def _stats(control: str) -> dict[str, Any]:
     import urllib.request
 
     import orjson
 
-    with urllib.request.urlopen(f"{url}/stats", timeout=10) as resp:
+    with urllib.request.urlopen(f"{control}/stats", timeout=10) as resp:
         return dict(orjson.loads(resp.read()))
+
+
+def _switch(control: str, what: str) -> None:
+    import urllib.request
+
+    urllib.request.urlopen(urllib.request.Request(f"{control}/{what}", data=b"", method="POST"), timeout=10).read()
 
 
 def _topic(kafka: Any, name: str, partitions: int) -> None:
@@ -160,13 +204,13 @@ def _producer(kafka: Any) -> Any:
     return kafka_clients.producer(kafka, **{"enable.idempotence": True, "linger.ms": 5})
 
 
-def _event(key: int, version: int) -> tuple[bytes, bytes, Any]:
+def _event(key: int, version: int, prefix: str = "agg") -> tuple[bytes, bytes, Any]:
     from kafold.envelope import Event, encode
 
-    return encode(Event.new("Notified", "bench", f"agg-{key}", version, {"n": version, "note": "x" * 120}))
+    return encode(Event.new("Notified", "bench", f"{prefix}-{key}", version, {"n": version, "note": "x" * 120}))
 
 
-def _throughput(kafka: Any, pg: Any, url: str, args: argparse.Namespace) -> dict[str, Any]:
+def _throughput(kafka: Any, pg: Any, url: str, control: str, args: argparse.Namespace) -> dict[str, Any]:
     run_id = uuid.uuid4().hex[:8]
     topic, name = f"kafold.bench.effects.{run_id}", f"bench-effects-{run_id}"
     _topic(kafka, topic, args.partitions)
@@ -183,7 +227,7 @@ def _throughput(kafka: Any, pg: Any, url: str, args: argparse.Namespace) -> dict
             n += 1
             producer.poll(0)
     producer.flush(60)
-    before = _stats(url)["count"]
+    before = _stats(control)["count"]
     runner, thread = _start(kafka, pg, name, topic, url, args.concurrency)
     consumer = _consumer(kafka, runner.group_id)
     try:
@@ -194,7 +238,7 @@ def _throughput(kafka: Any, pg: Any, url: str, args: argparse.Namespace) -> dict
         runner.stop()
         thread.join(60)
         consumer.close()
-    stats = _stats(url)
+    stats = _stats(control)
     seconds = done - stats["first"]
     return {"effects": n, "effects_per_s": round(n / seconds), "effects_seconds": round(seconds, 2),
             "requests": stats["count"] - before, "out_of_order": stats["out_of_order"], "keys": args.keys,
@@ -260,3 +304,65 @@ def _commit_lag(kafka: Any, pg: Any, url: str, args: argparse.Namespace) -> dict
         return {"offered_per_s": args.rate, "p99_commit_lag_s": None}
     return {"offered_per_s": args.rate, "lag_events": len(lags), "p50_commit_lag_s": round(lags[len(lags) // 2], 3),
             "p99_commit_lag_s": round(lags[max(0, int(len(lags) * 0.99) - 1)], 3)}
+
+
+def _rss_mb() -> float:
+    """This process's resident set now (the connector runs in it), from /proc."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
+
+
+def _outage(kafka: Any, pg: Any, url: str, control: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Events at `rate` over `keys`: 5 s with the receiver up, then `outage_s` with it refusing connections; it
+    comes back and production stops. Recovery = from its return until every event's offset is committed."""
+    from kafold.connectors.effects import ops
+
+    run_id = uuid.uuid4().hex[:8]
+    topic, name = f"kafold.bench.effects-outage.{run_id}", f"bench-effects-outage-{run_id}"
+    _topic(kafka, topic, args.partitions)
+    runner, thread = _start(kafka, pg, name, topic, url, args.concurrency)
+    consumer, producer = _consumer(kafka, runner.group_id), _producer(kafka)
+    ends, rss, before = {p: 0 for p in range(args.partitions)}, [], _stats(control)
+    warm = 5.0
+    total = int(args.rate * (warm + args.outage_s))
+    try:
+        while not runner.assigned:
+            time.sleep(0.1)
+        start, is_down, next_rss = time.time(), False, 0.0
+        for i in range(total):
+            k = i % args.keys
+            key, value, headers = _event(k, i // args.keys + 1, f"outage-{run_id}")  # keys of its own: order checked
+            producer.produce(topic, value=value, key=key, headers=headers, partition=k % args.partitions)
+            ends[k % args.partitions] += 1
+            producer.poll(0)
+            elapsed = time.time() - start
+            if not is_down and elapsed >= warm:
+                _switch(control, "down")
+                is_down = True
+                log.info("bench: receiver down", seconds=args.outage_s)
+            if is_down and elapsed >= next_rss:
+                rss.append(_rss_mb())
+                next_rss = elapsed + 0.5
+            ahead = (i + 1) / args.rate - elapsed
+            if ahead > 0:
+                time.sleep(ahead)
+        producer.flush(30)
+        _switch(control, "up")
+        back = time.time()
+        log.info("bench: receiver back")
+        while _committed(consumer, topic, args.partitions) != ends:
+            time.sleep(0.1)
+        recovered = time.time() - back
+        parked = len(ops.parked(pg, name))
+    finally:
+        runner.stop()
+        thread.join(60)
+        consumer.close()
+    stats = _stats(control)
+    return {"outage_s": args.outage_s, "outage_events": total, "outage_recovery_s": round(recovered, 2),
+            "parked_after_outage": parked, "outage_delivered": stats["unique"] - before["unique"],
+            "outage_out_of_order": stats["out_of_order"] - before["out_of_order"],
+            "outage_rss_peak_mb": max(rss, default=0.0)}

@@ -27,7 +27,11 @@ def register(sub: Any) -> None:
     for name, text in (("retry", "re-run the key's parked events in order"),
                        ("skip", "drop the key's head event (recorded as skipped), then re-run the rest")):
         a = actions.add_parser(name, help=text)
-        a.add_argument("key")
+        if name == "retry":
+            a.add_argument("key", nargs="?", help="the parked key (or --all)")
+            a.add_argument("--all", action="store_true", help="retry every parked key (of --connector if given)")
+        else:
+            a.add_argument("key")
         add_config_arg(a)
         a.add_argument("--connector", help="the connector, when the key is parked in several")
         a.add_argument("--wait", type=float, default=30.0, metavar="S",
@@ -76,6 +80,8 @@ def handle_list(args: argparse.Namespace) -> int:
 
 def handle_release(args: argparse.Namespace) -> int:
     pg = _cfg(args, ("postgres",)).postgres
+    if getattr(args, "all", False) or args.key is None:
+        return _release_all(args, pg)
     connector = ops.request(pg, args.key, args.action, args.connector)
     if args.wait <= 0:
         print(f"{args.action} of key {args.key!r} ({connector}) requested")
@@ -87,6 +93,23 @@ def handle_release(args: argparse.Namespace) -> int:
            "pending": f"no daemon answered within {args.wait:g}s; the request stays and runs when the "
                       f"connector's daemon does"}[result])
     return 0 if result == "released" else 1
+
+
+def _release_all(args: argparse.Namespace, pg: config.PostgresConfig) -> int:
+    if not args.all or args.key is not None:
+        raise KafoldError("name one parked key, or give --all (not both)")
+    asked = ops.request_all(pg, args.connector)
+    where = f" of {args.connector}" if args.connector else ""
+    if not asked:
+        print(f"no parked keys{where}")
+        return 0
+    if args.wait <= 0:
+        print(f"retry of {asked} parked key(s){where} requested")
+        return 0
+    pending, parked = ops.wait_all(pg, args.connector, args.wait)
+    print(f"{asked} parked key(s){where}: {asked - pending - parked} released, {parked} parked again, "
+          f"{pending} not answered within {args.wait:g}s (they run when the connector's daemon does)")
+    return 0 if not pending and not parked else 1
 
 
 def handle_reset(args: argparse.Namespace) -> int:

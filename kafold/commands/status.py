@@ -17,6 +17,8 @@ from kafold import config, devstack
 from kafold.cli import add_config_arg
 
 COLUMNS = ("connector", "task", "topic", "partition", "committed", "end_offset", "lag", "lag_seconds", "state")
+# Effect connectors (from the daemon only): the endpoint's circuit, events held, fetching paused, parked keys.
+EFFECT_COLUMNS = ("connector", "task", "endpoint", "circuit", "waiting", "in_flight", "fetch_paused", "parked_keys")
 
 
 def register(sub: Any) -> None:
@@ -38,6 +40,8 @@ def handle(args: argparse.Namespace) -> int:
     else:
         print(f"source: {report['source']}")
         print(table(report["partitions"]))
+        if report.get("effects"):
+            print(table(report["effects"], EFFECT_COLUMNS))
     return 0
 
 
@@ -78,9 +82,9 @@ def from_kafka(cfg: config.KafoldConfig) -> dict[str, Any]:
     return {"source": "kafka", "partitions": rows}
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    cells = [[("-" if r.get(c) is None else str(r.get(c))) for c in COLUMNS] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(COLUMNS)]
-    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(COLUMNS, widths, strict=True))]
+def table(rows: list[dict[str, Any]], columns: tuple[str, ...] = COLUMNS) -> str:
+    cells = [[("-" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
     return "\n".join(lines)

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kafold import config as kconfig
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig
 from kafold.connectors.effects.task import with_services
 from kafold.connectors.registry import instantiate
+from kafold.daemon.host import DaemonHost
 from kafold.daemon.runner import SinkRunner
+
+HERE = Path(__file__).parent
 
 
 @dataclass
@@ -38,3 +45,59 @@ def start_effects(kafka: KafkaConfig, pg: PostgresConfig, name: str, topic: str,
     thread = threading.Thread(target=runner.run, daemon=True)
     thread.start()
     return EffectRun(runner, stop, thread)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def daemon_config(path: Path, kafka: KafkaConfig, pg_url: str, schema: str, group_prefix: str, topic: str,
+                  kind: str, effect_toml: str, *, port: int = 0, migrate: bool = True,
+                  task_processes: bool = False) -> Path:
+    """A kafold.toml with one effect connector `only` (config = `effect_toml`, an inline table)."""
+    path.write_text(f"""
+[kafka]
+bootstrap_servers = "{kafka.bootstrap_servers}"
+session_timeout_ms = 6000
+rebalance_timeout_ms = 6000
+heartbeat_interval_ms = 1000
+
+[postgres]
+url = "{pg_url}"
+schema = "{schema}"
+migrate_on_start = {str(migrate).lower()}
+
+[daemon]
+group_prefix = "{group_prefix}"
+http_port = {port}
+shutdown_grace_s = 4.0
+batch_max_wait_ms = 100
+python_path = ["{HERE}"]
+task_processes = {str(task_processes).lower()}
+
+[[connectors]]
+name = "only"
+class = "{kind}"
+topics = ["{topic}"]
+config = {effect_toml}
+""")
+    return path
+
+
+@contextmanager
+def daemon_thread(path: Path) -> Iterator[tuple[DaemonHost, threading.Thread]]:
+    """The daemon on `path`, run in a thread (as `kafold daemon` does); stopped at the end, exit code 0 checked."""
+    loaded = kconfig.load_file(path)
+    stop = threading.Event()
+    host = DaemonHost(loaded.config, loaded.base, stop)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(host.run()), name="test-daemon")
+    thread.start()
+    try:
+        yield host, thread
+    finally:
+        stop.set()
+        thread.join(30)
+    assert result == [0], f"the daemon exited with {result}"

@@ -34,20 +34,21 @@ class Receiver:
     requests: list[Req] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def start(self) -> str:
+    def start(self, port: int = 0) -> str:
+        """Serve on `port` (0 = a free one; the same port again after `stop` brings the receiver back)."""
         ready: threading.Event = threading.Event()
-        self._thread = threading.Thread(target=self._serve, args=(ready,), daemon=True)
+        self._thread = threading.Thread(target=self._serve, args=(ready, port), daemon=True)
         self._thread.start()
         assert ready.wait(10)
         return f"http://127.0.0.1:{self.port}/hook"
 
-    def _serve(self, ready: threading.Event) -> None:
+    def _serve(self, ready: threading.Event, port: int) -> None:
         self.loop = asyncio.new_event_loop()
         app = web.Application()
         app.router.add_post("/hook", self._handle)
         runner = web.AppRunner(app, access_log=None)
         self.loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.TCPSite(runner, "127.0.0.1", port)
         self.loop.run_until_complete(site.start())
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self._runner = runner

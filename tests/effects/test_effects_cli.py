@@ -89,3 +89,37 @@ def test_show_and_reset_offsets(kafka_config: KafkaConfig, effects_pg: PostgresC
     assert "is not an effect connector" in capsys.readouterr().err
     assert cli.main(["effects", "reset-offsets", "nope", "--to-latest", "--yes", "-c", str(cfg)]) == 1
     assert "no connector named 'nope'" in capsys.readouterr().err
+
+
+def test_parked_retry_all_releases_every_parked_key_in_order(
+        kafka_config: KafkaConfig, effects_pg: PostgresConfig, receiver: Receiver, unique: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from receiver import Req
+
+    topic = f"{unique}.events"
+    create_topic(kafka_config, topic, 2)
+    create_topic(kafka_config, f"kafold.dlq.{unique}", 1)
+    broken = {"a", "b"}
+
+    async def rejecting(req: Req) -> tuple[int, dict[str, str]] | None:
+        return (422, {}) if req.key in broken and req.version == 2 else None
+
+    receiver.behaviour = rejecting
+    keys = ["a", "b", "c"]
+    produce(kafka_config, topic, [(i % 2, *encode(make_event(k, v))) for v in (1, 2, 3) for i, k in enumerate(keys)])
+    url = receiver.url  # type: ignore[attr-defined]
+    cfg = _config(tmp_path / "kafold.toml", kafka_config, effects_pg, unique, topic, url)
+    run = start_effects(kafka_config, effects_pg, unique, topic, "webhook",
+                        {"url": url, "allow_http": True, "request_poll_s": 0.2})
+    try:
+        wait_for(lambda: cli.main(["effects", "parked", "list", "--connector", unique, "-c", str(cfg)]) == 0
+                 and capsys.readouterr().out.count("key=") == 2, "two parked keys")
+        assert cli.main(["effects", "parked", "retry", "-c", str(cfg)]) == 1  # neither a key nor --all
+        assert "--all" in capsys.readouterr().err
+        broken.clear()
+        assert cli.main(["effects", "parked", "retry", "--all", "--connector", unique, "-c", str(cfg)]) == 0
+        assert "2 parked key(s) of " + unique + ": 2 released, 0 parked again, 0 not answered" in (
+            capsys.readouterr().out)
+    finally:
+        run.finish()
+    assert receiver.per_key() == {k: [1, 2, 3] for k in keys}

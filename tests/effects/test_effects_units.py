@@ -49,8 +49,15 @@ def test_policy_parks_on_permanent_errors_exhausted_attempts_or_age() -> None:
     assert policy.next_delay(1, 0.0, ValueError("a user function bug"), rng) is not None  # unknown: retriable
 
 
+def test_without_max_attempts_transient_failures_retry_until_max_age() -> None:
+    policy, rng = RetryPolicy(0, 86400.0, 0.2, 60.0), random.Random(1)
+    assert policy.next_delay(10_000, 3600.0, RetriableEffectError("connection refused"), rng) is not None
+    assert policy.next_delay(10_000, 86399.0, RetriableEffectError("503", retry_after_s=5.0), rng) is None
+    assert policy.next_delay(1, 0.0, PermanentEffectError("400"), rng) is None
+
+
 @pytest.mark.parametrize(("status", "retriable"), [
-    (500, True), (502, True), (503, True), (504, True), (408, True), (409, True), (429, True),
+    (500, True), (502, True), (503, True), (504, True), (408, True), (409, True), (425, True), (429, True),
     (400, False), (401, False), (403, False), (404, False), (410, False), (422, False), (301, False)])
 def test_http_statuses_map_to_retriable_or_permanent(status: int, retriable: bool) -> None:
     error = classify(status, None)
@@ -105,6 +112,6 @@ def test_webhook_config_requires_https_unless_allowed_and_secret_references() ->
 
 
 def test_python_and_delivery_settings_are_validated_by_name() -> None:
-    _, errors = _load(PythonEffectConfig, {"function": "no_colon", "delivery": "exactly-once", "max_attempts": 0})
+    _, errors = _load(PythonEffectConfig, {"function": "no_colon", "delivery": "exactly-once", "max_attempts": -1})
     assert any("function" in e for e in errors)
     assert any("config.delivery" in e for e in errors) and any("config.max_attempts" in e for e in errors)
