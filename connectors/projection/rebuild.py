@@ -8,14 +8,23 @@ checkpoints (`<name>:rebuild`) written in the same transaction as the shadow row
 (namespace `<name>:rebuild`), exactly as the live writer does (see writer.py): a killed rebuild resumes from them.
 
 The shadow never goes past the live connector: partition by partition it applies only offsets below the live
-checkpoint (the target), re-read as the live connector advances. When every shadow checkpoint equals its target,
-the swap transaction locks the live table (ACCESS EXCLUSIVE: it waits for the live writer's in-flight batch and
-blocks the next one) and the live checkpoint rows (FOR UPDATE), re-reads the targets, applies the remaining tail
-into the shadow while holding the lock, renames live -> old and shadow -> live, drops old (unless kept), deletes
-the rebuild checkpoints and marks the rebuild swapped; then commits. At that instant the new table holds exactly
-the events below the live checkpoints, which is what the live writer's tracking namespace has recorded, so the live
-connector continues from its own checkpoints with its own tracking, untouched. Its statements name the table, so
-its next batch (even one blocked on the lock) resolves the name again and writes into the new table.
+checkpoint (the target), re-read as the live connector advances. Under steady traffic the live connector commits a
+batch on some partition several times a second, so the shadow is never *equal* to it for long; the rebuild converges
+instead: once the shadow has reached the targets read before its last batch and is within `max_tail` records of the
+current ones on every partition (phase `catching-up`, the tail phase), the swap transaction locks the live table
+(ACCESS EXCLUSIVE: it waits for the live writer's in-flight batch and blocks the next one) and the live checkpoint
+rows (FOR UPDATE), re-reads the targets, applies the remaining tail into the shadow while holding the lock (so the
+lock lasts as long as that tail takes), renames live -> old and shadow -> live, drops old (unless kept), deletes the
+rebuild checkpoints and marks the rebuild swapped; then commits. If the tail grew past `max_tail` while the lock was
+awaited (or the lock was not granted in time), the transaction rolls back having changed nothing, and the rebuild
+catches up and tries again after a backoff (a log line and `swap_retries` count each). At the commit the new table
+holds exactly the events below the live checkpoints, which is what the live writer's tracking namespace has
+recorded, so the live connector continues from its own checkpoints with its own tracking, untouched. Its statements
+name the table, so its next batch (even one blocked on the lock) resolves the name again and writes into the new
+table.
+
+The machinery (fold into a scratch table, converge under traffic, act under the lock) is `Rebuild`; `finish` is the
+only step that swaps, so a check that compares instead of swapping overrides it and `_begin`.
 """
 
 from __future__ import annotations
@@ -38,12 +47,19 @@ from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.mapping import Mapping, load_mapper
 from kafold.connectors.projection.writer import DeadLetter, ProjectionWriter
-from kafold.errors import ConfigError, DecodeError, FatalError, KafoldError, RecordError
+from kafold.errors import ConfigError, DecodeError, FatalError, RecordError, RetriableError
+from kafold.retry import retrying
 
 log = logs.get(__name__)
 
 OFFSET_BEGINNING = -2  # librdkafka's logical offset
 ACTIVE = ("copying", "catching-up")
+# How long the swap waits for the live table's lock: the live writer's batch in flight finishes well within it.
+# Queries of the live table queue behind a pending ACCESS EXCLUSIVE request, so the wait is kept short; a lock not
+# granted in time is retried after a backoff.
+LOCK_WAIT_S = 2.0
+TAIL_WAIT_S = 30.0  # the tail under the lock must arrive from Kafka within this (else roll back, retry)
+RETRY_FIRST_S, RETRY_MAX_S = 0.1, 2.0
 
 
 class UnknownTypeError(RecordError):
@@ -74,13 +90,15 @@ class Plan:
 
 @dataclass
 class Progress:
-    """Where a rebuild stands: offsets covered by the shadow out of the live connector's (the target)."""
+    """Where a rebuild stands: offsets covered by the shadow out of the live connector's (the target), and the
+    records it is behind the live connector, summed over partitions (0 once swapped)."""
 
     phase: str
     done: int
     total: int
     events: int = 0
     batch: int = 0
+    behind: int = 0
 
 
 def plan(cfg: KafoldConfig, base: Path, name: str) -> Plan:
@@ -137,8 +155,9 @@ def progress(pgc: PostgresConfig, name: str) -> tuple[str, int, int] | None:
     return str(row["phase"]), int(row["events"]), behind
 
 
-class _NotYet(KafoldError):
-    """The tail under the lock was too long or did not arrive: release the lock and catch up first."""
+class _NotYet(RetriableError):
+    """The tail under the lock was too long or did not arrive, or the lock was not granted in time: roll back,
+    catch up and try again after a backoff."""
 
 
 class Rebuild:
@@ -156,6 +175,9 @@ class Rebuild:
         self.phase = "copying"
         self.events = 0
         self.tail = 0  # offsets applied while the live writer waited, in the last swap attempt
+        self.behind = 0  # records behind the live connector at the last look, summed over partitions
+        self.swap_retries = 0  # swap attempts rolled back (tail too long, lock not granted)
+        self.locked_ms = 0.0  # how long the live table was locked by the swap (lock granted -> commit)
         self.log = log.bind(projection=plan.name, shadow=plan.shadow)
 
     # ---- state ------------------------------------------------------------------------------------------
@@ -200,7 +222,7 @@ class Rebuild:
 
     # ---- the run ----------------------------------------------------------------------------------------
     def run(self) -> Progress:
-        """Replay, catch up with the live connector and swap; returns the final progress (phase 'swapped', or
+        """Replay, converge with the live connector and swap; returns the final progress (phase 'swapped', or
         the phase reached when stopped)."""
         from kafold import kafka_clients
 
@@ -210,24 +232,44 @@ class Rebuild:
                       covered=sum(self.positions.values()))
         consumer = kafka_clients.consumer(self.plan.kafka, f"kafold-rebuild.{self.plan.name}",
                                           **{"enable.partition.eof": False})
+
+        def attempt() -> None:
+            self._catch_up(consumer)
+            if not self.stop.is_set():
+                self._converge(consumer)
+
+        def again(e: RetriableError, delay: float) -> None:
+            self.swap_retries += 1
+            self.log.info("swap not possible yet; catching up and trying again", reason=str(e),
+                          retry_in_s=round(delay, 2), swap_retries=self.swap_retries, max_tail=self.max_tail)
+
         try:
-            partitions = self._partitions(consumer)
-            for tp in partitions:
+            for tp in self._partitions(consumer):
                 self.positions.setdefault(tp, 0)
-            while not self.stop.is_set():
-                targets = self._ours(offsets(self.plan.pgc, self.plan.name))
-                if self._caught_up(targets):
-                    if self.phase == "copying":
-                        self._save("catching-up")
-                    if self._try_swap(consumer):
-                        break
-                    continue
-                self._step(consumer, targets)
+            retrying(attempt, within_s=float("inf"), on_retry=again, first_delay=RETRY_FIRST_S,
+                     max_delay=RETRY_MAX_S, stop=self.stop)
+        except _NotYet:
+            pass  # stopped while waiting to try again: resumable
         finally:
             consumer.close()
             self.writer.close()
         done = sum(self.positions.values())
-        return Progress(self.phase, done, done, self.events)
+        return Progress(self.phase, done, done, self.events, 0, self.behind)
+
+    def _catch_up(self, consumer: Any) -> None:
+        """Apply batches until the shadow has reached the live checkpoints read before its last batch (so what is
+        left is what the live connector committed meanwhile) and is within `max_tail` of them on every partition."""
+        reached = False
+        while not self.stop.is_set():
+            targets = self._ours(offsets(self.plan.pgc, self.plan.name))
+            self.behind = self._behind(targets)
+            if reached and self._near(targets):
+                if self.phase == "copying":
+                    self._save("catching-up")
+                    self.log.info("history copied; in the tail phase", behind=self.behind)
+                return
+            self._step(consumer, targets)
+            reached = self._caught_up(targets)
 
     def _partitions(self, consumer: Any) -> list[TopicPartition]:
         out: list[TopicPartition] = []
@@ -245,6 +287,13 @@ class Rebuild:
     def _caught_up(self, targets: dict[TopicPartition, int]) -> bool:
         return all(self.positions.get(tp, 0) >= off for tp, off in targets.items())
 
+    def _near(self, targets: dict[TopicPartition, int]) -> bool:
+        """Within `max_tail` records of the target on every partition: small enough to apply under the lock."""
+        return all(off - self.positions.get(tp, 0) <= self.max_tail for tp, off in targets.items())
+
+    def _behind(self, targets: dict[TopicPartition, int]) -> int:
+        return sum(max(0, off - self.positions.get(tp, 0)) for tp, off in targets.items())
+
     def _assign(self, consumer: Any, targets: dict[TopicPartition, int]) -> None:
         """Fetch exactly the partitions that are behind their target, from the shadow's checkpoint."""
         from confluent_kafka import TopicPartition as KafkaTP
@@ -258,7 +307,8 @@ class Rebuild:
                                          for tp in new])
         self.assigned = want
 
-    def _step(self, consumer: Any, targets: dict[TopicPartition, int], wait_s: float = 0.5) -> None:
+    def _step(self, consumer: Any, targets: dict[TopicPartition, int], wait_s: float = 0.5,
+              save: bool = True) -> None:
         """One consumed batch applied to the shadow (offsets below the targets only)."""
         self._assign(consumer, targets)
         msgs = consumer.consume(self.batch, wait_s)
@@ -296,13 +346,18 @@ class Rebuild:
         for tp, off in advance.items():
             self.positions[tp] = max(off, self.positions.get(tp, 0))
         self.events += len(records)
-        if self.on_progress is not None:
-            self.on_progress(Progress(self.phase, sum(self.positions.values()), sum(targets.values()),
-                                      self.events, len(msgs)))
-        self._save(self.phase)
+        self.behind = self._behind(targets)
+        self._report(len(msgs), sum(targets.values()))
+        if save:
+            self._save(self.phase)
         self.log.debug("rebuild batch", records=len(msgs), applied=result.events - result.duplicates,
                        upserted=result.upserted, deleted=result.deleted, dead_lettered=result.dead_lettered,
                        duration_ms=round((time.perf_counter() - started) * 1000, 1))
+
+    def _report(self, batch: int, total: int) -> None:
+        if self.on_progress is not None:
+            self.on_progress(Progress(self.phase, sum(self.positions.values()), total, self.events, batch,
+                                      self.behind))
 
     def _record(self, m: Any, dead: list[DeadLetter]) -> SinkRecord | None:
         """The message as a SinkRecord; None when skipped or dead-lettered (as the live runner does)."""
@@ -324,52 +379,66 @@ class Rebuild:
         return SinkRecord(m.topic(), m.partition(), m.offset(), event.aggregate_id, event, ts if ts_kind else None)
 
     # ---- the swap ---------------------------------------------------------------------------------------
-    def _try_swap(self, consumer: Any) -> bool:
-        """The swap transaction; False (rolled back, nothing changed) when the tail under the lock is too long."""
+    def _converge(self, consumer: Any) -> None:
+        """The swap transaction: lock, apply the tail, `finish`; _NotYet (rolled back, nothing changed) when the
+        tail under the lock is longer than `max_tail` or the lock was not granted in time."""
         p, c = self.plan, self.plan.config
-        live, shadow = q.qualified(c.schema, c.table), q.qualified(c.schema, p.shadow)
-        dead = db.table(p.pgc, "dead_letters")
+        live = q.qualified(c.schema, c.table)
         started = time.perf_counter()
+        locked = started
         try:
             with db.connect(p.pgc) as conn, conn.transaction():
-                conn.execute("SET LOCAL lock_timeout = '60s'")
+                conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(f"{int(LOCK_WAIT_S * 1000)}ms")))
                 exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL",
                                       (q.regclass_text(c.schema, c.table),)).fetchone()
-                if exists and exists[0]:  # waits for the live writer's batch in flight, blocks the next one
+                live_exists = bool(exists and exists[0])
+                if live_exists:  # waits for the live writer's batch in flight, blocks the next one
                     conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(live))
+                locked = time.perf_counter()
                 targets = self._ours(offsets(p.pgc, p.name, conn, lock=True))
-                self.tail = tail = sum(max(0, off - self.positions.get(tp, 0)) for tp, off in targets.items())
-                if tail > self.max_tail:
-                    raise _NotYet(f"{tail} records behind")
-                deadline = time.monotonic() + 30
+                self.tail = tail = self._behind(targets)
+                if not self._near(targets):
+                    raise _NotYet(f"{tail} records behind under the lock (more than --max-tail {self.max_tail} on "
+                                  "a partition)")
+                self.phase = "swapping"
+                deadline = time.monotonic() + TAIL_WAIT_S
                 while not self._caught_up(targets):  # the tail, into the shadow, while the live writer waits
                     if time.monotonic() > deadline or self.stop.is_set():
                         raise _NotYet("the tail did not arrive")
-                    self._step(consumer, targets, 0.02)  # short polls: the live writer is waiting
-                self.writer.close()
-                self._rename(conn, exists is not None and bool(exists[0]), live, shadow)
-                conn.execute(sql.SQL("DELETE FROM {} WHERE connector = %s").format(
-                    db.table(p.pgc, "checkpoints")), (p.key,))
-                # Records the new mapping refused become the live connector's dead letters (not lost); those the
-                # live connector already recorded are dropped with the rest of the rebuild's bookkeeping.
-                conn.execute(sql.SQL(
-                    "UPDATE {} d SET connector = %s WHERE d.connector = %s AND NOT EXISTS (SELECT 1 FROM {} l "
-                    "WHERE l.connector = %s AND l.topic = d.topic AND l.partition = d.partition "
-                    "AND l.\"offset\" = d.\"offset\")").format(dead, dead), (p.name, p.key, p.name))
-                self._save("swapped", conn)
-        except _NotYet as e:
-            self.log.info("not caught up under the lock; catching up again", reason=str(e))
-            return False
-        except psycopg.errors.LockNotAvailable:
-            self.log.warning("could not lock the live table within 60 s; trying again")
-            return False
-        locked_ms = round((time.perf_counter() - started) * 1000, 1)
+                    self._step(consumer, targets, 0.02, save=False)  # short polls: the live writer is waiting
+                self.finish(conn, live_exists)
+                self.phase = "swapped"
+        except psycopg.errors.LockNotAvailable as e:
+            self.phase = "catching-up"
+            raise _NotYet(f"the live table was not locked within {LOCK_WAIT_S:g} s") from e
+        except _NotYet:
+            self.phase = "catching-up"
+            raise
+        self.locked_ms = round((time.perf_counter() - locked) * 1000, 1)
         with db.connect(p.pgc) as conn, conn.transaction():
             self._forget(conn)
+        self.behind = 0
+        self._report(0, sum(self.positions.values()))
         self.log.info("rebuild swapped", table=f"{c.schema}.{c.table}", events=self.events,
-                      covered=sum(self.positions.values()), locked_ms=locked_ms, tail_under_lock=self.tail,
-                      kept_old=self.keep_old)
-        return True
+                      covered=sum(self.positions.values()), locked_ms=self.locked_ms,
+                      lock_wait_ms=round((locked - started) * 1000, 1), tail_under_lock=self.tail,
+                      swap_retries=self.swap_retries, kept_old=self.keep_old)
+
+    def finish(self, conn: psycopg.Connection[Any], live_exists: bool) -> None:
+        """Under the lock, with the shadow equal to the live connector's checkpoints: swap the shadow in."""
+        p, c = self.plan, self.plan.config
+        live, shadow = q.qualified(c.schema, c.table), q.qualified(c.schema, p.shadow)
+        dead = db.table(p.pgc, "dead_letters")
+        self.writer.close()
+        self._rename(conn, live_exists, live, shadow)
+        conn.execute(sql.SQL("DELETE FROM {} WHERE connector = %s").format(db.table(p.pgc, "checkpoints")), (p.key,))
+        # Records the new mapping refused become the live connector's dead letters (not lost); those the live
+        # connector already recorded are dropped with the rest of the rebuild's bookkeeping.
+        conn.execute(sql.SQL(
+            "UPDATE {} d SET connector = %s WHERE d.connector = %s AND NOT EXISTS (SELECT 1 FROM {} l "
+            "WHERE l.connector = %s AND l.topic = d.topic AND l.partition = d.partition "
+            "AND l.\"offset\" = d.\"offset\")").format(dead, dead), (p.name, p.key, p.name))
+        self._save("swapped", conn)
 
     def _rename(self, conn: psycopg.Connection[Any], exists: bool, live: sql.Composed, shadow: sql.Composed) -> None:
         """live -> old (dropped unless kept), shadow -> live; the primary key keeps the live table's name."""
