@@ -46,7 +46,7 @@ from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.mapping import Mapping, load_mapper
-from kafold.connectors.projection.writer import DeadLetter, ProjectionWriter
+from kafold.connectors.projection.writer import DeadLetter, ProjectionWriter, holds_lock
 from kafold.errors import ConfigError, DecodeError, FatalError, RecordError, RetriableError
 from kafold.retry import retrying
 
@@ -178,6 +178,7 @@ class Rebuild:
         self.behind = 0  # records behind the live connector at the last look, summed over partitions
         self.swap_retries = 0  # swap attempts rolled back (tail too long, lock not granted)
         self.locked_ms = 0.0  # how long the live table was locked by the swap (lock granted -> commit)
+        self.lock_ms_max = 0.0  # the longest the live table was locked by any swap attempt (also rolled back)
         self.log = log.bind(projection=plan.name, shadow=plan.shadow)
 
     # ---- state ------------------------------------------------------------------------------------------
@@ -385,13 +386,15 @@ class Rebuild:
         p, c = self.plan, self.plan.config
         live = q.qualified(c.schema, c.table)
         started = time.perf_counter()
-        locked = started
+        locked: float | None = None
         try:
             with db.connect(p.pgc) as conn, conn.transaction():
                 conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(f"{int(LOCK_WAIT_S * 1000)}ms")))
                 exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL",
                                       (q.regclass_text(c.schema, c.table),)).fetchone()
                 live_exists = bool(exists and exists[0])
+                # The live writer reads its held keys under this lock (shared): it sees the holds as swapped.
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (holds_lock(p.name),))
                 if live_exists:  # waits for the live writer's batch in flight, blocks the next one
                     conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(live))
                 locked = time.perf_counter()
@@ -414,7 +417,11 @@ class Rebuild:
         except _NotYet:
             self.phase = "catching-up"
             raise
-        self.locked_ms = round((time.perf_counter() - locked) * 1000, 1)
+        finally:
+            if locked is not None:  # from the lock granted to the commit or the rollback
+                self.locked_ms = round((time.perf_counter() - locked) * 1000, 1)
+                self.lock_ms_max = max(self.lock_ms_max, self.locked_ms)
+        assert locked is not None
         with db.connect(p.pgc) as conn, conn.transaction():
             self._forget(conn)
         self.behind = 0
@@ -432,6 +439,20 @@ class Rebuild:
         self.writer.close()
         self._rename(conn, live_exists, live, shadow)
         conn.execute(sql.SQL("DELETE FROM {} WHERE connector = %s").format(db.table(p.pgc, "checkpoints")), (p.key,))
+        # Held keys follow the new table: a key the live connector held that the rebuild applied is released (its
+        # dead letters count as replayed), and one the rebuild holds is held again, even if it had been repaired
+        # in the old table (the repair was not in the topic the rebuild read).
+        conn.execute(sql.SQL(
+            "UPDATE {} l SET status = 'replayed', replayed_at = now() WHERE l.connector = %s AND l.status IN "
+            "('new', 'held') AND l.hold_key IS NOT NULL AND NOT EXISTS (SELECT 1 FROM {} d WHERE d.connector = %s "
+            "AND d.topic = l.topic AND d.partition = l.partition AND d.\"offset\" = l.\"offset\")").format(
+            dead, dead), (p.name, p.key))
+        conn.execute(sql.SQL(
+            "UPDATE {} l SET status = d.status, hold_key = d.hold_key, reason = d.reason, error_class = "
+            "d.error_class, error_message = d.error_message, replayed_at = NULL FROM {} d WHERE d.connector = %s "
+            "AND l.connector = %s AND d.topic = l.topic AND d.partition = l.partition AND d.\"offset\" = "
+            "l.\"offset\" AND d.hold_key IS NOT NULL AND d.status IN ('new', 'held')").format(dead, dead),
+            (p.key, p.name))
         # Records the new mapping refused become the live connector's dead letters (not lost); those the live
         # connector already recorded are dropped with the rest of the rebuild's bookkeeping.
         conn.execute(sql.SQL(

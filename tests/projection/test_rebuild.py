@@ -216,7 +216,8 @@ def test_a_rebuild_killed_halfway_resumes_and_finishes_correctly(
     # The daemon's /metrics shows the rebuild under way, read from PostgreSQL.
     gauges = _rebuild_gauges(kafka_config, pg_config, unique, topic, table)
     assert gauges == {"kafold_rebuild_active": 1.0, "kafold_rebuild_offsets_covered": float(before["events"]),
-                      "kafold_rebuild_offsets_behind": gauges["kafold_rebuild_offsets_behind"]}
+                      "kafold_rebuild_offsets_behind": gauges["kafold_rebuild_offsets_behind"],
+                      "kafold_projection_held_keys": 0.0}
     assert gauges["kafold_rebuild_offsets_behind"] > 0
     shown = subprocess.run([*cmd[:4], "status", unique, "-c", str(conf)], capture_output=True, text=True,
                            timeout=60)
