@@ -23,6 +23,11 @@ recorded, so the live connector continues from its own checkpoints with its own 
 name the table, so its next batch (even one blocked on the lock) resolves the name again and writes into the new
 table.
 
+In the tail phase the rebuild keeps every partition assigned and keeps what it fetched at or past its target (up to
+`max_tail` messages a partition, in order): the tail under the lock is then applied from memory, without waiting
+for a fetch while the live writer waits. Read-ahead messages are applied only once the live checkpoint passes
+them, so the shadow still never goes past the live connector.
+
 The machinery (fold into a scratch table, converge under traffic, act under the lock) is `Rebuild`; `finish` is the
 only step that swaps, so a check that compares instead of swapping overrides it and `_begin`.
 """
@@ -172,6 +177,7 @@ class Rebuild:
         self.writer = ProjectionWriter(plan.pgc, plan.config, plan.mapping, plan.key, plan.key, plan.shadow)
         self.positions: dict[TopicPartition, int] = {}
         self.assigned: set[TopicPartition] = set()
+        self.ahead: dict[TopicPartition, list[Any]] = {}  # messages at or past the target, in order (tail phase)
         self.phase = "copying"
         self.events = 0
         self.tail = 0  # offsets applied while the live writer waited, in the last swap attempt
@@ -296,13 +302,17 @@ class Rebuild:
         return sum(max(0, off - self.positions.get(tp, 0)) for tp, off in targets.items())
 
     def _assign(self, consumer: Any, targets: dict[TopicPartition, int]) -> None:
-        """Fetch exactly the partitions that are behind their target, from the shadow's checkpoint."""
+        """Fetch the partitions that are behind their target (in the tail phase: every partition, reading ahead),
+        from the shadow's checkpoint."""
         from confluent_kafka import TopicPartition as KafkaTP
 
-        want = {tp for tp, off in targets.items() if self.positions.get(tp, 0) < off}
+        ahead = self.phase != "copying"
+        want = {tp for tp, off in targets.items() if ahead or self.positions.get(tp, 0) < off}
         gone, new = self.assigned - want, want - self.assigned
         if gone:
             consumer.incremental_unassign([KafkaTP(tp.topic, tp.partition) for tp in gone])
+            for tp in gone:
+                self.ahead.pop(tp, None)
         if new:
             consumer.incremental_assign([KafkaTP(tp.topic, tp.partition, self.positions.get(tp) or OFFSET_BEGINNING)
                                          for tp in new])
@@ -310,36 +320,36 @@ class Rebuild:
 
     def _step(self, consumer: Any, targets: dict[TopicPartition, int], wait_s: float = 0.5,
               save: bool = True) -> None:
-        """One consumed batch applied to the shadow (offsets below the targets only)."""
+        """One batch applied to the shadow (offsets below the targets only): first the messages read ahead in an
+        earlier step, then, unless they reach the targets, consumed ones."""
         self._assign(consumer, targets)
-        msgs = consumer.consume(self.batch, wait_s)
         records: list[SinkRecord] = []
         dead: list[DeadLetter] = []
         advance: dict[TopicPartition, int] = {}
-        overrun: set[TopicPartition] = set()  # fetched past the target: re-fetch from the target later
-        for m in msgs:
-            err = m.error()
-            if err is not None:
-                if err.fatal():
-                    raise FatalError(f"rebuild consumer: {err}")
-                continue
-            tp, off = TopicPartition(m.topic(), m.partition()), m.offset()
-            target = targets.get(tp, 0)
-            if tp not in self.assigned or off < advance.get(tp, self.positions.get(tp, 0)):
-                continue  # fetched before an unassign, or already covered
-            if off >= target:  # nothing in between exists: the shadow is at the target
-                advance[tp] = max(advance.get(tp, 0), target)
-                overrun.add(tp)
-                continue
-            advance[tp] = off + 1
-            record = self._record(m, dead)
-            if record is not None:
-                records.append(record)
+        overrun: set[TopicPartition] = set()  # read ahead past the bound: re-fetch from the target later
+        buffered, self.ahead = self.ahead, {}
+        count = 0
+        for msgs in buffered.values():
+            count += len(msgs)
+            for m in msgs:
+                self._take(m, targets, records, dead, advance, overrun)
+        if not all(advance.get(tp, self.positions.get(tp, 0)) >= off for tp, off in targets.items()):
+            msgs = consumer.consume(self.batch, wait_s)
+            count += len(msgs)
+            for m in msgs:
+                err = m.error()
+                if err is not None:
+                    if err.fatal():
+                        raise FatalError(f"rebuild consumer: {err}")
+                    continue
+                self._take(m, targets, records, dead, advance, overrun)
         if overrun:
             from confluent_kafka import TopicPartition as KafkaTP
 
             consumer.incremental_unassign([KafkaTP(tp.topic, tp.partition) for tp in overrun])
             self.assigned -= overrun
+            for tp in overrun:
+                self.ahead.pop(tp, None)
         if not advance:
             return
         started = time.perf_counter()
@@ -348,12 +358,33 @@ class Rebuild:
             self.positions[tp] = max(off, self.positions.get(tp, 0))
         self.events += len(records)
         self.behind = self._behind(targets)
-        self._report(len(msgs), sum(targets.values()))
+        self._report(count, sum(targets.values()))
         if save:
             self._save(self.phase)
-        self.log.debug("rebuild batch", records=len(msgs), applied=result.events - result.duplicates,
+        self.log.debug("rebuild batch", records=count, applied=result.events - result.duplicates,
                        upserted=result.upserted, deleted=result.deleted, dead_lettered=result.dead_lettered,
                        duration_ms=round((time.perf_counter() - started) * 1000, 1))
+
+    def _take(self, m: Any, targets: dict[TopicPartition, int], records: list[SinkRecord], dead: list[DeadLetter],
+              advance: dict[TopicPartition, int], overrun: set[TopicPartition]) -> None:
+        """One message into the batch when below its target; else kept to read ahead (in the tail phase, up to
+        `max_tail` a partition), so that the tail under the lock is mostly in memory already."""
+        tp, off = TopicPartition(m.topic(), m.partition()), m.offset()
+        if tp not in self.assigned or tp in overrun or off < advance.get(tp, self.positions.get(tp, 0)):
+            return  # fetched before an unassign, dropped with its read-ahead, or already covered
+        target = targets.get(tp, 0)
+        if off >= target:  # messages arrive in order: nothing in between exists, the shadow is at the target
+            advance[tp] = max(advance.get(tp, 0), target)
+            kept = self.ahead.setdefault(tp, [])
+            if self.phase != "copying" and len(kept) < self.max_tail:
+                kept.append(m)
+            else:
+                overrun.add(tp)
+            return
+        advance[tp] = off + 1
+        record = self._record(m, dead)
+        if record is not None:
+            records.append(record)
 
     def _report(self, batch: int, total: int) -> None:
         if self.on_progress is not None:
