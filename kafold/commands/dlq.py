@@ -171,7 +171,8 @@ def replay(args: argparse.Namespace) -> int:
                     done.add(outcome.id)
                     applied += outcome.applied
                     print(outcome.line())
-    print(f"{applied} of {len(rows)} dead letter(s) replayed" + ("" if applied else "; nothing was applied"))
+    print(f"{len(rows)} dead letter(s) replayed: {applied} record(s) applied" +
+          ("" if applied else "; nothing was applied"))
     return 0 if applied else 1
 
 
