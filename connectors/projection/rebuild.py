@@ -11,19 +11,19 @@ The shadow never goes past the live connector: partition by partition it applies
 checkpoint (the target), re-read as the live connector advances. Under steady traffic the live connector commits a
 batch on some partition several times a second, so the shadow is never *equal* to it for long; the rebuild converges
 instead: once the shadow has reached the targets read before its last batch and is within `max_tail` records of the
-current ones on every partition (phase `catching-up`, the tail phase), the swap transaction locks the live table
-(ACCESS EXCLUSIVE: it waits for the live writer's in-flight batch and blocks the next one) and the live checkpoint
-rows (FOR UPDATE), re-reads the targets, applies the remaining tail into the shadow while holding the lock (so the
-lock lasts as long as that tail takes), renames live -> old and shadow -> live, drops old (unless kept), deletes the
-rebuild checkpoints and marks the rebuild swapped; then commits. If the tail grew past `max_tail` while the lock was
-awaited (or the lock was not granted in time), the transaction rolls back having changed nothing, and the rebuild
-catches up and tries again after a backoff (a log line and `swap_retries` count each). At the commit the new table
-holds exactly the events below the live checkpoints, which is what the live writer's tracking namespace has
-recorded, so the live connector continues from its own checkpoints with its own tracking, untouched. Its statements
-name the table, so its next batch (even one blocked on the lock) resolves the name again and writes into the new
-table.
+current ones on every partition, the swap transaction locks the live table (ACCESS EXCLUSIVE: it waits for the live
+writer's in-flight batch and blocks the next one) and the live checkpoint rows (FOR UPDATE), re-reads the targets,
+applies the remaining tail into the shadow while holding the lock (so the lock lasts as long as that tail takes),
+renames live -> old and shadow -> live, drops old (unless kept), deletes the rebuild checkpoints and marks the
+rebuild swapped; then commits. If the tail grew past `max_tail` while the lock was awaited (or the lock was not
+granted in time), the transaction rolls back having changed nothing, and the rebuild catches up and tries again
+after a backoff (a log line and `swap_retries` count each). At the commit the new table holds exactly the events
+below the live checkpoints, which is what the live writer's tracking namespace has recorded, so the live connector
+continues from its own checkpoints with its own tracking, untouched. Its statements name the table, so its next
+batch (even one blocked on the lock) resolves the name again and writes into the new table.
 
-In the tail phase the rebuild keeps every partition assigned and keeps what it fetched at or past its target (up to
+The tail phase (`catching-up`) starts once the shadow is within `max_tail` of the live connector on every partition.
+In it the rebuild keeps every partition assigned and keeps what it fetched at or past its target (up to
 `max_tail` messages a partition, in order): the tail under the lock is then applied from memory, without waiting
 for a fetch while the live writer waits. Read-ahead messages are applied only once the live checkpoint passes
 them, so the shadow still never goes past the live connector.
@@ -63,6 +63,7 @@ ACTIVE = ("copying", "catching-up")
 # Queries of the live table queue behind a pending ACCESS EXCLUSIVE request, so the wait is kept short; a lock not
 # granted in time is retried after a backoff.
 LOCK_WAIT_S = 2.0
+COPY_POLL_S, TAIL_POLL_S = 0.5, 0.05  # how long a batch waits for records while copying / in the tail phase
 TAIL_WAIT_S = 30.0  # the tail under the lock must arrive from Kafka within this (else roll back, retry)
 RETRY_FIRST_S, RETRY_MAX_S = 0.1, 2.0
 
@@ -270,12 +271,14 @@ class Rebuild:
         while not self.stop.is_set():
             targets = self._ours(offsets(self.plan.pgc, self.plan.name))
             self.behind = self._behind(targets)
-            if reached and self._near(targets):
-                if self.phase == "copying":
-                    self._save("catching-up")
-                    self.log.info("history copied; in the tail phase", behind=self.behind)
+            near = self._near(targets)
+            if near and self.phase == "copying":  # from here on it reads ahead (see the module note)
+                self._save("catching-up")
+                self.log.info("within --max-tail of the live connector; in the tail phase", behind=self.behind)
+            if reached and near:
                 return
-            self._step(consumer, targets)
+            # In the tail phase a short poll: what is left is small, and every wait lets the tail grow.
+            self._step(consumer, targets, TAIL_POLL_S if self.phase != "copying" else COPY_POLL_S)
             reached = self._caught_up(targets)
 
     def _partitions(self, consumer: Any) -> list[TopicPartition]:
@@ -470,6 +473,9 @@ class Rebuild:
         self.writer.close()
         self._rename(conn, live_exists, live, shadow)
         conn.execute(sql.SQL("DELETE FROM {} WHERE connector = %s").format(db.table(p.pgc, "checkpoints")), (p.key,))
+        # The events the rebuild dead-lettered or held are not in the new table: the live writer's tracking must not
+        # claim them (a `dlq replay` in the old table tracked them there), or their replay would be a duplicate.
+        self._untrack(conn, dead)
         # Held keys follow the new table: a key the live connector held that the rebuild applied is released (its
         # dead letters count as replayed), and one the rebuild holds is held again, even if it had been repaired
         # in the old table (the repair was not in the topic the rebuild read).
@@ -491,6 +497,25 @@ class Rebuild:
             "WHERE l.connector = %s AND l.topic = d.topic AND l.partition = d.partition "
             "AND l.\"offset\" = d.\"offset\")").format(dead, dead), (p.name, p.key, p.name))
         self._save("swapped", conn)
+
+    def _untrack(self, conn: psycopg.Connection[Any], dead: sql.Composed) -> None:
+        """Delete the live namespace's tracking records of the events the rebuild dead-lettered or held."""
+        from kafold.connectors.projection.holds import stored_headers
+        from kafold.connectors.projection.writer import tracking_key, tracking_prefix
+        from kafold.envelope import decode
+
+        p = self.plan
+        prefix, keys = tracking_prefix(p.name), []
+        rows = conn.execute(sql.SQL("SELECT key, value, headers FROM {} WHERE connector = %s").format(dead),
+                            (p.key,)).fetchall()
+        for key, value, headers in rows:
+            try:
+                keys.append(tracking_key(prefix, decode(key, value, stored_headers(headers)).event_id))
+            except DecodeError:
+                continue  # never decoded, so never applied nor tracked
+        if keys:
+            conn.execute(sql.SQL("DELETE FROM {} WHERE event_key = ANY(%s)").format(db.table(p.pgc, "tracking")),
+                         (keys,))
 
     def _rename(self, conn: psycopg.Connection[Any], exists: bool, live: sql.Composed, shadow: sql.Composed) -> None:
         """live -> old (dropped unless kept), shadow -> live; the primary key keeps the live table's name."""

@@ -142,3 +142,32 @@ def test_without_the_hold_a_replay_older_than_its_row_is_skipped_as_stale_and_ex
     assert f"kafold projection rebuild {unique} -c {s.conf}" in out and "nothing was applied" in out
     assert s.row("acc-1") == (11, 4)
     assert [d["status"] for d in _dead(pg_config, unique)] == ["new"]  # still to be repaired
+
+
+@pytest.mark.timeout(240)
+def test_a_rebuild_carries_the_holds_over_to_the_new_table(
+        kafka_config: KafkaConfig, pg_config: PostgresConfig, unique: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The repair by replay is not in the topic: the rebuilt table holds acc-1 again, and says so, until replayed
+    again; the live connector, running through the swap, holds and releases by the new table's dead letters."""
+    from kafold.config import KafoldConfig
+    from kafold.connectors.projection import rebuild as rb
+
+    s = Story(kafka_config, pg_config, unique, tmp_path)
+    plan = rb.plan(KafoldConfig(kafka=kafka_config, postgres=pg_config, connectors=[s.cfg]), Path("."), unique)
+    with running(kafka_config, pg_config, s.cfg, unique, batch=3) as live:
+        wait_offsets(pg_config, unique, s.topic, ends_of(s.coords), live)
+        head = _dead(pg_config, unique)[0]["id"]
+        assert _main("dlq", "replay", "-c", str(s.conf), str(head), "--value-file", str(s.fixed)) == 0
+        assert s.row("acc-1") == (111, 4) and held_keys(pg_config, unique) == {}
+        assert rb.Rebuild(plan, batch=2).run().phase == "swapped"
+        assert s.row("acc-1") == (10, 2) and s.row("acc-2") == (12, 3)  # the topic still has the misspelt v3
+        dead = _dead(pg_config, unique)
+        assert [(d["offset"], d["status"]) for d in dead] == [(3, "new"), (5, "held")] and dead[0]["id"] == head
+        s.produce(deposited("acc-1", 5, 5))  # held by the live connector behind the head again
+        wait_offsets(pg_config, unique, s.topic, ends_of(s.coords), live)
+        assert s.row("acc-1") == (10, 2) and held_keys(pg_config, unique) == {unique: 1}
+        capsys.readouterr()
+        assert _main("dlq", "replay", "-c", str(s.conf), str(head), "--value-file", str(s.fixed)) == 0
+        assert "v5 of acc-1: applied; the row is at version 5" in capsys.readouterr().out
+        assert s.row("acc-1") == (116, 5)
