@@ -37,6 +37,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -179,6 +180,10 @@ class Rebuild:
         self.positions: dict[TopicPartition, int] = {}
         self.assigned: set[TopicPartition] = set()
         self.ahead: dict[TopicPartition, list[Any]] = {}  # messages at or past the target, in order (tail phase)
+        # While copying, a batch's shadow write runs in this thread as the next batch is consumed and decoded; at
+        # most one in flight, and `positions` already count it (see _settle).
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"kafold-rebuild-{plan.name}")
+        self.inflight: Future[Any] | None = None
         self.phase = "copying"
         self.events = 0
         self.tail = 0  # offsets applied while the live writer waited, in the last swap attempt
@@ -186,6 +191,7 @@ class Rebuild:
         self.swap_retries = 0  # swap attempts rolled back (tail too long, lock not granted)
         self.locked_ms = 0.0  # how long the live table was locked by the swap (lock granted -> commit)
         self.lock_ms_max = 0.0  # the longest the live table was locked by any swap attempt (also rolled back)
+        self.tail_ms = self.finish_ms = 0.0  # of the swap's lock: applying the tail, then `finish` (commit apart)
         self.log = log.bind(projection=plan.name, shadow=plan.shadow)
 
     # ---- state ------------------------------------------------------------------------------------------
@@ -238,8 +244,12 @@ class Rebuild:
         self.positions = {tp: off for tp, off in self.writer.checkpoints().items()}
         self.log.info("rebuild resumed" if resumed else "rebuild started", phase=self.phase,
                       covered=sum(self.positions.values()))
-        consumer = kafka_clients.consumer(self.plan.kafka, f"kafold-rebuild.{self.plan.name}",
-                                          **{"enable.partition.eof": False})
+        # Large fetches for the history; a short broker wait so that, in the tail phase, records reach the
+        # read-ahead as soon as they are written rather than a long-poll later (see kafka_clients).
+        consumer = kafka_clients.consumer(self.plan.kafka, f"kafold-rebuild.{self.plan.name}", **{
+            "enable.partition.eof": False, "fetch.wait.max.ms": kafka_clients.RANGE_FETCH_WAIT_MS,
+            "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024,
+            "queued.min.messages": 200000})
 
         def attempt() -> None:
             self._catch_up(consumer)
@@ -259,8 +269,12 @@ class Rebuild:
         except _NotYet:
             pass  # stopped while waiting to try again: resumable
         finally:
-            consumer.close()
-            self.writer.close()
+            try:
+                self._settle()
+            finally:
+                self.pool.shutdown()
+                consumer.close()
+                self.writer.close()
         done = sum(self.positions.values())
         return Progress(self.phase, done, done, self.events, 0, self.behind)
 
@@ -276,6 +290,7 @@ class Rebuild:
                 self._save("catching-up")
                 self.log.info("within --max-tail of the live connector; in the tail phase", behind=self.behind)
             if reached and near:
+                self._settle()
                 return
             # In the tail phase a short poll: what is left is small, and every wait lets the tail grow.
             self._step(consumer, targets, TAIL_POLL_S if self.phase != "copying" else COPY_POLL_S)
@@ -355,18 +370,25 @@ class Rebuild:
                 self.ahead.pop(tp, None)
         if not advance:
             return
-        started = time.perf_counter()
-        result = self.writer.write(records, dead, offsets=advance)
-        for tp, off in advance.items():
+        self._settle()
+        if save and self.phase == "copying":  # written while the next batch is fetched and decoded
+            self.inflight = self.pool.submit(self.writer.write, records, dead, offsets=advance)
+        else:
+            self.writer.write(records, dead, offsets=advance)
+        for tp, off in advance.items():  # a write in flight counts: it is settled before anything relies on it
             self.positions[tp] = max(off, self.positions.get(tp, 0))
         self.events += len(records)
         self.behind = self._behind(targets)
         self._report(count, sum(targets.values()))
         if save:
             self._save(self.phase)
-        self.log.debug("rebuild batch", records=count, applied=result.events - result.duplicates,
-                       upserted=result.upserted, deleted=result.deleted, dead_lettered=result.dead_lettered,
-                       duration_ms=round((time.perf_counter() - started) * 1000, 1))
+
+    def _settle(self) -> None:
+        """Wait for the shadow write in flight (its error, if any, ends the run: it resumes from the checkpoints
+        in PostgreSQL, which that write did not move)."""
+        inflight, self.inflight = self.inflight, None
+        if inflight is not None:
+            inflight.result()
 
     def _take(self, m: Any, targets: dict[TopicPartition, int], records: list[SinkRecord], dead: list[DeadLetter],
               advance: dict[TopicPartition, int], overrun: set[TopicPartition]) -> None:
@@ -417,6 +439,7 @@ class Rebuild:
     def _converge(self, consumer: Any) -> None:
         """The swap transaction: lock, apply the tail, `finish`; _NotYet (rolled back, nothing changed) when the
         tail under the lock is longer than `max_tail` or the lock was not granted in time."""
+        self._settle()
         p, c = self.plan, self.plan.config
         live = q.qualified(c.schema, c.table)
         started = time.perf_counter()
@@ -438,12 +461,16 @@ class Rebuild:
                     raise _NotYet(f"{tail} records behind under the lock (more than --max-tail {self.max_tail} on "
                                   "a partition)")
                 self.phase = "swapping"
+                tail_started = time.perf_counter()
                 deadline = time.monotonic() + TAIL_WAIT_S
                 while not self._caught_up(targets):  # the tail, into the shadow, while the live writer waits
                     if time.monotonic() > deadline or self.stop.is_set():
                         raise _NotYet("the tail did not arrive")
                     self._step(consumer, targets, 0.02, save=False)  # short polls: the live writer is waiting
+                finish_started = time.perf_counter()
+                self.tail_ms = round((finish_started - tail_started) * 1000, 1)
                 self.finish(conn, live_exists)
+                self.finish_ms = round((time.perf_counter() - finish_started) * 1000, 1)
                 self.phase = "swapped"
         except psycopg.errors.LockNotAvailable as e:
             self.phase = "catching-up"
@@ -463,6 +490,7 @@ class Rebuild:
         self.log.info("rebuild swapped", table=f"{c.schema}.{c.table}", events=self.events,
                       covered=sum(self.positions.values()), locked_ms=self.locked_ms,
                       lock_wait_ms=round((locked - started) * 1000, 1), tail_under_lock=self.tail,
+                      tail_ms=self.tail_ms, finish_ms=self.finish_ms,
                       swap_retries=self.swap_retries, kept_old=self.keep_old)
 
     def finish(self, conn: psycopg.Connection[Any], live_exists: bool) -> None:

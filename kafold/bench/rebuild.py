@@ -120,7 +120,8 @@ def _rebuild(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argp
     return {"phase": result.phase, "rebuild_events_per_s": round(copied / copied_s) if copied_s > 0 else 0,
             "rebuild_seconds": round(ended - started, 1), "tail_phase_seconds": round(ended - marks.get(
                 "copied", ended), 1), "swap_lock_ms_max": rebuild.lock_ms_max, "swap_lock_ms": rebuild.locked_ms,
-            "tail_under_lock": rebuild.tail, "swap_retries": rebuild.swap_retries}
+            "tail_under_lock": rebuild.tail, "swap_tail_ms": rebuild.tail_ms, "swap_finish_ms": rebuild.finish_ms,
+            "swap_retries": rebuild.swap_retries}
 
 
 def _live_traffic(kafka: Any, topic: str, rate: int, accounts: int, version: int, stop: Any, produced: Any) -> None:
