@@ -84,11 +84,11 @@ def list_(args: argparse.Namespace) -> int:
         where.append("status = %s")
         params.append(args.status)
     rows = _rows(cfg.postgres, " AND ".join(where), tuple(params), args.limit)
-    table = Table("id", "connector", "record", "reason", "error", "status", "created")
+    table = Table("id", "connector", "record", "reason", "error", "status", "holds key", "created")
     for r in rows:
         table.add_row(str(r["id"]), r["connector"], f"{r['topic']}[{r['partition']}]@{r['offset']}", r["reason"],
                       f"{r['error_class'].rpartition('.')[2]}: {r['error_message'][:80]}", r["status"],
-                      r["created_at"].isoformat(timespec="seconds"))
+                      r["hold_key"] or "", r["created_at"].isoformat(timespec="seconds"))
     Console().print(table)
     print(f"{len(rows)} dead letter(s)")
     return 0
@@ -109,7 +109,7 @@ def show_(args: argparse.Namespace) -> int:
     if not rows:
         raise KafoldError(f"no dead letter with id {args.id}")
     r = rows[0]
-    for name in ("id", "connector", "topic", "partition", "offset", "status", "reason", "error_class",
+    for name in ("id", "connector", "topic", "partition", "offset", "status", "hold_key", "reason", "error_class",
                  "error_message", "created_at", "replayed_at"):
         print(f"{name:<14} {r[name]}")
     print("headers")
