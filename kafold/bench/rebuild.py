@@ -15,16 +15,14 @@ import multiprocessing
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import tomllib
 import uuid
 from pathlib import Path
 from typing import Any
 
 from kafold import logs
-from kafold.bench import embedded_stack, short_group
-from kafold.bench.projection import COLUMNS, RULES, DaemonStack, _daemon_toml, _produce, _tail
+from kafold.bench import short_group
+from kafold.bench.projection import COLUMNS, RULES, DaemonStack, _daemon_toml, _produce, _tail, daemon_stack
 
 log = logs.get(__name__)
 
@@ -43,19 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kafold import db
-    from kafold.config import KafkaConfig, PostgresConfig, load_file
 
     logs.configure("warning")
     with contextlib.ExitStack() as stack:
-        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kafold-bench-rebuild-")))
-        if args.config:
-            cfg = load_file(args.config).config
-            raw = tomllib.loads(Path(args.config).read_text())
-            daemons = DaemonStack(raw.get("kafka", {}), raw.get("postgres", {}), {}, cfg.kafka, cfg.postgres, workdir)
-        else:
-            bootstrap, url = stack.enter_context(embedded_stack("rebuild"))
-            daemons = DaemonStack({"bootstrap_servers": bootstrap}, {}, {"KAFOLD_POSTGRES__URL": url},
-                                  KafkaConfig(bootstrap_servers=bootstrap), PostgresConfig(url=url), workdir)
+        daemons = daemon_stack(stack, "rebuild", args.config)
         kafka = short_group(daemons.kafka)
         name = f"kafold.bench.rebuild.{uuid.uuid4().hex[:8]}"
         topic, table = f"{name}.events", f"bench_{uuid.uuid4().hex[:8]}"
@@ -63,7 +52,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _produce(kafka, topic, args.events, args.partitions, accounts)
         db.upgrade(daemons.postgres)
         daemon_args = argparse.Namespace(batch=2500, tasks=2, task_processes=True)
-        conf = workdir / "live.toml"
+        conf = daemons.workdir / "live.toml"
         conf.write_text(_daemon_toml(daemons, name, topic, table, daemon_args))
         live = stack.enter_context(_daemon(daemons, conf))
         _wait_covered(daemons.postgres, name, args.events, live, conf)
