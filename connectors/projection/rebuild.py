@@ -184,6 +184,7 @@ class Rebuild:
         # most one in flight, and `positions` already count it (see _settle).
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"kafold-rebuild-{plan.name}")
         self.inflight: Future[Any] | None = None
+        self.meta: psycopg.Connection[Any] | None = None  # see _bookkeeping
         self.phase = "copying"
         self.events = 0
         self.tail = 0  # offsets applied while the live writer waited, in the last swap attempt
@@ -228,11 +229,13 @@ class Rebuild:
         query = sql.SQL("UPDATE {} SET phase = %s, events = %s, updated_at = now() WHERE projection = %s").format(
             db.table(self.plan.pgc, "rebuild_state"))
         params = (phase, sum(self.positions.values()), self.plan.name)
-        if conn is not None:
-            conn.execute(query, params)
-        else:
-            with db.connect(self.plan.pgc) as own:
-                own.execute(query, params)
+        (conn or self._bookkeeping()).execute(query, params)
+
+    def _bookkeeping(self) -> psycopg.Connection[Any]:
+        """One session (autocommit) for reading the live checkpoints and saving progress, batch after batch."""
+        if self.meta is None or self.meta.closed or self.meta.broken:
+            self.meta = db.connect(self.plan.pgc)
+        return self.meta
 
     # ---- the run ----------------------------------------------------------------------------------------
     def run(self) -> Progress:
@@ -275,6 +278,8 @@ class Rebuild:
                 self.pool.shutdown()
                 consumer.close()
                 self.writer.close()
+                if self.meta is not None:
+                    self.meta.close()
         done = sum(self.positions.values())
         return Progress(self.phase, done, done, self.events, 0, self.behind)
 
@@ -283,7 +288,7 @@ class Rebuild:
         left is what the live connector committed meanwhile) and is within `max_tail` of them on every partition."""
         reached = False
         while not self.stop.is_set():
-            targets = self._ours(offsets(self.plan.pgc, self.plan.name))
+            targets = self._ours(offsets(self.plan.pgc, self.plan.name, self._bookkeeping()))
             self.behind = self._behind(targets)
             near = self._near(targets)
             if near and self.phase == "copying":  # from here on it reads ahead (see the module note)
