@@ -24,7 +24,7 @@ log = logs.get(__name__)
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 # The newest of migrations/versions (a test checks it is Alembic's single head): a database already at it is
 # recognised with one psycopg query, so a daemon's start loads SQLAlchemy and Alembic (~21 MB) only to migrate.
-HEAD = "0002_effect_ledger"
+HEAD = "0003_dead_letter_holds"
 # Serialises concurrent `upgrade` calls (several daemons or tasks starting at once) on one database.
 _MIGRATION_LOCK = 0x6B61_666F_6C64  # "kafold"
 

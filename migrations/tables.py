@@ -14,7 +14,7 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-DEAD_LETTER_STATUSES = ("new", "replayed", "discarded")
+DEAD_LETTER_STATUSES = ("new", "held", "replayed", "discarded")
 REBUILD_PHASES = ("copying", "catching-up", "swapped", "abandoned")
 
 
@@ -54,10 +54,14 @@ def metadata(schema: str | None = None) -> sa.MetaData:
         sa.Column("status", sa.Text, nullable=False, server_default="new"),
         sa.Column("created_at", ts, nullable=False, server_default=sa.func.now()),
         sa.Column("replayed_at", ts),
+        sa.Column("hold_key", sa.Text),
         sa.UniqueConstraint("connector", "topic", "partition", "offset"),
         sa.CheckConstraint(f"status IN {DEAD_LETTER_STATUSES!r}", name="status"),
         sa.Index(None, "connector", "status"),
-        comment="Records a connector could not process, with their coordinates and the error.",
+        sa.Index(None, "connector", "hold_key",
+                 postgresql_where=sa.text("status IN ('new', 'held') AND hold_key IS NOT NULL")),
+        comment="Records a connector could not process, with their coordinates and the error; for a projection, "
+                "the row key a dead letter holds back (hold_key) and the events held behind it (status held).",
     )
     sa.Table(
         "rebuild_state", md,

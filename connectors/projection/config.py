@@ -42,7 +42,13 @@ class ProjectionConfig:
                           "instead of `on`.")
     mapper_types: list[str] = setting(factory=list, doc="Event types the mapper handles (empty: all).")
     version_guard: bool = setting(True, doc="Skip events whose aggregate version is <= the row's "
-                                  f"`{VERSION_COLUMN}` (turn off when a row folds several aggregates).")
+                                  f"`{VERSION_COLUMN}` (turn off when a row folds several aggregates: events are "
+                                  "then applied in the order they arrive, held ones too, and a replayed one is "
+                                  "applied on top of the row as it is).")
+    hold_on_dead_letter: bool = setting(True, doc="Once an event of a row key is dead-lettered (schema-invalid, "
+                                        "db-rejected), hold that key's later events behind it (dead letters with "
+                                        "status `held`) until `kafold dlq replay` or `dlq discard` of it; other "
+                                        "keys keep flowing.")
     create_table: bool = setting(True, doc="Create the table when it does not exist.")
 
     def __post_init__(self) -> None:

@@ -8,14 +8,28 @@ checkpoints (`<name>:rebuild`) written in the same transaction as the shadow row
 (namespace `<name>:rebuild`), exactly as the live writer does (see writer.py): a killed rebuild resumes from them.
 
 The shadow never goes past the live connector: partition by partition it applies only offsets below the live
-checkpoint (the target), re-read as the live connector advances. When every shadow checkpoint equals its target,
-the swap transaction locks the live table (ACCESS EXCLUSIVE: it waits for the live writer's in-flight batch and
-blocks the next one) and the live checkpoint rows (FOR UPDATE), re-reads the targets, applies the remaining tail
-into the shadow while holding the lock, renames live -> old and shadow -> live, drops old (unless kept), deletes
-the rebuild checkpoints and marks the rebuild swapped; then commits. At that instant the new table holds exactly
-the events below the live checkpoints, which is what the live writer's tracking namespace has recorded, so the live
-connector continues from its own checkpoints with its own tracking, untouched. Its statements name the table, so
-its next batch (even one blocked on the lock) resolves the name again and writes into the new table.
+checkpoint (the target), re-read as the live connector advances. Under steady traffic the live connector commits a
+batch on some partition several times a second, so the shadow is never *equal* to it for long; the rebuild converges
+instead: once the shadow has reached the targets read before its last batch and is within `max_tail` records of the
+current ones on every partition, the swap transaction locks the live table (ACCESS EXCLUSIVE: it waits for the live
+writer's in-flight batch and blocks the next one) and the live checkpoint rows (FOR UPDATE), re-reads the targets,
+applies the remaining tail into the shadow while holding the lock (so the lock lasts as long as that tail takes),
+renames live -> old and shadow -> live, drops old (unless kept), deletes the rebuild checkpoints and marks the
+rebuild swapped; then commits. If the tail grew past `max_tail` while the lock was awaited (or the lock was not
+granted in time), the transaction rolls back having changed nothing, and the rebuild catches up and tries again
+after a backoff (a log line and `swap_retries` count each). At the commit the new table holds exactly the events
+below the live checkpoints, which is what the live writer's tracking namespace has recorded, so the live connector
+continues from its own checkpoints with its own tracking, untouched. Its statements name the table, so its next
+batch (even one blocked on the lock) resolves the name again and writes into the new table.
+
+The tail phase (`catching-up`) starts once the shadow is within `max_tail` of the live connector on every partition.
+In it the rebuild keeps every partition assigned and keeps what it fetched at or past its target (up to
+`max_tail` messages a partition, in order): the tail under the lock is then applied from memory, without waiting
+for a fetch while the live writer waits. Read-ahead messages are applied only once the live checkpoint passes
+them, so the shadow still never goes past the live connector.
+
+The machinery (fold into a scratch table, converge under traffic, act under the lock) is `Rebuild`; `finish` is the
+only step that swaps, so a check that compares instead of swapping overrides it and `_begin`.
 """
 
 from __future__ import annotations
@@ -23,6 +37,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -37,13 +52,21 @@ from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.mapping import Mapping, load_mapper
-from kafold.connectors.projection.writer import DeadLetter, ProjectionWriter
-from kafold.errors import ConfigError, DecodeError, FatalError, KafoldError, RecordError
+from kafold.connectors.projection.writer import DeadLetter, ProjectionWriter, holds_lock
+from kafold.errors import ConfigError, DecodeError, FatalError, RecordError, RetriableError
+from kafold.retry import retrying
 
 log = logs.get(__name__)
 
 OFFSET_BEGINNING = -2  # librdkafka's logical offset
 ACTIVE = ("copying", "catching-up")
+# How long the swap waits for the live table's lock: the live writer's batch in flight finishes well within it.
+# Queries of the live table queue behind a pending ACCESS EXCLUSIVE request, so the wait is kept short; a lock not
+# granted in time is retried after a backoff.
+LOCK_WAIT_S = 2.0
+COPY_POLL_S, TAIL_POLL_S = 0.5, 0.05  # how long a batch waits for records while copying / in the tail phase
+TAIL_WAIT_S = 30.0  # the tail under the lock must arrive from Kafka within this (else roll back, retry)
+RETRY_FIRST_S, RETRY_MAX_S = 0.1, 2.0
 
 
 class UnknownTypeError(RecordError):
@@ -74,13 +97,15 @@ class Plan:
 
 @dataclass
 class Progress:
-    """Where a rebuild stands: offsets covered by the shadow out of the live connector's (the target)."""
+    """Where a rebuild stands: offsets covered by the shadow out of the live connector's (the target), and the
+    records it is behind the live connector, summed over partitions (0 once swapped)."""
 
     phase: str
     done: int
     total: int
     events: int = 0
     batch: int = 0
+    behind: int = 0
 
 
 def plan(cfg: KafoldConfig, base: Path, name: str) -> Plan:
@@ -137,8 +162,9 @@ def progress(pgc: PostgresConfig, name: str) -> tuple[str, int, int] | None:
     return str(row["phase"]), int(row["events"]), behind
 
 
-class _NotYet(KafoldError):
-    """The tail under the lock was too long or did not arrive: release the lock and catch up first."""
+class _NotYet(RetriableError):
+    """The tail under the lock was too long or did not arrive, or the lock was not granted in time: roll back,
+    catch up and try again after a backoff."""
 
 
 class Rebuild:
@@ -153,9 +179,20 @@ class Rebuild:
         self.writer = ProjectionWriter(plan.pgc, plan.config, plan.mapping, plan.key, plan.key, plan.shadow)
         self.positions: dict[TopicPartition, int] = {}
         self.assigned: set[TopicPartition] = set()
+        self.ahead: dict[TopicPartition, list[Any]] = {}  # messages at or past the target, in order (tail phase)
+        # While copying, a batch's shadow write runs in this thread as the next batch is consumed and decoded; at
+        # most one in flight, and `positions` already count it (see _settle).
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"kafold-rebuild-{plan.name}")
+        self.inflight: Future[Any] | None = None
+        self.meta: psycopg.Connection[Any] | None = None  # see _bookkeeping
         self.phase = "copying"
         self.events = 0
         self.tail = 0  # offsets applied while the live writer waited, in the last swap attempt
+        self.behind = 0  # records behind the live connector at the last look, summed over partitions
+        self.swap_retries = 0  # swap attempts rolled back (tail too long, lock not granted)
+        self.locked_ms = 0.0  # how long the live table was locked by the swap (lock granted -> commit)
+        self.lock_ms_max = 0.0  # the longest the live table was locked by any swap attempt (also rolled back)
+        self.tail_ms = self.finish_ms = 0.0  # of the swap's lock: applying the tail, then `finish` (commit apart)
         self.log = log.bind(projection=plan.name, shadow=plan.shadow)
 
     # ---- state ------------------------------------------------------------------------------------------
@@ -192,15 +229,17 @@ class Rebuild:
         query = sql.SQL("UPDATE {} SET phase = %s, events = %s, updated_at = now() WHERE projection = %s").format(
             db.table(self.plan.pgc, "rebuild_state"))
         params = (phase, sum(self.positions.values()), self.plan.name)
-        if conn is not None:
-            conn.execute(query, params)
-        else:
-            with db.connect(self.plan.pgc) as own:
-                own.execute(query, params)
+        (conn or self._bookkeeping()).execute(query, params)
+
+    def _bookkeeping(self) -> psycopg.Connection[Any]:
+        """One session (autocommit) for reading the live checkpoints and saving progress, batch after batch."""
+        if self.meta is None or self.meta.closed or self.meta.broken:
+            self.meta = db.connect(self.plan.pgc)
+        return self.meta
 
     # ---- the run ----------------------------------------------------------------------------------------
     def run(self) -> Progress:
-        """Replay, catch up with the live connector and swap; returns the final progress (phase 'swapped', or
+        """Replay, converge with the live connector and swap; returns the final progress (phase 'swapped', or
         the phase reached when stopped)."""
         from kafold import kafka_clients
 
@@ -208,26 +247,59 @@ class Rebuild:
         self.positions = {tp: off for tp, off in self.writer.checkpoints().items()}
         self.log.info("rebuild resumed" if resumed else "rebuild started", phase=self.phase,
                       covered=sum(self.positions.values()))
-        consumer = kafka_clients.consumer(self.plan.kafka, f"kafold-rebuild.{self.plan.name}",
-                                          **{"enable.partition.eof": False})
+        # Large fetches for the history; a short broker wait so that, in the tail phase, records reach the
+        # read-ahead as soon as they are written rather than a long-poll later (see kafka_clients).
+        consumer = kafka_clients.consumer(self.plan.kafka, f"kafold-rebuild.{self.plan.name}", **{
+            "enable.partition.eof": False, "fetch.wait.max.ms": kafka_clients.RANGE_FETCH_WAIT_MS,
+            "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024,
+            "queued.min.messages": 200000})
+
+        def attempt() -> None:
+            self._catch_up(consumer)
+            if not self.stop.is_set():
+                self._converge(consumer)
+
+        def again(e: RetriableError, delay: float) -> None:
+            self.swap_retries += 1
+            self.log.info("swap not possible yet; catching up and trying again", reason=str(e),
+                          retry_in_s=round(delay, 2), swap_retries=self.swap_retries, max_tail=self.max_tail)
+
         try:
-            partitions = self._partitions(consumer)
-            for tp in partitions:
+            for tp in self._partitions(consumer):
                 self.positions.setdefault(tp, 0)
-            while not self.stop.is_set():
-                targets = self._ours(offsets(self.plan.pgc, self.plan.name))
-                if self._caught_up(targets):
-                    if self.phase == "copying":
-                        self._save("catching-up")
-                    if self._try_swap(consumer):
-                        break
-                    continue
-                self._step(consumer, targets)
+            retrying(attempt, within_s=float("inf"), on_retry=again, first_delay=RETRY_FIRST_S,
+                     max_delay=RETRY_MAX_S, stop=self.stop)
+        except _NotYet:
+            pass  # stopped while waiting to try again: resumable
         finally:
-            consumer.close()
-            self.writer.close()
+            try:
+                self._settle()
+            finally:
+                self.pool.shutdown()
+                consumer.close()
+                self.writer.close()
+                if self.meta is not None:
+                    self.meta.close()
         done = sum(self.positions.values())
-        return Progress(self.phase, done, done, self.events)
+        return Progress(self.phase, done, done, self.events, 0, self.behind)
+
+    def _catch_up(self, consumer: Any) -> None:
+        """Apply batches until the shadow has reached the live checkpoints read before its last batch (so what is
+        left is what the live connector committed meanwhile) and is within `max_tail` of them on every partition."""
+        reached = False
+        while not self.stop.is_set():
+            targets = self._ours(offsets(self.plan.pgc, self.plan.name, self._bookkeeping()))
+            self.behind = self._behind(targets)
+            near = self._near(targets)
+            if near and self.phase == "copying":  # from here on it reads ahead (see the module note)
+                self._save("catching-up")
+                self.log.info("within --max-tail of the live connector; in the tail phase", behind=self.behind)
+            if reached and near:
+                self._settle()
+                return
+            # In the tail phase a short poll: what is left is small, and every wait lets the tail grow.
+            self._step(consumer, targets, TAIL_POLL_S if self.phase != "copying" else COPY_POLL_S)
+            reached = self._caught_up(targets)
 
     def _partitions(self, consumer: Any) -> list[TopicPartition]:
         out: list[TopicPartition] = []
@@ -245,64 +317,109 @@ class Rebuild:
     def _caught_up(self, targets: dict[TopicPartition, int]) -> bool:
         return all(self.positions.get(tp, 0) >= off for tp, off in targets.items())
 
+    def _near(self, targets: dict[TopicPartition, int]) -> bool:
+        """Within `max_tail` records of the target on every partition: small enough to apply under the lock."""
+        return all(off - self.positions.get(tp, 0) <= self.max_tail for tp, off in targets.items())
+
+    def _behind(self, targets: dict[TopicPartition, int]) -> int:
+        return sum(max(0, off - self.positions.get(tp, 0)) for tp, off in targets.items())
+
     def _assign(self, consumer: Any, targets: dict[TopicPartition, int]) -> None:
-        """Fetch exactly the partitions that are behind their target, from the shadow's checkpoint."""
+        """Fetch the partitions that are behind their target (in the tail phase: every partition, reading ahead),
+        from the shadow's checkpoint."""
         from confluent_kafka import TopicPartition as KafkaTP
 
-        want = {tp for tp, off in targets.items() if self.positions.get(tp, 0) < off}
+        ahead = self.phase != "copying"
+        want = {tp for tp, off in targets.items() if ahead or self.positions.get(tp, 0) < off}
         gone, new = self.assigned - want, want - self.assigned
         if gone:
             consumer.incremental_unassign([KafkaTP(tp.topic, tp.partition) for tp in gone])
+            for tp in gone:
+                self.ahead.pop(tp, None)
         if new:
             consumer.incremental_assign([KafkaTP(tp.topic, tp.partition, self.positions.get(tp) or OFFSET_BEGINNING)
                                          for tp in new])
         self.assigned = want
 
-    def _step(self, consumer: Any, targets: dict[TopicPartition, int], wait_s: float = 0.5) -> None:
-        """One consumed batch applied to the shadow (offsets below the targets only)."""
+    def _step(self, consumer: Any, targets: dict[TopicPartition, int], wait_s: float = 0.5,
+              save: bool = True) -> None:
+        """One batch applied to the shadow (offsets below the targets only): first the messages read ahead in an
+        earlier step, then, unless they reach the targets, consumed ones."""
         self._assign(consumer, targets)
-        msgs = consumer.consume(self.batch, wait_s)
         records: list[SinkRecord] = []
         dead: list[DeadLetter] = []
         advance: dict[TopicPartition, int] = {}
-        overrun: set[TopicPartition] = set()  # fetched past the target: re-fetch from the target later
-        for m in msgs:
-            err = m.error()
-            if err is not None:
-                if err.fatal():
-                    raise FatalError(f"rebuild consumer: {err}")
-                continue
-            tp, off = TopicPartition(m.topic(), m.partition()), m.offset()
-            target = targets.get(tp, 0)
-            if tp not in self.assigned or off < advance.get(tp, self.positions.get(tp, 0)):
-                continue  # fetched before an unassign, or already covered
-            if off >= target:  # nothing in between exists: the shadow is at the target
-                advance[tp] = max(advance.get(tp, 0), target)
-                overrun.add(tp)
-                continue
-            advance[tp] = off + 1
-            record = self._record(m, dead)
-            if record is not None:
-                records.append(record)
+        overrun: set[TopicPartition] = set()  # read ahead past the bound: re-fetch from the target later
+        buffered, self.ahead = self.ahead, {}
+        count = 0
+        for msgs in buffered.values():
+            count += len(msgs)
+            for m in msgs:
+                self._take(m, targets, records, dead, advance, overrun)
+        if not all(advance.get(tp, self.positions.get(tp, 0)) >= off for tp, off in targets.items()):
+            msgs = consumer.consume(self.batch, wait_s)
+            count += len(msgs)
+            for m in msgs:
+                err = m.error()
+                if err is not None:
+                    if err.fatal():
+                        raise FatalError(f"rebuild consumer: {err}")
+                    continue
+                self._take(m, targets, records, dead, advance, overrun)
         if overrun:
             from confluent_kafka import TopicPartition as KafkaTP
 
             consumer.incremental_unassign([KafkaTP(tp.topic, tp.partition) for tp in overrun])
             self.assigned -= overrun
+            for tp in overrun:
+                self.ahead.pop(tp, None)
         if not advance:
             return
-        started = time.perf_counter()
-        result = self.writer.write(records, dead, offsets=advance)
-        for tp, off in advance.items():
+        self._settle()
+        if save and self.phase == "copying":  # written while the next batch is fetched and decoded
+            self.inflight = self.pool.submit(self.writer.write, records, dead, offsets=advance)
+        else:
+            self.writer.write(records, dead, offsets=advance)
+        for tp, off in advance.items():  # a write in flight counts: it is settled before anything relies on it
             self.positions[tp] = max(off, self.positions.get(tp, 0))
         self.events += len(records)
+        self.behind = self._behind(targets)
+        self._report(count, sum(targets.values()))
+        if save:
+            self._save(self.phase)
+
+    def _settle(self) -> None:
+        """Wait for the shadow write in flight (its error, if any, ends the run: it resumes from the checkpoints
+        in PostgreSQL, which that write did not move)."""
+        inflight, self.inflight = self.inflight, None
+        if inflight is not None:
+            inflight.result()
+
+    def _take(self, m: Any, targets: dict[TopicPartition, int], records: list[SinkRecord], dead: list[DeadLetter],
+              advance: dict[TopicPartition, int], overrun: set[TopicPartition]) -> None:
+        """One message into the batch when below its target; else kept to read ahead (in the tail phase, up to
+        `max_tail` a partition), so that the tail under the lock is mostly in memory already."""
+        tp, off = TopicPartition(m.topic(), m.partition()), m.offset()
+        if tp not in self.assigned or tp in overrun or off < advance.get(tp, self.positions.get(tp, 0)):
+            return  # fetched before an unassign, dropped with its read-ahead, or already covered
+        target = targets.get(tp, 0)
+        if off >= target:  # messages arrive in order: nothing in between exists, the shadow is at the target
+            advance[tp] = max(advance.get(tp, 0), target)
+            kept = self.ahead.setdefault(tp, [])
+            if self.phase != "copying" and len(kept) < self.max_tail:
+                kept.append(m)
+            else:
+                overrun.add(tp)
+            return
+        advance[tp] = off + 1
+        record = self._record(m, dead)
+        if record is not None:
+            records.append(record)
+
+    def _report(self, batch: int, total: int) -> None:
         if self.on_progress is not None:
-            self.on_progress(Progress(self.phase, sum(self.positions.values()), sum(targets.values()),
-                                      self.events, len(msgs)))
-        self._save(self.phase)
-        self.log.debug("rebuild batch", records=len(msgs), applied=result.events - result.duplicates,
-                       upserted=result.upserted, deleted=result.deleted, dead_lettered=result.dead_lettered,
-                       duration_ms=round((time.perf_counter() - started) * 1000, 1))
+            self.on_progress(Progress(self.phase, sum(self.positions.values()), total, self.events, batch,
+                                      self.behind))
 
     def _record(self, m: Any, dead: list[DeadLetter]) -> SinkRecord | None:
         """The message as a SinkRecord; None when skipped or dead-lettered (as the live runner does)."""
@@ -324,52 +441,114 @@ class Rebuild:
         return SinkRecord(m.topic(), m.partition(), m.offset(), event.aggregate_id, event, ts if ts_kind else None)
 
     # ---- the swap ---------------------------------------------------------------------------------------
-    def _try_swap(self, consumer: Any) -> bool:
-        """The swap transaction; False (rolled back, nothing changed) when the tail under the lock is too long."""
+    def _converge(self, consumer: Any) -> None:
+        """The swap transaction: lock, apply the tail, `finish`; _NotYet (rolled back, nothing changed) when the
+        tail under the lock is longer than `max_tail` or the lock was not granted in time."""
+        self._settle()
         p, c = self.plan, self.plan.config
-        live, shadow = q.qualified(c.schema, c.table), q.qualified(c.schema, p.shadow)
-        dead = db.table(p.pgc, "dead_letters")
+        live = q.qualified(c.schema, c.table)
         started = time.perf_counter()
+        locked: float | None = None
         try:
             with db.connect(p.pgc) as conn, conn.transaction():
-                conn.execute("SET LOCAL lock_timeout = '60s'")
+                conn.execute(sql.SQL("SET LOCAL lock_timeout = {}").format(sql.Literal(f"{int(LOCK_WAIT_S * 1000)}ms")))
                 exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL",
                                       (q.regclass_text(c.schema, c.table),)).fetchone()
-                if exists and exists[0]:  # waits for the live writer's batch in flight, blocks the next one
+                live_exists = bool(exists and exists[0])
+                # The live writer reads its held keys under this lock (shared): it sees the holds as swapped.
+                conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (holds_lock(p.name),))
+                if live_exists:  # waits for the live writer's batch in flight, blocks the next one
                     conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(live))
+                locked = time.perf_counter()
                 targets = self._ours(offsets(p.pgc, p.name, conn, lock=True))
-                self.tail = tail = sum(max(0, off - self.positions.get(tp, 0)) for tp, off in targets.items())
-                if tail > self.max_tail:
-                    raise _NotYet(f"{tail} records behind")
-                deadline = time.monotonic() + 30
+                self.tail = tail = self._behind(targets)
+                if not self._near(targets):
+                    raise _NotYet(f"{tail} records behind under the lock (more than --max-tail {self.max_tail} on "
+                                  "a partition)")
+                self.phase = "swapping"
+                tail_started = time.perf_counter()
+                deadline = time.monotonic() + TAIL_WAIT_S
                 while not self._caught_up(targets):  # the tail, into the shadow, while the live writer waits
                     if time.monotonic() > deadline or self.stop.is_set():
                         raise _NotYet("the tail did not arrive")
-                    self._step(consumer, targets, 0.02)  # short polls: the live writer is waiting
-                self.writer.close()
-                self._rename(conn, exists is not None and bool(exists[0]), live, shadow)
-                conn.execute(sql.SQL("DELETE FROM {} WHERE connector = %s").format(
-                    db.table(p.pgc, "checkpoints")), (p.key,))
-                # Records the new mapping refused become the live connector's dead letters (not lost); those the
-                # live connector already recorded are dropped with the rest of the rebuild's bookkeeping.
-                conn.execute(sql.SQL(
-                    "UPDATE {} d SET connector = %s WHERE d.connector = %s AND NOT EXISTS (SELECT 1 FROM {} l "
-                    "WHERE l.connector = %s AND l.topic = d.topic AND l.partition = d.partition "
-                    "AND l.\"offset\" = d.\"offset\")").format(dead, dead), (p.name, p.key, p.name))
-                self._save("swapped", conn)
-        except _NotYet as e:
-            self.log.info("not caught up under the lock; catching up again", reason=str(e))
-            return False
-        except psycopg.errors.LockNotAvailable:
-            self.log.warning("could not lock the live table within 60 s; trying again")
-            return False
-        locked_ms = round((time.perf_counter() - started) * 1000, 1)
+                    self._step(consumer, targets, 0.02, save=False)  # short polls: the live writer is waiting
+                finish_started = time.perf_counter()
+                self.tail_ms = round((finish_started - tail_started) * 1000, 1)
+                self.finish(conn, live_exists)
+                self.finish_ms = round((time.perf_counter() - finish_started) * 1000, 1)
+                self.phase = "swapped"
+        except psycopg.errors.LockNotAvailable as e:
+            self.phase = "catching-up"
+            raise _NotYet(f"the live table was not locked within {LOCK_WAIT_S:g} s") from e
+        except _NotYet:
+            self.phase = "catching-up"
+            raise
+        finally:
+            if locked is not None:  # from the lock granted to the commit or the rollback
+                self.locked_ms = round((time.perf_counter() - locked) * 1000, 1)
+                self.lock_ms_max = max(self.lock_ms_max, self.locked_ms)
+        assert locked is not None
         with db.connect(p.pgc) as conn, conn.transaction():
             self._forget(conn)
+        self.behind = 0
+        self._report(0, sum(self.positions.values()))
         self.log.info("rebuild swapped", table=f"{c.schema}.{c.table}", events=self.events,
-                      covered=sum(self.positions.values()), locked_ms=locked_ms, tail_under_lock=self.tail,
-                      kept_old=self.keep_old)
-        return True
+                      covered=sum(self.positions.values()), locked_ms=self.locked_ms,
+                      lock_wait_ms=round((locked - started) * 1000, 1), tail_under_lock=self.tail,
+                      tail_ms=self.tail_ms, finish_ms=self.finish_ms,
+                      swap_retries=self.swap_retries, kept_old=self.keep_old)
+
+    def finish(self, conn: psycopg.Connection[Any], live_exists: bool) -> None:
+        """Under the lock, with the shadow equal to the live connector's checkpoints: swap the shadow in."""
+        p, c = self.plan, self.plan.config
+        live, shadow = q.qualified(c.schema, c.table), q.qualified(c.schema, p.shadow)
+        dead = db.table(p.pgc, "dead_letters")
+        self.writer.close()
+        self._rename(conn, live_exists, live, shadow)
+        conn.execute(sql.SQL("DELETE FROM {} WHERE connector = %s").format(db.table(p.pgc, "checkpoints")), (p.key,))
+        # The events the rebuild dead-lettered or held are not in the new table: the live writer's tracking must not
+        # claim them (a `dlq replay` in the old table tracked them there), or their replay would be a duplicate.
+        self._untrack(conn, dead)
+        # Held keys follow the new table: a key the live connector held that the rebuild applied is released (its
+        # dead letters count as replayed), and one the rebuild holds is held again, even if it had been repaired
+        # in the old table (the repair was not in the topic the rebuild read).
+        conn.execute(sql.SQL(
+            "UPDATE {} l SET status = 'replayed', replayed_at = now() WHERE l.connector = %s AND l.status IN "
+            "('new', 'held') AND l.hold_key IS NOT NULL AND NOT EXISTS (SELECT 1 FROM {} d WHERE d.connector = %s "
+            "AND d.topic = l.topic AND d.partition = l.partition AND d.\"offset\" = l.\"offset\")").format(
+            dead, dead), (p.name, p.key))
+        conn.execute(sql.SQL(
+            "UPDATE {} l SET status = d.status, hold_key = d.hold_key, reason = d.reason, error_class = "
+            "d.error_class, error_message = d.error_message, replayed_at = NULL FROM {} d WHERE d.connector = %s "
+            "AND l.connector = %s AND d.topic = l.topic AND d.partition = l.partition AND d.\"offset\" = "
+            "l.\"offset\" AND d.hold_key IS NOT NULL AND d.status IN ('new', 'held')").format(dead, dead),
+            (p.key, p.name))
+        # Records the new mapping refused become the live connector's dead letters (not lost); those the live
+        # connector already recorded are dropped with the rest of the rebuild's bookkeeping.
+        conn.execute(sql.SQL(
+            "UPDATE {} d SET connector = %s WHERE d.connector = %s AND NOT EXISTS (SELECT 1 FROM {} l "
+            "WHERE l.connector = %s AND l.topic = d.topic AND l.partition = d.partition "
+            "AND l.\"offset\" = d.\"offset\")").format(dead, dead), (p.name, p.key, p.name))
+        self._save("swapped", conn)
+
+    def _untrack(self, conn: psycopg.Connection[Any], dead: sql.Composed) -> None:
+        """Delete the live namespace's tracking records of the events the rebuild dead-lettered or held."""
+        from kafold.connectors.projection.holds import stored_headers
+        from kafold.connectors.projection.writer import tracking_key, tracking_prefix
+        from kafold.envelope import decode
+
+        p = self.plan
+        prefix, keys = tracking_prefix(p.name), []
+        rows = conn.execute(sql.SQL("SELECT key, value, headers FROM {} WHERE connector = %s").format(dead),
+                            (p.key,)).fetchall()
+        for key, value, headers in rows:
+            try:
+                keys.append(tracking_key(prefix, decode(key, value, stored_headers(headers)).event_id))
+            except DecodeError:
+                continue  # never decoded, so never applied nor tracked
+        if keys:
+            conn.execute(sql.SQL("DELETE FROM {} WHERE event_key = ANY(%s)").format(db.table(p.pgc, "tracking")),
+                         (keys,))
 
     def _rename(self, conn: psycopg.Connection[Any], exists: bool, live: sql.Composed, shadow: sql.Composed) -> None:
         """live -> old (dropped unless kept), shadow -> live; the primary key keeps the live table's name."""

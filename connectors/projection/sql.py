@@ -181,5 +181,11 @@ def insert_dead_letters(dead_letters: sql.Composed) -> sql.Composed:
     """A dead letter per record; seen again after a crash, the same coordinates are not recorded twice."""
     return sql.SQL(
         "INSERT INTO {} (connector, topic, partition, \"offset\", key, value, headers, error_class, "
-        "error_message, reason) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
+        "error_message, reason, status, hold_key) VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s) "
         "ON CONFLICT (connector, topic, partition, \"offset\") DO NOTHING").format(dead_letters)
+
+
+def held_keys(dead_letters: sql.Composed) -> sql.Composed:
+    """The row keys a connector holds back (heads and held events; a partial index covers exactly these rows)."""
+    return sql.SQL("SELECT DISTINCT hold_key FROM {} WHERE connector = %s AND status IN ('new', 'held') "
+                   "AND hold_key IS NOT NULL").format(dead_letters)

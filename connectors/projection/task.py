@@ -227,7 +227,7 @@ class ProjectionSinkTask(SinkTask):
         self.totals.add(result)
         self.log.info("projection batch", events=result.events, duplicates=result.duplicates, stale=result.stale,
                       upserted=result.upserted, deleted=result.deleted, unchanged=result.unchanged,
-                      dead_lettered=result.dead_lettered, transactions=result.transactions,
+                      dead_lettered=result.dead_lettered, held=result.held, transactions=result.transactions,
                       duration_ms=elapsed_ms(started))
 
     def stop(self) -> None:

@@ -32,6 +32,16 @@ back and the batch bisected, in order, until the bad events are isolated; each i
 table (after the DLQ topic acknowledged it) in the same transaction as the checkpoint that passes it, and the
 rest is applied. Connection failures are RetriableError: the caller retries the same batch, and steps (1) and
 (5) make the retry harmless.
+
+Held keys (`hold_on_dead_letter`, on by default). A dead-lettered event the projection handles (schema-invalid,
+db-rejected) whose row key is known becomes the *head* of that key (`hold_key` in the dead-letter table): the key's
+later events — in this batch after it, and in every later batch — are not applied but recorded as dead letters with
+status `held`, in the same transaction as the checkpoint that passes them, and are not tracked (so applying them
+later is their first application); other keys keep flowing. Every transaction that may hold starts by taking the
+connector's holds lock (an advisory lock, shared) and reading the connector's held keys in the same round trip as
+its first statements; a set different from the one the batch was prepared with (another task's head, a release by
+`kafold dlq replay|discard`, which takes that lock exclusively, or a swap) rolls the transaction back and redoes it
+with the set read. See holds.py for the release.
 """
 
 from __future__ import annotations
@@ -75,11 +85,12 @@ class BatchResult:
     deleted: int = 0
     unchanged: int = 0
     dead_lettered: int = 0
+    held: int = 0  # events held behind a dead letter of their row key
     transactions: int = 0
     checkpoints: dict[TopicPartition, int] = field(default_factory=dict)
 
     def add(self, other: BatchResult) -> None:
-        for name in ("events", "duplicates", "stale", "upserted", "deleted", "unchanged", "dead_lettered",
+        for name in ("events", "duplicates", "stale", "upserted", "deleted", "unchanged", "dead_lettered", "held",
                      "transactions"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.checkpoints.update(other.checkpoints)
@@ -94,6 +105,10 @@ class _Folded:
     stale: int
     unchanged: int
     bad: list[tuple[SinkRecord, RecordError]]
+
+
+class _HoldsChanged(Exception):
+    """The connector's held keys changed since the batch was prepared; redo it with the keys read."""
 
 
 class _Duplicates(Exception):
@@ -134,6 +149,19 @@ def _next_offsets(records: Sequence[SinkRecord]) -> dict[TopicPartition, int]:
     return {TopicPartition(*k): off for k, off in last.items()}
 
 
+def holds_lock(connector: str) -> str:
+    """The advisory lock (text, hashed by PostgreSQL) a connector's writer holds shared while it reads held keys."""
+    return f"kafold.holds:{connector}"
+
+
+def hold_text(key: tuple[Any, ...]) -> str:
+    """A row key as stored in `dead_letters.hold_key`: JSON, the same text for the same key."""
+    return orjson.dumps(list(key), default=str).decode()
+
+
+Then = Callable[[psycopg.Connection[Any], "BatchResult"], None]
+
+
 def tracking_prefix(namespace: str) -> bytes:
     """What precedes the event id in the hashed tracking key (length-prefixed, so no two pairs collide)."""
     raw = namespace.encode()
@@ -164,6 +192,11 @@ class ProjectionWriter:
         self._optimistic = True  # fold while the tracking insert runs (see _apply); off after duplicates
         self._prepared: Prepared | None = None
         self._prefix = tracking_prefix(self.namespace)
+        self.holding = config.hold_on_dead_letter
+        self._held: set[str] = set()  # the connector's held keys as last read (hold_text)
+        self._hold_now = False  # this write holds (holding, and not a release)
+        self._hold_of: dict[int, tuple[str, str]] = {}  # id(error) -> (status, hold_key) of this write's dead letters
+        self._then: Then | None = None
         # Set while this writer is not running Python (waiting for PostgreSQL, or between writes): the task's
         # yield point lets the runner's decoding wait for it, so the batch being written — the slower stage —
         # gets the interpreter first (see task.py).
@@ -236,12 +269,18 @@ class ProjectionWriter:
     # ---- the batch --------------------------------------------------------------------------------------
     def write(self, records: Sequence[SinkRecord], dead: Sequence[DeadLetter] = (),
               offsets: dict[TopicPartition, int] | None = None, report: Report | None = None,
-              advance: bool = True, prepared: Prepared | None = None) -> BatchResult:
+              advance: bool = True, prepared: Prepared | None = None, hold: bool = True,
+              then: Then | None = None) -> BatchResult:
         """Apply `records`, record `dead` letters and advance checkpoints to cover `records` and `offsets`
         (`advance=False`: leave checkpoints alone, e.g. when re-applying dead letters). `prepared`: what
-        `prepare` gave for (at least) these records, else it is computed here."""
+        `prepare` gave for (at least) these records, else it is computed here. `hold=False`: neither hold events
+        nor make heads (a release, which holds the holds lock itself); `then(conn, result)` runs in each
+        committed transaction, last."""
         self._advance = advance
         self._prepared = prepared
+        self._hold_now = self.holding and hold
+        self._hold_of = {}
+        self._then = then
         idle = self.idle
         if report is not None:  # reporting waits for the runner's thread: never make it wait for us meanwhile
             report = _idle_during(report, idle)
@@ -271,8 +310,13 @@ class ProjectionWriter:
                                     raw=bad, reason="db-rejected")
                 if report is not None:
                     report([(bad, error)])
+                head = self._head_text(bad)
+                if head is not None:
+                    self._hold_of[id(error)] = ("new", head)
                 done = self._transaction([], [*dead, (RawRecord.of(bad), error)],
                                          {**offsets, bad.tp: bad.offset + 1}, None)
+                if head is not None:
+                    self._held.add(head)  # committed: the key's later events are held from now on
                 done.dead_lettered += 1
                 return done
             half = len(records) // 2
@@ -283,19 +327,49 @@ class ProjectionWriter:
     def _transaction(self, records: list[SinkRecord], dead: list[DeadLetter], offsets: dict[TopicPartition, int],
                      report: Report | None) -> BatchResult:
         excluded: list[SinkRecord] = []
+        heads: dict[str, int] = {}  # row keys this batch's dead letters hold back -> index of the head in records
         while True:
             try:
                 conn = self.connection()
                 with db.transaction(conn):
-                    result = self._apply(conn, records, excluded, dead, offsets, self._prepared)
+                    result = self._apply(conn, records, excluded, dead, offsets, self._prepared, heads)
+                self._held.update(heads)  # committed with their heads
                 return result
-            except _Duplicates:  # rolled back: do it again, expecting duplicates (self._optimistic is off)
+            except (_Duplicates, _HoldsChanged):  # rolled back: do it again (expecting duplicates / the keys read)
                 continue
             except _Bad as e:  # rolled back: do it again without them, dead-lettered
-                if report is not None:
-                    report(e.bad)
-                excluded += [r for r, _ in e.bad]
-                dead = [*dead, *((RawRecord.of(r), err) for r, err in e.bad)]
+                bad = self._heads(records, e.bad, heads)
+                if report is not None and bad:
+                    report(bad)
+                excluded += [r for r, _ in bad]
+                dead = [*dead, *((RawRecord.of(r), err) for r, err in bad)]
+
+    def _head_text(self, record: SinkRecord) -> str | None:
+        """The hold key a dead letter of `record` would hold back (None: not holding, or no row key)."""
+        if not self._hold_now:
+            return None
+        try:
+            return hold_text(self.mapping.key(record.event))
+        except MappingError:
+            return None
+
+    def _heads(self, records: list[SinkRecord], bad: list[tuple[SinkRecord, RecordError]],
+               heads: dict[str, int]) -> list[tuple[SinkRecord, RecordError]]:
+        """The refused events that become dead letters (each the head of its row key when holding); one of a key
+        already held, or behind an earlier refused one, is left out: the redo holds it."""
+        if not self._hold_now:
+            return bad
+        at = {id(r): i for i, r in enumerate(records)}
+        out: list[tuple[SinkRecord, RecordError]] = []
+        for r, err in bad:
+            text = self._head_text(r)
+            if text is not None:
+                if text in self._held or text in heads:
+                    continue
+                heads[text] = at[id(r)]
+                self._hold_of[id(err)] = ("new", text)
+            out.append((r, err))
+        return out
 
     def prepare(self, records: Sequence[SinkRecord]) -> Prepared:
         """Per record (by id): its tracking key and its row key (or the MappingError). Pure, thread-safe: the
@@ -312,7 +386,7 @@ class ProjectionWriter:
 
     def _apply(self, conn: psycopg.Connection[Any], records: list[SinkRecord], excluded: list[SinkRecord],
                dead: list[DeadLetter], offsets: dict[TopicPartition, int],
-               prepared: Prepared | None) -> BatchResult:
+               prepared: Prepared | None, heads: dict[str, int]) -> BatchResult:
         assert self.shape is not None
         shape, mapping = self.shape, self.mapping
         result = BatchResult(events=len(records), transactions=1, dead_lettered=len(dead))
@@ -320,6 +394,11 @@ class ProjectionWriter:
         idle = self.idle
         idle.clear()
         prep = prepared if prepared is not None else self.prepare(records)
+        holding = self._hold_now
+        if holding and (self._held or heads):
+            held = self._held_records(records, prep, skip, heads)
+            result.held = len(held)
+            dead = [*dead, *held]
         first: dict[bytes, SinkRecord] = {}
         for r in records:
             if id(r) not in skip:
@@ -338,10 +417,13 @@ class ProjectionWriter:
         folded: _Folded | None = None
         fresh: list[SinkRecord] = []
         found: psycopg.Cursor[Any] | None
+        held_keys: psycopg.Cursor[Any] | None = None
         if first:
             optimistic = self._optimistic and bool(keys)
             try:
                 with conn.pipeline() as pipe:
+                    if holding:
+                        held_keys = self._read_holds(conn)
                     if optimistic:
                         # The rows first; then the tracking insert runs in the server while the batch is folded
                         # here, assuming every candidate is new (see the module note).
@@ -349,6 +431,8 @@ class ProjectionWriter:
                         idle.set()
                         pipe.sync()
                         idle.clear()
+                        if held_keys is not None:
+                            self._check_holds(held_keys)
                         tracked = conn.execute(q.track_new(self._tracking), (list(first), self.namespace))
                         folded = self._fold(candidates, self._rows(found), record_keys, key_errors)
                         idle.set()
@@ -363,6 +447,8 @@ class ProjectionWriter:
                 self._optimistic = False
                 raise _Duplicates() from e
             idle.clear()
+            if held_keys is not None and not optimistic:
+                self._check_holds(held_keys)
             count, new_keys = (tracked.rowcount, None) if optimistic else (tracked.fetchone() or (0, None))
             if count == len(first):
                 fresh = candidates
@@ -373,9 +459,11 @@ class ProjectionWriter:
             if folded is None:
                 folded = self._fold(fresh, self._rows(found) if found is not None else {}, record_keys,
                                     key_errors)
+        elif holding and result.held:  # nothing to apply, events to hold: still under the lock, with the keys read
+            self._check_holds(self._read_holds(conn))
         if folded is None:
             folded = _Folded({}, {}, 0, 0, [])
-        result.duplicates = len(records) - len(excluded) - len(fresh)
+        result.duplicates = len(records) - len(skip) - len(fresh)
         result.stale, result.unchanged = folded.stale, folded.unchanged
         if folded.bad:
             raise _Bad(folded.bad)
@@ -414,7 +502,46 @@ class ProjectionWriter:
         result.upserted = merged.rowcount if merged is not None else 0
         result.deleted = removed.rowcount if removed is not None else 0
         result.checkpoints = advance
+        if self._then is not None:
+            self._then(conn, result)
         return result
+
+    def _held_records(self, records: list[SinkRecord], prep: Prepared, skip: set[int],
+                      heads: dict[str, int]) -> list[DeadLetter]:
+        """The events of held keys (all of a key held before this batch; those after their head in it), as dead
+        letters with status `held`; they join `skip`."""
+        out: list[DeadLetter] = []
+        held, end = self._held, len(records)
+        for i, r in enumerate(records):
+            if id(r) in skip:
+                continue
+            key = prep[id(r)][1]
+            if type(key) is not tuple:
+                continue
+            text = hold_text(key)
+            if text in held or heads.get(text, end) < i:
+                skip.add(id(r))
+                error = RecordError(f"held: an earlier event of row key {text} is dead-lettered; this one is applied "
+                                    f"after it is replayed or discarded (kafold dlq list --connector "
+                                    f"{self.connector} --status all)", raw=r, reason="held")
+                self._hold_of[id(error)] = ("held", text)
+                out.append((RawRecord.of(r), error))
+        return out
+
+    def _read_holds(self, conn: psycopg.Connection[Any]) -> psycopg.Cursor[Any]:
+        """Take the holds lock (shared, until the commit) and read the connector's held keys (pipelined)."""
+        conn.execute("SELECT pg_advisory_xact_lock_shared(hashtext(%s))", (holds_lock(self.connector),))
+        return conn.execute(q.held_keys(self._dead), (self.connector,))
+
+    def _check_holds(self, cur: psycopg.Cursor[Any]) -> None:
+        found = {row[0] for row in cur.fetchall()}
+        if found != self._held:
+            self._held = found
+            raise _HoldsChanged()
+
+    def row_of(self, key: tuple[Any, ...]) -> Row | None:
+        """The current row of `key` (None if there is none)."""
+        return self._rows(self._select(self.connection(), [key])).get(tuple(key))
 
     def _select(self, conn: psycopg.Connection[Any], keys: list[tuple[Any, ...]]) -> psycopg.Cursor[Any]:
         assert self.shape is not None
@@ -469,9 +596,10 @@ class ProjectionWriter:
 
     def _dead_row(self, raw: RawRecord, error: BaseException) -> tuple[Any, ...]:
         cls = type(error)
+        status, hold_key = self._hold_of.get(id(error), ("new", None))
         return (self.connector, raw.topic, raw.partition, raw.offset, raw.key, raw.value,
                 Jsonb(headers_json(raw.headers)), f"{cls.__module__}.{cls.__qualname__}", str(error)[:2000],
-                getattr(error, "reason", "task-error"))
+                getattr(error, "reason", "task-error"), status, hold_key)
 
 
 def _idle_during(report: Report, idle: threading.Event) -> Report:

@@ -10,7 +10,7 @@ from typing import Any
 
 # area name -> module (kafold.bench.<module>); a module is imported only when its area runs.
 AREAS: dict[str, str] = {"projection": "projection", "daemon": "daemon", "snapshots": "snapshots", "effects": "effects",
-                        "aggregates": "aggregates"}
+                        "aggregates": "aggregates", "rebuild": "rebuild"}
 
 # Short group timeouts for the benches' consumers: a first JoinGroup waits for them on the embedded broker
 # (ENVIRONMENT.md), and otherwise for the default rebalance timeout.

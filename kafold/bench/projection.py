@@ -61,21 +61,27 @@ class DaemonStack:
     workdir: Path
 
 
+def daemon_stack(stack: contextlib.ExitStack, area: str, config: str | None) -> DaemonStack:
+    """Where a bench's daemons run: the configuration given (`-c`), else the dev stack (started if needed, and
+    stopped with `stack`); a scratch folder removed with `stack`."""
+    from kafold.config import KafkaConfig, PostgresConfig, load_file
+
+    workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"kafold-bench-{area}-")))
+    if config:
+        cfg = load_file(config).config
+        raw = tomllib.loads(Path(config).read_text())
+        return DaemonStack(raw.get("kafka", {}), raw.get("postgres", {}), {}, cfg.kafka, cfg.postgres, workdir)
+    bootstrap, url = stack.enter_context(embedded_stack(area))
+    return DaemonStack({"bootstrap_servers": bootstrap}, {}, {"KAFOLD_POSTGRES__URL": url},
+                       KafkaConfig(bootstrap_servers=bootstrap), PostgresConfig(url=url), workdir)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kafold import db
-    from kafold.config import KafkaConfig, PostgresConfig, load_file
 
     logs.configure("warning")
     with contextlib.ExitStack() as stack:
-        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kafold-bench-projection-")))
-        if args.config:
-            cfg = load_file(args.config).config
-            raw = tomllib.loads(Path(args.config).read_text())
-            daemons = DaemonStack(raw.get("kafka", {}), raw.get("postgres", {}), {}, cfg.kafka, cfg.postgres, workdir)
-        else:
-            bootstrap, url = stack.enter_context(embedded_stack("projection"))
-            daemons = DaemonStack({"bootstrap_servers": bootstrap}, {}, {"KAFOLD_POSTGRES__URL": url},
-                                  KafkaConfig(bootstrap_servers=bootstrap), PostgresConfig(url=url), workdir)
+        daemons = daemon_stack(stack, "projection", args.config)
         kafka = short_group(daemons.kafka)
         name = f"kafold.bench.projection.{uuid.uuid4().hex[:8]}"
         topic, table = f"{name}.events", f"bench_{uuid.uuid4().hex[:8]}"

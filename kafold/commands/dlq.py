@@ -1,4 +1,8 @@
-"""`kafold dlq list|show|replay|discard -c FILE`: inspect dead letters and replay them once the cause is fixed."""
+"""`kafold dlq list|show|replay|discard -c FILE`: inspect dead letters and replay them once the cause is fixed.
+
+A projection's dead letter that holds its row key back (see connectors/projection/holds.py) is replayed or discarded
+together with the events held behind it, in order; every record gets an answer (applied, held, skipped as stale,
+already applied, refused) and a replay that applied nothing exits 1."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from kafold import config, db, devstack, kafka_clients
 from kafold.cli import add_config_arg
 from kafold.errors import ConfigError, KafoldError
 
-STATUSES = ("new", "replayed", "discarded")
+STATUSES = ("new", "held", "replayed", "discarded")
 
 
 def register(sub: Any) -> None:
@@ -35,12 +39,14 @@ def register(sub: Any) -> None:
     rp.add_argument("ids", type=int, nargs="*", help="dead-letter ids (or --connector with --all)")
     rp.add_argument("--connector", help="with --all: every new dead letter of this connector")
     rp.add_argument("--all", action="store_true")
-    rp.add_argument("--to", choices=("topic", "apply"), default="topic",
-                    help="topic: produce the record again to its source topic (default); apply: run it through "
-                    "the connector's projection directly (PostgreSQL projections only)")
+    rp.add_argument("--to", choices=("auto", "topic", "apply"), default="auto",
+                    help="apply: run it through the connector's projection directly, then the events held behind "
+                    "it (PostgreSQL projections only); topic: produce the record again to its source topic; auto "
+                    "(default): apply for postgres-projection connectors, topic for the others")
     rp.add_argument("--value-file", type=Path, help="replace the value with this file's bytes (one id only)")
     rp.set_defaults(handler=replay)
-    dc = dsub.add_parser("discard", help="mark dead letters as discarded (kept for the record)")
+    dc = dsub.add_parser("discard", help="mark dead letters as discarded (kept for the record); a projection's "
+                         "dead letter that holds its row key back releases the events held behind it")
     add_config_arg(dc)
     dc.add_argument("ids", type=int, nargs="+")
     dc.set_defaults(handler=discard)
@@ -52,7 +58,7 @@ def _cfg(args: argparse.Namespace, need: tuple[str, ...] = ("postgres",)) -> tup
 
 
 COLUMNS = "id, connector, topic, partition, \"offset\", key, value, headers, error_class, error_message, reason, " \
-          "status, created_at, replayed_at"
+          "status, created_at, replayed_at, hold_key"
 
 
 def _rows(pgc: config.PostgresConfig, where: str, params: tuple[Any, ...], limit: int | None = None
@@ -78,11 +84,11 @@ def list_(args: argparse.Namespace) -> int:
         where.append("status = %s")
         params.append(args.status)
     rows = _rows(cfg.postgres, " AND ".join(where), tuple(params), args.limit)
-    table = Table("id", "connector", "record", "reason", "error", "status", "created")
+    table = Table("id", "connector", "record", "reason", "error", "status", "holds key", "created")
     for r in rows:
         table.add_row(str(r["id"]), r["connector"], f"{r['topic']}[{r['partition']}]@{r['offset']}", r["reason"],
                       f"{r['error_class'].rpartition('.')[2]}: {r['error_message'][:80]}", r["status"],
-                      r["created_at"].isoformat(timespec="seconds"))
+                      r["hold_key"] or "", r["created_at"].isoformat(timespec="seconds"))
     Console().print(table)
     print(f"{len(rows)} dead letter(s)")
     return 0
@@ -103,7 +109,7 @@ def show_(args: argparse.Namespace) -> int:
     if not rows:
         raise KafoldError(f"no dead letter with id {args.id}")
     r = rows[0]
-    for name in ("id", "connector", "topic", "partition", "offset", "status", "reason", "error_class",
+    for name in ("id", "connector", "topic", "partition", "offset", "status", "hold_key", "reason", "error_class",
                  "error_message", "created_at", "replayed_at"):
         print(f"{name:<14} {r[name]}")
     print("headers")
@@ -120,25 +126,13 @@ def _selected(args: argparse.Namespace, pgc: config.PostgresConfig) -> list[dict
         missing = sorted(set(args.ids) - {r["id"] for r in rows})
         if missing:
             raise KafoldError(f"no dead letter with id {', '.join(map(str, missing))}")
-    elif args.all and args.connector:
+    elif getattr(args, "all", False) and args.connector:
         rows = _rows(pgc, "connector = %s AND status = 'new'", (args.connector,))
     else:
         raise KafoldError("name dead-letter ids, or --connector NAME --all")
-    if args.value_file is not None and len(rows) != 1:
+    if getattr(args, "value_file", None) is not None and len(rows) != 1:
         raise KafoldError("--value-file replaces one record's value: name exactly one id")
     return sorted(rows, key=lambda r: (r["topic"], r["partition"], r["offset"]))
-
-
-def _headers(stored: list[list[Any]]) -> list[tuple[str, bytes | None]]:
-    out: list[tuple[str, bytes | None]] = []
-    for name, value in stored:
-        if name.startswith("kafold-dlq-"):
-            continue
-        if isinstance(value, dict):
-            out.append((name, base64.b64decode(value["base64"])))
-        else:
-            out.append((name, None if value is None else str(value).encode()))
-    return out
 
 
 def replay(args: argparse.Namespace) -> int:
@@ -146,67 +140,78 @@ def replay(args: argparse.Namespace) -> int:
     rows = _selected(args, cfg.postgres)
     if args.value_file is not None:
         rows[0]["value"] = args.value_file.read_bytes()
-    if args.to == "topic":
-        _to_topic(cfg, rows)
-    else:
-        _apply(cfg, base, rows)
-    _mark(cfg.postgres, [r["id"] for r in rows], "replayed")
-    how = "re-published to the source topic" if args.to == "topic" else "re-applied"
-    print(f"{len(rows)} dead letter(s) replayed ({how})")
-    return 0
+    projections = _projections(cfg, base, {r["connector"] for r in rows}, args.config) if args.to != "topic" else {}
+    if args.to == "apply":
+        other = sorted({r["connector"] for r in rows} - set(projections))
+        if other:
+            raise KafoldError(f"connector(s) {', '.join(other)} are not postgres-projection connectors in the "
+                              "configuration; replay them with --to topic")
+    applied = 0
+    by_topic = [r for r in rows if r["connector"] not in projections]
+    if by_topic:
+        holding = [r["id"] for r in by_topic if r["hold_key"] is not None and r["status"] in ("new", "held")]
+        if holding:
+            raise KafoldError(f"dead letter(s) {', '.join(map(str, holding))} hold a projection's row key back: "
+                              "re-published, they would land behind the events they hold; replay them with --to "
+                              "apply (the default)")
+        cfg = devstack.effective(cfg, need=("postgres", "kafka"))
+        _to_topic(cfg, by_topic)
+        _mark(cfg.postgres, [r["id"] for r in by_topic], "replayed")
+        for r in by_topic:
+            print(f"#{r['id']} {r['topic']}[{r['partition']}]@{r['offset']}: re-published to the source topic")
+        applied += len(by_topic)
+    for name, release in projections.items():
+        done: set[int] = set()
+        with release:
+            for r in rows:
+                if r["connector"] != name or r["id"] in done:
+                    continue
+                value = r["value"] if args.value_file is not None else None
+                for outcome in release.replay(r["id"], value):
+                    done.add(outcome.id)
+                    applied += outcome.applied
+                    print(outcome.line())
+    print(f"{len(rows)} dead letter(s) replayed: {applied} record(s) applied" +
+          ("" if applied else "; nothing was applied"))
+    return 0 if applied else 1
+
+
+def _projections(cfg: config.KafoldConfig, base: Path, names: set[str], path: Path) -> dict[str, Any]:
+    """A holds.Release per postgres-projection connector among `names` (the others are not in the result)."""
+    from kafold.connectors.projection import ProjectionConnector
+    from kafold.connectors.projection.holds import Release
+    from kafold.connectors.projection.mapping import Mapping, load_mapper
+    from kafold.connectors.registry import instantiate
+
+    by_name = {c.name: c for c in cfg.connectors}
+    out: dict[str, Any] = {}
+    for name in sorted(names):
+        settings = by_name.get(name)
+        if settings is None or settings.connector_class != "postgres-projection":
+            continue
+        with config.python_path(cfg, base):
+            connector = instantiate(settings, base)
+            if not isinstance(connector, ProjectionConnector):
+                continue
+            pc = connector.config
+            mapping = Mapping(pc, load_mapper(pc.mapper) if pc.mapper else None)
+        repair = f"kafold projection rebuild {name} -c {path}"
+        out[name] = Release(cfg.postgres, name, pc, mapping, repair)
+    return out
 
 
 def _to_topic(cfg: config.KafoldConfig, rows: list[dict[str, Any]]) -> None:
+    from kafold.connectors.projection.holds import stored_headers
+
     producer = kafka_clients.producer(cfg.kafka, **{"enable.idempotence": True, "acks": "all"})
     errors: list[str] = []
     for r in rows:
         # The source partitioner places the key as the original producer did (same key, same partition).
-        headers: list[tuple[str, str | bytes | None]] = [*_headers(r["headers"])]
+        headers: list[tuple[str, str | bytes | None]] = [*stored_headers(r["headers"])]
         producer.produce(r["topic"], key=r["key"], value=r["value"], headers=headers,
                          on_delivery=lambda err, _m: errors.append(str(err)) if err else None)
     if producer.flush(30) or errors:
         raise KafoldError(f"re-publishing failed: {errors[:3] or 'not acknowledged within 30 s'}; nothing marked")
-
-
-def _apply(cfg: config.KafoldConfig, base: Path, rows: list[dict[str, Any]]) -> None:
-    from kafold.connectors.api import SinkRecord
-    from kafold.connectors.projection import ProjectionConnector
-    from kafold.connectors.projection.mapping import Mapping, load_mapper
-    from kafold.connectors.projection.writer import ProjectionWriter
-    from kafold.connectors.registry import instantiate
-    from kafold.envelope import decode
-
-    by_name = {c.name: c for c in cfg.connectors}
-    for name in sorted({r["connector"] for r in rows}):
-        settings = by_name.get(name)
-        if settings is None:
-            raise ConfigError([f"connectors: no connector named {name!r} in the configuration"])
-        with config.python_path(cfg, base):
-            connector = instantiate(settings, base)
-            if not isinstance(connector, ProjectionConnector):
-                raise KafoldError(f"connector {name!r} is not a postgres-projection; replay it with --to topic")
-            pc = connector.config
-            mapping = Mapping(pc, load_mapper(pc.mapper) if pc.mapper else None)
-        records = []
-        for r in rows:
-            if r["connector"] != name:
-                continue
-            event = decode(r["key"], r["value"], _headers(r["headers"]))
-            records.append(SinkRecord(r["topic"], r["partition"], r["offset"], event.aggregate_id, event))
-        writer = ProjectionWriter(cfg.postgres, pc, mapping, name)
-        try:
-            refused: list[str] = []
-
-            def report(bad: Any, refused: list[str] = refused) -> None:
-                refused.extend(str(e) for _, e in bad)
-
-            result = writer.write(records, advance=False, report=report)
-        finally:
-            writer.close()
-        if refused:
-            raise KafoldError("still refused:\n  " + "\n  ".join(refused))
-        print(f"{name}: {result.events} event(s), {result.upserted} row(s) written, {result.deleted} deleted, "
-              f"{result.duplicates} already applied, {result.stale} older than their row")
 
 
 def _mark(pgc: config.PostgresConfig, ids: list[int], status: str) -> None:
@@ -219,7 +224,23 @@ def _mark(pgc: config.PostgresConfig, ids: list[int], status: str) -> None:
 
 
 def discard(args: argparse.Namespace) -> int:
-    cfg, _ = _cfg(args)
-    _mark(cfg.postgres, args.ids, "discarded")
-    print(f"{len(args.ids)} dead letter(s) discarded")
+    cfg, base = _cfg(args)
+    rows = _selected(args, cfg.postgres)
+    holding = {r["connector"] for r in rows if r["hold_key"] is not None and r["status"] in ("new", "held")}
+    projections = _projections(cfg, base, holding, args.config)
+    missing = sorted(holding - set(projections))
+    if missing:
+        raise ConfigError([f"connectors: {name!r} (whose dead letters hold row keys back) is not a postgres-projection "
+                           "connector in the configuration" for name in missing])
+    plain = [r for r in rows if r["connector"] not in projections]
+    _mark(cfg.postgres, [r["id"] for r in plain], "discarded")
+    for r in plain:
+        print(f"#{r['id']} {r['topic']}[{r['partition']}]@{r['offset']}: discarded (not applied)")
+    for name, release in projections.items():
+        with release:
+            for r in rows:
+                if r["connector"] == name:
+                    for outcome in release.discard(r["id"]):
+                        print(outcome.line())
+    print(f"{len(rows)} dead letter(s) discarded")
     return 0

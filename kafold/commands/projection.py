@@ -27,7 +27,8 @@ def register(sub: Any) -> None:
     rb.add_argument("--keep-old", action="store_true", help="keep the replaced table as <table>_old_<timestamp>")
     rb.add_argument("--batch", type=int, default=5000, help="records per shadow transaction (default 5000)")
     rb.add_argument("--max-tail", type=int, default=20000,
-                    help="largest number of records applied while the live writer waits (default 20000)")
+                    help="swap once the shadow is at most this many records behind the live connector on every "
+                    "partition; the tail is applied while the live table is locked (default 20000)")
     rb.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     rb.set_defaults(handler=rebuild)
     st = psub.add_parser("status", help="the projection's rebuild: phase, progress, shadow vs live offsets")
@@ -56,45 +57,76 @@ def rebuild(args: argparse.Namespace) -> int:
     with _reporter(bar, plan.name) as report:
         result = rb.Rebuild(plan, keep_old=args.keep_old, batch=args.batch, max_tail=args.max_tail,
                             on_progress=report).run()
-    print(f"{plan.name}: {plan.config.schema}.{plan.config.table} rebuilt from {result.done} offsets "
-          f"({result.events} events applied in this run); phase {result.phase}")
+    if result.phase == "swapped":
+        print(f"{plan.name}: swapped; {plan.config.schema}.{plan.config.table} is the rebuilt table "
+              f"({result.done} offsets, {result.events} events applied in this run)")
+    else:
+        print(f"{plan.name}: stopped in phase {result.phase} ({result.done} offsets covered, {result.behind} "
+              "behind the live connector); run the same command again to resume")
     return 0 if result.phase == "swapped" else 1
+
+
+class Eta:
+    """The bar's figures from successive progress reports: records applied per second, and the time until the
+    swap — the records behind the live connector over the rate at which that gap closes (smoothed)."""
+
+    SMOOTHING = 0.3
+
+    def __init__(self) -> None:
+        self.last: tuple[float, int, int] | None = None  # (time, events applied, behind)
+        self.rate = 0.0
+        self.closing = 0.0
+
+    def update(self, now: float, events: int, behind: int) -> None:
+        if self.last is not None and now > self.last[0]:
+            dt = now - self.last[0]
+            a = self.SMOOTHING
+            self.rate = (1 - a) * self.rate + a * (events - self.last[1]) / dt
+            self.closing = (1 - a) * self.closing + a * (self.last[2] - behind) / dt
+        self.last = (now, events, behind)
+
+    def seconds(self, behind: int) -> float | None:
+        """None while the gap is not closing (the ETA is unknown, not zero)."""
+        if behind <= 0:
+            return 0.0
+        return behind / self.closing if self.closing > 0 else None
+
+
+def describe(p: Any, eta: Eta) -> str:
+    """One line: phase, records behind the live connector, rate and ETA until the swap (or that it swapped)."""
+    if p.phase == "swapped":
+        return "swapped: the rebuilt table is live (behind 0)"
+    left = eta.seconds(p.behind)
+    when = "unknown" if left is None else f"{int(left) // 60}:{int(left) % 60:02d}"
+    return f"{p.phase}: behind {p.behind:,} records, {eta.rate:,.0f} ev/s, ETA to swap {when}"
 
 
 @contextmanager
 def _reporter(bar: bool, name: str) -> Iterator[Callable[[Any], None]]:
-    """A rich progress bar (events, rate, ETA) on a TTY; one structlog line per batch otherwise."""
+    """A rich status line (phase, behind, rate, ETA until the swap) on a TTY; one structlog line per batch
+    otherwise."""
+    import time
+
+    eta = Eta()
     if not bar:
         def line(p: Any) -> None:
+            eta.update(time.monotonic(), p.events, p.behind)
+            left = eta.seconds(p.behind)
             log.info("rebuild batch", projection=name, phase=p.phase, records=p.batch, covered=p.done,
-                     target=p.total, applied=p.events)
+                     target=p.total, applied=p.events, behind=p.behind, rate=round(eta.rate),
+                     eta_s=None if left is None else round(left, 1))
         yield line
         return
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TaskProgressColumn,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TaskProgressColumn(),
-               TextColumn("{task.fields[rate]} ev/s"), TimeElapsedColumn(), TextColumn("ETA"),
-               TimeRemainingColumn())
+    columns = (SpinnerColumn(), TextColumn("[bold]rebuild {task.fields[name]}"), TextColumn("{task.description}"),
+               TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True)) as progress:
-        task = progress.add_task(f"rebuild {name}", total=None, rate="-")
-        first: list[tuple[int, float]] = []
+        task = progress.add_task("starting", total=None, name=name)
 
         def update(p: Any) -> None:
-            now = progress.get_time()
-            if not first:
-                first.append((p.done, now))
-            done0, t0 = first[0]
-            rate = (p.done - done0) / (now - t0) if now > t0 else 0.0
-            progress.update(task, completed=p.done, total=max(p.total, p.done),
-                            description=f"rebuild {name} ({p.phase})", rate=f"{rate:,.0f}")
+            eta.update(progress.get_time(), p.events, p.behind)
+            progress.update(task, description=describe(p, eta))
         yield update
 
 

@@ -35,6 +35,9 @@ def handle(args: argparse.Namespace) -> int:
     report = None if args.offline else from_daemon(cfg)
     if report is None:
         report = from_kafka(cfg)
+    held = held_keys(loaded.config)
+    if held is not None:
+        report["held_keys"] = held
     if args.json:
         print(json.dumps(report, sort_keys=True))
     else:
@@ -42,7 +45,28 @@ def handle(args: argparse.Namespace) -> int:
         print(table(report["partitions"]))
         if report.get("effects"):
             print(table(report["effects"], EFFECT_COLUMNS))
+        for name, n in sorted((held or {}).items()):
+            hint = f" (kafold dlq list --connector {name} --status all)" if n else ""
+            print(f"held keys of {name}: {n}{hint}")
     return 0
+
+
+def held_keys(cfg: config.KafoldConfig) -> dict[str, Any] | None:
+    """Per postgres-projection connector, the row keys waiting behind a dead letter (from PostgreSQL); None when
+    there is no projection; the error text per connector when PostgreSQL cannot be read."""
+    names = [c.name for c in cfg.connectors if c.connector_class == "postgres-projection"]
+    if not names:
+        return None
+    from kafold.connectors.projection.holds import held_keys as read
+    from kafold.errors import KafoldError
+
+    try:
+        counts = read(devstack.effective(cfg, need=("postgres",)).postgres)
+    except (KafoldError, OSError) as e:
+        return {name: f"unknown: {e}" for name in names}
+    except Exception as e:  # psycopg's errors: PostgreSQL reachable but not answering this (not migrated yet)
+        return {name: f"unknown: {type(e).__name__}: {e}" for name in names}
+    return {name: counts.get(name, 0) for name in names}
 
 
 def from_daemon(cfg: config.KafoldConfig, timeout: float = 3.0) -> dict[str, Any] | None:

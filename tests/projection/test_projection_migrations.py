@@ -52,3 +52,25 @@ def test_db_commands_upgrade_and_report_the_revision(pg_url: str, tmp_path: Path
     assert main(["db", "current", "-c", str(conf)]) == 0
     assert f"current {db.heads()[0]}" in capsys.readouterr().out
     assert os.getcwd() != str(db.MIGRATIONS_DIR)
+
+
+def test_the_holds_migration_keeps_existing_dead_letters_and_downgrades_held_ones_to_new(
+        pg_config: PostgresConfig) -> None:
+    pgc = dataclasses.replace(pg_config, schema=f"k_{uuid.uuid4().hex[:8]}")
+    insert = (f'INSERT INTO "{pgc.schema}".dead_letters (connector, topic, partition, "offset", error_class, '
+              "error_message) VALUES ('c', 't', 0, %s, 'E', 'm')")
+    db.upgrade(pgc, "0002_effect_ledger")
+    with db.connect(pgc) as conn:
+        conn.execute(insert, (1,))
+    db.upgrade(pgc)
+    with db.connect(pgc) as conn:
+        conn.execute(insert, (2,))
+        conn.execute(f"UPDATE \"{pgc.schema}\".dead_letters SET status = 'held', hold_key = '[\"k\"]' "
+                     'WHERE "offset" = 2')
+        rows = conn.execute(f'SELECT "offset", status, hold_key FROM "{pgc.schema}".dead_letters ORDER BY 1').fetchall()
+    assert rows == [(1, "new", None), (2, "held", '["k"]')]
+    db.downgrade(pgc, "0002_effect_ledger")
+    with db.connect(pgc) as conn:
+        rows = conn.execute(f'SELECT "offset", status FROM "{pgc.schema}".dead_letters ORDER BY 1').fetchall()
+    assert rows == [(1, "new"), (2, "new")]
+    db.downgrade(pgc, "base")

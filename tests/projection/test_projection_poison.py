@@ -155,7 +155,10 @@ set = {{last_amount = "payload.amount"}}
     with db.connect(pg_config) as conn:
         status = conn.execute("SELECT status FROM kafold.dead_letters WHERE id = %s", (dead_id,)).fetchone()
     assert status == ("replayed",)
-    assert main("dlq", "replay", "-c", str(conf), "--to", "apply", str(dead_id)) == 0  # again: no change
+    capsys.readouterr()
+    # Again: nothing applied, and it says why (exit 1).
+    assert main("dlq", "replay", "-c", str(conf), "--to", "apply", str(dead_id)) == 1
+    assert "already applied before" in capsys.readouterr().out
     assert read_table(pg_config, scenario.table)["acc-3"] == row
 
 

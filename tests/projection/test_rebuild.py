@@ -1,4 +1,5 @@
-"""Blue-green rebuilds: under live traffic the swapped table equals the live result; a killed rebuild resumes."""
+"""Blue-green rebuilds: under live traffic that never pauses the rebuild converges and swaps, and the swapped table
+equals the live result; a rebuild killed while copying or in the tail phase resumes and finishes."""
 
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def traffic(first_accounts: int, new_accounts: int) -> Iterator[Event]:
 
 
 class Producer(threading.Thread):
-    """Produces live traffic in small chunks until stopped; keeps every event and its coordinates."""
+    """Produces live traffic at a constant pace, in small chunks, until stopped (it never pauses for the rebuild);
+    keeps every event and its coordinates."""
 
     def __init__(self, kafka: KafkaConfig, topic: str, source: Iterator[Event], chunk: int = 40) -> None:
         super().__init__(daemon=True)
@@ -109,15 +111,15 @@ class Reader(threading.Thread):
 
 
 class RacedRebuild(rb.Rebuild):
-    """Lets the live connector move ahead of the shadow just before the swap, so that the swap must apply the
-    remaining tail while it holds the lock (the race a busy live connector causes)."""
+    """Lets the live connector move ahead of the shadow before each swap attempt, so that the swap surely applies a
+    tail while it holds the lock (what a busy live connector causes anyway)."""
 
-    def _try_swap(self, consumer: Any) -> bool:
+    def _converge(self, consumer: Any) -> None:
         def live_ahead() -> bool:
             live = rb.offsets(self.plan.pgc, self.plan.name)
             return any(off > self.positions.get(tp, 0) for tp, off in live.items())
         wait_for(live_ahead, "the live connector to move ahead")
-        return super()._try_swap(consumer)
+        super()._converge(consumer)
 
 
 @pytest.mark.timeout(300)
@@ -141,10 +143,17 @@ def test_rebuild_under_live_traffic_swaps_in_a_table_equal_to_the_live_result(
         reader.start()
         try:
             wait_for(lambda: len(producer.events) >= 400, "live traffic to flow")
-            rebuild = RacedRebuild(plan, batch=100)
+            reports: list[rb.Progress] = []
+            rebuild = RacedRebuild(plan, batch=100, max_tail=300, on_progress=reports.append)
+            produced_at_start = len(producer.events)
             result = rebuild.run()
             produced_at_swap = len(producer.events)
+            assert producer.is_alive() and produced_at_swap > produced_at_start  # traffic flowed throughout
             assert result.phase == "swapped" and rebuild.tail > 0
+            # The bar's "behind" figure: records behind the live connector while copying, 0 at the swap.
+            assert max(r.behind for r in reports) > 0
+            assert reports[-1].phase == "swapped" and reports[-1].behind == 0 and result.behind == 0
+            assert [r.phase for r in reports if r.phase == "swapping"]  # the tail applied under the lock
             # The live writer keeps running on the same session while traffic continues after the swap.
             wait_for(lambda: len(producer.events) >= produced_at_swap + 400, "traffic after the swap")
         finally:
@@ -207,7 +216,8 @@ def test_a_rebuild_killed_halfway_resumes_and_finishes_correctly(
     # The daemon's /metrics shows the rebuild under way, read from PostgreSQL.
     gauges = _rebuild_gauges(kafka_config, pg_config, unique, topic, table)
     assert gauges == {"kafold_rebuild_active": 1.0, "kafold_rebuild_offsets_covered": float(before["events"]),
-                      "kafold_rebuild_offsets_behind": gauges["kafold_rebuild_offsets_behind"]}
+                      "kafold_rebuild_offsets_behind": gauges["kafold_rebuild_offsets_behind"],
+                      "kafold_projection_held_keys": 0.0}
     assert gauges["kafold_rebuild_offsets_behind"] > 0
     shown = subprocess.run([*cmd[:4], "status", unique, "-c", str(conf)], capture_output=True, text=True,
                            timeout=60)
@@ -273,3 +283,57 @@ def test_rebuild_with_keep_old_keeps_the_replaced_table_beside_the_new_one(
     assert kept is not None and kept[0].startswith(f"{table[:40]}_old_")  # the replaced table, renamed, kept
     assert kept[1] == f"{kept[0]}_pkey"  # its primary key renamed along, so the names do not clash
     assert read_table(pg_config, kept[0]) == expected  # it held the live result at the swap
+
+
+@pytest.mark.timeout(300)
+def test_a_rebuild_killed_in_the_tail_phase_resumes_and_finishes_under_traffic(
+        kafka_config: KafkaConfig, pg_config: PostgresConfig, pg_url: str, unique: str, tmp_path: Path) -> None:
+    """A long report query keeps the swap from locking the live table: the rebuild stays in the tail phase,
+    retrying with a backoff, and is killed there; run again once the query is gone, it resumes and swaps while the
+    traffic never stopped."""
+    topic, table = f"{unique}.events", table_name()
+    create_topic(kafka_config, topic, partitions=PARTITIONS)
+    first = history(accounts=100, deposits=5, close_every=9)
+    coords = produce(kafka_config, topic, encoded(first, PARTITIONS))
+    conf = write_config(tmp_path / "kafold.toml", kafka_config, pg_url, unique, topic, table)
+    log = tmp_path / "rebuild.log"
+    cmd = [str(Path(sys.executable).parent / "kafold"), "--log-format", "json", "projection", "rebuild", unique,
+           "-c", str(conf), "--batch", "50", "--max-tail", "400"]
+    live_cfg = settings(unique, topic, table)
+    with running(kafka_config, pg_config, live_cfg, unique, batch=100) as live:
+        wait_for_offsets(pg_config, unique, topic, ends_of(coords), live)
+        producer = Producer(kafka_config, topic, traffic(100, 20), chunk=20)
+        producer.start()
+        try:
+            with db.connect(pg_config, autocommit=False) as report:  # ACCESS SHARE until rolled back
+                report.execute(f'SELECT count(*) FROM public."{table}"').fetchone()
+                with open(log, "ab") as out:
+                    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+                try:
+                    wait_for(lambda: "swap not possible yet" in log.read_text() or proc.poll() is not None,
+                             "a swap attempt to be refused the lock", 120)
+                finally:
+                    proc.send_signal(signal.SIGKILL)
+                    proc.wait(10)
+                report.rollback()
+            before = rb.state(pg_config, unique)
+            assert before is not None and before["phase"] == "catching-up", f"not in the tail phase; see {log}"
+            assert "was not locked within" in log.read_text()
+            with open(log, "ab") as out:
+                done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=120)
+            assert done.returncode == 0, f"see {log}"
+            assert producer.is_alive()  # the traffic never paused
+            produced_at_swap = len(producer.events)
+            wait_for(lambda: len(producer.events) >= produced_at_swap + 100, "traffic after the swap")
+        finally:
+            producer.halt.set()
+            producer.join(30)
+        assert producer.error is None
+        all_events, all_coords = first + producer.events, coords + producer.coords
+        wait_for_offsets(pg_config, unique, topic, ends_of(all_coords), live)
+        assert not live.failed
+    after = rb.state(pg_config, unique)
+    assert after is not None and after["phase"] == "swapped" and after["started_at"] == before["started_at"]
+    text = log.read_text()
+    assert "rebuild resumed" in text and "rebuild swapped" in text
+    assert read_table(pg_config, table) == fold(all_events)
