@@ -15,9 +15,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-## the main job: embedded broker + PostgreSQL (unless configured), topics, the daemon on the bank example
+## the main job: embedded broker + PostgreSQL (unless configured), topics, the daemon on the bank example;
+## BROKER=kafka runs it on Apache Kafka (NODES=3: a three-node cluster)
 run: install
-	$(BIN)/kafold run -c $(CONFIG)
+	$(BIN)/kafold run -c $(CONFIG) $(if $(BROKER),--broker $(BROKER)) $(if $(NODES),--nodes $(NODES))
 
 lint: install
 	$(BIN)/ruff check .
