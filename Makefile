@@ -24,8 +24,11 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+## the suite on the embedded broker, then the guarantees marked apache_kafka again on Apache Kafka (fetched once
+## with Maven: needs Java 17+ and mvn)
 test: lint
 	$(BIN)/python -m pytest
+	KAFOLD_TEST_BROKER=kafka $(BIN)/python -m pytest -m apache_kafka
 
 ## the long chaos soak (30 minutes, >= 200 faults, >= 1M events; figures in docs/reliability.md)
 chaos: install

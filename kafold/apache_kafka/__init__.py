@@ -202,11 +202,14 @@ def layout(home: Path, nodes: int, ports: list[tuple[int, int]], cluster_id: str
             "transaction.state.log.min.isr": min_isr,
             "share.coordinator.state.topic.replication.factor": rf,
             "share.coordinator.state.topic.min.isr": min_isr,
-            # Development sizing: fewer internal partitions and threads start faster on a small machine, and a
-            # first group join need not wait for more members (production keeps Kafka's 3 s default).
+            # Development sizing: fewer internal partitions and threads start faster on a small machine; a
+            # first group join need not wait for more members (production keeps Kafka's 3 s default); and
+            # members may ask for session timeouts below Kafka's 6 s floor, so that tests which kill a member
+            # see its partitions move within seconds.
             "offsets.topic.num.partitions": 10,
             "transaction.state.log.num.partitions": 10,
             "group.initial.rebalance.delay.ms": 0,
+            "group.min.session.timeout.ms": 1000,
             "num.network.threads": 2,
             "num.io.threads": 2,
         }
