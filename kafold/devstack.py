@@ -111,15 +111,19 @@ def default_state_dir() -> Path:
 
 # ---------------------------------------------------------------------------- state file
 
-def _read_state(state_dir: Path) -> dict[str, Any]:
+def read_json(path: Path, remedy: str) -> dict[str, Any]:
+    """A JSON object kept in the state dir; {} when the file does not exist."""
     try:
-        data = json.loads((state_dir / STATE_FILE).read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
-        raise DevStackError(f"{state_dir / STATE_FILE}: unreadable stack state ({e}); "
-                            f"stop leftover processes and delete the file") from e
+        raise DevStackError(f"{path}: unreadable ({e}); {remedy}") from e
     return data if isinstance(data, dict) else {}
+
+
+def _read_state(state_dir: Path) -> dict[str, Any]:
+    return read_json(state_dir / STATE_FILE, "stop leftover processes and delete the file")
 
 
 def _write_state(state_dir: Path, state: dict[str, Any]) -> None:
@@ -258,10 +262,7 @@ def _start_kafka(state_dir: Path, nodes: int, *, only: Collection[int] = ()) -> 
     partial restart needs them: the running nodes know their voters by port)."""
     from kafold import apache_kafka
 
-    try:
-        java, jars = apache_kafka.java(), apache_kafka.libs()
-    except KafoldError as e:
-        raise DevStackError(str(e)) from e
+    java, jars = apache_kafka.java(), apache_kafka.libs()
     home = state_dir / "kafka"
     cluster = apache_kafka.read_cluster(home)
     if cluster and cluster.get("nodes") != nodes:
@@ -279,10 +280,7 @@ def _start_kafka(state_dir: Path, nodes: int, *, only: Collection[int] = ()) -> 
     layout = apache_kafka.layout(home, nodes, ports, cluster.get("cluster_id"))
     cluster_id = apache_kafka.read_cluster(home)["cluster_id"]
     chosen = [n for n in layout if not restart or n.node_id in restart]
-    try:
-        apache_kafka.format_storage(java, jars, cluster_id, chosen)
-    except KafoldError as e:
-        raise DevStackError(str(e)) from e
+    apache_kafka.format_storage(java, jars, cluster_id, chosen)
     children = [(n, apache_kafka.start_node(java, jars, n)) for n in chosen]
     procs = [Proc.of(c.pid) for _, c in children]
     bootstrap = ",".join(n.bootstrap for n in layout)

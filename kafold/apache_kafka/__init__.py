@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kafold import logs
-from kafold.errors import KafoldError
+from kafold.devstack import DevStackError, read_json
 
 log = logs.get(__name__)
 
@@ -35,7 +35,7 @@ JVM_OPTS = ("-Xms256m", "-Xmx512m", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "
 CLUSTER_FILE = "cluster.json"
 
 
-class ToolMissingError(KafoldError):
+class ToolMissingError(DevStackError):
     """Java 17+ or Maven, which the Apache Kafka dev broker needs, is not installed."""
 
 
@@ -132,10 +132,10 @@ def libs() -> Path:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=FETCH_TIMEOUT_S,
                                   stdin=subprocess.DEVNULL, cwd=target.parent, check=False)
         except subprocess.TimeoutExpired as e:
-            raise KafoldError(f"fetching Apache Kafka with Maven took over {FETCH_TIMEOUT_S:.0f}s") from e
+            raise DevStackError(f"fetching Apache Kafka with Maven took over {FETCH_TIMEOUT_S:.0f}s") from e
         if done.returncode != 0 or not any(staging.glob("kafka_2.13-*.jar")):
             errors = [ln for ln in (done.stdout + done.stderr).splitlines() if "ERROR" in ln] or ["(no output)"]
-            raise KafoldError(f"fetching Apache Kafka {version()} with Maven failed (exit {done.returncode}): "
+            raise DevStackError(f"fetching Apache Kafka {version()} with Maven failed (exit {done.returncode}): "
                               f"{errors[0].strip()}")
         (staging / ".complete").write_text(version() + "\n", encoding="utf-8")
         shutil.rmtree(target, ignore_errors=True)
@@ -167,13 +167,7 @@ def replication(nodes: int) -> tuple[int, int]:
 # ---------------------------------------------------------------------------- cluster layout
 
 def read_cluster(home: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((home / CLUSTER_FILE).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:
-        raise KafoldError(f"{home / CLUSTER_FILE}: unreadable ({e}); remove {home} to start a new cluster") from e
-    return data if isinstance(data, dict) else {}
+    return read_json(home / CLUSTER_FILE, f"remove {home} to start a new cluster")
 
 
 def layout(home: Path, nodes: int, ports: list[tuple[int, int]], cluster_id: str | None = None) -> list[Node]:
@@ -231,10 +225,10 @@ def format_storage(java_bin: str, jars: Path, cluster_id: str, nodes: list[Node]
             out, _ = p.communicate(timeout=FORMAT_TIMEOUT_S)
         except subprocess.TimeoutExpired as e:
             p.kill()
-            raise KafoldError(f"formatting the storage of Kafka node {n.node_id} took over "
+            raise DevStackError(f"formatting the storage of Kafka node {n.node_id} took over "
                               f"{FORMAT_TIMEOUT_S:.0f}s") from e
         if p.returncode != 0:
-            raise KafoldError(f"formatting {n.data} failed: {(out.strip().splitlines() or ['(no output)'])[-1]}")
+            raise DevStackError(f"formatting {n.data} failed: {(out.strip().splitlines() or ['(no output)'])[-1]}")
 
 
 def start_node(java_bin: str, jars: Path, node: Node) -> subprocess.Popen[bytes]:
