@@ -264,3 +264,20 @@ def test_apache_kafka_without_java_or_maven_is_a_one_line_error(tmp_path: Path, 
     assert missing in done.stderr and "apt-get install openjdk-17-jre-headless maven" in done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert _processes(tmp_path) == []
+
+
+def test_java_versions_are_read_from_both_version_formats() -> None:
+    from kafold import apache_kafka
+
+    assert apache_kafka._java_major('openjdk version "17.0.15" 2025-04-15') == 17
+    assert apache_kafka._java_major('openjdk version "21" 2023-09-19') == 21
+    assert apache_kafka._java_major('java version "1.8.0_392"') == 8
+    assert apache_kafka._java_major("no version here") == 0
+
+
+def test_a_broker_kind_or_node_count_the_stack_cannot_run_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(devstack.DevStackError, match="unknown broker 'redpanda'; choose one of tansu, kafka"):
+        devstack.up(tmp_path, broker="redpanda")
+    with pytest.raises(devstack.DevStackError, match="--nodes 3: the dev stack runs 1 broker"):
+        devstack.up(tmp_path, broker="tansu", nodes=3)
+    assert _processes(tmp_path) == []
