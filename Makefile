@@ -15,16 +15,20 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-## the main job: embedded broker + PostgreSQL (unless configured), topics, the daemon on the bank example
+## the main job: embedded broker + PostgreSQL (unless configured), topics, the daemon on the bank example;
+## BROKER=kafka runs it on Apache Kafka (NODES=3: a three-node cluster)
 run: install
-	$(BIN)/kafold run -c $(CONFIG)
+	$(BIN)/kafold run -c $(CONFIG) $(if $(BROKER),--broker $(BROKER)) $(if $(NODES),--nodes $(NODES))
 
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+## the suite on the embedded broker, then the guarantees marked apache_kafka again on Apache Kafka (fetched once
+## with Maven: needs Java 17+ and mvn)
 test: lint
 	$(BIN)/python -m pytest
+	KAFOLD_TEST_BROKER=kafka $(BIN)/python -m pytest -m apache_kafka
 
 ## the long chaos soak (30 minutes, >= 200 faults, >= 1M events; figures in docs/reliability.md)
 chaos: install

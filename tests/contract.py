@@ -67,9 +67,9 @@ def make_event(aggregate_id: str, version: int, type_: str = "ThingHappened", **
     return Event.new(type_, "thing", aggregate_id, version, payload or {"n": version})
 
 
-def create_topic(kafka: KafkaConfig, name: str, partitions: int = 1) -> None:
+def create_topic(kafka: KafkaConfig, name: str, partitions: int = 1, configs: dict[str, str] | None = None) -> None:
     admin = kafka_clients.admin(kafka)
-    for fut in admin.create_topics([NewTopic(name, partitions, 1)]).values():
+    for fut in admin.create_topics([NewTopic(name, partitions, 1, config=configs or {})]).values():
         fut.result(15)
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import psutil
 import psycopg
 import pytest
-from confluent_kafka.admin import AdminClient
+from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from kafold import devstack
 from kafold.commands import dev as dev_cmd
@@ -162,3 +163,121 @@ def test_default_state_dir_follows_the_environment(monkeypatch: pytest.MonkeyPat
     assert devstack.default_state_dir() == tmp_path / "kafold" / "dev"
     monkeypatch.setenv("KAFOLD_DEV_DIR", str(tmp_path / "mine"))
     assert devstack.default_state_dir() == tmp_path / "mine"
+
+
+# ---- Apache Kafka in the dev stack (Java 17+ and Maven on the machine; the jars are fetched once into the cache)
+
+def _topic_with_records(bootstrap: str, topic: str, replicas: int, count: int) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for f in admin.create_topics([NewTopic(topic, 1, replicas)]).values():
+        f.result(30)
+    producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True})
+    for i in range(count):
+        producer.produce(topic, str(i).encode())
+    assert producer.flush(30) == 0
+
+
+def _end_offset(bootstrap: str, topic: str) -> int:
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "kt-devstack"})
+    try:
+        return int(consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=30)[1])
+    finally:
+        consumer.close()
+
+
+def _kill(proc: devstack.Proc) -> None:
+    psutil.Process(proc.pid).kill()
+    psutil.Process(proc.pid).wait(10)
+
+
+@pytest.mark.integration
+def test_apache_kafka_keeps_its_log_across_a_kill_and_leaves_no_process(tmp_path: Path) -> None:
+    try:
+        stack = devstack.up(tmp_path, broker="kafka")
+        assert (stack.kind, stack.nodes, stack.replication_factor) == ("kafka", 1, 1)
+        assert devstack.up(tmp_path) == stack and devstack.status(tmp_path) == stack
+        _topic_with_records(stack.bootstrap_servers, "kept", 1, 50)
+        _kill(stack.broker)
+        assert devstack.status(tmp_path) is None
+        again = devstack.up(tmp_path)  # the killed node restarts on its port, from its log on disk
+        assert again.kind == "kafka" and again.broker.pid != stack.broker.pid
+        assert again.bootstrap_servers == stack.bootstrap_servers and again.postgres == stack.postgres
+        assert _end_offset(again.bootstrap_servers, "kept") == 50
+        assert (tmp_path / "kafka" / "node-1" / "broker.log").stat().st_size > 0
+        family = _family(again)
+    finally:
+        devstack.down(tmp_path)
+    assert _gone(family) and _processes(tmp_path) == []
+    try:  # a clean stop keeps the log too
+        assert _end_offset(devstack.up(tmp_path, broker="kafka").bootstrap_servers, "kept") == 50
+    finally:
+        assert devstack.down(tmp_path) is True
+    assert _processes(tmp_path) == []
+
+
+@pytest.mark.integration
+def test_three_node_apache_kafka_replicates_three_ways_and_survives_a_node_kill(tmp_path: Path) -> None:
+    try:
+        stack = devstack.up(tmp_path, broker="kafka", nodes=3)
+        assert len(stack.brokers) == 3 and len(stack.bootstrap_servers.split(",")) == 3
+        cfg = devstack.effective(KafoldConfig(), state_dir=tmp_path)
+        assert cfg.kafka.replication_factor == 3 and cfg.kafka.bootstrap_servers == stack.bootstrap_servers
+        _topic_with_records(stack.bootstrap_servers, "replicated", 3, 20)
+        admin = AdminClient({"bootstrap.servers": stack.bootstrap_servers})
+        part = admin.list_topics(timeout=30).topics["replicated"].partitions[0]
+        assert sorted(part.replicas) == [1, 2, 3]
+        described = admin.describe_configs([ConfigResource("topic", "replicated")])
+        assert next(iter(described.values())).result(30)["min.insync.replicas"].value == "2"
+        _kill(stack.brokers[1])
+        again = devstack.up(tmp_path)  # only the dead node restarts
+        assert again.brokers[0] == stack.brokers[0] and again.brokers[2] == stack.brokers[2]
+        assert again.brokers[1] != stack.brokers[1]
+        assert _end_offset(again.bootstrap_servers, "replicated") == 20
+        with pytest.raises(devstack.DevStackError, match="3-node stack runs"):
+            devstack.up(tmp_path, nodes=1)
+        family = [b.pid for b in again.brokers]
+    finally:
+        devstack.down(tmp_path)
+    assert _gone(family) and _processes(tmp_path) == []
+
+
+def _path_with(tmp_path: Path, *tools: str) -> str:
+    """A PATH holding only the named tools (links to the machine's)."""
+    import shutil
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in tools:
+        found = shutil.which(tool)
+        assert found, f"{tool} is needed on this machine for the test"
+        (bin_dir / tool).symlink_to(found)
+    return str(bin_dir)
+
+
+@pytest.mark.parametrize(("tools", "missing"), [((), "no `java` is on PATH"), (("java",), "no `mvn` is on PATH")])
+def test_apache_kafka_without_java_or_maven_is_a_one_line_error(tmp_path: Path, tools: tuple[str, ...],
+                                                               missing: str) -> None:
+    env = {"PATH": _path_with(tmp_path, *tools), "HOME": str(tmp_path), "KAFOLD_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-m", "kafold.cli", "dev", "up", "--broker", "kafka", "--state-dir",
+                           str(tmp_path / "state")], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1
+    assert missing in done.stderr and "apt-get install openjdk-17-jre-headless maven" in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert _processes(tmp_path) == []
+
+
+def test_java_versions_are_read_from_both_version_formats() -> None:
+    from kafold import apache_kafka
+
+    assert apache_kafka._java_major('openjdk version "17.0.15" 2025-04-15') == 17
+    assert apache_kafka._java_major('openjdk version "21" 2023-09-19') == 21
+    assert apache_kafka._java_major('java version "1.8.0_392"') == 8
+    assert apache_kafka._java_major("no version here") == 0
+
+
+def test_a_broker_kind_or_node_count_the_stack_cannot_run_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(devstack.DevStackError, match="unknown broker 'redpanda'; choose one of tansu, kafka"):
+        devstack.up(tmp_path, broker="redpanda")
+    with pytest.raises(devstack.DevStackError, match="--nodes 3: the dev stack runs 1 broker"):
+        devstack.up(tmp_path, broker="tansu", nodes=3)
+    assert _processes(tmp_path) == []

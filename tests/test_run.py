@@ -53,7 +53,7 @@ def test_run_flows_events_and_stops_cleanly(tmp_path: Path) -> None:
                 time.sleep(0.5)
                 if not stack_pids and (tmp_path / "dev" / "stack.json").exists():
                     state = json.loads((tmp_path / "dev" / "stack.json").read_text())
-                    stack_pids.extend(state[k]["pid"] for k in ("broker", "postgres") if k in state)
+                    stack_pids.extend(b["pid"] for b in [*state.get("brokers", []), state.get("postgres")] if b)
                 descendants.extend(p for p in psutil.Process(proc.pid).children(recursive=True)
                                    if p not in descendants)
 

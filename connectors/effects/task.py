@@ -39,6 +39,7 @@ from kafold.connectors.effects.settings import (
 )
 from kafold.connectors.effects.tracker import OffsetTracker
 from kafold.errors import FatalError, RetriableError
+from kafold.retry import retrying
 
 log = logs.get("kafold.connectors.effects")
 
@@ -61,6 +62,15 @@ class EffectSinkTask(SinkTask):
             raise FatalError(f"effect connector {context.connector_name!r}: no [kafka] section reached the task "
                              "(pass it as task_config['kafka'], see with_services)")
         self.name = context.connector_name
+        if pg.migrate_on_start:
+            # The ledger's tables exist before `open` reads parked keys: a task never relies on another connector
+            # having migrated first, which a fast group join (real Kafka: no initial rebalance delay) outruns.
+            # Under the daemon the flag is cleared: the daemon migrated before starting any task.
+            def warn(e: RetriableError, delay: float) -> None:
+                log.warning("PostgreSQL not available; retrying", step="migrate", connector=self.name,
+                            error=str(e), retry_in_s=delay)
+
+            retrying(lambda: db.upgrade(pg), within_s=OPEN_RETRY_S, on_retry=warn)
         self.at_most_once = self.config.delivery == AT_MOST_ONCE
         self.tracker = OffsetTracker()
         self.dlq = DeadLetterWriter(kafka, task_config.get("dlq_topic") or f"kafold.dlq.{self.name}", self.name)

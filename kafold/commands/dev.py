@@ -1,4 +1,4 @@
-"""`kafold dev up|status|down`: the embedded local broker and PostgreSQL for development and tests."""
+"""`kafold dev up|status|down`: a local broker (tansu or Apache Kafka) and PostgreSQL for development and tests."""
 
 from __future__ import annotations
 
@@ -11,22 +11,41 @@ from kafold import devstack
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("dev", help="run a local broker (tansu) and PostgreSQL (pgserver) for development")
+    p = sub.add_parser("dev", help="run a local broker (tansu, or Apache Kafka) and PostgreSQL (pgserver) for "
+                                   "development")
     dsub = p.add_subparsers(dest="dev_command", metavar="ACTION", required=True)
     for name, handler, doc in (
         ("up", up, "start the local stack (idempotent) and print how to reach it"),
         ("status", status, "show whether the local stack is running"),
-        ("down", down, "stop the local stack, leaving no process behind (broker data is memory-only)"),
+        ("down", down, "stop the local stack, leaving no process behind (tansu's data is memory-only; Apache "
+                       "Kafka's stays in the state dir)"),
     ):
         a = dsub.add_parser(name, help=doc)
         a.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
                        help="where the stack keeps its state (default: $KAFOLD_DEV_DIR or "
                             "$XDG_STATE_HOME/kafold/dev)")
+        if name == "up":
+            add_broker_args(a)
         a.set_defaults(handler=handler)
 
 
+def add_broker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--broker", choices=devstack.BROKERS, default=None,
+                   help="tansu: the embedded broker, memory only (default); kafka: Apache Kafka, fetched once with "
+                        "Maven (needs Java 17+ and mvn), its data kept in the state dir")
+    p.add_argument("--nodes", type=int, choices=(1, 3), default=None,
+                   help="Apache Kafka nodes on loopback: 3 gives replication factor 3, min ISR 2 (default 1)")
+
+
 def _show(stack: devstack.DevStack) -> None:
-    print(f"kafka     {stack.bootstrap_servers}  (tansu, pid {stack.broker.pid}, memory only)")
+    pids = ", ".join(str(b.pid) for b in stack.brokers)
+    if stack.kind == "kafka":
+        from kafold import apache_kafka
+
+        print(f"kafka     {stack.bootstrap_servers}  (Apache Kafka {apache_kafka.version()}, {stack.nodes} node(s), "
+              f"replication factor {stack.replication_factor}, pid {pids}, data in {stack.state_dir / 'kafka'})")
+    else:
+        print(f"kafka     {stack.bootstrap_servers}  (tansu, pid {pids}, memory only)")
     print(f"postgres  {stack.postgres_url}  (pid {stack.postgres.pid})")
     print(f"state     {stack.state_dir}")
     print()
@@ -40,7 +59,7 @@ def _show(stack: devstack.DevStack) -> None:
 
 
 def up(args: argparse.Namespace) -> int:
-    _show(devstack.up(args.state_dir))
+    _show(devstack.up(args.state_dir, broker=args.broker, nodes=args.nodes))
     return 0
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from kafold import config, devstack, logs, topics
 from kafold.cli import add_config_arg
+from kafold.commands.dev import add_broker_args
 from kafold.run_view import DemoReceiver, LiveView
 
 log = logs.get("kafold.run")
@@ -26,6 +27,7 @@ def register(sub: Any) -> None:
                         "aggregate; '' for none (default: the bank example's)")
     p.add_argument("--rate", type=float, default=200.0, help="commands per second the generator sends")
     p.add_argument("--keep-stack", action="store_true", help="leave the dev stack running on exit")
+    add_broker_args(p)
     p.add_argument("--receiver-port", type=int, default=8089,
                    help="port of the demo webhook receiver on 127.0.0.1 (0: do not start it)")
     p.set_defaults(handler=handle)
@@ -35,10 +37,16 @@ def handle(args: argparse.Namespace) -> int:
     loaded = config.load_file(args.config)
     cfg = loaded.config
     started_stack = False
-    if not (cfg.kafka.bootstrap_servers and cfg.postgres.url) and devstack.status() is None:
-        # Fresh: the broker is memory-only, so the last run's events are gone; PostgreSQL's data derived from them
-        # (checkpoints past the new topics' ends, tracking rows, projections) is dropped with them.
-        stack = devstack.up(fresh=True)
+    running = devstack.status()
+    if running is not None and args.broker and running.kind != args.broker:
+        print(f"a {running.kind} dev stack is running in {running.state_dir}; stop it with `kafold dev down` to run "
+              f"on {args.broker}")
+        return 1
+    if not (cfg.kafka.bootstrap_servers and cfg.postgres.url) and running is None:
+        # Fresh: tansu is memory-only, so the last run's events are gone; PostgreSQL's data derived from them
+        # (checkpoints past the new topics' ends, tracking rows, projections) is dropped with them. A demo on
+        # Apache Kafka starts from empty topics too, so both stacks begin alike.
+        stack = devstack.up(fresh=True, broker=args.broker, nodes=args.nodes)
         started_stack = True
         print(f"dev stack up (fresh): broker {stack.bootstrap_servers}, PostgreSQL {stack.postgres_url}")
     cfg = devstack.effective(cfg)

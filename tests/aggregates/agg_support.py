@@ -33,8 +33,9 @@ def bank_domain(agg: AggregateConfig) -> AggregateDomain:
     return AggregateDomain.load(agg, [str(BANK)])
 
 
-def create_topics(kafka: KafkaConfig, agg: AggregateConfig) -> None:
-    specs = [TopicSpec(agg.topic(k), agg.partitions, 1, {}) for k in ("events", "commands", "results")]
+def create_topics(kafka: KafkaConfig, agg: AggregateConfig, configs: dict[str, str] | None = None) -> None:
+    specs = [TopicSpec(agg.topic(k), agg.partitions, 1, dict(configs or {})) for k in ("events", "commands",
+                                                                                     "results")]
     topics.ensure(kafka, [*specs, TopicSpec(dlq_topic(agg), 1, 1, {})])
 
 

@@ -39,6 +39,7 @@ def kill9(proc: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.apache_kafka
 def test_kill_9_at_random_points_loses_nothing_and_dedups_to_exactly_once(
         kafka_config: KafkaConfig, effects_pg: PostgresConfig, receiver: Receiver, unique: str) -> None:
     topic = f"{unique}.events"

@@ -77,6 +77,7 @@ def start_daemon(conf: Path, pg_url: str, log: Path) -> subprocess.Popen[bytes]:
 
 
 @pytest.mark.slow
+@pytest.mark.apache_kafka
 @pytest.mark.timeout(420)
 def test_kill_9_at_random_points_loses_nothing_and_applies_nothing_twice(
         kafka_config: KafkaConfig, pg_config: PostgresConfig, pg_url: str, unique: str, tmp_path: Path) -> None:

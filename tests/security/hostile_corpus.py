@@ -20,6 +20,9 @@ from kafold.envelope import Event, Headers, encode
 # Written into hostile payloads; it must never appear in a log line (payloads are not logged).
 CANARY = "CANARY-payload-7f3a"
 BIG = {"message.max.bytes": 4_000_000}  # lets a producer send the over-limit records
+# ... and the topics they go to accept them where the broker enforces a limit (Apache Kafka: 1 MB by default;
+# tansu has none): a topic may allow larger records than kafold decodes, and kafold must still refuse them.
+BIG_TOPIC = {"max.message.bytes": "4000000"}
 
 
 @dataclass(frozen=True)

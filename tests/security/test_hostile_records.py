@@ -21,7 +21,7 @@ from agg_support import bank_config, create_topics, read_all, results, running, 
 from agg_support import events as agg_events  # noqa: E402
 from agg_support import wait_for as agg_wait_for  # noqa: E402
 from contract import create_topic  # noqa: E402
-from hostile_corpus import BIG, CANARY, commands, produce_raw, stale_forgery  # noqa: E402
+from hostile_corpus import BIG, BIG_TOPIC, CANARY, commands, produce_raw, stale_forgery  # noqa: E402
 from hostile_corpus import events as hostile_events  # noqa: E402
 from projection_support import (  # noqa: E402
     dead_letters,
@@ -85,7 +85,7 @@ def outcome(kafka_config: KafkaConfig, pg_config: PostgresConfig) -> Outcome:
     name = f"kt.hostile.{uuid.uuid4().hex[:8]}"
     topic, table = f"{name}.events", f"acc_{uuid.uuid4().hex[:10]}"
     cfg = settings(name, topic, table, on_unknown_type="dead-letter")
-    create_topic(kafka_config, topic, partitions=2)
+    create_topic(kafka_config, topic, partitions=2, configs=BIG_TOPIC)
     create_topic(kafka_config, cfg.dlq_topic)
     good = history(accounts=6, deposits=3)
     half = len(good) // 2
@@ -149,7 +149,7 @@ def test_no_log_line_carries_a_secret_or_a_payload(outcome: Outcome) -> None:
 def test_hostile_commands_are_rejected_and_dead_lettered_and_the_rest_flows(kafka_config: KafkaConfig,
                                                                           unique: str) -> None:
     agg = bank_config(unique)
-    create_topics(kafka_config, agg)
+    create_topics(kafka_config, agg, BIG_TOPIC)
     hostile = commands()
     producer = Producer(kafka_clients.librdkafka(kafka_config, **BIG))
     with LogLines() as logs, running(runtime(kafka_config, agg)) as r, CommandClient(kafka_config, agg) as client:
