@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any
 
 import orjson
+import pytest
 from agg_support import bank_config, bank_domain, create_topics, events, fold_balances, running, runtime, wait_for
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
@@ -17,6 +18,10 @@ from kafold.config import AggregateConfig, KafkaConfig
 from kafold.snapshot.fold import Domain
 from kafold.snapshot.restorer import SnapshotRestorer
 from kafold.snapshot.runs import run_local
+
+
+# The guarantee is run again on Apache Kafka in `make test` (marker apache_kafka).
+pytestmark = pytest.mark.apache_kafka
 
 
 class Outside:
