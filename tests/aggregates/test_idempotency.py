@@ -19,7 +19,6 @@ from kafold.snapshot.fold import Domain
 from kafold.snapshot.restorer import SnapshotRestorer
 from kafold.snapshot.runs import run_local
 
-
 # The guarantee is run again on Apache Kafka in `make test` (marker apache_kafka).
 pytestmark = pytest.mark.apache_kafka
 
