@@ -178,6 +178,15 @@ def reload(consumer: Any, topic: str, domain: AggregateDomain, store: StateStore
     return read
 
 
+def offset_at(consumer: Any, topic: str, partition: int, since_ms: int) -> int:
+    """The first offset whose record time is at or after `since_ms` (ListOffsets by timestamp); -1 for none."""
+    try:
+        found = consumer.offsets_for_times([TopicPartition(topic, partition, max(0, since_ms))], timeout=10)
+    except Exception as e:
+        raise RetriableError(f"{topic}[{partition}]: cannot look up offsets by time: {e}") from e
+    return int(found[0].offset)
+
+
 def note_results(consumer: Any, topic: str, domain: AggregateDomain, store: StateStore, partition: int,
                  only: set[str] | None = None, now_ms: int | None = None) -> int:
     """Add to the idempotency window the outcomes on results partition `partition` within the window that events
@@ -189,13 +198,8 @@ def note_results(consumer: Any, topic: str, domain: AggregateDomain, store: Stat
     first outcome is the one that counts, and an id already known from the events keeps that outcome."""
     window = store.window
     high = max(window.high, now_ms if now_ms is not None else int(time.time() * 1000))
-    since = high - window.window_ms
-    try:
-        found = consumer.offsets_for_times([TopicPartition(topic, partition, max(0, since))], timeout=10)
-    except Exception as e:
-        raise RetriableError(f"{topic}[{partition}]: cannot look up offsets by time: {e}") from e
-    start = found[0].offset
-    if start < 0:  # no result at or after `since`
+    start = offset_at(consumer, topic, partition, high - window.window_ms)
+    if start < 0:  # no result at or after the window's start
         return 0
     evicted = store.evicted.get(partition, ())
     read = 0
@@ -238,12 +242,7 @@ def note_events(consumer: Any, topic: str, store: StateStore, partition: int, id
     time known (ListOffsets by timestamp; events carry their command's time) and stops at `until`; records past it
     belong to the tail, which the gate folds."""
     window = store.window
-    since = max(0, window.high - window.window_ms)
-    try:
-        found = consumer.offsets_for_times([TopicPartition(topic, partition, since)], timeout=10)
-    except Exception as e:
-        raise RetriableError(f"{topic}[{partition}]: cannot look up offsets by time: {e}") from e
-    start = found[0].offset
+    start = offset_at(consumer, topic, partition, window.high - window.window_ms)
     if start < 0 or start >= until:
         return 0
     read = 0
