@@ -284,7 +284,7 @@ def peek_headers(headers: Sequence[tuple[str, bytes | None]] | None, *,
 
 
 _Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
-_Count = Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]  # above, the strict path decides (orjson: to 2**64 - 1)
+_Count = Annotated[int, msgspec.Meta(ge=1)]
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, gc=False):
