@@ -317,7 +317,22 @@ class DaemonHost:
             except SystemExit as e:
                 if e.code not in (0, None):
                     self.exit_code = 1
+            finally:
+                _close_idle_consumer_loop(app)
         return self.exit_code
+
+
+def _close_idle_consumer_loop(app: Any) -> None:
+    """Close the event loop of Faust's consumer thread, which Faust creates on start even with its consumer off.
+
+    The thread never runs here (the sink tasks bring their own consumers), so nothing closes its loop; left to the
+    garbage collector at interpreter exit, the loop's `__del__` can meet its self-pipe already closed and print an
+    "Invalid file descriptor" traceback on stderr after a clean stop.
+    """
+    thread = getattr(getattr(app, "_consumer", None), "_thread", None)
+    loop = getattr(thread, "thread_loop", None)
+    if isinstance(loop, asyncio.AbstractEventLoop) and not loop.is_running() and not loop.is_closed():
+        loop.close()
 
 
 def _loopback(host: str) -> bool:
