@@ -21,6 +21,8 @@ MAX_DEPTH = 32
 # The integers a payload may hold: what orjson (and so `encode`) writes exactly. Beyond them JSON decoders round to
 # a float; `decode` refuses such a payload (reason int-range) rather than hand on a silently changed number.
 INT_MIN, INT_MAX = -(2**63), 2**64 - 1
+# Versions are PostgreSQL bigints and Kafka offsets' width: above this a version is refused on both decode paths.
+COUNT_MAX = 2**63 - 1
 MAX_ID_CHARS = 256
 
 H_TYPE = "kafold-type"
@@ -119,6 +121,8 @@ def _count(name: str, value: Any) -> None:
         raise _Invalid(name, f"expected an integer, got {_kind(value)}")
     if value < 1:
         raise _Invalid(name, f"must be >= 1, got {value}")
+    if value > COUNT_MAX:
+        raise _Invalid(name, f"must be <= {COUNT_MAX} (64-bit signed), got {value}")
 
 
 def _kind(value: Any) -> str:
@@ -152,8 +156,9 @@ class Event:
                 and 0 < len(self.aggregate_id) <= m and type(self.correlation_id) is str
                 and 0 < len(self.correlation_id) <= m
                 and (cause is None or (type(cause) is str and 0 < len(cause) <= m))
-                and type(self.version) is int and self.version >= 1 and type(self.schema_version) is int
-                and self.schema_version >= 1 and type(self.payload) is dict and type(at) is str
+                and type(self.version) is int and 1 <= self.version <= COUNT_MAX
+                and type(self.schema_version) is int and 1 <= self.schema_version <= COUNT_MAX
+                and type(self.payload) is dict and type(at) is str
                 and at.endswith("Z")):
             try:
                 datetime.fromisoformat(at)
@@ -284,7 +289,7 @@ def peek_headers(headers: Sequence[tuple[str, bytes | None]] | None, *,
 
 
 _Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
-_Count = Annotated[int, msgspec.Meta(ge=1)]
+_Count = Annotated[int, msgspec.Meta(ge=1, le=COUNT_MAX)]  # outside: the strict path names the defect
 
 
 class _Body(msgspec.Struct, forbid_unknown_fields=True, gc=False):

@@ -267,3 +267,16 @@ def test_format_epoch_ms_writes_what_format_time_writes(ms: int) -> None:
     text = format_epoch_ms(ms)
     assert text == format_time(datetime.fromtimestamp(ms / 1000, UTC).replace(microsecond=ms % 1000 * 1000))
     assert epoch_ms(text) == ms
+
+
+@pytest.mark.parametrize("too_big", [2**63, 2**64 - 1, 2**64])
+def test_a_version_beyond_a_signed_64_bit_integer_is_refused_by_both_paths(too_big: int) -> None:
+    from kafold.envelope import COUNT_MAX, _fast_body, _strict_body
+
+    value = encode(sample())[1]
+    version = orjson.loads(value)["version"]
+    assert _fast_body(value.replace(b'"version":%d' % version, b'"version":%d' % COUNT_MAX)) is not None
+    forged = value.replace(b'"version":%d' % version, b'"version":%d' % too_big)
+    assert _fast_body(forged) is None
+    with pytest.raises(DecodeError, match="version: "):
+        _strict_body(forged, None, MAX_BYTES)
