@@ -183,6 +183,7 @@ class SinkRunner:
             self._subscribe()
             self.log.info("sink task started", group=self.group_id,
                           topics=list(self.connector.settings.topics))
+            self.last_poll = time.monotonic()  # before `started`: the start-up's own time is not a stall
             self.started = True
             while not self.stop_event.is_set():
                 self.last_poll = time.monotonic()
