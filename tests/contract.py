@@ -73,10 +73,15 @@ def create_topic(kafka: KafkaConfig, name: str, partitions: int = 1, configs: di
         fut.result(15)
 
 
-def produce(kafka: KafkaConfig, topic: str, items: list[tuple[int, bytes | None, bytes | None, Any]]
-            ) -> list[tuple[int, int]]:
+def new_producer(kafka: KafkaConfig) -> Producer:
+    """An idempotent producer for `produce` (one per call unless a long-lived one is handed in)."""
+    return Producer(kafka_clients.librdkafka(kafka, **{"enable.idempotence": True, "linger.ms": 5}))
+
+
+def produce(kafka: KafkaConfig, topic: str, items: list[tuple[int, bytes | None, bytes | None, Any]],
+            producer: Producer | None = None, flush_s: float = 15) -> list[tuple[int, int]]:
     """Produce (partition, key, value, headers) in order; returns each record's (partition, offset)."""
-    producer = Producer(kafka_clients.librdkafka(kafka, **{"enable.idempotence": True, "linger.ms": 5}))
+    producer = producer or new_producer(kafka)
     coords: list[tuple[int, int] | None] = [None] * len(items)
 
     def on_delivery(i: int) -> Callable[[Any, Any], None]:
@@ -88,7 +93,7 @@ def produce(kafka: KafkaConfig, topic: str, items: list[tuple[int, bytes | None,
     for i, (partition, key, value, headers) in enumerate(items):
         producer.produce(topic, value=value, key=key, headers=headers, partition=partition,
                          on_delivery=on_delivery(i))
-    assert producer.flush(15) == 0
+    assert producer.flush(flush_s) == 0
     return [c for c in coords if c is not None]
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from contract import create_topic, produce, wait_for
+from contract import create_topic, new_producer, produce, wait_for
 from projection_support import (
     dead_letters,
     deposited,
@@ -80,13 +80,20 @@ class Producer(threading.Thread):
 
     def run(self) -> None:
         try:
+            producer = new_producer(self.kafka)  # one client throughout, as a service's would be
             while not self.halt.is_set():
                 batch = list(itertools.islice(self.source, self.chunk))
-                self.coords += produce(self.kafka, self.topic, encoded(batch, PARTITIONS))
+                self.coords += produce(self.kafka, self.topic, encoded(batch, PARTITIONS), producer, flush_s=60)
                 self.events += batch
                 self.halt.wait(0.05)  # pacing only: the test asserts no timing
         except BaseException as e:  # surfaced by the test
             self.error = e
+
+    def produced(self, n: int) -> bool:
+        """At least `n` events produced so far; raises the producer's error if it stopped on one."""
+        if self.error is not None:
+            raise AssertionError(f"the producer stopped: {self.error!r}")
+        return len(self.events) >= n
 
 
 class Reader(threading.Thread):
@@ -142,20 +149,20 @@ def test_rebuild_under_live_traffic_swaps_in_a_table_equal_to_the_live_result(
         producer.start()
         reader.start()
         try:
-            wait_for(lambda: len(producer.events) >= 400, "live traffic to flow")
+            wait_for(lambda: producer.produced(400), "live traffic to flow")
             reports: list[rb.Progress] = []
             rebuild = RacedRebuild(plan, batch=100, max_tail=300, on_progress=reports.append)
             produced_at_start = len(producer.events)
             result = rebuild.run()
             produced_at_swap = len(producer.events)
-            assert producer.is_alive() and produced_at_swap > produced_at_start  # traffic flowed throughout
-            assert result.phase == "swapped" and rebuild.tail > 0
+            assert producer.is_alive() and produced_at_swap > produced_at_start, producer.error  # flowed throughout
+            assert result.phase == "swapped" and rebuild.tail > 0, (result, rebuild.tail)
             # The bar's "behind" figure: records behind the live connector while copying, 0 at the swap.
-            assert max(r.behind for r in reports) > 0
-            assert reports[-1].phase == "swapped" and reports[-1].behind == 0 and result.behind == 0
+            assert max(r.behind for r in reports) > 0, reports[:5]
+            assert reports[-1].phase == "swapped" and reports[-1].behind == 0 and result.behind == 0, reports[-3:]
             assert [r.phase for r in reports if r.phase == "swapping"]  # the tail applied under the lock
             # The live writer keeps running on the same session while traffic continues after the swap.
-            wait_for(lambda: len(producer.events) >= produced_at_swap + 400, "traffic after the swap")
+            wait_for(lambda: producer.produced(produced_at_swap + 400), "traffic after the swap")
         finally:
             producer.halt.set()
             producer.join(30)
