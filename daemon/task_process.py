@@ -65,7 +65,7 @@ class TaskSpec:
     kafka: KafkaConfig
     postgres: PostgresConfig
     daemon: DaemonConfig
-    log: tuple[str, str]
+    log: tuple[str, str, str | None]
 
 
 class RemoteRunner:

@@ -76,6 +76,11 @@ def handle(args: argparse.Namespace) -> int:
         if cfg.daemon.http_port:
             print(f"metrics: http://127.0.0.1:{cfg.daemon.http_port}/metrics   status: kafold status -c {args.config}")
             view = LiveView(cfg, receiver, lambda: sent[0], stop)
+            if view.tty:  # log lines printed through the live table would tear it: they go to a file instead
+                log_file = devstack.default_state_dir().parent / "run.log"
+                print(f"logs: {log_file}")
+                level, fmt, _ = logs.current()
+                logs.configure(level, fmt, str(log_file))
             view.start()
         print("Ctrl-C stops everything", flush=True)
         from kafold.commands.daemon import run as run_daemon
