@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -21,7 +22,10 @@ if TYPE_CHECKING:  # SQLAlchemy and Alembic are imported only to migrate: a task
 
 log = logs.get(__name__)
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+# kafold.migrations (the top-level migrations/ folder in a checkout), found without importing it.
+_SPEC = importlib.util.find_spec("kafold.migrations")
+assert _SPEC is not None and _SPEC.submodule_search_locations is not None
+MIGRATIONS_DIR = Path(next(iter(_SPEC.submodule_search_locations))).resolve()
 # The newest of migrations/versions (a test checks it is Alembic's single head): a database already at it is
 # recognised with one psycopg query, so a daemon's start loads SQLAlchemy and Alembic (~21 MB) only to migrate.
 HEAD = "0003_dead_letter_holds"

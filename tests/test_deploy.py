@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,14 @@ def test_containerfile_install_steps_produce_a_working_kafold(tmp_path: Path) ->
     for package in ("daemon", "connectors", "spark_jobs", "migrations"):
         assert (target / "kafold" / package / "__init__.py").is_file(), package
         assert not (target / package).exists(), f"bare top-level {package!r} shipped"
+    # Each module of the tree once, where the package-dir mapping puts it, and nothing else.
+    with zipfile.ZipFile(wheel) as zf:
+        shipped = sorted(n for n in zf.namelist() if n.endswith(".py"))
+    expected = sorted(
+        [str(p.relative_to(ROOT)) for p in (ROOT / "kafold").rglob("*.py") if "__pycache__" not in p.parts]
+        + [f"kafold/{p.relative_to(ROOT)}" for d in ("daemon", "connectors", "spark_jobs", "migrations")
+           for p in (ROOT / d).rglob("*.py") if "__pycache__" not in p.parts])
+    assert shipped == expected
     env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
     res = subprocess.run([sys.executable, "-c", "import kafold, kafold.cli, kafold.daemon.runner; "
                           "print(kafold.__file__); kafold.cli.build_parser()"],
