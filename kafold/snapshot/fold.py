@@ -7,8 +7,6 @@ aggregate's current version is a duplicate write and skipped too, so a replay ne
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,57 +15,38 @@ import orjson
 
 from kafold import logs
 from kafold.config import AggregateConfig
-from kafold.domain import default_state_from_json, default_state_to_json  # the same state JSON rules
+from kafold.domain import AggregateDomain
 from kafold.envelope import epoch_ms, utc_now
-from kafold.errors import ConfigError
 from kafold.snapshot.record import Encoded, Encoder, Snapshot
 from kafold.snapshot.select import Identity
 
 log = logs.get(__name__)
 
 
-def _ref(ref: str, where: str) -> Any:
-    module, _, name = ref.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError([f"{where}: cannot import {ref!r}: {e}"]) from e
-
-
 @dataclass(frozen=True)
 class Domain:
-    """initial / evolve and the payload and state conversions of one aggregate type.
+    """initial / evolve and the payload and state conversions of one aggregate type, as the daemon loads them.
 
-    Event payloads become the domain's event classes through the `EVENT_TYPES` dict of the evolve module; the
-    state is stored as JSON through that module's `state_to_json` / `state_from_json` when it defines them,
-    otherwise a dataclass state goes through its fields and anything else is stored as is.
+    Built by `kafold.domain.AggregateDomain.load`, the one loader: `EVENT_TYPES` found by the same rules (the evolve
+    module's, else the decide module's; without one, events are dicts with their `type`), and the state stored as
+    JSON through the evolve module's `state_to_json` / `state_from_json` when it defines them, otherwise a dataclass
+    state through its fields and anything else as is. So a snapshot run folds exactly what the runtime folds.
     """
 
     identity: Identity
     initial: Callable[[], Any]
     evolve: Callable[[Any, Any], Any]
-    event_types: dict[str, type]
+    event: Callable[[str, dict[str, Any]], Any]  # a stored event's type name and payload -> the domain event
     to_json: Callable[[Any], Any]
     from_json: Callable[[Any], Any]
     window_ms: int = 86_400_000  # the aggregate's idempotency window, which snapshots carry
 
     @classmethod
     def load(cls, agg: AggregateConfig, python_path: Sequence[str] = ()) -> Domain:
-        for p in reversed(python_path):
-            if p not in sys.path:
-                sys.path.insert(0, p)
-        where = f"aggregate {agg.name!r}"
-        initial = _ref(agg.initial, f"{where}: initial")
-        evolve = _ref(agg.evolve, f"{where}: evolve")
-        module = sys.modules[evolve.__module__]
-        types = getattr(module, "EVENT_TYPES", None)
-        if not isinstance(types, dict):
-            raise ConfigError([f"{where}: evolve module {module.__name__!r} has no EVENT_TYPES dict "
-                               "(event type name -> event class)"])
-        to_json = getattr(module, "state_to_json", None) or default_state_to_json
-        from_json = getattr(module, "state_from_json", None) or default_state_from_json(initial())
+        d = AggregateDomain.load(agg, tuple(python_path))
         ident = Identity(agg.name, agg.fingerprint, agg.state_schema_version)
-        return cls(ident, initial, evolve, dict(types), to_json, from_json, int(agg.idempotency_window_s * 1000))
+        return cls(ident, d.initial, d.evolve, d.event, d.state_to_json, d.state_from_json,
+                   int(agg.idempotency_window_s * 1000))
 
 
 # Entry layout (a list, for speed): [state or None, version, covered offset, changed, base state JSON or None,
@@ -113,7 +92,7 @@ class Folder:
 
     def fold(self, offsets: Sequence[int], keys: Sequence[bytes | None], values: Sequence[bytes | None]) -> None:
         """Apply one batch of events (parallel sequences, offset order)."""
-        entries, loads, types, evolve = self.entries, orjson.loads, self.domain.event_types, self.domain.evolve
+        entries, loads, make, evolve = self.entries, orjson.loads, self.domain.event, self.domain.evolve
         initial, from_json = self.domain.initial, self.domain.from_json
         folded = skipped = 0
         # Hot loop: entry indexes are literals (STATE=0, VERSION=1, COVERED=2, CHANGED=3, BASE=4).
@@ -134,7 +113,7 @@ class Folder:
                     continue
                 if body["aggregate_id"].encode() != key:
                     raise ValueError("key does not match aggregate_id")
-                event = types[body["type"]](**body["payload"])
+                event = make(body["type"], body["payload"])
                 state = entry[0]
                 if state is None:
                     base = entry[4]

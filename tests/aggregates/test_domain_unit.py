@@ -215,3 +215,47 @@ def test_fast_event_id_equals_the_uuid5_derivation() -> None:
 
     for cid, i in (("c1", 0), ("a/b", 3), ("ünï", 12), ("x" * 256, 0)):
         assert derive_event_id(cid, i) == str(uuid.uuid5(KAFOLD_NAMESPACE, f"{cid}/{i}"))
+
+
+class _Msg:
+    """A consumed record, as recovery.Folder reads it."""
+
+    def __init__(self, offset: int, value: bytes) -> None:
+        self._offset, self._value = offset, value
+
+    def value(self) -> bytes:
+        return self._value
+
+    def offset(self) -> int:
+        return self._offset
+
+
+def test_an_aggregate_whose_event_types_live_in_the_decide_module_folds_the_same_in_runtime_and_snapshot(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kafold.daemon.aggregates import recovery
+    from kafold.envelope import Event, encode
+    from kafold.snapshot.fold import Domain, Folder
+
+    (tmp_path / "tally_evolve.py").write_text(
+        "def initial():\n    return {'n': 0, 'seen': []}\n\n"
+        "def evolve(state, event):\n"
+        "    return {'n': state['n'] + event.by, 'seen': [*state['seen'], type(event).__name__]}\n")
+    (tmp_path / "tally_decide.py").write_text(
+        "from dataclasses import dataclass\n\n@dataclass(frozen=True)\nclass Added:\n    by: int\n\n"
+        "EVENT_TYPES = {'Added': Added}\n\ndef decide(state, command):\n    return [Added(command['by'])]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    agg = AggregateConfig(name="tally", initial="tally_evolve:initial", evolve="tally_evolve:evolve",
+                          decide="tally_decide:decide")
+    events = [Event.new("Added", "tally", f"t{i % 3}", i // 3 + 1, {"by": i}) for i in range(12)]
+    values = [encode(e)[1] for e in events]
+
+    runtime = AggregateDomain.load(agg)
+    store = StateStore(100)
+    recovery.Folder(runtime, store, 0).fold([_Msg(i, v) for i, v in enumerate(values)])
+    folder = Folder(Domain.load(agg))
+    folder.fold(list(range(12)), [e.aggregate_id.encode() for e in events], values)
+
+    assert folder.bad == 0 and folder.folded == 12
+    in_runtime = {aid: (e.state, e.version) for aid, e in store.entries.items()}
+    assert folder.states() == in_runtime
+    assert in_runtime["t1"] == ({"n": 1 + 4 + 7 + 10, "seen": ["Added"] * 4}, 4)
