@@ -11,6 +11,7 @@ See docs/connectors.md.
 from __future__ import annotations
 
 import dataclasses
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,8 +37,8 @@ from kafold.daemon.runner import SinkRunner
 from kafold.envelope import Event, encode
 from kafold.schema import Problems, is_missing, load
 
-__all__ = ["LocalContext", "SinkTaskContract", "committed", "create_topic", "make_event", "new_producer", "produce",
-           "wait_for"]
+__all__ = ["LocalContext", "SinkTaskContract", "committed", "create_topic", "free_port", "make_event", "new_producer",
+           "produce", "wait_for"]
 
 
 class LocalContext(SinkTaskContext):
@@ -118,6 +119,13 @@ def committed(kafka: KafkaConfig, group: str, topic: str, partitions: int) -> di
         return {tp.partition: tp.offset for tp in got}
     finally:
         consumer.close()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for a test's HTTP receiver or daemon)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def wait_for(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -23,14 +22,10 @@ from test_idempotency import Outside
 from kafold import config, topics
 from kafold.config import KafkaConfig
 from kafold.snapshot import kafka_io, record
+from kafold.testing import free_port
 
 KAFOLD = str(Path(sys.executable).parent / "kafold")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _config(path: Path, kafka: KafkaConfig, unique: str, table: str, port: int) -> Path:
@@ -110,7 +105,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 def test_a_retry_after_a_snapshot_and_a_restart_is_decided_once_and_the_projection_agrees(
         kafka_config: KafkaConfig, pg_url: str, unique: str, tmp_path: Path) -> None:
-    table, port = f"acc_{uuid.uuid4().hex[:10]}", _free_port()
+    table, port = f"acc_{uuid.uuid4().hex[:10]}", free_port()
     conf = _config(tmp_path / "kafold.toml", kafka_config, unique, table, port)
     loaded = config.load_file(conf)
     agg = loaded.config.aggregates[0]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import urllib.error
 import urllib.request
@@ -21,11 +20,6 @@ from kafold.config import KafkaConfig
 from kafold.daemon.host import DaemonHost
 
 HERE = Path(__file__).parent
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def write_config(tmp_path: Path, kafka: KafkaConfig, unique: str, topic: str, *, port: int = 0,
                  connector: str = "log", config_toml: str = "{}", daemon_extra: str = "") -> Path:

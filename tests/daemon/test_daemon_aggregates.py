@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from contract import wait_for
-from daemon_support import daemon_in_process, free_port
+from daemon_support import daemon_in_process
 
 from kafold import config, topics
 from kafold.client import CommandClient
 from kafold.config import KafkaConfig
+from kafold.testing import free_port
 
 BANK = Path(__file__).resolve().parents[2] / "examples" / "bank"
 

@@ -10,12 +10,13 @@ import pytest
 from confluent_kafka import Producer
 from contract import committed, create_topic, make_event, produce, wait_for
 from daemon_plugins import GATES, RECEIVED
-from daemon_support import daemon_in_process, free_port, write_config
+from daemon_support import daemon_in_process, write_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from kafold import kafka_clients
 from kafold.config import KafkaConfig
 from kafold.envelope import Event, encode
+from kafold.testing import free_port
 
 PLUGIN = "daemon_plugins:PluginConnector"
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 from contract import create_topic, wait_for
-from daemon_support import free_port
 
 from kafold.config import KafkaConfig
+from kafold.testing import free_port
 
 pytestmark = pytest.mark.integration
 

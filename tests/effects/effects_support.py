@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,11 +45,6 @@ def start_effects(kafka: KafkaConfig, pg: PostgresConfig, name: str, topic: str,
     thread.start()
     return EffectRun(runner, stop, thread)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def daemon_config(path: Path, kafka: KafkaConfig, pg_url: str, schema: str, group_prefix: str, topic: str,

@@ -12,13 +12,14 @@ from typing import Any
 
 import pytest
 from contract import committed, create_topic, make_event, produce, wait_for
-from effects_support import daemon_config, daemon_thread, free_port, start_effects
+from effects_support import daemon_config, daemon_thread, start_effects
 from receiver import Receiver, Req
 
 from kafold import cli
 from kafold.config import KafkaConfig, PostgresConfig
 from kafold.connectors.effects import ops
 from kafold.envelope import encode
+from kafold.testing import free_port
 
 
 def _publish(kafka: KafkaConfig, topic: str, keys: list[str], versions: int) -> dict[int, int]:
