@@ -20,7 +20,7 @@ install: $(STAMP)
 run: install
 	$(BIN)/kafold run -c $(CONFIG) $(if $(BROKER),--broker $(BROKER)) $(if $(NODES),--nodes $(NODES))
 
-## mypy resolves modules by folders, so it checks a copy of the tree as it installs (kafold/ with daemon/,
+## mypy and import-linter resolve modules by folders, so they check a copy of the tree as it installs (kafold/ with daemon/,
 ## connectors/, spark_jobs/ and migrations/ inside, as pyproject's package-dir maps them)
 TYPECHECK := build/typecheck
 lint: install
@@ -29,6 +29,7 @@ lint: install
 	cp -R kafold $(TYPECHECK)/kafold
 	for d in daemon connectors spark_jobs migrations; do cp -R $$d $(TYPECHECK)/kafold/$$d; done
 	cd $(TYPECHECK) && $(abspath $(BIN))/mypy --config-file $(abspath pyproject.toml)
+	cd $(TYPECHECK) && PYTHONPATH=. $(abspath $(BIN))/lint-imports --config $(abspath pyproject.toml)
 
 ## the suite on the embedded broker, then the guarantees marked apache_kafka again on Apache Kafka (fetched once
 ## with Maven: needs Java 17+ and mvn)

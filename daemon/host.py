@@ -32,9 +32,9 @@ import mode
 from faust.app.base import BootStrategy
 
 from kafold import db, logs, sdnotify
-from kafold.config import KafoldConfig, python_path
+from kafold.config import KafoldConfig, Loaded, python_path
 from kafold.connectors.api import TopicPartition
-from kafold.connectors.registry import instantiate
+from kafold.connectors.registry import instantiate, resolve
 from kafold.daemon import connect_api, http, offsets, signals
 from kafold.daemon.metrics import DaemonMetrics
 from kafold.daemon.tasks import (
@@ -178,13 +178,12 @@ class DaemonHost:
         """
         from kafold import config as kconfig
         from kafold import devstack
-        from kafold.commands.daemon import needs
 
         if self.config_path is None:
             raise KafoldError("this daemon was not started from a configuration file; nothing to reload")
         with self._reload_lock:
             loaded = kconfig.load_file(self.config_path)
-            new = devstack.effective(loaded.config, need=needs(loaded))
+            new = devstack.effective(loaded.config, need=services_needed(loaded))
             old = {c.name: c for c in self.cfg.connectors}
             fresh = {c.name: c for c in new.connectors}
             added = [n for n in fresh if n not in old]
@@ -320,6 +319,14 @@ class DaemonHost:
             finally:
                 _close_idle_consumer_loop(app)
         return self.exit_code
+
+
+def services_needed(loaded: Loaded) -> tuple[str, ...]:
+    """The services a loaded configuration needs: always Kafka; PostgreSQL when a connector uses it
+    (`devstack.effective` fills them in from a running dev stack)."""
+    with python_path(loaded.config, loaded.base):
+        pg = any(resolve(c.connector_class).uses_postgres for c in loaded.config.connectors)
+    return ("kafka", "postgres") if pg else ("kafka",)
 
 
 def _close_idle_consumer_loop(app: Any) -> None:

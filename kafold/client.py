@@ -16,8 +16,8 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from kafold import kafka_clients, logs
 from kafold.config import AggregateConfig, KafkaConfig
-from kafold.daemon.aggregates.messages import H_COMMAND_ID, Command, Result, decode_result, header
 from kafold.errors import KafoldError, RetriableError
+from kafold.messages import H_COMMAND_ID, Command, Result, decode_result, header
 
 log = logs.get(__name__)
 

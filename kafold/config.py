@@ -15,6 +15,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from kafold.errors import ConfigError
 from kafold.schema import Problems, Secret, is_missing, load, setting
+from kafold.sqlnames import check_identifier
 
 ENV_PREFIX = "KAFOLD_"
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
@@ -235,8 +236,6 @@ def _check_postgres(pg: PostgresConfig, problems: Problems) -> None:
         for name in sorted({k.lower() for k, _ in parse_qsl(parts.query, keep_blank_values=True)} & URL_SECRETS):
             problems.add("postgres.url", f"the URL carries a literal {name}=; use postgres.password_env or "
                          "postgres.password_file")
-    from kafold.connectors.projection.sql import check_identifier
-
     if (msg := check_identifier(pg.schema)) is not None:
         problems.add("postgres.schema", msg)
     for key in ("sslrootcert", "sslcert", "sslkey"):

@@ -33,8 +33,8 @@ from kafold.errors import FatalError
 from kafold.snapshot import kafka_io
 from kafold.snapshot.partition import write_marker
 from kafold.snapshot.record import H_KIND, KIND_SNAPSHOT
-from kafold.snapshot.runs import REFRESH_LAG, JobResult, partitions_of
 from kafold.spark_jobs import source
+from kafold.spark_jobs.runs import REFRESH_LAG, JobResult, partitions_of
 from kafold.spark_jobs.source import HEADER, SNAPSHOT, STATS
 
 log = logs.get(__name__)

@@ -149,7 +149,7 @@ def test_validate_command_exit_codes(tmp_path: Path) -> None:
 
 def test_readme_reference_is_in_sync() -> None:
     """The README's configuration reference equals what the schemas declare."""
-    from kafold.reference import splice
+    from kafold.commands.reference import splice
 
     readme = (ROOT / "README.md").read_text()
     assert splice(readme) == readme, "run `kafold config reference` and update README.md"

@@ -6,8 +6,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kafold.connectors.projection.sql import check_identifier, check_type
+from kafold.connectors.projection.sql import check_type
 from kafold.schema import setting
+from kafold.sqlnames import check_identifier
 
 ACTIONS = ("upsert", "update", "delete")
 ENVELOPE_FIELDS = ("event_id", "type", "aggregate_type", "aggregate_id", "version", "occurred_at",

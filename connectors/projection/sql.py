@@ -1,6 +1,6 @@
 """SQL for projections: identifier and type validation, and every statement composed with psycopg.sql.
 
-Identifiers from the configuration are checked against IDENTIFIER_RE and always quoted with
+Identifiers from the configuration are checked by `kafold.sqlnames` and always quoted with
 `sql.Identifier`; SQL types are checked against TYPE_RE when the table is created, and the types used in casts
 afterwards come from the catalog (`format_type`), never from the configuration text.
 """
@@ -13,19 +13,10 @@ from dataclasses import dataclass
 
 from psycopg import sql
 
-IDENTIFIER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}$")
 TYPE_RE = re.compile(
     r"^[A-Za-z][A-Za-z0-9_]*( (precision|varying|with time zone|without time zone))?"
     r"(\(\s*\d{1,4}\s*(,\s*\d{1,4}\s*)?\))?"
     r"( (with|without) time zone)?(\[\])?$", re.IGNORECASE)
-
-
-def check_identifier(name: str) -> str | None:
-    """None if `name` may name a table, schema or column; else the reason."""
-    if not isinstance(name, str) or not IDENTIFIER_RE.match(name):
-        return (f"{name!r} is not a valid SQL identifier (letters, digits and '_', not starting with a digit, "
-                "at most 63 characters)")
-    return None
 
 
 def check_type(tp: str) -> str | None:

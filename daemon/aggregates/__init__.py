@@ -7,10 +7,10 @@ import socket
 from pathlib import Path
 
 from kafold.config import AggregateConfig, KafoldConfig
-from kafold.daemon.aggregates.messages import ACCEPTED, REJECTED, Command, Result
 from kafold.daemon.aggregates.recovery import Base, FullReplay, Restorer
 from kafold.daemon.aggregates.runtime import AggregateRuntime, dlq_topic
 from kafold.domain import AggregateDomain
+from kafold.messages import ACCEPTED, REJECTED, Command, Result
 
 __all__ = ["ACCEPTED", "REJECTED", "AggregateRuntime", "Base", "Command", "FullReplay", "Restorer", "Result",
            "build_runtime", "dlq_topic", "instance_id"]
@@ -34,7 +34,7 @@ def build_runtime(cfg: KafoldConfig, agg: AggregateConfig, base: Path) -> Aggreg
 def _restorer(cfg: KafoldConfig, agg: AggregateConfig, domain: AggregateDomain) -> Restorer:
     """Latest usable snapshots + tail (kafold.snapshot), or a full replay when that package is not installed."""
     try:
-        from kafold.snapshot.restorer import SnapshotRestorer
+        from kafold.daemon.aggregates.restorer import SnapshotRestorer
     except ImportError:
         return FullReplay()
     return SnapshotRestorer(cfg.kafka, agg, domain)

@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kafold.daemon.aggregates import window
-from kafold.daemon.aggregates.messages import ACCEPTED, REJECTED, Command, Result
 from kafold.daemon.aggregates.store import Entry
 from kafold.domain import AggregateDomain, InvalidCommand, InvalidEvent
 from kafold.envelope import Event, Headers, encode
 from kafold.errors import FatalError, RecordError
+from kafold.messages import ACCEPTED, REJECTED, Command, Result
 
 Encoded = tuple[bytes, bytes, Headers]
 

@@ -1,9 +1,9 @@
 """Recovery of one events partition: `restore(partition)` gives base states + a start offset, then the tail is folded.
 
-Offset note: today `FullReplay.restore` returns no base states and the partition's first offset, i.e. a full
-replay; a snapshot restorer (issue 6) plugs in through the same `Restorer` protocol, returning each aggregate's
-snapshot state and version plus the offset the tail starts at. The fold skips an event whose version is not
-above its aggregate's current version (covered by a snapshot, or a duplicate write), so a replay never folds an
+Offset note: `FullReplay.restore` returns no base states and the partition's first offset, i.e. a full replay; the
+snapshot restorer (daemon.aggregates.restorer) plugs in through the same `Restorer` protocol, returning each
+aggregate's snapshot state and version plus the offset the tail starts at. The fold skips an event whose version is
+not above its aggregate's current version (covered by a snapshot, or a duplicate write), so a replay never folds an
 event twice. Events are read with read_committed: those of aborted transactions never enter a state. Where the
 replay stops is the catch-up gate's business (`gate.PartitionGate`).
 """
@@ -20,12 +20,12 @@ from confluent_kafka import KafkaError, TopicPartition
 
 from kafold import kafka_clients, logs
 from kafold.config import KafkaConfig
-from kafold.daemon.aggregates.messages import REJECTED, decode_result
 from kafold.daemon.aggregates.store import Entry, StateStore
 from kafold.daemon.aggregates.window import accepted, event_ids, rejected, time_of
 from kafold.domain import AggregateDomain
 from kafold.envelope import epoch_ms
 from kafold.errors import RetriableError
+from kafold.messages import REJECTED, decode_result
 
 log = logs.get(__name__)
 

@@ -38,7 +38,6 @@ from kafold.connectors.api import RawRecord
 from kafold.connectors.dlq import dlq_headers, fitted
 from kafold.daemon.aggregates import recovery
 from kafold.daemon.aggregates.gate import PartitionGate
-from kafold.daemon.aggregates.messages import REJECTED, Command, Result, decode_command, header
 from kafold.daemon.aggregates.processor import handle
 from kafold.daemon.aggregates.store import Entry, StateStore
 from kafold.daemon.aggregates.txn import TransactionalWriter
@@ -46,6 +45,7 @@ from kafold.daemon.aggregates.window import Window
 from kafold.domain import AggregateDomain
 from kafold.envelope import format_epoch_ms
 from kafold.errors import DecodeError, FatalError, RecordError, RetriableError
+from kafold.messages import REJECTED, Command, Result, decode_command, header
 from kafold.retry import retrying
 
 log = logs.get(__name__)

@@ -147,8 +147,7 @@ def _fold(kafka: Any, master: str, events: int, aggregates: int) -> dict[str, An
     """The full run (Spark, forced: a --quick history is small enough for auto to fold it in-process), then 1% new
     events folded as `kafold snapshot run` does by default (engine auto: in-process), then another 1% with Spark
     forced, so both incremental costs are shown against the full run."""
-    from kafold.snapshot import runs
-    from kafold.spark_jobs import snapshot_job
+    from kafold.spark_jobs import runs, snapshot_job
     from kafold.spark_jobs.session import session
 
     began = time.monotonic()

@@ -28,7 +28,7 @@ def validate(args: argparse.Namespace) -> int:
 
 
 def reference(args: argparse.Namespace) -> int:
-    from kafold.reference import render
+    from kafold.commands.reference import render
 
     print(render())
     return 0

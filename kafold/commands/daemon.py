@@ -22,16 +22,9 @@ def handle(args: argparse.Namespace) -> int:
 
     signals.catch_early()  # before the imports and checks below: a supervisor's SIGTERM now still stops gracefully
     loaded = config.load_file(args.config)
-    return run(devstack.effective(loaded.config, need=needs(loaded)), loaded.base, config_path=loaded.path)
+    from kafold.daemon.host import services_needed  # after catch_early: Faust's imports take a second or two
 
-
-def needs(loaded: config.Loaded) -> tuple[str, ...]:
-    """The services this configuration needs: always Kafka; PostgreSQL when a connector uses it."""
-    from kafold.connectors.registry import resolve
-
-    with config.python_path(loaded.config, loaded.base):
-        pg = any(resolve(c.connector_class).uses_postgres for c in loaded.config.connectors)
-    return ("kafka", "postgres") if pg else ("kafka",)
+    return run(devstack.effective(loaded.config, need=services_needed(loaded)), loaded.base, config_path=loaded.path)
 
 
 def run(cfg: config.KafoldConfig, base: Path, stop: threading.Event | None = None,

@@ -47,7 +47,7 @@ def grant_sql(args: argparse.Namespace) -> int:
     """Print the statements; nothing is executed (an administrator reviews and runs them)."""
     from urllib.parse import urlsplit
 
-    from kafold import grants
+    from kafold.commands import grants
 
     loaded = config.load_file(args.config)
     role = args.role or urlsplit(loaded.config.postgres.url).username or "kafold"

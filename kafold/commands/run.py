@@ -14,7 +14,7 @@ from typing import Any
 from kafold import config, devstack, logs, topics
 from kafold.cli import add_config_arg
 from kafold.commands.dev import add_broker_args
-from kafold.run_view import DemoReceiver, LiveView
+from kafold.commands.run_view import DemoReceiver, LiveView
 
 log = logs.get("kafold.run")
 

@@ -99,7 +99,7 @@ def _reporter(name: str) -> tuple[Any, Any]:
 
 
 def handle_run(args: argparse.Namespace) -> int:
-    from kafold.snapshot import runs
+    from kafold.spark_jobs import runs
     from kafold.spark_jobs.session import session
 
     loaded = config.load_file(args.config)
@@ -148,8 +148,8 @@ def handle_run(args: argparse.Namespace) -> int:
 
 def handle_verify(args: argparse.Namespace) -> int:
     from kafold.snapshot.fold import Domain
-    from kafold.snapshot.runs import partitions_of
     from kafold.snapshot.verify import verify
+    from kafold.spark_jobs.runs import partitions_of
 
     loaded = config.load_file(args.config)
     cfg = devstack.effective(loaded.config, need=("kafka",))

@@ -9,13 +9,13 @@ from agg_support import BANK, bank_config, bank_domain
 
 from kafold.config import AggregateConfig
 from kafold.daemon.aggregates.gate import LIVE, RECOVERING, PartitionGate
-from kafold.daemon.aggregates.messages import Command, decode_command, decode_result
 from kafold.daemon.aggregates.processor import handle as _handle
 from kafold.daemon.aggregates.store import Entry, StateStore
 from kafold.daemon.aggregates.window import Window, accepted, rejected, unpack
 from kafold.domain import AggregateDomain, InvalidCommand, InvalidEvent
 from kafold.envelope import decode, derive_event_id
 from kafold.errors import ConfigError, DecodeError
+from kafold.messages import Command, decode_command, decode_result
 
 
 def test_domain_loads_functions_and_type_maps() -> None:
@@ -202,7 +202,7 @@ def test_store_evicts_least_recently_used_and_remembers_them() -> None:
 
 
 def test_result_round_trip() -> None:
-    from kafold.daemon.aggregates.messages import Result
+    from kafold.messages import Result
 
     r = Result("c", "a", "accepted", 3, ("e1",), None, "c")
     assert decode_result(r.encode()[1]) == r

@@ -15,9 +15,9 @@ from agg_support import bank_config, bank_domain, create_topics, events, fold_ba
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 from kafold.config import AggregateConfig, KafkaConfig
+from kafold.daemon.aggregates.restorer import SnapshotRestorer
 from kafold.snapshot.fold import Domain
-from kafold.snapshot.restorer import SnapshotRestorer
-from kafold.snapshot.runs import run_local
+from kafold.spark_jobs.runs import run_local
 
 # The guarantee is run again on Apache Kafka in `make test` (marker apache_kafka).
 pytestmark = pytest.mark.apache_kafka

@@ -7,10 +7,10 @@ from agg_support import bank_config, create_topics, events, read_all, results, r
 
 from kafold.client import CommandClient
 from kafold.config import KafkaConfig
-from kafold.daemon.aggregates.messages import Command, Result
 from kafold.daemon.aggregates.txn import TransactionalWriter
 from kafold.envelope import Event, encode
 from kafold.errors import FatalError
+from kafold.messages import Command, Result
 
 pytestmark = pytest.mark.apache_kafka  # `make test` proves these on Apache Kafka too
 

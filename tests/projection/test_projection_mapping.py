@@ -10,9 +10,10 @@ import pytest
 
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.mapping import UNCHANGED, Mapping, MappingError
-from kafold.connectors.projection.sql import check_identifier, check_type, qualified
+from kafold.connectors.projection.sql import check_type, qualified
 from kafold.envelope import Event
 from kafold.schema import Problems, is_missing, load
+from kafold.sqlnames import check_identifier
 
 BASE: dict[str, Any] = {
     "table": "accounts",

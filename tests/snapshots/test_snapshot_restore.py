@@ -92,8 +92,8 @@ def test_runtime_restorer_hook_gives_snapshot_states_and_the_tail_start(bank: Ba
     """SnapshotRestorer (the aggregate runtime's Restorer) returns the same bases and start as restore()."""
     from snaphelpers import BANK
 
+    from kafold.daemon.aggregates.restorer import SnapshotRestorer
     from kafold.domain import AggregateDomain
-    from kafold.snapshot.restorer import SnapshotRestorer
 
     bank.produce(200)
     end = snapshot_partition(bank, 1)

@@ -1,4 +1,5 @@
-"""The command envelope and the result record of the aggregate runtime (see docs/aggregates.md)."""
+"""The wire types of aggregates: the command envelope and the result record (see docs/aggregates.md), shared by
+clients, the runtime and connectors."""
 
 from __future__ import annotations
 
