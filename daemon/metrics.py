@@ -11,7 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kafold.daemon.rebuild_metrics import RebuildCollector
-from kafold.daemon.runner import BatchStats, SinkRunner
+from kafold.daemon.runner import BatchStats, RunnerView
 from kafold.daemon.tasks import ConnectorGroup
 from kafold.snapshot.select import REJECTED
 
@@ -41,9 +41,9 @@ class DaemonMetrics:
         if aggregates is not None:
             self.registry.register(_IdempotencyCollector(aggregates))
 
-    def observe(self, runner: SinkRunner, stats: BatchStats) -> None:
-        """SinkRunner.on_batch hook (runs in the task's thread; prometheus_client is thread-safe)."""
-        key = (runner.connector.name, str(runner.context.task_id))
+    def observe(self, runner: RunnerView, stats: BatchStats) -> None:
+        """The runners' on_batch hook (runs in the task's thread; prometheus_client is thread-safe)."""
+        key = (runner.connector.name, str(runner.task_id))
         self.events.labels(*key).inc(stats.records)
         if stats.dead_lettered:
             self.dead.labels(*key).inc(stats.dead_lettered)

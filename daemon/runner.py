@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from confluent_kafka import KafkaException
@@ -41,7 +41,7 @@ from kafold.connectors.api import (
 )
 from kafold.connectors.dlq import DeadLetterWriter
 from kafold.daemon.liveness import STATS_INTERVAL_MS, GroupState, GroupWatch
-from kafold.daemon.progress import BatchStats, ProgressTracker, last_event_times
+from kafold.daemon.progress import BatchStats, PartitionProgress, ProgressTracker, last_event_times
 from kafold.envelope import decode
 from kafold.errors import DecodeError, FatalError, KafoldError, RecordError, RetriableError
 
@@ -103,6 +103,47 @@ class _Context(SinkTaskContext):
         return dict(self.runner.committed)  # updated only after consumer.commit returned without error
 
 
+class ProgressView(Protocol):
+    """Per-partition progress as published (immutable values, replaced whole: read without locks)."""
+
+    @property
+    def snapshot(self) -> Mapping[TopicPartition, PartitionProgress]: ...
+
+
+class RunnerView(Protocol):
+    """What the daemon (its task slots, HTTP views, /metrics and `kafold status`) reads of and asks of a sink task's
+    runner: `SinkRunner` in the daemon's process, or `task_process.RemoteRunner` following one in a child."""
+
+    connector: Connector[Any]
+    group_id: str
+    counts: dict[str, int]
+    error: BaseException | None
+    failed: bool
+    started: bool
+    stopped: bool
+    api_paused: bool
+    last_poll: float  # CLOCK_MONOTONIC of the loop's last poll
+    on_batch: Callable[[BatchStats], None] | None
+
+    @property
+    def task_id(self) -> int: ...
+
+    @property
+    def progress(self) -> ProgressView: ...
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def task_status(self) -> dict[str, Any]: ...
+
+    def run(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def request_pause(self, paused: bool) -> None: ...
+
+
 class SinkRunner:
     """Runs one task of a sink connector in the calling thread until `stop` is set or the task fails."""
 
@@ -144,6 +185,10 @@ class SinkRunner:
         self.started = self.stopped = False
         self.last_poll = time.monotonic()  # when the loop last served the consumer (the host warns when it stops)
         self.group_watch = GroupWatch(kafka.rebalance_timeout_ms / 1000, kafka.session_timeout_ms / 1000)
+
+    @property
+    def task_id(self) -> int:
+        return self.context.task_id
 
     def stop(self) -> None:
         self.stop_event.set()

@@ -31,13 +31,12 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from kafold import logs
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig
-from kafold.connectors.api import Connector
-from kafold.daemon.progress import BatchStats
+from kafold.connectors.api import Connector, TopicPartition
+from kafold.daemon.progress import BatchStats, PartitionProgress
 from kafold.errors import KafoldError
 
 log = logs.get(__name__)
@@ -68,15 +67,22 @@ class TaskSpec:
     log: tuple[str, str, str | None]
 
 
+@dataclass(frozen=True)
+class Published:
+    """A child's per-partition progress as its last report carried it (runner.ProgressView)."""
+
+    snapshot: dict[TopicPartition, PartitionProgress]
+
+
 class RemoteRunner:
     """The parent's view of a SinkRunner running in a child process; `run` starts the child and follows it."""
 
     def __init__(self, connector: Connector[Any], task_id: int, spec: TaskSpec) -> None:
         self.connector = connector
         self.spec = spec
-        self.context = SimpleNamespace(task_id=task_id, connector_name=connector.name)
+        self.task_id = task_id
         self.group_id = f"{spec.daemon.group_prefix}.{connector.name}"
-        self.progress = SimpleNamespace(snapshot={})  # dict[TopicPartition, PartitionProgress], replaced whole
+        self.progress = Published({})  # the child's last report, replaced whole
         self.counts: dict[str, int] = {"batches": 0, "records": 0, "dead_lettered": 0, "skipped": 0, "polls": 0,
                                        "assignments": 0, "rejoins": 0}
         self.on_batch: Any = None  # called with BatchStats in the parent's follower thread
@@ -116,7 +122,7 @@ class RemoteRunner:
 
     def run(self) -> None:
         """Start the child and follow its reports until it exits (blocks; the TaskSlot's thread)."""
-        process, parent = _start(self.spec, f"{self.connector.name}#{self.context.task_id}")
+        process, parent = _start(self.spec, f"{self.connector.name}#{self.task_id}")
         self.pid = process.pid
         with self._lock:
             self._conn = parent
@@ -124,7 +130,7 @@ class RemoteRunner:
             self._send(("pause", self._pause))
         if self._stop_event.is_set():
             self._send(("stop",))
-        log.info("task process started", connector=self.connector.name, task=self.context.task_id, pid=self.pid)
+        log.info("task process started", connector=self.connector.name, task=self.task_id, pid=self.pid)
         final = False
         try:
             while True:
@@ -142,7 +148,7 @@ class RemoteRunner:
             self.failed = True
             self.error = TaskProcessError(f"task process {self.pid} exited with code {process.returncode}",
                                           f"task process exited with code {process.returncode}")
-            log.error("task process died", connector=self.connector.name, task=self.context.task_id, pid=self.pid,
+            log.error("task process died", connector=self.connector.name, task=self.task_id, pid=self.pid,
                       exitcode=process.returncode)
         self.stopped = True
 
@@ -152,7 +158,7 @@ class RemoteRunner:
             if self.on_batch is not None:
                 self.on_batch(stats)
         self.counts = message["counts"]
-        self.progress = SimpleNamespace(snapshot=message["snapshot"])
+        self.progress = Published(message["snapshot"])
         self.task_status = message.get("task_status", {})
         self.last_poll = message["last_poll"]  # CLOCK_MONOTONIC: one clock for every process of the machine
         self.started, self.api_paused, self._state = message["started"], message["api_paused"], message["state"]

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from kafold import logs
 from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig, KafoldConfig, PostgresConfig
 from kafold.connectors.api import Connector
-from kafold.daemon.runner import BatchStats, SinkRunner
+from kafold.daemon.runner import BatchStats, RunnerView, SinkRunner
 from kafold.daemon.task_process import RemoteRunner, TaskSpec
 
 log = logs.get(__name__)
@@ -44,7 +44,7 @@ class TaskSlot:
     """One sink task: its current SinkRunner and thread; `restart` replaces both."""
 
     def __init__(self, connector: Connector[Any], task_config: dict[str, Any], kafka: KafkaConfig,
-                 daemon: DaemonConfig, on_batch: Callable[[SinkRunner, BatchStats], None] | None = None,
+                 daemon: DaemonConfig, on_batch: Callable[[RunnerView, BatchStats], None] | None = None,
                  on_exit: Callable[[TaskSlot], None] | None = None) -> None:
         self.connector = connector
         self.task_config = task_config
@@ -61,14 +61,14 @@ class TaskSlot:
     def name(self) -> str:
         return f"{self.connector.name}[{self.task_id}]"
 
-    def _new_runner(self) -> SinkRunner:
+    def _new_runner(self) -> RunnerView:
         runner = self._runner()
         if self.on_batch is not None:
             hook = self.on_batch
             runner.on_batch = lambda stats: hook(runner, stats)
         return runner
 
-    def _runner(self) -> SinkRunner:
+    def _runner(self) -> RunnerView:
         return SinkRunner(self.connector, self.task_config, kafka=self.kafka, daemon=self.daemon)
 
     def start(self) -> None:
@@ -77,7 +77,7 @@ class TaskSlot:
                                        name=f"kafold-{self.connector.name}-{self.task_id}")
         self.thread.start()
 
-    def _run(self, runner: SinkRunner) -> None:
+    def _run(self, runner: RunnerView) -> None:
         runner.run()
         if runner is self.runner and not self.restarting and self.on_exit is not None:
             self.on_exit(self)
@@ -144,13 +144,13 @@ class ProcessTaskSlot(TaskSlot):
 
     def __init__(self, connector: Connector[Any], task_config: dict[str, Any], kafka: KafkaConfig,
                  daemon: DaemonConfig, spec: TaskSpec,
-                 on_batch: Callable[[SinkRunner, BatchStats], None] | None = None,
+                 on_batch: Callable[[RunnerView, BatchStats], None] | None = None,
                  on_exit: Callable[[TaskSlot], None] | None = None) -> None:
         self.spec = spec
         super().__init__(connector, task_config, kafka, daemon, on_batch, on_exit)
 
-    def _runner(self) -> SinkRunner:
-        return RemoteRunner(self.connector, int(self.task_config.get("task_id", 0)), self.spec)  # type: ignore[return-value]
+    def _runner(self) -> RunnerView:
+        return RemoteRunner(self.connector, int(self.task_config.get("task_id", 0)), self.spec)
 
     def _stack(self) -> str:
         pid = getattr(self.runner, "pid", None)
@@ -159,7 +159,7 @@ class ProcessTaskSlot(TaskSlot):
 
 def task_slots(connector: Connector[Any], kafka: KafkaConfig, postgres: PostgresConfig, daemon: DaemonConfig,
                base: Path, python_paths: list[str],
-               on_batch: Callable[[SinkRunner, BatchStats], None] | None = None,
+               on_batch: Callable[[RunnerView, BatchStats], None] | None = None,
                on_exit: Callable[[TaskSlot], None] | None = None) -> list[TaskSlot]:
     """The slots of a connector's tasks (at most `tasks_max`): threads, or with `daemon.task_processes` child
     processes. Each task gets the configured services with its task config (Connect's worker config)."""
