@@ -124,10 +124,9 @@ def table(pgc: PostgresConfig, name: str) -> sql.Composed:
 
 
 def from_environment(environ: Mapping[str, str] | None = None) -> PostgresConfig:
-    """[postgres] from `KAFOLD_POSTGRES__*` variables, the URL defaulting to the running `kafold dev` stack.
-
-    Used by tasks whose host did not hand them the configured [postgres] section (task_config["postgres"]).
-    """
+    """[postgres] from `KAFOLD_POSTGRES__*` variables, for a task whose host did not hand it the configured section
+    (task_config["postgres"]): a task driven outside the daemon. Never a guess: without a URL it is a ConfigError
+    (the CLI's commands, not the tasks, fill a missing URL in from a running `kafold dev` stack)."""
     env = os.environ if environ is None else environ
     prefix = f"{ENV_PREFIX}POSTGRES__"
     raw = {k[len(prefix):].lower(): v for k, v in env.items() if k.startswith(prefix)}
@@ -136,10 +135,7 @@ def from_environment(environ: Mapping[str, str] | None = None) -> PostgresConfig
     if problems.items or is_missing(cfg):
         raise ConfigError(problems.items)
     if not cfg.url:
-        from kafold import devstack
-        from kafold.config import KafoldConfig
-
-        cfg = devstack.effective(KafoldConfig(postgres=cfg), need=("postgres",)).postgres
+        raise ConfigError([f"postgres.url: no [postgres] section reached the task and {prefix}URL is not set"])
     return cfg
 
 

@@ -153,3 +153,12 @@ def test_readme_reference_is_in_sync() -> None:
 
     readme = (ROOT / "README.md").read_text()
     assert splice(readme) == readme, "run `kafold config reference` and update README.md"
+
+
+def test_a_task_without_postgres_never_guesses_a_database(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from kafold import db
+
+    monkeypatch.setenv("KAFOLD_DEV_DIR", str(tmp_path))  # no dev stack there either way
+    with pytest.raises(ConfigError, match=r"postgres\.url: no \[postgres\] section reached the task"):
+        db.from_environment({})
+    assert db.from_environment({"KAFOLD_POSTGRES__URL": "postgresql://u@h/d"}).url == "postgresql://u@h/d"

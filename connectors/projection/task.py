@@ -76,8 +76,7 @@ class ProjectionSinkTask(SinkTask):
         self.config: ProjectionConfig = task_config["config"]
         pgc = task_config.get("postgres")
         if not isinstance(pgc, PostgresConfig):
-            # The host did not pass [postgres] (see docs/projections.md): take it from KAFOLD_POSTGRES__* or the
-            # running dev stack.
+            # The host did not pass [postgres] (a task driven outside the daemon): take it from KAFOLD_POSTGRES__*.
             pgc = db.from_environment()
         self.name = context.connector_name
         mapper = load_mapper(self.config.mapper) if self.config.mapper else None
