@@ -69,7 +69,7 @@ columns = {toml_value(COLUMNS)}
 
 
 def start_daemon(conf: Path, pg_url: str, log: Path) -> subprocess.Popen[bytes]:
-    # KAFOLD_POSTGRES__URL: the daemon host does not yet hand [postgres] to its tasks (see docs/projections.md).
+    # The URL in the environment as well, as the systemd unit passes it (it overrides the file's: the same here).
     env = {**os.environ, "KAFOLD_POSTGRES__URL": pg_url}
     with open(log, "ab") as out:
         return subprocess.Popen([str(Path(sys.executable).parent / "kafold"), "--log-format", "json", "daemon",
