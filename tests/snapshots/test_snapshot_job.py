@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from snaphelpers import BANK, Bank, snapshot_records
 
-from kafold.snapshot import Folder, kafka_io, record, restore, runs
-from kafold.spark_jobs import snapshot_job
+from kafold.snapshot import Folder, kafka_io, record, restore
+from kafold.spark_jobs import runs, snapshot_job
 
 pytestmark = pytest.mark.spark
 
