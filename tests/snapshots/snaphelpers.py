@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kafold import kafka_clients
-from kafold.config import AggregateConfig, KafkaConfig
+from kafold import kafka_clients, topics
+from kafold.config import AggregateConfig, KafkaConfig, TopicSpec
 from kafold.envelope import Event, encode
 from kafold.snapshot import Domain, Folder, kafka_io, record, restore
 
@@ -71,6 +71,15 @@ class Bank:
 
     def partitions(self) -> list[int]:
         return list(range(self.agg.partitions))
+
+
+def make_bank(kafka: KafkaConfig, name: str, snapshot_config: dict[str, str] | None = None) -> Bank:
+    """A bank aggregate `name` with its events topic and compacted snapshot topic created."""
+    agg = bank_aggregate(name)
+    topics.ensure(kafka, [TopicSpec(agg.topic("events"), agg.partitions, 1, {}),
+                          TopicSpec(agg.topic("snapshot"), agg.partitions, 1,
+                                    snapshot_config or {"cleanup.policy": "compact"})])
+    return Bank(kafka, agg)
 
 
 def snapshot_partition(bank: Bank, p: int, limit: int | None = None) -> int:

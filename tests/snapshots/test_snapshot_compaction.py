@@ -8,11 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from snaphelpers import BANK, Bank, assert_restore_equals_full_replay, bank_aggregate, snapshot_records, write_config
+from snaphelpers import BANK, Bank, assert_restore_equals_full_replay, make_bank, snapshot_records, write_config
 from snaphelpers import assert_every_snapshot_true_at_its_offset as assert_every_snapshot_true
 
-from kafold import topics
-from kafold.config import KafkaConfig, TopicSpec
+from kafold.config import KafkaConfig
 from kafold.snapshot import record, restore, runs
 
 pytestmark = pytest.mark.apache_kafka
@@ -33,10 +32,7 @@ Records = dict[int, list[tuple[bytes | None, bytes | None, int]]]
 def bank(kafka_config: KafkaConfig, unique: str, broker_kind: str) -> Bank:
     if broker_kind != "kafka":
         pytest.skip("needs a broker with a log cleaner (tansu never compacts): KAFOLD_TEST_BROKER=kafka")
-    agg = bank_aggregate(unique)
-    topics.ensure(kafka_config, [TopicSpec(agg.topic("events"), agg.partitions, 1, {}),
-                                 TopicSpec(agg.topic("snapshot"), agg.partitions, 1, FAST_COMPACTION)])
-    return Bank(kafka_config, agg)
+    return make_bank(kafka_config, unique, FAST_COMPACTION)
 
 
 def _no_spark() -> Any:
