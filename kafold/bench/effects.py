@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cfg = load_file(args.config).config
             kafka, pg = cfg.kafka, cfg.postgres
         else:
-            bootstrap, pg_url = stack.enter_context(embedded_stack("effects"))
+            bootstrap, pg_url = stack.enter_context(embedded_stack("effects", args.broker))
             kafka, pg = KafkaConfig(bootstrap_servers=bootstrap), PostgresConfig(url=pg_url)
         kafka = short_group(kafka)
         pg = PostgresConfig(**{**pg.__dict__, "schema": "kafold_bench_effects"})
