@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -74,3 +75,4 @@ def embedded_stack(area: str, broker: str | None = None) -> Iterator[tuple[str, 
     finally:
         if state is not None:
             devstack.down(state)
+            shutil.rmtree(state, ignore_errors=True)  # a private stack's data (Apache Kafka's logs) goes with it
