@@ -3,6 +3,7 @@
 Note: these are read-only views (OffsetFetch and ListOffsets); nothing here commits. The end offset is
 ListOffsets(latest), which some brokers under-report (the embedded one returns the base offset of the last
 batch + 1), so a lag computed from it can read low there; the running daemon's own figures use fetch watermarks.
+On Apache Kafka ListOffsets(latest) is the high watermark (the last stable offset under read_committed): exact.
 """
 
 from __future__ import annotations

@@ -8,11 +8,12 @@ at assignment and the high watermark carried by the first fetch response after i
 once a fetch response was seen and the task's position (the next offset after the records it handled) reached
 the target; the flag then stays set for that assignment, so later traffic does not make the daemon "unready".
 Some brokers under-report ListOffsets (only the base offset of the last batch + 1); the fetch watermark is exact,
-which is why the target takes both. A paused partition is not fetched, so its cached watermark stops moving: while
-partitions are paused (a sink holding back, e.g. effects waiting on a down endpoint) their end offsets are listed
-every PAUSED_END_QUERY_S instead, so the lag keeps growing as records arrive. The published `PartitionProgress`
-values are immutable snapshots, replaced as a whole after each poll, so other threads (HTTP, metrics) read
-them without locks.
+which is why the target takes both. On Apache Kafka the two agree (both the high watermark, or the last stable
+offset under read_committed), so taking the larger changes nothing there. A paused partition is not fetched, so
+its cached watermark stops moving: while partitions are paused (a sink holding back, e.g. effects waiting on a
+down endpoint) their end offsets are listed every PAUSED_END_QUERY_S instead, so the lag keeps growing as records
+arrive. The published `PartitionProgress` values are immutable snapshots, replaced as a whole after each poll, so
+other threads (HTTP, metrics) read them without locks.
 """
 
 from __future__ import annotations

@@ -204,6 +204,9 @@ def layout(home: Path, nodes: int, ports: list[tuple[int, int]], cluster_id: str
             "transaction.state.log.num.partitions": 10,
             "group.initial.rebalance.delay.ms": 0,
             "group.min.session.timeout.ms": 1000,
+            # the log cleaner looks for compactable logs every second (Kafka's default waits 15 s), so that
+            # compacted topics (snapshots, offsets) shed superseded records soon after a segment closes
+            "log.cleaner.backoff.ms": 1000,
             "num.network.threads": 2,
             "num.io.threads": 2,
         }

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,18 +26,53 @@ def short_group(kafka: Any) -> Any:
     return KafkaConfig(**{**kafka.__dict__, **SHORT_GROUP_TIMEOUTS})
 
 
+# What the last `embedded_stack` measured of its broker (kind, CPU seconds, wall seconds), for `kafold bench` to
+# print beside the bench's own figures; empty when the bench ran on a configured (`-c`) broker.
+BROKER_USAGE: dict[str, Any] = {}
+
+
+def cpu_s(procs: list[Any]) -> float:
+    """User + system CPU seconds of `procs` (psutil processes) so far (a process gone since is left out)."""
+    import psutil
+
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
+
+
 @contextlib.contextmanager
-def embedded_stack(area: str) -> Iterator[tuple[str, str]]:
-    """(bootstrap servers, PostgreSQL URL) of the running `kafold dev` stack, or of one started for this bench."""
+def embedded_stack(area: str, broker: str | None = None) -> Iterator[tuple[str, str]]:
+    """(bootstrap servers, PostgreSQL URL) of the running `kafold dev` stack, or of one started for this bench;
+    `broker` ("tansu" or "kafka"; None: the running stack's, else tansu) asks for that broker: a running stack
+    with another one is left alone and a private stack is started. The broker's CPU time over the bench (its
+    start-up excluded) goes to BROKER_USAGE."""
     from kafold import devstack
 
+    BROKER_USAGE.clear()
     running = devstack.status()
-    if running is not None:
-        yield running.bootstrap_servers, running.postgres_url
-        return
-    state = Path(tempfile.mkdtemp(prefix=f"kafold-bench-{area}-"))
+    state: Path | None = None
+    if running is not None and broker in (None, running.kind):
+        stack = running
+    else:
+        state = Path(tempfile.mkdtemp(prefix=f"kafold-bench-{area}-"))
     try:
-        stack = devstack.up(state)
-        yield stack.bootstrap_servers, stack.postgres_url
+        if state is not None:
+            stack = devstack.up(state, broker=broker or "tansu")
+        brokers = [h for h in (b.handle() for b in stack.brokers) if h is not None]
+        began, cpu = time.monotonic(), cpu_s(brokers)
+        try:
+            yield stack.bootstrap_servers, stack.postgres_url
+        finally:
+            wall = time.monotonic() - began
+            used = cpu_s(brokers) - cpu
+            BROKER_USAGE.update({"broker": stack.kind, "broker_nodes": stack.nodes, "broker_cpu_s": round(used, 1),
+                                 "broker_cores": round(used / wall, 2) if wall > 0 else 0.0})
     finally:
-        devstack.down(state)
+        if state is not None:
+            devstack.down(state)
+            shutil.rmtree(state, ignore_errors=True)  # a private stack's data (Apache Kafka's logs) goes with it

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.config:
             kafka = load_file(args.config).config.kafka
         else:
-            bootstrap, _ = stack.enter_context(embedded_stack("aggregates"))
+            bootstrap, _ = stack.enter_context(embedded_stack("aggregates", args.broker))
             kafka = KafkaConfig(bootstrap_servers=bootstrap)
         kafka = short_group(kafka)
         figures = _throughput(kafka, args)

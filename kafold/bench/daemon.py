@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.config:
             kafka = load_file(args.config).config.kafka
         else:
-            kafka = KafkaConfig(bootstrap_servers=stack.enter_context(embedded_stack("daemon"))[0])
+            kafka = KafkaConfig(bootstrap_servers=stack.enter_context(embedded_stack("daemon", args.broker))[0])
         kafka = short_group(kafka)
         topic = f"kafold.bench.daemon.{uuid.uuid4().hex[:8]}"
         _produce(kafka, topic, args.events, args.partitions)

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cfg = load_file(args.config).config
             kafka, pg = cfg.kafka, cfg.postgres
         else:
-            bootstrap, pg_url = stack.enter_context(embedded_stack("effects"))
+            bootstrap, pg_url = stack.enter_context(embedded_stack("effects", args.broker))
             kafka, pg = KafkaConfig(bootstrap_servers=bootstrap), PostgresConfig(url=pg_url)
         kafka = short_group(kafka)
         pg = PostgresConfig(**{**pg.__dict__, "schema": "kafold_bench_effects"})
@@ -184,9 +184,20 @@ def _start(kafka: Any, pg: Any, name: str, topic: str, url: str, concurrency: in
 
 
 def _committed(consumer: Any, topic: str, partitions: int) -> dict[int, int]:
+    """The group's committed offsets; {} (nothing seen this time, the callers poll again) while the group
+    coordinator answers with a retriable error (e.g. not coordinator, or loading, as it moves or starts)."""
+    from confluent_kafka import KafkaError, KafkaException
     from confluent_kafka import TopicPartition as KafkaTP
 
-    got = consumer.committed([KafkaTP(topic, p) for p in range(partitions)], timeout=10)
+    passing = {KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+               KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError._TIMED_OUT}
+    try:
+        got = consumer.committed([KafkaTP(topic, p) for p in range(partitions)], timeout=10)
+    except KafkaException as e:
+        if not (e.args[0].retriable() or e.args[0].code() in passing):
+            raise
+        log.info("bench: committed offsets not available yet", error=str(e))
+        return {}
     return {tp.partition: tp.offset for tp in got}
 
 

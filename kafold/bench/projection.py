@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kafold import logs
-from kafold.bench import SHORT_GROUP_TIMEOUTS, embedded_stack, short_group
+from kafold.bench import SHORT_GROUP_TIMEOUTS, cpu_s, embedded_stack, short_group
 from kafold.schema import toml_value
 
 log = logs.get(__name__)
@@ -61,7 +61,8 @@ class DaemonStack:
     workdir: Path
 
 
-def daemon_stack(stack: contextlib.ExitStack, area: str, config: str | None) -> DaemonStack:
+def daemon_stack(stack: contextlib.ExitStack, area: str, config: str | None, broker: str | None = None
+                 ) -> DaemonStack:
     """Where a bench's daemons run: the configuration given (`-c`), else the dev stack (started if needed, and
     stopped with `stack`); a scratch folder removed with `stack`."""
     from kafold.config import KafkaConfig, PostgresConfig, load_file
@@ -71,7 +72,7 @@ def daemon_stack(stack: contextlib.ExitStack, area: str, config: str | None) -> 
         cfg = load_file(config).config
         raw = tomllib.loads(Path(config).read_text())
         return DaemonStack(raw.get("kafka", {}), raw.get("postgres", {}), {}, cfg.kafka, cfg.postgres, workdir)
-    bootstrap, url = stack.enter_context(embedded_stack(area))
+    bootstrap, url = stack.enter_context(embedded_stack(area, broker))
     return DaemonStack({"bootstrap_servers": bootstrap}, {}, {"KAFOLD_POSTGRES__URL": url},
                        KafkaConfig(bootstrap_servers=bootstrap), PostgresConfig(url=url), workdir)
 
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     logs.configure("warning")
     with contextlib.ExitStack() as stack:
-        daemons = daemon_stack(stack, "projection", args.config)
+        daemons = daemon_stack(stack, "projection", args.config, args.broker)
         kafka = short_group(daemons.kafka)
         name = f"kafold.bench.projection.{uuid.uuid4().hex[:8]}"
         topic, table = f"{name}.events", f"bench_{uuid.uuid4().hex[:8]}"
@@ -179,7 +180,7 @@ def _project(stack: DaemonStack, name: str, topic: str, table: str, args: argpar
                 if covered and "first" not in marks:
                     tree = _tree(daemon)
                     pg = [postmaster, *postmaster.children()] if postmaster is not None else []
-                    marks.update(first=now, covered=covered, tree=tree, pg=pg, cpu0=_cpu_s(tree), pg0=_cpu_s(pg),
+                    marks.update(first=now, covered=covered, tree=tree, pg=pg, cpu0=cpu_s(tree), pg0=cpu_s(pg),
                                  sampled=now)
                 if "first" in marks and now - marks["sampled"] >= RSS_SAMPLE_S:
                     marks["sampled"] = now
@@ -188,7 +189,7 @@ def _project(stack: DaemonStack, name: str, topic: str, table: str, args: argpar
                         marks["rss20"] = _mb(marks["tree"], "rss")
                 if covered >= args.events:
                     tree = marks["tree"]
-                    marks.update(last=now, cpu1=_cpu_s(tree), pg1=_cpu_s(marks["pg"]), rss=_mb(tree, "rss"),
+                    marks.update(last=now, cpu1=cpu_s(tree), pg1=cpu_s(marks["pg"]), rss=_mb(tree, "rss"),
                                  pss=_mb(tree, "pss"))
                     break
                 time.sleep(0.01)
@@ -277,20 +278,6 @@ def _memory(proc: Any, kind: str) -> int:
         return int(getattr(proc.memory_full_info() if kind == "pss" else proc.memory_info(), kind))
     except psutil.Error:
         return 0
-
-
-def _cpu_s(procs: list[Any]) -> float:
-    """User + system CPU seconds of `procs` so far (a process gone since is left out)."""
-    import psutil
-
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-        except psutil.Error:
-            continue
-        total += t.user + t.system
-    return total
 
 
 def _postmaster(conn: Any) -> Any:

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     logs.configure("warning")
     with contextlib.ExitStack() as stack:
-        daemons = daemon_stack(stack, "rebuild", args.config)
+        daemons = daemon_stack(stack, "rebuild", args.config, args.broker)
         kafka = short_group(daemons.kafka)
         name = f"kafold.bench.rebuild.{uuid.uuid4().hex[:8]}"
         topic, table = f"{name}.events", f"bench_{uuid.uuid4().hex[:8]}"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kafold import logs
+from kafold.bench import embedded_stack
 
 log = logs.get(__name__)
 BANK = Path(__file__).resolve().parents[2] / "examples" / "bank"
@@ -25,24 +25,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def _broker(config: str | None) -> Iterator[Any]:
+def _broker(config: str | None, broker: str | None) -> Iterator[Any]:
     from kafold import devstack
-    from kafold.config import load_file
+    from kafold.config import KafkaConfig, load_file
 
     if config:
         yield devstack.effective(load_file(config).config, need=("kafka",)).kafka
         return
-    from kafold.config import KafkaConfig
-
-    running = devstack.status()
-    if running is not None:
-        yield KafkaConfig(bootstrap_servers=running.bootstrap_servers)
-        return
-    state = Path(tempfile.mkdtemp(prefix="kafold-bench-snapshots-"))
-    try:
-        yield KafkaConfig(bootstrap_servers=devstack.up(state).bootstrap_servers)
-    finally:
-        devstack.down(state)
+    with embedded_stack("snapshots", broker) as (bootstrap, _):
+        yield KafkaConfig(bootstrap_servers=bootstrap)
 
 
 class History:
@@ -213,7 +204,7 @@ def _restore_case(kafka: Any, history_events: int, tail: int, aggregates: int) -
 def run(args: argparse.Namespace) -> dict[str, Any]:
     scale = 10 if args.quick else 1
     figures: dict[str, Any] = {"quick": bool(args.quick), "master": args.master}
-    with _broker(args.config) as kafka:
+    with _broker(args.config, args.broker) as kafka:
         figures.update(_fold(kafka, args.master, 2_000_000 // scale, 20_000 // scale))
         tail = 10_000 // scale
         small_restore, small_replay, read = _restore_case(kafka, 1_000_000 // scale, tail, 10_000 // scale)

@@ -7,7 +7,8 @@ import importlib
 import json
 from typing import Any
 
-from kafold.bench import AREAS
+from kafold.bench import AREAS, BROKER_USAGE
+from kafold.devstack import BROKERS
 
 
 def register(sub: Any) -> None:
@@ -17,12 +18,15 @@ def register(sub: Any) -> None:
         mod = importlib.import_module(f"kafold.bench.{module}")
         ap = areas.add_parser(area, help=(mod.__doc__ or "").strip().splitlines()[0])
         ap.add_argument("--json", action="store_true", help="print one JSON object with the figures")
+        ap.add_argument("--broker", choices=BROKERS, help="the dev stack's broker to measure on (default: the "
+                        "running stack's, else tansu); a stack with another broker is started for the bench")
         mod.add_arguments(ap)
         ap.set_defaults(handler=lambda args, mod=mod: _run(mod, args))
 
 
 def _run(mod: Any, args: argparse.Namespace) -> int:
     figures: dict[str, Any] = mod.run(args)
+    figures.update(BROKER_USAGE)  # the broker's own CPU time over the bench (when it ran on the dev stack)
     if args.json:
         print(json.dumps(figures, sort_keys=True))
     else:

@@ -2,8 +2,10 @@
 
 Offset note: the end of a partition is taken from the fetch path (read until partition EOF, which Kafka signals
 at the high watermark — the last stable offset under read_committed), starting one record before the end that
-ListOffsets reports, so a broker whose ListOffsets under-reports still yields the true end. Ranges are read with
-read_committed: events of aborted transactions are never folded.
+ListOffsets reports, so a broker whose ListOffsets under-reports still yields the true end. On Apache Kafka both
+report the same offset (ListOffsets(latest) under read_committed is the last stable offset, where a fetch reports
+EOF), so the read from one record before it costs one small fetch; it also gives the position past a trailing
+transaction marker. Ranges are read with read_committed: events of aborted transactions are never folded.
 """
 
 from __future__ import annotations

@@ -6,18 +6,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from snaphelpers import Bank, bank_aggregate
+from snaphelpers import Bank, make_bank
 
-from kafold import topics
-from kafold.config import KafkaConfig, TopicSpec
+from kafold.config import KafkaConfig
 
 
 @pytest.fixture
 def bank(kafka_config: KafkaConfig, unique: str) -> Bank:
-    agg = bank_aggregate(unique)
-    topics.ensure(kafka_config, [TopicSpec(agg.topic("events"), agg.partitions, 1, {}),
-                                 TopicSpec(agg.topic("snapshot"), agg.partitions, 1, {"cleanup.policy": "compact"})])
-    return Bank(kafka_config, agg)
+    return make_bank(kafka_config, unique)
 
 
 @pytest.fixture(scope="session")

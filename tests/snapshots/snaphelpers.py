@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kafold import kafka_clients
-from kafold.config import AggregateConfig, KafkaConfig
+from kafold import kafka_clients, topics
+from kafold.config import AggregateConfig, KafkaConfig, TopicSpec
 from kafold.envelope import Event, encode
-from kafold.snapshot import Domain
+from kafold.snapshot import Domain, Folder, kafka_io, record, restore
 
 BANK = str(Path(__file__).resolve().parents[2] / "examples" / "bank")
 
@@ -73,10 +73,19 @@ class Bank:
         return list(range(self.agg.partitions))
 
 
+def make_bank(kafka: KafkaConfig, name: str, snapshot_config: dict[str, str] | None = None) -> Bank:
+    """A bank aggregate `name` with its events topic and compacted snapshot topic created."""
+    agg = bank_aggregate(name)
+    topics.ensure(kafka, [TopicSpec(agg.topic("events"), agg.partitions, 1, {}),
+                          TopicSpec(agg.topic("snapshot"), agg.partitions, 1,
+                                    snapshot_config or {"cleanup.policy": "compact"})])
+    return Bank(kafka, agg)
+
+
 def snapshot_partition(bank: Bank, p: int, limit: int | None = None) -> int:
     """What a snapshot run does for partition `p`, folding from scratch (a snapshot for every aggregate, then the
     marker), without Spark; returns the end offset. `limit` writes only that many snapshots and no marker."""
-    from kafold.snapshot import kafka_io
+
     from kafold.snapshot.partition import fold_partition, write_marker
 
     consumer = kafka_io.reader(bank.kafka)
@@ -97,10 +106,47 @@ def write_raw(bank: Bank, p: int, key: bytes, value: bytes) -> None:
 
 
 def snapshot_records(bank: Bank, p: int) -> list[tuple[bytes | None, bytes | None, int]]:
-    from kafold.snapshot import kafka_io
-
     consumer = kafka_io.reader(bank.kafka)
     try:
         return list(kafka_io.records(consumer, bank.agg.topic("snapshot"), p))
     finally:
         consumer.close()
+
+
+def assert_restore_equals_full_replay(bank: Bank) -> None:
+    for p in bank.partitions():
+        fast = restore(bank.kafka, bank.agg, bank.domain, p)
+        full = restore(bank.kafka, bank.agg, bank.domain, p, use_snapshots=False)
+        assert fast.states == full.states, p
+        for aid, (_, version) in full.states.items():
+            assert version == bank.versions[aid]  # every event folded exactly once
+
+
+def assert_every_snapshot_true_at_its_offset(bank: Bank) -> None:
+    """Each snapshot on the topic equals the full replay of its aggregate's events below its offset."""
+    consumer = kafka_io.reader(bank.kafka)
+    for p in bank.partitions():
+        events = [b for b in kafka_io.read_range(consumer, bank.agg.topic("events"), p, 0, None)]
+        for key, value, _ in snapshot_records(bank, p):
+            if record.is_marker(key):
+                continue
+            snap = record.decode(key, value)
+            folder = Folder(bank.domain)
+            for offsets, keys, values in events:
+                picked = [i for i, (o, k) in enumerate(zip(offsets, keys, strict=True))
+                          if k == key and o < snap.offset]
+                folder.fold([offsets[i] for i in picked], [keys[i] for i in picked], [values[i] for i in picked])
+            state, version = folder.states()[snap.aggregate_id]
+            assert (bank.domain.to_json(state), version) == (snap.state, snap.version), snap.aggregate_id
+    consumer.close()
+
+
+def write_config(bank: Bank, where: Path) -> Path:
+    """A kafold.toml for the bank aggregate on the bank's broker (for the CLI)."""
+    toml = where / "kafold.toml"
+    agg = bank.agg
+    toml.write_text(f'[kafka]\nbootstrap_servers = "{bank.kafka.bootstrap_servers}"\n'
+                    f'[daemon]\npython_path = ["{BANK}"]\n'
+                    f'[[aggregates]]\nname = "{agg.name}"\ninitial = "{agg.initial}"\nevolve = "{agg.evolve}"\n'
+                    f'decide = "{agg.decide}"\npartitions = {agg.partitions}\nfingerprint = "{agg.fingerprint}"\n')
+    return toml

@@ -9,9 +9,10 @@ import textwrap
 from typing import Any
 
 import pytest
-from snaphelpers import BANK, Bank, snapshot_records
+from snaphelpers import BANK, Bank, assert_restore_equals_full_replay, snapshot_records, write_config
+from snaphelpers import assert_every_snapshot_true_at_its_offset as assert_every_snapshot_true
 
-from kafold.snapshot import Folder, kafka_io, record, restore
+from kafold.snapshot import kafka_io, record, restore
 from kafold.spark_jobs import runs, snapshot_job
 
 pytestmark = pytest.mark.spark
@@ -29,34 +30,6 @@ def _local(bank: Bank) -> runs.JobResult:
     return runs.run(bank.kafka, bank.agg, [BANK], _no_spark, engine="local")
 
 
-def _assert_restore_equals_full_replay(bank: Bank) -> None:
-    for p in bank.partitions():
-        fast = restore(bank.kafka, bank.agg, bank.domain, p)
-        full = restore(bank.kafka, bank.agg, bank.domain, p, use_snapshots=False)
-        assert fast.states == full.states, p
-        for aid, (_, version) in full.states.items():
-            assert version == bank.versions[aid]  # every event folded exactly once
-
-
-def _assert_every_snapshot_true_at_its_offset(bank: Bank) -> None:
-    """Each snapshot on the topic equals the full replay of its aggregate's events below its offset."""
-    consumer = kafka_io.reader(bank.kafka)
-    for p in bank.partitions():
-        events = [b for b in kafka_io.read_range(consumer, bank.agg.topic("events"), p, 0, None)]
-        for key, value, _ in snapshot_records(bank, p):
-            if record.is_marker(key):
-                continue
-            snap = record.decode(key, value)
-            folder = Folder(bank.domain)
-            for offsets, keys, values in events:
-                picked = [i for i, (o, k) in enumerate(zip(offsets, keys, strict=True))
-                          if k == key and o < snap.offset]
-                folder.fold([offsets[i] for i in picked], [keys[i] for i in picked], [values[i] for i in picked])
-            state, version = folder.states()[snap.aggregate_id]
-            assert (bank.domain.to_json(state), version) == (snap.state, snap.version), snap.aggregate_id
-    consumer.close()
-
-
 def test_job_snapshots_equal_full_replay_and_the_next_run_reads_only_new_events(spark: Any, bank: Bank) -> None:
     bank.produce(800)
     first = _job(spark, bank)
@@ -64,13 +37,13 @@ def test_job_snapshots_equal_full_replay_and_the_next_run_reads_only_new_events(
     assert first.snapshots == len(bank.versions) == first.aggregates
     for p in bank.partitions():  # right after a run, restore reads no events at all
         assert restore(bank.kafka, bank.agg, bank.domain, p).events_read == 0
-    _assert_restore_equals_full_replay(bank)
+    assert_restore_equals_full_replay(bank)
     bank.produce(50)
     second = _job(spark, bank)
     assert second.events_read == 50 and second.events_folded == 50  # incremental: only the new events
     assert 0 < second.snapshots <= 50  # only aggregates that changed get a new snapshot
-    _assert_restore_equals_full_replay(bank)
-    _assert_every_snapshot_true_at_its_offset(bank)
+    assert_restore_equals_full_replay(bank)
+    assert_every_snapshot_true(bank)
 
 
 KILLER = textwrap.dedent("""
@@ -98,13 +71,13 @@ def test_a_job_killed_halfway_then_rerun_is_consistent_and_folds_nothing_twice(s
     left = snapshot_records(bank, 0)
     assert len(left) == 5 and not any(record.is_marker(k) for k, _, _ in left)
     # Restore after the crash is already correct: no marker, so the aggregates without snapshots are replayed.
-    _assert_restore_equals_full_replay(bank)
+    assert_restore_equals_full_replay(bank)
     bank.produce(40)
     job = (lambda: _job(spark, bank)) if engine == "spark" else (lambda: _local(bank))
     rerun = job()
     assert rerun.engine == engine and rerun.bad == 0 and rerun.rejected == {}
-    _assert_restore_equals_full_replay(bank)
-    _assert_every_snapshot_true_at_its_offset(bank)
+    assert_restore_equals_full_replay(bank)
+    assert_every_snapshot_true(bank)
     again = job()  # nothing new: nothing folded, nothing written
     # (it may re-read events below an unchanged snapshot's offset and skip them: see REFRESH_LAG)
     assert again.events_folded == 0 and again.snapshots == 0
@@ -123,12 +96,12 @@ def test_auto_folds_a_small_increment_in_process_with_the_same_result(spark: Any
     assert second.partitions == bank.agg.partitions and second.bad == 0
     for p in bank.partitions():  # right after the local run, restore folds nothing (unchanged aggregates' older
         assert restore(bank.kafka, bank.agg, bank.domain, p).events_folded == 0  # snapshots: re-read, skipped)
-    _assert_restore_equals_full_replay(bank)
-    _assert_every_snapshot_true_at_its_offset(bank)
+    assert_restore_equals_full_replay(bank)
+    assert_every_snapshot_true(bank)
     bank.produce(30)
     third = _job(spark, bank)  # and Spark carries on from the local run's snapshots and markers
     assert third.events_folded == 30 and third.events_read <= 60 + 30  # (re-reads the local run's range)
-    _assert_restore_equals_full_replay(bank)
+    assert_restore_equals_full_replay(bank)
 
 
 @pytest.mark.parametrize("hint", ["recorded", "ahead", "behind", "zero"])
@@ -158,8 +131,8 @@ def test_the_progress_hint_only_moves_where_reading_starts(bank: Bank, hint: str
     bank.produce(20)  # aggregates the second run did not touch keep older snapshots: the tail starts before it
     third = _local(bank)
     assert third.events_folded == 20 and third.events_read > 20 and third.bad == 0
-    _assert_restore_equals_full_replay(bank)
-    _assert_every_snapshot_true_at_its_offset(bank)
+    assert_restore_equals_full_replay(bank)
+    assert_every_snapshot_true(bank)
 
 
 def test_plan_counts_the_events_each_partition_still_has_to_fold(bank: Bank, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -184,17 +157,13 @@ def test_cli_run_folds_a_small_history_in_process_and_says_so(bank: Bank, tmp_pa
     from kafold import cli
 
     bank.produce(120)
-    toml = tmp_path / "kafold.toml"
+    toml = write_config(bank, tmp_path)
     agg = bank.agg
-    toml.write_text(f'[kafka]\nbootstrap_servers = "{bank.kafka.bootstrap_servers}"\n'
-                    f'[daemon]\npython_path = ["{BANK}"]\n'
-                    f'[[aggregates]]\nname = "{agg.name}"\ninitial = "{agg.initial}"\nevolve = "{agg.evolve}"\n'
-                    f'decide = "{agg.decide}"\npartitions = {agg.partitions}\nfingerprint = "{agg.fingerprint}"\n')
     assert cli.main(["snapshot", "run", "-c", str(toml)]) == 0
     out = capsys.readouterr().out
     row = next(line.split() for line in out.splitlines() if line.startswith(agg.name))
     assert row[1:4] == ["local", str(agg.partitions), "120"]  # engine, partitions, events folded
     assert "no Spark job needed" in out
-    _assert_restore_equals_full_replay(bank)
+    assert_restore_equals_full_replay(bank)
     assert cli.main(["snapshot", "verify", "-c", str(toml)]) == 0
     assert "0 mismatches" in capsys.readouterr().out
