@@ -29,6 +29,7 @@ their deterministic ids, which is what every kafold consumer does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -48,6 +49,7 @@ import orjson
 from aiohttp import web
 from confluent_kafka import Consumer, Producer
 from confluent_kafka import TopicPartition as KafkaTP
+from confluent_kafka.admin import AdminClient
 
 from kafold import db, devstack, kafka_clients
 from kafold.config import KafkaConfig, PostgresConfig, load_file
@@ -60,6 +62,13 @@ INSTANCE_ID = "chaos-1"  # the daemon's KAFOLD_INSTANCE_ID: its transactional id
 ITEM_PARTITIONS = 4
 KINDS = ("daemon-kill", "broker-pause", "pg-restart", "webhook-fail", "webhook-hang", "webhook-drop",
          "republish-dup", "republish-old", "snapshot-kill")
+# On the three-node Apache Kafka cluster (`broker="kafka"`) besides the kinds above.
+BROKER_KINDS = ("broker-kill", "leader-kill", "controller-pause", "cluster-restart")
+
+
+def kinds_for(broker: str, spark: bool) -> tuple[str, ...]:
+    """The fault kinds a run injects: today's (snapshot-kill only with Spark), and the broker faults on Kafka."""
+    return tuple(k for k in KINDS if spark or k != "snapshot-kill") + (BROKER_KINDS if broker == "kafka" else ())
 
 
 def free_port() -> int:
@@ -124,23 +133,64 @@ class Receiver:
 # ---------------------------------------------------------------------------------------------- the stack
 @dataclass
 class Stack:
+    """The run's own dev stack: tansu, or a three-node Apache Kafka cluster (`broker="kafka"`), and PostgreSQL."""
+
     state: Path
     kafka: KafkaConfig
     pg: PostgresConfig
-    broker_pid: int
+    kind: str = "tansu"
+    replication_factor: int = 1
 
     @classmethod
-    def up(cls, state: Path) -> Stack:
-        s = devstack.up(state)
+    def up(cls, state: Path, broker: str = "tansu") -> Stack:
+        s = devstack.up(state, broker=broker, nodes=3 if broker == "kafka" else 1)
         return cls(state, KafkaConfig(bootstrap_servers=s.bootstrap_servers, session_timeout_ms=6000,
-                                      heartbeat_interval_ms=1000), PostgresConfig(url=s.postgres_url), s.broker.pid)
+                                      heartbeat_interval_ms=1000), PostgresConfig(url=s.postgres_url), s.kind,
+                   s.replication_factor)
 
-    def pause_broker(self, seconds: float) -> None:
-        os.kill(self.broker_pid, signal.SIGSTOP)
+    def brokers(self) -> list[devstack.Proc]:
+        """The broker processes as the stack file knows them now (a restarted node has a new pid)."""
+        return devstack._brokers(devstack._read_state(self.state))
+
+    def pause_broker(self, seconds: float, node: int = 1) -> None:
+        """SIGSTOP of broker `node` (1-based), SIGCONT after `seconds`."""
+        pid = self.brokers()[node - 1].pid
+        os.kill(pid, signal.SIGSTOP)
         try:
             time.sleep(seconds)
         finally:
-            os.kill(self.broker_pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)
+
+    def kill_brokers(self, nodes: list[int], down_s: float) -> None:
+        """kill -9 of the brokers `nodes` (1-based), then, after `down_s`, start them again on their ports and
+        data dirs (the dev stack restarts only the dead nodes) and wait until all of them serve."""
+        procs = self.brokers()
+        for n in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(procs[n - 1].pid, signal.SIGKILL)
+        for n in nodes:
+            deadline = time.monotonic() + 30
+            while procs[n - 1].alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        time.sleep(down_s)
+        again = devstack.up(self.state)
+        if again.bootstrap_servers != self.kafka.bootstrap_servers:
+            raise RuntimeError(f"the restarted cluster moved to {again.bootstrap_servers}")
+
+    def leader_of(self, topic: str, partition: int) -> int:
+        """The node id leading `topic`[partition] now."""
+        admin = AdminClient(kafka_clients.librdkafka(self.kafka))
+        return int(admin.list_topics(topic, timeout=30).topics[topic].partitions[partition].leader)
+
+    def controller(self) -> int:
+        """The node id of the active KRaft controller (the quorum leader), as node 1's raft state records it."""
+        for node in range(1, len(self.brokers()) + 1):
+            quorum = self.state / "kafka" / f"node-{node}" / "data" / "__cluster_metadata-0" / "quorum-state"
+            with contextlib.suppress(OSError, ValueError):
+                leader = int(orjson.loads(quorum.read_bytes()).get("leaderId", -1))
+                if leader > 0:
+                    return leader
+        raise RuntimeError("no KRaft quorum leader recorded")
 
     def restart_postgres(self) -> None:
         proc = devstack._postmaster_pid(self.state)
@@ -152,10 +202,9 @@ class Stack:
         devstack._start_postgres(self.state)
 
     def down(self) -> None:
-        try:
-            os.kill(self.broker_pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+        for proc in self.brokers():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
         devstack.down(self.state)
         # The stack file knows the first postmaster only; a restarted one is found by its data directory.
         devstack._stop(devstack._postmaster_pid(self.state), signal.SIGINT)
@@ -166,6 +215,7 @@ def write_config(path: Path, stack: Stack, receiver: Receiver, http_port: int) -
     path.write_text(f"""
 [kafka]
 bootstrap_servers = "{stack.kafka.bootstrap_servers}"
+replication_factor = {stack.replication_factor}
 session_timeout_ms = 6000
 heartbeat_interval_ms = 1000
 
@@ -372,6 +422,11 @@ class Workload:
         self._publish(picks, keep=False)
         return len(picks)
 
+    def close(self) -> None:
+        """Let go of the producers (before the stack stops: they would go on calling the dead brokers)."""
+        self.client.close()
+        del self.producer
+
     def flush(self) -> None:
         with self.lock:
             if self.producer.flush(60):
@@ -547,26 +602,29 @@ class Chaos:
     """One chaos run: stack, receiver, daemon, workload, faults; then `check`."""
 
     def __init__(self, workdir: Path, *, seed: int = 7, pause_s: tuple[float, float] = (2.0, 4.0),
-                 spark: bool = True) -> None:
+                 spark: bool = True, broker: str = "tansu", kinds: tuple[str, ...] | None = None) -> None:
         self.dir = workdir
         self.rng = random.Random(seed)
         self.pause_s = pause_s
         self.spark = spark
+        self.kinds = kinds or kinds_for(broker, spark)
         self.report = Report()
-        self.stack = Stack.up(workdir / "stack")
+        self.stack = Stack.up(workdir / "stack", broker)
         self.receiver = Receiver()
         self.receiver.start()
         self.config = write_config(workdir / "kafold.toml", self.stack, self.receiver, free_port())
         env_ok = subprocess.run([KAFOLD, "topics", "ensure", "-c", str(self.config)], capture_output=True,
                                 text=True, timeout=120)
         if env_ok.returncode != 0:
-            raise RuntimeError(f"topics ensure failed: {env_ok.stderr}")
+            raise RuntimeError(f"topics ensure failed (exit {env_ok.returncode}): "
+                               f"{(env_ok.stdout + env_ok.stderr)[-2000:]}")
         self.daemon = Daemon(self.config, workdir / "daemon.log")
         self.workload = Workload(self.stack.kafka, self.config, self.rng)
         self._pending: list[threading.Thread] = []
 
     def close(self) -> None:
         self.daemon.stop()
+        self.workload.close()
         self.receiver.stop()
         self.stack.down()
 
@@ -575,7 +633,16 @@ class Chaos:
         if kind == "daemon-kill":
             self.daemon.restart9()
         elif kind == "broker-pause":
-            self.stack.pause_broker(self.rng.uniform(*self.pause_s))
+            self.stack.pause_broker(self.rng.uniform(*self.pause_s), self.rng.randint(1, len(self.stack.brokers())))
+        elif kind == "broker-kill":
+            self.stack.kill_brokers([self.rng.randint(1, 3)], self.rng.uniform(0.5, 5.0))
+        elif kind == "leader-kill":  # the leader of a partition the aggregate writes in its transactions
+            self.stack.kill_brokers([self.stack.leader_of("account.events", self.rng.randrange(4))],
+                                    self.rng.uniform(0.5, 5.0))
+        elif kind == "controller-pause":
+            self.stack.pause_broker(self.rng.uniform(*self.pause_s), self.stack.controller())
+        elif kind == "cluster-restart":  # every node killed at once, started again from its log on disk
+            self.stack.kill_brokers([1, 2, 3], self.rng.uniform(0.5, 2.0))
         elif kind == "pg-restart":
             self.stack.restart_postgres()
         elif kind in ("webhook-fail", "webhook-hang", "webhook-drop"):
@@ -624,8 +691,10 @@ class Chaos:
         t.start()
         self._pending.append(t)
 
-    def run(self, seconds: float, fault_every_s: float, items_per_s: int, commands_per_s: int) -> None:
-        """Workload for `seconds`, a fault every ~fault_every_s (kinds in a shuffled cycle so each appears)."""
+    def run(self, seconds: float, fault_every_s: float, items_per_s: int, commands_per_s: int,
+            min_faults: int = 0) -> None:
+        """Workload for `seconds` (longer until `min_faults` were injected), a fault every ~fault_every_s (kinds in
+        a shuffled cycle so each appears)."""
         self.daemon.start()
         stop = threading.Event()
         started = time.monotonic()
@@ -642,11 +711,11 @@ class Chaos:
 
         loader = threading.Thread(target=load, daemon=True)
         loader.start()
-        kinds = [k for k in KINDS if self.spark or k != "snapshot-kill"]
+        kinds = list(self.kinds)
         cycle: list[str] = []
         try:
             time.sleep(min(10.0, seconds / 10))  # let the daemon join its groups first
-            while time.monotonic() - started < seconds:
+            while time.monotonic() - started < seconds or sum(self.report.faults.values()) < min_faults:
                 if not cycle:
                     cycle = list(kinds)
                     self.rng.shuffle(cycle)
@@ -710,6 +779,18 @@ class Chaos:
                                      f"below their end (a read_committed reader at the end got no end-of-"
                                      f"partition); after stopping the daemon and fencing its transactional id: "
                                      f"{after or 'none'}")
+
+    def strict_violations(self) -> list[str]:
+        """What real Kafka rules out beyond the invariants (it hides aborted transactions from read_committed
+        readers, so nothing of a cut-off batch shows): each command sent once has exactly one result record, and
+        no event record is on the events topic twice."""
+        results = Counter(orjson.loads(m.value())["command_id"] for m in read_topic(self.stack.kafka,
+                                                                                    "account.results"))
+        out = [f"command {cid}: {results[cid]} result records" for cid in self.workload.commands
+               if results[cid] != 1]
+        events = Counter(decode(m.key(), m.value(), m.headers()).event_id
+                         for m in read_topic(self.stack.kafka, "account.events"))
+        return out + [f"event {eid}: {n} records" for eid, n in events.items() if n != 1]
 
     def check(self, settle_timeout: float = 180.0) -> Report:
         r = self.report
