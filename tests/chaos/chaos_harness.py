@@ -41,6 +41,7 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,7 @@ from confluent_kafka.admin import AdminClient
 from kafold import db, devstack, kafka_clients
 from kafold.config import KafkaConfig, PostgresConfig, load_file
 from kafold.envelope import Event, decode, encode
+from kafold.errors import RetriableError
 
 ROOT = Path(__file__).resolve().parents[2]
 KAFOLD = str(Path(sys.executable).parent / "kafold")
@@ -85,6 +87,7 @@ class Receiver:
         self.mode = "ok"
         self.applied: dict[str, int] = {}   # webhook-id -> times it was applied (must end at 1 for each)
         self.deliveries: Counter[str] = Counter()  # webhook-id -> requests received
+        self.first_applied: dict[str, list[int]] = defaultdict(list)  # item -> versions in order of application
         self.lock = threading.Lock()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/hook"
@@ -109,7 +112,7 @@ class Receiver:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         key = request.headers.get("webhook-id", "")
-        await request.read()
+        body = orjson.loads(await request.read())
         mode = self.mode
         with self.lock:
             self.deliveries[key] += 1
@@ -121,6 +124,7 @@ class Receiver:
         with self.lock:
             if key not in self.applied:  # the receiver's own dedup by idempotency key
                 self.applied[key] = 1
+                self.first_applied[body["aggregate_id"]].append(body["version"])
         if mode == "drop" and request.transport is not None:
             request.transport.abort()  # applied, but the client never hears so: it must retry
         return web.Response(status=204)
@@ -142,8 +146,8 @@ class Stack:
     replication_factor: int = 1
 
     @classmethod
-    def up(cls, state: Path, broker: str = "tansu") -> Stack:
-        s = devstack.up(state, broker=broker, nodes=3 if broker == "kafka" else 1)
+    def up(cls, state: Path, broker: str = "tansu", nodes: int = 1) -> Stack:
+        s = devstack.up(state, broker=broker, nodes=nodes)
         return cls(state, KafkaConfig(bootstrap_servers=s.bootstrap_servers, session_timeout_ms=6000,
                                       heartbeat_interval_ms=1000), PostgresConfig(url=s.postgres_url), s.kind,
                    s.replication_factor)
@@ -295,8 +299,11 @@ class Daemon:
 
     RESTART_S = 1.0
 
-    def __init__(self, config: Path, log: Path) -> None:
+    def __init__(self, config: Path, log: Path, instance: str = INSTANCE_ID, http_port: int | None = None) -> None:
         self.config, self.log = config, log
+        self.env = {**os.environ, "KAFOLD_INSTANCE_ID": instance}
+        if http_port is not None:  # instances on one config and host need their own ports
+            self.env["KAFOLD_DAEMON__HTTP_PORT"] = str(http_port)
         self.proc: subprocess.Popen[bytes] | None = None
         self.exits: list[int] = []  # exit codes of the daemon's own exits (restarted by the supervisor)
         self._lock = threading.Lock()
@@ -313,7 +320,7 @@ class Daemon:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen([KAFOLD, "--log-format", "json", "daemon", "-c", str(self.config)],
                                          stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, "KAFOLD_INSTANCE_ID": INSTANCE_ID})
+                                         env=self.env)
 
     def _supervise(self) -> None:
         while self._supervising.is_set():
@@ -360,6 +367,7 @@ class Workload:
     item_versions: dict[str, int] = field(default_factory=dict)
     accounts: list[str] = field(default_factory=list)
     produced: int = 0
+    resent: int = 0  # commands sent again after a send timed out
 
     def __post_init__(self) -> None:
         from kafold.client import CommandClient
@@ -394,8 +402,20 @@ class Workload:
                 self.commands[cmd.command_id] = (acc, "Deposit", amount)
             cmds.append(cmd)
         if cmds:
-            self.client.send_many(cmds, wait=False)
+            self._send(cmds)
         self.produced += len(batch) + len(cmds)
+
+    def _send(self, cmds: list[Any]) -> None:
+        """Send commands; when they are not acknowledged in time (every broker restarting), send them again with
+        the same ids, as a client does on a timeout: the aggregate answers a repeat as a duplicate."""
+        for attempt in range(1, 11):
+            try:
+                self.client.send_many(cmds, wait=False)
+                return
+            except RetriableError:
+                self.resent += len(cmds)
+                if attempt == 10:
+                    raise
 
     def _publish(self, batch: list[tuple[int, bytes, bytes, Any]], keep: bool = True) -> None:
         with self.lock:
@@ -602,14 +622,15 @@ class Chaos:
     """One chaos run: stack, receiver, daemon, workload, faults; then `check`."""
 
     def __init__(self, workdir: Path, *, seed: int = 7, pause_s: tuple[float, float] = (2.0, 4.0),
-                 spark: bool = True, broker: str = "tansu", kinds: tuple[str, ...] | None = None) -> None:
+                 spark: bool = True, broker: str = "tansu", kinds: tuple[str, ...] | None = None,
+                 nodes: int | None = None) -> None:
         self.dir = workdir
         self.rng = random.Random(seed)
         self.pause_s = pause_s
         self.spark = spark
         self.kinds = kinds or kinds_for(broker, spark)
         self.report = Report()
-        self.stack = Stack.up(workdir / "stack", broker)
+        self.stack = Stack.up(workdir / "stack", broker, nodes or (3 if broker == "kafka" else 1))
         self.receiver = Receiver()
         self.receiver.start()
         self.config = write_config(workdir / "kafold.toml", self.stack, self.receiver, free_port())
@@ -619,11 +640,20 @@ class Chaos:
             raise RuntimeError(f"topics ensure failed (exit {env_ok.returncode}): "
                                f"{(env_ok.stdout + env_ok.stderr)[-2000:]}")
         self.daemon = Daemon(self.config, workdir / "daemon.log")
+        self.daemons = [self.daemon]  # more instances on the same config: `add_daemon`
         self.workload = Workload(self.stack.kafka, self.config, self.rng)
         self._pending: list[threading.Thread] = []
 
+    def add_daemon(self) -> Daemon:
+        """One more `kafold daemon` on the same config (own instance id and HTTP port), not started yet."""
+        n = len(self.daemons) + 1
+        d = Daemon(self.config, self.dir / f"daemon-{n}.log", instance=f"chaos-{n}", http_port=free_port())
+        self.daemons.append(d)
+        return d
+
     def close(self) -> None:
-        self.daemon.stop()
+        for d in self.daemons:
+            d.stop()
         self.workload.close()
         self.receiver.stop()
         self.stack.down()
@@ -696,6 +726,21 @@ class Chaos:
         """Workload for `seconds` (longer until `min_faults` were injected), a fault every ~fault_every_s (kinds in
         a shuffled cycle so each appears)."""
         self.daemon.start()
+        started = time.monotonic()
+        kinds = list(self.kinds)
+        cycle: list[str] = []
+        with self.loading(items_per_s, commands_per_s):
+            time.sleep(min(10.0, seconds / 10))  # let the daemon join its groups first
+            while time.monotonic() - started < seconds or sum(self.report.faults.values()) < min_faults:
+                if not cycle:
+                    cycle = list(kinds)
+                    self.rng.shuffle(cycle)
+                self._fault(cycle.pop())
+                time.sleep(self.rng.uniform(0.5, 1.5) * fault_every_s)
+
+    @contextlib.contextmanager
+    def loading(self, items_per_s: int, commands_per_s: int) -> Iterator[None]:
+        """The workload running in a thread while the block runs; flushed and counted in the report after it."""
         stop = threading.Event()
         started = time.monotonic()
 
@@ -707,20 +752,15 @@ class Chaos:
                     self.workload.step(int(items_per_s * tick), max(1, int(commands_per_s * tick)))
                 except BufferError:
                     pass
+                except Exception as e:  # the workload must not stop unnoticed
+                    self.report.violations.append(f"workload stopped: {type(e).__name__}: {e}")
+                    return
                 stop.wait(max(0.0, tick - (time.monotonic() - t0)))
 
         loader = threading.Thread(target=load, daemon=True)
         loader.start()
-        kinds = list(self.kinds)
-        cycle: list[str] = []
         try:
-            time.sleep(min(10.0, seconds / 10))  # let the daemon join its groups first
-            while time.monotonic() - started < seconds or sum(self.report.faults.values()) < min_faults:
-                if not cycle:
-                    cycle = list(kinds)
-                    self.rng.shuffle(cycle)
-                self._fault(cycle.pop())
-                time.sleep(self.rng.uniform(0.5, 1.5) * fault_every_s)
+            yield
         finally:
             stop.set()
             loader.join(30)
@@ -780,13 +820,22 @@ class Chaos:
                                      f"partition); after stopping the daemon and fencing its transactional id: "
                                      f"{after or 'none'}")
 
+    def order_violations(self) -> list[str]:
+        """Items whose events the receiver applied (first delivery of each idempotency key) out of version order:
+        an effect connector delivers a key's events one after another, across rebalances too."""
+        with self.receiver.lock:
+            applied = {k: list(v) for k, v in self.receiver.first_applied.items()}
+        return [f"effect order of {item}: versions applied as {vs[:20]}" for item, vs in applied.items()
+                if vs != sorted(vs)]
+
     def strict_violations(self) -> list[str]:
         """What real Kafka rules out beyond the invariants (it hides aborted transactions from read_committed
         readers, so nothing of a cut-off batch shows): each command sent once has exactly one result record, and
-        no event record is on the events topic twice."""
-        results = Counter(orjson.loads(m.value())["command_id"] for m in read_topic(self.stack.kafka,
-                                                                                    "account.results"))
-        out = [f"command {cid}: {results[cid]} result records" for cid in self.workload.commands
+        no event record is on the events topic twice. (A command sent again after a send timed out gets its outcome
+        repeated in a record marked duplicate.)"""
+        bodies = [orjson.loads(m.value()) for m in read_topic(self.stack.kafka, "account.results")]
+        results = Counter(b["command_id"] for b in bodies if not b.get("duplicate"))
+        out = [f"command {cid}: {results[cid]} result records (not repeats)" for cid in self.workload.commands
                if results[cid] != 1]
         events = Counter(decode(m.key(), m.value(), m.headers()).event_id
                          for m in read_topic(self.stack.kafka, "account.events"))
@@ -797,9 +846,12 @@ class Chaos:
         for t in self._pending:
             t.join(0)
         unsettled = self.settle(settle_timeout)
-        if self.daemon.exits:
-            r.notes.append(f"the daemon exited by itself {len(self.daemon.exits)} time(s) (exit codes "
-                           f"{sorted(set(self.daemon.exits))}; its log says why) and was restarted by the supervisor")
+        if self.workload.resent:
+            r.notes.append(f"{self.workload.resent} command(s) sent again with their ids after a send timed out")
+        exits = [e for d in self.daemons for e in d.exits]
+        if exits:
+            r.notes.append(f"the daemon exited by itself {len(exits)} time(s) (exit codes "
+                           f"{sorted(set(exits))}; its log says why) and was restarted by the supervisor")
         r.invariants.append("stored/committed offsets of every projection, effect and aggregate equal the end "
                             "offsets")
         r.violations += unsettled
