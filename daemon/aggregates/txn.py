@@ -72,7 +72,18 @@ class TransactionalWriter:
         """Commit the open transaction with `offsets`; False when it had to be aborted (nothing visible)."""
         try:
             if offsets:
-                self.producer.send_offsets_to_transaction(offsets, group_metadata, TIMEOUT_S)
+                self._retrying(lambda t: self.producer.send_offsets_to_transaction(offsets, group_metadata, t))
+        except KafkaException as e:
+            err = e.args[0]
+            if err.fatal() or err.code() in FENCED:
+                self.open = False
+                raise _convert(e, "commit") from e
+            # The transaction coordinator's broker died or stayed out of reach: nothing of the transaction was
+            # committed yet (the commit never started), so aborting it is safe and the batch is decided again.
+            log.warning("aggregate.txn_aborting", transactional_id=self.transactional_id, error=str(err))
+            self.abort()
+            return False
+        try:
             self._retrying(self.producer.commit_transaction)
             return True
         except KafkaException as e:

@@ -65,7 +65,7 @@ ITEM_PARTITIONS = 4
 KINDS = ("daemon-kill", "broker-pause", "pg-restart", "webhook-fail", "webhook-hang", "webhook-drop",
          "republish-dup", "republish-old", "snapshot-kill")
 # On the three-node Apache Kafka cluster (`broker="kafka"`) besides the kinds above.
-BROKER_KINDS = ("broker-kill", "leader-kill", "controller-pause", "cluster-restart")
+BROKER_KINDS = ("broker-kill", "leader-kill", "coordinator-kill", "controller-pause", "cluster-restart")
 
 
 def kinds_for(broker: str, spark: bool) -> tuple[str, ...]:
@@ -185,6 +185,17 @@ class Stack:
         """The node id leading `topic`[partition] now."""
         admin = AdminClient(kafka_clients.librdkafka(self.kafka))
         return int(admin.list_topics(topic, timeout=30).topics[topic].partitions[partition].leader)
+
+    def transaction_coordinator(self, transactional_id: str) -> int:
+        """The node id coordinating `transactional_id`'s transactions: the leader of its `__transaction_state`
+        partition, abs(Java hashCode of the id) modulo the topic's partitions."""
+        h = 0
+        for unit in transactional_id.encode("utf-16-be").hex(" ", 2).split():  # Java hashes UTF-16 code units
+            h = (31 * h + int(unit, 16)) & 0xFFFFFFFF
+        h = h - (1 << 32) if h >= 1 << 31 else h
+        admin = AdminClient(kafka_clients.librdkafka(self.kafka))
+        parts = admin.list_topics("__transaction_state", timeout=30).topics["__transaction_state"].partitions
+        return int(parts[(0 if h == -(1 << 31) else abs(h)) % len(parts)].leader)
 
     def controller(self) -> int:
         """The node id of the active KRaft controller (the quorum leader), as node 1's raft state records it."""
@@ -668,6 +679,9 @@ class Chaos:
             self.stack.kill_brokers([self.rng.randint(1, 3)], self.rng.uniform(0.5, 5.0))
         elif kind == "leader-kill":  # the leader of a partition the aggregate writes in its transactions
             self.stack.kill_brokers([self.stack.leader_of("account.events", self.rng.randrange(4))],
+                                    self.rng.uniform(0.5, 5.0))
+        elif kind == "coordinator-kill":  # the broker coordinating the aggregate runtime's transactions
+            self.stack.kill_brokers([self.stack.transaction_coordinator(f"chaos.aggregate.account.{INSTANCE_ID}")],
                                     self.rng.uniform(0.5, 5.0))
         elif kind == "controller-pause":
             self.stack.pause_broker(self.rng.uniform(*self.pause_s), self.stack.controller())
