@@ -834,6 +834,17 @@ class Chaos:
                                      f"partition); after stopping the daemon and fencing its transactional id: "
                                      f"{after or 'none'}")
 
+    def run_strict(self, settle_timeout: float = 240.0, **run: Any) -> tuple[Report, list[str]]:
+        """`run(**run)`, `check` and, as on Apache Kafka, `strict_violations`; the run's processes stopped after."""
+        try:
+            self.run(**run)
+            report = self.check(settle_timeout=settle_timeout)
+            strict = self.strict_violations()
+        finally:
+            self.close()
+        print(report.text())
+        return report, strict
+
     def order_violations(self) -> list[str]:
         """Items whose events the receiver applied (first delivery of each idempotency key) out of version order:
         an effect connector delivers a key's events one after another, across rebalances too."""

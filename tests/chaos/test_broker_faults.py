@@ -18,13 +18,8 @@ def test_broker_kill_and_restart_under_load_loses_nothing(tmp_path: Path, broker
         pytest.skip("tansu keeps its log in memory: a killed broker restarts empty (Apache Kafka only)")
     kinds = ("broker-kill", "leader-kill", "coordinator-kill")
     chaos = Chaos(tmp_path, seed=21, spark=False, broker="kafka", kinds=kinds)
-    try:
-        chaos.run(seconds=20, fault_every_s=4.0, items_per_s=300, commands_per_s=30, min_faults=3)
-        report = chaos.check(settle_timeout=240)
-        strict = chaos.strict_violations()
-    finally:
-        chaos.close()
-    print(report.text())
+    report, strict = chaos.run_strict(seconds=20, fault_every_s=4.0, items_per_s=300, commands_per_s=30,
+                                      min_faults=3)
     assert set(report.faults) == set(kinds), report.text()
     assert report.events > 2_000 and report.commands > 200, report.text()
     assert report.violations == [], report.text()

@@ -42,13 +42,8 @@ def test_short_chaos_run_on_apache_kafka_with_broker_faults(tmp_path: Path, brok
         pytest.skip("the broker faults need the three-node Apache Kafka cluster (KAFOLD_TEST_BROKER=kafka)")
     kinds = kinds_for("kafka", spark=False)
     chaos = Chaos(tmp_path, seed=13, pause_s=(2.0, 4.0), spark=False, broker="kafka")
-    try:
-        chaos.run(seconds=45, fault_every_s=2.0, items_per_s=300, commands_per_s=30, min_faults=len(kinds))
-        report = chaos.check(settle_timeout=240)
-        strict = chaos.strict_violations()
-    finally:
-        chaos.close()
-    print(report.text())
+    report, strict = chaos.run_strict(seconds=45, fault_every_s=2.0, items_per_s=300, commands_per_s=30,
+                                      min_faults=len(kinds))
     assert set(report.faults) == set(kinds), report.text()
     assert report.faults["broker-kill"] >= 1 and report.faults["cluster-restart"] >= 1, report.text()
     assert report.events > 5_000 and report.commands > 500, report.text()
