@@ -33,7 +33,6 @@ class PartitionGate:
     opened_at: float | None = None
     first_decided_at: float | None = None  # when the first command of this assignment was decided
     decided_while_recovering: int = 0    # must stay 0: counted defensively by the runtime
-    progress_at: float = field(default_factory=time.monotonic)  # last record or EOF seen while recovering
 
     def __post_init__(self) -> None:
         self.position = max(self.position, self.start)
@@ -44,7 +43,6 @@ class PartitionGate:
 
     def replayed(self, next_offset: int, count: int = 1, now: float | None = None) -> None:
         """Records up to `next_offset` (exclusive) were folded into state."""
-        self.progress_at = time.monotonic() if now is None else now
         if next_offset > self.position:
             self.position = next_offset
         self.events_replayed += count
@@ -54,7 +52,6 @@ class PartitionGate:
         """A fetch reported partition EOF at `offset` (= the next offset to read). True when the gate opens."""
         if self.live:
             return False
-        self.progress_at = time.monotonic() if now is None else now
         self.eof_at = offset
         if offset > self.position:  # nothing in between (e.g. transaction markers): the position is the end
             self.position = offset

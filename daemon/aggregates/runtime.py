@@ -53,7 +53,6 @@ log = logs.get(__name__)
 RECOVERY_BATCH = 20000
 COMMITTED_TIMEOUT_S = 10.0
 ASSIGN_RETRY_S = 120.0  # well under the default rebalance timeout (max.poll.interval.ms, 300 s)
-RECOVERY_STALL_S = 30.0  # a recovering partition's reader silent this long (no record, no EOF) is assigned again
 START_RETRY_S = 120.0  # a broker's restart or a controller election, several times over
 CLOCK_SKEW_MS = 60_000  # a command time further ahead of this host's clock is taken as this host's clock
 
@@ -258,26 +257,6 @@ class AggregateRuntime:
         for n, batch in data.items():
             self._fold(n, batch)
         self.store.trim()
-        now = time.monotonic()
-        for gate in list(self.gates.values()):
-            if not gate.live and now - gate.progress_at > RECOVERY_STALL_S:
-                self._refetch(gate, now)
-
-    def _refetch(self, gate: PartitionGate, now: float) -> None:
-        """Assign a recovering partition to the reader again at its replay position: its fetches gave neither a
-        record nor the end of the partition for RECOVERY_STALL_S (seen after a broker holding the partition was
-        killed and restarted: the reader's fetch for it never resumed).
-
-        Offset note: `gate.position` is the next events offset after the last folded record, so the new fetch
-        folds nothing twice and skips nothing; the gate still opens only on an end of partition >= its captured
-        end."""
-        n = gate.partition
-        self.log.warning("aggregate.recovery_stalled", partition=n, position=gate.position, eof_at=gate.eof_at,
-                         captured_end=gate.captured_end, stalled_s=round(now - gate.progress_at, 1))
-        events = self.topics["events"]
-        self.reader.incremental_unassign([KTP(events, n)])
-        self.reader.incremental_assign([KTP(events, n, gate.position)])
-        gate.progress_at = now
 
     def _fold(self, n: int, batch: list[Any]) -> None:
         if batch:

@@ -24,5 +24,10 @@ def test_broker_kill_and_restart_under_load_loses_nothing(tmp_path: Path, broker
     assert report.events > 2_000 and report.commands > 200, report.text()
     assert report.violations == [], report.text()
     assert strict == [], strict
-    # One node of three down is no outage: the daemon (also one starting meanwhile) keeps running.
-    assert chaos.daemon.exits == [], report.text()
+    # One node of three down is no outage: the daemon (also one starting meanwhile) keeps running -- except when
+    # librdkafka's send_offsets_to_transaction hangs after the group coordinator's broker went away
+    # (confluentinc/librdkafka#5511): the runtime then stops the daemon, whose supervisor starts it again.
+    failures = [line for line in (tmp_path / "daemon.log").read_text().splitlines()
+                if '"event": "aggregate.failed"' in line]
+    assert all("did not return within" in line for line in failures), failures[:3]
+    assert len(chaos.daemon.exits) == len(failures), (chaos.daemon.exits, failures[:3])
