@@ -37,9 +37,10 @@ test: lint
 	$(BIN)/python -m pytest
 	KAFOLD_TEST_BROKER=kafka $(BIN)/python -m pytest -m apache_kafka
 
-## the long chaos soak (30 minutes, >= 200 faults, >= 1M events; figures in docs/reliability.md)
+## the long chaos soak (30 minutes, >= 200 faults, >= 1M events; figures in docs/reliability.md); BROKER=kafka runs
+## it on a three-node Apache Kafka cluster with broker faults besides
 chaos: install
-	$(BIN)/python tests/chaos/run_chaos.py $(CHAOS_ARGS)
+	$(BIN)/python tests/chaos/run_chaos.py $(if $(BROKER),--broker $(BROKER)) $(CHAOS_ARGS)
 
 unit: install
 	$(BIN)/python -m pytest -m "not integration"

@@ -53,6 +53,7 @@ log = logs.get(__name__)
 RECOVERY_BATCH = 20000
 COMMITTED_TIMEOUT_S = 10.0
 ASSIGN_RETRY_S = 120.0  # well under the default rebalance timeout (max.poll.interval.ms, 300 s)
+START_RETRY_S = 120.0  # a broker's restart or a controller election, several times over
 CLOCK_SKEW_MS = 60_000  # a command time further ahead of this host's clock is taken as this host's clock
 
 
@@ -172,8 +173,17 @@ class AggregateRuntime:
         rf = self.kafka.replication_factor
         specs = [TopicSpec(t, self.agg.partitions, rf, {}) for t in self.topics.values()]
         snapshots = TopicSpec(self.agg.topic("snapshot"), self.agg.partitions, rf, dict(SNAPSHOT_TOPIC_CONFIGS))
-        topics.ensure(self.kafka, [*specs, snapshots, TopicSpec(self.dlq, 1, rf, {}, purpose="dead-letter")])
-        self.writer = TransactionalWriter(self.kafka, self.transactional_id)
+        wanted = [*specs, snapshots, TopicSpec(self.dlq, 1, rf, {}, purpose="dead-letter")]
+
+        def warn(e: RetriableError, delay: float) -> None:
+            self.log.warning("aggregate.start_retrying", error=str(e), retry_in_s=delay)
+
+        # A broker restarting or a controller failing over while the daemon starts (a rolling restart of the
+        # cluster) is waited out rather than ending the daemon.
+        retrying(lambda: topics.ensure(self.kafka, wanted), within_s=START_RETRY_S, on_retry=warn,
+                 first_delay=0.5, stop=self.stop_event)
+        self.writer = retrying(lambda: TransactionalWriter(self.kafka, self.transactional_id),
+                               within_s=START_RETRY_S, on_retry=warn, first_delay=0.5, stop=self.stop_event)
         self.reader = recovery.reader(self.kafka, self.agg.name)
         extra = {"isolation.level": "read_committed", "enable.auto.offset.store": False,
                  "fetch.wait.max.ms": 50, "max.partition.fetch.bytes": 8 * 1024 * 1024, **self.consumer_extra}

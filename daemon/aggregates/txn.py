@@ -10,6 +10,7 @@ rebuilds the state the batch touched); it raises FatalError when this producer i
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -22,6 +23,11 @@ from kafold.errors import FatalError, RetriableError
 
 log = logs.get(__name__)
 TIMEOUT_S = 30.0
+# librdkafka's send_offsets_to_transaction can block past its timeout, for good, when the group coordinator's
+# broker went away (confluentinc/librdkafka#5456, #5511; seen when a broker of three was killed): the call is
+# waited for this long beyond its timeout, then the producer counts as broken and this instance stops (its
+# supervisor starts a new one; the broker aborts the open transaction or the new producer fences it).
+HANG_GRACE_S = 30.0
 
 
 class TransactionalWriter:
@@ -72,7 +78,22 @@ class TransactionalWriter:
         """Commit the open transaction with `offsets`; False when it had to be aborted (nothing visible)."""
         try:
             if offsets:
-                self.producer.send_offsets_to_transaction(offsets, group_metadata, TIMEOUT_S)
+                self._retrying(lambda t: _bounded("send_offsets_to_transaction", t, lambda: (
+                    self.producer.send_offsets_to_transaction(offsets, group_metadata, t))))
+        except FatalError:
+            self.open = False  # the blocked call holds the producer: no abort on close (the broker aborts)
+            raise
+        except KafkaException as e:
+            err = e.args[0]
+            if err.fatal() or err.code() in FENCED:
+                self.open = False
+                raise _convert(e, "commit") from e
+            # The transaction coordinator's broker died or stayed out of reach: nothing of the transaction was
+            # committed yet (the commit never started), so aborting it is safe and the batch is decided again.
+            log.warning("aggregate.txn_aborting", transactional_id=self.transactional_id, error=str(err))
+            self.abort()
+            return False
+        try:
             self._retrying(self.producer.commit_transaction)
             return True
         except KafkaException as e:
@@ -117,6 +138,28 @@ class TransactionalWriter:
 # A newer producer with our transactional.id exists: we are the zombie. Whatever flag the broker's error carries,
 # nothing this instance does can succeed any more, so it stops rather than trying to abort.
 FENCED = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH})
+
+
+def _bounded(doing: str, timeout_s: float, call: Any) -> None:
+    """`call()` in a helper thread, waited for `timeout_s` + HANG_GRACE_S; FatalError if it has not returned (the
+    thread is left behind: a blocked librdkafka call cannot be cancelled)."""
+    done, failure = threading.Event(), []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as e:
+            failure.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, daemon=True, name=f"kafold-txn-{doing}").start()
+    if not done.wait(timeout_s + HANG_GRACE_S):
+        raise FatalError(f"transactional producer {doing} did not return within {timeout_s + HANG_GRACE_S:.0f}s "
+                         "(a librdkafka hang after the group coordinator's broker went away); this instance must "
+                         "restart")
+    if failure:
+        raise failure[0]
 
 
 def _convert(e: KafkaException, doing: str) -> Exception:

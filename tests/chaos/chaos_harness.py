@@ -29,6 +29,7 @@ their deterministic ids, which is what every kafold consumer does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -40,6 +41,7 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,10 +50,12 @@ import orjson
 from aiohttp import web
 from confluent_kafka import Consumer, Producer
 from confluent_kafka import TopicPartition as KafkaTP
+from confluent_kafka.admin import AdminClient
 
 from kafold import db, devstack, kafka_clients
 from kafold.config import KafkaConfig, PostgresConfig, load_file
 from kafold.envelope import Event, decode, encode
+from kafold.errors import RetriableError
 
 ROOT = Path(__file__).resolve().parents[2]
 KAFOLD = str(Path(sys.executable).parent / "kafold")
@@ -60,6 +64,13 @@ INSTANCE_ID = "chaos-1"  # the daemon's KAFOLD_INSTANCE_ID: its transactional id
 ITEM_PARTITIONS = 4
 KINDS = ("daemon-kill", "broker-pause", "pg-restart", "webhook-fail", "webhook-hang", "webhook-drop",
          "republish-dup", "republish-old", "snapshot-kill")
+# On the three-node Apache Kafka cluster (`broker="kafka"`) besides the kinds above.
+BROKER_KINDS = ("broker-kill", "leader-kill", "coordinator-kill", "controller-pause", "cluster-restart")
+
+
+def kinds_for(broker: str, spark: bool) -> tuple[str, ...]:
+    """The fault kinds a run injects: today's (snapshot-kill only with Spark), and the broker faults on Kafka."""
+    return tuple(k for k in KINDS if spark or k != "snapshot-kill") + (BROKER_KINDS if broker == "kafka" else ())
 
 
 def free_port() -> int:
@@ -76,6 +87,7 @@ class Receiver:
         self.mode = "ok"
         self.applied: dict[str, int] = {}   # webhook-id -> times it was applied (must end at 1 for each)
         self.deliveries: Counter[str] = Counter()  # webhook-id -> requests received
+        self.first_applied: dict[str, list[int]] = defaultdict(list)  # item -> versions in order of application
         self.lock = threading.Lock()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/hook"
@@ -100,7 +112,7 @@ class Receiver:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         key = request.headers.get("webhook-id", "")
-        await request.read()
+        body = orjson.loads(await request.read())
         mode = self.mode
         with self.lock:
             self.deliveries[key] += 1
@@ -112,6 +124,7 @@ class Receiver:
         with self.lock:
             if key not in self.applied:  # the receiver's own dedup by idempotency key
                 self.applied[key] = 1
+                self.first_applied[body["aggregate_id"]].append(body["version"])
         if mode == "drop" and request.transport is not None:
             request.transport.abort()  # applied, but the client never hears so: it must retry
         return web.Response(status=204)
@@ -124,23 +137,75 @@ class Receiver:
 # ---------------------------------------------------------------------------------------------- the stack
 @dataclass
 class Stack:
+    """The run's own dev stack: tansu, or a three-node Apache Kafka cluster (`broker="kafka"`), and PostgreSQL."""
+
     state: Path
     kafka: KafkaConfig
     pg: PostgresConfig
-    broker_pid: int
+    kind: str = "tansu"
+    replication_factor: int = 1
 
     @classmethod
-    def up(cls, state: Path) -> Stack:
-        s = devstack.up(state)
+    def up(cls, state: Path, broker: str = "tansu", nodes: int = 1) -> Stack:
+        s = devstack.up(state, broker=broker, nodes=nodes)
         return cls(state, KafkaConfig(bootstrap_servers=s.bootstrap_servers, session_timeout_ms=6000,
-                                      heartbeat_interval_ms=1000), PostgresConfig(url=s.postgres_url), s.broker.pid)
+                                      heartbeat_interval_ms=1000), PostgresConfig(url=s.postgres_url), s.kind,
+                   s.replication_factor)
 
-    def pause_broker(self, seconds: float) -> None:
-        os.kill(self.broker_pid, signal.SIGSTOP)
+    def brokers(self) -> list[devstack.Proc]:
+        """The broker processes as the stack file knows them now (a restarted node has a new pid)."""
+        return devstack._brokers(devstack._read_state(self.state))
+
+    def pause_broker(self, seconds: float, node: int = 1) -> None:
+        """SIGSTOP of broker `node` (1-based), SIGCONT after `seconds`."""
+        pid = self.brokers()[node - 1].pid
+        os.kill(pid, signal.SIGSTOP)
         try:
             time.sleep(seconds)
         finally:
-            os.kill(self.broker_pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGCONT)
+
+    def kill_brokers(self, nodes: list[int], down_s: float) -> None:
+        """kill -9 of the brokers `nodes` (1-based), then, after `down_s`, start them again on their ports and
+        data dirs (the dev stack restarts only the dead nodes) and wait until all of them serve."""
+        procs = self.brokers()
+        for n in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(procs[n - 1].pid, signal.SIGKILL)
+        for n in nodes:
+            deadline = time.monotonic() + 30
+            while procs[n - 1].alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        time.sleep(down_s)
+        again = devstack.up(self.state)
+        if again.bootstrap_servers != self.kafka.bootstrap_servers:
+            raise RuntimeError(f"the restarted cluster moved to {again.bootstrap_servers}")
+
+    def leader_of(self, topic: str, partition: int) -> int:
+        """The node id leading `topic`[partition] now."""
+        admin = AdminClient(kafka_clients.librdkafka(self.kafka))
+        return int(admin.list_topics(topic, timeout=30).topics[topic].partitions[partition].leader)
+
+    def transaction_coordinator(self, transactional_id: str) -> int:
+        """The node id coordinating `transactional_id`'s transactions: the leader of its `__transaction_state`
+        partition, abs(Java hashCode of the id) modulo the topic's partitions."""
+        h = 0
+        for unit in transactional_id.encode("utf-16-be").hex(" ", 2).split():  # Java hashes UTF-16 code units
+            h = (31 * h + int(unit, 16)) & 0xFFFFFFFF
+        h = h - (1 << 32) if h >= 1 << 31 else h
+        admin = AdminClient(kafka_clients.librdkafka(self.kafka))
+        parts = admin.list_topics("__transaction_state", timeout=30).topics["__transaction_state"].partitions
+        return int(parts[(0 if h == -(1 << 31) else abs(h)) % len(parts)].leader)
+
+    def controller(self) -> int:
+        """The node id of the active KRaft controller (the quorum leader), as node 1's raft state records it."""
+        for node in range(1, len(self.brokers()) + 1):
+            quorum = self.state / "kafka" / f"node-{node}" / "data" / "__cluster_metadata-0" / "quorum-state"
+            with contextlib.suppress(OSError, ValueError):
+                leader = int(orjson.loads(quorum.read_bytes()).get("leaderId", -1))
+                if leader > 0:
+                    return leader
+        raise RuntimeError("no KRaft quorum leader recorded")
 
     def restart_postgres(self) -> None:
         proc = devstack._postmaster_pid(self.state)
@@ -152,10 +217,9 @@ class Stack:
         devstack._start_postgres(self.state)
 
     def down(self) -> None:
-        try:
-            os.kill(self.broker_pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+        for proc in self.brokers():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGCONT)
         devstack.down(self.state)
         # The stack file knows the first postmaster only; a restarted one is found by its data directory.
         devstack._stop(devstack._postmaster_pid(self.state), signal.SIGINT)
@@ -166,6 +230,7 @@ def write_config(path: Path, stack: Stack, receiver: Receiver, http_port: int) -
     path.write_text(f"""
 [kafka]
 bootstrap_servers = "{stack.kafka.bootstrap_servers}"
+replication_factor = {stack.replication_factor}
 session_timeout_ms = 6000
 heartbeat_interval_ms = 1000
 
@@ -245,8 +310,11 @@ class Daemon:
 
     RESTART_S = 1.0
 
-    def __init__(self, config: Path, log: Path) -> None:
+    def __init__(self, config: Path, log: Path, instance: str = INSTANCE_ID, http_port: int | None = None) -> None:
         self.config, self.log = config, log
+        self.env = {**os.environ, "KAFOLD_INSTANCE_ID": instance}
+        if http_port is not None:  # instances on one config and host need their own ports
+            self.env["KAFOLD_DAEMON__HTTP_PORT"] = str(http_port)
         self.proc: subprocess.Popen[bytes] | None = None
         self.exits: list[int] = []  # exit codes of the daemon's own exits (restarted by the supervisor)
         self._lock = threading.Lock()
@@ -263,7 +331,7 @@ class Daemon:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen([KAFOLD, "--log-format", "json", "daemon", "-c", str(self.config)],
                                          stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, "KAFOLD_INSTANCE_ID": INSTANCE_ID})
+                                         env=self.env)
 
     def _supervise(self) -> None:
         while self._supervising.is_set():
@@ -310,6 +378,7 @@ class Workload:
     item_versions: dict[str, int] = field(default_factory=dict)
     accounts: list[str] = field(default_factory=list)
     produced: int = 0
+    resent: int = 0  # commands sent again after a send timed out
 
     def __post_init__(self) -> None:
         from kafold.client import CommandClient
@@ -344,8 +413,20 @@ class Workload:
                 self.commands[cmd.command_id] = (acc, "Deposit", amount)
             cmds.append(cmd)
         if cmds:
-            self.client.send_many(cmds, wait=False)
+            self._send(cmds)
         self.produced += len(batch) + len(cmds)
+
+    def _send(self, cmds: list[Any]) -> None:
+        """Send commands; when they are not acknowledged in time (every broker restarting), send them again with
+        the same ids, as a client does on a timeout: the aggregate answers a repeat as a duplicate."""
+        for attempt in range(1, 11):
+            try:
+                self.client.send_many(cmds, wait=False)
+                return
+            except RetriableError:
+                self.resent += len(cmds)
+                if attempt == 10:
+                    raise
 
     def _publish(self, batch: list[tuple[int, bytes, bytes, Any]], keep: bool = True) -> None:
         with self.lock:
@@ -371,6 +452,11 @@ class Workload:
             picks = self.rng.sample(self.items[-2000:], min(50, len(self.items)))
         self._publish(picks, keep=False)
         return len(picks)
+
+    def close(self) -> None:
+        """Let go of the producers (before the stack stops: they would go on calling the dead brokers)."""
+        self.client.close()
+        del self.producer
 
     def flush(self) -> None:
         with self.lock:
@@ -547,26 +633,39 @@ class Chaos:
     """One chaos run: stack, receiver, daemon, workload, faults; then `check`."""
 
     def __init__(self, workdir: Path, *, seed: int = 7, pause_s: tuple[float, float] = (2.0, 4.0),
-                 spark: bool = True) -> None:
+                 spark: bool = True, broker: str = "tansu", kinds: tuple[str, ...] | None = None,
+                 nodes: int | None = None) -> None:
         self.dir = workdir
         self.rng = random.Random(seed)
         self.pause_s = pause_s
         self.spark = spark
+        self.kinds = kinds or kinds_for(broker, spark)
         self.report = Report()
-        self.stack = Stack.up(workdir / "stack")
+        self.stack = Stack.up(workdir / "stack", broker, nodes or (3 if broker == "kafka" else 1))
         self.receiver = Receiver()
         self.receiver.start()
         self.config = write_config(workdir / "kafold.toml", self.stack, self.receiver, free_port())
         env_ok = subprocess.run([KAFOLD, "topics", "ensure", "-c", str(self.config)], capture_output=True,
                                 text=True, timeout=120)
         if env_ok.returncode != 0:
-            raise RuntimeError(f"topics ensure failed: {env_ok.stderr}")
+            raise RuntimeError(f"topics ensure failed (exit {env_ok.returncode}): "
+                               f"{(env_ok.stdout + env_ok.stderr)[-2000:]}")
         self.daemon = Daemon(self.config, workdir / "daemon.log")
+        self.daemons = [self.daemon]  # more instances on the same config: `add_daemon`
         self.workload = Workload(self.stack.kafka, self.config, self.rng)
         self._pending: list[threading.Thread] = []
 
+    def add_daemon(self) -> Daemon:
+        """One more `kafold daemon` on the same config (own instance id and HTTP port), not started yet."""
+        n = len(self.daemons) + 1
+        d = Daemon(self.config, self.dir / f"daemon-{n}.log", instance=f"chaos-{n}", http_port=free_port())
+        self.daemons.append(d)
+        return d
+
     def close(self) -> None:
-        self.daemon.stop()
+        for d in self.daemons:
+            d.stop()
+        self.workload.close()
         self.receiver.stop()
         self.stack.down()
 
@@ -575,7 +674,19 @@ class Chaos:
         if kind == "daemon-kill":
             self.daemon.restart9()
         elif kind == "broker-pause":
-            self.stack.pause_broker(self.rng.uniform(*self.pause_s))
+            self.stack.pause_broker(self.rng.uniform(*self.pause_s), self.rng.randint(1, len(self.stack.brokers())))
+        elif kind == "broker-kill":
+            self.stack.kill_brokers([self.rng.randint(1, 3)], self.rng.uniform(0.5, 5.0))
+        elif kind == "leader-kill":  # the leader of a partition the aggregate writes in its transactions
+            self.stack.kill_brokers([self.stack.leader_of("account.events", self.rng.randrange(4))],
+                                    self.rng.uniform(0.5, 5.0))
+        elif kind == "coordinator-kill":  # the broker coordinating the aggregate runtime's transactions
+            self.stack.kill_brokers([self.stack.transaction_coordinator(f"chaos.aggregate.account.{INSTANCE_ID}")],
+                                    self.rng.uniform(0.5, 5.0))
+        elif kind == "controller-pause":
+            self.stack.pause_broker(self.rng.uniform(*self.pause_s), self.stack.controller())
+        elif kind == "cluster-restart":  # every node killed at once, started again from its log on disk
+            self.stack.kill_brokers([1, 2, 3], self.rng.uniform(0.5, 2.0))
         elif kind == "pg-restart":
             self.stack.restart_postgres()
         elif kind in ("webhook-fail", "webhook-hang", "webhook-drop"):
@@ -624,9 +735,26 @@ class Chaos:
         t.start()
         self._pending.append(t)
 
-    def run(self, seconds: float, fault_every_s: float, items_per_s: int, commands_per_s: int) -> None:
-        """Workload for `seconds`, a fault every ~fault_every_s (kinds in a shuffled cycle so each appears)."""
+    def run(self, seconds: float, fault_every_s: float, items_per_s: int, commands_per_s: int,
+            min_faults: int = 0) -> None:
+        """Workload for `seconds` (longer until `min_faults` were injected), a fault every ~fault_every_s (kinds in
+        a shuffled cycle so each appears)."""
         self.daemon.start()
+        started = time.monotonic()
+        kinds = list(self.kinds)
+        cycle: list[str] = []
+        with self.loading(items_per_s, commands_per_s):
+            time.sleep(min(10.0, seconds / 10))  # let the daemon join its groups first
+            while time.monotonic() - started < seconds or sum(self.report.faults.values()) < min_faults:
+                if not cycle:
+                    cycle = list(kinds)
+                    self.rng.shuffle(cycle)
+                self._fault(cycle.pop())
+                time.sleep(self.rng.uniform(0.5, 1.5) * fault_every_s)
+
+    @contextlib.contextmanager
+    def loading(self, items_per_s: int, commands_per_s: int) -> Iterator[None]:
+        """The workload running in a thread while the block runs; flushed and counted in the report after it."""
         stop = threading.Event()
         started = time.monotonic()
 
@@ -638,20 +766,15 @@ class Chaos:
                     self.workload.step(int(items_per_s * tick), max(1, int(commands_per_s * tick)))
                 except BufferError:
                     pass
+                except Exception as e:  # the workload must not stop unnoticed
+                    self.report.violations.append(f"workload stopped: {type(e).__name__}: {e}")
+                    return
                 stop.wait(max(0.0, tick - (time.monotonic() - t0)))
 
         loader = threading.Thread(target=load, daemon=True)
         loader.start()
-        kinds = [k for k in KINDS if self.spark or k != "snapshot-kill"]
-        cycle: list[str] = []
         try:
-            time.sleep(min(10.0, seconds / 10))  # let the daemon join its groups first
-            while time.monotonic() - started < seconds:
-                if not cycle:
-                    cycle = list(kinds)
-                    self.rng.shuffle(cycle)
-                self._fault(cycle.pop())
-                time.sleep(self.rng.uniform(0.5, 1.5) * fault_every_s)
+            yield
         finally:
             stop.set()
             loader.join(30)
@@ -711,14 +834,49 @@ class Chaos:
                                      f"partition); after stopping the daemon and fencing its transactional id: "
                                      f"{after or 'none'}")
 
+    def run_strict(self, settle_timeout: float = 240.0, **run: Any) -> tuple[Report, list[str]]:
+        """`run(**run)`, `check` and, as on Apache Kafka, `strict_violations`; the run's processes stopped after."""
+        try:
+            self.run(**run)
+            report = self.check(settle_timeout=settle_timeout)
+            strict = self.strict_violations()
+        finally:
+            self.close()
+        print(report.text())
+        return report, strict
+
+    def order_violations(self) -> list[str]:
+        """Items whose events the receiver applied (first delivery of each idempotency key) out of version order:
+        an effect connector delivers a key's events one after another, across rebalances too."""
+        with self.receiver.lock:
+            applied = {k: list(v) for k, v in self.receiver.first_applied.items()}
+        return [f"effect order of {item}: versions applied as {vs[:20]}" for item, vs in applied.items()
+                if vs != sorted(vs)]
+
+    def strict_violations(self) -> list[str]:
+        """What real Kafka rules out beyond the invariants (it hides aborted transactions from read_committed
+        readers, so nothing of a cut-off batch shows): each command sent once has exactly one result record, and
+        no event record is on the events topic twice. (A command sent again after a send timed out gets its outcome
+        repeated in a record marked duplicate.)"""
+        bodies = [orjson.loads(m.value()) for m in read_topic(self.stack.kafka, "account.results")]
+        results = Counter(b["command_id"] for b in bodies if not b.get("duplicate"))
+        out = [f"command {cid}: {results[cid]} result records (not repeats)" for cid in self.workload.commands
+               if results[cid] != 1]
+        events = Counter(decode(m.key(), m.value(), m.headers()).event_id
+                         for m in read_topic(self.stack.kafka, "account.events"))
+        return out + [f"event {eid}: {n} records" for eid, n in events.items() if n != 1]
+
     def check(self, settle_timeout: float = 180.0) -> Report:
         r = self.report
         for t in self._pending:
             t.join(0)
         unsettled = self.settle(settle_timeout)
-        if self.daemon.exits:
-            r.notes.append(f"the daemon exited by itself {len(self.daemon.exits)} time(s) (exit codes "
-                           f"{sorted(set(self.daemon.exits))}; its log says why) and was restarted by the supervisor")
+        if self.workload.resent:
+            r.notes.append(f"{self.workload.resent} command(s) sent again with their ids after a send timed out")
+        exits = [e for d in self.daemons for e in d.exits]
+        if exits:
+            r.notes.append(f"the daemon exited by itself {len(exits)} time(s) (exit codes "
+                           f"{sorted(set(exits))}; its log says why) and was restarted by the supervisor")
         r.invariants.append("stored/committed offsets of every projection, effect and aggregate equal the end "
                             "offsets")
         r.violations += unsettled
