@@ -34,9 +34,13 @@ only step that swaps, so a check that compares instead of swapping overrides it 
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -52,6 +56,7 @@ from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.mapping import Mapping, load_mapper
+from kafold.connectors.projection.task import tune_interpreter
 from kafold.connectors.projection.writer import DeadLetter, ProjectionWriter, holds_lock
 from kafold.errors import ConfigError, DecodeError, FatalError, RecordError, RetriableError
 from kafold.retry import retrying
@@ -67,6 +72,16 @@ LOCK_WAIT_S = 2.0
 COPY_POLL_S, TAIL_POLL_S = 0.5, 0.05  # how long a batch waits for records while copying / in the tail phase
 TAIL_WAIT_S = 30.0  # the tail under the lock must arrive from Kafka within this (else roll back, retry)
 RETRY_FIRST_S, RETRY_MAX_S = 0.1, 2.0
+# Copy workers: one interpreter each (the copy is GIL-bound, see task.py); a few more than the cores pays off as
+# each waits for PostgreSQL part of the time, but every worker is one more session and one more consumer.
+MAX_DEFAULT_WORKERS = 4
+WATCH_S = 0.5  # how often the coordinator reports the workers' progress, and a worker looks for its parent
+WORKER_STOP_S = 60.0  # a stopped worker finishes its batch in flight within this, else it is terminated
+
+
+def default_workers() -> int:
+    """Copy workers when `--workers` is not given: the cores, at most MAX_DEFAULT_WORKERS."""
+    return max(1, min(os.cpu_count() or 1, MAX_DEFAULT_WORKERS))
 
 
 class UnknownTypeError(RecordError):
@@ -84,6 +99,7 @@ class Plan:
     mapping: Mapping
     topics: tuple[str, ...]
     on_unknown: str
+    python_path: tuple[str, ...] = ()  # the config's `daemon.python_path`, resolved: a copy worker imports the mapper
 
     @property
     def shadow(self) -> str:
@@ -93,6 +109,20 @@ class Plan:
     def key(self) -> str:
         """Checkpoint key and tracking namespace of the rebuild."""
         return f"{self.name}:rebuild"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled for a copy worker without the mapping (it may hold closures): built again there."""
+        return (_unpickle_plan, (self.name, self.kafka, self.pgc, self.config, self.topics, self.on_unknown,
+                                 self.python_path))
+
+
+def _unpickle_plan(name: str, kafka: KafkaConfig, pgc: PostgresConfig, config: ProjectionConfig,
+                   topics: tuple[str, ...], on_unknown: str, paths: tuple[str, ...]) -> Plan:
+    for path in reversed(paths):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    mapping = Mapping(config, load_mapper(config.mapper) if config.mapper else None)
+    return Plan(name, kafka, pgc, config, mapping, topics, on_unknown, paths)
 
 
 @dataclass
@@ -118,14 +148,16 @@ def plan(cfg: KafoldConfig, base: Path, name: str) -> Plan:
         known = ", ".join(sorted(by_name)) or "none"
         raise ConfigError([f"connectors: no connector named {name!r} (configured: {known})"])
     i, settings = by_name[name]
-    with python_path(cfg, base):
+    paths = python_path(cfg, base)
+    with paths:
         connector = instantiate(settings, base, f"connectors[{i}]")
         if not isinstance(connector, ProjectionConnector):
             raise ConfigError([f"connectors[{i}].class: {name!r} is a {settings.connector_class!r} connector; "
                                "only postgres-projection connectors can be rebuilt"])
         pc: ProjectionConfig = connector.config
         mapping = Mapping(pc, load_mapper(pc.mapper) if pc.mapper else None)
-    return Plan(name, cfg.kafka, cfg.postgres, pc, mapping, tuple(settings.topics), settings.on_unknown_type)
+    return Plan(name, cfg.kafka, cfg.postgres, pc, mapping, tuple(settings.topics), settings.on_unknown_type,
+                tuple(paths.paths))
 
 
 def state(pgc: PostgresConfig, name: str) -> dict[str, Any] | None:
@@ -171,9 +203,12 @@ class Rebuild:
     """Runs one rebuild to its swap; `stop` (a threading.Event) ends it early, resumable."""
 
     def __init__(self, plan: Plan, *, keep_old: bool = False, batch: int = 5000, max_tail: int = 20000,
-                 on_progress: Callable[[Progress], None] | None = None,
-                 stop: threading.Event | None = None) -> None:
+                 workers: int | None = None, on_progress: Callable[[Progress], None] | None = None,
+                 stop: threading.Event | None = None, share: Collection[TopicPartition] | None = None) -> None:
         self.plan, self.keep_old, self.batch, self.max_tail = plan, keep_old, batch, max_tail
+        # Rows that fold several aggregates (no version guard) are read-modify-write across partitions: one writer.
+        self.workers = 1 if not plan.config.version_guard else max(1, workers or default_workers())
+        self.share = frozenset(share) if share is not None else None  # a copy worker's partitions (see _copier)
         self.on_progress = on_progress
         self.stop = stop or threading.Event()
         self.writer = ProjectionWriter(plan.pgc, plan.config, plan.mapping, plan.key, plan.key, plan.shadow)
@@ -241,18 +276,13 @@ class Rebuild:
     def run(self) -> Progress:
         """Replay, converge with the live connector and swap; returns the final progress (phase 'swapped', or
         the phase reached when stopped)."""
-        from kafold import kafka_clients
 
+        tune_interpreter()
         resumed = self._begin()
         self.positions = {tp: off for tp, off in self.writer.checkpoints().items()}
         self.log.info("rebuild resumed" if resumed else "rebuild started", phase=self.phase,
-                      covered=sum(self.positions.values()))
-        # Large fetches for the history; a short broker wait so that, in the tail phase, records reach the
-        # read-ahead as soon as they are written rather than a long-poll later (see kafka_clients).
-        consumer = kafka_clients.consumer(self.plan.kafka, f"kafold-rebuild.{self.plan.name}", **{
-            "enable.partition.eof": False, "fetch.wait.max.ms": kafka_clients.RANGE_FETCH_WAIT_MS,
-            "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024,
-            "queued.min.messages": 200000})
+                      covered=sum(self.positions.values()), workers=self.workers)
+        consumer = self._consumer()
 
         def attempt() -> None:
             self._catch_up(consumer)
@@ -267,21 +297,94 @@ class Rebuild:
         try:
             for tp in self._partitions(consumer):
                 self.positions.setdefault(tp, 0)
+            if self.phase == "copying" and self.workers > 1:
+                self._copy_in_workers()
             retrying(attempt, within_s=float("inf"), on_retry=again, first_delay=RETRY_FIRST_S,
                      max_delay=RETRY_MAX_S, stop=self.stop)
         except _NotYet:
             pass  # stopped while waiting to try again: resumable
         finally:
-            try:
-                self._settle()
-            finally:
-                self.pool.shutdown()
-                consumer.close()
-                self.writer.close()
-                if self.meta is not None:
-                    self.meta.close()
+            self._close(consumer)
         done = sum(self.positions.values())
         return Progress(self.phase, done, done, self.events, 0, self.behind)
+
+    def _consumer(self) -> Any:
+        from kafold import kafka_clients
+
+        # Large fetches for the history; a short broker wait so that, in the tail phase, records reach the
+        # read-ahead as soon as they are written rather than a long-poll later (see kafka_clients).
+        return kafka_clients.consumer(self.plan.kafka, f"kafold-rebuild.{self.plan.name}", **{
+            "enable.partition.eof": False, "fetch.wait.max.ms": kafka_clients.RANGE_FETCH_WAIT_MS,
+            "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024,
+            "queued.min.messages": 200000})
+
+    def _close(self, consumer: Any) -> None:
+        try:
+            self._settle()
+        finally:
+            self.pool.shutdown()
+            consumer.close()
+            self.writer.close()
+            if self.meta is not None:
+                self.meta.close()
+
+    # ---- copy workers -----------------------------------------------------------------------------------
+    def _copy_in_workers(self) -> None:
+        """Copy the history in worker processes, each its own partitions (those more than `max_tail` behind),
+        until each is near the live connector on its partitions (see the module note); meanwhile report the
+        progress read from the shadow's checkpoints and save it. A worker that fails ends the run (resumable)."""
+        p = self.plan
+        targets = self._ours(offsets(p.pgc, p.name, self._bookkeeping()))
+        far = sorted((tp for tp, off in targets.items() if off - self.positions.get(tp, 0) > self.max_tail),
+                     key=lambda tp: self.positions.get(tp, 0) - targets[tp])  # the furthest behind first
+        n = min(self.workers, len(far))
+        if n < 2:
+            return  # nothing to split: the copy runs in this process
+        shares: list[list[TopicPartition]] = [[] for _ in range(n)]
+        load = [0] * n
+        for tp in far:  # greedy: each partition to the least loaded worker
+            i = load.index(min(load))
+            shares[i].append(tp)
+            load[i] += targets[tp] - self.positions.get(tp, 0)
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: never fork librdkafka's threads
+        halt = ctx.Event()
+        applied = [ctx.Value("q", 0) for _ in shares]
+        procs = [ctx.Process(target=_copier, name=f"kafold-rebuild-{p.name}-{i}", daemon=True,
+                             args=(p, tuple(share), self.batch, self.max_tail, logs.current(), halt, applied[i]))
+                 for i, share in enumerate(shares)]
+        self.log.info("copying in worker processes", workers=n,
+                      partitions={i: [str(tp) for tp in share] for i, share in enumerate(shares)})
+        before, reported = self.events, self.events
+        try:
+            for proc in procs:
+                proc.start()
+            while True:
+                running = [proc for proc in procs if proc.exitcode is None]
+                failed = [proc for proc in procs if proc.exitcode not in (None, 0)]
+                if failed:
+                    raise FatalError(f"rebuild of {p.name!r}: copy worker {failed[0].name} exited with code "
+                                     f"{failed[0].exitcode} (see its log); run the rebuild again to resume")
+                conn = self._bookkeeping()
+                self.positions.update(self._ours(offsets(p.pgc, p.key, conn)))
+                targets = self._ours(offsets(p.pgc, p.name, conn))
+                self.events = before + sum(int(v.value) for v in applied)
+                self.behind = self._behind(targets)
+                self._report(self.events - reported, sum(targets.values()))
+                reported = self.events
+                self._save(self.phase)
+                if not running:
+                    return
+                if self.stop.is_set():
+                    halt.set()
+                time.sleep(WATCH_S)
+        finally:
+            halt.set()
+            for proc in procs:
+                if proc.pid is not None:
+                    proc.join(WORKER_STOP_S)
+                    if proc.is_alive():
+                        proc.terminate()  # its transaction in flight rolls back: resumable
+                        proc.join()
 
     def _catch_up(self, consumer: Any) -> None:
         """Apply batches until the shadow has reached the live checkpoints read before its last batch (so what is
@@ -291,7 +394,7 @@ class Rebuild:
             targets = self._ours(offsets(self.plan.pgc, self.plan.name, self._bookkeeping()))
             self.behind = self._behind(targets)
             near = self._near(targets)
-            if near and self.phase == "copying":  # from here on it reads ahead (see the module note)
+            if near and self.phase == "copying" and self.share is None:  # from here on it reads ahead (module note)
                 self._save("catching-up")
                 self.log.info("within --max-tail of the live connector; in the tail phase", behind=self.behind)
             if reached and near:
@@ -312,7 +415,8 @@ class Rebuild:
 
     def _ours(self, targets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
         """The live checkpoints of the configured source topics (a topic dropped from the config is ignored)."""
-        return {tp: off for tp, off in targets.items() if tp.topic in self.plan.topics}
+        return {tp: off for tp, off in targets.items()
+                if tp.topic in self.plan.topics and (self.share is None or tp in self.share)}
 
     def _caught_up(self, targets: dict[TopicPartition, int]) -> bool:
         return all(self.positions.get(tp, 0) >= off for tp, off in targets.items())
@@ -375,17 +479,18 @@ class Rebuild:
                 self.ahead.pop(tp, None)
         if not advance:
             return
+        prepared = self.writer.prepare(records) if records else None  # while the write in flight runs
         self._settle()
         if save and self.phase == "copying":  # written while the next batch is fetched and decoded
-            self.inflight = self.pool.submit(self.writer.write, records, dead, offsets=advance)
+            self.inflight = self.pool.submit(self.writer.write, records, dead, offsets=advance, prepared=prepared)
         else:
-            self.writer.write(records, dead, offsets=advance)
+            self.writer.write(records, dead, offsets=advance, prepared=prepared)
         for tp, off in advance.items():  # a write in flight counts: it is settled before anything relies on it
             self.positions[tp] = max(off, self.positions.get(tp, 0))
         self.events += len(records)
         self.behind = self._behind(targets)
         self._report(count, sum(targets.values()))
-        if save:
+        if save and self.share is None:  # a copy worker's progress is saved by the coordinator
             self._save(self.phase)
 
     def _settle(self) -> None:
@@ -568,3 +673,31 @@ class Rebuild:
         if live_pk is not None and shadow_pk is not None:
             conn.execute(sql.SQL("ALTER TABLE {} RENAME CONSTRAINT {} TO {}").format(
                 live, sql.Identifier(shadow_pk[0]), sql.Identifier(live_pk[0])))
+
+
+def _copier(plan: Plan, share: tuple[TopicPartition, ...], batch: int, max_tail: int, log_config: tuple[str, str],
+            halt: Any, applied: Any) -> None:
+    """A copy worker (a child process): copy `share` into the shadow until near the live connector on each of its
+    partitions. Stops early, its batch in flight written, when `halt` is set or its parent is gone (kill -9
+    included); Ctrl-C is left to the parent, which sets `halt`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logs.configure(*log_config)
+    parent = os.getppid()
+    rebuild = Rebuild(plan, batch=batch, max_tail=max_tail, share=share,
+                      on_progress=lambda p: setattr(applied, "value", p.events))
+
+    def watch() -> None:
+        while not rebuild.stop.wait(WATCH_S):
+            if halt.is_set() or os.getppid() != parent:
+                rebuild.stop.set()
+    threading.Thread(target=watch, daemon=True, name="kafold-rebuild-watch").start()
+    tune_interpreter()
+    consumer = rebuild._consumer()
+    try:
+        rebuild.positions = {tp: off for tp, off in rebuild.writer.checkpoints().items() if tp in share}
+        for tp in share:
+            rebuild.positions.setdefault(tp, 0)
+        rebuild._catch_up(consumer)
+    finally:
+        rebuild.stop.set()
+        rebuild._close(consumer)
