@@ -7,6 +7,14 @@ it never disturbs the live connector nor triggers any effect connector. Its prog
 checkpoints (`<name>:rebuild`) written in the same transaction as the shadow rows and their tracking records
 (namespace `<name>:rebuild`), exactly as the live writer does (see writer.py): a killed rebuild resumes from them.
 
+While the shadow is far behind (more than `max_tail` records on a partition), the history is copied by worker
+processes (`workers`), each its own partitions, with its own consumer and writer on the same checkpoint key and
+tracking namespace: the checkpoints are rows per partition, so each worker moves only its own, in the transactions
+of its own rows, and a key's events are all in one partition. Each worker stops once it has reached the targets it
+read before its last batch and is within `max_tail` of them on its partitions; the coordinating process then
+resumes from the checkpoints in PostgreSQL and runs the tail phase and the swap itself. A worker outliving a killed
+coordinator is harmless: a second writer of the same partitions is a zombie writer (see writer.py).
+
 The shadow never goes past the live connector: partition by partition it applies only offsets below the live
 checkpoint (the target), re-read as the live connector advances. Under steady traffic the live connector commits a
 batch on some partition several times a second, so the shadow is never *equal* to it for long; the rebuild converges
@@ -222,6 +230,7 @@ class Rebuild:
         self.meta: psycopg.Connection[Any] | None = None  # see _bookkeeping
         self.phase = "copying"
         self.events = 0
+        self.copied_by_workers = 0  # events the copy workers applied (in this run)
         self.tail = 0  # offsets applied while the live writer waited, in the last swap attempt
         self.behind = 0  # records behind the live connector at the last look, summed over partitions
         self.swap_retries = 0  # swap attempts rolled back (tail too long, lock not granted)
@@ -367,7 +376,8 @@ class Rebuild:
                 conn = self._bookkeeping()
                 self.positions.update(self._ours(offsets(p.pgc, p.key, conn)))
                 targets = self._ours(offsets(p.pgc, p.name, conn))
-                self.events = before + sum(int(v.value) for v in applied)
+                self.copied_by_workers = sum(int(v.value) for v in applied)
+                self.events = before + self.copied_by_workers
                 self.behind = self._behind(targets)
                 self._report(self.events - reported, sum(targets.values()))
                 reported = self.events
