@@ -60,12 +60,13 @@ from psycopg import sql
 
 from kafold import db, logs
 from kafold.config import KafkaConfig, KafoldConfig, PostgresConfig, python_path
-from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition
+from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition, sink_record
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.mapping import Mapping, load_mapper
 from kafold.connectors.projection.task import tune_interpreter
 from kafold.connectors.projection.writer import DeadLetter, ProjectionWriter, holds_lock
+from kafold.envelope import decode
 from kafold.errors import ConfigError, DecodeError, FatalError, RecordError, RetriableError
 from kafold.retry import retrying
 
@@ -468,18 +469,11 @@ class Rebuild:
         count = 0
         for msgs in buffered.values():
             count += len(msgs)
-            for m in msgs:
-                self._take(m, targets, records, dead, advance, overrun)
+            self._take(msgs, targets, records, dead, advance, overrun)
         if not all(advance.get(tp, self.positions.get(tp, 0)) >= off for tp, off in targets.items()):
             msgs = consumer.consume(self.batch, wait_s)
             count += len(msgs)
-            for m in msgs:
-                err = m.error()
-                if err is not None:
-                    if err.fatal():
-                        raise FatalError(f"rebuild consumer: {err}")
-                    continue
-                self._take(m, targets, records, dead, advance, overrun)
+            self._take(msgs, targets, records, dead, advance, overrun)
         if overrun:
             from confluent_kafka import TopicPartition as KafkaTP
 
@@ -510,41 +504,52 @@ class Rebuild:
         if inflight is not None:
             inflight.result()
 
-    def _take(self, m: Any, targets: dict[TopicPartition, int], records: list[SinkRecord], dead: list[DeadLetter],
-              advance: dict[TopicPartition, int], overrun: set[TopicPartition]) -> None:
-        """One message into the batch when below its target; else kept to read ahead (in the tail phase, up to
-        `max_tail` a partition), so that the tail under the lock is mostly in memory already."""
-        tp, off = TopicPartition(m.topic(), m.partition()), m.offset()
-        if tp not in self.assigned or tp in overrun or off < advance.get(tp, self.positions.get(tp, 0)):
-            return  # fetched before an unassign, dropped with its read-ahead, or already covered
-        target = targets.get(tp, 0)
-        if off >= target:  # messages arrive in order: nothing in between exists, the shadow is at the target
-            advance[tp] = max(advance.get(tp, 0), target)
-            kept = self.ahead.setdefault(tp, [])
-            if self.phase != "copying" and len(kept) < self.max_tail:
-                kept.append(m)
-            else:
-                overrun.add(tp)
-            return
-        advance[tp] = off + 1
-        record = self._record(m, dead)
-        if record is not None:
-            records.append(record)
+    def _take(self, msgs: list[Any], targets: dict[TopicPartition, int], records: list[SinkRecord],
+              dead: list[DeadLetter], advance: dict[TopicPartition, int], overrun: set[TopicPartition]) -> None:
+        """Each message into the batch when below its target; else kept to read ahead (in the tail phase, up to
+        `max_tail` a partition), so that the tail under the lock is mostly in memory already. The copy's
+        per-record loop, written tight as the runner's (records come in runs per partition)."""
+        assigned, positions, ahead, reading_ahead = self.assigned, self.positions, self.ahead, self.phase != "copying"
+        tp: TopicPartition | None = None
+        last_topic, last_part = None, -1
+        for m in msgs:
+            err = m.error()
+            if err is not None:
+                if err.fatal():
+                    raise FatalError(f"rebuild consumer: {err}")
+                continue
+            topic, part, off = m.topic(), m.partition(), m.offset()
+            if part != last_part or topic != last_topic:
+                tp, last_topic, last_part = TopicPartition(topic, part), topic, part
+            assert tp is not None
+            if tp not in assigned or tp in overrun or off < advance.get(tp, positions.get(tp, 0)):
+                continue  # fetched before an unassign, dropped with its read-ahead, or already covered
+            target = targets.get(tp, 0)
+            if off >= target:  # messages arrive in order: nothing in between exists, the shadow is at the target
+                advance[tp] = max(advance.get(tp, 0), target)
+                kept = ahead.setdefault(tp, [])
+                if reading_ahead and len(kept) < self.max_tail:
+                    kept.append(m)
+                else:
+                    overrun.add(tp)
+                continue
+            advance[tp] = off + 1
+            record = self._record(m, dead, topic, part, off)
+            if record is not None:
+                records.append(record)
 
     def _report(self, batch: int, total: int) -> None:
         if self.on_progress is not None:
             self.on_progress(Progress(self.phase, sum(self.positions.values()), total, self.events, batch,
                                       self.behind))
 
-    def _record(self, m: Any, dead: list[DeadLetter]) -> SinkRecord | None:
+    def _record(self, m: Any, dead: list[DeadLetter], topic: str, part: int, off: int) -> SinkRecord | None:
         """The message as a SinkRecord; None when skipped or dead-lettered (as the live runner does)."""
-        from kafold.envelope import decode
-
         try:
             event = decode(m.key(), m.value(), m.headers(), raw=m)
             if not self.plan.mapping.handles(event.type):
                 if self.plan.on_unknown == "fail":
-                    raise FatalError(f"{m.topic()}[{m.partition()}]@{m.offset()}: unknown event type "
+                    raise FatalError(f"{topic}[{part}]@{off}: unknown event type "
                                      f"{event.type!r}")
                 if self.plan.on_unknown == "skip":
                     return None
@@ -553,7 +558,7 @@ class Rebuild:
             dead.append((RawRecord.of(m), e))
             return None
         ts_kind, ts = m.timestamp()
-        return SinkRecord(m.topic(), m.partition(), m.offset(), event.aggregate_id, event, ts if ts_kind else None)
+        return sink_record(topic, part, off, event.aggregate_id, event, ts if ts_kind else None)
 
     # ---- the swap ---------------------------------------------------------------------------------------
     def _converge(self, consumer: Any) -> None:
