@@ -716,3 +716,5 @@ def _copier(plan: Plan, share: tuple[TopicPartition, ...], batch: int, max_tail:
     finally:
         rebuild.stop.set()
         rebuild._close(consumer)
+    rebuild.log.info("copy worker done", partitions=[str(tp) for tp in share], events=rebuild.events,
+                     covered=sum(rebuild.positions.values()), stopped=halt.is_set() or os.getppid() != parent)
