@@ -407,6 +407,7 @@ class Rebuild:
             near = self._near(targets)
             if near and self.phase == "copying" and self.share is None:  # from here on it reads ahead (module note)
                 self._save("catching-up")
+                self._report(0, sum(targets.values()))
                 self.log.info("within --max-tail of the live connector; in the tail phase", behind=self.behind)
             if reached and near:
                 self._settle()

@@ -128,7 +128,11 @@ def _live_traffic(kafka: Any, topic: str, rate: int, accounts: int, version: int
             acc = i % accounts
             event = Event.new("MoneyDeposited", "account", f"acc-{acc}", version + i // accounts, {"amount": 1})
             key, value, headers = encode(event)
-            producer.produce(topic, value=value, key=key, headers=headers)
+            try:
+                producer.produce(topic, value=value, key=key, headers=headers)
+            except BufferError:  # the broker is slow (a loaded machine): wait for deliveries, then go on
+                producer.poll(0.1)
+                continue
             sent, i = sent + 1, i + 1
         producer.poll(0)
         with produced.get_lock():
