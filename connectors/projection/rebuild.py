@@ -37,7 +37,9 @@ for a fetch while the live writer waits. Read-ahead messages are applied only on
 them, so the shadow still never goes past the live connector.
 
 The machinery (fold into a scratch table, converge under traffic, act under the lock) is `Rebuild`; `finish` is the
-only step that swaps, so a check that compares instead of swapping overrides it and `_begin`.
+only step that swaps, so a check that compares instead of swapping overrides it and `_begin`. The copy workers run
+`Rebuild`'s own copy loop into `plan.shadow` under `plan.key`: such a check points them elsewhere through its Plan
+(a subclass travels to the workers as itself).
 """
 
 from __future__ import annotations
@@ -121,17 +123,17 @@ class Plan:
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled for a copy worker without the mapping (it may hold closures): built again there."""
-        return (_unpickle_plan, (self.name, self.kafka, self.pgc, self.config, self.topics, self.on_unknown,
-                                 self.python_path))
+        return (_unpickle_plan, (type(self), self.name, self.kafka, self.pgc, self.config, self.topics,
+                                 self.on_unknown, self.python_path))
 
 
-def _unpickle_plan(name: str, kafka: KafkaConfig, pgc: PostgresConfig, config: ProjectionConfig,
+def _unpickle_plan(cls: type[Plan], name: str, kafka: KafkaConfig, pgc: PostgresConfig, config: ProjectionConfig,
                    topics: tuple[str, ...], on_unknown: str, paths: tuple[str, ...]) -> Plan:
     for path in reversed(paths):
         if path not in sys.path:
             sys.path.insert(0, path)
     mapping = Mapping(config, load_mapper(config.mapper) if config.mapper else None)
-    return Plan(name, kafka, pgc, config, mapping, topics, on_unknown, paths)
+    return cls(name, kafka, pgc, config, mapping, topics, on_unknown, paths)
 
 
 @dataclass
