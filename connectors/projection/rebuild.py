@@ -7,6 +7,14 @@ it never disturbs the live connector nor triggers any effect connector. Its prog
 checkpoints (`<name>:rebuild`) written in the same transaction as the shadow rows and their tracking records
 (namespace `<name>:rebuild`), exactly as the live writer does (see writer.py): a killed rebuild resumes from them.
 
+While the shadow is far behind (more than `max_tail` records on a partition), the history is copied by worker
+processes (`workers`), each its own partitions, with its own consumer and writer on the same checkpoint key and
+tracking namespace: the checkpoints are rows per partition, so each worker moves only its own, in the transactions
+of its own rows, and a key's events are all in one partition. Each worker stops once it has reached the targets it
+read before its last batch and is within `max_tail` of them on its partitions; the coordinating process then
+resumes from the checkpoints in PostgreSQL and runs the tail phase and the swap itself. A worker outliving a killed
+coordinator is harmless: a second writer of the same partitions is a zombie writer (see writer.py).
+
 The shadow never goes past the live connector: partition by partition it applies only offsets below the live
 checkpoint (the target), re-read as the live connector advances. Under steady traffic the live connector commits a
 batch on some partition several times a second, so the shadow is never *equal* to it for long; the rebuild converges
@@ -29,14 +37,20 @@ for a fetch while the live writer waits. Read-ahead messages are applied only on
 them, so the shadow still never goes past the live connector.
 
 The machinery (fold into a scratch table, converge under traffic, act under the lock) is `Rebuild`; `finish` is the
-only step that swaps, so a check that compares instead of swapping overrides it and `_begin`.
+only step that swaps, so a check that compares instead of swapping overrides it and `_begin`. The copy workers run
+`Rebuild`'s own copy loop into `plan.shadow` under `plan.key`: such a check points them elsewhere through its Plan
+(a subclass travels to the workers as itself).
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -48,11 +62,13 @@ from psycopg import sql
 
 from kafold import db, logs
 from kafold.config import KafkaConfig, KafoldConfig, PostgresConfig, python_path
-from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition
+from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition, sink_record
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.mapping import Mapping, load_mapper
+from kafold.connectors.projection.task import tune_interpreter
 from kafold.connectors.projection.writer import DeadLetter, ProjectionWriter, holds_lock
+from kafold.envelope import decode
 from kafold.errors import ConfigError, DecodeError, FatalError, RecordError, RetriableError
 from kafold.retry import retrying
 
@@ -67,6 +83,16 @@ LOCK_WAIT_S = 2.0
 COPY_POLL_S, TAIL_POLL_S = 0.5, 0.05  # how long a batch waits for records while copying / in the tail phase
 TAIL_WAIT_S = 30.0  # the tail under the lock must arrive from Kafka within this (else roll back, retry)
 RETRY_FIRST_S, RETRY_MAX_S = 0.1, 2.0
+# Copy workers: one interpreter each (the copy is GIL-bound, see task.py); a few more than the cores pays off as
+# each waits for PostgreSQL part of the time, but every worker is one more session and one more consumer.
+MAX_DEFAULT_WORKERS = 4
+WATCH_S = 0.5  # how often the coordinator reports the workers' progress, and a worker looks for its parent
+WORKER_STOP_S = 60.0  # a stopped worker finishes its batch in flight within this, else it is terminated
+
+
+def default_workers() -> int:
+    """Copy workers when `--workers` is not given: the cores, at most MAX_DEFAULT_WORKERS."""
+    return max(1, min(os.cpu_count() or 1, MAX_DEFAULT_WORKERS))
 
 
 class UnknownTypeError(RecordError):
@@ -84,6 +110,7 @@ class Plan:
     mapping: Mapping
     topics: tuple[str, ...]
     on_unknown: str
+    python_path: tuple[str, ...] = ()  # the config's `daemon.python_path`, resolved: a copy worker imports the mapper
 
     @property
     def shadow(self) -> str:
@@ -93,6 +120,20 @@ class Plan:
     def key(self) -> str:
         """Checkpoint key and tracking namespace of the rebuild."""
         return f"{self.name}:rebuild"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled for a copy worker without the mapping (it may hold closures): built again there."""
+        return (_unpickle_plan, (type(self), self.name, self.kafka, self.pgc, self.config, self.topics,
+                                 self.on_unknown, self.python_path))
+
+
+def _unpickle_plan(cls: type[Plan], name: str, kafka: KafkaConfig, pgc: PostgresConfig, config: ProjectionConfig,
+                   topics: tuple[str, ...], on_unknown: str, paths: tuple[str, ...]) -> Plan:
+    for path in reversed(paths):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    mapping = Mapping(config, load_mapper(config.mapper) if config.mapper else None)
+    return cls(name, kafka, pgc, config, mapping, topics, on_unknown, paths)
 
 
 @dataclass
@@ -118,14 +159,16 @@ def plan(cfg: KafoldConfig, base: Path, name: str) -> Plan:
         known = ", ".join(sorted(by_name)) or "none"
         raise ConfigError([f"connectors: no connector named {name!r} (configured: {known})"])
     i, settings = by_name[name]
-    with python_path(cfg, base):
+    paths = python_path(cfg, base)
+    with paths:
         connector = instantiate(settings, base, f"connectors[{i}]")
         if not isinstance(connector, ProjectionConnector):
             raise ConfigError([f"connectors[{i}].class: {name!r} is a {settings.connector_class!r} connector; "
                                "only postgres-projection connectors can be rebuilt"])
         pc: ProjectionConfig = connector.config
         mapping = Mapping(pc, load_mapper(pc.mapper) if pc.mapper else None)
-    return Plan(name, cfg.kafka, cfg.postgres, pc, mapping, tuple(settings.topics), settings.on_unknown_type)
+    return Plan(name, cfg.kafka, cfg.postgres, pc, mapping, tuple(settings.topics), settings.on_unknown_type,
+                tuple(paths.paths))
 
 
 def state(pgc: PostgresConfig, name: str) -> dict[str, Any] | None:
@@ -171,9 +214,12 @@ class Rebuild:
     """Runs one rebuild to its swap; `stop` (a threading.Event) ends it early, resumable."""
 
     def __init__(self, plan: Plan, *, keep_old: bool = False, batch: int = 5000, max_tail: int = 20000,
-                 on_progress: Callable[[Progress], None] | None = None,
-                 stop: threading.Event | None = None) -> None:
+                 workers: int | None = None, on_progress: Callable[[Progress], None] | None = None,
+                 stop: threading.Event | None = None, share: Collection[TopicPartition] | None = None) -> None:
         self.plan, self.keep_old, self.batch, self.max_tail = plan, keep_old, batch, max_tail
+        # Rows that fold several aggregates (no version guard) are read-modify-write across partitions: one writer.
+        self.workers = 1 if not plan.config.version_guard else max(1, workers or default_workers())
+        self.share = frozenset(share) if share is not None else None  # a copy worker's partitions (see _copier)
         self.on_progress = on_progress
         self.stop = stop or threading.Event()
         self.writer = ProjectionWriter(plan.pgc, plan.config, plan.mapping, plan.key, plan.key, plan.shadow)
@@ -187,6 +233,7 @@ class Rebuild:
         self.meta: psycopg.Connection[Any] | None = None  # see _bookkeeping
         self.phase = "copying"
         self.events = 0
+        self.copied_by_workers = 0  # events the copy workers applied (in this run)
         self.tail = 0  # offsets applied while the live writer waited, in the last swap attempt
         self.behind = 0  # records behind the live connector at the last look, summed over partitions
         self.swap_retries = 0  # swap attempts rolled back (tail too long, lock not granted)
@@ -241,18 +288,13 @@ class Rebuild:
     def run(self) -> Progress:
         """Replay, converge with the live connector and swap; returns the final progress (phase 'swapped', or
         the phase reached when stopped)."""
-        from kafold import kafka_clients
 
+        tune_interpreter()
         resumed = self._begin()
         self.positions = {tp: off for tp, off in self.writer.checkpoints().items()}
         self.log.info("rebuild resumed" if resumed else "rebuild started", phase=self.phase,
-                      covered=sum(self.positions.values()))
-        # Large fetches for the history; a short broker wait so that, in the tail phase, records reach the
-        # read-ahead as soon as they are written rather than a long-poll later (see kafka_clients).
-        consumer = kafka_clients.consumer(self.plan.kafka, f"kafold-rebuild.{self.plan.name}", **{
-            "enable.partition.eof": False, "fetch.wait.max.ms": kafka_clients.RANGE_FETCH_WAIT_MS,
-            "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024,
-            "queued.min.messages": 200000})
+                      covered=sum(self.positions.values()), workers=self.workers)
+        consumer = self._consumer()
 
         def attempt() -> None:
             self._catch_up(consumer)
@@ -267,21 +309,95 @@ class Rebuild:
         try:
             for tp in self._partitions(consumer):
                 self.positions.setdefault(tp, 0)
+            if self.phase == "copying" and self.workers > 1:
+                self._copy_in_workers()
             retrying(attempt, within_s=float("inf"), on_retry=again, first_delay=RETRY_FIRST_S,
                      max_delay=RETRY_MAX_S, stop=self.stop)
         except _NotYet:
             pass  # stopped while waiting to try again: resumable
         finally:
-            try:
-                self._settle()
-            finally:
-                self.pool.shutdown()
-                consumer.close()
-                self.writer.close()
-                if self.meta is not None:
-                    self.meta.close()
+            self._close(consumer)
         done = sum(self.positions.values())
         return Progress(self.phase, done, done, self.events, 0, self.behind)
+
+    def _consumer(self) -> Any:
+        from kafold import kafka_clients
+
+        # Large fetches for the history; a short broker wait so that, in the tail phase, records reach the
+        # read-ahead as soon as they are written rather than a long-poll later (see kafka_clients).
+        return kafka_clients.consumer(self.plan.kafka, f"kafold-rebuild.{self.plan.name}", **{
+            "enable.partition.eof": False, "fetch.wait.max.ms": kafka_clients.RANGE_FETCH_WAIT_MS,
+            "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024,
+            "queued.min.messages": 200000})
+
+    def _close(self, consumer: Any) -> None:
+        try:
+            self._settle()
+        finally:
+            self.pool.shutdown()
+            consumer.close()
+            self.writer.close()
+            if self.meta is not None:
+                self.meta.close()
+
+    # ---- copy workers -----------------------------------------------------------------------------------
+    def _copy_in_workers(self) -> None:
+        """Copy the history in worker processes, each its own partitions (those more than `max_tail` behind),
+        until each is near the live connector on its partitions (see the module note); meanwhile report the
+        progress read from the shadow's checkpoints and save it. A worker that fails ends the run (resumable)."""
+        p = self.plan
+        targets = self._ours(offsets(p.pgc, p.name, self._bookkeeping()))
+        far = sorted((tp for tp, off in targets.items() if off - self.positions.get(tp, 0) > self.max_tail),
+                     key=lambda tp: self.positions.get(tp, 0) - targets[tp])  # the furthest behind first
+        n = min(self.workers, len(far))
+        if n < 2:
+            return  # nothing to split: the copy runs in this process
+        shares: list[list[TopicPartition]] = [[] for _ in range(n)]
+        load = [0] * n
+        for tp in far:  # greedy: each partition to the least loaded worker
+            i = load.index(min(load))
+            shares[i].append(tp)
+            load[i] += targets[tp] - self.positions.get(tp, 0)
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: never fork librdkafka's threads
+        halt = ctx.Event()
+        applied = [ctx.Value("q", 0) for _ in shares]
+        procs = [ctx.Process(target=_copier, name=f"kafold-rebuild-{p.name}-{i}", daemon=True,
+                             args=(p, tuple(share), self.batch, self.max_tail, logs.current(), halt, applied[i]))
+                 for i, share in enumerate(shares)]
+        self.log.info("copying in worker processes", workers=n,
+                      partitions={i: [str(tp) for tp in share] for i, share in enumerate(shares)})
+        before, reported = self.events, self.events
+        try:
+            for proc in procs:
+                proc.start()
+            while True:
+                running = [proc for proc in procs if proc.exitcode is None]
+                failed = [proc for proc in procs if proc.exitcode not in (None, 0)]
+                if failed:
+                    raise FatalError(f"rebuild of {p.name!r}: copy worker {failed[0].name} exited with code "
+                                     f"{failed[0].exitcode} (see its log); run the rebuild again to resume")
+                conn = self._bookkeeping()
+                self.positions.update(self._ours(offsets(p.pgc, p.key, conn)))
+                targets = self._ours(offsets(p.pgc, p.name, conn))
+                self.copied_by_workers = sum(int(v.value) for v in applied)
+                self.events = before + self.copied_by_workers
+                self.behind = self._behind(targets)
+                self._report(self.events - reported, sum(targets.values()))
+                reported = self.events
+                self._save(self.phase)
+                if not running:
+                    return
+                if self.stop.is_set():
+                    halt.set()
+                time.sleep(WATCH_S)
+        finally:
+            halt.set()
+            for proc in procs:
+                if proc.pid is not None:
+                    proc.join(WORKER_STOP_S)
+                    if proc.is_alive():
+                        proc.terminate()  # its transaction in flight rolls back: resumable
+                        proc.join()
 
     def _catch_up(self, consumer: Any) -> None:
         """Apply batches until the shadow has reached the live checkpoints read before its last batch (so what is
@@ -291,8 +407,9 @@ class Rebuild:
             targets = self._ours(offsets(self.plan.pgc, self.plan.name, self._bookkeeping()))
             self.behind = self._behind(targets)
             near = self._near(targets)
-            if near and self.phase == "copying":  # from here on it reads ahead (see the module note)
+            if near and self.phase == "copying" and self.share is None:  # from here on it reads ahead (module note)
                 self._save("catching-up")
+                self._report(0, sum(targets.values()))
                 self.log.info("within --max-tail of the live connector; in the tail phase", behind=self.behind)
             if reached and near:
                 self._settle()
@@ -312,7 +429,8 @@ class Rebuild:
 
     def _ours(self, targets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
         """The live checkpoints of the configured source topics (a topic dropped from the config is ignored)."""
-        return {tp: off for tp, off in targets.items() if tp.topic in self.plan.topics}
+        return {tp: off for tp, off in targets.items()
+                if tp.topic in self.plan.topics and (self.share is None or tp in self.share)}
 
     def _caught_up(self, targets: dict[TopicPartition, int]) -> bool:
         return all(self.positions.get(tp, 0) >= off for tp, off in targets.items())
@@ -354,18 +472,11 @@ class Rebuild:
         count = 0
         for msgs in buffered.values():
             count += len(msgs)
-            for m in msgs:
-                self._take(m, targets, records, dead, advance, overrun)
+            self._take(msgs, targets, records, dead, advance, overrun)
         if not all(advance.get(tp, self.positions.get(tp, 0)) >= off for tp, off in targets.items()):
             msgs = consumer.consume(self.batch, wait_s)
             count += len(msgs)
-            for m in msgs:
-                err = m.error()
-                if err is not None:
-                    if err.fatal():
-                        raise FatalError(f"rebuild consumer: {err}")
-                    continue
-                self._take(m, targets, records, dead, advance, overrun)
+            self._take(msgs, targets, records, dead, advance, overrun)
         if overrun:
             from confluent_kafka import TopicPartition as KafkaTP
 
@@ -375,17 +486,18 @@ class Rebuild:
                 self.ahead.pop(tp, None)
         if not advance:
             return
+        prepared = self.writer.prepare(records) if records else None  # while the write in flight runs
         self._settle()
         if save and self.phase == "copying":  # written while the next batch is fetched and decoded
-            self.inflight = self.pool.submit(self.writer.write, records, dead, offsets=advance)
+            self.inflight = self.pool.submit(self.writer.write, records, dead, offsets=advance, prepared=prepared)
         else:
-            self.writer.write(records, dead, offsets=advance)
+            self.writer.write(records, dead, offsets=advance, prepared=prepared)
         for tp, off in advance.items():  # a write in flight counts: it is settled before anything relies on it
             self.positions[tp] = max(off, self.positions.get(tp, 0))
         self.events += len(records)
         self.behind = self._behind(targets)
         self._report(count, sum(targets.values()))
-        if save:
+        if save and self.share is None:  # a copy worker's progress is saved by the coordinator
             self._save(self.phase)
 
     def _settle(self) -> None:
@@ -395,41 +507,52 @@ class Rebuild:
         if inflight is not None:
             inflight.result()
 
-    def _take(self, m: Any, targets: dict[TopicPartition, int], records: list[SinkRecord], dead: list[DeadLetter],
-              advance: dict[TopicPartition, int], overrun: set[TopicPartition]) -> None:
-        """One message into the batch when below its target; else kept to read ahead (in the tail phase, up to
-        `max_tail` a partition), so that the tail under the lock is mostly in memory already."""
-        tp, off = TopicPartition(m.topic(), m.partition()), m.offset()
-        if tp not in self.assigned or tp in overrun or off < advance.get(tp, self.positions.get(tp, 0)):
-            return  # fetched before an unassign, dropped with its read-ahead, or already covered
-        target = targets.get(tp, 0)
-        if off >= target:  # messages arrive in order: nothing in between exists, the shadow is at the target
-            advance[tp] = max(advance.get(tp, 0), target)
-            kept = self.ahead.setdefault(tp, [])
-            if self.phase != "copying" and len(kept) < self.max_tail:
-                kept.append(m)
-            else:
-                overrun.add(tp)
-            return
-        advance[tp] = off + 1
-        record = self._record(m, dead)
-        if record is not None:
-            records.append(record)
+    def _take(self, msgs: list[Any], targets: dict[TopicPartition, int], records: list[SinkRecord],
+              dead: list[DeadLetter], advance: dict[TopicPartition, int], overrun: set[TopicPartition]) -> None:
+        """Each message into the batch when below its target; else kept to read ahead (in the tail phase, up to
+        `max_tail` a partition), so that the tail under the lock is mostly in memory already. The copy's
+        per-record loop, written tight as the runner's (records come in runs per partition)."""
+        assigned, positions, ahead, reading_ahead = self.assigned, self.positions, self.ahead, self.phase != "copying"
+        tp: TopicPartition | None = None
+        last_topic, last_part = None, -1
+        for m in msgs:
+            err = m.error()
+            if err is not None:
+                if err.fatal():
+                    raise FatalError(f"rebuild consumer: {err}")
+                continue
+            topic, part, off = m.topic(), m.partition(), m.offset()
+            if part != last_part or topic != last_topic:
+                tp, last_topic, last_part = TopicPartition(topic, part), topic, part
+            assert tp is not None
+            if tp not in assigned or tp in overrun or off < advance.get(tp, positions.get(tp, 0)):
+                continue  # fetched before an unassign, dropped with its read-ahead, or already covered
+            target = targets.get(tp, 0)
+            if off >= target:  # messages arrive in order: nothing in between exists, the shadow is at the target
+                advance[tp] = max(advance.get(tp, 0), target)
+                kept = ahead.setdefault(tp, [])
+                if reading_ahead and len(kept) < self.max_tail:
+                    kept.append(m)
+                else:
+                    overrun.add(tp)
+                continue
+            advance[tp] = off + 1
+            record = self._record(m, dead, topic, part, off)
+            if record is not None:
+                records.append(record)
 
     def _report(self, batch: int, total: int) -> None:
         if self.on_progress is not None:
             self.on_progress(Progress(self.phase, sum(self.positions.values()), total, self.events, batch,
                                       self.behind))
 
-    def _record(self, m: Any, dead: list[DeadLetter]) -> SinkRecord | None:
+    def _record(self, m: Any, dead: list[DeadLetter], topic: str, part: int, off: int) -> SinkRecord | None:
         """The message as a SinkRecord; None when skipped or dead-lettered (as the live runner does)."""
-        from kafold.envelope import decode
-
         try:
             event = decode(m.key(), m.value(), m.headers(), raw=m)
             if not self.plan.mapping.handles(event.type):
                 if self.plan.on_unknown == "fail":
-                    raise FatalError(f"{m.topic()}[{m.partition()}]@{m.offset()}: unknown event type "
+                    raise FatalError(f"{topic}[{part}]@{off}: unknown event type "
                                      f"{event.type!r}")
                 if self.plan.on_unknown == "skip":
                     return None
@@ -438,7 +561,7 @@ class Rebuild:
             dead.append((RawRecord.of(m), e))
             return None
         ts_kind, ts = m.timestamp()
-        return SinkRecord(m.topic(), m.partition(), m.offset(), event.aggregate_id, event, ts if ts_kind else None)
+        return sink_record(topic, part, off, event.aggregate_id, event, ts if ts_kind else None)
 
     # ---- the swap ---------------------------------------------------------------------------------------
     def _converge(self, consumer: Any) -> None:
@@ -568,3 +691,33 @@ class Rebuild:
         if live_pk is not None and shadow_pk is not None:
             conn.execute(sql.SQL("ALTER TABLE {} RENAME CONSTRAINT {} TO {}").format(
                 live, sql.Identifier(shadow_pk[0]), sql.Identifier(live_pk[0])))
+
+
+def _copier(plan: Plan, share: tuple[TopicPartition, ...], batch: int, max_tail: int, log_config: tuple[str, str],
+            halt: Any, applied: Any) -> None:
+    """A copy worker (a child process): copy `share` into the shadow until near the live connector on each of its
+    partitions. Stops early, its batch in flight written, when `halt` is set or its parent is gone (kill -9
+    included); Ctrl-C is left to the parent, which sets `halt`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logs.configure(*log_config)
+    parent = os.getppid()
+    rebuild = Rebuild(plan, batch=batch, max_tail=max_tail, share=share,
+                      on_progress=lambda p: setattr(applied, "value", p.events))
+
+    def watch() -> None:
+        while not rebuild.stop.wait(WATCH_S):
+            if halt.is_set() or os.getppid() != parent:
+                rebuild.stop.set()
+    threading.Thread(target=watch, daemon=True, name="kafold-rebuild-watch").start()
+    tune_interpreter()
+    consumer = rebuild._consumer()
+    try:
+        rebuild.positions = {tp: off for tp, off in rebuild.writer.checkpoints().items() if tp in share}
+        for tp in share:
+            rebuild.positions.setdefault(tp, 0)
+        rebuild._catch_up(consumer)
+    finally:
+        rebuild.stop.set()
+        rebuild._close(consumer)
+    rebuild.log.info("copy worker done", partitions=[str(tp) for tp in share], events=rebuild.events,
+                     covered=sum(rebuild.positions.values()), stopped=halt.is_set() or os.getppid() != parent)

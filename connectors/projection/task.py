@@ -68,6 +68,15 @@ GC_GEN0_THRESHOLD = 50_000
 YIELD_WAIT_S = 0.004
 
 
+def tune_interpreter() -> None:
+    """Apply SWITCH_INTERVAL_S and GC_GEN0_THRESHOLD to this process (only ever in that direction)."""
+    if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+    threshold = gc.get_threshold()
+    if threshold[0] < GC_GEN0_THRESHOLD:
+        gc.set_threshold(GC_GEN0_THRESHOLD, *threshold[1:])
+
+
 class ProjectionSinkTask(SinkTask):
     """Projects events into one PostgreSQL table with exactly-once checkpoints."""
 
@@ -94,11 +103,7 @@ class ProjectionSinkTask(SinkTask):
         self.failed: Job | None = None  # a write that failed retriably, redone before anything newer
         self.fatal: BaseException | None = None
         self.pipe = WriteAhead(self.name, self._write, self._report)
-        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
-            sys.setswitchinterval(SWITCH_INTERVAL_S)
-        threshold = gc.get_threshold()
-        if threshold[0] < GC_GEN0_THRESHOLD:
-            gc.set_threshold(GC_GEN0_THRESHOLD, *threshold[1:])
+        tune_interpreter()
         self._retrying("start", lambda: (pgc.migrate_on_start and db.upgrade(pgc), self.writer.connection()))
         self.log.info("projection task started", namespace=self.writer.namespace)
 

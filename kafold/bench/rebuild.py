@@ -34,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accounts", type=int, default=0, help="distinct aggregates (default events / 10)")
     p.add_argument("--rebuild-batch", type=int, default=5000, help="records per shadow transaction (default 5000)")
     p.add_argument("--max-tail", type=int, default=20000, help="the rebuild's --max-tail (default 20000)")
+    p.add_argument("--workers", type=int, default=None, help="the rebuild's --workers (default: the cores, at most 4)")
     p.add_argument("--timeout", type=float, default=900, help="give up on the rebuild after this many seconds")
     p.add_argument("-c", "--config", help="kafold.toml giving [kafka] and [postgres] (default: the dev stack, "
                    "started if needed)")
@@ -97,7 +98,8 @@ def _rebuild(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argp
     stop = threading.Event()
     timer = threading.Timer(args.timeout, stop.set)
     timer.start()
-    rebuild = rb.Rebuild(plan, batch=args.rebuild_batch, max_tail=args.max_tail, on_progress=progress, stop=stop)
+    rebuild = rb.Rebuild(plan, batch=args.rebuild_batch, max_tail=args.max_tail, workers=args.workers,
+                         on_progress=progress, stop=stop)
     started = time.perf_counter()
     try:
         result = rebuild.run()
@@ -110,7 +112,7 @@ def _rebuild(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argp
             "rebuild_seconds": round(ended - started, 1), "tail_phase_seconds": round(ended - marks.get(
                 "copied", ended), 1), "swap_lock_ms_max": rebuild.lock_ms_max, "swap_lock_ms": rebuild.locked_ms,
             "tail_under_lock": rebuild.tail, "swap_tail_ms": rebuild.tail_ms, "swap_finish_ms": rebuild.finish_ms,
-            "swap_retries": rebuild.swap_retries}
+            "swap_retries": rebuild.swap_retries, "workers": rebuild.workers}
 
 
 def _live_traffic(kafka: Any, topic: str, rate: int, accounts: int, version: int, stop: Any, produced: Any) -> None:
@@ -126,7 +128,11 @@ def _live_traffic(kafka: Any, topic: str, rate: int, accounts: int, version: int
             acc = i % accounts
             event = Event.new("MoneyDeposited", "account", f"acc-{acc}", version + i // accounts, {"amount": 1})
             key, value, headers = encode(event)
-            producer.produce(topic, value=value, key=key, headers=headers)
+            try:
+                producer.produce(topic, value=value, key=key, headers=headers)
+            except BufferError:  # the broker is slow (a loaded machine): wait for deliveries, then go on
+                producer.poll(0.1)
+                continue
             sent, i = sent + 1, i + 1
         producer.poll(0)
         with produced.get_lock():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,6 +30,9 @@ def register(sub: Any) -> None:
     rb.add_argument("--max-tail", type=int, default=20000,
                     help="swap once the shadow is at most this many records behind the live connector on every "
                     "partition; the tail is applied while the live table is locked (default 20000)")
+    rb.add_argument("--workers", type=int, default=None, metavar="N",
+                    help="processes copying the history, each its own partitions (default: the cores, at most 4; "
+                    "1 when the projection has version_guard = false)")
     rb.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     rb.set_defaults(handler=rebuild)
     st = psub.add_parser("status", help="the projection's rebuild: phase, progress, shadow vs live offsets")
@@ -43,8 +47,7 @@ def _plan(args: argparse.Namespace) -> Any:
     loaded = config.load_file(args.config)
     chosen = rb.plan(loaded.config, loaded.base, args.name)  # an unknown name fails before any connection
     cfg = devstack.effective(loaded.config)
-    return rb.Plan(chosen.name, cfg.kafka, cfg.postgres, chosen.config, chosen.mapping, chosen.topics,
-                   chosen.on_unknown)
+    return dataclasses.replace(chosen, kafka=cfg.kafka, pgc=cfg.postgres)
 
 
 def rebuild(args: argparse.Namespace) -> int:
@@ -56,7 +59,7 @@ def rebuild(args: argparse.Namespace) -> int:
     bar = not args.no_progress and sys.stderr.isatty()
     with _reporter(bar, plan.name) as report:
         result = rb.Rebuild(plan, keep_old=args.keep_old, batch=args.batch, max_tail=args.max_tail,
-                            on_progress=report).run()
+                            workers=args.workers, on_progress=report).run()
     if result.phase == "swapped":
         print(f"{plan.name}: swapped; {plan.config.schema}.{plan.config.table} is the rebuilt table "
               f"({result.done} offsets, {result.events} events applied in this run)")

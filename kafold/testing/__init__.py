@@ -107,7 +107,8 @@ def produce(kafka: KafkaConfig, topic: str, items: Sequence[tuple[int, bytes | N
     for i, (partition, key, value, headers) in enumerate(items):
         producer.produce(topic, value=value, key=key, headers=headers, partition=partition,
                          on_delivery=on_delivery(i))
-    assert producer.flush(flush_s) == 0
+    left = producer.flush(flush_s)
+    assert left == 0, f"{left} record(s) of {len(items)} not acknowledged by {topic!r} within {flush_s} s"
     return [c for c in coords if c is not None]
 
 

@@ -140,8 +140,9 @@ def running(kafka: KafkaConfig, pgc: PostgresConfig, cfg: ConnectorConfig, group
         yield runner
     finally:
         runner.stop()
-        thread.join(30)
-    assert not thread.is_alive()
+        thread.join(60)
+    # A helper module: pytest does not rewrite its asserts, so the message says what failed.
+    assert not thread.is_alive(), f"the {cfg.name} runner did not stop within 60 s (state {runner.state})"
 
 
 def wait_for_offsets(pgc: PostgresConfig, connector: str, topic: str, ends: dict[int, int],

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import psycopg
 import pytest
 from contract import create_topic, new_producer, produce, wait_for
@@ -151,12 +152,13 @@ def test_rebuild_under_live_traffic_swaps_in_a_table_equal_to_the_live_result(
         try:
             wait_for(lambda: producer.produced(400), "live traffic to flow")
             reports: list[rb.Progress] = []
-            rebuild = RacedRebuild(plan, batch=100, max_tail=300, on_progress=reports.append)
+            rebuild = RacedRebuild(plan, batch=100, max_tail=300, workers=2, on_progress=reports.append)
             produced_at_start = len(producer.events)
             result = rebuild.run()
             produced_at_swap = len(producer.events)
             assert producer.is_alive() and produced_at_swap > produced_at_start, producer.error  # flowed throughout
             assert result.phase == "swapped" and rebuild.tail > 0, (result, rebuild.tail)
+            assert 0 < rebuild.copied_by_workers < rebuild.events, (rebuild.copied_by_workers, rebuild.events)
             # The bar's "behind" figure: records behind the live connector while copying, 0 at the swap.
             assert max(r.behind for r in reports) > 0, reports[:5]
             assert reports[-1].phase == "swapped" and reports[-1].behind == 0 and result.behind == 0, reports[-3:]
@@ -204,7 +206,7 @@ def test_a_rebuild_killed_halfway_resumes_and_finishes_correctly(
     conf = write_config(tmp_path / "kafold.toml", kafka_config, pg_url, unique, topic, table)
     log = tmp_path / "rebuild.log"
     cmd = [str(Path(sys.executable).parent / "kafold"), "--log-format", "json", "projection", "rebuild", unique,
-           "-c", str(conf), "--batch", "20"]
+           "-c", str(conf), "--batch", "20", "--max-tail", "500", "--workers", "2"]
 
     def covered() -> int:
         state = rb.state(pg_config, unique)
@@ -212,11 +214,16 @@ def test_a_rebuild_killed_halfway_resumes_and_finishes_correctly(
 
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    workers: list[psutil.Process] = []
     try:
-        wait_for(lambda: covered() >= 2000 or proc.poll() is not None, "the rebuild to be under way", 60)
+        wait_for(lambda: covered() >= 1000 or proc.poll() is not None, "the rebuild to be under way", 60)
+        workers = [c for c in psutil.Process(proc.pid).children()  # multiprocessing's spawned interpreters
+                   if any("spawn_main" in part for part in c.cmdline())]
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
+    assert len(workers) >= 2, f"the copy workers were not running; see {log}"
+    wait_for(lambda: all(_gone(w) for w in workers), "the copy workers to stop with their parent", 60)
     before = rb.state(pg_config, unique)
     assert before is not None and before["phase"] in rb.ACTIVE, f"not killed halfway; see {log}"
     assert 0 < before["events"] < len(events)
@@ -242,6 +249,13 @@ def test_a_rebuild_killed_halfway_resumes_and_finishes_correctly(
     assert _oid(pg_config, f"{table[:48]}_kafold_rebuild") is None
     after_gauges = _rebuild_gauges(kafka_config, pg_config, unique, topic, table)
     assert after_gauges["kafold_rebuild_active"] == 0.0 and after_gauges["kafold_rebuild_offsets_behind"] == 0.0
+
+
+def _gone(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _rebuild_gauges(kafka: KafkaConfig, pgc: PostgresConfig, name: str, topic: str, table: str) -> dict[str, float]:
