@@ -181,10 +181,25 @@ class Stack:
         if again.bootstrap_servers != self.kafka.bootstrap_servers:
             raise RuntimeError(f"the restarted cluster moved to {again.bootstrap_servers}")
 
+    def _leader(self, topic: str, pick: Any) -> int:
+        """The node id leading the partition of `topic` that `pick(partition count)` names, as the metadata says
+        now; the cluster may be between faults (a topic not created yet, a leader being elected): asked again for
+        up to 30 s, then any node (the fault is still a broker kill, of a node chosen at random)."""
+        admin = AdminClient(kafka_clients.librdkafka(self.kafka))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                meta = admin.list_topics(topic, timeout=10).topics.get(topic)
+                if meta is not None and meta.error is None and meta.partitions:
+                    leader = int(meta.partitions[pick(len(meta.partitions))].leader)
+                    if 1 <= leader <= len(self.brokers()):
+                        return leader
+            time.sleep(0.5)
+        return random.randint(1, len(self.brokers()))
+
     def leader_of(self, topic: str, partition: int) -> int:
         """The node id leading `topic`[partition] now."""
-        admin = AdminClient(kafka_clients.librdkafka(self.kafka))
-        return int(admin.list_topics(topic, timeout=30).topics[topic].partitions[partition].leader)
+        return self._leader(topic, lambda _count: partition)
 
     def transaction_coordinator(self, transactional_id: str) -> int:
         """The node id coordinating `transactional_id`'s transactions: the leader of its `__transaction_state`
@@ -193,9 +208,7 @@ class Stack:
         for unit in transactional_id.encode("utf-16-be").hex(" ", 2).split():  # Java hashes UTF-16 code units
             h = (31 * h + int(unit, 16)) & 0xFFFFFFFF
         h = h - (1 << 32) if h >= 1 << 31 else h
-        admin = AdminClient(kafka_clients.librdkafka(self.kafka))
-        parts = admin.list_topics("__transaction_state", timeout=30).topics["__transaction_state"].partitions
-        return int(parts[(0 if h == -(1 << 31) else abs(h)) % len(parts)].leader)
+        return self._leader("__transaction_state", lambda count: (0 if h == -(1 << 31) else abs(h)) % count)
 
     def controller(self) -> int:
         """The node id of the active KRaft controller (the quorum leader), as node 1's raft state records it."""
