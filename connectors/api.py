@@ -17,9 +17,9 @@ Note on offsets and commits
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
 from kafold.envelope import Event, encode
 
@@ -240,6 +240,30 @@ class SourceTask(ABC):
         """Release everything `start` acquired."""
 
 
+@dataclass(frozen=True, slots=True)
+class Metric:
+    """A metric a connector exports on the daemon's `/metrics` (Prometheus): declared once on the connector class,
+    sampled at scrape time by `Connector.sample_metrics`."""
+
+    name: str
+    help: str
+    labels: tuple[str, ...] = ("connector",)
+    kind: Literal["gauge", "counter"] = "gauge"
+
+
+@dataclass(frozen=True, slots=True)
+class TaskView:
+    """What the daemon shows a connector of one of its running tasks when it samples metrics: the task's id, its
+    `SinkTask.status()` (read from its thread or its process) and its task config (with the services it got)."""
+
+    task_id: int
+    status: Mapping[str, Any]
+    config: Mapping[str, Any]
+
+
+Sample = tuple[str, Sequence[str], float]  # metric name, label values (in the metric's label order), value
+
+
 class Connector(ABC, Generic[C]):
     """A configured plugin: its settings are validated through `config_class`; it splits work into tasks.
 
@@ -252,6 +276,8 @@ class Connector(ABC, Generic[C]):
     version: ClassVar[str] = "0.1.0"
     # Whether its tasks need the [postgres] section (the host then resolves it and passes it as "postgres").
     uses_postgres: ClassVar[bool] = False
+    # Its own metrics on the daemon's /metrics (families shared by every connector of the class).
+    metrics: ClassVar[tuple[Metric, ...]] = ()
 
     def __init__(self, settings: ConnectorConfig, config: C) -> None:
         self.settings = settings
@@ -268,6 +294,12 @@ class Connector(ABC, Generic[C]):
     def task_configs(self, max_tasks: int) -> list[dict[str, Any]]:
         """One dict per task to run (at most `max_tasks`); default: a single task sharing the config."""
         return [{"task_id": 0, "config": self.config}]
+
+    def sample_metrics(self, tasks: Sequence[TaskView]) -> Iterable[Sample]:
+        """The current values of `metrics` for this connector, from its running tasks; called at every scrape of
+        `/metrics` from the daemon's HTTP thread (read only, quick: cache anything that costs a round trip).
+        A sample's labels follow its metric's `labels`. Default: none."""
+        return ()
 
     def stop(self) -> None:
         """Called once every task of the connector stopped."""

@@ -10,10 +10,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kafold.daemon.rebuild_metrics import RebuildCollector
+from kafold import logs
+from kafold.connectors.api import Metric, TaskView
 from kafold.daemon.runner import BatchStats, RunnerView
 from kafold.daemon.tasks import ConnectorGroup
 from kafold.snapshot.select import REJECTED
+
+log = logs.get(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TASK_STATES = ("UNASSIGNED", "RUNNING", "PAUSED", "FAILED", "RESTARTING", "STOPPED")
@@ -36,7 +39,7 @@ class DaemonMetrics:
         self.batches = Histogram("kafold_batch_duration_seconds", "Time to decode, put and commit one batch.",
                                  labels, buckets=BATCH_BUCKETS, registry=self.registry)
         self.registry.register(_TaskCollector(groups))
-        self.registry.register(RebuildCollector(groups))
+        self.registry.register(ConnectorCollector(groups))
         self.registry.register(_SnapshotCollector())
         if aggregates is not None:
             self.registry.register(_IdempotencyCollector(aggregates))
@@ -73,31 +76,12 @@ class _TaskCollector(Collector):
         position = GaugeMetricFamily("kafold_consumer_position", "Next offset a task will handle.", labels=part)
         caught = GaugeMetricFamily("kafold_partition_caught_up", "1 once a partition reached the end offsets seen "
                                    "at its assignment.", labels=part)
-        effect = ("connector", "task", "endpoint")
-        circuit = GaugeMetricFamily("kafold_effect_circuit_open", "1 while an effect endpoint's circuit is open "
-                                    "(attempts wait; one probe at a time), else 0.", labels=effect)
-        changes = CounterMetricFamily("kafold_effect_circuit_changes", "Times the endpoint's circuit opened or "
-                                      "closed.", labels=effect)
-        in_flight = GaugeMetricFamily("kafold_effect_in_flight", "Events handed to an effect task and not yet "
-                                      "completed (running, waiting to retry, or queued behind their key).",
-                                      labels=effect)
-        paused = GaugeMetricFamily("kafold_effect_fetch_paused", "1 while the task stopped fetching because "
-                                   "max_in_flight events are held (the lag grows meanwhile).", labels=effect)
-        parked = GaugeMetricFamily("kafold_effect_parked_keys", "Keys parked in this task.", labels=effect)
         state = GaugeMetricFamily("kafold_task_state", "1 for the task's current state (Kafka Connect states).",
                                   labels=("connector", "task", "state"))
         now_ms = int(time.time() * 1000)
         for group in self.groups():
             for slot in group.slots:
                 current = slot.state
-                st = slot.runner.task_status
-                if "circuit" in st:
-                    labels = [group.name, str(slot.task_id), str(st["endpoint"])]
-                    circuit.add_metric(labels, 0.0 if st["circuit"] == "closed" else 1.0)
-                    changes.add_metric(labels, float(st["circuit_changes"]))
-                    in_flight.add_metric(labels, float(st["in_flight"]))
-                    paused.add_metric(labels, 1.0 if st["fetch_paused"] else 0.0)
-                    parked.add_metric(labels, float(st["parked_keys"]))
                 for s in TASK_STATES:
                     state.add_metric([group.name, str(slot.task_id), s], 1.0 if s == current else 0.0)
                 for p in slot.runner.progress.snapshot.values():
@@ -108,7 +92,52 @@ class _TaskCollector(Collector):
                     if p.position is not None:
                         position.add_metric(labels, float(p.position))
                     caught.add_metric(labels, 1.0 if p.caught_up else 0.0)
-        yield from (lag, lag_s, position, caught, state, circuit, changes, in_flight, paused, parked)
+        yield from (lag, lag_s, position, caught, state)
+
+
+class ConnectorCollector(Collector):
+    """The metrics connectors declare (`Connector.metrics`), sampled from each connector and its running tasks at
+    scrape time: one family per metric name, shared by the connectors of a class."""
+
+    def __init__(self, groups: Callable[[], list[ConnectorGroup]]) -> None:
+        self.groups = groups
+
+    def describe(self) -> list[Any]:
+        return []  # dynamic: collected on each scrape
+
+    def collect(self) -> Iterator[Any]:
+        families: dict[str, Any] = {}
+        first: dict[str, Metric] = {}
+        for group in self.groups():
+            connector = group.connector
+            declared = {}
+            for metric in connector.metrics:
+                kept = first.setdefault(metric.name, metric)
+                if (kept.kind, kept.labels) != (metric.kind, metric.labels):
+                    log.warning("connector metric declared twice, differently: the first declaration is kept",
+                                connector=group.name, metric=metric.name)
+                    continue
+                families.setdefault(metric.name, _family(metric))
+                declared[metric.name] = metric
+            if not declared:
+                continue
+            tasks = [TaskView(slot.task_id, slot.runner.task_status, slot.task_config) for slot in group.slots]
+            try:
+                samples = list(connector.sample_metrics(tasks))
+            except Exception as e:  # a plugin's failing metrics must not take the scrape down
+                log.warning("connector metrics not sampled", connector=group.name, error=str(e))
+                continue
+            for name, labels, value in samples:
+                if name not in declared:
+                    log.warning("connector sampled an undeclared metric", connector=group.name, metric=name)
+                    continue
+                families[name].add_metric(list(labels), value)
+        yield from families.values()
+
+
+def _family(metric: Metric) -> Any:
+    kind = CounterMetricFamily if metric.kind == "counter" else GaugeMetricFamily
+    return kind(metric.name, metric.help, labels=list(metric.labels))
 
 
 class _SnapshotCollector(Collector):

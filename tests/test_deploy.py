@@ -119,10 +119,11 @@ def test_containerfile_install_steps_produce_a_working_kafold(tmp_path: Path) ->
 
 
 def test_grafana_dashboard_uses_only_metrics_the_daemon_exports() -> None:
-    """Every metric the dashboard queries is one the daemon's registry declares."""
+    """Every metric the dashboard queries is one the daemon's registry or a built-in connector declares."""
     import json
     import re
 
+    from kafold.connectors import registry as connectors
     from kafold.daemon.metrics import DaemonMetrics
 
     registry = DaemonMetrics(lambda: []).registry
@@ -130,6 +131,7 @@ def test_grafana_dashboard_uses_only_metrics_the_daemon_exports() -> None:
     for family in registry.collect():
         exported.add(family.name)
         exported.update(sample.name for sample in family.samples)
+    exported.update(m.name for name in connectors.available() for m in connectors.resolve(name).metrics)
     exported |= {f"{name}_total" for name in exported} | {f"{name}_bucket" for name in exported}
     dashboard = json.loads((ROOT / "deploy" / "grafana" / "kafold-dashboard.json").read_text())
     queried = {m for p in dashboard["panels"] for t in p["targets"] for m in re.findall(r"\bkafold_[a-z_]+", t["expr"])}

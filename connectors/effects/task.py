@@ -18,12 +18,22 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from kafold import db, logs
 from kafold.config import KafkaConfig, PostgresConfig
-from kafold.connectors.api import Connector, Offsets, SinkRecord, SinkTask, SinkTaskContext, TopicPartition
+from kafold.connectors.api import (
+    Connector,
+    Metric,
+    Offsets,
+    Sample,
+    SinkRecord,
+    SinkTask,
+    SinkTaskContext,
+    TaskView,
+    TopicPartition,
+)
 from kafold.connectors.dlq import DeadLetterWriter
 from kafold.connectors.effects.circuit import Circuit
 from kafold.connectors.effects.drivers import Effect, KafkaEffect, PythonEffect, Webhook
@@ -217,13 +227,39 @@ def with_services(task_config: Mapping[str, Any], kafka: KafkaConfig, postgres: 
     return {**task_config, "kafka": kafka, "postgres": postgres}
 
 
+_BY_ENDPOINT = ("connector", "task", "endpoint")
+
+
 class _EffectConnector(Connector[Any]):
     task_class = EffectSinkTask
     uses_postgres = True  # the delivery ledger and parked keys
+    metrics = (
+        Metric("kafold_effect_circuit_open", "1 while an effect endpoint's circuit is open (attempts wait; one probe "
+               "at a time), else 0.", _BY_ENDPOINT),
+        Metric("kafold_effect_circuit_changes", "Times the endpoint's circuit opened or closed.", _BY_ENDPOINT,
+               "counter"),
+        Metric("kafold_effect_in_flight", "Events handed to an effect task and not yet completed (running, waiting "
+               "to retry, or queued behind their key).", _BY_ENDPOINT),
+        Metric("kafold_effect_fetch_paused", "1 while the task stopped fetching because max_in_flight events are "
+               "held (the lag grows meanwhile).", _BY_ENDPOINT),
+        Metric("kafold_effect_parked_keys", "Keys parked in this task.", _BY_ENDPOINT),
+    )
 
     def task_configs(self, max_tasks: int) -> list[dict[str, Any]]:
         return [{"task_id": i, "config": self.config, "dlq_topic": self.settings.dlq_topic}
                 for i in range(max_tasks)]
+
+    def sample_metrics(self, tasks: Sequence[TaskView]) -> Iterable[Sample]:
+        for task in tasks:
+            st = task.status
+            if "circuit" not in st:  # the task has not started its executor yet
+                continue
+            labels = (self.name, str(task.task_id), str(st["endpoint"]))
+            yield "kafold_effect_circuit_open", labels, 0.0 if st["circuit"] == "closed" else 1.0
+            yield "kafold_effect_circuit_changes", labels, float(st["circuit_changes"])
+            yield "kafold_effect_in_flight", labels, float(st["in_flight"])
+            yield "kafold_effect_fetch_paused", labels, 1.0 if st["fetch_paused"] else 0.0
+            yield "kafold_effect_parked_keys", labels, float(st["parked_keys"])
 
 
 class WebhookConnector(_EffectConnector):

@@ -1,12 +1,23 @@
-"""The `postgres-projection` connector: validates its settings and hands each task the same projection."""
+"""The `postgres-projection` connector: validates its settings, hands each task the same projection and exports
+its metrics (rebuild progress and held keys, read from PostgreSQL)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kafold.connectors.api import Connector
+from kafold import logs
+from kafold.config import ConnectorConfig, PostgresConfig
+from kafold.connectors.api import Connector, Metric, Sample, TaskView
+from kafold.connectors.projection import rebuild
 from kafold.connectors.projection.config import ProjectionConfig
+from kafold.connectors.projection.holds import held_keys
 from kafold.connectors.projection.task import ProjectionSinkTask
+
+log = logs.get(__name__)
+
+CACHE_S = 10.0  # a scrape reads PostgreSQL at most this often
 
 
 class ProjectionConnector(Connector[ProjectionConfig]):
@@ -15,8 +26,44 @@ class ProjectionConnector(Connector[ProjectionConfig]):
     config_class = ProjectionConfig
     task_class = ProjectionSinkTask
     uses_postgres = True
+    # `kafold projection rebuild` runs apart from the daemon: its progress is read from PostgreSQL, as the held keys.
+    metrics = (
+        Metric("kafold_rebuild_active", "1 while a blue-green rebuild of the projection is copying or catching up."),
+        Metric("kafold_rebuild_offsets_covered", "Offsets the rebuild's shadow table covers."),
+        Metric("kafold_rebuild_offsets_behind", "Offsets the shadow table is behind the live connector (0 once "
+               "swapped)."),
+        Metric("kafold_projection_held_keys", "Row keys whose events wait behind a dead letter (kafold dlq replay "
+               "or discard releases them)."),
+    )
+
+    def __init__(self, settings: ConnectorConfig, config: ProjectionConfig) -> None:
+        super().__init__(settings, config)
+        self._sampled: tuple[float, list[Sample]] = (float("-inf"), [])
 
     def task_configs(self, max_tasks: int) -> list[dict[str, Any]]:
         # Tasks share the consumer group and split the partitions; each row key lives in one partition.
         return [{"task_id": i, "config": self.config, "dlq_topic": self.settings.dlq_topic}
                 for i in range(max_tasks)]
+
+    def sample_metrics(self, tasks: Sequence[TaskView]) -> Iterable[Sample]:
+        at, samples = self._sampled
+        if time.monotonic() - at < CACHE_S:
+            return samples
+        pgc = next((t.config["postgres"] for t in tasks if isinstance(t.config.get("postgres"), PostgresConfig)),
+                   None)
+        if pgc is None:
+            return []
+        try:
+            progress = rebuild.progress(pgc, self.name)
+            holding = held_keys(pgc, self.name).get(self.name, 0)
+        except Exception as e:  # PostgreSQL away: the scrape still answers, without these gauges
+            log.debug("rebuild progress not readable", connector=self.name, error=str(e))
+            return []
+        phase, covered, behind = progress if progress is not None else ("never", 0, 0)
+        labels = (self.name,)
+        samples = [("kafold_rebuild_active", labels, 1.0 if phase in rebuild.ACTIVE else 0.0),
+                   ("kafold_rebuild_offsets_covered", labels, float(covered)),
+                   ("kafold_rebuild_offsets_behind", labels, float(behind)),
+                   ("kafold_projection_held_keys", labels, float(holding))]
+        self._sampled = (time.monotonic(), samples)
+        return samples

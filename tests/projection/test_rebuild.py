@@ -263,12 +263,12 @@ def _rebuild_gauges(kafka: KafkaConfig, pgc: PostgresConfig, name: str, topic: s
     connector groups)."""
     from kafold.config import DaemonConfig
     from kafold.connectors.registry import instantiate
-    from kafold.daemon.rebuild_metrics import RebuildCollector
+    from kafold.daemon.metrics import ConnectorCollector
     from kafold.daemon.tasks import ConnectorGroup, TaskSlot
 
     connector = instantiate(settings(name, topic, table), Path("."))
     slot = TaskSlot(connector, {**connector.task_configs(1)[0], "postgres": pgc}, kafka, DaemonConfig())
-    collector = RebuildCollector(lambda: [ConnectorGroup(connector, [slot])])
+    collector = ConnectorCollector(lambda: [ConnectorGroup(connector, [slot])])
     return {family.name: family.samples[0].value for family in collector.collect()
             if family.samples and family.samples[0].labels == {"connector": name}}
 
