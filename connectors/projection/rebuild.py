@@ -69,7 +69,7 @@ from kafold.connectors.projection.mapping import Mapping, load_mapper
 from kafold.connectors.projection.task import tune_interpreter
 from kafold.connectors.projection.writer import DeadLetter, ProjectionWriter, holds_lock
 from kafold.envelope import decode
-from kafold.errors import ConfigError, DecodeError, FatalError, RecordError, RetriableError
+from kafold.errors import ConfigError, DecodeError, FatalError, RetriableError, UnknownTypeError
 from kafold.retry import retrying
 
 log = logs.get(__name__)
@@ -93,10 +93,6 @@ WORKER_STOP_S = 60.0  # a stopped worker finishes its batch in flight within thi
 def default_workers() -> int:
     """Copy workers when `--workers` is not given: the cores, at most MAX_DEFAULT_WORKERS."""
     return max(1, min(os.cpu_count() or 1, MAX_DEFAULT_WORKERS))
-
-
-class UnknownTypeError(RecordError):
-    """The projection does not handle this event type and the connector says to dead-letter it."""
 
 
 @dataclass(frozen=True)
