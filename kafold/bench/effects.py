@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _receiver() -> Iterator[tuple[str, str]]:
     """The receiver runs in its own process (its CPU is not the daemon's): POST /hook on one port; GET /stats and
     POST /down, /up (stop and restart listening on the hook port: connections refused meanwhile) on another."""
-    proc = subprocess.Popen([sys.executable, "-c", "from kafold.bench.effects import serve; serve()"],
+    proc = subprocess.Popen([sys.executable, "-c", "from kafold.bench.receiver import serve; serve()"],
                             stdout=subprocess.PIPE, text=True)
     try:
         hook, control = (int(p) for p in (proc.stdout.readline() if proc.stdout else "").split())
@@ -70,75 +70,6 @@ def _receiver() -> Iterator[tuple[str, str]]:
     finally:
         proc.terminate()
         proc.wait(10)
-
-
-def serve() -> None:
-    """A minimal webhook receiver: checks per-key order (versions increase per aggregate id) and counts."""
-    import asyncio
-
-    import orjson
-    from aiohttp import web
-
-    state: dict[str, Any] = {"count": 0, "out_of_order": 0, "first": None, "last": None, "ids": set()}
-    last: dict[str, int] = {}
-
-    async def hook(request: web.Request) -> web.Response:
-        if state.get("down"):  # a kept-alive connection of the client: dropped, as a stopping service does
-            if request.transport is not None:
-                request.transport.close()
-            return web.Response(status=503)
-        doc = orjson.loads(await request.read())
-        key, version = doc["aggregate_id"], doc["version"]
-        if last.get(key, 0) >= version and request.headers["webhook-id"] not in state["ids"]:
-            state["out_of_order"] += 1
-        last[key] = max(version, last.get(key, 0))
-        state["ids"].add(request.headers["webhook-id"])
-        state["count"] += 1
-        state["first"] = state["first"] or time.time()
-        state["last"] = time.time()
-        return web.Response(status=204)
-
-    async def stats(_: web.Request) -> web.Response:
-        return web.json_response({k: v for k, v in state.items() if k not in ("ids", "down")} |
-                                 {"unique": len(state["ids"])})
-
-    sites: dict[str, Any] = {}
-
-    async def listen(port: int) -> int:
-        site = web.TCPSite(sites["runner"], "127.0.0.1", port, backlog=1024)
-        await site.start()
-        sites["hook"] = site
-        return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
-
-    async def down(_: web.Request) -> web.Response:
-        state["down"] = True
-        await sites["hook"].stop()
-        return web.Response(status=204)
-
-    async def up(_: web.Request) -> web.Response:
-        await listen(sites["port"])
-        state["down"] = False
-        return web.Response(status=204)
-
-    async def main() -> None:
-        app = web.Application()
-        app.router.add_post("/hook", hook)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        sites["runner"] = runner
-        sites["port"] = await listen(0)
-        control = web.Application()
-        control.router.add_get("/stats", stats)
-        control.router.add_post("/down", down)
-        control.router.add_post("/up", up)
-        control_runner = web.AppRunner(control, access_log=None)
-        await control_runner.setup()
-        control_site = web.TCPSite(control_runner, "127.0.0.1", 0)
-        await control_site.start()
-        print(sites["port"], control_site._server.sockets[0].getsockname()[1], flush=True)  # type: ignore[union-attr]
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
 
 
 def _stats(control: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import tempfile
 import time
 import tomllib
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,51 +168,64 @@ def _project(stack: DaemonStack, name: str, topic: str, table: str, args: argpar
             proc = subprocess.Popen([sys.executable, "-c", "import sys; from kafold.cli import main; sys.exit(main())",
                                      "--log-format", "json", "daemon", "-c", str(conf)],
                                     stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **stack.env})
-        daemon = psutil.Process(proc.pid)
-        marks: dict[str, Any] = {}
-        peak = 0.0
         try:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"kafold daemon exited with code {proc.returncode} before the end; its "
-                                       f"log ({log_path}) ends:\n{_tail(log_path)}")
-                covered = int(conn.execute(query, (name,)).fetchone()[0])  # type: ignore[index]
-                now = time.perf_counter()
-                if covered and "first" not in marks:
-                    tree = _tree(daemon)
-                    pg = [postmaster, *postmaster.children()] if postmaster is not None else []
-                    marks.update(first=now, covered=covered, tree=tree, pg=pg, cpu0=cpu_s(tree), pg0=cpu_s(pg),
-                                 sampled=now)
-                if "first" in marks and now - marks["sampled"] >= RSS_SAMPLE_S:
-                    marks["sampled"] = now
-                    peak = max(peak, _mb(marks["tree"], "rss"))
-                    if "rss20" not in marks and covered >= args.events // 5:
-                        marks["rss20"] = _mb(marks["tree"], "rss")
-                if covered >= args.events:
-                    tree = marks["tree"]
-                    marks.update(last=now, cpu1=cpu_s(tree), pg1=cpu_s(marks["pg"]), rss=_mb(tree, "rss"),
-                                 pss=_mb(tree, "pss"))
-                    break
-                time.sleep(0.01)
+            marks = _watch(proc, psutil.Process(proc.pid), postmaster, lambda: int(
+                conn.execute(query, (name,)).fetchone()[0]), args.events, log_path)  # type: ignore[index]
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _stop(proc)
         changed = _rows_changed(conn, table_id, xid_before, rows_before)
     if proc.returncode != 0:
         raise RuntimeError(f"kafold daemon exited with code {proc.returncode} on SIGTERM; its log ({log_path}) "
                            f"ends:\n{_tail(log_path)}")
-    seconds, events = marks["last"] - marks["first"], args.events - marks["covered"]
+    return _figures(marks, args.events, changed)
+
+
+def _watch(proc: Any, daemon: Any, postmaster: Any, covered_now: Callable[[], int], total: int,
+           log_path: Path) -> dict[str, Any]:
+    """Poll the checkpoints until they cover `total` events, marking the daemon tree's and PostgreSQL's CPU at the
+    first checkpoint and at the last, and the tree's memory (sampled every RSS_SAMPLE_S)."""
+    marks: dict[str, Any] = {"peak": 0.0}
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kafold daemon exited with code {proc.returncode} before the end; its "
+                               f"log ({log_path}) ends:\n{_tail(log_path)}")
+        covered = covered_now()
+        now = time.perf_counter()
+        if covered and "first" not in marks:
+            tree = _tree(daemon)
+            pg = [postmaster, *postmaster.children()] if postmaster is not None else []
+            marks.update(first=now, covered=covered, tree=tree, pg=pg, cpu0=cpu_s(tree), pg0=cpu_s(pg), sampled=now)
+        if "first" in marks and now - marks["sampled"] >= RSS_SAMPLE_S:
+            marks["sampled"] = now
+            marks["peak"] = max(marks["peak"], _mb(marks["tree"], "rss"))
+            if "rss20" not in marks and covered >= total // 5:
+                marks["rss20"] = _mb(marks["tree"], "rss")
+        if covered >= total:
+            tree = marks["tree"]
+            marks.update(last=now, cpu1=cpu_s(tree), pg1=cpu_s(marks["pg"]), rss=_mb(tree, "rss"),
+                         pss=_mb(tree, "pss"))
+            return marks
+        time.sleep(0.01)
+
+
+def _stop(proc: Any) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _figures(marks: dict[str, Any], total: int, changed: int) -> dict[str, Any]:
+    seconds, events = marks["last"] - marks["first"], total - marks["covered"]
     cpu = {"kafold": marks["cpu1"] - marks["cpu0"], "postgres": marks["pg1"] - marks["pg0"] if marks["pg"] else None}
     return {"events": events, "seconds": seconds, "processes": len(marks["tree"]),
             "cpu_us_per_event": {k: None if v is None else round(v / events * 1e6, 1) for k, v in cpu.items()},
             "cores_busy": {k: None if v is None else round(v / seconds, 2) for k, v in cpu.items()},
             "rows_changed": changed, "rss_mb": round(marks["rss"]),
-            "rss_mb_at_20pct": round(marks.get("rss20", marks["rss"])), "rss_mb_peak": round(max(peak, marks["rss"])),
-            "pss_mb": round(marks["pss"])}
+            "rss_mb_at_20pct": round(marks.get("rss20", marks["rss"])),
+            "rss_mb_peak": round(max(marks["peak"], marks["rss"])), "pss_mb": round(marks["pss"])}
 
 
 def _daemon_toml(stack: DaemonStack, name: str, topic: str, table: str, args: argparse.Namespace) -> str:
