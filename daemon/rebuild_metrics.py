@@ -12,6 +12,9 @@ from prometheus_client.registry import Collector
 
 from kafold import logs
 from kafold.config import PostgresConfig
+from kafold.connectors.projection import rebuild as rb
+from kafold.connectors.projection.holds import held_keys
+from kafold.connectors.projection.rebuild import ACTIVE
 from kafold.daemon.tasks import ConnectorGroup
 
 log = logs.get(__name__)
@@ -37,8 +40,6 @@ class RebuildCollector(Collector):
         at, rows = self._cached
         if time.monotonic() - at < CACHE_S:
             return rows
-        from kafold.connectors.projection import rebuild as rb
-        from kafold.connectors.projection.holds import held_keys
 
         rows = []
         for group in self.groups():
@@ -63,7 +64,6 @@ class RebuildCollector(Collector):
                                    "connector (0 once swapped).", labels=("connector",))
         held = GaugeMetricFamily("kafold_projection_held_keys", "Row keys whose events wait behind a dead letter "
                                  "(kafold dlq replay or discard releases them).", labels=("connector",))
-        from kafold.connectors.projection.rebuild import ACTIVE
 
         for name, got, holding in self._read():
             phase, done, lag = got if got is not None else ("never", 0, 0)

@@ -91,7 +91,7 @@ class DevStack:
     @property
     def replication_factor(self) -> int:
         """What topics on this stack replicate to: 3 on a three-node Apache Kafka (min ISR 2), else 1."""
-        from kafold import apache_kafka
+        from kafold import apache_kafka  # a cycle: apache_kafka builds on this module (DevStackError, read_json)
 
         return apache_kafka.replication(self.nodes)[0] if self.kind == "kafka" else 1
 
@@ -260,7 +260,7 @@ def _start_kafka(state_dir: Path, nodes: int, *, only: Collection[int] = ()) -> 
     """Start Apache Kafka's nodes (all, or the node ids in `only` when the others still run), formatting storage
     that has none; its data lives on in the state dir. Ports stay those of the last start while they are free (a
     partial restart needs them: the running nodes know their voters by port)."""
-    from kafold import apache_kafka
+    from kafold import apache_kafka  # a cycle: apache_kafka builds on this module (DevStackError, read_json)
 
     java, jars = apache_kafka.java(), apache_kafka.libs()
     home = state_dir / "kafka"
@@ -468,7 +468,7 @@ def _nodes_wanted(state_dir: Path, state: dict[str, Any], kind: str, recorded: s
     """How many broker nodes `up` runs: as asked, else as recorded (a stack restarted after a kill -9 alike), else
     1; checked against the stack's kind and the one running."""
     if kind == "kafka":
-        from kafold import apache_kafka
+        from kafold import apache_kafka  # a cycle: apache_kafka builds on this module (DevStackError, read_json)
 
         kept = apache_kafka.read_cluster(state_dir / "kafka").get("nodes") if not fresh else None
         want = nodes or (int(state.get("nodes", 1)) if recorded == "kafka" else None) or kept or 1

@@ -16,8 +16,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kafold import logs
+from kafold import db, kafka_clients, logs
 from kafold.bench import embedded_stack, short_group
+from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig, load_file
+from kafold.connectors.effects import ops
+from kafold.connectors.effects.task import with_services
+from kafold.connectors.registry import instantiate
+from kafold.daemon.runner import SinkRunner
+from kafold.envelope import Event, encode
 
 log = logs.get("kafold.bench.effects")
 
@@ -36,9 +42,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kafold import db
-    from kafold.config import KafkaConfig, PostgresConfig, load_file
-
     with contextlib.ExitStack() as stack:
         if args.config:
             cfg = load_file(args.config).config
@@ -90,19 +93,12 @@ def _switch(control: str, what: str) -> None:
 def _topic(kafka: Any, name: str, partitions: int) -> None:
     from confluent_kafka.admin import NewTopic
 
-    from kafold import kafka_clients
-
     admin = kafka_clients.admin(kafka)  # kept referenced until the futures resolve
     for fut in admin.create_topics([NewTopic(name, partitions, 1)]).values():
         fut.result(15)
 
 
 def _start(kafka: Any, pg: Any, name: str, topic: str, url: str, concurrency: int) -> tuple[Any, threading.Thread]:
-    from kafold.config import ConnectorConfig, DaemonConfig
-    from kafold.connectors.effects.task import with_services
-    from kafold.connectors.registry import instantiate
-    from kafold.daemon.runner import SinkRunner
-
     settings = ConnectorConfig(name=name, connector_class="webhook", topics=[topic], config={
         "url": f"{url}/hook", "allow_http": True, "concurrency": concurrency})
     connector = instantiate(settings, Path("."))
@@ -135,20 +131,14 @@ def _committed(consumer: Any, topic: str, partitions: int) -> dict[int, int]:
 def _consumer(kafka: Any, group: str) -> Any:
     from confluent_kafka import Consumer
 
-    from kafold import kafka_clients
-
     return Consumer(kafka_clients.librdkafka(kafka, **{"group.id": group}))
 
 
 def _producer(kafka: Any) -> Any:
-    from kafold import kafka_clients
-
     return kafka_clients.producer(kafka, **{"enable.idempotence": True, "linger.ms": 5})
 
 
 def _event(key: int, version: int, prefix: str = "agg") -> tuple[bytes, bytes, Any]:
-    from kafold.envelope import Event, encode
-
     return encode(Event.new("Notified", "bench", f"{prefix}-{key}", version, {"n": version, "note": "x" * 120}))
 
 
@@ -260,8 +250,6 @@ def _rss_mb() -> float:
 def _outage(kafka: Any, pg: Any, url: str, control: str, args: argparse.Namespace) -> dict[str, Any]:
     """Events at `rate` over `keys`: 5 s with the receiver up, then `outage_s` with it refusing connections; it
     comes back and production stops. Recovery = from its return until every event's offset is committed."""
-    from kafold.connectors.effects import ops
-
     run_id = uuid.uuid4().hex[:8]
     topic, name = f"kafold.bench.effects-outage.{run_id}", f"bench-effects-outage-{run_id}"
     _topic(kafka, topic, args.partitions)

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kafold import logs
+from kafold import db, kafka_clients, logs
 from kafold.bench import SHORT_GROUP_TIMEOUTS, cpu_s, embedded_stack, short_group
+from kafold.config import KafkaConfig, PostgresConfig, load_file
+from kafold.envelope import Event, decode, encode
 from kafold.schema import toml_value
 
 log = logs.get(__name__)
@@ -66,8 +68,6 @@ def daemon_stack(stack: contextlib.ExitStack, area: str, config: str | None, bro
                  ) -> DaemonStack:
     """Where a bench's daemons run: the configuration given (`-c`), else the dev stack (started if needed, and
     stopped with `stack`); a scratch folder removed with `stack`."""
-    from kafold.config import KafkaConfig, PostgresConfig, load_file
-
     workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"kafold-bench-{area}-")))
     if config:
         cfg = load_file(config).config
@@ -79,8 +79,6 @@ def daemon_stack(stack: contextlib.ExitStack, area: str, config: str | None, bro
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kafold import db
-
     logs.configure("warning")
     with contextlib.ExitStack() as stack:
         daemons = daemon_stack(stack, "projection", args.config, args.broker)
@@ -116,9 +114,6 @@ def _produce(kafka: Any, topic: str, n: int, partitions: int, accounts: int) -> 
     """n events of ~300 bytes: each account opened, then deposits; returns the mean value size."""
     from confluent_kafka.admin import NewTopic
 
-    from kafold import kafka_clients
-    from kafold.envelope import Event, encode
-
     admin = kafka_clients.admin(kafka)
     for fut in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
         fut.result(15)
@@ -152,8 +147,6 @@ def _project(stack: DaemonStack, name: str, topic: str, table: str, args: argpar
     Rows changed are counted in PostgreSQL itself (rows whose xmin is newer than the run)."""
     import psutil
     from psycopg import sql
-
-    from kafold import db
 
     conf = stack.workdir / f"{name}.{uuid.uuid4().hex[:4]}.toml"
     conf.write_text(_daemon_toml(stack, name, topic, table, args))
@@ -313,8 +306,6 @@ def _forget_checkpoints(pgc: Any, name: str) -> None:
     """Make the next run start from the beginning again: every event is then a duplicate (tracking kept)."""
     from psycopg import sql
 
-    from kafold import db
-
     with db.connect(pgc) as conn:
         conn.execute(sql.SQL("DELETE FROM {} WHERE connector = %s").format(db.table(pgc, "checkpoints")), (name,))
 
@@ -322,9 +313,6 @@ def _forget_checkpoints(pgc: Any, name: str) -> None:
 def _baseline(kafka: Any, pgc: Any, topic: str, n: int) -> float:
     """Naive: per event, decode, one INSERT … ON CONFLICT DO UPDATE and a commit (the same events)."""
     from psycopg import sql
-
-    from kafold import db, kafka_clients
-    from kafold.envelope import decode
 
     consumer = kafka_clients.consumer(kafka, f"kafold.bench.baseline.{uuid.uuid4().hex[:6]}")
     consumer.subscribe([topic])

@@ -20,9 +20,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kafold import logs
+from kafold import db, kafka_clients, logs
 from kafold.bench import short_group
 from kafold.bench.projection import COLUMNS, RULES, DaemonStack, _daemon_toml, _produce, _tail, daemon_stack
+from kafold.config import ConnectorConfig, KafoldConfig
+from kafold.connectors.projection import rebuild as rb
+from kafold.envelope import Event, encode
 
 log = logs.get(__name__)
 
@@ -41,8 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kafold import db
-
     logs.configure("warning")
     with contextlib.ExitStack() as stack:
         daemons = daemon_stack(stack, "rebuild", args.config, args.broker)
@@ -82,9 +83,6 @@ def _rebuild(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argp
     """Run the rebuild; its copy rate, lock times, retries and duration."""
     import threading
 
-    from kafold.config import ConnectorConfig, KafoldConfig
-    from kafold.connectors.projection import rebuild as rb
-
     connector = ConnectorConfig(name=name, connector_class="postgres-projection", topics=[topic],
                                 config={"table": table, "key_columns": ["account_id"], "columns": COLUMNS,
                                         "on": RULES})
@@ -117,9 +115,6 @@ def _rebuild(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argp
 
 def _live_traffic(kafka: Any, topic: str, rate: int, accounts: int, version: int, stop: Any, produced: Any) -> None:
     """Deposits at `rate` events/s to every account in turn (versions after the history's), until `stop`."""
-    from kafold import kafka_clients
-    from kafold.envelope import Event, encode
-
     producer = kafka_clients.producer(kafka, **{"linger.ms": 5, "enable.idempotence": True})
     started, sent, i = time.perf_counter(), 0, 0
     while not stop.is_set():
@@ -167,8 +162,6 @@ def _wait_covered(pgc: Any, name: str, events: int, proc: Any, conf: Path, timeo
                   fail: bool = True) -> bool:
     """Wait until the live connector's checkpoints cover `events` offsets."""
     from psycopg import sql
-
-    from kafold import db
 
     query = sql.SQL("SELECT coalesce(sum(next_offset), 0) FROM {} WHERE connector = %s").format(
         db.table(pgc, "checkpoints"))

@@ -13,6 +13,8 @@ from typing import Any
 
 from kafold import config, devstack, logs, topics
 from kafold.cli import add_config_arg
+from kafold.client import CommandClient
+from kafold.commands.daemon import run as run_daemon
 from kafold.commands.dev import add_broker_args
 from kafold.commands.run_view import DemoReceiver, LiveView
 
@@ -118,7 +120,6 @@ def _run(args: argparse.Namespace, cfg: config.KafoldConfig, loaded: config.Load
             logs.configure(level, fmt, str(log_file))
         view.start()
     print("Ctrl-C stops everything", flush=True)
-    from kafold.commands.daemon import run as run_daemon
 
     return run_daemon(cfg, loaded.base, stop, config_path=loaded.path)
 
@@ -155,8 +156,6 @@ def _cmdline(p: Any) -> list[str]:
 def _traffic(cfg: config.KafoldConfig, loaded: config.Loaded, ref: str, rate: float,
              stop: threading.Event, sent_total: list[int]) -> None:
     """Send the generator's commands to the first aggregate at `rate` per second (in batches every 100 ms)."""
-    from kafold.client import CommandClient
-
     agg = cfg.aggregates[0]
     with config.python_path(cfg, loaded.base):
         module, _, func = ref.partition(":")
