@@ -12,7 +12,7 @@ import tempfile
 import time
 import tomllib
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -157,15 +157,9 @@ def _project(stack: DaemonStack, name: str, topic: str, table: str, args: argpar
         xid_before, rows_before = _xid_and_rows(conn, table_id)
         query = sql.SQL("SELECT coalesce(sum(next_offset), 0) FROM {} WHERE connector = %s").format(
             db.table(stack.postgres, "checkpoints"))
-        with open(log_path, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-c", "import sys; from kafold.cli import main; sys.exit(main())",
-                                     "--log-format", "json", "daemon", "-c", str(conf)],
-                                    stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **stack.env})
-        try:
+        with daemon_process(stack, conf) as proc:
             marks = _watch(proc, psutil.Process(proc.pid), postmaster, lambda: int(
                 conn.execute(query, (name,)).fetchone()[0]), args.events, log_path)  # type: ignore[index]
-        finally:
-            _stop(proc)
         changed = _rows_changed(conn, table_id, xid_before, rows_before)
     if proc.returncode != 0:
         raise RuntimeError(f"kafold daemon exited with code {proc.returncode} on SIGTERM; its log ({log_path}) "
@@ -201,13 +195,22 @@ def _watch(proc: Any, daemon: Any, postmaster: Any, covered_now: Callable[[], in
         time.sleep(0.01)
 
 
-def _stop(proc: Any) -> None:
-    proc.send_signal(signal.SIGTERM)
+@contextlib.contextmanager
+def daemon_process(stack: DaemonStack, conf: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`kafold daemon -c conf` in its own process, its log beside `conf`; stopped by SIGTERM on leaving."""
+    with open(conf.with_suffix(".log"), "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", "import sys; from kafold.cli import main; sys.exit(main())",
+                                 "--log-format", "json", "daemon", "-c", str(conf)],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **stack.env})
     try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _figures(marks: dict[str, Any], total: int, changed: int) -> dict[str, Any]:

@@ -12,9 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import multiprocessing
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -22,7 +19,7 @@ from typing import Any
 
 from kafold import db, kafka_clients, logs
 from kafold.bench import short_group
-from kafold.bench.projection import COLUMNS, RULES, DaemonStack, _daemon_toml, _produce, _tail, daemon_stack
+from kafold.bench.projection import COLUMNS, RULES, _daemon_toml, _produce, _tail, daemon_process, daemon_stack
 from kafold.config import ConnectorConfig, KafoldConfig
 from kafold.connectors.projection import rebuild as rb
 from kafold.envelope import Event, encode
@@ -56,7 +53,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         daemon_args = argparse.Namespace(batch=2500, tasks=2, task_processes=True)
         conf = daemons.workdir / "live.toml"
         conf.write_text(_daemon_toml(daemons, name, topic, table, daemon_args))
-        live = stack.enter_context(_daemon(daemons, conf))
+        live = stack.enter_context(daemon_process(daemons, conf))
         _wait_covered(daemons.postgres, name, args.events, live, conf)
         stop = multiprocessing.get_context("spawn").Event()
         produced = multiprocessing.get_context("spawn").Value("q", 0)
@@ -136,26 +133,6 @@ def _live_traffic(kafka: Any, topic: str, rate: int, accounts: int, version: int
     producer.flush(60)
     with produced.get_lock():
         produced.value = sent
-
-
-@contextlib.contextmanager
-def _daemon(stack: DaemonStack, conf: Path) -> Any:
-    import os
-
-    log_path = conf.with_suffix(".log")
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", "import sys; from kafold.cli import main; sys.exit(main())",
-                                 "--log-format", "json", "daemon", "-c", str(conf)],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **stack.env})
-    try:
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _wait_covered(pgc: Any, name: str, events: int, proc: Any, conf: Path, timeout: float = 900,
