@@ -17,7 +17,7 @@ from kafold.config import SNAPSHOT_TOPIC_CONFIGS, AggregateConfig, KafkaConfig, 
 from kafold.envelope import Event, encode
 from kafold.snapshot import Domain, Folder, kafka_io, restore
 from kafold.snapshot.record import Marker
-from kafold.spark_jobs import runs, snapshot_job
+from kafold.spark_jobs import runs
 from kafold.spark_jobs.session import session
 
 log = logs.get(__name__)
@@ -132,6 +132,8 @@ def _fold(kafka: Any, master: str, events: int, aggregates: int) -> dict[str, An
     """The full run (Spark, forced: a --quick history is small enough for auto to fold it in-process), then 1% new
     events folded as `kafold snapshot run` does by default (engine auto: in-process), then another 1% with Spark
     forced, so both incremental costs are shown against the full run."""
+    from kafold.spark_jobs import snapshot_job  # lazy: it imports pyspark, which only this case needs
+
     began = time.monotonic()
     spark = session(master)
     startup = time.monotonic() - began
