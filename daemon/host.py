@@ -31,7 +31,8 @@ import faust
 import mode
 from faust.app.base import BootStrategy
 
-from kafold import db, logs, sdnotify
+from kafold import config as kconfig
+from kafold import db, devstack, logs, sdnotify
 from kafold.config import KafoldConfig, Loaded, python_path
 from kafold.connectors.api import TopicPartition
 from kafold.connectors.registry import instantiate, resolve
@@ -176,9 +177,6 @@ class DaemonHost:
         ones restart (each stop commits what is done, see daemon.tasks), unchanged ones keep running. An invalid
         file raises ConfigError and changes nothing. Other sections need a restart: they are reported, not applied.
         """
-        from kafold import config as kconfig
-        from kafold import devstack
-
         if self.config_path is None:
             raise KafoldError("this daemon was not started from a configuration file; nothing to reload")
         with self._reload_lock:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from faust.web import Request, Response, View
 
 from kafold.daemon.metrics import CONTENT_TYPE
+from kafold.errors import ConfigError, KafoldError
 
 if TYPE_CHECKING:
     from kafold.daemon.host import DaemonHost
@@ -110,8 +111,6 @@ class Reload(HostView):
     """POST /reload: re-read the configuration file and apply its connectors (as SIGHUP does)."""
 
     async def post(self, request: Request, **kwargs: Any) -> Response:
-        from kafold.errors import ConfigError, KafoldError
-
         try:
             result = await self.host.call(self.host.reload)
         except ConfigError as e:

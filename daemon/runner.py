@@ -43,7 +43,7 @@ from kafold.connectors.dlq import DeadLetterWriter
 from kafold.daemon.liveness import STATS_INTERVAL_MS, GroupState, GroupWatch
 from kafold.daemon.progress import BatchStats, PartitionProgress, ProgressTracker, last_event_times
 from kafold.envelope import decode
-from kafold.errors import DecodeError, FatalError, KafoldError, RecordError, RetriableError
+from kafold.errors import DecodeError, FatalError, KafoldError, RecordError, RetriableError, UnknownTypeError
 
 log = structlog.get_logger("kafold.daemon.runner")
 
@@ -62,10 +62,6 @@ YIELD_EVERY_MASK = 255  # the decode loop offers the task a yield point every 25
 
 class _Abandoned(KafoldError):
     """The grace period ran out while a batch was still failing: stop without committing it."""
-
-
-class UnknownTypeError(RecordError):
-    """The task does not handle this event type and the connector says to dead-letter it."""
 
 
 class _Context(SinkTaskContext):

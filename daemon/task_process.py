@@ -36,7 +36,9 @@ from typing import Any
 from kafold import logs
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig
 from kafold.connectors.api import Connector, TopicPartition
+from kafold.connectors.registry import instantiate
 from kafold.daemon.progress import BatchStats, PartitionProgress
+from kafold.daemon.runner import SinkRunner
 from kafold.errors import KafoldError
 
 log = logs.get(__name__)
@@ -190,9 +192,6 @@ def main() -> None:
 
 def child_main(conn: Connection, spec: TaskSpec) -> None:
     """The child process: build the task's SinkRunner, run it in a thread, report, follow the parent's requests."""
-    from kafold.connectors.registry import instantiate
-    from kafold.daemon.runner import SinkRunner
-
     logs.configure(*spec.log)
     sys.path[:0] = [p for p in spec.python_path if p not in sys.path]
     connector = instantiate(spec.settings, spec.base)

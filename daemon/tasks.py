@@ -248,7 +248,7 @@ class AggregateSlot:
 
 def aggregate_factory() -> Callable[[KafoldConfig, AggregateConfig, Path], AggregateRuntime]:
     """`kafold.daemon.aggregates.build_runtime(cfg, aggregate, base)`, imported only when aggregates are hosted."""
-    from kafold.daemon.aggregates import build_runtime
+    from kafold.daemon.aggregates import build_runtime  # lazy: a daemon without aggregates never loads them
 
     return build_runtime
 

@@ -10,12 +10,28 @@ from collections.abc import Sequence
 from kafold import __version__, logs
 from kafold.errors import ConfigError, KafoldError
 
-# Each module exposes register(subparsers); its handlers take the parsed args and return an exit code.
-COMMAND_MODULES = ("config", "dev", "topics", "daemon", "run", "aggregate", "status", "db", "dlq", "effects",
-                   "snapshot", "bench", "projection")
+# Each module exposes register(subparsers); its handlers take the parsed args and return an exit code. Keyed by the
+# top-level commands a module registers: a run imports only its own command's module (which imports what it needs at
+# its top), so no command pays the start-up of the others' dependencies; help, or no known command, imports them all.
+COMMANDS = {"config": "config", "dev": "dev", "topics": "topics", "daemon": "daemon", "run": "run",
+            "command": "aggregate", "state": "aggregate", "status": "status", "db": "db", "dlq": "dlq",
+            "effects": "effects", "snapshot": "snapshot", "bench": "bench", "projection": "projection"}
+COMMAND_MODULES = tuple(dict.fromkeys(COMMANDS.values()))
+GLOBAL_OPTIONS_WITH_VALUE = ("--log-format",)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_modules(argv: Sequence[str] | None) -> tuple[str, ...]:
+    """The command modules to register for `argv`: the one of the command it names, else all of them."""
+    previous = ""
+    for token in argv or ():
+        if not token.startswith("-") and previous not in GLOBAL_OPTIONS_WITH_VALUE:
+            return (COMMANDS[token],) if token in COMMANDS else COMMAND_MODULES
+        previous = token
+    return COMMAND_MODULES
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or (given the arguments to parse) of the command they name."""
     parser = argparse.ArgumentParser(
         prog="kafold", description="Kafka as a practical event store for Python services.")
     parser.add_argument("--version", action="version", version=f"kafold {__version__}")
@@ -23,14 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-format", choices=("auto", "json", "console"), default="auto",
                         help="log format (auto: console on a TTY, JSON otherwise)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMAND_MODULES:
+    for name in command_modules(argv):
         importlib.import_module(f"kafold.commands.{name}").register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     logs.configure("debug" if args.debug else "info", args.log_format)
     try:
         return int(args.handler(args) or 0)

@@ -333,7 +333,7 @@ def parse(text: str, path: Path, environ: dict[str, str] | None = None) -> Loade
 
 def _check_connectors(cfg: KafoldConfig, problems: Problems, base: Path) -> None:
     """Resolve every connector class and validate its own settings, reporting all problems."""
-    from kafold.connectors.registry import available, resolve
+    from kafold.connectors.registry import available, resolve  # a layer up, only to validate a file (pyproject)
 
     with python_path(cfg, base):
         for i, con in enumerate(cfg.connectors):

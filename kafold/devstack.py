@@ -91,7 +91,7 @@ class DevStack:
     @property
     def replication_factor(self) -> int:
         """What topics on this stack replicate to: 3 on a three-node Apache Kafka (min ISR 2), else 1."""
-        from kafold import apache_kafka
+        from kafold import apache_kafka  # a cycle: apache_kafka builds on this module (DevStackError, read_json)
 
         return apache_kafka.replication(self.nodes)[0] if self.kind == "kafka" else 1
 
@@ -260,7 +260,7 @@ def _start_kafka(state_dir: Path, nodes: int, *, only: Collection[int] = ()) -> 
     """Start Apache Kafka's nodes (all, or the node ids in `only` when the others still run), formatting storage
     that has none; its data lives on in the state dir. Ports stay those of the last start while they are free (a
     partial restart needs them: the running nodes know their voters by port)."""
-    from kafold import apache_kafka
+    from kafold import apache_kafka  # a cycle: apache_kafka builds on this module (DevStackError, read_json)
 
     java, jars = apache_kafka.java(), apache_kafka.libs()
     home = state_dir / "kafka"
@@ -442,39 +442,11 @@ def up(state_dir: Path | None = None, *, fresh: bool = False, broker: str | None
         kind = broker or recorded or "tansu"
         if running_kind and kind != running_kind:
             raise DevStackError(f"a {running_kind} stack runs in {state_dir}; stop it first with `kafold dev down`")
-        if kind == "kafka":
-            from kafold import apache_kafka
-
-            kept = apache_kafka.read_cluster(state_dir / "kafka").get("nodes") if not fresh else None
-            want = nodes or (int(state.get("nodes", 1)) if recorded == "kafka" else None) or kept or 1
-        else:
-            want = nodes or 1
-        if want not in (1, 3) or (kind == "tansu" and want != 1):
-            raise DevStackError(f"--nodes {want}: the dev stack runs 1 broker, or 3 nodes of Apache Kafka "
-                                "(--broker kafka --nodes 3)")
-        if running_kind and want != int(state.get("nodes", 1)):
-            raise DevStackError(f"a {state.get('nodes', 1)}-node stack runs in {state_dir}; stop it first with "
-                                "`kafold dev down`")
+        want = _nodes_wanted(state_dir, state, kind, recorded, running_kind, nodes, fresh)
         started: list[Proc] = []
         try:
             if not all(alive) or not brokers:
-                if kind == "kafka":
-                    if fresh and not any(alive):
-                        shutil.rmtree(state_dir / "kafka", ignore_errors=True)
-                    dead = [i + 1 for i, a in enumerate(alive) if not a] if any(alive) else []
-                    state["bootstrap_servers"], new = _start_kafka(state_dir, want, only=dead)
-                    fresh_nodes = iter(new)  # a partial restart keeps the live nodes in their places
-                    brokers = [b if a else next(fresh_nodes) for b, a in zip(brokers, alive, strict=True)] \
-                        if dead else new
-                    started += new
-                else:
-                    state["bootstrap_servers"], one = _start_broker(state_dir, state.get("port"))
-                    brokers = [one]
-                    started.append(one)
-                    state["port"] = int(state["bootstrap_servers"].rpartition(":")[2])
-                state.pop("broker", None)
-                state.update(kind=kind, nodes=want, brokers=[dataclasses.asdict(b) for b in brokers])
-                _write_state(state_dir, state)  # recorded at once, so `down` finds it even if postgres fails
+                brokers = _start_brokers(state_dir, state, kind, want, brokers, alive, fresh, started)
             if pg is None or not pg.alive():
                 if fresh:
                     shutil.rmtree(state_dir / "pg", ignore_errors=True)
@@ -489,6 +461,49 @@ def up(state_dir: Path | None = None, *, fresh: bool = False, broker: str | None
                 _stop(pg, signal.SIGINT)
             raise
         return _stack(state_dir, state, brokers, pg)
+
+
+def _nodes_wanted(state_dir: Path, state: dict[str, Any], kind: str, recorded: str | None,
+                  running_kind: str | None, nodes: int | None, fresh: bool) -> int:
+    """How many broker nodes `up` runs: as asked, else as recorded (a stack restarted after a kill -9 alike), else
+    1; checked against the stack's kind and the one running."""
+    if kind == "kafka":
+        from kafold import apache_kafka  # a cycle: apache_kafka builds on this module (DevStackError, read_json)
+
+        kept = apache_kafka.read_cluster(state_dir / "kafka").get("nodes") if not fresh else None
+        want = nodes or (int(state.get("nodes", 1)) if recorded == "kafka" else None) or kept or 1
+    else:
+        want = nodes or 1
+    if want not in (1, 3) or (kind == "tansu" and want != 1):
+        raise DevStackError(f"--nodes {want}: the dev stack runs 1 broker, or 3 nodes of Apache Kafka "
+                            "(--broker kafka --nodes 3)")
+    if running_kind and want != int(state.get("nodes", 1)):
+        raise DevStackError(f"a {state.get('nodes', 1)}-node stack runs in {state_dir}; stop it first with "
+                            "`kafold dev down`")
+    return want
+
+
+def _start_brokers(state_dir: Path, state: dict[str, Any], kind: str, want: int, brokers: list[Proc],
+                   alive: list[bool], fresh: bool, started: list[Proc]) -> list[Proc]:
+    """Start the broker nodes that are down (all of them if none is recorded), add them to `started`, record the
+    stack in the state file; the stack's brokers, in their places."""
+    if kind == "kafka":
+        if fresh and not any(alive):
+            shutil.rmtree(state_dir / "kafka", ignore_errors=True)
+        dead = [i + 1 for i, a in enumerate(alive) if not a] if any(alive) else []
+        state["bootstrap_servers"], new = _start_kafka(state_dir, want, only=dead)
+        fresh_nodes = iter(new)  # a partial restart keeps the live nodes in their places
+        brokers = [b if a else next(fresh_nodes) for b, a in zip(brokers, alive, strict=True)] if dead else new
+        started += new
+    else:
+        state["bootstrap_servers"], one = _start_broker(state_dir, state.get("port"))
+        brokers = [one]
+        started.append(one)
+        state["port"] = int(state["bootstrap_servers"].rpartition(":")[2])
+    state.pop("broker", None)
+    state.update(kind=kind, nodes=want, brokers=[dataclasses.asdict(b) for b in brokers])
+    _write_state(state_dir, state)  # recorded at once, so `down` finds it even if postgres fails
+    return brokers
 
 
 def status(state_dir: Path | None = None) -> DevStack | None:

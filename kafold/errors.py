@@ -39,3 +39,7 @@ class RecordError(FatalError):
 
 class DecodeError(RecordError):
     """The bytes of a record are not a valid kafold envelope (malformed, too large, too deep, wrong types)."""
+
+
+class UnknownTypeError(RecordError):
+    """A consumer does not handle this event type and its connector says to dead-letter it (`unknown-type`)."""

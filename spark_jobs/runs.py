@@ -258,7 +258,7 @@ def run(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], spark:
                 planned.prefetched.clear()  # Spark reads for itself
         finally:
             reader.close()
-    from kafold.spark_jobs import snapshot_job
+    from kafold.spark_jobs import snapshot_job  # a cycle: snapshot_job builds on this module
 
     before_job = time.monotonic() - began
     result = snapshot_job.run(spark(), kafka, agg, python_path, partitions=parts, refresh_lag=refresh_lag,

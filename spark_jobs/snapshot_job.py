@@ -34,6 +34,7 @@ from kafold.snapshot import kafka_io
 from kafold.snapshot.partition import write_marker
 from kafold.snapshot.record import H_KIND, KIND_SNAPSHOT
 from kafold.spark_jobs import source
+from kafold.spark_jobs.progress import watch
 from kafold.spark_jobs.runs import REFRESH_LAG, JobResult, partitions_of
 from kafold.spark_jobs.source import HEADER, SNAPSHOT, STATS
 
@@ -100,8 +101,6 @@ def run(spark: Any, kafka: KafkaConfig, agg: AggregateConfig, python_path: list[
         partitions: list[int] | None = None, refresh_lag: int = REFRESH_LAG, reporter: Any = None) -> JobResult:
     """Snapshot one aggregate type: one Spark task per events partition. `reporter(done, total, events)` is
     called while it runs (see kafold.commands.snapshot for the progress display)."""
-    from kafold.spark_jobs.progress import watch
-
     began = time.monotonic()
     parts = partitions if partitions is not None else partitions_of(kafka, agg)
     spark.dataSource.register(source.KafkaFoldSource)
@@ -126,7 +125,7 @@ def run(spark: Any, kafka: KafkaConfig, agg: AggregateConfig, python_path: list[
 
 def main(argv: list[str] | None = None) -> int:
     """spark-submit entry point: the same arguments as `kafold snapshot run`."""
-    from kafold.commands.snapshot import add_run_arguments, handle_run
+    from kafold.commands.snapshot import add_run_arguments, handle_run  # a layer up, as pyproject allows
 
     parser = argparse.ArgumentParser(prog="snapshot_job", description="kafold snapshot job")
     parser.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")

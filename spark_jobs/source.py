@@ -28,6 +28,9 @@ import orjson
 from kafold import logs
 from kafold.config import AggregateConfig, KafkaConfig
 from kafold.schema import Secret
+from kafold.snapshot import kafka_io
+from kafold.snapshot.fold import Domain
+from kafold.snapshot.partition import fold_partition, progress_logger
 
 try:
     from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
@@ -58,8 +61,6 @@ def load_spec(spec: str | dict[str, Any]) -> tuple[KafkaConfig, AggregateConfig,
 
 
 def domain_of(agg: AggregateConfig, python_path: list[str]) -> Any:
-    from kafold.snapshot.fold import Domain
-
     key = f"{agg.name}|{agg.initial}|{agg.evolve}|{agg.fingerprint}|{agg.state_schema_version}|" \
           f"{agg.idempotency_window_s}"
     if key not in _DOMAINS:
@@ -90,9 +91,6 @@ class _Reader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         import pyarrow as pa
-
-        from kafold.snapshot import kafka_io
-        from kafold.snapshot.partition import fold_partition, progress_logger
 
         raw = json.loads(self.spec)
         kafka, agg, python_path, _ = load_spec(raw)

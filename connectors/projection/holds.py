@@ -29,6 +29,7 @@ from kafold.connectors.api import SinkRecord
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.mapping import Mapping
 from kafold.connectors.projection.writer import BatchResult, ProjectionWriter, holds_lock
+from kafold.envelope import decode
 from kafold.errors import DecodeError, KafoldError
 
 COLUMNS = 'id, connector, topic, partition, "offset", key, value, headers, status, hold_key'
@@ -188,8 +189,6 @@ class Release:
     def _apply(self, r: dict[str, Any], *, mark_always: bool) -> Outcome:
         """One dead letter through the projection, in one transaction with its new status (`replayed` when
         applied; with `mark_always` also when skipped as a duplicate or stale, which ends its hold)."""
-        from kafold.envelope import decode
-
         where = self._where(r)
         try:
             event = decode(r["key"], r["value"], stored_headers(r["headers"]))

@@ -60,16 +60,19 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from kafold import db, logs
+from kafold import db, kafka_clients, logs
 from kafold.config import KafkaConfig, KafoldConfig, PostgresConfig, python_path
 from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition, sink_record
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
+from kafold.connectors.projection.connector import ProjectionConnector
+from kafold.connectors.projection.holds import stored_headers
 from kafold.connectors.projection.mapping import Mapping, load_mapper
 from kafold.connectors.projection.task import tune_interpreter
-from kafold.connectors.projection.writer import DeadLetter, ProjectionWriter, holds_lock
+from kafold.connectors.projection.writer import DeadLetter, ProjectionWriter, holds_lock, tracking_key, tracking_prefix
+from kafold.connectors.registry import instantiate
 from kafold.envelope import decode
-from kafold.errors import ConfigError, DecodeError, FatalError, RecordError, RetriableError
+from kafold.errors import ConfigError, DecodeError, FatalError, RetriableError, UnknownTypeError
 from kafold.retry import retrying
 
 log = logs.get(__name__)
@@ -93,10 +96,6 @@ WORKER_STOP_S = 60.0  # a stopped worker finishes its batch in flight within thi
 def default_workers() -> int:
     """Copy workers when `--workers` is not given: the cores, at most MAX_DEFAULT_WORKERS."""
     return max(1, min(os.cpu_count() or 1, MAX_DEFAULT_WORKERS))
-
-
-class UnknownTypeError(RecordError):
-    """The projection does not handle this event type and the connector says to dead-letter it."""
 
 
 @dataclass(frozen=True)
@@ -151,9 +150,6 @@ class Progress:
 
 def plan(cfg: KafoldConfig, base: Path, name: str) -> Plan:
     """The rebuild of connector `name`; ConfigError naming the problem when there is no such projection."""
-    from kafold.connectors.projection.connector import ProjectionConnector
-    from kafold.connectors.registry import instantiate
-
     by_name = {c.name: (i, c) for i, c in enumerate(cfg.connectors)}
     if name not in by_name:
         known = ", ".join(sorted(by_name)) or "none"
@@ -321,8 +317,6 @@ class Rebuild:
         return Progress(self.phase, done, done, self.events, 0, self.behind)
 
     def _consumer(self) -> Any:
-        from kafold import kafka_clients
-
         # Large fetches for the history; a short broker wait so that, in the tail phase, records reach the
         # read-ahead as soon as they are written rather than a long-poll later (see kafka_clients).
         return kafka_clients.consumer(self.plan.kafka, f"kafold-rebuild.{self.plan.name}", **{
@@ -656,10 +650,6 @@ class Rebuild:
 
     def _untrack(self, conn: psycopg.Connection[Any], dead: sql.Composed) -> None:
         """Delete the live namespace's tracking records of the events the rebuild dead-lettered or held."""
-        from kafold.connectors.projection.holds import stored_headers
-        from kafold.connectors.projection.writer import tracking_key, tracking_prefix
-        from kafold.envelope import decode
-
         p = self.plan
         prefix, keys = tracking_prefix(p.name), []
         rows = conn.execute(sql.SQL("SELECT key, value, headers FROM {} WHERE connector = %s").format(dead),

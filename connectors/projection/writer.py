@@ -46,13 +46,14 @@ with the set read. See holds.py for the release.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import operator
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import psycopg
@@ -72,6 +73,7 @@ DeadLetter = tuple[RawRecord, BaseException]
 Report = Callable[[Sequence[tuple[Any, BaseException]]], None]  # to the DLQ topic, acknowledged on return
 Prepared = dict[int, tuple[bytes, "tuple[Any, ...] | MappingError"]]  # id(record) -> (tracking key, row key)
 REJECTED = (psycopg.errors.IntegrityError, psycopg.errors.DataError)
+T = TypeVar("T")
 
 
 @dataclass
@@ -173,6 +175,75 @@ def tracking_key(prefix: bytes, event_id: str) -> bytes:
     return hashlib.blake2b(prefix + event_id.encode(), digest_size=16).digest()
 
 
+@dataclass
+class _Candidates:
+    """The events of a batch to try: the first of each tracking key, in order, and their row keys (a key error
+    counts only if the event turns out to be new)."""
+
+    first: dict[bytes, SinkRecord]  # tracking key -> record
+    record_keys: dict[int, tuple[Any, ...]]  # id(record) -> row key
+    key_errors: dict[int, MappingError]  # id(record) -> why it has no row key
+    keys: list[tuple[Any, ...]]  # the distinct row keys, in order
+
+
+def _candidates(records: list[SinkRecord], prep: Prepared, skip: set[int]) -> _Candidates:
+    first: dict[bytes, SinkRecord] = {}
+    for r in records:
+        if id(r) not in skip:
+            first.setdefault(prep[id(r)][0], r)
+    key_errors: dict[int, MappingError] = {}
+    record_keys: dict[int, tuple[Any, ...]] = {}
+    for r in first.values():
+        k = prep[id(r)][1]
+        if type(k) is tuple:
+            record_keys[id(r)] = k
+        else:
+            key_errors[id(r)] = k  # type: ignore[assignment]
+    return _Candidates(first, record_keys, key_errors, list(dict.fromkeys(record_keys.values())))
+
+
+class _Turns:
+    """The GIL hand-off of one writer: inside `with`, the writer runs Python (`idle` clear); `waiting` and `sync`
+    hand the interpreter over while it waits for PostgreSQL; leaving hands it over for the rest of the transaction
+    (the merge, the checkpoint, the commit). `idle` is the task's yield point (task.py)."""
+
+    def __init__(self, idle: threading.Event) -> None:
+        self.idle = idle
+
+    def __enter__(self) -> _Turns:
+        self.idle.clear()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.idle.set()
+
+    @contextlib.contextmanager
+    def waiting(self, step: contextlib.AbstractContextManager[T]) -> Iterator[T]:
+        """`step` (a pipeline) whose exit waits for PostgreSQL: the interpreter is handed over for that wait."""
+        with step as value:
+            yield value
+            self.idle.set()
+        self.idle.clear()
+
+    def sync(self, pipe: psycopg.Pipeline) -> None:
+        self.idle.set()
+        pipe.sync()
+        self.idle.clear()
+
+    def handing_over(self, report: Report) -> Report:
+        """`report`, handing the interpreter over while it runs (it waits for the runner's thread)."""
+        idle = self.idle
+
+        def reporting(bad: Sequence[tuple[Any, BaseException]]) -> None:
+            idle.set()
+            try:
+                report(bad)
+            finally:
+                idle.clear()
+
+        return reporting
+
+
 class ProjectionWriter:
     """Owns one PostgreSQL session for one projection task; `write` is the whole per-batch protocol."""
 
@@ -199,9 +270,10 @@ class ProjectionWriter:
         self._then: Then | None = None
         # Set while this writer is not running Python (waiting for PostgreSQL, or between writes): the task's
         # yield point lets the runner's decoding wait for it, so the batch being written — the slower stage —
-        # gets the interpreter first (see task.py).
+        # gets the interpreter first (see task.py). `_turns` is the one place that moves it.
         self.idle = threading.Event()
         self.idle.set()
+        self._turns = _Turns(self.idle)
 
     # ---- session ----------------------------------------------------------------------------------------
     def connection(self) -> psycopg.Connection[Any]:
@@ -281,9 +353,8 @@ class ProjectionWriter:
         self._hold_now = self.holding and hold
         self._hold_of = {}
         self._then = then
-        idle = self.idle
         if report is not None:  # reporting waits for the runner's thread: never make it wait for us meanwhile
-            report = _idle_during(report, idle)
+            report = self._turns.handing_over(report)
         try:
             return self._isolating(list(records), list(dead), dict(offsets or {}), report)
         except RetriableError:
@@ -293,7 +364,7 @@ class ProjectionWriter:
             self.close()
             raise RetriableError(f"PostgreSQL: {e}") from e
         finally:
-            idle.set()
+            self.idle.set()
 
     def _isolating(self, records: list[SinkRecord], dead: list[DeadLetter], offsets: dict[TopicPartition, int],
                    report: Report | None) -> BatchResult:
@@ -387,87 +458,101 @@ class ProjectionWriter:
     def _apply(self, conn: psycopg.Connection[Any], records: list[SinkRecord], excluded: list[SinkRecord],
                dead: list[DeadLetter], offsets: dict[TopicPartition, int],
                prepared: Prepared | None, heads: dict[str, int]) -> BatchResult:
-        assert self.shape is not None
-        shape, mapping = self.shape, self.mapping
+        """One transaction of the protocol in the module note: hold → track → read → fold → stage in Python's turn,
+        then merge → checkpoint in PostgreSQL's (the caller commits)."""
         result = BatchResult(events=len(records), transactions=1, dead_lettered=len(dead))
         skip = {id(r) for r in excluded}
-        idle = self.idle
-        idle.clear()
-        prep = prepared if prepared is not None else self.prepare(records)
-        holding = self._hold_now
-        if holding and (self._held or heads):
-            held = self._held_records(records, prep, skip, heads)
-            result.held = len(held)
-            dead = [*dead, *held]
-        first: dict[bytes, SinkRecord] = {}
-        for r in records:
-            if id(r) not in skip:
-                first.setdefault(prep[id(r)][0], r)
-        # Keys of every candidate (a key error counts only if the event turns out to be new).
-        key_errors: dict[int, MappingError] = {}
-        record_keys: dict[int, tuple[Any, ...]] = {}
-        for r in first.values():
-            k = prep[id(r)][1]
-            if type(k) is tuple:
-                record_keys[id(r)] = k
+        with self._turns:
+            prep = prepared if prepared is not None else self.prepare(records)
+            if self._hold_now and (self._held or heads):
+                held = self._held_records(records, prep, skip, heads)
+                result.held = len(held)
+                dead = [*dead, *held]
+            todo = _candidates(records, prep, skip)
+            if todo.first:
+                fresh, folded = self._track_read_fold(conn, todo)
             else:
-                key_errors[id(r)] = k  # type: ignore[assignment]
-        keys = list(dict.fromkeys(record_keys.values()))
-        candidates = list(first.values())
-        folded: _Folded | None = None
-        fresh: list[SinkRecord] = []
-        found: psycopg.Cursor[Any] | None
-        held_keys: psycopg.Cursor[Any] | None = None
-        if first:
-            optimistic = self._optimistic and bool(keys)
-            try:
-                with conn.pipeline() as pipe:
-                    if holding:
-                        held_keys = self._read_holds(conn)
-                    if optimistic:
-                        # The rows first; then the tracking insert runs in the server while the batch is folded
-                        # here, assuming every candidate is new (see the module note).
-                        found = self._select(conn, keys)
-                        idle.set()
-                        pipe.sync()
-                        idle.clear()
-                        if held_keys is not None:
-                            self._check_holds(held_keys)
-                        tracked = conn.execute(q.track_new(self._tracking), (list(first), self.namespace))
-                        folded = self._fold(candidates, self._rows(found), record_keys, key_errors)
-                        idle.set()
-                    else:
-                        # ONE round trip: the tracking insert, and after it (same session, in order) the rows.
-                        tracked = conn.execute(q.track(self._tracking), (list(first), self.namespace, len(first)))
-                        found = self._select(conn, keys) if keys else None
-                        idle.set()
-            except psycopg.errors.UniqueViolation as e:
-                if not optimistic:
-                    raise
-                self._optimistic = False
-                raise _Duplicates() from e
-            idle.clear()
-            if held_keys is not None and not optimistic:
+                if self._hold_now and result.held:  # nothing to apply, events to hold: under the lock, keys read
+                    self._check_holds(self._read_holds(conn))
+                fresh, folded = [], _Folded({}, {}, 0, 0, [])
+            result.duplicates = len(records) - len(skip) - len(fresh)
+            result.stale, result.unchanged = folded.stale, folded.unchanged
+            if folded.bad:
+                raise _Bad(folded.bad)
+            upserts, deletes = self._stage(conn, folded)
+            advance = self._advance_to(records, offsets)
+        result.upserted, result.deleted = self._merge_and_checkpoint(conn, upserts, deletes, dead, advance)
+        result.checkpoints = advance
+        if self._then is not None:
+            self._then(conn, result)
+        return result
+
+    def _track_read_fold(self, conn: psycopg.Connection[Any], todo: _Candidates
+                         ) -> tuple[list[SinkRecord], _Folded]:
+        """Steps (1)-(3) of the note, in the optimistic order or the safe one: the new events, folded."""
+        optimistic = self._optimistic and bool(todo.keys)
+        first = todo.first
+        found: psycopg.Cursor[Any] | None = None
+        new_keys: list[bytes] | None = None
+        try:
+            if optimistic:
+                count, folded = self._read_track_fold(conn, todo)
+            else:
+                count, new_keys, found = self._track_read(conn, todo)
+        except psycopg.errors.UniqueViolation as e:
+            if not optimistic:
+                raise
+            self._optimistic = False  # until a batch comes without duplicates
+            raise _Duplicates() from e
+        if count == len(first):
+            fresh = list(first.values())
+        else:
+            inserted = set(new_keys or ())
+            fresh = [r for tk, r in first.items() if tk in inserted]
+        self._optimistic = count == len(first)
+        if not optimistic:
+            folded = self._fold(fresh, self._rows(found) if found is not None else {}, todo.record_keys,
+                                todo.key_errors)
+        return fresh, folded
+
+    def _read_track_fold(self, conn: psycopg.Connection[Any], todo: _Candidates) -> tuple[int, _Folded]:
+        """The optimistic order: the rows first (and the held keys); then the plain tracking insert runs in the
+        server while the batch is folded here, assuming every candidate is new (see the module note). A key
+        already tracked fails the insert (UniqueViolation, on leaving the pipeline)."""
+        held_keys = None
+        turns = self._turns
+        with turns.waiting(conn.pipeline()) as pipe:
+            if self._hold_now:
+                held_keys = self._read_holds(conn)
+            found = self._select(conn, todo.keys)
+            turns.sync(pipe)
+            if held_keys is not None:
                 self._check_holds(held_keys)
-            count, new_keys = (tracked.rowcount, None) if optimistic else (tracked.fetchone() or (0, None))
-            if count == len(first):
-                fresh = candidates
-            else:
-                inserted = set(new_keys or ())
-                fresh = [r for tk, r in first.items() if tk in inserted]
-            self._optimistic = count == len(first)
-            if folded is None:
-                folded = self._fold(fresh, self._rows(found) if found is not None else {}, record_keys,
-                                    key_errors)
-        elif holding and result.held:  # nothing to apply, events to hold: still under the lock, with the keys read
-            self._check_holds(self._read_holds(conn))
-        if folded is None:
-            folded = _Folded({}, {}, 0, 0, [])
-        result.duplicates = len(records) - len(skip) - len(fresh)
-        result.stale, result.unchanged = folded.stale, folded.unchanged
-        if folded.bad:
-            raise _Bad(folded.bad)
-        state, loaded = folded.state, folded.loaded
+            tracked = conn.execute(q.track_new(self._tracking), (list(todo.first), self.namespace))
+            folded = self._fold(list(todo.first.values()), self._rows(found), todo.record_keys, todo.key_errors)
+        return tracked.rowcount, folded
+
+    def _track_read(self, conn: psycopg.Connection[Any], todo: _Candidates
+                    ) -> tuple[int, list[bytes] | None, psycopg.Cursor[Any] | None]:
+        """The safe order in ONE round trip: the tracking insert (ON CONFLICT DO NOTHING, RETURNING the new keys),
+        and after it (same session, in order) the rows; the number of new keys, the keys, the rows' cursor."""
+        held_keys = None
+        first = todo.first
+        with self._turns.waiting(conn.pipeline()):
+            if self._hold_now:
+                held_keys = self._read_holds(conn)
+            tracked = conn.execute(q.track(self._tracking), (list(first), self.namespace, len(first)))
+            found = self._select(conn, todo.keys) if todo.keys else None
+        if held_keys is not None:
+            self._check_holds(held_keys)
+        count, new_keys = tracked.fetchone() or (0, None)
+        return count, new_keys, found
+
+    def _stage(self, conn: psycopg.Connection[Any], folded: _Folded) -> tuple[bool, list[tuple[Any, ...]]]:
+        """Step (4), first half: COPY the changed rows into the staging table; whether any were, and the keys of
+        the removed rows."""
+        assert self.shape is not None
+        shape, state, loaded = self.shape, folded.state, folded.loaded
         upserts = [row for key, row in state.items() if row is not None and row != loaded.get(key)]
         deletes = [key for key, row in state.items() if row is None and key in loaded]
         if upserts:
@@ -480,14 +565,24 @@ class ProjectionWriter:
                     if special or dict in map(type, values):
                         values = [self._value(c, v) for c, v in zip(written, values, strict=True)]
                     write_row(values)
+        return bool(upserts), deletes
+
+    def _advance_to(self, records: list[SinkRecord], offsets: dict[TopicPartition, int]
+                    ) -> dict[TopicPartition, int]:
+        """The next offset of every partition the batch covers (unless not advancing) and of `offsets`."""
         advance = _next_offsets(records) if self._advance else {}
         for tp, off in offsets.items():
             advance[tp] = max(off, advance.get(tp, -1))
-        advance = {tp: off for tp, off in advance.items() if off >= 0}
-        idle.set()  # from here on PostgreSQL's turn: the merge, the checkpoint, the commit
-        # The rest in ONE round trip: merge, deletes, dead letters, checkpoints (the commit follows).
+        return {tp: off for tp, off in advance.items() if off >= 0}
+
+    def _merge_and_checkpoint(self, conn: psycopg.Connection[Any], upserts: bool, deletes: list[tuple[Any, ...]],
+                              dead: list[DeadLetter], advance: dict[TopicPartition, int]) -> tuple[int, int]:
+        """Steps (4)-(5) in ONE round trip: merge the staged rows (version-guarded), delete the removed ones, record
+        the dead letters, move the checkpoints forward only (the commit follows); the rows upserted and deleted."""
+        assert self.shape is not None
+        shape = self.shape
         with conn.pipeline():
-            merged = conn.execute(q.merge_stage(shape, mapping.guard)) if upserts else None
+            merged = conn.execute(q.merge_stage(shape, self.mapping.guard)) if upserts else None
             removed = (conn.execute(q.delete_rows(shape), [list(c) for c in zip(*deletes, strict=True)])
                        if deletes else None)
             if dead:
@@ -499,12 +594,7 @@ class ProjectionWriter:
                 conn.execute(q.save_checkpoints(self._checkpoints),
                              (self.connector, [tp.topic for tp in tps], [tp.partition for tp in tps],
                               [advance[tp] for tp in tps]))
-        result.upserted = merged.rowcount if merged is not None else 0
-        result.deleted = removed.rowcount if removed is not None else 0
-        result.checkpoints = advance
-        if self._then is not None:
-            self._then(conn, result)
-        return result
+        return (merged.rowcount if merged is not None else 0), (removed.rowcount if removed is not None else 0)
 
     def _held_records(self, records: list[SinkRecord], prep: Prepared, skip: set[int],
                       heads: dict[str, int]) -> list[DeadLetter]:
@@ -600,17 +690,6 @@ class ProjectionWriter:
         return (self.connector, raw.topic, raw.partition, raw.offset, raw.key, raw.value,
                 Jsonb(headers_json(raw.headers)), f"{cls.__module__}.{cls.__qualname__}", str(error)[:2000],
                 getattr(error, "reason", "task-error"), status, hold_key)
-
-
-def _idle_during(report: Report, idle: threading.Event) -> Report:
-    def reporting(bad: Sequence[tuple[Any, BaseException]]) -> None:
-        idle.set()
-        try:
-            report(bad)
-        finally:
-            idle.clear()
-
-    return reporting
 
 
 def elapsed_ms(started: float) -> float:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from kafold.config import AggregateConfig, KafoldConfig
 from kafold.daemon.aggregates.recovery import Base, FullReplay, Restorer
+from kafold.daemon.aggregates.restorer import SnapshotRestorer
 from kafold.daemon.aggregates.runtime import AggregateRuntime, dlq_topic
 from kafold.domain import AggregateDomain
 from kafold.messages import ACCEPTED, REJECTED, Command, Result
@@ -32,9 +33,5 @@ def build_runtime(cfg: KafoldConfig, agg: AggregateConfig, base: Path) -> Aggreg
 
 
 def _restorer(cfg: KafoldConfig, agg: AggregateConfig, domain: AggregateDomain) -> Restorer:
-    """Latest usable snapshots + tail (kafold.snapshot), or a full replay when that package is not installed."""
-    try:
-        from kafold.daemon.aggregates.restorer import SnapshotRestorer
-    except ImportError:
-        return FullReplay()
+    """Latest usable snapshots + tail (kafold.snapshot)."""
     return SnapshotRestorer(cfg.kafka, agg, domain)

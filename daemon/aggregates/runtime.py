@@ -32,8 +32,8 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTP
 
-from kafold import kafka_clients, logs
-from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig
+from kafold import kafka_clients, logs, topics
+from kafold.config import SNAPSHOT_TOPIC_CONFIGS, AggregateConfig, DaemonConfig, KafkaConfig, TopicSpec
 from kafold.connectors.api import RawRecord
 from kafold.connectors.dlq import dlq_headers, fitted
 from kafold.daemon.aggregates import recovery
@@ -167,9 +167,6 @@ class AggregateRuntime:
             self._shutdown()
 
     def _start(self) -> None:
-        from kafold import topics
-        from kafold.config import SNAPSHOT_TOPIC_CONFIGS, TopicSpec
-
         rf = self.kafka.replication_factor
         specs = [TopicSpec(t, self.agg.partitions, rf, {}) for t in self.topics.values()]
         snapshots = TopicSpec(self.agg.topic("snapshot"), self.agg.partitions, rf, dict(SNAPSHOT_TOPIC_CONFIGS))

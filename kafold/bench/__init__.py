@@ -10,6 +10,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kafold import devstack
+from kafold.config import KafkaConfig
+
 # area name -> module (kafold.bench.<module>); a module is imported only when its area runs.
 AREAS: dict[str, str] = {"projection": "projection", "daemon": "daemon", "snapshots": "snapshots", "effects": "effects",
                         "aggregates": "aggregates", "rebuild": "rebuild"}
@@ -21,8 +24,6 @@ SHORT_GROUP_TIMEOUTS = {"session_timeout_ms": 6000, "rebalance_timeout_ms": 6000
 
 def short_group(kafka: Any) -> Any:
     """`kafka` (a KafkaConfig) with SHORT_GROUP_TIMEOUTS."""
-    from kafold.config import KafkaConfig
-
     return KafkaConfig(**{**kafka.__dict__, **SHORT_GROUP_TIMEOUTS})
 
 
@@ -51,8 +52,6 @@ def embedded_stack(area: str, broker: str | None = None) -> Iterator[tuple[str, 
     `broker` ("tansu" or "kafka"; None: the running stack's, else tansu) asks for that broker: a running stack
     with another one is left alone and a private stack is started. The broker's CPU time over the bench (its
     start-up excluded) goes to BROKER_USAGE."""
-    from kafold import devstack
-
     BROKER_USAGE.clear()
     running = devstack.status()
     state: Path | None = None

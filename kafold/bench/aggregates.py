@@ -10,8 +10,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kafold import logs
+from kafold import kafka_clients, logs, topics
 from kafold.bench import embedded_stack, short_group
+from kafold.client import CommandClient
+from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig, TopicSpec, load_file
+from kafold.daemon.aggregates import AggregateRuntime
+from kafold.daemon.aggregates.store import Entry
+from kafold.daemon.aggregates.window import Window, accepted, event_ids
+from kafold.domain import AggregateDomain
+from kafold.envelope import Event, encode
 
 log = logs.get("kafold.bench.aggregates")
 BANK = Path(__file__).resolve().parents[2] / "examples" / "bank"
@@ -29,8 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kafold.config import KafkaConfig, load_file
-
     with contextlib.ExitStack() as stack:
         if args.config:
             kafka = load_file(args.config).config.kafka
@@ -52,9 +57,6 @@ def window_memory(ids: int = 200_000, aggregates: int = 10_000) -> dict[str, Any
     """Bytes per command id held in the idempotency window (tracemalloc over `ids` outcomes with uuid command
     ids, one event each, spread over `aggregates`), and what that means at 30,000 commands/s."""
     import tracemalloc
-
-    from kafold.daemon.aggregates.store import Entry
-    from kafold.daemon.aggregates.window import Window, accepted, event_ids
 
     entries = {f"acc-{i:06d}": Entry(None, 0, 0) for i in range(aggregates)}
     names = list(entries)
@@ -79,10 +81,6 @@ def window_memory(ids: int = 200_000, aggregates: int = 10_000) -> dict[str, Any
 
 
 def _setup(kafka: Any, name: str, partitions: int, batch: int, window_s: float = 86_400.0) -> tuple[Any, Any]:
-    from kafold.config import AggregateConfig, DaemonConfig
-    from kafold.daemon.aggregates import AggregateRuntime
-    from kafold.domain import AggregateDomain
-
     agg = AggregateConfig(name=name, initial="bank_domain:initial", evolve="bank_domain:evolve",
                           decide="bank_domain:decide", partitions=partitions, idempotency_window_s=window_s)
     domain = AggregateDomain.load(agg, [str(BANK)])
@@ -107,10 +105,6 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
 def _throughput(kafka: Any, args: argparse.Namespace, window_s: float = 86_400.0) -> dict[str, Any]:
     """Commands queued first (opens, then deposits: each accepted, one event + one result), then the runtime is
     started and timed from its first decided command to its last committed transaction."""
-    from kafold import topics
-    from kafold.client import CommandClient
-    from kafold.config import TopicSpec
-
     agg, rt = _setup(kafka, f"bench.cmd.{uuid.uuid4().hex[:6]}", args.partitions, args.batch, window_s)
     topics.ensure(kafka, [TopicSpec(agg.topic(k), args.partitions, 1, {}) for k in ("events", "commands", "results")])
     ids = [f"acc-{i:06d}" for i in range(args.accounts)]
@@ -140,11 +134,6 @@ def _throughput(kafka: Any, args: argparse.Namespace, window_s: float = 86_400.0
 def _replay(kafka: Any, args: argparse.Namespace) -> dict[str, Any]:
     """A backlog of events in one partition, with commands already queued: the replay rate, and the delay from
     reaching the captured end offset to the gate opening and to the first command decided."""
-    from kafold import kafka_clients, topics
-    from kafold.client import CommandClient
-    from kafold.config import TopicSpec
-    from kafold.envelope import Event, encode
-
     agg, rt = _setup(kafka, f"bench.replay.{uuid.uuid4().hex[:6]}", 1, args.batch)
     topics.ensure(kafka, [TopicSpec(agg.topic(k), 1, 1, {}) for k in ("events", "commands", "results")])
     producer = kafka_clients.producer(kafka, **{"enable.idempotence": True, "linger.ms": 50,

@@ -13,8 +13,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kafold import logs
+from kafold import kafka_clients, logs
 from kafold.bench import embedded_stack, short_group
+from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, load_file
+from kafold.connectors.registry import instantiate
+from kafold.daemon.runner import SinkRunner
+from kafold.envelope import Event, encode
 
 log = logs.get(__name__)
 
@@ -27,8 +31,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kafold.config import KafkaConfig, load_file
-
     with contextlib.ExitStack() as stack:
         if args.config:
             kafka = load_file(args.config).config.kafka
@@ -49,9 +51,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _produce(kafka: Any, topic: str, n: int, partitions: int) -> None:
     from confluent_kafka.admin import NewTopic
 
-    from kafold import kafka_clients
-    from kafold.envelope import Event, encode
-
     admin = kafka_clients.admin(kafka)
     for fut in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
         fut.result(15)
@@ -70,10 +69,6 @@ def _produce(kafka: Any, topic: str, n: int, partitions: int) -> None:
 
 def _runner(kafka: Any, topic: str, n: int) -> float:
     """SinkRunner + the `log` connector (its lines filtered out): consume, decode, put, commit per batch."""
-    from kafold.config import ConnectorConfig, DaemonConfig
-    from kafold.connectors.registry import instantiate
-    from kafold.daemon.runner import SinkRunner
-
     logs.configure("warning")
     settings = ConnectorConfig(name=f"bench-{uuid.uuid4().hex[:6]}", connector_class="log", topics=[topic],
                                config={"level": "debug", "sample_types": False})
@@ -99,8 +94,6 @@ def _faust(kafka: Any, topic: str, n: int, take: int) -> tuple[float, float]:
     """A tiny Faust agent: `stream.take(take, within=0.2)`, one orjson.loads per value, nothing else."""
     import faust
     import orjson
-
-    from kafold import kafka_clients
 
     ak = kafka_clients.aiokafka_kwargs(kafka)
     datadir = tempfile.mkdtemp(prefix="kafold-bench-faust-")

@@ -16,8 +16,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kafold import logs
+from kafold import db, kafka_clients, logs
 from kafold.bench import embedded_stack, short_group
+from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig, load_file
+from kafold.connectors.effects import ops
+from kafold.connectors.effects.task import with_services
+from kafold.connectors.registry import instantiate
+from kafold.daemon.runner import SinkRunner
+from kafold.envelope import Event, encode
 
 log = logs.get("kafold.bench.effects")
 
@@ -36,9 +42,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kafold import db
-    from kafold.config import KafkaConfig, PostgresConfig, load_file
-
     with contextlib.ExitStack() as stack:
         if args.config:
             cfg = load_file(args.config).config
@@ -62,7 +65,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _receiver() -> Iterator[tuple[str, str]]:
     """The receiver runs in its own process (its CPU is not the daemon's): POST /hook on one port; GET /stats and
     POST /down, /up (stop and restart listening on the hook port: connections refused meanwhile) on another."""
-    proc = subprocess.Popen([sys.executable, "-c", "from kafold.bench.effects import serve; serve()"],
+    proc = subprocess.Popen([sys.executable, "-c", "from kafold.bench.receiver import serve; serve()"],
                             stdout=subprocess.PIPE, text=True)
     try:
         hook, control = (int(p) for p in (proc.stdout.readline() if proc.stdout else "").split())
@@ -70,75 +73,6 @@ def _receiver() -> Iterator[tuple[str, str]]:
     finally:
         proc.terminate()
         proc.wait(10)
-
-
-def serve() -> None:
-    """A minimal webhook receiver: checks per-key order (versions increase per aggregate id) and counts."""
-    import asyncio
-
-    import orjson
-    from aiohttp import web
-
-    state: dict[str, Any] = {"count": 0, "out_of_order": 0, "first": None, "last": None, "ids": set()}
-    last: dict[str, int] = {}
-
-    async def hook(request: web.Request) -> web.Response:
-        if state.get("down"):  # a kept-alive connection of the client: dropped, as a stopping service does
-            if request.transport is not None:
-                request.transport.close()
-            return web.Response(status=503)
-        doc = orjson.loads(await request.read())
-        key, version = doc["aggregate_id"], doc["version"]
-        if last.get(key, 0) >= version and request.headers["webhook-id"] not in state["ids"]:
-            state["out_of_order"] += 1
-        last[key] = max(version, last.get(key, 0))
-        state["ids"].add(request.headers["webhook-id"])
-        state["count"] += 1
-        state["first"] = state["first"] or time.time()
-        state["last"] = time.time()
-        return web.Response(status=204)
-
-    async def stats(_: web.Request) -> web.Response:
-        return web.json_response({k: v for k, v in state.items() if k not in ("ids", "down")} |
-                                 {"unique": len(state["ids"])})
-
-    sites: dict[str, Any] = {}
-
-    async def listen(port: int) -> int:
-        site = web.TCPSite(sites["runner"], "127.0.0.1", port, backlog=1024)
-        await site.start()
-        sites["hook"] = site
-        return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
-
-    async def down(_: web.Request) -> web.Response:
-        state["down"] = True
-        await sites["hook"].stop()
-        return web.Response(status=204)
-
-    async def up(_: web.Request) -> web.Response:
-        await listen(sites["port"])
-        state["down"] = False
-        return web.Response(status=204)
-
-    async def main() -> None:
-        app = web.Application()
-        app.router.add_post("/hook", hook)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        sites["runner"] = runner
-        sites["port"] = await listen(0)
-        control = web.Application()
-        control.router.add_get("/stats", stats)
-        control.router.add_post("/down", down)
-        control.router.add_post("/up", up)
-        control_runner = web.AppRunner(control, access_log=None)
-        await control_runner.setup()
-        control_site = web.TCPSite(control_runner, "127.0.0.1", 0)
-        await control_site.start()
-        print(sites["port"], control_site._server.sockets[0].getsockname()[1], flush=True)  # type: ignore[union-attr]
-        await asyncio.Event().wait()
-
-    asyncio.run(main())
 
 
 def _stats(control: str) -> dict[str, Any]:
@@ -159,19 +93,12 @@ def _switch(control: str, what: str) -> None:
 def _topic(kafka: Any, name: str, partitions: int) -> None:
     from confluent_kafka.admin import NewTopic
 
-    from kafold import kafka_clients
-
     admin = kafka_clients.admin(kafka)  # kept referenced until the futures resolve
     for fut in admin.create_topics([NewTopic(name, partitions, 1)]).values():
         fut.result(15)
 
 
 def _start(kafka: Any, pg: Any, name: str, topic: str, url: str, concurrency: int) -> tuple[Any, threading.Thread]:
-    from kafold.config import ConnectorConfig, DaemonConfig
-    from kafold.connectors.effects.task import with_services
-    from kafold.connectors.registry import instantiate
-    from kafold.daemon.runner import SinkRunner
-
     settings = ConnectorConfig(name=name, connector_class="webhook", topics=[topic], config={
         "url": f"{url}/hook", "allow_http": True, "concurrency": concurrency})
     connector = instantiate(settings, Path("."))
@@ -204,20 +131,14 @@ def _committed(consumer: Any, topic: str, partitions: int) -> dict[int, int]:
 def _consumer(kafka: Any, group: str) -> Any:
     from confluent_kafka import Consumer
 
-    from kafold import kafka_clients
-
     return Consumer(kafka_clients.librdkafka(kafka, **{"group.id": group}))
 
 
 def _producer(kafka: Any) -> Any:
-    from kafold import kafka_clients
-
     return kafka_clients.producer(kafka, **{"enable.idempotence": True, "linger.ms": 5})
 
 
 def _event(key: int, version: int, prefix: str = "agg") -> tuple[bytes, bytes, Any]:
-    from kafold.envelope import Event, encode
-
     return encode(Event.new("Notified", "bench", f"{prefix}-{key}", version, {"n": version, "note": "x" * 120}))
 
 
@@ -329,8 +250,6 @@ def _rss_mb() -> float:
 def _outage(kafka: Any, pg: Any, url: str, control: str, args: argparse.Namespace) -> dict[str, Any]:
     """Events at `rate` over `keys`: 5 s with the receiver up, then `outage_s` with it refusing connections; it
     comes back and production stops. Recovery = from its return until every event's offset is committed."""
-    from kafold.connectors.effects import ops
-
     run_id = uuid.uuid4().hex[:8]
     topic, name = f"kafold.bench.effects-outage.{run_id}", f"bench-effects-outage-{run_id}"
     _topic(kafka, topic, args.partitions)

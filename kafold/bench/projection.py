@@ -12,12 +12,15 @@ import tempfile
 import time
 import tomllib
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kafold import logs
+from kafold import db, kafka_clients, logs
 from kafold.bench import SHORT_GROUP_TIMEOUTS, cpu_s, embedded_stack, short_group
+from kafold.config import KafkaConfig, PostgresConfig, load_file
+from kafold.envelope import Event, decode, encode
 from kafold.schema import toml_value
 
 log = logs.get(__name__)
@@ -65,8 +68,6 @@ def daemon_stack(stack: contextlib.ExitStack, area: str, config: str | None, bro
                  ) -> DaemonStack:
     """Where a bench's daemons run: the configuration given (`-c`), else the dev stack (started if needed, and
     stopped with `stack`); a scratch folder removed with `stack`."""
-    from kafold.config import KafkaConfig, PostgresConfig, load_file
-
     workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"kafold-bench-{area}-")))
     if config:
         cfg = load_file(config).config
@@ -78,8 +79,6 @@ def daemon_stack(stack: contextlib.ExitStack, area: str, config: str | None, bro
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kafold import db
-
     logs.configure("warning")
     with contextlib.ExitStack() as stack:
         daemons = daemon_stack(stack, "projection", args.config, args.broker)
@@ -115,9 +114,6 @@ def _produce(kafka: Any, topic: str, n: int, partitions: int, accounts: int) -> 
     """n events of ~300 bytes: each account opened, then deposits; returns the mean value size."""
     from confluent_kafka.admin import NewTopic
 
-    from kafold import kafka_clients
-    from kafold.envelope import Event, encode
-
     admin = kafka_clients.admin(kafka)
     for fut in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
         fut.result(15)
@@ -152,8 +148,6 @@ def _project(stack: DaemonStack, name: str, topic: str, table: str, args: argpar
     import psutil
     from psycopg import sql
 
-    from kafold import db
-
     conf = stack.workdir / f"{name}.{uuid.uuid4().hex[:4]}.toml"
     conf.write_text(_daemon_toml(stack, name, topic, table, args))
     log_path = conf.with_suffix(".log")
@@ -163,55 +157,71 @@ def _project(stack: DaemonStack, name: str, topic: str, table: str, args: argpar
         xid_before, rows_before = _xid_and_rows(conn, table_id)
         query = sql.SQL("SELECT coalesce(sum(next_offset), 0) FROM {} WHERE connector = %s").format(
             db.table(stack.postgres, "checkpoints"))
-        with open(log_path, "wb") as out:
-            proc = subprocess.Popen([sys.executable, "-c", "import sys; from kafold.cli import main; sys.exit(main())",
-                                     "--log-format", "json", "daemon", "-c", str(conf)],
-                                    stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **stack.env})
-        daemon = psutil.Process(proc.pid)
-        marks: dict[str, Any] = {}
-        peak = 0.0
-        try:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"kafold daemon exited with code {proc.returncode} before the end; its "
-                                       f"log ({log_path}) ends:\n{_tail(log_path)}")
-                covered = int(conn.execute(query, (name,)).fetchone()[0])  # type: ignore[index]
-                now = time.perf_counter()
-                if covered and "first" not in marks:
-                    tree = _tree(daemon)
-                    pg = [postmaster, *postmaster.children()] if postmaster is not None else []
-                    marks.update(first=now, covered=covered, tree=tree, pg=pg, cpu0=cpu_s(tree), pg0=cpu_s(pg),
-                                 sampled=now)
-                if "first" in marks and now - marks["sampled"] >= RSS_SAMPLE_S:
-                    marks["sampled"] = now
-                    peak = max(peak, _mb(marks["tree"], "rss"))
-                    if "rss20" not in marks and covered >= args.events // 5:
-                        marks["rss20"] = _mb(marks["tree"], "rss")
-                if covered >= args.events:
-                    tree = marks["tree"]
-                    marks.update(last=now, cpu1=cpu_s(tree), pg1=cpu_s(marks["pg"]), rss=_mb(tree, "rss"),
-                                 pss=_mb(tree, "pss"))
-                    break
-                time.sleep(0.01)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        with daemon_process(stack, conf) as proc:
+            marks = _watch(proc, psutil.Process(proc.pid), postmaster, lambda: int(
+                conn.execute(query, (name,)).fetchone()[0]), args.events, log_path)  # type: ignore[index]
         changed = _rows_changed(conn, table_id, xid_before, rows_before)
     if proc.returncode != 0:
         raise RuntimeError(f"kafold daemon exited with code {proc.returncode} on SIGTERM; its log ({log_path}) "
                            f"ends:\n{_tail(log_path)}")
-    seconds, events = marks["last"] - marks["first"], args.events - marks["covered"]
+    return _figures(marks, args.events, changed)
+
+
+def _watch(proc: Any, daemon: Any, postmaster: Any, covered_now: Callable[[], int], total: int,
+           log_path: Path) -> dict[str, Any]:
+    """Poll the checkpoints until they cover `total` events, marking the daemon tree's and PostgreSQL's CPU at the
+    first checkpoint and at the last, and the tree's memory (sampled every RSS_SAMPLE_S)."""
+    marks: dict[str, Any] = {"peak": 0.0}
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kafold daemon exited with code {proc.returncode} before the end; its "
+                               f"log ({log_path}) ends:\n{_tail(log_path)}")
+        covered = covered_now()
+        now = time.perf_counter()
+        if covered and "first" not in marks:
+            tree = _tree(daemon)
+            pg = [postmaster, *postmaster.children()] if postmaster is not None else []
+            marks.update(first=now, covered=covered, tree=tree, pg=pg, cpu0=cpu_s(tree), pg0=cpu_s(pg), sampled=now)
+        if "first" in marks and now - marks["sampled"] >= RSS_SAMPLE_S:
+            marks["sampled"] = now
+            marks["peak"] = max(marks["peak"], _mb(marks["tree"], "rss"))
+            if "rss20" not in marks and covered >= total // 5:
+                marks["rss20"] = _mb(marks["tree"], "rss")
+        if covered >= total:
+            tree = marks["tree"]
+            marks.update(last=now, cpu1=cpu_s(tree), pg1=cpu_s(marks["pg"]), rss=_mb(tree, "rss"),
+                         pss=_mb(tree, "pss"))
+            return marks
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def daemon_process(stack: DaemonStack, conf: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`kafold daemon -c conf` in its own process, its log beside `conf`; stopped by SIGTERM on leaving."""
+    with open(conf.with_suffix(".log"), "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", "import sys; from kafold.cli import main; sys.exit(main())",
+                                 "--log-format", "json", "daemon", "-c", str(conf)],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **stack.env})
+    try:
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _figures(marks: dict[str, Any], total: int, changed: int) -> dict[str, Any]:
+    seconds, events = marks["last"] - marks["first"], total - marks["covered"]
     cpu = {"kafold": marks["cpu1"] - marks["cpu0"], "postgres": marks["pg1"] - marks["pg0"] if marks["pg"] else None}
     return {"events": events, "seconds": seconds, "processes": len(marks["tree"]),
             "cpu_us_per_event": {k: None if v is None else round(v / events * 1e6, 1) for k, v in cpu.items()},
             "cores_busy": {k: None if v is None else round(v / seconds, 2) for k, v in cpu.items()},
             "rows_changed": changed, "rss_mb": round(marks["rss"]),
-            "rss_mb_at_20pct": round(marks.get("rss20", marks["rss"])), "rss_mb_peak": round(max(peak, marks["rss"])),
-            "pss_mb": round(marks["pss"])}
+            "rss_mb_at_20pct": round(marks.get("rss20", marks["rss"])),
+            "rss_mb_peak": round(max(marks["peak"], marks["rss"])), "pss_mb": round(marks["pss"])}
 
 
 def _daemon_toml(stack: DaemonStack, name: str, topic: str, table: str, args: argparse.Namespace) -> str:
@@ -299,8 +309,6 @@ def _forget_checkpoints(pgc: Any, name: str) -> None:
     """Make the next run start from the beginning again: every event is then a duplicate (tracking kept)."""
     from psycopg import sql
 
-    from kafold import db
-
     with db.connect(pgc) as conn:
         conn.execute(sql.SQL("DELETE FROM {} WHERE connector = %s").format(db.table(pgc, "checkpoints")), (name,))
 
@@ -308,9 +316,6 @@ def _forget_checkpoints(pgc: Any, name: str) -> None:
 def _baseline(kafka: Any, pgc: Any, topic: str, n: int) -> float:
     """Naive: per event, decode, one INSERT … ON CONFLICT DO UPDATE and a commit (the same events)."""
     from psycopg import sql
-
-    from kafold import db, kafka_clients
-    from kafold.envelope import decode
 
     consumer = kafka_clients.consumer(kafka, f"kafold.bench.baseline.{uuid.uuid4().hex[:6]}")
     consumer.subscribe([topic])

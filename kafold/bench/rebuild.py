@@ -12,17 +12,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import multiprocessing
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from kafold import logs
+from kafold import db, kafka_clients, logs
 from kafold.bench import short_group
-from kafold.bench.projection import COLUMNS, RULES, DaemonStack, _daemon_toml, _produce, _tail, daemon_stack
+from kafold.bench.projection import COLUMNS, RULES, _daemon_toml, _produce, _tail, daemon_process, daemon_stack
+from kafold.config import ConnectorConfig, KafoldConfig
+from kafold.connectors.projection import rebuild as rb
+from kafold.envelope import Event, encode
 
 log = logs.get(__name__)
 
@@ -41,8 +41,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kafold import db
-
     logs.configure("warning")
     with contextlib.ExitStack() as stack:
         daemons = daemon_stack(stack, "rebuild", args.config, args.broker)
@@ -55,7 +53,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         daemon_args = argparse.Namespace(batch=2500, tasks=2, task_processes=True)
         conf = daemons.workdir / "live.toml"
         conf.write_text(_daemon_toml(daemons, name, topic, table, daemon_args))
-        live = stack.enter_context(_daemon(daemons, conf))
+        live = stack.enter_context(daemon_process(daemons, conf))
         _wait_covered(daemons.postgres, name, args.events, live, conf)
         stop = multiprocessing.get_context("spawn").Event()
         produced = multiprocessing.get_context("spawn").Value("q", 0)
@@ -81,9 +79,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _rebuild(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run the rebuild; its copy rate, lock times, retries and duration."""
     import threading
-
-    from kafold.config import ConnectorConfig, KafoldConfig
-    from kafold.connectors.projection import rebuild as rb
 
     connector = ConnectorConfig(name=name, connector_class="postgres-projection", topics=[topic],
                                 config={"table": table, "key_columns": ["account_id"], "columns": COLUMNS,
@@ -117,9 +112,6 @@ def _rebuild(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argp
 
 def _live_traffic(kafka: Any, topic: str, rate: int, accounts: int, version: int, stop: Any, produced: Any) -> None:
     """Deposits at `rate` events/s to every account in turn (versions after the history's), until `stop`."""
-    from kafold import kafka_clients
-    from kafold.envelope import Event, encode
-
     producer = kafka_clients.producer(kafka, **{"linger.ms": 5, "enable.idempotence": True})
     started, sent, i = time.perf_counter(), 0, 0
     while not stop.is_set():
@@ -143,32 +135,10 @@ def _live_traffic(kafka: Any, topic: str, rate: int, accounts: int, version: int
         produced.value = sent
 
 
-@contextlib.contextmanager
-def _daemon(stack: DaemonStack, conf: Path) -> Any:
-    import os
-
-    log_path = conf.with_suffix(".log")
-    with open(log_path, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", "import sys; from kafold.cli import main; sys.exit(main())",
-                                 "--log-format", "json", "daemon", "-c", str(conf)],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **stack.env})
-    try:
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def _wait_covered(pgc: Any, name: str, events: int, proc: Any, conf: Path, timeout: float = 900,
                   fail: bool = True) -> bool:
     """Wait until the live connector's checkpoints cover `events` offsets."""
     from psycopg import sql
-
-    from kafold import db
 
     query = sql.SQL("SELECT coalesce(sum(next_offset), 0) FROM {} WHERE connector = %s").format(
         db.table(pgc, "checkpoints"))

@@ -11,8 +11,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kafold import logs
+from kafold import devstack, kafka_clients, logs, topics
 from kafold.bench import embedded_stack
+from kafold.config import SNAPSHOT_TOPIC_CONFIGS, AggregateConfig, KafkaConfig, TopicSpec, load_file
+from kafold.envelope import Event, encode
+from kafold.snapshot import Domain, Folder, kafka_io, restore
+from kafold.snapshot.record import Marker
+from kafold.spark_jobs import runs
+from kafold.spark_jobs.session import session
 
 log = logs.get(__name__)
 BANK = Path(__file__).resolve().parents[2] / "examples" / "bank"
@@ -26,9 +32,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @contextlib.contextmanager
 def _broker(config: str | None, broker: str | None) -> Iterator[Any]:
-    from kafold import devstack
-    from kafold.config import KafkaConfig, load_file
-
     if config:
         yield devstack.effective(load_file(config).config, need=("kafka",)).kafka
         return
@@ -41,8 +44,6 @@ class History:
     aggregate's events topic; remembers each account's version so it can be extended."""
 
     def __init__(self, kafka: Any, agg: Any, aggregates: int, seed: int = 7) -> None:
-        from kafold import kafka_clients
-
         self.agg, self.rng = agg, random.Random(seed)
         self.ids = [f"acc-{i:07d}" for i in range(aggregates)]
         self.versions = dict.fromkeys(self.ids, 0)
@@ -50,8 +51,6 @@ class History:
         self.producer = kafka_clients.producer(kafka, **settings)
 
     def produce(self, n: int) -> None:
-        from kafold.envelope import Event, encode
-
         topic, name, at, rng, versions = self.agg.topic("events"), self.agg.name, "2024-05-01T12:00:00.000000Z", \
             self.rng, self.versions
         for i in range(n):
@@ -78,16 +77,11 @@ class History:
 
 
 def _aggregate(name: str, partitions: int) -> Any:
-    from kafold.config import AggregateConfig
-
     return AggregateConfig(name=name, initial="bank_domain:initial", evolve="bank_domain:evolve",
                            decide="bank_domain:decide", partitions=partitions, fingerprint="bench-v1")
 
 
 def _topics(kafka: Any, agg: Any) -> None:
-    from kafold import topics
-    from kafold.config import SNAPSHOT_TOPIC_CONFIGS, TopicSpec
-
     topics.ensure(kafka, [TopicSpec(agg.topic("events"), agg.partitions, 1, {}),
                           TopicSpec(agg.topic("snapshot"), agg.partitions, 1, dict(SNAPSHOT_TOPIC_CONFIGS))])
 
@@ -138,8 +132,7 @@ def _fold(kafka: Any, master: str, events: int, aggregates: int) -> dict[str, An
     """The full run (Spark, forced: a --quick history is small enough for auto to fold it in-process), then 1% new
     events folded as `kafold snapshot run` does by default (engine auto: in-process), then another 1% with Spark
     forced, so both incremental costs are shown against the full run."""
-    from kafold.spark_jobs import runs, snapshot_job
-    from kafold.spark_jobs.session import session
+    from kafold.spark_jobs import snapshot_job  # lazy: it imports pyspark, which only this case needs
 
     began = time.monotonic()
     spark = session(master)
@@ -175,9 +168,6 @@ def _fold(kafka: Any, master: str, events: int, aggregates: int) -> dict[str, An
 
 def _restore_case(kafka: Any, history_events: int, tail: int, aggregates: int) -> tuple[float, float, int]:
     """(restore seconds, full replay seconds, events read by restore) for one 1-partition history."""
-    from kafold.snapshot import Domain, Folder, kafka_io, restore
-    from kafold.snapshot.record import Marker
-
     agg = _aggregate(f"bench.restore.{uuid.uuid4().hex[:6]}", 1)
     _topics(kafka, agg)
     history = History(kafka, agg, aggregates)

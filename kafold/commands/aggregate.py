@@ -8,7 +8,11 @@ from typing import Any
 
 from kafold import config, devstack
 from kafold.cli import add_config_arg
+from kafold.client import CommandClient
 from kafold.errors import ConfigError, KafoldError
+from kafold.partitioning import partition_for
+from kafold.snapshot.fold import Domain
+from kafold.snapshot.restore import restore
 
 
 def register(sub: Any) -> None:
@@ -42,8 +46,6 @@ def _aggregate(loaded: config.Loaded, name: str) -> config.AggregateConfig:
 
 
 def send_command(args: argparse.Namespace) -> int:
-    from kafold.client import CommandClient
-
     loaded = config.load_file(args.config)
     agg = _aggregate(loaded, args.aggregate)
     try:
@@ -64,10 +66,6 @@ def send_command(args: argparse.Namespace) -> int:
 
 
 def get_state(args: argparse.Namespace) -> int:
-    from kafold.partitioning import partition_for
-    from kafold.snapshot.fold import Domain
-    from kafold.snapshot.restore import restore
-
     loaded = config.load_file(args.config)
     agg = _aggregate(loaded, args.aggregate)
     cfg = devstack.effective(loaded.config, need=("kafka",))

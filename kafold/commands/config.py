@@ -7,6 +7,7 @@ from typing import Any
 
 from kafold import config
 from kafold.cli import add_config_arg
+from kafold.commands.reference import render
 
 
 def register(sub: Any) -> None:
@@ -28,7 +29,5 @@ def validate(args: argparse.Namespace) -> int:
 
 
 def reference(args: argparse.Namespace) -> int:
-    from kafold.commands.reference import render
-
     print(render())
     return 0

@@ -9,6 +9,7 @@ from typing import Any
 
 from kafold import config, devstack
 from kafold.cli import add_config_arg
+from kafold.daemon import signals
 
 
 def register(sub: Any) -> None:
@@ -18,8 +19,6 @@ def register(sub: Any) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    from kafold.daemon import signals
-
     signals.catch_early()  # before the imports and checks below: a supervisor's SIGTERM now still stops gracefully
     loaded = config.load_file(args.config)
     from kafold.daemon.host import services_needed  # after catch_early: Faust's imports take a second or two
@@ -33,6 +32,6 @@ def run(cfg: config.KafoldConfig, base: Path, stop: threading.Event | None = Non
 
     Returns 0 after a clean stop, 1 when a task failed or did not stop within `daemon.shutdown_grace_s`.
     """
-    from kafold.daemon.host import DaemonHost
+    from kafold.daemon.host import DaemonHost  # lazy: Faust's imports take a second or two (see handle)
 
     return DaemonHost(cfg, base, stop, config_path).run()

@@ -7,6 +7,7 @@ from typing import Any
 
 from kafold import config, db, devstack
 from kafold.cli import add_config_arg
+from kafold.commands import grants
 
 
 def register(sub: Any) -> None:
@@ -46,8 +47,6 @@ def current(args: argparse.Namespace) -> int:
 def grant_sql(args: argparse.Namespace) -> int:
     """Print the statements; nothing is executed (an administrator reviews and runs them)."""
     from urllib.parse import urlsplit
-
-    from kafold.commands import grants
 
     loaded = config.load_file(args.config)
     role = args.role or urlsplit(loaded.config.postgres.url).username or "kafold"

@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from kafold import devstack
+from kafold import apache_kafka, devstack
 
 
 def register(sub: Any) -> None:
@@ -40,8 +40,6 @@ def add_broker_args(p: argparse.ArgumentParser) -> None:
 def _show(stack: devstack.DevStack) -> None:
     pids = ", ".join(str(b.pid) for b in stack.brokers)
     if stack.kind == "kafka":
-        from kafold import apache_kafka
-
         print(f"kafka     {stack.bootstrap_servers}  (Apache Kafka {apache_kafka.version()}, {stack.nodes} node(s), "
               f"replication factor {stack.replication_factor}, pid {pids}, data in {stack.state_dir / 'kafka'})")
     else:

@@ -16,6 +16,10 @@ from rich.table import Table
 
 from kafold import config, db, devstack, kafka_clients
 from kafold.cli import add_config_arg
+from kafold.connectors.projection import ProjectionConnector
+from kafold.connectors.projection.holds import Release, stored_headers
+from kafold.connectors.projection.mapping import Mapping, load_mapper
+from kafold.connectors.registry import instantiate
 from kafold.errors import ConfigError, KafoldError
 
 STATUSES = ("new", "held", "replayed", "discarded")
@@ -178,11 +182,6 @@ def replay(args: argparse.Namespace) -> int:
 
 def _projections(cfg: config.KafoldConfig, base: Path, names: set[str], path: Path) -> dict[str, Any]:
     """A holds.Release per postgres-projection connector among `names` (the others are not in the result)."""
-    from kafold.connectors.projection import ProjectionConnector
-    from kafold.connectors.projection.holds import Release
-    from kafold.connectors.projection.mapping import Mapping, load_mapper
-    from kafold.connectors.registry import instantiate
-
     by_name = {c.name: c for c in cfg.connectors}
     out: dict[str, Any] = {}
     for name in sorted(names):
@@ -201,8 +200,6 @@ def _projections(cfg: config.KafoldConfig, base: Path, names: set[str], path: Pa
 
 
 def _to_topic(cfg: config.KafoldConfig, rows: list[dict[str, Any]]) -> None:
-    from kafold.connectors.projection.holds import stored_headers
-
     producer = kafka_clients.producer(cfg.kafka, **{"enable.idempotence": True, "acks": "all"})
     errors: list[str] = []
     for r in rows:

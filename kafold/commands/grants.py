@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kafold.config import KafoldConfig, python_path
+from kafold.connectors.projection import ProjectionConfig, ProjectionConnector
 from kafold.connectors.registry import resolve
 from kafold.errors import ConfigError
 from kafold.schema import Problems, is_missing, load
@@ -41,8 +42,6 @@ class ProjectionTarget:
 
 def projection_targets(cfg: KafoldConfig, base: Path) -> list[ProjectionTarget]:
     """The table of every projection connector in the configuration."""
-    from kafold.connectors.projection import ProjectionConfig, ProjectionConnector
-
     out: list[ProjectionTarget] = []
     with python_path(cfg, base):
         for i, con in enumerate(cfg.connectors):

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from kafold import config, db, devstack, logs
 from kafold.cli import add_config_arg
+from kafold.connectors.projection import rebuild as rb
 
 log = logs.get(__name__)
 
@@ -42,8 +43,6 @@ def register(sub: Any) -> None:
 
 
 def _plan(args: argparse.Namespace) -> Any:
-    from kafold.connectors.projection import rebuild as rb
-
     loaded = config.load_file(args.config)
     chosen = rb.plan(loaded.config, loaded.base, args.name)  # an unknown name fails before any connection
     cfg = devstack.effective(loaded.config)
@@ -51,8 +50,6 @@ def _plan(args: argparse.Namespace) -> Any:
 
 
 def rebuild(args: argparse.Namespace) -> int:
-    from kafold.connectors.projection import rebuild as rb
-
     plan = _plan(args)
     if plan.pgc.migrate_on_start:
         db.upgrade(plan.pgc)
@@ -134,8 +131,6 @@ def _reporter(bar: bool, name: str) -> Iterator[Callable[[Any], None]]:
 
 
 def status(args: argparse.Namespace) -> int:
-    from kafold.connectors.projection import rebuild as rb
-
     plan = _plan(args)
     row = rb.state(plan.pgc, plan.name)
     console = Console()

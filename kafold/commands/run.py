@@ -13,6 +13,8 @@ from typing import Any
 
 from kafold import config, devstack, logs, topics
 from kafold.cli import add_config_arg
+from kafold.client import CommandClient
+from kafold.commands.daemon import run as run_daemon
 from kafold.commands.dev import add_broker_args
 from kafold.commands.run_view import DemoReceiver, LiveView
 
@@ -35,71 +37,91 @@ def register(sub: Any) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     loaded = config.load_file(args.config)
-    cfg = loaded.config
-    started_stack = False
     running = devstack.status()
     if running is not None and args.broker and running.kind != args.broker:
         print(f"a {running.kind} dev stack is running in {running.state_dir}; stop it with `kafold dev down` to run "
               f"on {args.broker}")
         return 1
-    if not (cfg.kafka.bootstrap_servers and cfg.postgres.url) and running is None:
-        # Fresh: tansu is memory-only, so the last run's events are gone; PostgreSQL's data derived from them
-        # (checkpoints past the new topics' ends, tracking rows, projections) is dropped with them. A demo on
-        # Apache Kafka starts from empty topics too, so both stacks begin alike.
-        stack = devstack.up(fresh=True, broker=args.broker, nodes=args.nodes)
-        started_stack = True
-        print(f"dev stack up (fresh): broker {stack.bootstrap_servers}, PostgreSQL {stack.postgres_url}")
-    cfg = devstack.effective(cfg)
+    started_stack = _start_stack(args, loaded.config, running)
+    cfg = devstack.effective(loaded.config)
     stop = threading.Event()
 
     def on_signal(signum: int, _frame: Any) -> None:
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    generator: threading.Thread | None = None
-    receiver = DemoReceiver(args.receiver_port) if args.receiver_port else None
-    view: LiveView | None = None
-    sent = [0]
+    parts = _Parts(DemoReceiver(args.receiver_port) if args.receiver_port else None)
     try:
-        if receiver is not None and receiver.start():
-            print(f"demo webhook receiver on http://127.0.0.1:{args.receiver_port}/")
-        report = topics.ensure(cfg.kafka, config.topic_map(cfg).values())
-        print(report.table())
-        if not report.ok:
-            return 1
-        if args.traffic and cfg.aggregates:
-            generator = threading.Thread(target=_traffic, args=(cfg, loaded, args.traffic, args.rate, stop, sent),
-                                         name="kafold-traffic", daemon=True)
-            generator.start()
-        print(f"daemon running on {args.config}")
-        print(f"query the projections: psql '{cfg.postgres.url}' -c 'SELECT * FROM accounts LIMIT 10'")
-        if cfg.daemon.http_port:
-            print(f"metrics: http://127.0.0.1:{cfg.daemon.http_port}/metrics   status: kafold status -c {args.config}")
-            view = LiveView(cfg, receiver, lambda: sent[0], stop)
-            if view.tty:  # log lines printed through the live table would tear it: they go to a file instead
-                log_file = devstack.default_state_dir().parent / "run.log"
-                print(f"logs: {log_file}")
-                level, fmt, _ = logs.current()
-                logs.configure(level, fmt, str(log_file))
-            view.start()
-        print("Ctrl-C stops everything", flush=True)
-        from kafold.commands.daemon import run as run_daemon
-
-        return run_daemon(cfg, loaded.base, stop, config_path=loaded.path)
+        return _run(args, cfg, loaded, stop, parts)
     finally:
         stop.set()
-        if generator is not None:
-            generator.join(5)
-        if view is not None:
-            view.join(5)
-        if receiver is not None:
-            receiver.stop()
+        parts.stop()
         _stop_jobs()
         for s, h in previous.items():
             signal.signal(s, h)
         if started_stack and not args.keep_stack:
             devstack.down()
             print("dev stack stopped")
+
+
+def _start_stack(args: argparse.Namespace, cfg: config.KafoldConfig, running: Any) -> bool:
+    """Start a fresh dev stack unless the configuration names a broker and PostgreSQL or one runs; True if started."""
+    if (cfg.kafka.bootstrap_servers and cfg.postgres.url) or running is not None:
+        return False
+    # Fresh: tansu is memory-only, so the last run's events are gone; PostgreSQL's data derived from them
+    # (checkpoints past the new topics' ends, tracking rows, projections) is dropped with them. A demo on
+    # Apache Kafka starts from empty topics too, so both stacks begin alike.
+    stack = devstack.up(fresh=True, broker=args.broker, nodes=args.nodes)
+    print(f"dev stack up (fresh): broker {stack.bootstrap_servers}, PostgreSQL {stack.postgres_url}")
+    return True
+
+
+@dataclasses.dataclass
+class _Parts:
+    """What `kafold run` starts beside the daemon; `stop` ends each (after the shared stop event is set)."""
+
+    receiver: DemoReceiver | None
+    generator: threading.Thread | None = None
+    view: LiveView | None = None
+    sent: list[int] = dataclasses.field(default_factory=lambda: [0])
+
+    def stop(self) -> None:
+        if self.generator is not None:
+            self.generator.join(5)
+        if self.view is not None:
+            self.view.join(5)
+        if self.receiver is not None:
+            self.receiver.stop()
+
+
+def _run(args: argparse.Namespace, cfg: config.KafoldConfig, loaded: config.Loaded, stop: threading.Event,
+         parts: _Parts) -> int:
+    """Topics, the demo receiver, the traffic generator and the live view, then the daemon until `stop`."""
+    receiver, sent = parts.receiver, parts.sent
+    if receiver is not None and receiver.start():
+        print(f"demo webhook receiver on http://127.0.0.1:{args.receiver_port}/")
+    report = topics.ensure(cfg.kafka, config.topic_map(cfg).values())
+    print(report.table())
+    if not report.ok:
+        return 1
+    if args.traffic and cfg.aggregates:
+        parts.generator = threading.Thread(target=_traffic, args=(cfg, loaded, args.traffic, args.rate, stop, sent),
+                                           name="kafold-traffic", daemon=True)
+        parts.generator.start()
+    print(f"daemon running on {args.config}")
+    print(f"query the projections: psql '{cfg.postgres.url}' -c 'SELECT * FROM accounts LIMIT 10'")
+    if cfg.daemon.http_port:
+        print(f"metrics: http://127.0.0.1:{cfg.daemon.http_port}/metrics   status: kafold status -c {args.config}")
+        parts.view = view = LiveView(cfg, receiver, lambda: sent[0], stop)
+        if view.tty:  # log lines printed through the live table would tear it: they go to a file instead
+            log_file = devstack.default_state_dir().parent / "run.log"
+            print(f"logs: {log_file}")
+            level, fmt, _ = logs.current()
+            logs.configure(level, fmt, str(log_file))
+        view.start()
+    print("Ctrl-C stops everything", flush=True)
+
+    return run_daemon(cfg, loaded.base, stop, config_path=loaded.path)
 
 
 def _stop_jobs() -> None:
@@ -134,8 +156,6 @@ def _cmdline(p: Any) -> list[str]:
 def _traffic(cfg: config.KafoldConfig, loaded: config.Loaded, ref: str, rate: float,
              stop: threading.Event, sent_total: list[int]) -> None:
     """Send the generator's commands to the first aggregate at `rate` per second (in batches every 100 ms)."""
-    from kafold.client import CommandClient
-
     agg = cfg.aggregates[0]
     with config.python_path(cfg, loaded.base):
         module, _, func = ref.partition(":")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kafold import logs
+from kafold import db, kafka_clients, logs
 from kafold.config import KafoldConfig
 
 log = logs.get("kafold.run")
@@ -144,8 +144,6 @@ class LiveView:
         return f
 
     def _parked(self) -> int | None:
-        from kafold import db
-
         try:
             with db.connect(self.cfg.postgres) as conn:
                 row = conn.execute(f"SELECT count(*) FROM {self.cfg.postgres.schema}.effect_parked_keys").fetchone()
@@ -158,8 +156,6 @@ class LiveView:
         if not self.cfg.aggregates:
             return None
         from confluent_kafka import TopicPartition
-
-        from kafold import kafka_clients
 
         try:
             consumer = kafka_clients.consumer(self.cfg.kafka, "kafold.run.view")

@@ -16,6 +16,11 @@ from typing import Any
 
 from kafold import config, devstack, logs
 from kafold.errors import ConfigError
+from kafold.snapshot.fold import Domain
+from kafold.snapshot.verify import verify
+from kafold.spark_jobs import runs
+from kafold.spark_jobs.runs import partitions_of
+from kafold.spark_jobs.session import session
 
 log = logs.get("kafold.snapshot")
 EX_TEMPFAIL = 75  # another run holds the lock
@@ -99,9 +104,6 @@ def _reporter(name: str) -> tuple[Any, Any]:
 
 
 def handle_run(args: argparse.Namespace) -> int:
-    from kafold.spark_jobs import runs
-    from kafold.spark_jobs.session import session
-
     loaded = config.load_file(args.config)
     cfg = devstack.effective(loaded.config, need=("kafka",))
     aggs = _aggregates(cfg, args.aggregate, args.config)
@@ -147,10 +149,6 @@ def handle_run(args: argparse.Namespace) -> int:
 
 
 def handle_verify(args: argparse.Namespace) -> int:
-    from kafold.snapshot.fold import Domain
-    from kafold.snapshot.verify import verify
-    from kafold.spark_jobs.runs import partitions_of
-
     loaded = config.load_file(args.config)
     cfg = devstack.effective(loaded.config, need=("kafka",))
     if args.sample is not None and args.sample < 1:

@@ -15,6 +15,9 @@ from typing import Any
 
 from kafold import config, devstack
 from kafold.cli import add_config_arg
+from kafold.connectors.projection import holds
+from kafold.daemon import offsets
+from kafold.errors import KafoldError
 
 COLUMNS = ("connector", "task", "topic", "partition", "committed", "end_offset", "lag", "lag_seconds", "state")
 # Effect connectors (from the daemon only): the endpoint's circuit, events held, fetching paused, parked keys.
@@ -57,11 +60,9 @@ def held_keys(cfg: config.KafoldConfig) -> dict[str, Any] | None:
     names = [c.name for c in cfg.connectors if c.connector_class == "postgres-projection"]
     if not names:
         return None
-    from kafold.connectors.projection.holds import held_keys as read
-    from kafold.errors import KafoldError
 
     try:
-        counts = read(devstack.effective(cfg, need=("postgres",)).postgres)
+        counts = holds.held_keys(devstack.effective(cfg, need=("postgres",)).postgres)
     except (KafoldError, OSError) as e:
         return {name: f"unknown: {e}" for name in names}
     except Exception as e:  # psycopg's errors: PostgreSQL reachable but not answering this (not migrated yet)
@@ -88,8 +89,6 @@ def from_daemon(cfg: config.KafoldConfig, timeout: float = 3.0) -> dict[str, Any
 
 def from_kafka(cfg: config.KafoldConfig) -> dict[str, Any]:
     """Committed offsets of each connector's group against the end offsets of its topics' partitions."""
-    from kafold.daemon import offsets
-
     rows: list[dict[str, Any]] = []
     for con in cfg.connectors:
         group = f"{cfg.daemon.group_prefix}.{con.name}"

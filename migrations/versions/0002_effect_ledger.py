@@ -25,6 +25,14 @@ def _schema() -> str:
 
 def upgrade() -> None:
     schema = _schema()
+    _ledger(schema)
+    _attempts(schema)
+    _parked(schema)
+    _parked_keys(schema)
+
+
+def _ledger(schema: str) -> None:
+    """One row per (connector, event id): the effect's status, attempts and outcome."""
     op.create_table(
         "effect_ledger",
         sa.Column("connector", sa.Text, nullable=False),
@@ -47,6 +55,10 @@ def upgrade() -> None:
         schema=schema,
     )
     op.create_index("ix_effect_ledger_event_id", "effect_ledger", ["event_id"], schema=schema)
+
+
+def _attempts(schema: str) -> None:
+    """Every failed attempt of an effect, for `kafold effects` to show."""
     op.create_table(
         "effect_attempts",
         sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
@@ -60,6 +72,10 @@ def upgrade() -> None:
     )
     op.create_index("ix_effect_attempts_connector_event_id", "effect_attempts", ["connector", "event_id"],
                     schema=schema)
+
+
+def _parked(schema: str) -> None:
+    """Parked events, in their order per key (`seq`)."""
     op.create_table(
         "effect_parked",
         sa.Column("seq", sa.BigInteger, sa.Identity(), nullable=False, unique=True),
@@ -78,6 +94,10 @@ def upgrade() -> None:
     )
     op.create_index("ix_effect_parked_connector_key_seq", "effect_parked", ["connector", "key", "seq"],
                     schema=schema)
+
+
+def _parked_keys(schema: str) -> None:
+    """Parked keys: the head event that parked a key, and the operator's requested action."""
     op.create_table(
         "effect_parked_keys",
         sa.Column("connector", sa.Text, nullable=False),
@@ -94,7 +114,6 @@ def upgrade() -> None:
                            name="ck_effect_parked_keys_requested_action"),
         schema=schema,
     )
-
 
 def downgrade() -> None:
     schema = _schema()
