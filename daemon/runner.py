@@ -13,7 +13,8 @@ and committed before `close`. On stop, fetching stops, the in-flight batch finis
 `shutdown_grace_s`), offsets are committed, the partitions are closed and the task stopped.
 
 Pause/resume from outside (the REST API) are requests applied by the loop between polls: the consumer's
-partitions are paused but it keeps polling, so the group membership stays and no rebalance happens. Per-partition
+partitions are paused but it keeps polling, so the group membership stays and no rebalance happens. A pause never
+outlives the assignment (librdkafka would keep it for a later assignment: see `_unpause`). Per-partition
 progress (position, end offsets seen at assignment, caught-up, lag) is published by `daemon.progress`.
 """
 
@@ -490,6 +491,7 @@ class SinkRunner:
         try:
             self.task.close(tps)
         finally:
+            self._unpause(tps)
             self.assigned.difference_update(tps)
             self.user_paused.difference_update(tps)
             for tp in tps:
@@ -498,6 +500,23 @@ class SinkRunner:
                 self.event_times.pop(tp, None)
             self.progress.released(tps)
             self.log.info("partitions released", partitions=sorted(str(tp) for tp in tps))
+
+    def _unpause(self, tps: list[TopicPartition]) -> None:
+        """Lift this consumer's pause of partitions leaving its assignment (called while they are still assigned).
+
+        librdkafka keeps an application's pause of a partition after the partition left the assignment (revoked or
+        lost) and applies it again when the partition is assigned again; it lifts only the pause it set itself for
+        the rebalance. The reasons for a pause (the task's flow control, a back-off, an API pause) are dropped
+        here together with the partition, so nobody would resume it: assigned again, it would never be fetched,
+        silently. As in the Java consumer, a pause does not outlive the assignment; `_on_assign` pauses a new
+        assignment again while a back-off or an API pause lasts.
+
+        Offsets: nothing is committed or moved here; a partition assigned again starts at its committed offset."""
+        try:
+            self.consumer.resume([KafkaTP(tp.topic, tp.partition) for tp in tps])
+        except KafkaException as e:  # the partitions go anyway; a later assignment would show the stall
+            self.log.warning("resuming released partitions failed", error=str(e),
+                             partitions=sorted(str(tp) for tp in tps))
 
     def _shutdown(self) -> None:
         try:

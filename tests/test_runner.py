@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import Consumer
+from confluent_kafka import Consumer, KafkaException
 from contract import committed, create_topic, make_event, produce, wait_for
 from structlog.testing import capture_logs
 
@@ -32,6 +32,8 @@ class RecordingConfig:
     fail_on_type: str = setting("", doc="put raises FatalError on a batch holding this event type.")
     retriable_failures: int = setting(0, doc="put raises RetriableError this many times first.", minimum=0)
     put_delay_s: float = setting(0.0, doc="put sleeps this long first (a slow sink).", minimum=0.0)
+    pause_and_block_s: float = setting(0.0, doc="The first put pauses the assignment (as flow control does), then "
+                                       "blocks this long; close forgets the pause with the partitions.", minimum=0.0)
 
 
 class RecordingTask(SinkTask):
@@ -42,6 +44,8 @@ class RecordingTask(SinkTask):
         self.received: list[SinkRecord] = task_config["received"]
         self.yield_points: list[int] = task_config.setdefault("yield_points", [])
         self.failures = 0
+        self.context = context
+        self.paused: set[Any] = set()
 
     def yield_point(self) -> None:
         self.yield_points.append(len(self.received))
@@ -49,12 +53,19 @@ class RecordingTask(SinkTask):
     def put(self, records: Any) -> None:
         if self.config.put_delay_s:
             time.sleep(self.config.put_delay_s)
+        if self.config.pause_and_block_s and not self.received:
+            self.paused = set(self.context.assignment())
+            self.context.pause(*self.paused)
+            time.sleep(self.config.pause_and_block_s)
         if self.failures < self.config.retriable_failures:
             self.failures += 1
             raise RetriableError("sink unavailable (test)")
         if any(r.event.type == self.config.fail_on_type for r in records):
             raise FatalError("poison batch (test)")
         self.received.extend(records)
+
+    def close(self, partitions: Any) -> None:
+        self.paused -= set(partitions)  # the reason for the pause went with the partitions
 
     def stop(self) -> None:
         pass
@@ -218,6 +229,31 @@ def test_a_retriable_put_is_retried_until_it_succeeds(kafka_config: KafkaConfig,
         finish(run)
     assert run.runner.error is None
     assert [r.offset for r in run.connector.received] == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.apache_kafka
+def test_a_partition_paused_when_the_loop_outlived_max_poll_interval_is_fetched_once_assigned_again(
+        kafka_config: KafkaConfig, unique: str) -> None:
+    """A put blocked past max.poll.interval.ms with the partitions paused: librdkafka leaves the group, the
+    partitions are lost and assigned again; librdkafka would keep them paused, the runner lifts the pause."""
+    topic = f"{unique}.events"
+    create_topic(kafka_config, topic, 2)
+    produce(kafka_config, topic, [(p, *valid(f"a{p}", v)) for v in range(1, 21) for p in (0, 1)])
+    block_s = kafka_config.rebalance_timeout_ms / 1000 + 3  # the rebalance timeout is max.poll.interval.ms
+    run = start(kafka_config, unique, topic, pause_and_block_s=block_s)
+    def all_committed() -> bool:
+        try:
+            return committed(kafka_config, run.runner.group_id, topic, 2) == {0: 20, 1: 20}
+        except KafkaException:  # the group's coordinator still loading on a fresh broker
+            return False
+
+    try:
+        wait_for(all_committed, "every record put and committed after the partitions were lost and assigned again",
+                 timeout=90)
+    finally:
+        finish(run)
+    assert run.runner.error is None and run.runner.counts["assignments"] >= 2, run.runner.counts
+    assert {(r.partition, r.offset) for r in run.connector.received} == {(p, o) for p in (0, 1) for o in range(20)}
 
 
 def test_sink_record_fast_constructor_equals_the_dataclass() -> None:
