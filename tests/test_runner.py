@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 from confluent_kafka import Consumer
-from contract import committed, create_topic, make_event, produce, wait_for
 from structlog.testing import capture_logs
 
 from kafold import kafka_clients
@@ -25,6 +24,7 @@ from kafold.daemon.runner import SinkRunner
 from kafold.envelope import encode
 from kafold.errors import FatalError, RetriableError
 from kafold.schema import setting
+from tests.support import committed, create_topic, make_event, produce, wait_for
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,7 @@ def problems_for(text: str, tmp_path: Path) -> tuple[Path, list[str]]:
 
 
 def test_the_corpus_has_at_least_20_kinds_and_docs_list_them() -> None:
-    from test_config import BAD
+    from tests.test_config import BAD
 
     assert len(BAD) == 17 and not set(BAD) & set(NEW_KINDS)
     assert EXISTING_KINDS + len(NEW_KINDS) >= 20
