@@ -73,6 +73,9 @@ class RecordingConnector(Connector[RecordingConfig]):
         return [{"task_id": 0, "config": self.config, "received": self.received, "yield_points": self.yield_points}]
 
 
+RECORDING = "tests.daemon.test_runner:RecordingConnector"  # as a configuration names it: its module and class
+
+
 @dataclass
 class Run:
     runner: SinkRunner
@@ -82,7 +85,7 @@ class Run:
 
 
 def start(kafka: KafkaConfig, name: str, topic: str, **config: Any) -> Run:
-    settings = ConnectorConfig(name=name, connector_class="test_runner:RecordingConnector", topics=[topic],
+    settings = ConnectorConfig(name=name, connector_class=RECORDING, topics=[topic],
                                config=config)
     connector = registry.instantiate(settings, Path("."))
     assert isinstance(connector, RecordingConnector)
@@ -291,7 +294,7 @@ def test_a_task_stuck_in_put_is_logged_with_its_stack(kafka_config: KafkaConfig,
     topic = f"{unique}.events"
     create_topic(kafka_config, topic, 1)
     produce(kafka_config, topic, [(0, *valid("a", v)) for v in range(1, 4)])
-    settings = ConnectorConfig(name=unique, connector_class="test_runner:RecordingConnector", topics=[topic],
+    settings = ConnectorConfig(name=unique, connector_class=RECORDING, topics=[topic],
                                config={"put_delay_s": 4.0})
     connector = registry.instantiate(settings, Path("."))
     daemon = DaemonConfig(group_prefix="kt", batch_max_records=10, batch_max_wait_ms=100, shutdown_grace_s=5)
