@@ -40,7 +40,7 @@ test: lint
 ## the long chaos soak (30 minutes, >= 200 faults, >= 1M events; figures in docs/reliability.md); BROKER=kafka runs
 ## it on a three-node Apache Kafka cluster with broker faults besides
 chaos: install
-	$(BIN)/python tests/chaos/run_chaos.py $(if $(BROKER),--broker $(BROKER)) $(CHAOS_ARGS)
+	$(BIN)/python -m tests.chaos.run_chaos $(if $(BROKER),--broker $(BROKER)) $(CHAOS_ARGS)
 
 unit: install
 	$(BIN)/python -m pytest -m "not integration"

@@ -44,7 +44,7 @@ _NS = KAFOLD_NAMESPACE.bytes
 def derive_event_id(command_id: str, index: int) -> str:
     """The deterministic id of the `index`-th event (0-based) produced by handling command `command_id`:
     str(uuid.uuid5(KAFOLD_NAMESPACE, f"{command_id}/{index}")), computed without uuid.UUID objects (~3x faster;
-    tests/test_envelope.py pins the equality)."""
+    tests/core/test_envelope.py pins the equality)."""
     if not command_id or index < 0:
         raise ValueError("derive_event_id needs a non-empty command id and an index >= 0")
     h = bytearray(hashlib.sha1(_NS + f"{command_id}/{index}".encode()).digest()[:16])
@@ -319,7 +319,7 @@ _SET = tuple(Event.__dict__[name].__set__ for name in ("event_id", "type", "aggr
 
 def _fast_body(value: bytes) -> Event | None:
     """The Event when the body is valid by every rule of `Event._check`; None on any doubt (the strict path then
-    decides, and names the defect). Differential-tested against the strict path (tests/test_envelope.py)."""
+    decides, and names the defect). Differential-tested against the strict path (tests/core/test_envelope.py)."""
     try:
         b = _BODY.decode(value)
     except (msgspec.MsgspecError, ValueError, RecursionError):  # RecursionError: hostile nesting

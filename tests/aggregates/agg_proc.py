@@ -1,16 +1,13 @@
-"""A runtime process for the crash tests: `python agg_proc.py BOOTSTRAP NAME PARTITIONS INSTANCE` runs until killed."""
+"""A runtime process for the crash tests, run until killed:
+`python -m tests.aggregates.agg_proc BOOTSTRAP NAME PARTITIONS INSTANCE`."""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from agg_support import bank_config, runtime
 
 from kafold import logs
 from kafold.config import KafkaConfig
+from tests.aggregates.agg_support import bank_config, runtime
 
 # Short group timeouts so a restarted process rejoins in seconds on the embedded broker (a dead member is
 # only evicted after its session / rebalance timeout); production keeps Kafka's defaults.

@@ -7,7 +7,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -18,9 +17,9 @@ from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig, TopicSpec
 from kafold.daemon.aggregates import AggregateRuntime, dlq_topic
 from kafold.domain import AggregateDomain
 from kafold.envelope import Event, encode
+from tests.support import EXAMPLES
 
-ROOT = Path(__file__).resolve().parents[2]
-BANK = ROOT / "examples" / "bank"
+BANK = EXAMPLES / "bank"
 DAEMON = DaemonConfig(group_prefix="kt", batch_max_records=2000, batch_max_wait_ms=50)
 
 
@@ -68,14 +67,6 @@ def running(rt: AggregateRuntime) -> Iterator[Running]:
     finally:
         rt.stop()
         t.join(30)
-
-
-def wait_for(predicate: Any, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def read_all(kafka: KafkaConfig, topic: str, committed_only: bool = True) -> list[Any]:

@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from agg_support import BANK, bank_config, create_topics, running, runtime, wait_for
 
 from kafold import cli
 from kafold.config import KafkaConfig, TopicSpec
 from kafold.topics import ensure
+from tests.aggregates.agg_support import BANK, bank_config, create_topics, running, runtime
+from tests.support import wait_for
 
 
 @pytest.mark.integration

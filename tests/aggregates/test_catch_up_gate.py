@@ -5,11 +5,12 @@ from __future__ import annotations
 import threading
 
 import pytest
-from agg_support import bank_config, create_topics, produce_history, results, running, runtime, wait_for
 
 from kafold.client import CommandClient
 from kafold.config import KafkaConfig
 from kafold.daemon.aggregates.gate import RECOVERING
+from tests.aggregates.agg_support import bank_config, create_topics, produce_history, results, running, runtime
+from tests.support import wait_for
 
 ACCOUNTS, PER_ACCOUNT = 500, 100  # a 50k-event backlog in one partition
 

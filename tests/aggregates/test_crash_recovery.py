@@ -13,12 +13,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from agg_support import bank_config, create_topics, events, fold_balances, results
 
 from kafold.client import CommandClient
 from kafold.config import KafkaConfig
+from tests.aggregates.agg_support import bank_config, create_topics, events, fold_balances, results
+from tests.support import child_env
 
-HERE = Path(__file__).resolve().parent
 ACCOUNTS, COMMANDS, KILLS = 100, 10_000, 20
 
 
@@ -68,19 +68,19 @@ def test_kill_minus_nine_at_random_points(kafka_config: KafkaConfig, unique: str
     sender = threading.Thread(target=send)
     sender.start()
     log = (tmp_path / "runtime.log").open("ab")
-    argv = [sys.executable, str(HERE / "agg_proc.py"), kafka_config.bootstrap_servers, agg.name, "2", "crash"]
+    argv = [sys.executable, "-m", "tests.aggregates.agg_proc", kafka_config.bootstrap_servers, agg.name, "2", "crash"]
     kills = 0
     deadline = time.monotonic() + 240
     try:
         while kills < KILLS:
-            proc = subprocess.Popen(argv, stdout=log, stderr=log)
+            proc = subprocess.Popen(argv, stdout=log, stderr=log, env=child_env())
             time.sleep(rng.uniform(2.0, 6.0))  # before, during or after the group join and recovery
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             kills += 1
             assert time.monotonic() < deadline, f"only {kills} kills in time"
         sender.join(120)
-        proc = subprocess.Popen(argv, stdout=log, stderr=log)
+        proc = subprocess.Popen(argv, stdout=log, stderr=log, env=child_env())
         try:
             want = len(cmds) + len(retries)
             while len(results(kafka_config, agg)) < want and time.monotonic() < deadline:

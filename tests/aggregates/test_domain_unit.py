@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from agg_support import BANK, bank_config, bank_domain
 
 from kafold.config import AggregateConfig
 from kafold.daemon.aggregates.gate import LIVE, RECOVERING, PartitionGate
@@ -16,6 +15,7 @@ from kafold.domain import AggregateDomain, InvalidCommand, InvalidEvent
 from kafold.envelope import decode, derive_event_id
 from kafold.errors import ConfigError, DecodeError
 from kafold.messages import Command, decode_command, decode_result
+from tests.aggregates.agg_support import BANK, bank_config, bank_domain
 
 
 def test_domain_loads_functions_and_type_maps() -> None:

@@ -11,13 +11,22 @@ from typing import Any
 
 import orjson
 import pytest
-from agg_support import bank_config, bank_domain, create_topics, events, fold_balances, running, runtime, wait_for
 from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 from kafold.config import AggregateConfig, KafkaConfig
 from kafold.daemon.aggregates.restorer import SnapshotRestorer
 from kafold.snapshot.fold import Domain
 from kafold.spark_jobs.runs import run_local
+from tests.aggregates.agg_support import (
+    bank_config,
+    bank_domain,
+    create_topics,
+    events,
+    fold_balances,
+    running,
+    runtime,
+)
+from tests.support import wait_for
 
 # The guarantee is run again on Apache Kafka in `make test` (marker apache_kafka).
 pytestmark = pytest.mark.apache_kafka
@@ -169,7 +178,7 @@ def test_a_retry_after_the_window_is_decided_again_with_new_event_ids(kafka_conf
 
 
 def _snapshot_run(kafka: KafkaConfig, agg: AggregateConfig) -> None:
-    from agg_support import BANK
+    from tests.aggregates.agg_support import BANK
 
     run_local(kafka, agg, Domain.load(agg, [str(BANK)]), list(range(agg.partitions)))
 

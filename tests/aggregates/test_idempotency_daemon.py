@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from agg_support import BANK, events, wait_for
-from test_idempotency import Outside
 
 from kafold import config, topics
 from kafold.config import KafkaConfig
 from kafold.snapshot import kafka_io, record
 from kafold.testing import free_port
+from tests.aggregates.agg_support import BANK, events
+from tests.aggregates.test_idempotency import Outside
+from tests.support import wait_for
 
 KAFOLD = str(Path(sys.executable).parent / "kafold")
 
@@ -122,11 +123,11 @@ def test_a_retry_after_a_snapshot_and_a_restart_is_decided_once_and_the_projecti
                 return None
 
     try:
-        wait_for(lambda: _get(port, "/ready")[0] == 200, 90, "the daemon ready (its projection on an empty topic)")
+        wait_for(lambda: _get(port, "/ready")[0] == 200, "the daemon ready (its projection on an empty topic)", 90)
         client.ask("open", "acc", "OpenAccount", {"owner": "bo"})
         first = client.ask("retry-2", "acc", "Deposit", {"amount": 1000})
         assert first["status"] == "accepted" and not first["duplicate"]
-        wait_for(lambda: row() == (1000,), 120, "the projection to show the deposit")
+        wait_for(lambda: row() == (1000,), "the projection to show the deposit", 120)
         _stop(proc)
         run = subprocess.run([KAFOLD, "snapshot", "run", "-c", str(conf), "--engine", "local"],
                              capture_output=True, text=True, timeout=300)
@@ -139,7 +140,7 @@ def test_a_retry_after_a_snapshot_and_a_restart_is_decided_once_and_the_projecti
             reader.close()
         assert [s.aggregate_id for s in snaps] == ["acc"] and "retry-2" in {c[0] for c in snaps[0].commands}
         proc = _daemon(conf, pg_url, log)
-        wait_for(lambda: _aggregate_live(port), 90, "the aggregate live again")
+        wait_for(lambda: _aggregate_live(port), "the aggregate live again", 90)
         again = client.ask("retry-2", "acc", "Deposit", {"amount": 1000})
         assert again["duplicate"] and (again["version"], again["event_ids"]) == (first["version"],
                                                                                 first["event_ids"])
@@ -149,7 +150,7 @@ def test_a_retry_after_a_snapshot_and_a_restart_is_decided_once_and_the_projecti
         client.ask("after", "acc", "Deposit", {"amount": 1})
         status, served = _get(port, "/aggregates/account/acc")
         assert status == 200 and (served["state"]["balance"], served["version"]) == (1001, 3), served
-        wait_for(lambda: row() == (1001,), 120, "the projection to agree with the aggregate")
+        wait_for(lambda: row() == (1001,), "the projection to agree with the aggregate", 120)
         caught_up = [json.loads(line) for line in log.read_text().splitlines()
                      if '"aggregate.caught_up"' in line]
         assert caught_up[-1]["snapshot_version"] is not None, caught_up[-1]  # restored from the snapshot

@@ -5,7 +5,15 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from agg_support import (
+from confluent_kafka import KafkaError, KafkaException, Producer
+from structlog.testing import capture_logs
+
+from kafold.client import CommandClient
+from kafold.config import KafkaConfig
+from kafold.connectors.dlq import H_REASON
+from kafold.daemon.aggregates import AggregateRuntime, dlq_topic
+from kafold.errors import RetriableError
+from tests.aggregates.agg_support import (
     DAEMON,
     Running,
     bank_config,
@@ -16,16 +24,8 @@ from agg_support import (
     results,
     running,
     runtime,
-    wait_for,
 )
-from confluent_kafka import KafkaError, KafkaException, Producer
-from structlog.testing import capture_logs
-
-from kafold.client import CommandClient
-from kafold.config import KafkaConfig
-from kafold.connectors.dlq import H_REASON
-from kafold.daemon.aggregates import AggregateRuntime, dlq_topic
-from kafold.errors import RetriableError
+from tests.support import wait_for
 
 
 def test_commands_yield_events_and_results_with_consecutive_versions(kafka_config: KafkaConfig,
@@ -130,7 +130,7 @@ def test_bad_commands_are_rejected_and_dead_lettered_and_the_rest_flows(kafka_co
 
 class _CommittedTimesOut:
     """The runtime's commands consumer, except that its first committed() lookup times out (as it does while
-    the broker is paused: seen in the chaos soak, where it used to stop the daemon)."""
+    the broker is paused): a lookup that times out is asked again, it does not stop the daemon."""
 
     def __init__(self, consumer: Any) -> None:
         self._consumer, self.failed = consumer, 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from agg_support import bank_config, create_topics, events, read_all, results, running, runtime, wait_for
 
 from kafold.client import CommandClient
 from kafold.config import KafkaConfig
@@ -11,6 +10,8 @@ from kafold.daemon.aggregates.txn import TransactionalWriter
 from kafold.envelope import Event, encode
 from kafold.errors import FatalError
 from kafold.messages import Command, Result
+from tests.aggregates.agg_support import bank_config, create_topics, events, read_all, results, running, runtime
+from tests.support import wait_for
 
 pytestmark = pytest.mark.apache_kafka  # `make test` proves these on Apache Kafka too
 

@@ -33,7 +33,6 @@ import contextlib
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -56,8 +55,8 @@ from kafold import db, devstack, kafka_clients
 from kafold.config import KafkaConfig, PostgresConfig, load_file
 from kafold.envelope import Event, decode, encode
 from kafold.errors import RetriableError
+from tests.support import ROOT, free_port
 
-ROOT = Path(__file__).resolve().parents[2]
 KAFOLD = str(Path(sys.executable).parent / "kafold")
 ITEMS = "chaos.items"
 INSTANCE_ID = "chaos-1"  # the daemon's KAFOLD_INSTANCE_ID: its transactional ids end with it
@@ -69,14 +68,8 @@ BROKER_KINDS = ("broker-kill", "leader-kill", "coordinator-kill", "controller-pa
 
 
 def kinds_for(broker: str, spark: bool) -> tuple[str, ...]:
-    """The fault kinds a run injects: today's (snapshot-kill only with Spark), and the broker faults on Kafka."""
+    """The fault kinds a run injects: KINDS (snapshot-kill only with Spark), and the broker faults on Kafka."""
     return tuple(k for k in KINDS if spark or k != "snapshot-kill") + (BROKER_KINDS if broker == "kafka" else ())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------------------------------- the receiver

@@ -1,6 +1,6 @@
 """`make chaos`: the long chaos run (default 30 minutes, >= 200 faults, >= 1M events); prints the report.
 
-    python tests/chaos/run_chaos.py [--minutes 30] [--fault-every 3] [--items-per-s 900] [--commands-per-s 40]
+    python -m tests.chaos.run_chaos [--minutes 30] [--fault-every 3] [--items-per-s 900] [--commands-per-s 40]
                                     [--broker tansu|kafka]
 
 `--broker kafka` runs it on a three-node Apache Kafka cluster (replication 3, min ISR 2) and adds the broker
@@ -16,9 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from chaos_harness import Chaos
+from tests.chaos.chaos_harness import Chaos
 
 
 def main() -> int:

@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from chaos_harness import Chaos
+
+from tests.chaos.chaos_harness import Chaos
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.apache_kafka]
 

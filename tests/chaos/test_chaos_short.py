@@ -9,7 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from chaos_harness import KINDS, Chaos, kinds_for
+
+from tests.chaos.chaos_harness import KINDS, Chaos, kinds_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

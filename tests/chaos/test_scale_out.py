@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
-from chaos_harness import Chaos
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
 from kafold import kafka_clients
+from tests.chaos.chaos_harness import Chaos
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.apache_kafka]
 

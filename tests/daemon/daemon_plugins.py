@@ -1,4 +1,4 @@
-"""A configurable test sink connector (importable by a daemon subprocess: it imports nothing from the tests)."""
+"""A configurable test sink connector (a daemon subprocess imports it: it needs nothing but kafold)."""
 
 from __future__ import annotations
 

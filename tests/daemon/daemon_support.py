@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -12,14 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from contract import wait_for
-from daemon_plugins import GATES, RECEIVED
-
-from kafold import config
 from kafold.config import KafkaConfig
 from kafold.daemon.host import DaemonHost
+from tests.daemon.daemon_plugins import GATES, RECEIVED
+from tests.support import ROOT, wait_for
+from tests.support.daemons import daemon_thread
 
-HERE = Path(__file__).parent
 
 def write_config(tmp_path: Path, kafka: KafkaConfig, unique: str, topic: str, *, port: int = 0,
                  connector: str = "log", config_toml: str = "{}", daemon_extra: str = "") -> Path:
@@ -37,7 +34,7 @@ http_port = {port}
 shutdown_grace_s = 4.0
 batch_max_records = 5
 batch_max_wait_ms = 100
-python_path = ["{HERE}"]
+python_path = ["{ROOT}"]
 {daemon_extra}
 
 [[connectors]]
@@ -86,22 +83,14 @@ def _parse(body: bytes, content_type: str) -> Any:
 def daemon_in_process(path: Path, token: str | None = None) -> Iterator[Running]:
     """Run `kafold daemon` on the config in a thread; stop it (and check it stopped cleanly) at the end."""
     RECEIVED.clear()
-    loaded = config.load_file(path)
-    stop = threading.Event()
-    host = DaemonHost(loaded.config, loaded.base, stop)
-    result: list[int] = []
-    thread = threading.Thread(target=lambda: result.append(host.run()), name="test-daemon")
-    thread.start()
-    running = Running(host, loaded.config.daemon.http_port, token)
-    try:
-        wait_for(lambda: _up(running), "the daemon's HTTP server")
-        yield running
-    finally:
-        for gate in GATES.values():
-            gate.release(1000)
-        stop.set()
-        thread.join(30)
-    assert not thread.is_alive() and result == [0], f"daemon did not stop cleanly: {result}"
+    with daemon_thread(path) as (host, _):
+        running = Running(host, host.cfg.daemon.http_port, token)
+        try:
+            wait_for(lambda: _up(running), "the daemon's HTTP server")
+            yield running
+        finally:
+            for gate in GATES.values():
+                gate.release(1000)
 
 
 def _up(running: Running) -> bool:

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from contract import wait_for
-from daemon_support import daemon_in_process
-
 from kafold import config, topics
 from kafold.client import CommandClient
 from kafold.config import KafkaConfig
 from kafold.testing import free_port
-
-BANK = Path(__file__).resolve().parents[2] / "examples" / "bank"
+from tests.aggregates.agg_support import BANK
+from tests.daemon.daemon_support import daemon_in_process
+from tests.support import wait_for
 
 
 def test_aggregate_state_is_served_once_the_runtime_is_live(

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 from confluent_kafka import Producer
-from contract import committed, create_topic, make_event, produce, wait_for
-from daemon_plugins import GATES, RECEIVED
-from daemon_support import daemon_in_process, write_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from kafold import kafka_clients
 from kafold.config import KafkaConfig
 from kafold.envelope import Event, encode
 from kafold.testing import free_port
+from tests.daemon.daemon_plugins import GATES, RECEIVED
+from tests.daemon.daemon_support import daemon_in_process, write_config
+from tests.support import committed, create_topic, make_event, produce, wait_for
 
-PLUGIN = "daemon_plugins:PluginConnector"
+PLUGIN = "tests.daemon.daemon_plugins:PluginConnector"
 
 
 def produce_one_by_one(kafka: KafkaConfig, topic: str, events: list[Event], partition: int = 0) -> None:

@@ -9,14 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-from contract import committed, create_topic, make_event, produce, wait_for
-from daemon_support import write_config
-
 from kafold.config import KafkaConfig
 from kafold.envelope import encode
+from tests.daemon.daemon_support import write_config
+from tests.support import committed, create_topic, make_event, produce, wait_for
 
 KAFOLD = [str(Path(sys.executable).parent / "kafold"), "--log-format", "json", "daemon", "-c"]
-PLUGIN = "daemon_plugins:PluginConnector"
+PLUGIN = "tests.daemon.daemon_plugins:PluginConnector"
 GRACE_S = 4.0  # daemon.shutdown_grace_s in daemon_support.write_config
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from contract import create_topic, wait_for
 
 from kafold.config import KafkaConfig
 from kafold.testing import free_port
+from tests.support import create_topic, wait_for
 
 pytestmark = pytest.mark.integration
 

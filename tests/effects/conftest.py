@@ -6,10 +6,10 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from receiver import Receiver
 
 from kafold import db
 from kafold.config import PostgresConfig
+from tests.support.receiver import Receiver
 
 
 @pytest.fixture(scope="session")

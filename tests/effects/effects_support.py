@@ -1,22 +1,17 @@
-"""Helpers for the effect tests: run an effect connector under the real SinkRunner in a thread."""
+"""Helpers for the effect tests: an effect connector under the real SinkRunner in a thread, a daemon config."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kafold import config as kconfig
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig
 from kafold.connectors.effects.task import with_services
 from kafold.connectors.registry import instantiate
-from kafold.daemon.host import DaemonHost
 from kafold.daemon.runner import SinkRunner
-
-HERE = Path(__file__).parent
+from tests.support import ROOT
 
 
 @dataclass
@@ -46,7 +41,6 @@ def start_effects(kafka: KafkaConfig, pg: PostgresConfig, name: str, topic: str,
     return EffectRun(runner, stop, thread)
 
 
-
 def daemon_config(path: Path, kafka: KafkaConfig, pg_url: str, schema: str, group_prefix: str, topic: str,
                   kind: str, effect_toml: str, *, port: int = 0, migrate: bool = True,
                   task_processes: bool = False) -> Path:
@@ -68,7 +62,7 @@ group_prefix = "{group_prefix}"
 http_port = {port}
 shutdown_grace_s = 4.0
 batch_max_wait_ms = 100
-python_path = ["{HERE}"]
+python_path = ["{ROOT}"]
 task_processes = {str(task_processes).lower()}
 
 [[connectors]]
@@ -78,20 +72,3 @@ topics = ["{topic}"]
 config = {effect_toml}
 """)
     return path
-
-
-@contextmanager
-def daemon_thread(path: Path) -> Iterator[tuple[DaemonHost, threading.Thread]]:
-    """The daemon on `path`, run in a thread (as `kafold daemon` does); stopped at the end, exit code 0 checked."""
-    loaded = kconfig.load_file(path)
-    stop = threading.Event()
-    host = DaemonHost(loaded.config, loaded.base, stop)
-    result: list[int] = []
-    thread = threading.Thread(target=lambda: result.append(host.run()), name="test-daemon")
-    thread.start()
-    try:
-        yield host, thread
-    finally:
-        stop.set()
-        thread.join(30)
-    assert result == [0], f"the daemon exited with {result}"

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from contract import committed, create_topic, make_event, produce, wait_for
-from effects_support import start_effects
-from receiver import Receiver
 
 from kafold import cli
 from kafold.config import KafkaConfig, PostgresConfig
 from kafold.envelope import encode
+from tests.effects.effects_support import start_effects
+from tests.support import committed, create_topic, make_event, produce, wait_for
+from tests.support.receiver import Receiver
 
 pytestmark = pytest.mark.integration
 
@@ -94,7 +94,7 @@ def test_show_and_reset_offsets(kafka_config: KafkaConfig, effects_pg: PostgresC
 def test_parked_retry_all_releases_every_parked_key_in_order(
         kafka_config: KafkaConfig, effects_pg: PostgresConfig, receiver: Receiver, unique: str, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from receiver import Req
+    from tests.support.receiver import Req
 
     topic = f"{unique}.events"
     create_topic(kafka_config, topic, 2)

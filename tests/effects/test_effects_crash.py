@@ -3,7 +3,6 @@ repeats an effect and loses at most what was in flight."""
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
 import sys
@@ -13,13 +12,13 @@ from typing import Any
 
 import orjson
 import pytest
-from contract import committed, create_topic, make_event, produce, wait_for
-from receiver import Receiver, Req
 
 from kafold.config import KafkaConfig, PostgresConfig
 from kafold.envelope import encode
+from tests.support import child_env, committed, create_topic, make_event, produce, wait_for
+from tests.support.receiver import Receiver, Req
 
-HERE = Path(__file__).resolve().parent
+EFFECT = "tests.effects.crash_effect:record"  # a python effect that dies on a marked event
 SESSION_MS = 2000  # a killed member leaves the group after this; short so 20+ restarts fit in the time budget
 
 
@@ -28,8 +27,8 @@ def spawn(kafka: KafkaConfig, pg: PostgresConfig, name: str, topic: str, cls: st
     spec = {"bootstrap": kafka.bootstrap_servers, "pg_url": pg.url, "schema": pg.schema, "name": name,
             "topic": topic, "class": cls, "config": config, "group_prefix": "kt", "batch": batch,
             "session_ms": SESSION_MS}
-    return subprocess.Popen([sys.executable, str(HERE / "effects_proc.py"), orjson.dumps(spec).decode()],
-                            env={**os.environ, "PYTHONPATH": str(HERE), **(env or {})},
+    return subprocess.Popen([sys.executable, "-m", "tests.effects.effects_proc", orjson.dumps(spec).decode()],
+                            env=child_env(env),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -93,7 +92,7 @@ def test_at_most_once_a_crash_between_commit_and_effect_never_repeats_one(
     events = [make_event(f"k{i % 5}", i // 5 + 1, crash=i in (40, 130, 215)) for i in range(300)]
     produce(kafka_config, topic, [(0, *encode(e)) for e in events])
     effect_log = tmp_path / "effects.log"
-    config = {"function": "crash_effect:record", "delivery": "at-most-once", "concurrency": 4, "max_in_flight": 10}
+    config = {"function": EFFECT, "delivery": "at-most-once", "concurrency": 4, "max_in_flight": 10}
     env = {"KT_EFFECT_LOG": str(effect_log)}
     crashes = 0
     for _ in range(3):  # each run dies at the next marked event, which must never run again afterwards
@@ -122,17 +121,16 @@ def test_at_most_once_holds_records_whose_commit_failed(effects_pg: PostgresConf
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """The runner's commit of the offered offsets failed (e.g. a rebalance): the effects must not run until a
     commit covering them succeeds — run uncommitted, a crash would run them again."""
-    from contract import LocalContext
-
     from kafold.config import ConnectorConfig
     from kafold.connectors.api import SinkRecord, TopicPartition
     from kafold.connectors.effects.task import with_services
     from kafold.connectors.registry import instantiate
+    from tests.support import LocalContext
 
     effect_log = tmp_path / "effects.log"
     monkeypatch.setenv("KT_EFFECT_LOG", str(effect_log))
     settings = ConnectorConfig(name=unique, connector_class="python", topics=["t"],
-                               config={"function": "crash_effect:record", "delivery": "at-most-once"})
+                               config={"function": EFFECT, "delivery": "at-most-once"})
     connector = instantiate(settings, Path("."))
     task = connector.task_class()
     ctx = LocalContext(unique)

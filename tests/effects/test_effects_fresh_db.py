@@ -11,14 +11,15 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 import pytest
 from confluent_kafka import Consumer
-from contract import committed, create_topic, make_event, produce, wait_for
-from effects_support import daemon_config, daemon_thread
-from receiver import Receiver
 
 from kafold import config, kafka_clients
 from kafold.config import KafkaConfig
 from kafold.daemon.host import DaemonHost
 from kafold.envelope import Event, decode, encode
+from tests.effects.effects_support import daemon_config
+from tests.support import committed, create_topic, make_event, produce, wait_for
+from tests.support.daemons import daemon_thread
+from tests.support.receiver import Receiver
 
 
 @pytest.fixture
@@ -62,7 +63,7 @@ def test_an_effect_only_daemon_starts_on_an_empty_database_and_delivers(
     url = receiver.url  # type: ignore[attr-defined]
     effect = {"webhook": f'{{ url = "{url}", allow_http = true }}',
               "kafka": f'{{ topic = "{out}" }}',
-              "python": '{ function = "forward_effect:forward" }'}[kind]
+              "python": '{ function = "tests.effects.forward_effect:forward" }'}[kind]
     if kind == "kafka":
         create_topic(kafka_config, out)
     monkeypatch.setenv("KT_FORWARD_URL", url)

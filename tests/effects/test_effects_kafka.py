@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from confluent_kafka import Consumer
-from contract import committed, create_topic, make_event, produce, wait_for
-from effects_support import start_effects
 
 from kafold import kafka_clients
 from kafold.config import KafkaConfig, PostgresConfig
 from kafold.connectors.effects.drivers import derived_id
 from kafold.envelope import Event, decode, encode
+from tests.effects.effects_support import start_effects
+from tests.support import committed, create_topic, make_event, produce, wait_for
 
 
 def test_kafka_effect_derives_events_with_replay_detectable_ids(kafka_config: KafkaConfig,

@@ -17,12 +17,12 @@ import time
 from typing import Any
 
 import pytest
-from contract import committed, create_topic, make_event, produce
-from effects_support import start_effects
-from receiver import Receiver, Req
 
 from kafold.config import KafkaConfig, PostgresConfig
 from kafold.envelope import encode
+from tests.effects.effects_support import start_effects
+from tests.support import committed, create_topic, make_event, produce
+from tests.support.receiver import Receiver, Req
 
 pytestmark = [pytest.mark.integration, pytest.mark.apache_kafka]
 

@@ -6,14 +6,14 @@ from typing import Any
 
 import orjson
 from confluent_kafka import Consumer
-from contract import committed, create_topic, make_event, produce, wait_for
-from effects_support import start_effects
-from receiver import Receiver, Req
 
 from kafold import kafka_clients
 from kafold.config import KafkaConfig, PostgresConfig
 from kafold.connectors.effects import ops
 from kafold.envelope import encode
+from tests.effects.effects_support import start_effects
+from tests.support import committed, create_topic, make_event, produce, wait_for
+from tests.support.receiver import Receiver, Req
 
 
 def test_failing_keys_park_in_order_others_complete_then_retry_and_skip_release_them(

@@ -1,8 +1,8 @@
 """The executor across a revocation while a key's effect is running (real ledger in PostgreSQL).
 
-Found by the chaos soak: a partition revoked and assigned again while an attempt was in flight left the attempt's
-drain popping a *new* event off the key's queue, so that event never ran and never completed, its offset held the
-partition's commits back for good and, with the in-flight limit reached, fetching stayed paused.
+A partition revoked and assigned again while an attempt is in flight must not let the attempt's drain pop a *new*
+event off the key's queue: that event would never run nor complete, its offset would hold the partition's commits
+back for good and, with the in-flight limit reached, fetching would stay paused.
 """
 
 from __future__ import annotations

@@ -7,15 +7,15 @@ import threading
 import time
 from typing import Any
 
-from contract import committed, create_topic, make_event, produce, wait_for
-from effects_support import start_effects
-from receiver import Receiver, Req
 from structlog.testing import capture_logs
 
 from kafold.config import KafkaConfig, PostgresConfig
 from kafold.connectors.effects import ops
 from kafold.connectors.effects.signing import verify
 from kafold.envelope import encode
+from tests.effects.effects_support import start_effects
+from tests.support import committed, create_topic, make_event, produce, wait_for
+from tests.support.receiver import Receiver, Req
 
 
 def publish(kafka: KafkaConfig, topic: str, keys: int, versions: int, partitions: int = 3

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from contract import wait_for
 
 from kafold import db
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig
@@ -18,6 +17,7 @@ from kafold.connectors.registry import instantiate
 from kafold.daemon.runner import SinkRunner
 from kafold.envelope import Event, encode
 from kafold.errors import RetriableError
+from tests.support import wait_for
 
 COLUMNS = {"account_id": "text", "owner": "text", "balance": "bigint", "last_amount": "bigint", "status": "text"}
 RULES: list[dict[str, Any]] = [

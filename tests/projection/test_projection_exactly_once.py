@@ -4,8 +4,10 @@ SinkTask contract, against the real broker and PostgreSQL."""
 from __future__ import annotations
 
 import pytest
-from contract import SinkTaskContract, create_topic, produce
-from projection_support import (
+
+from kafold import db
+from kafold.config import KafkaConfig, PostgresConfig
+from tests.projection.projection_support import (
     closed,
     deposited,
     encoded,
@@ -19,9 +21,7 @@ from projection_support import (
     table_name,
     wait_for_offsets,
 )
-
-from kafold import db
-from kafold.config import KafkaConfig, PostgresConfig
+from tests.support import SinkTaskContract, create_topic, produce
 
 
 @pytest.fixture(autouse=True)

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import subprocess
 import urllib.request
 from pathlib import Path
 
 import pytest
-from contract import create_topic, produce, wait_for
-from projection_support import (
+
+from kafold import db
+from kafold.config import KafkaConfig, PostgresConfig
+from tests.projection.projection_support import (
     encoded,
     ends_of,
     fold,
@@ -22,18 +23,10 @@ from projection_support import (
     table_name,
     thirds,
 )
-from test_projection_kill9 import start_daemon, write_config
-
-from kafold import db
-from kafold.config import KafkaConfig, PostgresConfig
+from tests.projection.test_projection_kill9 import start_daemon, write_config
+from tests.support import create_topic, free_port, produce, wait_for
 
 PARTITIONS = 4
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _assigned(port: int, connector: str) -> set[int]:
@@ -56,7 +49,7 @@ def test_second_daemon_splits_partitions_then_survives_a_kill_9_exactly_once(
     events = history(accounts=600, deposits=29, close_every=11)  # ~18k events
     items = encoded(events, PARTITIONS)
     parts = thirds(items)
-    ports = [_port(), _port()]
+    ports = [free_port(), free_port()]
     confs = []
     for i, port in enumerate(ports):  # the same group and connector; only the HTTP port differs
         conf = write_config(tmp_path / f"kafold-{i}.toml", kafka_config, pg_url, unique, topic, table)

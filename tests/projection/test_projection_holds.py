@@ -9,15 +9,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from contract import create_topic, produce
-from projection_support import deposited, encoded, ends_of, opened, read_table, running, settings, table_name
-from projection_support import wait_for_offsets as wait_offsets
-from test_projection_kill9 import write_config
 
 from kafold import db
 from kafold.config import KafkaConfig, PostgresConfig
 from kafold.connectors.projection.holds import held_keys
 from kafold.envelope import Event, encode
+from tests.projection.projection_support import (
+    deposited,
+    encoded,
+    ends_of,
+    opened,
+    read_table,
+    running,
+    settings,
+    table_name,
+)
+from tests.projection.projection_support import wait_for_offsets as wait_offsets
+from tests.projection.test_projection_kill9 import write_config
+from tests.support import create_topic, produce
 
 
 def _main(*argv: str) -> int:

@@ -12,8 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
-from contract import create_topic, produce, wait_for
-from projection_support import (
+
+from kafold import db
+from kafold.config import KafkaConfig, PostgresConfig
+from kafold.schema import toml_value
+from tests.projection.projection_support import (
     COLUMNS,
     RULES,
     encoded,
@@ -24,10 +27,7 @@ from projection_support import (
     stored_offsets,
     table_name,
 )
-
-from kafold import db
-from kafold.config import KafkaConfig, PostgresConfig
-from kafold.schema import toml_value
+from tests.support import create_topic, produce, wait_for
 
 KILLS = 20
 PARTITIONS = 4

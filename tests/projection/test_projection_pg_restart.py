@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 import structlog
-from contract import create_topic, produce, wait_for
-from projection_support import (
+
+from kafold import db, devstack
+from kafold.config import KafkaConfig, PostgresConfig
+from tests.projection.projection_support import (
     encoded,
     ends_of,
     fold,
@@ -22,9 +24,7 @@ from projection_support import (
     table_name,
     wait_for_offsets,
 )
-
-from kafold import db, devstack
-from kafold.config import KafkaConfig, PostgresConfig
+from tests.support import create_topic, produce, wait_for
 
 
 @pytest.fixture

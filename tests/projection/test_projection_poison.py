@@ -11,8 +11,12 @@ from typing import Any
 
 import pytest
 from confluent_kafka import Consumer
-from contract import create_topic, produce, wait_for
-from projection_support import (
+from psycopg import sql
+
+from kafold import db, kafka_clients
+from kafold.config import KafkaConfig, PostgresConfig
+from kafold.envelope import Event
+from tests.projection.projection_support import (
     dead_letters,
     deposited,
     encoded,
@@ -24,11 +28,7 @@ from projection_support import (
     settings,
     wait_for_offsets,
 )
-from psycopg import sql
-
-from kafold import db, kafka_clients
-from kafold.config import KafkaConfig, PostgresConfig
-from kafold.envelope import Event
+from tests.support import create_topic, produce, wait_for
 
 
 @dataclass

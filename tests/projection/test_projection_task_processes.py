@@ -15,8 +15,10 @@ from typing import Any
 
 import psutil
 import pytest
-from contract import create_topic, produce, wait_for
-from projection_support import (
+
+from kafold import db
+from kafold.config import KafkaConfig, PostgresConfig
+from tests.projection.projection_support import (
     encoded,
     ends_of,
     fold,
@@ -26,11 +28,9 @@ from projection_support import (
     table_name,
     thirds,
 )
-from test_projection_failover import _assigned, _port
-from test_projection_kill9 import start_daemon, write_config
-
-from kafold import db
-from kafold.config import KafkaConfig, PostgresConfig
+from tests.projection.test_projection_failover import _assigned
+from tests.projection.test_projection_kill9 import start_daemon, write_config
+from tests.support import create_topic, free_port, produce, wait_for
 
 PARTITIONS = 4
 
@@ -83,7 +83,7 @@ def test_tasks_in_child_processes_split_partitions_and_survive_kill_9_of_a_child
     events = history(accounts=600, deposits=29, close_every=11)  # ~18k events
     items = encoded(events, PARTITIONS)
     parts = thirds(items)
-    port = _port()
+    port = free_port()
     conf = write_config(tmp_path / "kafold.toml", kafka_config, pg_url, unique, topic, table)
     text = conf.read_text().replace("http_port = 0", f"http_port = {port}\ntask_processes = true")
     conf.write_text(text.replace('class = "postgres-projection"', 'class = "postgres-projection"\ntasks_max = 2'))

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from projection_support import deposited, fold, history, read_table, settings, stored_offsets, table_name
-
 from kafold import db
 from kafold.config import PostgresConfig
 from kafold.connectors.api import SinkRecord, sink_record
@@ -14,6 +12,15 @@ from kafold.connectors.projection.mapping import Mapping
 from kafold.connectors.projection.writer import ProjectionWriter
 from kafold.connectors.registry import instantiate
 from kafold.envelope import Event
+from tests.projection.projection_support import (
+    deposited,
+    fold,
+    history,
+    read_table,
+    settings,
+    stored_offsets,
+    table_name,
+)
 
 
 def _records(topic: str, partition: int, events: list[Event], start: int = 0) -> list[SinkRecord]:

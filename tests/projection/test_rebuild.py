@@ -15,8 +15,12 @@ from typing import Any
 import psutil
 import psycopg
 import pytest
-from contract import create_topic, new_producer, produce, wait_for
-from projection_support import (
+
+from kafold import db
+from kafold.config import KafkaConfig, KafoldConfig, PostgresConfig
+from kafold.connectors.projection import rebuild as rb
+from kafold.envelope import Event
+from tests.projection.projection_support import (
     dead_letters,
     deposited,
     encoded,
@@ -31,12 +35,8 @@ from projection_support import (
     table_name,
     wait_for_offsets,
 )
-from test_projection_kill9 import write_config
-
-from kafold import db
-from kafold.config import KafkaConfig, KafoldConfig, PostgresConfig
-from kafold.connectors.projection import rebuild as rb
-from kafold.envelope import Event
+from tests.projection.test_projection_kill9 import write_config
+from tests.support import create_topic, new_producer, produce, wait_for
 
 PARTITIONS = 4
 

@@ -1,5 +1,5 @@
-"""Bad configurations beyond tests/test_config.py: each names its key path and the problem, never echoes a secret,
-and `kafold config validate` exits 2 printing one line per problem. docs/security.md lists every kind."""
+"""Bad configurations beyond tests/config/test_config.py: each names its key path and the problem, never echoes a
+secret, and `kafold config validate` exits 2 printing one line per problem. docs/security.md lists every kind."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ NEW_KINDS: dict[str, tuple[str, str, str]] = {
     "projection_key_not_a_column": (projection().replace('key_columns = ["id"]', 'key_columns = ["nope"]'),
                                     "connectors[0].config: key_columns", "'nope' is not in `columns`"),
 }
-# Kinds tests/test_config.py covers (its BAD table, plus its world-readable secret file and bad env override tests).
+# Kinds tests/config/test_config.py covers (its BAD table, its world-readable secret file and bad env override tests).
 EXISTING_KINDS = 17 + 2
 
 
@@ -109,7 +109,7 @@ def problems_for(text: str, tmp_path: Path) -> tuple[Path, list[str]]:
 
 
 def test_the_corpus_has_at_least_20_kinds_and_docs_list_them() -> None:
-    from test_config import BAD
+    from tests.config.test_config import BAD
 
     assert len(BAD) == 17 and not set(BAD) & set(NEW_KINDS)
     assert EXISTING_KINDS + len(NEW_KINDS) >= 20

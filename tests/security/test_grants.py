@@ -4,7 +4,6 @@ name."""
 
 from __future__ import annotations
 
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,14 +14,11 @@ import psycopg
 import pytest
 from psycopg import sql
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "projection")]
-
-from contract import create_topic, produce, wait_for  # noqa: E402
-from projection_support import encoded, ends_of, fold, history, running, settings  # noqa: E402
-from test_bad_configs import projection  # noqa: E402
-
-from kafold import cli, db  # noqa: E402
-from kafold.config import KafkaConfig, PostgresConfig  # noqa: E402
+from kafold import cli, db
+from kafold.config import KafkaConfig, PostgresConfig
+from tests.projection.projection_support import encoded, ends_of, fold, history, running, settings
+from tests.security.test_bad_configs import projection
+from tests.support import create_topic, produce, wait_for
 
 
 def as_user(url: str, user: str) -> str:

@@ -5,25 +5,23 @@ nothing crashes or hangs, and no log line carries a secret or a payload."""
 from __future__ import annotations
 
 import logging
-import sys
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import structlog
 from confluent_kafka import Producer
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("projection", "aggregates")]
-
-from agg_support import bank_config, create_topics, read_all, results, running, runtime  # noqa: E402
-from agg_support import events as agg_events  # noqa: E402
-from agg_support import wait_for as agg_wait_for  # noqa: E402
-from contract import create_topic  # noqa: E402
-from hostile_corpus import BIG, BIG_TOPIC, CANARY, commands, produce_raw, stale_forgery  # noqa: E402
-from hostile_corpus import events as hostile_events  # noqa: E402
-from projection_support import (  # noqa: E402
+from kafold import kafka_clients
+from kafold.client import CommandClient
+from kafold.config import KafkaConfig, PostgresConfig
+from kafold.connectors import dlq
+from kafold.daemon.aggregates import dlq_topic
+from kafold.schema import Secret
+from tests.aggregates.agg_support import bank_config, create_topics, read_all, results, running, runtime
+from tests.aggregates.agg_support import events as agg_events
+from tests.projection.projection_support import (
     dead_letters,
     encoded,
     ends_of,
@@ -34,14 +32,10 @@ from projection_support import (  # noqa: E402
     settings,
     wait_for_offsets,
 )
-from projection_support import running as projection_running  # noqa: E402
-
-from kafold import kafka_clients  # noqa: E402
-from kafold.client import CommandClient  # noqa: E402
-from kafold.config import KafkaConfig, PostgresConfig  # noqa: E402
-from kafold.connectors import dlq  # noqa: E402
-from kafold.daemon.aggregates import dlq_topic  # noqa: E402
-from kafold.schema import Secret  # noqa: E402
+from tests.projection.projection_support import running as projection_running
+from tests.security.hostile_corpus import BIG, BIG_TOPIC, CANARY, commands, produce_raw, stale_forgery
+from tests.security.hostile_corpus import events as hostile_events
+from tests.support import create_topic, wait_for
 
 PG_SECRET = f"pg-secret-{uuid.uuid4().hex}"
 
@@ -153,7 +147,7 @@ def test_hostile_commands_are_rejected_and_dead_lettered_and_the_rest_flows(kafk
     hostile = commands()
     producer = Producer(kafka_clients.librdkafka(kafka_config, **BIG))
     with LogLines() as logs, running(runtime(kafka_config, agg)) as r, CommandClient(kafka_config, agg) as client:
-        agg_wait_for(lambda: r.runtime.ready, what="runtime live")
+        wait_for(lambda: r.runtime.ready, what="runtime live")
         assert client.send(client.command("acc", "OpenAccount", {"owner": CANARY})) is not None
         for _cid, key, value, headers, _reason in hostile:
             producer.produce(agg.topic("commands"), key=key, value=value, headers=headers, partition=0)

@@ -24,21 +24,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from psycopg import sql
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("projection", "daemon")]
-
-from contract import create_topic, wait_for  # noqa: E402
-from daemon_support import write_config  # noqa: E402
-from hostile_corpus import CANARY, produce_raw  # noqa: E402
-from projection_support import encoded, ends_of, history, table_name, wait_for_offsets  # noqa: E402
-from socket_relay import UnixRelay  # noqa: E402
-
-from kafold import db, devstack, kafka_clients, topics  # noqa: E402
-from kafold.config import KafkaConfig, PostgresConfig, TopicSpec  # noqa: E402
-from kafold.connectors.effects.signing import sign, verify_request  # noqa: E402
-from kafold.connectors.projection import sql as q  # noqa: E402
-from kafold.errors import RetriableError  # noqa: E402
-from kafold.schema import Secret  # noqa: E402
-from kafold.testing import free_port  # noqa: E402
+from kafold import db, devstack, kafka_clients, topics
+from kafold.config import KafkaConfig, PostgresConfig, TopicSpec
+from kafold.connectors.effects.signing import sign, verify_request
+from kafold.connectors.projection import sql as q
+from kafold.errors import RetriableError
+from kafold.schema import Secret
+from kafold.testing import free_port
+from tests.daemon.daemon_support import write_config
+from tests.projection.projection_support import encoded, ends_of, history, table_name, wait_for_offsets
+from tests.security.hostile_corpus import CANARY, produce_raw
+from tests.security.socket_relay import UnixRelay
+from tests.support import create_topic, wait_for
 
 SASL_PASSWORD = f"sasl-{uuid.uuid4().hex}"
 

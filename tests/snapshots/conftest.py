@@ -6,9 +6,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from snaphelpers import Bank, make_bank
 
 from kafold.config import KafkaConfig
+from tests.snapshots.snaphelpers import Bank, make_bank
 
 
 @pytest.fixture
@@ -18,7 +18,7 @@ def bank(kafka_config: KafkaConfig, unique: str) -> Bank:
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
-    """One SparkSession (local[2]) for every Spark test: start-up costs ~7 s."""
+    """One SparkSession (local[2]) for every Spark test: starting its JVM is the slow part, so once is enough."""
     pytest.importorskip("pyspark")
     from kafold.spark_jobs.session import session
 

@@ -11,8 +11,9 @@ from kafold import kafka_clients, topics
 from kafold.config import AggregateConfig, KafkaConfig, TopicSpec
 from kafold.envelope import Event, encode
 from kafold.snapshot import Domain, Folder, kafka_io, record, restore
+from tests.support import EXAMPLES
 
-BANK = str(Path(__file__).resolve().parents[2] / "examples" / "bank")
+BANK = str(EXAMPLES / "bank")
 
 
 def bank_aggregate(name: str, partitions: int = 2, fingerprint: str = "test-v1") -> AggregateConfig:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -16,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
+from tests.support import free_port
 
 START_TIMEOUT_S = 120.0  # two or three JVMs starting on a busy small machine
 DAEMON_MEMORY = "256m"  # the master's and each worker's own heap
@@ -26,12 +27,6 @@ WORKER_MEMORY = "512m"  # what a worker offers its executors (apps ask for spark
 class Cluster:
     master_url: str  # spark://127.0.0.1:PORT
     procs: tuple[subprocess.Popen[bytes], ...]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _spark_class() -> str:
@@ -75,7 +70,7 @@ def standalone(state_dir: Path, workers: int = 2) -> Iterator[Cluster]:
     env = {**os.environ, "JAVA_HOME": os.environ.get("JAVA_HOME") or find_java_home(),
            "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_DAEMON_MEMORY": DAEMON_MEMORY,
            "SPARK_LOG_DIR": str(state_dir), "SPARK_LOCAL_DIRS": str(state_dir / "local")}
-    port, ui_port = _free_port(), _free_port()
+    port, ui_port = free_port(), free_port()
     master_url = f"spark://127.0.0.1:{port}"
     procs: list[subprocess.Popen[bytes]] = []
 
@@ -89,7 +84,7 @@ def standalone(state_dir: Path, workers: int = 2) -> Iterator[Cluster]:
               "--webui-port", str(ui_port))
         for i in range(workers):
             start(f"worker-{i + 1}", "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
-                  "--cores", "1", "--memory", WORKER_MEMORY, "--webui-port", str(_free_port()),
+                  "--cores", "1", "--memory", WORKER_MEMORY, "--webui-port", str(free_port()),
                   "--work-dir", str(state_dir / f"work-{i + 1}"), master_url)
         deadline = time.monotonic() + START_TIMEOUT_S
         while _alive_workers(ui_port) < workers:

@@ -10,12 +10,19 @@ from typing import Any
 
 import psutil
 import pytest
-import spark_cluster
-from snaphelpers import BANK, Bank, assert_restore_equals_full_replay, make_bank, snapshot_records, write_config
 
 from kafold.config import KafkaConfig
 from kafold.snapshot import record
 from kafold.spark_jobs import snapshot_job
+from tests.snapshots import spark_cluster
+from tests.snapshots.snaphelpers import (
+    BANK,
+    Bank,
+    assert_restore_equals_full_replay,
+    make_bank,
+    snapshot_records,
+    write_config,
+)
 
 pytestmark = pytest.mark.spark
 

@@ -8,12 +8,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from snaphelpers import BANK, Bank, assert_restore_equals_full_replay, make_bank, snapshot_records, write_config
-from snaphelpers import assert_every_snapshot_true_at_its_offset as assert_every_snapshot_true
 
 from kafold.config import KafkaConfig
 from kafold.snapshot import record, restore
 from kafold.spark_jobs import runs
+from tests.snapshots.snaphelpers import (
+    BANK,
+    Bank,
+    assert_restore_equals_full_replay,
+    make_bank,
+    snapshot_records,
+    write_config,
+)
+from tests.snapshots.snaphelpers import assert_every_snapshot_true_at_its_offset as assert_every_snapshot_true
 
 pytestmark = pytest.mark.apache_kafka
 

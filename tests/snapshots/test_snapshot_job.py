@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 from typing import Any
 
 import pytest
-from snaphelpers import BANK, Bank, assert_restore_equals_full_replay, snapshot_records, write_config
-from snaphelpers import assert_every_snapshot_true_at_its_offset as assert_every_snapshot_true
 
 from kafold.snapshot import kafka_io, record, restore
 from kafold.spark_jobs import runs, snapshot_job
+from tests.snapshots.snaphelpers import BANK, Bank, assert_restore_equals_full_replay, snapshot_records, write_config
+from tests.snapshots.snaphelpers import assert_every_snapshot_true_at_its_offset as assert_every_snapshot_true
+from tests.support import child_env
 
 pytestmark = pytest.mark.spark
 
@@ -48,14 +48,13 @@ def test_job_snapshots_equal_full_replay_and_the_next_run_reads_only_new_events(
 
 KILLER = textwrap.dedent("""
     import os, signal, sys
-    sys.path.insert(0, sys.argv[1])
-    from snaphelpers import Bank, bank_aggregate, snapshot_partition
+    from tests.snapshots.snaphelpers import Bank, bank_aggregate, snapshot_partition
     from kafold.config import KafkaConfig
     from kafold.snapshot import kafka_io
 
-    bank = Bank(KafkaConfig(bootstrap_servers=sys.argv[2]), bank_aggregate(sys.argv[3]))
+    bank = Bank(KafkaConfig(bootstrap_servers=sys.argv[1]), bank_aggregate(sys.argv[2]))
     # Like a job task killed between its snapshot writes and its marker: half the snapshots, flushed, no marker.
-    snapshot_partition(bank, 0, limit=int(sys.argv[4]))
+    snapshot_partition(bank, 0, limit=int(sys.argv[3]))
     os.kill(os.getpid(), signal.SIGKILL)
 """)
 
@@ -64,9 +63,8 @@ KILLER = textwrap.dedent("""
 def test_a_job_killed_halfway_then_rerun_is_consistent_and_folds_nothing_twice(spark: Any, bank: Bank,
                                                                               engine: str) -> None:
     bank.produce(500)
-    here = os.path.dirname(__file__)
-    proc = subprocess.run([sys.executable, "-c", KILLER, here, bank.kafka.bootstrap_servers, bank.agg.name, "5"],
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run([sys.executable, "-c", KILLER, bank.kafka.bootstrap_servers, bank.agg.name, "5"],
+                          env=child_env(), capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == -9, proc.stderr
     left = snapshot_records(bank, 0)
     assert len(left) == 5 and not any(record.is_marker(k) for k, _, _ in left)

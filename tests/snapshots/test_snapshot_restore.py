@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from snaphelpers import Bank, bank_aggregate, partition_of, snapshot_partition, write_raw
 
 from kafold import topics
 from kafold.config import KafkaConfig, TopicSpec
 from kafold.daemon.metrics import DaemonMetrics
 from kafold.snapshot import Snapshot, restore
 from kafold.snapshot.select import REJECTED
+from tests.snapshots.snaphelpers import Bank, bank_aggregate, partition_of, snapshot_partition, write_raw
 
 
 def test_restore_after_a_snapshot_replays_only_the_tail(bank: Bank) -> None:
@@ -90,10 +90,9 @@ def test_verify_reports_a_wrong_snapshot_per_aggregate(bank: Bank) -> None:
 
 def test_runtime_restorer_hook_gives_snapshot_states_and_the_tail_start(bank: Bank) -> None:
     """SnapshotRestorer (the aggregate runtime's Restorer) returns the same bases and start as restore()."""
-    from snaphelpers import BANK
-
     from kafold.daemon.aggregates.restorer import SnapshotRestorer
     from kafold.domain import AggregateDomain
+    from tests.snapshots.snaphelpers import BANK
 
     bank.produce(200)
     end = snapshot_partition(bank, 1)

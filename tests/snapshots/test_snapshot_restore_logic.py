@@ -9,11 +9,11 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from snaphelpers import bank_aggregate, bank_domain, generate
 
 from kafold.envelope import Event, encode
 from kafold.snapshot import Folder, Marker, Selector, Snapshot
 from kafold.snapshot.select import REJECTED
+from tests.snapshots.snaphelpers import bank_aggregate, bank_domain, generate
 
 AGG = bank_aggregate("account", partitions=1)
 DOMAIN = bank_domain(AGG)

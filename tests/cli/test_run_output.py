@@ -16,8 +16,8 @@ import psutil
 import pytest
 
 from kafold.config import DaemonConfig
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 GRACE_S = DaemonConfig().shutdown_grace_s + 30  # the daemon's grace, the dev stack's stop and a loaded machine
 
 

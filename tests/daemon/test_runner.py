@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 from confluent_kafka import Consumer, KafkaException
-from contract import committed, create_topic, make_event, produce, wait_for
 from structlog.testing import capture_logs
 
 from kafold import kafka_clients
@@ -25,6 +24,7 @@ from kafold.daemon.runner import SinkRunner
 from kafold.envelope import encode
 from kafold.errors import FatalError, RetriableError
 from kafold.schema import setting
+from tests.support import committed, create_topic, make_event, produce, wait_for
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,9 @@ class RecordingConnector(Connector[RecordingConfig]):
         return [{"task_id": 0, "config": self.config, "received": self.received, "yield_points": self.yield_points}]
 
 
+RECORDING = "tests.daemon.test_runner:RecordingConnector"  # as a configuration names it: its module and class
+
+
 @dataclass
 class Run:
     runner: SinkRunner
@@ -93,7 +96,7 @@ class Run:
 
 
 def start(kafka: KafkaConfig, name: str, topic: str, **config: Any) -> Run:
-    settings = ConnectorConfig(name=name, connector_class="test_runner:RecordingConnector", topics=[topic],
+    settings = ConnectorConfig(name=name, connector_class=RECORDING, topics=[topic],
                                config=config)
     connector = registry.instantiate(settings, Path("."))
     assert isinstance(connector, RecordingConnector)
@@ -327,7 +330,7 @@ def test_a_task_stuck_in_put_is_logged_with_its_stack(kafka_config: KafkaConfig,
     topic = f"{unique}.events"
     create_topic(kafka_config, topic, 1)
     produce(kafka_config, topic, [(0, *valid("a", v)) for v in range(1, 4)])
-    settings = ConnectorConfig(name=unique, connector_class="test_runner:RecordingConnector", topics=[topic],
+    settings = ConnectorConfig(name=unique, connector_class=RECORDING, topics=[topic],
                                config={"put_delay_s": 4.0})
     connector = registry.instantiate(settings, Path("."))
     daemon = DaemonConfig(group_prefix="kt", batch_max_records=10, batch_max_wait_ms=100, shutdown_grace_s=5)

@@ -8,12 +8,11 @@ import sys
 import threading
 from pathlib import Path
 
-from contract import committed, create_topic, make_event, produce, wait_for
-
 from kafold import config
 from kafold.commands import daemon
 from kafold.config import KafkaConfig
 from kafold.envelope import encode
+from tests.support import committed, create_topic, make_event, produce, wait_for
 
 # The CLI module list names commands other engineers are still writing, so the test enters the daemon's
 # handler directly, exactly as `kafold daemon -c FILE` does.

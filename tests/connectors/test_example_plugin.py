@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 from kafold.testing import SinkTaskContract
+from tests.support import EXAMPLES
 
-PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "plugin"
+PLUGIN = EXAMPLES / "plugin"
 
 
 def test_the_example_plugin_installs_registers_and_passes_the_contract(tmp_path: Path, kafka_bootstrap: str) -> None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from contract import SinkTaskContract, make_event
 from structlog.testing import capture_logs
 
 from kafold.connectors.api import TopicPartition
+from tests.support import SinkTaskContract, make_event
 
 
 class TestLogSinkContract(SinkTaskContract):

@@ -12,8 +12,8 @@ import pytest
 from kafold import config
 from kafold.errors import ConfigError
 from kafold.schema import Secret
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "bank" / "kafold.toml"
 
 AGG = """

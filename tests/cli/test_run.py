@@ -18,7 +18,7 @@ import psutil
 import psycopg
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support import ROOT
 
 
 @pytest.mark.integration

@@ -1,0 +1,1 @@
+"""The deployment files checked offline: systemd units, compose, Kubernetes, the container install, Grafana."""

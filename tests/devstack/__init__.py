@@ -1,0 +1,1 @@
+"""The `kafold dev` stack (tansu or Apache Kafka, and PostgreSQL): started, reused, restarted and stopped."""

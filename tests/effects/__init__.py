@@ -1,0 +1,1 @@
+"""Side-effect connectors (webhook, Kafka, Python): ledger, retries, parking, crashes and outages."""

@@ -1,0 +1,1 @@
+"""PostgreSQL projections: the exactly-once writer, mappings, migrations, rebuilds and faults."""

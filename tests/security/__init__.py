@@ -1,0 +1,1 @@
+"""Hostile input, bad configurations, grants and secure defaults."""
