@@ -10,7 +10,7 @@ from typing import Any
 from kafold import logs
 from kafold.config import ConnectorConfig, PostgresConfig
 from kafold.connectors.api import Connector, Metric, Sample, TaskView
-from kafold.connectors.projection import rebuild
+from kafold.connectors.projection import rebuild_state
 from kafold.connectors.projection.config import ProjectionConfig
 from kafold.connectors.projection.holds import held_keys
 from kafold.connectors.projection.task import ProjectionSinkTask
@@ -54,14 +54,14 @@ class ProjectionConnector(Connector[ProjectionConfig]):
         if pgc is None:
             return []
         try:
-            progress = rebuild.progress(pgc, self.name)
+            progress = rebuild_state.progress(pgc, self.name)
             holding = held_keys(pgc, self.name).get(self.name, 0)
         except Exception as e:  # PostgreSQL away: the scrape still answers, without these gauges
             log.debug("rebuild progress not readable", connector=self.name, error=str(e))
             return []
         phase, covered, behind = progress if progress is not None else ("never", 0, 0)
         labels = (self.name,)
-        samples = [("kafold_rebuild_active", labels, 1.0 if phase in rebuild.ACTIVE else 0.0),
+        samples = [("kafold_rebuild_active", labels, 1.0 if phase in rebuild_state.ACTIVE else 0.0),
                    ("kafold_rebuild_offsets_covered", labels, float(covered)),
                    ("kafold_rebuild_offsets_behind", labels, float(behind)),
                    ("kafold_projection_held_keys", labels, float(holding))]

@@ -68,6 +68,7 @@ from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.connector import ProjectionConnector
 from kafold.connectors.projection.holds import stored_headers
 from kafold.connectors.projection.mapping import Mapping, load_mapper
+from kafold.connectors.projection.rebuild_state import ACTIVE, offsets
 from kafold.connectors.projection.task import tune_interpreter
 from kafold.connectors.projection.writer import DeadLetter, ProjectionWriter, holds_lock, tracking_key, tracking_prefix
 from kafold.connectors.registry import instantiate
@@ -78,7 +79,6 @@ from kafold.retry import retrying
 log = logs.get(__name__)
 
 OFFSET_BEGINNING = -2  # librdkafka's logical offset
-ACTIVE = ("copying", "catching-up")
 # How long the swap waits for the live table's lock: the live writer's batch in flight finishes well within it.
 # Queries of the live table queue behind a pending ACCESS EXCLUSIVE request, so the wait is kept short; a lock not
 # granted in time is retried after a backoff.
@@ -165,40 +165,6 @@ def plan(cfg: KafoldConfig, base: Path, name: str) -> Plan:
         mapping = Mapping(pc, load_mapper(pc.mapper) if pc.mapper else None)
     return Plan(name, cfg.kafka, cfg.postgres, pc, mapping, tuple(settings.topics), settings.on_unknown_type,
                 tuple(paths.paths))
-
-
-def state(pgc: PostgresConfig, name: str) -> dict[str, Any] | None:
-    """The rebuild_state row of projection `name` (None if it was never rebuilt)."""
-    from psycopg.rows import dict_row
-
-    with db.connect(pgc, row_factory=dict_row) as conn:
-        return conn.execute(sql.SQL("SELECT * FROM {} WHERE projection = %s").format(
-            db.table(pgc, "rebuild_state")), (name,)).fetchone()
-
-
-def offsets(pgc: PostgresConfig, key: str, conn: psycopg.Connection[Any] | None = None,
-            lock: bool = False) -> dict[TopicPartition, int]:
-    """The checkpoints stored under `key` (FOR UPDATE with `lock`: blocks the writer's next checkpoint)."""
-    query = sql.SQL("{} FOR UPDATE" if lock else "{}").format(q.load_checkpoints(db.table(pgc, "checkpoints")))
-    if conn is None:
-        with db.connect(pgc) as own:
-            rows = own.execute(query, (key,)).fetchall()
-    else:
-        rows = conn.execute(query, (key,)).fetchall()
-    return {TopicPartition(t, p): o for t, p, o in rows}
-
-
-def progress(pgc: PostgresConfig, name: str) -> tuple[str, int, int] | None:
-    """(phase, offsets the shadow covers, offsets it is behind the live connector) of the rebuild of projection
-    `name`, from PostgreSQL alone (what the daemon's /metrics reports); None if it was never rebuilt."""
-    row = state(pgc, name)
-    if row is None:
-        return None
-    behind = 0
-    if row["phase"] in ACTIVE:
-        live, shadow = offsets(pgc, name), offsets(pgc, f"{name}:rebuild")
-        behind = sum(max(0, off - shadow.get(tp, 0)) for tp, off in live.items())
-    return str(row["phase"]), int(row["events"]), behind
 
 
 class _NotYet(RetriableError):

@@ -15,6 +15,7 @@ from rich.table import Table
 from kafold import config, db, devstack, logs
 from kafold.cli import add_config_arg
 from kafold.connectors.projection import rebuild as rb
+from kafold.connectors.projection import rebuild_state
 
 log = logs.get(__name__)
 
@@ -132,7 +133,7 @@ def _reporter(bar: bool, name: str) -> Iterator[Callable[[Any], None]]:
 
 def status(args: argparse.Namespace) -> int:
     plan = _plan(args)
-    row = rb.state(plan.pgc, plan.name)
+    row = rebuild_state.state(plan.pgc, plan.name)
     console = Console()
     if row is None:
         console.print(f"{plan.name}: never rebuilt")
@@ -140,8 +141,8 @@ def status(args: argparse.Namespace) -> int:
     console.print(f"{plan.name}: [bold]{row['phase']}[/bold]  shadow {plan.config.schema}.{row['shadow_table']}  "
                   f"started {row['started_at']:%Y-%m-%d %H:%M:%S %Z}  updated {row['updated_at']:%Y-%m-%d %H:%M:%S %Z}"
                   f"  offsets covered {row['events']:,}")
-    live, shadow = rb.offsets(plan.pgc, plan.name), rb.offsets(plan.pgc, plan.key)
-    if row["phase"] in rb.ACTIVE:
+    live, shadow = rebuild_state.offsets(plan.pgc, plan.name), rebuild_state.offsets(plan.pgc, plan.key)
+    if row["phase"] in rebuild_state.ACTIVE:
         table = Table("topic", "partition", "shadow", "live", "behind")
         for tp in sorted(set(live) | set(shadow), key=lambda t: (t.topic, t.partition)):
             s, li = shadow.get(tp, 0), live.get(tp, 0)

@@ -19,6 +19,7 @@ import pytest
 from kafold import db
 from kafold.config import KafkaConfig, KafoldConfig, PostgresConfig
 from kafold.connectors.projection import rebuild as rb
+from kafold.connectors.projection import rebuild_state
 from kafold.envelope import Event
 from tests.projection.projection_support import (
     dead_letters,
@@ -124,7 +125,7 @@ class RacedRebuild(rb.Rebuild):
 
     def _converge(self, consumer: Any) -> None:
         def live_ahead() -> bool:
-            live = rb.offsets(self.plan.pgc, self.plan.name)
+            live = rebuild_state.offsets(self.plan.pgc, self.plan.name)
             return any(off > self.positions.get(tp, 0) for tp, off in live.items())
         wait_for(live_ahead, "the live connector to move ahead")
         super()._converge(consumer)
@@ -182,7 +183,7 @@ def test_rebuild_under_live_traffic_swaps_in_a_table_equal_to_the_live_result(
     expected = fold(all_events)
     assert read_table(pg_config, table) == expected  # events after the swap landed in the new table
     assert read_table(pg_config, control) == expected  # ...which is what it would be without the rebuild
-    state = rb.state(pg_config, unique)
+    state = rebuild_state.state(pg_config, unique)
     assert state is not None and state["phase"] == "swapped"
     assert stored_offsets(pg_config, plan.key, topic) == {}
     assert _count(pg_config, "SELECT count(*) FROM kafold.tracking WHERE projection = %s", plan.key) == 0
@@ -209,7 +210,7 @@ def test_a_rebuild_killed_halfway_resumes_and_finishes_correctly(
            "-c", str(conf), "--batch", "20", "--max-tail", "500", "--workers", "2"]
 
     def covered() -> int:
-        state = rb.state(pg_config, unique)
+        state = rebuild_state.state(pg_config, unique)
         return int(state["events"]) if state is not None else 0
 
     with open(log, "ab") as out:
@@ -224,8 +225,8 @@ def test_a_rebuild_killed_halfway_resumes_and_finishes_correctly(
         proc.wait(10)
     assert len(workers) >= 2, f"the copy workers were not running; see {log}"
     wait_for(lambda: all(_gone(w) for w in workers), "the copy workers to stop with their parent", 60)
-    before = rb.state(pg_config, unique)
-    assert before is not None and before["phase"] in rb.ACTIVE, f"not killed halfway; see {log}"
+    before = rebuild_state.state(pg_config, unique)
+    assert before is not None and before["phase"] in rebuild_state.ACTIVE, f"not killed halfway; see {log}"
     assert 0 < before["events"] < len(events)
     # The daemon's /metrics shows the rebuild under way, read from PostgreSQL.
     gauges = _rebuild_gauges(kafka_config, pg_config, unique, topic, table)
@@ -239,7 +240,7 @@ def test_a_rebuild_killed_halfway_resumes_and_finishes_correctly(
     with open(log, "ab") as out:
         done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=120)
     assert done.returncode == 0, f"see {log}"
-    after = rb.state(pg_config, unique)
+    after = rebuild_state.state(pg_config, unique)
     assert after is not None and after["phase"] == "swapped"
     assert after["started_at"] == before["started_at"]  # resumed, not restarted
     assert "rebuild resumed" in log.read_text()
@@ -337,7 +338,7 @@ def test_a_rebuild_killed_in_the_tail_phase_resumes_and_finishes_under_traffic(
                     proc.send_signal(signal.SIGKILL)
                     proc.wait(10)
                 report.rollback()
-            before = rb.state(pg_config, unique)
+            before = rebuild_state.state(pg_config, unique)
             assert before is not None and before["phase"] == "catching-up", f"not in the tail phase; see {log}"
             assert "was not locked within" in log.read_text()
             with open(log, "ab") as out:
@@ -353,7 +354,7 @@ def test_a_rebuild_killed_in_the_tail_phase_resumes_and_finishes_under_traffic(
         all_events, all_coords = first + producer.events, coords + producer.coords
         wait_for_offsets(pg_config, unique, topic, ends_of(all_coords), live)
         assert not live.failed
-    after = rb.state(pg_config, unique)
+    after = rebuild_state.state(pg_config, unique)
     assert after is not None and after["phase"] == "swapped" and after["started_at"] == before["started_at"]
     text = log.read_text()
     assert "rebuild resumed" in text and "rebuild swapped" in text
