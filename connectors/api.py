@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
 from kafold.envelope import Event, encode
 
 if TYPE_CHECKING:
-    from kafold.config import ConnectorConfig
+    from kafold.config import ConnectorConfig, KafkaConfig, PostgresConfig
 
 C = TypeVar("C")
 Offsets = Mapping["TopicPartition", int]
@@ -114,6 +114,25 @@ class SourceRecord:
     partition: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class TaskConfig(Generic[C]):
+    """What one task runs with: its id, the connector's validated settings (its `config_class`), its dead-letter
+    topic and the services the host resolved: `kafka` always (the runner fills it in), `postgres` for a connector
+    with `uses_postgres` run by the daemon (a task driven outside it may read `[postgres]` from the environment,
+    `kafold.db.from_environment`). Connector.task_configs makes them; the host adds the services."""
+
+    task_id: int
+    config: C
+    dlq_topic: str | None = None
+    kafka: KafkaConfig | None = None
+    postgres: PostgresConfig | None = None
+
+    def with_services(self, kafka: KafkaConfig | None = None,
+                      postgres: PostgresConfig | None = None) -> TaskConfig[C]:
+        """This config with the host's services (None keeps what it has)."""
+        return replace(self, kafka=kafka or self.kafka, postgres=postgres or self.postgres)
+
+
 class ErrantRecordReporter(ABC):
     """Sends records that cannot be processed to the connector's dead-letter topic."""
 
@@ -167,8 +186,9 @@ class SinkTask(ABC):
     """Receives batches of decoded events from Kafka. Required: start, put, stop."""
 
     @abstractmethod
-    def start(self, task_config: Mapping[str, Any], context: SinkTaskContext) -> None:
-        """Prepare the task (open connections); `task_config` is one of Connector.task_configs()."""
+    def start(self, task_config: TaskConfig[Any], context: SinkTaskContext) -> None:
+        """Prepare the task (open connections); `task_config` is one of Connector.task_configs(), with the
+        host's services."""
 
     @abstractmethod
     def put(self, records: Sequence[SinkRecord]) -> None:
@@ -224,7 +244,7 @@ class SourceTask(ABC):
     """Produces records into Kafka."""
 
     @abstractmethod
-    def start(self, task_config: Mapping[str, Any]) -> None:
+    def start(self, task_config: TaskConfig[Any]) -> None:
         """Prepare the task."""
 
     @abstractmethod
@@ -258,7 +278,7 @@ class TaskView:
 
     task_id: int
     status: Mapping[str, Any]
-    config: Mapping[str, Any]
+    config: TaskConfig[Any]
 
 
 Sample = tuple[str, Sequence[str], float]  # metric name, label values (in the metric's label order), value
@@ -291,9 +311,9 @@ class Connector(ABC, Generic[C]):
     def is_sink(cls) -> bool:
         return issubclass(cls.task_class, SinkTask)
 
-    def task_configs(self, max_tasks: int) -> list[dict[str, Any]]:
-        """One dict per task to run (at most `max_tasks`); default: a single task sharing the config."""
-        return [{"task_id": 0, "config": self.config}]
+    def task_configs(self, max_tasks: int) -> list[TaskConfig[C]]:
+        """One config per task to run (at most `max_tasks`); default: a single task sharing the settings."""
+        return [TaskConfig(0, self.config, self.settings.dlq_topic)]
 
     def sample_metrics(self, tasks: Sequence[TaskView]) -> Iterable[Sample]:
         """The current values of `metrics` for this connector, from its running tasks; called at every scrape of

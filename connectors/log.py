@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
-from kafold.connectors.api import Connector, SinkRecord, SinkTask, SinkTaskContext, TopicPartition
+from kafold.connectors.api import Connector, SinkRecord, SinkTask, SinkTaskContext, TaskConfig, TopicPartition
 from kafold.schema import setting
 
 _LEVELS = ("debug", "info", "warning")
@@ -24,8 +24,8 @@ class LogSinkConfig:
 class LogSinkTask(SinkTask):
     """Logs what it receives; keeps no state, so every offset it is offered can be committed."""
 
-    def start(self, task_config: Mapping[str, Any], context: SinkTaskContext) -> None:
-        self.config: LogSinkConfig = task_config["config"]
+    def start(self, task_config: TaskConfig[LogSinkConfig], context: SinkTaskContext) -> None:
+        self.config = task_config.config
         self.log = structlog.get_logger("kafold.connectors.log").bind(
             connector=context.connector_name, task=context.task_id)
 
@@ -58,5 +58,5 @@ class LogSinkConnector(Connector[LogSinkConfig]):
     config_class = LogSinkConfig
     task_class = LogSinkTask
 
-    def task_configs(self, max_tasks: int) -> list[dict[str, Any]]:
-        return [{"task_id": i, "config": self.config} for i in range(max_tasks)]
+    def task_configs(self, max_tasks: int) -> list[TaskConfig[LogSinkConfig]]:
+        return [TaskConfig(i, self.config, self.settings.dlq_topic) for i in range(max_tasks)]

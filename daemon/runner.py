@@ -37,6 +37,7 @@ from kafold.connectors.api import (
     SinkRecord,
     SinkTask,
     SinkTaskContext,
+    TaskConfig,
     TopicPartition,
     sink_record,
 )
@@ -144,14 +145,14 @@ class RunnerView(Protocol):
 class SinkRunner:
     """Runs one task of a sink connector in the calling thread until `stop` is set or the task fails."""
 
-    def __init__(self, connector: Connector[Any], task_config: Mapping[str, Any], *, kafka: KafkaConfig,
+    def __init__(self, connector: Connector[Any], task_config: TaskConfig[Any], *, kafka: KafkaConfig,
                  daemon: DaemonConfig, stop: threading.Event | None = None,
                  reporter: ErrantRecordReporter | None = None,
                  consumer_extra: Mapping[str, Any] | None = None) -> None:
         if not connector.is_sink():
             raise FatalError(f"connector {connector.name!r} is not a sink connector")
         self.connector = connector
-        self.task_config = task_config
+        self.task_config = task_config.with_services(kafka=task_config.kafka or kafka)  # the task's [kafka]
         self.kafka = kafka
         self.daemon = daemon
         self.stop_event = stop or threading.Event()
@@ -161,7 +162,7 @@ class SinkRunner:
         self._owns_reporter = reporter is None
         self.consumer_extra = dict(consumer_extra or {})
         self.task: SinkTask = connector.task_class()  # type: ignore[assignment]
-        self.context = _Context(self, int(task_config.get("task_id", 0)))
+        self.context = _Context(self, task_config.task_id)
         self.log = log.bind(connector=connector.name, task=self.context.task_id)
         self.consumer: Any = None
         self.assigned: set[TopicPartition] = set()

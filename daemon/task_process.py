@@ -195,8 +195,7 @@ def child_main(conn: Connection, spec: TaskSpec) -> None:
     logs.configure(*spec.log)
     sys.path[:0] = [p for p in spec.python_path if p not in sys.path]
     connector = instantiate(spec.settings, spec.base)
-    task_config = {**connector.task_configs(spec.tasks_max)[spec.task_index], "kafka": spec.kafka,
-                   "postgres": spec.postgres}
+    task_config = connector.task_configs(spec.tasks_max)[spec.task_index].with_services(spec.kafka, spec.postgres)
     runner = SinkRunner(connector, task_config, kafka=spec.kafka, daemon=spec.daemon)
     batches: list[BatchStats] = []
     send_lock = threading.Lock()

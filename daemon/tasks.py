@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from kafold import logs
 from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig, KafoldConfig, PostgresConfig
-from kafold.connectors.api import Connector
+from kafold.connectors.api import Connector, TaskConfig
 from kafold.daemon.runner import BatchStats, RunnerView, SinkRunner
 from kafold.daemon.task_process import RemoteRunner, TaskSpec
 
@@ -43,12 +43,12 @@ class AggregateRuntime(Protocol):
 class TaskSlot:
     """One sink task: its current SinkRunner and thread; `restart` replaces both."""
 
-    def __init__(self, connector: Connector[Any], task_config: dict[str, Any], kafka: KafkaConfig,
+    def __init__(self, connector: Connector[Any], task_config: TaskConfig[Any], kafka: KafkaConfig,
                  daemon: DaemonConfig, on_batch: Callable[[RunnerView, BatchStats], None] | None = None,
                  on_exit: Callable[[TaskSlot], None] | None = None) -> None:
         self.connector = connector
         self.task_config = task_config
-        self.task_id = int(task_config.get("task_id", 0))
+        self.task_id = task_config.task_id
         self.kafka, self.daemon = kafka, daemon
         self.on_batch, self.on_exit = on_batch, on_exit
         self.restarting = False
@@ -142,7 +142,7 @@ class ProcessTaskSlot(TaskSlot):
     """A sink task whose runner runs in a child process (`daemon.task_processes`, see daemon.task_process); the
     slot's thread follows the child, and `runner` is the parent's view of it."""
 
-    def __init__(self, connector: Connector[Any], task_config: dict[str, Any], kafka: KafkaConfig,
+    def __init__(self, connector: Connector[Any], task_config: TaskConfig[Any], kafka: KafkaConfig,
                  daemon: DaemonConfig, spec: TaskSpec,
                  on_batch: Callable[[RunnerView, BatchStats], None] | None = None,
                  on_exit: Callable[[TaskSlot], None] | None = None) -> None:
@@ -150,7 +150,7 @@ class ProcessTaskSlot(TaskSlot):
         super().__init__(connector, task_config, kafka, daemon, on_batch, on_exit)
 
     def _runner(self) -> RunnerView:
-        return RemoteRunner(self.connector, int(self.task_config.get("task_id", 0)), self.spec)
+        return RemoteRunner(self.connector, self.task_config.task_id, self.spec)
 
     def _stack(self) -> str:
         pid = getattr(self.runner, "pid", None)
@@ -164,7 +164,7 @@ def task_slots(connector: Connector[Any], kafka: KafkaConfig, postgres: Postgres
     """The slots of a connector's tasks (at most `tasks_max`): threads, or with `daemon.task_processes` child
     processes. Each task gets the configured services with its task config (Connect's worker config)."""
     n = connector.settings.tasks_max
-    configs = [{**tc, "kafka": kafka, "postgres": postgres} for tc in connector.task_configs(n)[:n]]
+    configs = [tc.with_services(kafka, postgres) for tc in connector.task_configs(n)[:n]]
     if not daemon.task_processes:
         return [TaskSlot(connector, tc, kafka, daemon, on_batch, on_exit) for tc in configs]
     return [ProcessTaskSlot(connector, tc, kafka, daemon, TaskSpec(

@@ -125,7 +125,7 @@ def table(pgc: PostgresConfig, name: str) -> sql.Composed:
 
 def from_environment(environ: Mapping[str, str] | None = None) -> PostgresConfig:
     """[postgres] from `KAFOLD_POSTGRES__*` variables, for a task whose host did not hand it the configured section
-    (task_config["postgres"]): a task driven outside the daemon. Never a guess: without a URL it is a ConfigError
+    (TaskConfig.postgres): a task driven outside the daemon. Never a guess: without a URL it is a ConfigError
     (the CLI's commands, not the tasks, fill a missing URL in from a running `kafold dev` stack)."""
     env = os.environ if environ is None else environ
     prefix = f"{ENV_PREFIX}POSTGRES__"

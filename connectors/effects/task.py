@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from kafold import db, logs
-from kafold.config import KafkaConfig, PostgresConfig
+from kafold.config import KafkaConfig
 from kafold.connectors.api import (
     Connector,
     Metric,
@@ -31,6 +31,7 @@ from kafold.connectors.api import (
     SinkRecord,
     SinkTask,
     SinkTaskContext,
+    TaskConfig,
     TaskView,
     TopicPartition,
 )
@@ -60,17 +61,14 @@ OPEN_RETRY_S = 60.0  # how long `open` waits for PostgreSQL (parked keys) before
 class EffectSinkTask(SinkTask):
     """Hands events to the ordered-per-key executor; commits per the connector's delivery mode."""
 
-    def start(self, task_config: Mapping[str, Any], context: SinkTaskContext) -> None:
+    def start(self, task_config: TaskConfig[EffectConfig], context: SinkTaskContext) -> None:
         self.context = context
-        self.config: EffectConfig = task_config["config"]
-        kafka, pg = task_config.get("kafka"), task_config.get("postgres")
-        if not isinstance(kafka, KafkaConfig):  # the host did not pass [kafka]: use the runner's
-            kafka = getattr(getattr(context, "runner", None), "kafka", None)
-        if not isinstance(pg, PostgresConfig):  # the host did not pass [postgres] (same rule as the projection)
-            pg = db.from_environment()
-        if not isinstance(kafka, KafkaConfig):
+        self.config = task_config.config
+        kafka = task_config.kafka
+        pg = task_config.postgres or db.from_environment()  # same rule as the projection's
+        if kafka is None:
             raise FatalError(f"effect connector {context.connector_name!r}: no [kafka] section reached the task "
-                             "(pass it as task_config['kafka'], see with_services)")
+                             "(TaskConfig.kafka; the runner fills it in)")
         self.name = context.connector_name
         if pg.migrate_on_start:
             # The ledger's tables exist before `open` reads parked keys: a task never relies on another connector
@@ -83,7 +81,7 @@ class EffectSinkTask(SinkTask):
             retrying(lambda: db.upgrade(pg), within_s=OPEN_RETRY_S, on_retry=warn)
         self.at_most_once = self.config.delivery == AT_MOST_ONCE
         self.tracker = OffsetTracker()
-        self.dlq = DeadLetterWriter(kafka, task_config.get("dlq_topic") or f"kafold.dlq.{self.name}", self.name)
+        self.dlq = DeadLetterWriter(kafka, task_config.dlq_topic or f"kafold.dlq.{self.name}", self.name)
         self.ledger = Ledger(pg, self.name, self.dlq, self.config.ledger_flush_ms / 1000)
         c = self.config
         policy = RetryPolicy(c.max_attempts, c.max_age_s, c.backoff_initial_s, c.backoff_max_s)
@@ -222,11 +220,6 @@ def build_effect(config: EffectConfig, kafka: KafkaConfig, name: str) -> Effect:
     raise FatalError(f"no effect for {type(config).__name__}")
 
 
-def with_services(task_config: Mapping[str, Any], kafka: KafkaConfig, postgres: PostgresConfig) -> dict[str, Any]:
-    """A task config carrying the global [kafka] and [postgres] sections the effect task needs."""
-    return {**task_config, "kafka": kafka, "postgres": postgres}
-
-
 _BY_ENDPOINT = ("connector", "task", "endpoint")
 
 
@@ -245,9 +238,8 @@ class _EffectConnector(Connector[Any]):
         Metric("kafold_effect_parked_keys", "Keys parked in this task.", _BY_ENDPOINT),
     )
 
-    def task_configs(self, max_tasks: int) -> list[dict[str, Any]]:
-        return [{"task_id": i, "config": self.config, "dlq_topic": self.settings.dlq_topic}
-                for i in range(max_tasks)]
+    def task_configs(self, max_tasks: int) -> list[TaskConfig[Any]]:
+        return [TaskConfig(i, self.config, self.settings.dlq_topic) for i in range(max_tasks)]
 
     def sample_metrics(self, tasks: Sequence[TaskView]) -> Iterable[Sample]:
         for task in tasks:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from kafold import logs
-from kafold.config import ConnectorConfig, PostgresConfig
-from kafold.connectors.api import Connector, Metric, Sample, TaskView
+from kafold.config import ConnectorConfig
+from kafold.connectors.api import Connector, Metric, Sample, TaskConfig, TaskView
 from kafold.connectors.projection import rebuild_state
 from kafold.connectors.projection.config import ProjectionConfig
 from kafold.connectors.projection.holds import held_keys
@@ -40,17 +39,15 @@ class ProjectionConnector(Connector[ProjectionConfig]):
         super().__init__(settings, config)
         self._sampled: tuple[float, list[Sample]] = (float("-inf"), [])
 
-    def task_configs(self, max_tasks: int) -> list[dict[str, Any]]:
+    def task_configs(self, max_tasks: int) -> list[TaskConfig[ProjectionConfig]]:
         # Tasks share the consumer group and split the partitions; each row key lives in one partition.
-        return [{"task_id": i, "config": self.config, "dlq_topic": self.settings.dlq_topic}
-                for i in range(max_tasks)]
+        return [TaskConfig(i, self.config, self.settings.dlq_topic) for i in range(max_tasks)]
 
     def sample_metrics(self, tasks: Sequence[TaskView]) -> Iterable[Sample]:
         at, samples = self._sampled
         if time.monotonic() - at < CACHE_S:
             return samples
-        pgc = next((t.config["postgres"] for t in tasks if isinstance(t.config.get("postgres"), PostgresConfig)),
-                   None)
+        pgc = next((t.config.postgres for t in tasks if t.config.postgres is not None), None)
         if pgc is None:
             return []
         try:

@@ -27,17 +27,17 @@ from __future__ import annotations
 import gc
 import sys
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from kafold import db, logs
-from kafold.config import PostgresConfig
 from kafold.connectors.api import (
     Offsets,
     RawRecord,
     SinkRecord,
     SinkTask,
     SinkTaskContext,
+    TaskConfig,
     TopicPartition,
 )
 from kafold.connectors.projection.config import ProjectionConfig
@@ -80,18 +80,16 @@ def tune_interpreter() -> None:
 class ProjectionSinkTask(SinkTask):
     """Projects events into one PostgreSQL table with exactly-once checkpoints."""
 
-    def start(self, task_config: Mapping[str, Any], context: SinkTaskContext) -> None:
+    def start(self, task_config: TaskConfig[ProjectionConfig], context: SinkTaskContext) -> None:
         self.context = context
-        self.config: ProjectionConfig = task_config["config"]
-        pgc = task_config.get("postgres")
-        if not isinstance(pgc, PostgresConfig):
-            # The host did not pass [postgres] (a task driven outside the daemon): take it from KAFOLD_POSTGRES__*.
-            pgc = db.from_environment()
+        self.config = task_config.config
+        # A task driven outside the daemon may have no [postgres]: KAFOLD_POSTGRES__* then say where (else a
+        # ConfigError naming postgres.url).
+        pgc = task_config.postgres or db.from_environment()
         self.name = context.connector_name
         mapper = load_mapper(self.config.mapper) if self.config.mapper else None
         self.mapping = EventMapping(self.config, mapper)
-        self.writer = ProjectionWriter(pgc, self.config, self.mapping, task_config.get("checkpoint_key") or self.name,
-                                       task_config.get("namespace"), task_config.get("table"))
+        self.writer = ProjectionWriter(pgc, self.config, self.mapping, self.name)
         self.stored: dict[TopicPartition, int] = {}
         self.totals = BatchResult()
         self.log = log.bind(connector=self.name, task=context.task_id, table=self.writer.table)

@@ -20,7 +20,6 @@ from kafold import db, kafka_clients, logs
 from kafold.bench import embedded_stack, short_group
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig, load_file
 from kafold.connectors.effects import ops
-from kafold.connectors.effects.task import with_services
 from kafold.connectors.registry import instantiate
 from kafold.daemon.runner import SinkRunner
 from kafold.envelope import Event, encode
@@ -103,7 +102,7 @@ def _start(kafka: Any, pg: Any, name: str, topic: str, url: str, concurrency: in
         "url": f"{url}/hook", "allow_http": True, "concurrency": concurrency})
     connector = instantiate(settings, Path("."))
     daemon = DaemonConfig(group_prefix="kafold-bench", batch_max_records=5000, batch_max_wait_ms=100)
-    runner = SinkRunner(connector, with_services(connector.task_configs(1)[0], kafka, pg), kafka=kafka,
+    runner = SinkRunner(connector, connector.task_configs(1)[0].with_services(kafka, pg), kafka=kafka,
                         daemon=daemon)
     thread = threading.Thread(target=runner.run, name="bench-effects", daemon=True)
     thread.start()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
+import sys
 from typing import Any
 
 from kafold.bench import AREAS, BROKER_USAGE
@@ -25,6 +27,9 @@ def register(sub: Any) -> None:
 
 
 def _run(mod: Any, args: argparse.Namespace) -> int:
+    # SIGTERM (a timeout, a supervisor) unwinds like Ctrl-C, so the stack and daemons the bench started are stopped
+    # by its exit handlers instead of being left running.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     figures: dict[str, Any] = mod.run(args)
     figures.update(BROKER_USAGE)  # the broker's own CPU time over the bench (when it ran on the dev stack)
     if args.json:

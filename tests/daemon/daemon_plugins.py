@@ -6,9 +6,8 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from kafold.connectors.api import Connector, SinkRecord, SinkTask, SinkTaskContext
+from kafold.connectors.api import Connector, SinkRecord, SinkTask, SinkTaskContext, TaskConfig
 from kafold.errors import FatalError
 from kafold.schema import setting
 
@@ -25,8 +24,8 @@ class PluginConfig:
 
 
 class PluginTask(SinkTask):
-    def start(self, task_config: Any, context: SinkTaskContext) -> None:
-        self.config: PluginConfig = task_config["config"]
+    def start(self, task_config: TaskConfig[PluginConfig], context: SinkTaskContext) -> None:
+        self.config = task_config.config
         self.name = context.connector_name
 
     def put(self, records: Sequence[SinkRecord]) -> None:

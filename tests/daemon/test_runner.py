@@ -17,7 +17,7 @@ from structlog.testing import capture_logs
 from kafold import kafka_clients
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig
 from kafold.connectors import registry
-from kafold.connectors.api import Connector, SinkRecord, SinkTask, SinkTaskContext
+from kafold.connectors.api import Connector, SinkRecord, SinkTask, SinkTaskContext, TaskConfig
 from kafold.daemon import tasks
 from kafold.daemon.liveness import GroupWatch
 from kafold.daemon.runner import SinkRunner
@@ -36,13 +36,22 @@ class RecordingConfig:
                                        "blocks this long; close forgets the pause with the partitions.", minimum=0.0)
 
 
+@dataclass(frozen=True)
+class Recording:
+    """What a recording task gets: the settings, and the connector's lists it records into."""
+
+    settings: RecordingConfig
+    received: list[SinkRecord]
+    yield_points: list[int]
+
+
 class RecordingTask(SinkTask):
     """Remembers every record of every successful put."""
 
-    def start(self, task_config: Any, context: SinkTaskContext) -> None:
-        self.config: RecordingConfig = task_config["config"]
-        self.received: list[SinkRecord] = task_config["received"]
-        self.yield_points: list[int] = task_config.setdefault("yield_points", [])
+    def start(self, task_config: TaskConfig[Recording], context: SinkTaskContext) -> None:
+        self.config = task_config.config.settings
+        self.received = task_config.config.received
+        self.yield_points = task_config.config.yield_points
         self.failures = 0
         self.context = context
         self.paused: set[Any] = set()
@@ -80,8 +89,8 @@ class RecordingConnector(Connector[RecordingConfig]):
         self.received: list[SinkRecord] = []
         self.yield_points: list[int] = []
 
-    def task_configs(self, max_tasks: int) -> list[dict[str, Any]]:
-        return [{"task_id": 0, "config": self.config, "received": self.received, "yield_points": self.yield_points}]
+    def task_configs(self, max_tasks: int) -> list[TaskConfig[Any]]:
+        return [TaskConfig(0, Recording(self.config, self.received, self.yield_points))]
 
 
 RECORDING = "tests.daemon.test_runner:RecordingConnector"  # as a configuration names it: its module and class

@@ -14,7 +14,6 @@ import orjson
 
 from kafold import logs
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig
-from kafold.connectors.effects.task import with_services
 from kafold.connectors.registry import instantiate
 from kafold.daemon.runner import SinkRunner
 
@@ -32,7 +31,7 @@ def main() -> int:
                           batch_max_wait_ms=50, shutdown_grace_s=5)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    runner = SinkRunner(connector, with_services(connector.task_configs(1)[0], kafka, pg), kafka=kafka,
+    runner = SinkRunner(connector, connector.task_configs(1)[0].with_services(kafka, pg), kafka=kafka,
                         daemon=daemon, stop=stop)
     runner.run()
     return 1 if runner.error else 0

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig
-from kafold.connectors.effects.task import with_services
 from kafold.connectors.registry import instantiate
 from kafold.daemon.runner import SinkRunner
 from tests.support import ROOT
@@ -34,7 +33,7 @@ def start_effects(kafka: KafkaConfig, pg: PostgresConfig, name: str, topic: str,
     connector = instantiate(settings, Path("."))
     daemon = DaemonConfig(group_prefix="kt", batch_max_records=batch, batch_max_wait_ms=50, shutdown_grace_s=5)
     stop = threading.Event()
-    runner = SinkRunner(connector, with_services(connector.task_configs(1)[0], kafka, pg), kafka=kafka,
+    runner = SinkRunner(connector, connector.task_configs(1)[0].with_services(kafka, pg), kafka=kafka,
                         daemon=daemon, stop=stop)
     thread = threading.Thread(target=runner.run, daemon=True)
     thread.start()

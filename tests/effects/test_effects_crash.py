@@ -123,7 +123,6 @@ def test_at_most_once_holds_records_whose_commit_failed(effects_pg: PostgresConf
     commit covering them succeeds — run uncommitted, a crash would run them again."""
     from kafold.config import ConnectorConfig
     from kafold.connectors.api import SinkRecord, TopicPartition
-    from kafold.connectors.effects.task import with_services
     from kafold.connectors.registry import instantiate
     from tests.support import LocalContext
 
@@ -136,7 +135,7 @@ def test_at_most_once_holds_records_whose_commit_failed(effects_pg: PostgresConf
     ctx = LocalContext(unique)
     tp = TopicPartition("t", 0)
     ctx.assigned = {tp}
-    task.start(with_services(connector.task_configs(1)[0], kafka_config, effects_pg), ctx)
+    task.start(connector.task_configs(1)[0].with_services(kafka_config, effects_pg), ctx)
     try:
         task.open([tp])
         events = [make_event("k", v) for v in (1, 2)]

@@ -131,7 +131,7 @@ def running(kafka: KafkaConfig, pgc: PostgresConfig, cfg: ConnectorConfig, group
             batch: int = 500) -> Iterator[SinkRunner]:
     """A SinkRunner of the projection in a thread, given the [postgres] section as the daemon host would."""
     connector = instantiate(cfg, Path("."))
-    task_config = {**connector.task_configs(1)[0], "postgres": pgc}
+    task_config = connector.task_configs(1)[0].with_services(postgres=pgc)
     runner = SinkRunner(connector, task_config, kafka=kafka,
                         daemon=DaemonConfig(group_prefix=group_prefix, batch_max_records=batch, shutdown_grace_s=5))
     thread = threading.Thread(target=runner.run, daemon=True)

@@ -268,7 +268,7 @@ def _rebuild_gauges(kafka: KafkaConfig, pgc: PostgresConfig, name: str, topic: s
     from kafold.daemon.tasks import ConnectorGroup, TaskSlot
 
     connector = instantiate(settings(name, topic, table), Path("."))
-    slot = TaskSlot(connector, {**connector.task_configs(1)[0], "postgres": pgc}, kafka, DaemonConfig())
+    slot = TaskSlot(connector, connector.task_configs(1)[0].with_services(kafka, pgc), kafka, DaemonConfig())
     collector = ConnectorCollector(lambda: [ConnectorGroup(connector, [slot])])
     return {family.name: family.samples[0].value for family in collector.collect()
             if family.samples and family.samples[0].labels == {"connector": name}}

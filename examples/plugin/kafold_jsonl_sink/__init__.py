@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
-from kafold.connectors.api import Connector, Offsets, SinkRecord, SinkTask, SinkTaskContext, TopicPartition
+from kafold.connectors.api import Connector, Offsets, SinkRecord, SinkTask, SinkTaskContext, TaskConfig, TopicPartition
 from kafold.envelope import encode
 from kafold.errors import RecordError, RetriableError
 from kafold.schema import setting
@@ -33,8 +33,8 @@ class JsonlSinkConfig:
 class JsonlSinkTask(SinkTask):
     """Appends events to one file per assigned partition; offsets live in the files (see the module note)."""
 
-    def start(self, task_config: Mapping[str, Any], context: SinkTaskContext) -> None:
-        self.config: JsonlSinkConfig = task_config["config"]
+    def start(self, task_config: TaskConfig[JsonlSinkConfig], context: SinkTaskContext) -> None:
+        self.config = task_config.config
         self.context = context
         self.files: dict[TopicPartition, IO[str]] = {}
         self.last: dict[TopicPartition, int] = {}  # offset of each file's last line (-1: empty)
@@ -106,5 +106,5 @@ class JsonlSinkConnector(Connector[JsonlSinkConfig]):
     config_class = JsonlSinkConfig
     task_class = JsonlSinkTask
 
-    def task_configs(self, max_tasks: int) -> list[dict[str, Any]]:
-        return [{"task_id": i, "config": self.config} for i in range(max_tasks)]
+    def task_configs(self, max_tasks: int) -> list[TaskConfig[JsonlSinkConfig]]:
+        return [TaskConfig(i, self.config, self.settings.dlq_topic) for i in range(max_tasks)]
