@@ -18,7 +18,7 @@ AREAS: dict[str, str] = {"projection": "projection", "daemon": "daemon", "snapsh
                         "aggregates": "aggregates", "rebuild": "rebuild"}
 
 # Short group timeouts for the benches' consumers: a first JoinGroup waits for them on the embedded broker
-# (ENVIRONMENT.md), and otherwise for the default rebalance timeout.
+# (docs/brokers.md), and otherwise for the default rebalance timeout.
 SHORT_GROUP_TIMEOUTS = {"session_timeout_ms": 6000, "rebalance_timeout_ms": 6000, "heartbeat_interval_ms": 1000}
 
 

@@ -21,7 +21,7 @@ def test_no_command_is_decided_before_the_backlog_is_replayed(kafka_config: Kafk
     """Each command withdraws an account's full balance with expected_version = its backlog version: a gate that
     opened before the replay reached the true end would decide on a partial state and reject or misnumber it.
     The true end is counted by the test (50k records from a non-transactional producer = offsets 0..49999), not
-    taken from ListOffsets, which under-reports on the embedded broker (ENVIRONMENT.md); on Apache Kafka the end
+    taken from ListOffsets, which under-reports on the embedded broker (docs/brokers.md); on Apache Kafka the end
     the gate captured at assignment (ListOffsets) must be that exact end."""
     agg = bank_config(unique, partitions=1)
     create_topics(kafka_config, agg)

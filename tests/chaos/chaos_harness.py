@@ -20,7 +20,7 @@ Invariants checked once the faults stop and the system settled (see `check`): ea
 fold (0 missing, 0 duplicate rows); every command has exactly one result (content), versions per aggregate are
 consecutive with no two events on one version; every item event was delivered >= 1 time and applied once per
 idempotency key at the receiver; no key left parked; committed/stored offsets equal the end offsets; snapshot + tail
-equals a full replay. Broker quirk (tansu, ../shared/ENVIRONMENT.md and tests/aggregates/test_transactions.py):
+equals a full replay. Broker quirk (tansu, docs/brokers.md and tests/aggregates/test_transactions.py):
 read_committed readers also see records of aborted transactions, so a command re-processed after a kill may show
 its (identical) result and events twice on the topics: the checker compares distinct contents and dedups events by
 their deterministic ids, which is what every kafold consumer does.
@@ -495,7 +495,7 @@ def read_topic(kafka: KafkaConfig, topic: str) -> list[Any]:
 def end_offsets(kafka: KafkaConfig, topic: str) -> dict[int, int]:
     """Per partition, the offset after the last data record (what a consumer that handled everything stores).
 
-    Broker quirk (tansu, see ../shared/ENVIRONMENT.md): its high watermark can lag the log by a few records, and
+    Broker quirk (tansu, see docs/brokers.md): its high watermark can lag the log by a few records, and
     on a transactional topic the last offset is a commit marker that consumers never see; so the end is found by
     reading the tail of each partition, not from the watermark alone.
     """

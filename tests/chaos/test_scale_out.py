@@ -48,7 +48,7 @@ def _wait_members(chaos: Chaos, want: int, timeout: float = 120.0) -> dict[str, 
 @pytest.mark.timeout(900)
 def test_three_instances_join_leave_and_roll_while_traffic_flows(tmp_path: Path, broker_kind: str) -> None:
     if broker_kind != "kafka":
-        pytest.skip("tansu stalls a consumer group's rebalance once it has two members (../shared/ENVIRONMENT.md): "
+        pytest.skip("tansu stalls a consumer group's rebalance once it has two members (docs/brokers.md): "
                     "several instances in one group run on Apache Kafka only")
     chaos = Chaos(tmp_path, seed=41, spark=False, broker="kafka", nodes=1, kinds=())
     try:

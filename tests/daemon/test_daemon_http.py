@@ -122,7 +122,7 @@ def test_connect_endpoints_return_kafka_connect_json_shapes(
         second = d.runner
         assert d.call("POST", "/connectors/sink/restart") == (204, None)
         # Stop only after that restart's task joined its group: leaving in the middle of a first join can stall
-        # the group on the embedded broker (../shared/ENVIRONMENT.md), and the daemon would miss its grace period.
+        # the group on the embedded broker (docs/brokers.md), and the daemon would miss its grace period.
         wait_for(lambda: d.runner is not second and d.runner.counts["assignments"] > 0, "the second restart")
 
 

@@ -94,7 +94,7 @@ def test_sighup_and_post_reload_apply_connector_changes_and_refuse_a_bad_file(
         status, body = _call(port, "POST", "/reload")
         assert status == 200 and body["added"] == ["d"] and body["unchanged"] == ["a", "c"], body
         # Stop only once d joined its group: a member leaving in the middle of its first join can stall the group
-        # on the embedded broker (see ../shared/ENVIRONMENT.md).
+        # on the embedded broker (see docs/brokers.md).
         wait_for(lambda: _started(log, "d", "partitions assigned") == 1, "d started", 60)
         assert _started(log, "a") == 2 and _started(log, "c") == 1
         assert _call(port, "GET", "/connectors/a/status")[1]["connector"]["state"] == "RUNNING"
