@@ -113,13 +113,11 @@ class AggregateRuntime:
         """(state, version, where it was read from) of an aggregate of a LIVE partition: "memory" (the cache) or
         "events" (evicted, rebuilt from its events partition). None = unknown here (not assigned to this
         instance, still recovering, or no events yet)."""
-        with self.store.lock:
-            entry = self.store.entries.get(aggregate_id)
-            if entry is not None:
-                gate = self.gates.get(entry.partition)
-                live = gate is not None and gate.live and entry.version > 0
-                return (entry.state, entry.version, "memory") if live else None
-            partition = next((p for p, ids in self.store.evicted.items() if aggregate_id in ids), None)
+        entry, partition = self.store.locate(aggregate_id)
+        if entry is not None:
+            gate = self.gates.get(entry.partition)
+            live = gate is not None and gate.live and entry.version > 0
+            return (entry.state, entry.version, "memory") if live else None
         if partition is None:
             return None
         private = StateStore(1)
@@ -128,15 +126,12 @@ class AggregateRuntime:
             recovery.reload(reader, self.topics["events"], self.domain, private, partition, {aggregate_id})
         finally:
             reader.close()
-        found = private.entries.get(aggregate_id)
+        found, _ = private.locate(aggregate_id)
         return (found.state, found.version, "events") if found is not None and found.version else None
 
     def idempotency(self) -> dict[str, int]:
         """The idempotency window's figures: ids held, expired, dropped early (beyond idempotency_max_ids)."""
-        with self.store.lock:
-            w = self.store.window
-            return {"ids_held": w.held(self.store.entries), "expired": w.expired, "dropped_early": w.dropped_early,
-                    "window_s": self.window_ms // 1000, "max_ids": w.max_ids}
+        return {**self.store.window_figures(), "window_s": self.window_ms // 1000}
 
     def get_state(self, aggregate_id: str) -> Any:
         """The domain state of one aggregate, or None (thread-safe; served at GET /aggregates/{name}/{id})."""
@@ -427,7 +422,7 @@ class AggregateRuntime:
             if key is None:
                 continue
             aid = key.decode("utf-8", "replace")
-            if self.store.is_evicted(m.partition(), aid) and aid not in self.store.entries:
+            if self.store.missing(m.partition(), aid):
                 wanted.setdefault(m.partition(), set()).add(aid)
         if not wanted:
             return
@@ -444,17 +439,7 @@ class AggregateRuntime:
         """After an aborted transaction: restore the touched states (and take their outcomes back out of the
         window) and read the batch's commands again."""
         self.counts["aborts"] += 1
-        with self.store.lock:
-            for aid, (old, command_ids) in undo.items():
-                entry = self.store.entries.get(aid)
-                if entry is None:
-                    continue
-                for cid in command_ids:
-                    self.store.window.forget(entry, cid)
-                if old is None:
-                    self.store.entries.pop(aid, None)
-                else:
-                    entry.state, entry.version = old
+        self.store.revert(undo)
         for n, off in first.items():
             if n in self.gates:
                 self.consumer.seek(KTP(self.topics["commands"], n, off))

@@ -57,6 +57,42 @@ class StateStore:
         ev = self.evicted.get(partition)
         return ev is not None and aggregate_id in ev
 
+    def missing(self, partition: int, aggregate_id: str) -> bool:
+        """Evicted and not cached again: its state must be reloaded from Kafka before a decision."""
+        with self.lock:
+            return self.is_evicted(partition, aggregate_id) and aggregate_id not in self.entries
+
+    def locate(self, aggregate_id: str) -> tuple[Entry | None, int | None]:
+        """(its cached entry, else None; the partition it was evicted from, else None), without touching the LRU
+        order: a read from another thread must not keep an aggregate cached."""
+        with self.lock:
+            entry = self.entries.get(aggregate_id)
+            if entry is not None:
+                return entry, None
+            return None, next((p for p, ids in self.evicted.items() if aggregate_id in ids), None)
+
+    def revert(self, undo: dict[str, tuple[tuple[Any, int] | None, list[str]]]) -> None:
+        """Put each touched aggregate back as it was before an aborted transaction: its (state, version), or
+        uncached when it was new, and its command ids of that transaction out of the window."""
+        with self.lock:
+            for aid, (old, command_ids) in undo.items():
+                entry = self.entries.get(aid)
+                if entry is None:
+                    continue
+                for cid in command_ids:
+                    self.window.forget(entry, cid)
+                if old is None:
+                    self.entries.pop(aid, None)
+                else:
+                    entry.state, entry.version = old
+
+    def window_figures(self) -> dict[str, int]:
+        """The idempotency window's figures: ids held, expired, dropped early, and its bound."""
+        with self.lock:
+            w = self.window
+            return {"ids_held": w.held(self.entries), "expired": w.expired, "dropped_early": w.dropped_early,
+                    "max_ids": w.max_ids}
+
     def trim(self) -> int:
         with self.lock:
             n = 0
