@@ -146,12 +146,7 @@ def _replay(kafka: Any, args: argparse.Namespace) -> dict[str, Any]:
         # each event caused by its own command id, as the runtime writes them: the replay rebuilds the window too
         key, value, headers = encode(Event(f"{aid}/{v}", kind, agg.name, aid, v, at, f"{aid}/{v}", payload,
                                            causation_id=f"cmd-{aid}/{v}"))
-        while True:
-            try:
-                producer.produce(topic, value=value, key=key, headers=headers, partition=0)
-                break
-            except BufferError:
-                producer.poll(0.05)
+        kafka_clients.produce(producer, topic, value, key, headers, partition=0)
     producer.flush(120)
     with CommandClient(kafka, agg) as client:
         client.send_many([client.command("acc-000000", "Deposit", {"amount": 1}) for _ in range(100)], wait=False)

@@ -58,12 +58,7 @@ def _produce(kafka: Any, topic: str, n: int, partitions: int) -> None:
     for i in range(n):
         event = Event.new("Deposited", "account", f"acc-{i % 1000}", i // 1000 + 1, {"amount": i, "note": "x" * 60})
         key, value, headers = encode(event)
-        while True:
-            try:
-                producer.produce(topic, value=value, key=key, headers=headers)
-                break
-            except BufferError:
-                producer.poll(0.1)
+        kafka_clients.produce(producer, topic, value, key, headers)
     assert producer.flush(60) == 0
 
 

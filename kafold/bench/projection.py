@@ -128,12 +128,7 @@ def _produce(kafka: Any, topic: str, n: int, partitions: int, accounts: int) -> 
             event = Event.new("MoneyDeposited", "account", acc, version, {"amount": i % 97 + 1})
         key, value, headers = encode(event)
         total += len(value)
-        while True:
-            try:
-                producer.produce(topic, value=value, key=key, headers=headers)
-                break
-            except BufferError:
-                producer.poll(0.1)
+        kafka_clients.produce(producer, topic, value, key, headers)
     if producer.flush(120):
         raise RuntimeError("benchmark events not acknowledged")
     return round(total / max(1, n))
