@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from kafold import kafka_clients, logs
-from kafold.bench import embedded_stack, short_group
-from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, load_file
+from kafold.bench import services, short_group
+from kafold.config import ConnectorConfig, DaemonConfig
 from kafold.connectors.registry import instantiate
 from kafold.daemon.runner import SinkRunner
 from kafold.envelope import Event, encode
@@ -32,11 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
-        if args.config:
-            kafka = load_file(args.config).config.kafka
-        else:
-            kafka = KafkaConfig(bootstrap_servers=stack.enter_context(embedded_stack("daemon", args.broker))[0])
-        kafka = short_group(kafka)
+        kafka = short_group(services(stack, "daemon", args.config, args.broker)[0])
         topic = f"kafold.bench.daemon.{uuid.uuid4().hex[:8]}"
         _produce(kafka, topic, args.events, args.partitions)
         runner_rate = _runner(kafka, topic, args.events)
