@@ -85,13 +85,7 @@ class DeadLetterWriter(ErrantRecordReporter):
                 log.warning("dead letter not delivered; will retry", connector=self.connector, error=str(err))
                 self._failed.append((key, value, headers))
 
-        while True:
-            try:
-                self._producer.produce(self.topic, value=value, key=key, headers=headers,
-                                       on_delivery=delivered)
-                break
-            except BufferError:  # local queue full: serve delivery reports, then try again
-                self._producer.poll(0.1)
+        kafka_clients.produce(self._producer, self.topic, value, key, headers, on_delivery=delivered)
         self._pending += 1
         self._producer.poll(0)
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kafold.connectors.api import Connector
 from kafold.errors import ConfigError
+from kafold.refs import import_ref
 from kafold.schema import Problems, is_missing, load
 
 if TYPE_CHECKING:
@@ -25,15 +25,10 @@ def available() -> list[str]:
 def resolve(name: str) -> type[Connector[Any]]:
     """The Connector class for an entry point name or `module:Class`; LookupError when there is none."""
     if ":" in name:
-        module_name, _, attr = name.partition(":")
         try:
-            module = importlib.import_module(module_name)
-        except ImportError as e:
-            raise LookupError(f"connector class {name!r}: cannot import module {module_name!r}: {e}") from e
-        try:
-            obj = getattr(module, attr)
-        except AttributeError:
-            raise LookupError(f"connector class {name!r}: module {module_name!r} has no {attr!r}") from None
+            obj = import_ref(name)
+        except LookupError as e:
+            raise LookupError(f"connector class {e}") from e
     else:
         matches = [ep for ep in entry_points(group=GROUP) if ep.name == name]
         if not matches:

@@ -46,6 +46,7 @@ from kafold.daemon.liveness import STATS_INTERVAL_MS, GroupState, GroupWatch
 from kafold.daemon.progress import BatchStats, PartitionProgress, ProgressTracker, last_event_times
 from kafold.envelope import decode
 from kafold.errors import DecodeError, FatalError, KafoldError, RecordError, RetriableError, UnknownTypeError
+from kafold.retry import retrying
 
 log = structlog.get_logger("kafold.daemon.runner")
 
@@ -370,43 +371,52 @@ class SinkRunner:
 
     def _put(self, records: list[SinkRecord]) -> int:
         """Put until it succeeds; returns how many records the task dead-lettered via RecordError."""
-        dead, delay, give_up_at = 0, 0.1, None
-        while records:
-            try:
-                self.task.put(records)
-                return dead
-            except RetriableError as e:
-                if self.stop_event.is_set():
-                    give_up_at = give_up_at or time.monotonic() + self.daemon.shutdown_grace_s
-                    if time.monotonic() + delay > give_up_at:
-                        raise _Abandoned(f"put still failing: {e}") from e
-                self.log.warning("put failed; retrying the same batch", error=str(e), retry_in_s=delay)
-                self._back_off(delay)
-                delay = min(delay * 2, MAX_BACKOFF_S)
-                records = [r for r in records if r.tp in self.assigned]  # revoked ones go to the new owner
-            except RecordError as e:
-                bad = e.raw
-                if not isinstance(bad, SinkRecord) or not any(r is bad for r in records):
-                    raise
-                self.reporter.report(bad, e)
-                dead += 1
-                records = [r for r in records if r is not bad]  # the others again: put is idempotent
+        pending, dead = records, 0
+
+        def put() -> None:
+            nonlocal pending, dead
+            while pending:
+                try:
+                    self.task.put(pending)
+                    return
+                except RecordError as e:
+                    bad = e.raw
+                    if not isinstance(bad, SinkRecord) or not any(r is bad for r in pending):
+                        raise
+                    self.reporter.report(bad, e)
+                    dead += 1
+                    pending = [r for r in pending if r is not bad]  # the others again: put is idempotent
+
+        def warn(e: RetriableError, delay: float) -> None:
+            self.log.warning("put failed; retrying the same batch", error=str(e), retry_in_s=delay)
+
+        def back_off(delay: float) -> None:
+            nonlocal pending
+            self._back_off(delay)
+            pending = [r for r in pending if r.tp in self.assigned]  # revoked ones go to the new owner
+
+        try:
+            self._retrying(put, warn, back_off)
+        except RetriableError as e:
+            raise _Abandoned(f"put still failing: {e}") from e
         return dead
 
     def _flush_dead_letters(self) -> None:
-        delay, give_up_at = 0.1, None
-        while True:
-            try:
-                self.reporter.flush(timeout=max(1.0, self.daemon.shutdown_grace_s))
-                return
-            except RetriableError as e:
-                if self.stop_event.is_set():
-                    give_up_at = give_up_at or time.monotonic() + self.daemon.shutdown_grace_s
-                    if time.monotonic() > give_up_at:
-                        raise _Abandoned(str(e)) from e
-                self.log.warning("dead-letter topic not acknowledging; retrying", error=str(e))
-                self._back_off(delay)
-                delay = min(delay * 2, MAX_BACKOFF_S)
+        def warn(e: RetriableError, delay: float) -> None:
+            self.log.warning("dead-letter topic not acknowledging; retrying", error=str(e))
+
+        try:
+            self._retrying(lambda: self.reporter.flush(timeout=max(1.0, self.daemon.shutdown_grace_s)), warn,
+                           self._back_off)
+        except RetriableError as e:
+            raise _Abandoned(str(e)) from e
+
+    def _retrying(self, step: Callable[[], None], warn: Callable[[RetriableError, float], None],
+                  back_off: Callable[[float], None]) -> None:
+        """`step` until it succeeds, backing off while serving the consumer; once the runner is stopping, for up
+        to the shutdown grace period more, then its RetriableError is raised."""
+        retrying(step, within_s=float("inf"), on_retry=warn, first_delay=0.1, max_delay=MAX_BACKOFF_S,
+                 stop=self.stop_event, grace_s=self.daemon.shutdown_grace_s, wait=back_off)
 
     def _back_off(self, seconds: float) -> None:
         """Sleep while serving the consumer (heartbeats, rebalances) with every partition paused."""

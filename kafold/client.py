@@ -76,13 +76,8 @@ class CommandClient:
 
         for c in cmds:
             key, value, headers = c.encode()
-            while True:
-                try:
-                    self.producer.produce(self.commands, value=value, key=key, headers=headers,
-                                          on_delivery=delivered(c.command_id))
-                    break
-                except BufferError:
-                    self.producer.poll(0.05)
+            kafka_clients.produce(self.producer, self.commands, value, key, headers,
+                                  on_delivery=delivered(c.command_id))
         if self.producer.flush(30) or failed:
             raise RetriableError(f"{self.commands}: commands not acknowledged: {failed[:1] or 'timeout'}")
         return placed

@@ -106,6 +106,18 @@ def producer(kafka: KafkaConfig, **extra: Any) -> Producer:
     return made
 
 
+def produce(made: Producer, topic: str, value: bytes | None, key: bytes | None = None, headers: Any = None,
+            **kwargs: Any) -> None:
+    """`made.produce(...)`, waiting while the producer's local queue is full (BufferError): delivery reports are
+    served meanwhile, which makes room. `kwargs`: partition, on_delivery, timestamp."""
+    while True:
+        try:
+            made.produce(topic, value=value, key=key, headers=headers, **kwargs)
+            return
+        except BufferError:
+            made.poll(0.1)
+
+
 def _connect(made: Producer) -> None:
     """librdkafka asks for an idempotent producer's id at creation, finds no broker connected yet (connections are
     made on demand) and retries on a 500 ms timer, which connects nothing either: its first write waited ~1 s.

@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -35,20 +36,17 @@ class Tolerant:
             self.stream = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
 
     def write(self, text: str) -> int:
-        try:
-            return self.stream.write(text)
-        except (BrokenPipeError, ValueError):  # ValueError: the file object was closed
-            self._drop()
-        except OSError as e:
-            if e.errno not in _GONE:
-                raise
-            self._drop()
+        self._tolerating(self.stream.write, text)
         return len(text)
 
     def flush(self) -> None:
+        self._tolerating(self.stream.flush)
+
+    def _tolerating(self, call: Callable[..., Any], *args: Any) -> None:
+        """`call(*args)` on the stream; the stream dropped instead when its file is gone."""
         try:
-            self.stream.flush()
-        except (BrokenPipeError, ValueError):
+            call(*args)
+        except (BrokenPipeError, ValueError):  # ValueError: the file object was closed
             self._drop()
         except OSError as e:
             if e.errno not in _GONE:

@@ -23,10 +23,10 @@ from kafold.connectors.effects.settings import (
     KafkaEffectConfig,
     PythonEffectConfig,
     WebhookConfig,
-    import_ref,
 )
 from kafold.connectors.effects.signing import sign
 from kafold.envelope import KAFOLD_NAMESPACE, Event, encode
+from kafold.refs import import_ref
 
 RETRY_STATUSES = frozenset({408, 409, 425, 429})
 

@@ -38,6 +38,7 @@ from kafold.connectors.effects.ledger import Ledger, Outcome, Parking, now
 from kafold.connectors.effects.policy import RetriableEffectError, RetryPolicy, describe, retriable
 from kafold.connectors.effects.tracker import OffsetTracker
 from kafold.envelope import Event
+from kafold.retry import retrying_async
 
 log = logs.get("kafold.connectors.effects")
 
@@ -180,16 +181,7 @@ class Executor:
         while True:
             items = await self._intake.get()
             ids = [i.record.event.event_id for i in items]
-            delay = 0.1
-            while True:  # PostgreSQL away (restarting): wait and ask again; nothing runs before the ledger answers
-                try:
-                    finished = await asyncio.to_thread(self.ledger.finished_ids, ids)
-                    break
-                except Exception as e:
-                    log.warning("reading the delivery ledger failed; retrying", connector=self.name,
-                                error=describe(e), retry_in_s=delay)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
+            finished = await self._finished(ids)
             for item in items:
                 if self.epochs.get(item.record.tp) != item.epoch:
                     continue  # revoked while waiting
@@ -198,6 +190,16 @@ class Executor:
                     self._complete(item)
                 else:
                     self._accept(item)
+
+    async def _finished(self, ids: list[str]) -> set[str]:
+        """Which of `ids` the ledger has finished. PostgreSQL away (restarting): wait and ask again, however long
+        it takes; nothing runs before the ledger answers."""
+        def warn(e: Exception, delay: float) -> None:
+            log.warning("reading the delivery ledger failed; retrying", connector=self.name, error=describe(e),
+                        retry_in_s=delay)
+
+        return await retrying_async(lambda: asyncio.to_thread(self.ledger.finished_ids, ids), within_s=float("inf"),
+                                    on_retry=warn, first_delay=0.1, errors=(Exception,))
 
     def _accept(self, item: Item) -> None:
         key = item.record.key

@@ -31,12 +31,14 @@ from kafold.connectors.api import ErrantRecordReporter, SinkRecord
 from kafold.envelope import Event
 from kafold.errors import FatalError, RetriableError
 from kafold.pg import conninfo
+from kafold.retry import retrying
 
 log = logs.get("kafold.connectors.effects.ledger")
 
 LEDGER_COLS = ("connector", "event_id", "event_type", "key", "topic", "partition", "offset", "status", "attempts",
                "first_attempt_at", "last_attempt_at", "completed_at", "latency_ms", "last_error")
 MAX_ROWS = 5000
+STOP_GRACE_S = 5.0  # after close, how long a failing write is still retried before its rows are dropped
 
 
 def now() -> datetime:
@@ -94,6 +96,8 @@ class Ledger:
         self._dsn = conninfo(pg)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._stop = threading.Event()
+        self._stop_at: float | None = None  # when close was called: the writer's last retries count from there
+        self._conn: psycopg.Connection[Any] | None = None  # the writer thread's
         self._read_lock = threading.Lock()
         self._reader: psycopg.Connection[Any] = psycopg.connect(self._dsn, autocommit=True)
         self._thread = threading.Thread(target=self._run, name=f"kafold-ledger-{connector}", daemon=True)
@@ -113,6 +117,7 @@ class Ledger:
         return fut
 
     def close(self, timeout: float = 10.0) -> None:
+        self._stop_at = time.monotonic()
         self._stop.set()
         self._queue.put(None)
         self._thread.join(timeout)
@@ -120,30 +125,11 @@ class Ledger:
 
     # ---- the writer thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
-        conn: psycopg.Connection[Any] | None = None
-        delay = 0.1
         while True:
             batch = self._take()
             if batch is None:
                 break
-            while True:
-                try:
-                    if conn is None or conn.closed:
-                        conn = psycopg.connect(self._dsn)
-                    self._write(conn, batch)
-                    delay = 0.1
-                    break
-                except (psycopg.Error, RetriableError) as e:
-                    log.warning("ledger write failed; retrying", connector=self.connector, error=str(e),
-                                retry_in_s=delay)
-                    if conn is not None:
-                        conn.close()
-                    conn = None
-                    if self._stop.wait(delay) and time.monotonic() > self._stop_deadline():
-                        log.error("ledger rows dropped at shutdown (their offsets were not committed)",
-                                  connector=self.connector, rows=len(batch))
-                        break
-                    delay = min(delay * 2, 5.0)
+            self._write_retrying(batch)
             for item in batch:
                 if isinstance(item, Parking):
                     item.on_durable()
@@ -151,15 +137,33 @@ class Ledger:
                     item.set_result(None)
             if self._stopping_now():
                 break
-        if conn is not None:
-            conn.close()
+        self._disconnect()
 
-    _stop_at: float | None = None
+    def _write_retrying(self, batch: list[Any]) -> None:
+        """`_write` on the writer's connection, reconnecting and retrying with backoff while PostgreSQL is away;
+        once closing, for up to STOP_GRACE_S after `close`, then the rows are dropped (their offsets hold back)."""
+        def write() -> None:
+            if self._conn is None or self._conn.closed:
+                self._conn = psycopg.connect(self._dsn)
+            self._write(self._conn, batch)
 
-    def _stop_deadline(self) -> float:
-        if self._stop_at is None:
-            self._stop_at = time.monotonic() + 5.0
-        return self._stop_at
+        def warn(e: Exception, delay: float) -> None:
+            log.warning("ledger write failed; retrying", connector=self.connector, error=str(e), retry_in_s=delay)
+            self._disconnect()
+
+        grace = STOP_GRACE_S if self._stop_at is None else max(0.0, self._stop_at + STOP_GRACE_S - time.monotonic())
+        try:
+            retrying(write, within_s=float("inf"), on_retry=warn, first_delay=0.1, stop=self._stop, grace_s=grace,
+                     errors=(psycopg.Error, RetriableError))
+        except (psycopg.Error, RetriableError) as e:
+            self._disconnect()
+            log.error("ledger rows dropped at shutdown (their offsets were not committed)",
+                      connector=self.connector, rows=len(batch), error=str(e))
+
+    def _disconnect(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = None
 
     def _stopping_now(self) -> bool:
         return self._stop.is_set() and self._queue.empty()

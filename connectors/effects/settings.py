@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
 from kafold.schema import Secret, setting
@@ -100,18 +99,3 @@ class PythonEffectConfig(EffectConfig):
         super().__post_init__()
         if ":" not in self.function:
             raise ValueError(f"function: expected `module:function`, got {self.function!r}")
-
-
-def import_ref(ref: str) -> Any:
-    """The object named by `module:attr` (FatalError-free: raises LookupError naming what is missing)."""
-    import importlib
-
-    module_name, _, attr = ref.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise LookupError(f"{ref!r}: cannot import module {module_name!r}: {e}") from e
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise LookupError(f"{ref!r}: module {module_name!r} has no {attr!r}") from None

@@ -177,17 +177,10 @@ class EffectSinkTask(SinkTask):
 
     def open(self, partitions: Collection[TopicPartition]) -> None:
         # Parked keys first (their later events must queue behind them); PostgreSQL may be restarting.
-        delay, deadline = 0.2, time.monotonic() + OPEN_RETRY_S
-        while True:
-            try:
-                parked = self.ledger.parked_keys()
-                break
-            except RetriableError as e:
-                if time.monotonic() + delay > deadline:
-                    raise
-                self.log.warning("reading parked keys failed; retrying", error=str(e), retry_in_s=delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        def warn(e: RetriableError, delay: float) -> None:
+            self.log.warning("reading parked keys failed; retrying", error=str(e), retry_in_s=delay)
+
+        parked = retrying(self.ledger.parked_keys, within_s=OPEN_RETRY_S, on_retry=warn)
         self.executor.open(list(partitions), parked)
 
     def close(self, partitions: Collection[TopicPartition]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.envelope import Event
 from kafold.errors import ConfigError, RecordError
+from kafold.refs import import_ref
 
 Row = dict[str, Any]
 Mapper = Callable[[Row | None, Event], Row | None]
@@ -53,11 +53,10 @@ def source(spec: Any) -> Source:
 
 def load_mapper(ref: str) -> Mapper:
     """The function a `module:function` reference names (ConfigError naming the reference if it cannot)."""
-    module_name, _, attr = ref.partition(":")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError([f"mapper: cannot load {ref!r}: {e}"]) from e
+        fn = import_ref(ref)
+    except LookupError as e:
+        raise ConfigError([f"mapper: cannot load {e}"]) from e
     if not callable(fn):
         raise ConfigError([f"mapper: {ref!r} is not callable"])
     return fn

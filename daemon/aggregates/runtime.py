@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeVar
 
 from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTP
@@ -49,6 +51,7 @@ from kafold.messages import REJECTED, Command, Result, decode_command, header
 from kafold.retry import retrying
 
 log = logs.get(__name__)
+T = TypeVar("T")
 
 RECOVERY_BATCH = 20000
 COMMITTED_TIMEOUT_S = 10.0
@@ -167,15 +170,11 @@ class AggregateRuntime:
         snapshots = TopicSpec(self.agg.topic("snapshot"), self.agg.partitions, rf, dict(SNAPSHOT_TOPIC_CONFIGS))
         wanted = [*specs, snapshots, TopicSpec(self.dlq, 1, rf, {}, purpose="dead-letter")]
 
-        def warn(e: RetriableError, delay: float) -> None:
-            self.log.warning("aggregate.start_retrying", error=str(e), retry_in_s=delay)
-
         # A broker restarting or a controller failing over while the daemon starts (a rolling restart of the
         # cluster) is waited out rather than ending the daemon.
-        retrying(lambda: topics.ensure(self.kafka, wanted), within_s=START_RETRY_S, on_retry=warn,
-                 first_delay=0.5, stop=self.stop_event)
-        self.writer = retrying(lambda: TransactionalWriter(self.kafka, self.transactional_id),
-                               within_s=START_RETRY_S, on_retry=warn, first_delay=0.5, stop=self.stop_event)
+        self._retrying("aggregate.start_retrying", lambda: topics.ensure(self.kafka, wanted), START_RETRY_S)
+        self.writer = self._retrying("aggregate.start_retrying",
+                                     lambda: TransactionalWriter(self.kafka, self.transactional_id), START_RETRY_S)
         self.reader = recovery.reader(self.kafka, self.agg.name)
         extra = {"isolation.level": "read_committed", "enable.auto.offset.store": False,
                  "fetch.wait.max.ms": 50, "max.partition.fetch.bytes": 8 * 1024 * 1024, **self.consumer_extra}
@@ -192,12 +191,13 @@ class AggregateRuntime:
         events = self.topics["events"]
         for p in partitions:
             n = p.partition
-            low, end, base = self._restore_retrying(events, n)
+            low, end, base = self._retrying("aggregate.restore_retrying", partial(self._restore, events, n),
+                                            partition=n)
             self.gates[n] = PartitionGate(n, end, start=base.start, snapshot_version=base.snapshot_version)
             folder = self.folders[n] = recovery.Folder(self.domain, self.store, n)
             folder.seed(base)
             if base.partial:
-                self._note_events_retrying(n, set(base.partial), base.start)
+                self._note_events(n, set(base.partial), base.start)
             self.reader.incremental_assign([KTP(events, n, base.start)])
             self.log.info("aggregate.recovering", partition=n, low=low, captured_end=end, start=base.start)
         self.joined = True  # after the gates exist: `ready` must not see a joined runtime without them
@@ -206,14 +206,25 @@ class AggregateRuntime:
         low, end = recovery.bounds(self.reader, events, n)
         return low, end, self.restorer.restore(n, low, end)
 
-    def _restore_retrying(self, events: str, n: int) -> tuple[int, int, Any]:
-        """`_restore`, its RetriableErrors (the broker paused or unreachable) retried with backoff for up to
-        ASSIGN_RETRY_S (the group keeps the membership: heartbeats run in the background), then raised."""
+    def _retrying(self, event: str, step: Callable[[], T], within_s: float = ASSIGN_RETRY_S, **fields: Any) -> T:
+        """`step`, its RetriableErrors (the broker paused or unreachable) logged as `event` and retried with backoff
+        for up to `within_s` (while assigning, the group keeps the membership: heartbeats run in the background),
+        then raised; raised at once when the runtime is stopping."""
         def warn(e: RetriableError, delay: float) -> None:
-            self.log.warning("aggregate.restore_retrying", partition=n, error=str(e), retry_in_s=delay)
+            self.log.warning(event, **fields, error=str(e), retry_in_s=delay)
 
-        return retrying(lambda: self._restore(events, n), within_s=ASSIGN_RETRY_S, on_retry=warn,
-                        first_delay=0.5, stop=self.stop_event)
+        return retrying(step, within_s=within_s, on_retry=warn, first_delay=0.5, stop=self.stop_event)
+
+    def _read_back(self, event: str, n: int, read: Callable[[Any], int]) -> int:
+        """`read(reader)` on a reader of its own (the recovery reader is busy replaying), retried like a restore."""
+        def step() -> int:
+            reader = recovery.reader(self.kafka, self.agg.name)
+            try:
+                return read(reader)
+            finally:
+                reader.close()
+
+        return self._retrying(event, step, partition=n)
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
         mine = [p.partition for p in partitions if p.partition in self.gates]
@@ -259,7 +270,8 @@ class AggregateRuntime:
         n = gate.partition
         self.reader.incremental_unassign([KTP(self.topics["events"], n)])
         folder = self.folders.pop(n)
-        results = self._note_results_retrying(n)
+        results = self._read_back("aggregate.results_retrying", n, lambda reader: recovery.note_results(
+            reader, self.topics["results"], self.domain, self.store, n))
         tp = KTP(self.topics["commands"], n)
         self.consumer.resume([tp])
         # Start from the group's committed offset now: nothing of this partition was decided in this assignment,
@@ -277,34 +289,11 @@ class AggregateRuntime:
         self.log.info("aggregate.caught_up", **gate.describe(), folded=folder.folded, duplicates=folder.skipped,
                       bad_events=folder.bad, first_bad=folder.first_bad or None, results_read=results)
 
-    def _note_events_retrying(self, n: int, ids: set[str], until: int) -> None:
+    def _note_events(self, n: int, ids: set[str], until: int) -> None:
         """The window's older ids of aggregates whose snapshots carried only their newest (recovery.note_events)."""
-        def note() -> int:
-            reader = recovery.reader(self.kafka, self.agg.name)
-            try:
-                return recovery.note_events(reader, self.topics["events"], self.store, n, ids, until)
-            finally:
-                reader.close()
-
-        def warn(e: RetriableError, delay: float) -> None:
-            self.log.warning("aggregate.window_events_retrying", partition=n, error=str(e), retry_in_s=delay)
-
-        read = retrying(note, within_s=ASSIGN_RETRY_S, on_retry=warn, first_delay=0.5, stop=self.stop_event)
+        read = self._read_back("aggregate.window_events_retrying", n, lambda reader: recovery.note_events(
+            reader, self.topics["events"], self.store, n, ids, until))
         self.log.info("aggregate.window_read_back", partition=n, aggregates=len(ids), events_read=read)
-
-    def _note_results_retrying(self, n: int) -> int:
-        """The window's outcomes from results partition `n` (recovery.note_results), retried like a restore."""
-        def note() -> int:
-            reader = recovery.reader(self.kafka, self.agg.name)
-            try:
-                return recovery.note_results(reader, self.topics["results"], self.domain, self.store, n)
-            finally:
-                reader.close()
-
-        def warn(e: RetriableError, delay: float) -> None:
-            self.log.warning("aggregate.results_retrying", partition=n, error=str(e), retry_in_s=delay)
-
-        return retrying(note, within_s=ASSIGN_RETRY_S, on_retry=warn, first_delay=0.5, stop=self.stop_event)
 
     # ---- commands ---------------------------------------------------------------------------------------
     def _batch(self, msgs: list[Any]) -> None:

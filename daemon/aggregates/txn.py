@@ -64,13 +64,7 @@ class TransactionalWriter:
         try:
             self._produce(topic, value, key, partition, headers=headers, timestamp=timestamp)
         except BufferError:  # the local queue is full: serve delivery reports until there is room
-            while True:
-                self.producer.poll(0.05)
-                try:
-                    self._produce(topic, value, key, partition, headers=headers, timestamp=timestamp)
-                    return
-                except BufferError:
-                    continue
+            kafka_clients.produce(self.producer, topic, value, key, headers, partition=partition, timestamp=timestamp)
         except KafkaException as e:
             raise _convert(e, "produce") from e
 

@@ -76,10 +76,6 @@ class Window:
         self.expired = 0
         self.dropped_early = 0
 
-    def fresh(self, outcome: Outcome, t: int) -> bool:
-        """Whether `outcome` still absorbs a retry at command time `t`."""
-        return t - time_of(outcome) <= self.window_ms
-
     def remember(self, entry: Any, aggregate_id: str, command_id: str, outcome: Outcome,
                  written: Sequence[str] = ()) -> None:
         """Record the outcome of `command_id` on `entry`, with the ids of the events it wrote (a later record of

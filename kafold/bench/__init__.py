@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kafold import devstack
-from kafold.config import KafkaConfig
+from kafold.config import KafkaConfig, PostgresConfig, load_file
 
 # area name -> module (kafold.bench.<module>); a module is imported only when its area runs.
 AREAS: dict[str, str] = {"projection": "projection", "daemon": "daemon", "snapshots": "snapshots", "effects": "effects",
@@ -44,6 +44,17 @@ def cpu_s(procs: list[Any]) -> float:
             continue
         total += t.user + t.system
     return total
+
+
+def services(stack: contextlib.ExitStack, area: str, config: str | None, broker: str | None = None
+             ) -> tuple[KafkaConfig, PostgresConfig]:
+    """[kafka] and [postgres] of the configuration given (`-c`), else of the dev stack (started if needed, and
+    stopped with `stack`; see `embedded_stack`)."""
+    if config:
+        cfg = load_file(config).config
+        return cfg.kafka, cfg.postgres
+    bootstrap, url = stack.enter_context(embedded_stack(area, broker))
+    return KafkaConfig(bootstrap_servers=bootstrap), PostgresConfig(url=url)
 
 
 @contextlib.contextmanager

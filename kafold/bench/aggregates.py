@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from kafold import kafka_clients, logs, topics
-from kafold.bench import embedded_stack, short_group
+from kafold.bench import services, short_group
 from kafold.client import CommandClient
-from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig, TopicSpec, load_file
+from kafold.config import AggregateConfig, DaemonConfig, TopicSpec
 from kafold.daemon.aggregates import AggregateRuntime
 from kafold.daemon.aggregates.store import Entry
 from kafold.daemon.aggregates.window import Window, accepted, event_ids
@@ -37,12 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
-        if args.config:
-            kafka = load_file(args.config).config.kafka
-        else:
-            bootstrap, _ = stack.enter_context(embedded_stack("aggregates", args.broker))
-            kafka = KafkaConfig(bootstrap_servers=bootstrap)
-        kafka = short_group(kafka)
+        kafka = short_group(services(stack, "aggregates", args.config, args.broker)[0])
         figures = _throughput(kafka, args)
         if not args.no_window_baseline:  # the same phase with the window off (ids forgotten at once)
             off = _throughput(kafka, args, window_s=0.0)
@@ -146,12 +141,7 @@ def _replay(kafka: Any, args: argparse.Namespace) -> dict[str, Any]:
         # each event caused by its own command id, as the runtime writes them: the replay rebuilds the window too
         key, value, headers = encode(Event(f"{aid}/{v}", kind, agg.name, aid, v, at, f"{aid}/{v}", payload,
                                            causation_id=f"cmd-{aid}/{v}"))
-        while True:
-            try:
-                producer.produce(topic, value=value, key=key, headers=headers, partition=0)
-                break
-            except BufferError:
-                producer.poll(0.05)
+        kafka_clients.produce(producer, topic, value, key, headers, partition=0)
     producer.flush(120)
     with CommandClient(kafka, agg) as client:
         client.send_many([client.command("acc-000000", "Deposit", {"amount": 1}) for _ in range(100)], wait=False)

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from kafold import kafka_clients, logs
-from kafold.bench import embedded_stack, short_group
-from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, load_file
+from kafold.bench import services, short_group
+from kafold.config import ConnectorConfig, DaemonConfig
 from kafold.connectors.registry import instantiate
 from kafold.daemon.runner import SinkRunner
 from kafold.envelope import Event, encode
@@ -32,11 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
-        if args.config:
-            kafka = load_file(args.config).config.kafka
-        else:
-            kafka = KafkaConfig(bootstrap_servers=stack.enter_context(embedded_stack("daemon", args.broker))[0])
-        kafka = short_group(kafka)
+        kafka = short_group(services(stack, "daemon", args.config, args.broker)[0])
         topic = f"kafold.bench.daemon.{uuid.uuid4().hex[:8]}"
         _produce(kafka, topic, args.events, args.partitions)
         runner_rate = _runner(kafka, topic, args.events)
@@ -58,12 +54,7 @@ def _produce(kafka: Any, topic: str, n: int, partitions: int) -> None:
     for i in range(n):
         event = Event.new("Deposited", "account", f"acc-{i % 1000}", i // 1000 + 1, {"amount": i, "note": "x" * 60})
         key, value, headers = encode(event)
-        while True:
-            try:
-                producer.produce(topic, value=value, key=key, headers=headers)
-                break
-            except BufferError:
-                producer.poll(0.1)
+        kafka_clients.produce(producer, topic, value, key, headers)
     assert producer.flush(60) == 0
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kafold import db, kafka_clients, logs
-from kafold.bench import embedded_stack, short_group
-from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig, load_file
+from kafold.bench import services, short_group
+from kafold.config import ConnectorConfig, DaemonConfig, PostgresConfig
 from kafold.connectors.effects import ops
 from kafold.connectors.registry import instantiate
 from kafold.daemon.runner import SinkRunner
@@ -42,12 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
-        if args.config:
-            cfg = load_file(args.config).config
-            kafka, pg = cfg.kafka, cfg.postgres
-        else:
-            bootstrap, pg_url = stack.enter_context(embedded_stack("effects", args.broker))
-            kafka, pg = KafkaConfig(bootstrap_servers=bootstrap), PostgresConfig(url=pg_url)
+        kafka, pg = services(stack, "effects", args.config, args.broker)
         kafka = short_group(kafka)
         pg = PostgresConfig(**{**pg.__dict__, "schema": "kafold_bench_effects"})
         db.upgrade(pg)

@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kafold import db, kafka_clients, logs
-from kafold.bench import SHORT_GROUP_TIMEOUTS, cpu_s, embedded_stack, short_group
-from kafold.config import KafkaConfig, PostgresConfig, load_file
+from kafold.bench import SHORT_GROUP_TIMEOUTS, cpu_s, services, short_group
 from kafold.envelope import Event, decode, encode
 from kafold.schema import toml_value
 
@@ -69,13 +68,12 @@ def daemon_stack(stack: contextlib.ExitStack, area: str, config: str | None, bro
     """Where a bench's daemons run: the configuration given (`-c`), else the dev stack (started if needed, and
     stopped with `stack`); a scratch folder removed with `stack`."""
     workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"kafold-bench-{area}-")))
+    kafka, pg = services(stack, area, config, broker)
     if config:
-        cfg = load_file(config).config
         raw = tomllib.loads(Path(config).read_text())
-        return DaemonStack(raw.get("kafka", {}), raw.get("postgres", {}), {}, cfg.kafka, cfg.postgres, workdir)
-    bootstrap, url = stack.enter_context(embedded_stack(area, broker))
-    return DaemonStack({"bootstrap_servers": bootstrap}, {}, {"KAFOLD_POSTGRES__URL": url},
-                       KafkaConfig(bootstrap_servers=bootstrap), PostgresConfig(url=url), workdir)
+        return DaemonStack(raw.get("kafka", {}), raw.get("postgres", {}), {}, kafka, pg, workdir)
+    return DaemonStack({"bootstrap_servers": kafka.bootstrap_servers}, {}, {"KAFOLD_POSTGRES__URL": pg.url},
+                       kafka, pg, workdir)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -128,12 +126,7 @@ def _produce(kafka: Any, topic: str, n: int, partitions: int, accounts: int) -> 
             event = Event.new("MoneyDeposited", "account", acc, version, {"amount": i % 97 + 1})
         key, value, headers = encode(event)
         total += len(value)
-        while True:
-            try:
-                producer.produce(topic, value=value, key=key, headers=headers)
-                break
-            except BufferError:
-                producer.poll(0.1)
+        kafka_clients.produce(producer, topic, value, key, headers)
     if producer.flush(120):
         raise RuntimeError("benchmark events not acknowledged")
     return round(total / max(1, n))

@@ -65,12 +65,7 @@ class History:
             else:
                 kind, payload = "MoneyWithdrawn", {"amount": rng.randint(1, 300) * 100}
             key, value, headers = encode(Event(f"{aid}/{v}", kind, name, aid, v, at, f"{aid}/{v}", payload))
-            while True:
-                try:
-                    self.producer.produce(topic, value=value, key=key, headers=headers)
-                    break
-                except BufferError:
-                    self.producer.poll(0.05)
+            kafka_clients.produce(self.producer, topic, value, key, headers)
             if i % 5000 == 0:
                 self.producer.poll(0)
         self.producer.flush(120)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import random
 import signal
 import threading
@@ -17,6 +16,7 @@ from kafold.client import CommandClient
 from kafold.commands.daemon import run as run_daemon
 from kafold.commands.dev import add_broker_args
 from kafold.commands.run_view import DemoReceiver, LiveView
+from kafold.refs import import_ref
 
 log = logs.get("kafold.run")
 
@@ -158,8 +158,7 @@ def _traffic(cfg: config.KafoldConfig, loaded: config.Loaded, ref: str, rate: fl
     """Send the generator's commands to the first aggregate at `rate` per second (in batches every 100 ms)."""
     agg = cfg.aggregates[0]
     with config.python_path(cfg, loaded.base):
-        module, _, func = ref.partition(":")
-        generate = getattr(importlib.import_module(module), func)
+        generate = import_ref(ref)
     sent, started, pending = 0, time.monotonic(), []
     with CommandClient(cfg.kafka, agg) as client:
         for aggregate_id, command in generate(random.Random(7)):

@@ -110,12 +110,7 @@ def produce_history(kafka: KafkaConfig, agg: AggregateConfig, accounts: list[str
         for aid in accounts:
             kind, payload = ("AccountOpened", {"owner": aid}) if v == 1 else ("MoneyDeposited", {"amount": 1})
             key, value, headers = encode(Event(f"{aid}/{v}", kind, agg.name, aid, v, at, f"{aid}/{v}", payload))
-            while True:
-                try:
-                    p.produce(agg.topic("events"), value=value, key=key, headers=headers, partition=partition)
-                    break
-                except BufferError:
-                    p.poll(0.05)
+            kafka_clients.produce(p, agg.topic("events"), value, key, headers, partition=partition)
     assert p.flush(60) == 0
     return {aid: per_account - 1 for aid in accounts}
 

@@ -437,12 +437,7 @@ class Workload:
     def _publish(self, batch: list[tuple[int, bytes, bytes, Any]], keep: bool = True) -> None:
         with self.lock:
             for p, key, value, headers in batch:
-                while True:
-                    try:
-                        self.producer.produce(ITEMS, value=value, key=key, headers=headers, partition=p)
-                        break
-                    except BufferError:
-                        self.producer.poll(0.1)
+                kafka_clients.produce(self.producer, ITEMS, value, key, headers, partition=p)
             self.producer.poll(0)
             if keep:
                 self.items += batch

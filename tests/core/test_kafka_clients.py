@@ -9,7 +9,7 @@ import pytest
 from confluent_kafka import Producer
 
 from kafold.config import KafkaConfig
-from kafold.kafka_clients import RECONNECT_BACKOFF_MS, aiokafka_kwargs, librdkafka
+from kafold.kafka_clients import RECONNECT_BACKOFF_MS, aiokafka_kwargs, librdkafka, produce
 from kafold.schema import Secret
 
 SYSTEM_CA = ssl.get_default_verify_paths().cafile or "/etc/ssl/certs/ca-certificates.crt"
@@ -115,3 +115,14 @@ def test_security_settings_of_another_protocol_are_not_sent() -> None:
     assert not [k for k in conf if k.startswith(("sasl.", "ssl."))]
     assert not {"sasl_plain_username", "ssl_context"} & set(aiokafka_kwargs(
         KafkaConfig(bootstrap_servers="b:1", sasl_username="u", ssl_ca_location="/ca.pem")))
+
+
+def test_produce_waits_for_room_in_a_full_queue_instead_of_raising() -> None:
+    # No broker on the port: each record's delivery fails after message.timeout.ms, which frees its queue slot.
+    made = Producer({"bootstrap.servers": "127.0.0.1:1", "queue.buffering.max.messages": 1,
+                     "message.timeout.ms": 200, "log_level": 0})
+    reports: list[str] = []
+    for i in range(3):  # the second and third find the one-record queue full
+        produce(made, "t", f"v{i}".encode(), on_delivery=lambda err, msg: reports.append(msg.value().decode()))
+    made.flush(10)
+    assert reports == ["v0", "v1", "v2"]

@@ -243,6 +243,25 @@ def test_a_retriable_put_is_retried_until_it_succeeds(kafka_config: KafkaConfig,
     assert [r.offset for r in run.connector.received] == [0, 1, 2, 3, 4]
 
 
+def test_a_put_still_failing_at_stop_is_abandoned_within_the_grace_and_nothing_is_committed(
+        kafka_config: KafkaConfig, unique: str) -> None:
+    topic = f"{unique}.events"
+    create_topic(kafka_config, topic, 1)
+    produce(kafka_config, topic, [(0, *valid("a", v)) for v in range(1, 6)])
+    with capture_logs() as logs:
+        run = start(kafka_config, unique, topic, retriable_failures=1_000_000)
+        try:
+            wait_for(lambda: sum(e["event"] == "put failed; retrying the same batch" for e in logs) >= 2,
+                     "the put retried")
+        finally:
+            finish(run)  # the grace is 5 s: the thread has ended well within finish's join
+    abandoned = [e for e in logs if e["event"] == "in-flight batch abandoned at shutdown; it will be delivered again"]
+    assert len(abandoned) == 1 and abandoned[0]["error"] == "put still failing: sink unavailable (test)", abandoned
+    assert run.runner.failed and run.runner.error is None
+    assert run.connector.received == []
+    assert committed(kafka_config, run.runner.group_id, topic, 1)[0] < 0  # no offset: delivered again on restart
+
+
 @pytest.mark.apache_kafka
 def test_a_partition_paused_when_the_loop_outlived_max_poll_interval_is_fetched_once_assigned_again(
         kafka_config: KafkaConfig, unique: str) -> None:
