@@ -4,8 +4,9 @@ Offsets and commits
 -------------------
 The commands topic is consumed in the group `<group_prefix>.aggregate.<name>` with auto-commit off and
 read_committed. Each assigned commands partition is paused and gets a `PartitionGate`: its events partition
-(same number; the topics are co-partitioned) is restored (`recovery.Restorer`: full replay today, snapshots
-later) and its tail replayed to the end (see gate.py) before the partition resumes. A command fetched from a
+(same number; the topics are co-partitioned) is restored (a `recovery.Restorer`: the latest usable snapshot when
+the aggregate has a snapshot topic, restorer.py, else a full replay) and its tail replayed to the end (see gate.py)
+before the partition resumes. A command fetched from a
 partition that is not LIVE is never decided: the partition is sought back to it.
 
 A batch (up to `batch_max_records` commands or `batch_max_wait_ms`) is one transaction (txn.py): the events
