@@ -15,9 +15,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import orjson
 from confluent_kafka import KafkaError, TopicPartition
 
+from kafold import fold as reading
 from kafold import kafka_clients, logs
 from kafold.config import KafkaConfig
 from kafold.daemon.aggregates.store import Entry, StateStore
@@ -88,16 +88,16 @@ class Folder:
     def fold(self, msgs: Iterable[Any]) -> None:
         """Fold data records (errors and EOFs must be filtered out by the caller)."""
         entries, evicted = self.store.entries, self.store.evicted.get(self.partition, ())
-        loads, evolve, make, initial = orjson.loads, self.domain.evolve, self.domain.event, self.domain.initial
+        read, evolve, make, initial = reading.fields, self.domain.evolve, self.domain.event, self.domain.initial
         only, partition, add_event = self.only, self.partition, self.store.window.add_event
         folded = skipped = 0
         for m in msgs:
             try:
-                body = loads(m.value())
-                aid = body["aggregate_id"]
+                body = read(m.value())
+                aid = body.aggregate_id
                 if only is not None and aid not in only:
                     continue
-                version = body["version"]
+                version = body.version
                 entry = entries.get(aid)
                 if entry is None:
                     if aid in evicted:
@@ -109,13 +109,13 @@ class Folder:
                 if version <= entry.version:
                     skipped += 1
                     continue
-                entry.state = evolve(entry.state, make(body["type"], body["payload"]))
+                entry.state = evolve(entry.state, make(body.type, body.payload))
                 entry.version = version
-                cause = body.get("causation_id")
+                cause = body.causation_id
                 if cause:
                     seen = entry.recent.get(cause)
                     add_event(entry, aid, cause, time_of(seen) if type(seen) is int
-                              else epoch_ms(body["occurred_at"]), version, body["event_id"])
+                              else epoch_ms(body.occurred_at), version, body.event_id)
                 folded += 1
             except Exception as e:  # a bad event is left out of every state; counted and logged per partition
                 self.bad += 1
@@ -255,12 +255,11 @@ def note_events(consumer: Any, topic: str, store: StateStore, partition: int, id
                 if m.offset() >= until or m.key() is None or m.key().decode("utf-8", "replace") not in ids:
                     continue
                 try:
-                    body = orjson.loads(m.value())
-                    aid, cause = body["aggregate_id"], body.get("causation_id")
+                    body = reading.fields(m.value())
+                    aid, cause = body.aggregate_id, body.causation_id
                     entry = store.entries.get(aid)
                     if cause and entry is not None and cause not in entry.recent:
-                        window.add_event(entry, aid, cause, epoch_ms(body["occurred_at"]), body["version"],
-                                         body["event_id"])
+                        window.add_event(entry, aid, cause, epoch_ms(body.occurred_at), body.version, body.event_id)
                 except Exception:
                     continue  # a bad event was left out of the state too
 

@@ -11,8 +11,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
+from kafold import fold as reading
 from kafold import logs
 from kafold.config import AggregateConfig
 from kafold.domain import AggregateDomain
@@ -92,7 +91,7 @@ class Folder:
 
     def fold(self, offsets: Sequence[int], keys: Sequence[bytes | None], values: Sequence[bytes | None]) -> None:
         """Apply one batch of events (parallel sequences, offset order)."""
-        entries, loads, make, evolve = self.entries, orjson.loads, self.domain.event, self.domain.evolve
+        entries, read, make, evolve = self.entries, reading.fields, self.domain.event, self.domain.evolve
         initial, from_json = self.domain.initial, self.domain.from_json
         folded = skipped = 0
         # Hot loop: entry indexes are literals (STATE=0, VERSION=1, COVERED=2, CHANGED=3, BASE=4).
@@ -104,26 +103,26 @@ class Folder:
                 skipped += 1
                 continue
             try:
-                body = loads(value)  # type: ignore[arg-type]
-                version = body["version"]
+                body = read(value)
+                version = body.version
                 if version <= entry[1] or type(version) is not int:
                     if type(version) is not int:
                         raise TypeError("version is not an integer")
                     skipped += 1
                     continue
-                if body["aggregate_id"].encode() != key:
+                if body.aggregate_id.encode() != key:
                     raise ValueError("key does not match aggregate_id")
-                event = make(body["type"], body["payload"])
+                event = make(body.type, body.payload)
                 state = entry[0]
                 if state is None:
                     base = entry[4]
                     state = initial() if base is None else from_json(base)
                 entry[0] = evolve(state, event)
-                cause = body.get("causation_id")
+                cause = body.causation_id
                 if cause:
                     seen = entry[5].get(cause)
                     if seen is None:
-                        entry[5][cause] = [epoch_ms(body["occurred_at"]), version, 1]
+                        entry[5][cause] = [epoch_ms(body.occurred_at), version, 1]
                     else:
                         seen[1] = version
                         seen[2] += 1
