@@ -74,7 +74,7 @@ class Recovering:
 
     def __init__(self, domain: AggregateDomain, store: StateStore, partition: int) -> None:
         self.domain, self.store, self.partition = domain, store, partition
-        self.entries = store.entries
+        self.entries, self.add_event = store.entries, store.window.add_event  # a store keeps its window for life
 
     def new(self, aggregate_id: str) -> Entry | None:
         if self.store.is_evicted(self.partition, aggregate_id):
@@ -91,7 +91,7 @@ class Recovering:
              event_id: Any) -> None:
         seen = entry.recent.get(cause)
         t = time_of(seen) if type(seen) is int else epoch_ms(occurred_at)
-        self.store.window.add_event(entry, aggregate_id, cause, t, version, event_id)
+        self.add_event(entry, aggregate_id, cause, t, version, event_id)
 
 
 def folder(domain: AggregateDomain, store: StateStore, partition: int) -> Folder[Recovering]:
