@@ -167,10 +167,10 @@ def run_local(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitio
             write_began = time.monotonic()
             sel, folder = folded.selection, folded.folder
             writes = kafka_io.Writes(producer, topic, p)
-            writes.add(folder.encoded_snapshots(p, sel.end, refresh_lag))
+            writes.add(folder.held.encoded_snapshots(p, sel.end, refresh_lag))
             done.append(({"partition": p, "start": sel.start, "end": sel.end, "events_read": folder.read,
                           "events_folded": folder.folded, "skipped": folder.skipped, "bad": folder.bad,
-                          "snapshots": writes.count, "aggregates": len(folder.entries), "fold_s": folded.fold_s,
+                          "snapshots": writes.count, "aggregates": len(folder.held.entries), "fold_s": folded.fold_s,
                           "write_s": time.monotonic() - write_began}, writes, sel))
             if reporter is not None:
                 reporter(n + 1, len(partitions), sum(row["events_read"] for row, _, _ in done))

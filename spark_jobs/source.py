@@ -109,7 +109,7 @@ class _Reader(DataSourceReader):
         folded_at = time.monotonic()
         snapshots = 0
         rows: tuple[list[bytes | None], list[bytes | None]] = ([], [])
-        for key, value, _ in folder.encoded_snapshots(p, end, refresh_lag):
+        for key, value, _ in folder.held.encoded_snapshots(p, end, refresh_lag):
             rows[0].append(key)
             rows[1].append(value)
             if len(rows[0]) >= SNAPSHOT_ROWS:
@@ -120,7 +120,7 @@ class _Reader(DataSourceReader):
             snapshots += len(rows[0])
             yield _batch(pa, [SNAPSHOT] * len(rows[0]), p, [end] * len(rows[0]), *rows)
         stats = {"events_read": folder.read, "events_folded": folder.folded, "skipped": folder.skipped,
-                 "bad": folder.bad, "aggregates": len(folder.entries), "snapshots": snapshots,
+                 "bad": folder.bad, "aggregates": len(folder.held.entries), "snapshots": snapshots,
                  "fold_s": folded.fold_s, "encode_s": time.monotonic() - folded_at}
         yield _batch(pa, [STATS], p, [end], [None], [orjson.dumps(stats)])
 

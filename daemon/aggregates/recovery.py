@@ -11,11 +11,9 @@ replay stops is the catch-up gate's business (`gate.PartitionGate`).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import orjson
 from confluent_kafka import KafkaError, TopicPartition
 
 from kafold import kafka_clients, logs
@@ -25,6 +23,7 @@ from kafold.daemon.aggregates.window import accepted, event_ids, rejected, time_
 from kafold.domain import AggregateDomain
 from kafold.envelope import epoch_ms
 from kafold.errors import RetriableError
+from kafold.fold import Folder, fields
 from kafold.messages import REJECTED, decode_result
 
 log = logs.get(__name__)
@@ -68,61 +67,46 @@ def bounds(consumer: Any, topic: str, partition: int) -> tuple[int, int]:
     return max(0, low), max(0, high, low)
 
 
-class Folder:
-    """Folds event records of one partition into a StateStore (skipping evicted ids and covered versions)."""
+class Recovering:
+    """A Folder's `States` for the runtime: one partition's aggregates in the runtime's StateStore (an id evicted
+    from it is not folded: it is reloaded from its events on demand), each folded event's command id noted in the
+    idempotency window."""
 
-    def __init__(self, domain: AggregateDomain, store: StateStore, partition: int,
-                 only: set[str] | None = None) -> None:
-        self.domain, self.store, self.partition, self.only = domain, store, partition, only
-        self.folded = self.skipped = self.bad = 0
-        self.first_bad: list[tuple[int, str]] = []
+    def __init__(self, domain: AggregateDomain, store: StateStore, partition: int) -> None:
+        self.domain, self.store, self.partition = domain, store, partition
+        self.entries, self.add_event = store.entries, store.window.add_event  # a store keeps its window for life
 
-    def seed(self, base: Base) -> None:
-        window = self.store.window
-        for aid, (state, version) in base.states.items():
-            entry = Entry(state, version, self.partition)
-            for cid, t, version_after, n in base.windows.get(aid, ()):
-                window.remember(entry, aid, cid, accepted(t, version_after, n), event_ids(cid, version_after - n, n))
-            self.store.put(aid, entry)
+    def new(self, aggregate_id: str) -> Entry | None:
+        if self.store.is_evicted(self.partition, aggregate_id):
+            return None  # reloaded on demand, from scratch
+        return Entry(self.domain.initial(), 0, self.partition)
 
-    def fold(self, msgs: Iterable[Any]) -> None:
-        """Fold data records (errors and EOFs must be filtered out by the caller)."""
-        entries, evicted = self.store.entries, self.store.evicted.get(self.partition, ())
-        loads, evolve, make, initial = orjson.loads, self.domain.evolve, self.domain.event, self.domain.initial
-        only, partition, add_event = self.only, self.partition, self.store.window.add_event
-        folded = skipped = 0
-        for m in msgs:
-            try:
-                body = loads(m.value())
-                aid = body["aggregate_id"]
-                if only is not None and aid not in only:
-                    continue
-                version = body["version"]
-                entry = entries.get(aid)
-                if entry is None:
-                    if aid in evicted:
-                        continue  # reloaded on demand, from scratch
-                    entry = Entry(initial(), 0, partition)
-                    self.store.put(aid, entry)
-                if type(version) is not int:
-                    raise TypeError("version is not an integer")
-                if version <= entry.version:
-                    skipped += 1
-                    continue
-                entry.state = evolve(entry.state, make(body["type"], body["payload"]))
-                entry.version = version
-                cause = body.get("causation_id")
-                if cause:
-                    seen = entry.recent.get(cause)
-                    add_event(entry, aid, cause, time_of(seen) if type(seen) is int
-                              else epoch_ms(body["occurred_at"]), version, body["event_id"])
-                folded += 1
-            except Exception as e:  # a bad event is left out of every state; counted and logged per partition
-                self.bad += 1
-                if len(self.first_bad) < 5:
-                    self.first_bad.append((m.offset(), type(e).__name__))
-        self.folded += folded
-        self.skipped += skipped
+    def add(self, aggregate_id: str, entry: Entry) -> None:
+        self.store.put(aggregate_id, entry)
+
+    def thaw(self, entry: Entry) -> Any:
+        return entry.state  # the runtime's entries always hold their state
+
+    def note(self, entry: Entry, aggregate_id: str, cause: str, occurred_at: Any, version: int,
+             event_id: Any) -> None:
+        seen = entry.recent.get(cause)
+        t = time_of(seen) if type(seen) is int else epoch_ms(occurred_at)
+        self.add_event(entry, aggregate_id, cause, t, version, event_id)
+
+
+def folder(domain: AggregateDomain, store: StateStore, partition: int) -> Folder[Recovering]:
+    """The Folder of one events partition into the runtime's store."""
+    return Folder(domain, Recovering(domain, store, partition))
+
+
+def seed(store: StateStore, partition: int, base: Base) -> None:
+    """Put a partition's restored base states, and the idempotency window their snapshots carried, in the store."""
+    window = store.window
+    for aid, (state, version) in base.states.items():
+        entry = Entry(state, version, partition)
+        for cid, t, version_after, n in base.windows.get(aid, ()):
+            window.remember(entry, aid, cid, accepted(t, version_after, n), event_ids(cid, version_after - n, n))
+        store.put(aid, entry)
 
 
 def read_until_eof(consumer: Any, topic: str, partition: int, start: int, on_batch: Any,
@@ -161,20 +145,20 @@ def reload(consumer: Any, topic: str, domain: AggregateDomain, store: StateStore
     with store.lock:
         for aid in ids:
             store.put(aid, Entry(domain.initial(), 0, partition))
-    folder = Folder(domain, store, partition, only=set(ids))
+    folds = folder(domain, store, partition)
     read = 0
 
     def feed(msgs: list[Any]) -> None:
         nonlocal read
         read += len(msgs)
-        wanted = [m for m in msgs if m.key() is not None and m.key().decode("utf-8", "replace") in ids]
-        folder.fold(wanted)
+        # only these ids: the Folder folds an event into its key's aggregate, which must be its aggregate_id
+        folds.fold_records([m for m in msgs if m.key() is not None and m.key().decode("utf-8", "replace") in ids])
 
     read_until_eof(consumer, topic, partition, low, feed)
     if results is not None:
         note_results(consumer, results, domain, store, partition, only=ids)
     log.info("aggregate.reloaded", topic=topic, partition=partition, aggregates=len(ids), events_read=read,
-             folded=folder.folded, bad=folder.bad)
+             folded=folds.folded, bad=folds.bad)
     return read
 
 
@@ -255,12 +239,11 @@ def note_events(consumer: Any, topic: str, store: StateStore, partition: int, id
                 if m.offset() >= until or m.key() is None or m.key().decode("utf-8", "replace") not in ids:
                     continue
                 try:
-                    body = orjson.loads(m.value())
-                    aid, cause = body["aggregate_id"], body.get("causation_id")
+                    body = fields(m.value())
+                    aid, cause = body.aggregate_id, body.causation_id
                     entry = store.entries.get(aid)
                     if cause and entry is not None and cause not in entry.recent:
-                        window.add_event(entry, aid, cause, epoch_ms(body["occurred_at"]), body["version"],
-                                         body["event_id"])
+                        window.add_event(entry, aid, cause, epoch_ms(body.occurred_at), body.version, body.event_id)
                 except Exception:
                     continue  # a bad event was left out of the state too
 

@@ -48,6 +48,7 @@ from kafold.daemon.aggregates.window import Window
 from kafold.domain import AggregateDomain
 from kafold.envelope import format_epoch_ms
 from kafold.errors import DecodeError, FatalError, RecordError, RetriableError
+from kafold.fold import Folder
 from kafold.messages import REJECTED, Command, Result, decode_command, header
 from kafold.retry import retrying
 
@@ -93,7 +94,7 @@ class AggregateRuntime:
         self.window_ms = int(agg.idempotency_window_s * 1000)
         self.store = StateStore(agg.cache_max_aggregates, Window(self.window_ms, agg.idempotency_max_ids))
         self.gates: dict[int, PartitionGate] = {}
-        self.folders: dict[int, recovery.Folder] = {}
+        self.folders: dict[int, Folder[recovery.Recovering]] = {}
         self.positions: dict[int, int] = {}
         self.counts = dict.fromkeys(("batches", "commands", "accepted", "rejected", "dead_lettered", "duplicates",
                                      "events", "aborts", "assignments", "reloads"), 0)
@@ -195,8 +196,8 @@ class AggregateRuntime:
             low, end, base = self._retrying("aggregate.restore_retrying", partial(self._restore, events, n),
                                             partition=n)
             self.gates[n] = PartitionGate(n, end, start=base.start, snapshot_version=base.snapshot_version)
-            folder = self.folders[n] = recovery.Folder(self.domain, self.store, n)
-            folder.seed(base)
+            self.folders[n] = recovery.folder(self.domain, self.store, n)
+            recovery.seed(self.store, n, base)
             if base.partial:
                 self._note_events(n, set(base.partial), base.start)
             self.reader.incremental_assign([KTP(events, n, base.start)])
@@ -264,7 +265,7 @@ class AggregateRuntime:
 
     def _fold(self, n: int, batch: list[Any]) -> None:
         if batch:
-            self.folders[n].fold(batch)
+            self.folders[n].fold_records(batch)
             self.gates[n].replayed(batch[-1].offset() + 1, len(batch))
 
     def _open(self, gate: PartitionGate) -> None:

@@ -15,6 +15,7 @@ class Entry:
     window (`recent`: command id -> window.Outcome) and the hashes of the event ids they wrote -> command id."""
 
     __slots__ = ("events", "partition", "recent", "state", "version")
+    covered = 0  # for the Folder: a runtime's tail starts where its base states end, so no event is covered by offset
 
     def __init__(self, state: Any, version: int, partition: int) -> None:
         self.state = state

@@ -15,7 +15,7 @@ from kafold import devstack, kafka_clients, logs, topics
 from kafold.bench import embedded_stack
 from kafold.config import SNAPSHOT_TOPIC_CONFIGS, AggregateConfig, KafkaConfig, TopicSpec, load_file
 from kafold.envelope import Event, encode
-from kafold.snapshot import Domain, Folder, kafka_io, restore
+from kafold.snapshot import Domain, folder, kafka_io, restore
 from kafold.snapshot.record import Marker
 from kafold.spark_jobs import runs
 from kafold.spark_jobs.session import session
@@ -170,10 +170,10 @@ def _restore_case(kafka: Any, history_events: int, tail: int, aggregates: int) -
     domain = Domain.load(agg, [str(BANK)])
     consumer = kafka_io.reader(kafka)
     low, end = kafka_io.bounds(consumer, agg.topic("events"), 0)
-    folder = Folder(domain)  # the same fold and writes a snapshot job task does
-    folder.fold_messages(kafka_io.read_range(consumer, agg.topic("events"), 0, low, end))
+    folds = folder(domain)  # the same fold and writes a snapshot job task does
+    folds.fold_messages(kafka_io.read_range(consumer, agg.topic("events"), 0, low, end))
     producer = kafka_io.writer(kafka)
-    kafka_io.write(producer, agg.topic("snapshot"), 0, folder.snapshots(0, end))
+    kafka_io.write(producer, agg.topic("snapshot"), 0, folds.held.snapshots(0, end))
     ident = domain.identity
     kafka_io.write(producer, agg.topic("snapshot"), 0,
                    [Marker(ident.aggregate_type, 0, end, ident.fingerprint, ident.state_schema_version)])

@@ -1,22 +1,20 @@
-"""The fold shared by restore, verify and the Spark job: an aggregate's domain functions and a tail folder.
+"""A snapshot run's side of the one fold (kafold.fold): an aggregate's domain, and states on top of base snapshots.
 
-Offset note: `Folder.fold` takes a partition's events in offset order. For an aggregate whose base snapshot
-covers offset `o`, events below `o` are skipped (already in the state); an event whose version is not above the
-aggregate's current version is a duplicate write and skipped too, so a replay never folds an event twice.
+Offset note: a base snapshot covering offset `o` gives its aggregate's entry `covered = o`: the Folder skips the
+aggregate's events below `o` (already in the state) unread, and the snapshots written at `end` cover up to `end`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import orjson
 
 from kafold import logs
 from kafold.config import AggregateConfig
 from kafold.domain import AggregateDomain
 from kafold.envelope import epoch_ms, utc_now
+from kafold.fold import UNSET, Folder
 from kafold.snapshot.record import Encoded, Encoder, Snapshot
 from kafold.snapshot.select import Identity
 
@@ -49,11 +47,6 @@ class Domain:
                    int(agg.idempotency_window_s * 1000))
 
 
-# Entry layout (a list, for speed): [state or None, version, covered offset, changed, base state JSON or None,
-# idempotency window: command id -> [command time ms, version after, events]]
-STATE, VERSION, COVERED, CHANGED, BASE, WINDOW = range(6)
-
-
 def _window(commands: Any) -> dict[str, list[int]]:
     return {c[0]: [c[1], c[2], c[3]] for c in commands}
 
@@ -77,95 +70,66 @@ def _commands(window: dict[str, list[int]], window_ms: int) -> list[list[Any]]:
     return [["", newest[0][1], 0, 0], *newest]
 
 
-class Folder:
-    """Folds one events partition on top of base snapshots; keeps per-aggregate state, version and coverage."""
+class Held:
+    """One aggregate in a snapshot run: its state (UNSET until first needed: then built from `base`, its snapshot's
+    state JSON, or `initial()`), version, the offset its base covers, the version it started from, and its
+    idempotency window (command id -> [command time ms, version after, events])."""
+
+    __slots__ = ("base", "covered", "since", "state", "version", "window")
+
+    def __init__(self, version: int = 0, covered: int = 0, base: Any = None,
+                 window: dict[str, list[int]] | None = None) -> None:
+        self.state: Any = UNSET
+        self.version, self.covered, self.base, self.since = version, covered, base, version
+        self.window: dict[str, list[int]] = window if window is not None else {}
+
+
+class Tail:
+    """A Folder's `States` for a snapshot run: aggregates folded on top of base snapshots, and the snapshots they
+    give at the end of the run."""
 
     def __init__(self, domain: Domain, bases: dict[bytes, Snapshot] | None = None) -> None:
         self.domain = domain
-        self.entries: dict[bytes, list[Any]] = {
-            key: [None, s.version, s.offset, False, s.state, _window(s.commands)] for key, s in (bases or {}).items()}
-        self.read = 0        # events seen
-        self.folded = 0      # events applied
-        self.skipped = 0     # covered by a snapshot or duplicate versions
-        self.bad = 0         # could not be decoded or applied; left out of every state
-        self.first_bad: list[tuple[int, str]] = []
+        self.entries: dict[str, Held] = {
+            key.decode(): Held(s.version, s.offset, s.state, _window(s.commands)) for key, s in (bases or {}).items()}
 
-    def fold(self, offsets: Sequence[int], keys: Sequence[bytes | None], values: Sequence[bytes | None]) -> None:
-        """Apply one batch of events (parallel sequences, offset order)."""
-        entries, loads, make, evolve = self.entries, orjson.loads, self.domain.event, self.domain.evolve
-        initial, from_json = self.domain.initial, self.domain.from_json
-        folded = skipped = 0
-        # Hot loop: entry indexes are literals (STATE=0, VERSION=1, COVERED=2, CHANGED=3, BASE=4).
-        for offset, key, value in zip(offsets, keys, values, strict=True):
-            entry = entries.get(key)  # type: ignore[arg-type]
-            if entry is None:
-                entry = entries[key] = [None, 0, 0, False, None, {}]  # type: ignore[index]
-            elif offset < entry[2]:
-                skipped += 1
-                continue
-            try:
-                body = loads(value)  # type: ignore[arg-type]
-                version = body["version"]
-                if version <= entry[1] or type(version) is not int:
-                    if type(version) is not int:
-                        raise TypeError("version is not an integer")
-                    skipped += 1
-                    continue
-                if body["aggregate_id"].encode() != key:
-                    raise ValueError("key does not match aggregate_id")
-                event = make(body["type"], body["payload"])
-                state = entry[0]
-                if state is None:
-                    base = entry[4]
-                    state = initial() if base is None else from_json(base)
-                entry[0] = evolve(state, event)
-                cause = body.get("causation_id")
-                if cause:
-                    seen = entry[5].get(cause)
-                    if seen is None:
-                        entry[5][cause] = [epoch_ms(body["occurred_at"]), version, 1]
-                    else:
-                        seen[1] = version
-                        seen[2] += 1
-            except Exception as e:  # a bad event is left out of the state, counted and logged per batch
-                self._bad(offset, key, e)
-                continue
-            entry[1] = version
-            entry[3] = True
-            folded += 1
-        self.read += len(offsets)
-        self.folded += folded
-        self.skipped += skipped
+    # ---- States (what the Folder calls) -------------------------------------------------------------------
+    def new(self, aggregate_id: str) -> Held:
+        return Held()
 
-    def _bad(self, offset: int, key: bytes | None, error: Exception) -> None:
-        self.bad += 1
-        if len(self.first_bad) < 5:
-            self.first_bad.append((offset, type(error).__name__))
-        if key is not None and self.entries.get(key) == [None, 0, 0, False, None, {}]:
-            del self.entries[key]  # nothing usable for it yet
+    def add(self, aggregate_id: str, entry: Held) -> None:
+        self.entries[aggregate_id] = entry
 
-    def fold_messages(self, batches: Iterable[tuple[list[int], list[bytes | None], list[bytes | None]]]) -> None:
-        for offsets, keys, values in batches:
-            self.fold(offsets, keys, values)
+    def thaw(self, entry: Held) -> Any:
+        return self.domain.initial() if entry.base is None else self.domain.from_json(entry.base)
 
-    def state(self, key: bytes) -> Any:
+    def note(self, entry: Held, aggregate_id: str, cause: str, occurred_at: Any, version: int, event_id: Any) -> None:
+        seen = entry.window.get(cause)
+        if seen is None:
+            entry.window[cause] = [epoch_ms(occurred_at), version, 1]
+        else:
+            seen[1] = version
+            seen[2] += 1
+
+    # ---- results ------------------------------------------------------------------------------------------
+    def state(self, aggregate_id: str) -> Any:
         """The domain state of one aggregate (converting a base snapshot's JSON on first use)."""
-        entry = self.entries[key]
-        if entry[STATE] is None:
-            entry[STATE] = self.domain.initial() if entry[BASE] is None else self.domain.from_json(entry[BASE])
-        return entry[STATE]
+        entry = self.entries[aggregate_id]
+        if entry.state is UNSET:
+            entry.state = self.thaw(entry)
+        return entry.state
 
     def states(self) -> dict[str, tuple[Any, int]]:
         """Every aggregate with at least one event folded: id -> (domain state, version)."""
-        return {key.decode(): (self.state(key), e[VERSION]) for key, e in self.entries.items() if e[VERSION] > 0}
+        return {aid: (self.state(aid), e.version) for aid, e in self.entries.items() if e.version > 0}
 
-    def snapshots(self, partition: int, end: int, refresh_lag: int | None = None) -> Iterable[Snapshot]:
+    def snapshots(self, partition: int, end: int, refresh_lag: int | None = None) -> Iterator[Snapshot]:
         """Snapshots at `end` for aggregates changed by this fold (and for unchanged ones whose snapshot lags
         `end` by more than `refresh_lag` offsets: same state and version, moved forward, which is still true
         because they have no events in between)."""
         ident, created_at = self.domain.identity, utc_now()  # one time for the run
-        for key, state_json, version, commands in self._due(end, refresh_lag):
-            yield Snapshot(ident.aggregate_type, key.decode(), state_json, version, partition, end,
+        for aid, state_json, version, commands in self._due(end, refresh_lag):
+            yield Snapshot(ident.aggregate_type, aid, state_json, version, partition, end,
                            ident.fingerprint, ident.state_schema_version, created_at, "", commands)
 
     def encoded_snapshots(self, partition: int, end: int, refresh_lag: int | None = None) -> Iterator[Encoded]:
@@ -174,18 +138,24 @@ class Folder:
         encoder = Encoder(ident.aggregate_type, partition, end, ident.fingerprint, ident.state_schema_version,
                           utc_now())
         encode = encoder.encode
-        for key, state_json, version, commands in self._due(end, refresh_lag):
-            yield encode(key.decode(), state_json, version, commands)
+        for aid, state_json, version, commands in self._due(end, refresh_lag):
+            yield encode(aid, state_json, version, commands)
 
-    def _due(self, end: int, refresh_lag: int | None) -> Iterator[tuple[bytes, Any, int, list[list[Any]]]]:
+    def _due(self, end: int, refresh_lag: int | None) -> Iterator[tuple[str, Any, int, list[list[Any]]]]:
         to_json, window_ms = self.domain.to_json, self.domain.window_ms
-        for key, e in self.entries.items():
-            if e[CHANGED]:
-                yield key, to_json(e[STATE]), e[VERSION], _commands(e[WINDOW], window_ms)
-            elif refresh_lag is not None and e[BASE] is not None and end - e[COVERED] > refresh_lag:
-                yield key, e[BASE], e[VERSION], _commands(e[WINDOW], window_ms)
+        for aid, e in self.entries.items():
+            if e.version > e.since:
+                yield aid, to_json(e.state), e.version, _commands(e.window, window_ms)
+            elif refresh_lag is not None and e.base is not None and end - e.covered > refresh_lag:
+                yield aid, e.base, e.version, _commands(e.window, window_ms)
 
-    def log_bad(self, partition: int) -> None:
-        if self.bad:
-            log.warning("snapshot.bad_events", aggregate=self.domain.identity.aggregate_type, partition=partition,
-                        bad=self.bad, first=self.first_bad, action="left out of the state")
+
+def folder(domain: Domain, bases: dict[bytes, Snapshot] | None = None) -> Folder[Tail]:
+    """The Folder of one events partition in a snapshot run, on top of `bases` (key -> usable snapshot)."""
+    return Folder(domain, Tail(domain, bases))
+
+
+def log_bad(folder: Folder[Tail], partition: int) -> None:
+    if folder.bad:
+        log.warning("snapshot.bad_events", aggregate=folder.held.domain.identity.aggregate_type, partition=partition,
+                    bad=folder.bad, first=folder.first_bad, action="left out of the state")

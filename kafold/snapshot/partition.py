@@ -24,14 +24,15 @@ from confluent_kafka import OFFSET_BEGINNING
 
 from kafold import logs
 from kafold.config import AggregateConfig
+from kafold.fold import Folder
 from kafold.snapshot import kafka_io
-from kafold.snapshot.fold import Domain, Folder
+from kafold.snapshot.fold import Domain, Tail, folder, log_bad
 from kafold.snapshot.record import Marker
 from kafold.snapshot.select import Identity, Selection, Selector
 
 log = logs.get(__name__)
 BATCH = 20000  # events read from Kafka (and folded) at a time
-OnBatch = Callable[[Folder, int, int], None]  # (folder, last offset folded, range end)
+OnBatch = Callable[[Folder[Tail], int, int], None]  # (folder, last offset folded, range end)
 
 
 def select_partition(consumer: Any, agg: AggregateConfig, identity: Identity, partition: int,
@@ -133,7 +134,7 @@ class Folded:
     """A partition folded from `selection.start` to `selection.end` on the selection's bases."""
 
     selection: Selection
-    folder: Folder
+    folder: Folder[Tail]
     fold_s: float
 
 
@@ -143,14 +144,14 @@ def fold_partition(consumer: Any, agg: AggregateConfig, domain: Domain, partitio
     """Fold one events partition: its usable snapshots (`selection`, planned here when not given) + the tail."""
     sel = selection or plan_partition(consumer, agg, domain.identity, partition, use_snapshots)
     began = time.monotonic()
-    folder = Folder(domain, sel.bases)
+    folds = folder(domain, sel.bases)
     for offsets, keys, values in kafka_io.read_range(consumer, agg.topic("events"), partition, sel.start, sel.end,
                                                      batch=BATCH):
-        folder.fold(offsets, keys, values)
+        folds.fold(offsets, keys, values)
         if on_batch is not None:
-            on_batch(folder, offsets[-1], sel.end)
-    folder.log_bad(partition)
-    return Folded(sel, folder, time.monotonic() - began)
+            on_batch(folds, offsets[-1], sel.end)
+    log_bad(folds, partition)
+    return Folded(sel, folds, time.monotonic() - began)
 
 
 def fold_partitions(consumer: Any, agg: AggregateConfig, domain: Domain, selections: list[Selection], *,
@@ -162,7 +163,7 @@ def fold_partitions(consumer: Any, agg: AggregateConfig, domain: Domain, selecti
     then after them). `on_batch(partition)` gives a partition's hook. Each result's `fold_s` is an even share."""
     began = time.monotonic()
     topic = agg.topic("events")
-    folders = {sel.partition: Folder(domain, sel.bases) for sel in selections}
+    folders = {sel.partition: folder(domain, sel.bases) for sel in selections}
     hooks = {sel.partition: on_batch(sel.partition) for sel in selections} if on_batch is not None else {}
     ends = {sel.partition: sel.end for sel in selections}
     pre = {sel.partition: prefetched[sel.partition] for sel in selections
@@ -193,8 +194,8 @@ def fold_partitions(consumer: Any, agg: AggregateConfig, domain: Domain, selecti
     for (_, p), offsets, keys, values in kafka_io.read_many(consumer, after):
         fold(p, offsets, keys, values)
     share = (time.monotonic() - began) / max(1, len(selections))
-    for p, folder in folders.items():
-        folder.log_bad(p)
+    for p, folds in folders.items():
+        log_bad(folds, p)
     return [Folded(sel, folders[sel.partition], share) for sel in selections]
 
 
@@ -202,13 +203,13 @@ def progress_logger(agg: AggregateConfig, partition: int, every_s: float = 5.0) 
     """An `on_batch` hook logging `snapshot.partition_progress` at most every `every_s` seconds."""
     began = logged = time.monotonic()
 
-    def report(folder: Folder, offset: int, end: int) -> None:
+    def report(folds: Folder[Tail], offset: int, end: int) -> None:
         nonlocal logged
         now = time.monotonic()
         if now - logged >= every_s:
             logged = now
             log.info("snapshot.partition_progress", aggregate=agg.name, partition=partition, offset=offset, end=end,
-                     events_read=folder.read, events_per_s=round(folder.read / (now - began)))
+                     events_read=folds.read, events_per_s=round(folds.read / (now - began)))
     return report
 
 

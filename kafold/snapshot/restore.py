@@ -51,7 +51,7 @@ def restore(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partition:
         if own:
             consumer.close()
     sel, folder = folded.selection, folded.folder
-    out = Restored(partition, sel.start, sel.end, sel.low, folder.states(), len(sel.bases), folder.read,
+    out = Restored(partition, sel.start, sel.end, sel.low, folder.held.states(), len(sel.bases), folder.read,
                    folder.folded, folder.bad, dict(sel.rejected), time.monotonic() - began)
     log.info("snapshot.restored", aggregate=agg.name, partition=partition, start=out.start, end=out.end,
              aggregates=len(out.states), snapshots_used=out.snapshots_used, events_read=out.events_read,

@@ -9,7 +9,7 @@ from typing import Any
 from kafold import logs
 from kafold.config import AggregateConfig, KafkaConfig
 from kafold.snapshot import kafka_io
-from kafold.snapshot.fold import Domain, Folder
+from kafold.snapshot.fold import Domain, folder
 from kafold.snapshot.restore import restore
 
 log = logs.get(__name__)
@@ -57,12 +57,12 @@ def verify(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitions:
             ids = sorted(fast.states)
             chosen = set(ids if sample is None or sample >= len(ids) else rng.sample(ids, sample))
             wanted = {i.encode() for i in chosen}
-            folder = Folder(domain)
+            folds = folder(domain)
             for offsets, keys, values in kafka_io.read_range(consumer, agg.topic("events"), p, fast.start_low,
                                                              fast.end):
                 picked = [i for i, k in enumerate(keys) if sample is None or k in wanted]
-                folder.fold([offsets[i] for i in picked], [keys[i] for i in picked], [values[i] for i in picked])
-            replayed = folder.states()
+                folds.fold([offsets[i] for i in picked], [keys[i] for i in picked], [values[i] for i in picked])
+            replayed = folds.held.states()
             if sample is None:
                 chosen |= set(replayed)
             for aid in sorted(chosen):

@@ -218,10 +218,13 @@ def test_fast_event_id_equals_the_uuid5_derivation() -> None:
 
 
 class _Msg:
-    """A consumed record, as recovery.Folder reads it."""
+    """A consumed record, as the runtime's recovery folds it."""
 
-    def __init__(self, offset: int, value: bytes) -> None:
-        self._offset, self._value = offset, value
+    def __init__(self, offset: int, key: bytes, value: bytes) -> None:
+        self._offset, self._key, self._value = offset, key, value
+
+    def key(self) -> bytes:
+        return self._key
 
     def value(self) -> bytes:
         return self._value
@@ -234,7 +237,8 @@ def test_an_aggregate_whose_event_types_live_in_the_decide_module_folds_the_same
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from kafold.daemon.aggregates import recovery
     from kafold.envelope import Event, encode
-    from kafold.snapshot.fold import Domain, Folder
+    from kafold.snapshot.fold import Domain
+    from kafold.snapshot.fold import folder as snapshot_folder
 
     (tmp_path / "tally_evolve.py").write_text(
         "def initial():\n    return {'n': 0, 'seen': []}\n\n"
@@ -251,11 +255,50 @@ def test_an_aggregate_whose_event_types_live_in_the_decide_module_folds_the_same
 
     runtime = AggregateDomain.load(agg)
     store = StateStore(100)
-    recovery.Folder(runtime, store, 0).fold([_Msg(i, v) for i, v in enumerate(values)])
-    folder = Folder(Domain.load(agg))
-    folder.fold(list(range(12)), [e.aggregate_id.encode() for e in events], values)
+    keys = [e.aggregate_id.encode() for e in events]
+    recovery.folder(runtime, store, 0).fold_records(
+        [_Msg(i, k, v) for i, (k, v) in enumerate(zip(keys, values, strict=True))])
+    folder = snapshot_folder(Domain.load(agg))
+    folder.fold(list(range(12)), keys, values)
 
     assert folder.bad == 0 and folder.folded == 12
     in_runtime = {aid: (e.state, e.version) for aid, e in store.entries.items()}
-    assert folder.states() == in_runtime
+    assert folder.held.states() == in_runtime
     assert in_runtime["t1"] == ({"n": 1 + 4 + 7 + 10, "seen": ["Added"] * 4}, 4)
+
+
+def test_both_folds_read_through_the_envelope_fast_path_and_keep_folding_what_its_decoder_refuses() -> None:
+    from kafold import fold
+    from kafold.daemon.aggregates import recovery
+    from kafold.envelope import COUNT_MAX, Event, decode, encode, peek_body
+    from kafold.errors import DecodeError
+    from kafold.snapshot.fold import Domain
+    from kafold.snapshot.fold import folder as snapshot_folder
+
+    agg = bank_config("bank")
+    events = [Event.new("AccountOpened", "bank", "a1", 1, {"owner": "ann", "currency": "EUR"}, causation_id="c1"),
+              Event.new("MoneyDeposited", "bank", "a1", 2, {"amount": 500}, causation_id="c2")]
+    records = [encode(e) for e in events]
+    assert all(type(fold.fields(value)) is not fold.Loose for _, value, _ in records)  # read by peek_body
+    # the envelope's decoder refuses these (an unknown field; a version beyond its bound) but folds always read them
+    extra = records[1][1].replace(b'{"event_id"', b'{"note":"added by hand","event_id"', 1)
+    high = encode(Event.new("MoneyDeposited", "bank", "a1", 3, {"amount": 7}))[1].replace(
+        b'"version":3', b'"version":%d' % (COUNT_MAX + 1), 1)
+    for value in (extra, high):
+        assert peek_body(value) is None
+        with pytest.raises(DecodeError):
+            decode(b"a1", value, None)
+    values = [records[0][1], extra, high, b'{"not":"an event"}', b"[]"]
+    keys = [b"a1"] * len(values)
+
+    runtime = bank_domain(agg)
+    store = StateStore(100)
+    kernel = recovery.folder(runtime, store, 0)
+    kernel.fold_records([_Msg(i, k, v) for i, (k, v) in enumerate(zip(keys, values, strict=True))])
+    folder = snapshot_folder(Domain.load(agg, [str(BANK)]))
+    folder.fold(list(range(len(values))), keys, values)
+
+    assert (kernel.folded, kernel.bad) == (folder.folded, folder.bad) == (3, 2)
+    state, version = folder.held.states()["a1"]
+    assert version == COUNT_MAX + 1 == store.entries["a1"].version
+    assert state == store.entries["a1"].state and state.balance == 507

@@ -10,7 +10,8 @@ from typing import Any
 from kafold import kafka_clients, topics
 from kafold.config import AggregateConfig, KafkaConfig, TopicSpec
 from kafold.envelope import Event, encode
-from kafold.snapshot import Domain, Folder, kafka_io, record, restore
+from kafold.snapshot import Domain, kafka_io, record, restore
+from kafold.snapshot import folder as new_folder
 from tests.support import EXAMPLES
 
 BANK = str(EXAMPLES / "bank")
@@ -94,7 +95,7 @@ def snapshot_partition(bank: Bank, p: int, limit: int | None = None) -> int:
     consumer.close()
     producer = kafka_io.writer(bank.kafka)
     end = folded.selection.end
-    snaps = list(folded.folder.snapshots(p, end))
+    snaps = list(folded.folder.held.snapshots(p, end))
     kafka_io.write(producer, bank.agg.topic("snapshot"), p, snaps if limit is None else snaps[:limit])
     if limit is None:  # otherwise: a run killed between its snapshot writes and its marker
         write_marker(producer, bank.agg, p, end)
@@ -132,12 +133,12 @@ def assert_every_snapshot_true_at_its_offset(bank: Bank) -> None:
             if record.is_marker(key):
                 continue
             snap = record.decode(key, value)
-            folder = Folder(bank.domain)
+            folder = new_folder(bank.domain)
             for offsets, keys, values in events:
                 picked = [i for i, (o, k) in enumerate(zip(offsets, keys, strict=True))
                           if k == key and o < snap.offset]
                 folder.fold([offsets[i] for i in picked], [keys[i] for i in picked], [values[i] for i in picked])
-            state, version = folder.states()[snap.aggregate_id]
+            state, version = folder.held.states()[snap.aggregate_id]
             assert (bank.domain.to_json(state), version) == (snap.state, snap.version), snap.aggregate_id
     consumer.close()
 

@@ -11,7 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kafold.envelope import Event, encode
-from kafold.snapshot import Folder, Marker, Selector, Snapshot
+from kafold.fold import Folder
+from kafold.snapshot import Marker, Selector, Snapshot, Tail
+from kafold.snapshot import folder as new_folder
 from kafold.snapshot.select import REJECTED
 from tests.snapshots.snaphelpers import bank_aggregate, bank_domain, generate
 
@@ -28,7 +30,7 @@ def events(n: int, seed: int, accounts: int) -> list[tuple[int, bytes, bytes]]:
     return out
 
 
-def fold(evs: list[tuple[int, bytes, bytes]], folder: Folder) -> Folder:
+def fold(evs: list[tuple[int, bytes, bytes]], folder: Folder[Tail]) -> Folder[Tail]:
     if evs:
         offsets, keys, values = zip(*evs, strict=True)
         folder.fold(list(offsets), list(keys), list(values))
@@ -37,8 +39,8 @@ def fold(evs: list[tuple[int, bytes, bytes]], folder: Folder) -> Folder:
 
 def snapshot_records(evs: list[tuple[int, bytes, bytes]], cut: int) -> list[tuple[bytes, bytes]]:
     """What a snapshot run up to offset `cut` writes: a snapshot per aggregate, then the marker."""
-    folder = fold(evs[:cut], Folder(DOMAIN))
-    out = [s.encode()[:2] for s in folder.snapshots(0, cut)]
+    folder = fold(evs[:cut], new_folder(DOMAIN))
+    out = [s.encode()[:2] for s in folder.held.snapshots(0, cut)]
     return [*out, Marker("account", 0, cut, IDENT.fingerprint, IDENT.state_schema_version).encode()[:2]]
 
 
@@ -47,7 +49,8 @@ def junk(kind: str, evs: list[tuple[int, bytes, bytes]], cut: int, rng: random.R
     if kind == "out-of-order":
         early = max(1, cut // 2)
         aid = evs[rng.randrange(early)][1]
-        older = [s for s in fold(evs[:early], Folder(DOMAIN)).snapshots(0, early) if s.aggregate_id.encode() == aid]
+        folded = fold(evs[:early], new_folder(DOMAIN))
+        older = [s for s in folded.held.snapshots(0, early) if s.aggregate_id.encode() == aid]
         return older[0].encode()[:2]
     aid_text = evs[rng.randrange(len(evs))][1].decode()
     bad_state = {"status": "open", "owner": "forged", "currency": "EUR", "balance": 10**9}
@@ -87,9 +90,9 @@ def test_snapshot_plus_tail_equals_full_replay(n: int, accounts: int, seed: int,
     for offset, (key, value) in enumerate(recs):
         selector.feed(key, value, offset)
     sel = selector.result()
-    restored = fold([e for e in evs if e[0] >= sel.start], Folder(DOMAIN, sel.bases))
-    full = fold(evs, Folder(DOMAIN))
-    assert restored.states() == full.states()
+    restored = fold([e for e in evs if e[0] >= sel.start], new_folder(DOMAIN, sel.bases))
+    full = fold(evs, new_folder(DOMAIN))
+    assert restored.held.states() == full.held.states()
     assert sum(sel.rejected.values()) >= len([k for k in bad if k != "out-of-order"])
     if cuts and not bad:
         assert sel.start == max(int(f * n) for f in cuts)  # only the tail after the last run is replayed
@@ -120,22 +123,22 @@ def test_a_rejected_snapshot_without_fallback_means_full_replay_for_all() -> Non
         selector.feed(key, value)
     sel = selector.result()
     assert bad_key in sel.orphans and sel.start == 0
-    restored = fold(evs, Folder(DOMAIN, sel.bases))
-    assert restored.states() == fold(evs, Folder(DOMAIN)).states()
+    restored = fold(evs, new_folder(DOMAIN, sel.bases))
+    assert restored.held.states() == fold(evs, new_folder(DOMAIN)).held.states()
 
 
 def test_bad_events_are_left_out_counted_and_the_rest_folds() -> None:
     evs = events(50, 9, 3)
     broken = [(50, evs[0][1], b"{not json"), (51, evs[0][1], orjson.dumps({"version": 99, "type": "Nope"}))]
-    folder = fold(evs + broken, Folder(DOMAIN))
+    folder = fold(evs + broken, new_folder(DOMAIN))
     assert folder.bad == 2 and folder.folded == 50
-    assert folder.states() == fold(evs, Folder(DOMAIN)).states()
+    assert folder.held.states() == fold(evs, new_folder(DOMAIN)).held.states()
 
 
 def test_duplicate_event_versions_are_not_folded_twice() -> None:
     evs = events(40, 4, 2)
     dup = [(40 + i, k, v) for i, (_, k, v) in enumerate(evs[-5:])]
-    assert fold(evs + dup, Folder(DOMAIN)).states() == fold(evs, Folder(DOMAIN)).states()
+    assert fold(evs + dup, new_folder(DOMAIN)).held.states() == fold(evs, new_folder(DOMAIN)).held.states()
 
 
 
