@@ -31,11 +31,12 @@ lint: install
 	cd $(TYPECHECK) && $(abspath $(BIN))/mypy --config-file $(abspath pyproject.toml)
 	cd $(TYPECHECK) && PYTHONPATH=. $(abspath $(BIN))/lint-imports --config $(abspath pyproject.toml)
 
-## the suite on the embedded broker, then the guarantees marked apache_kafka again on Apache Kafka (fetched once
-## with Maven: needs Java 17+ and mvn)
+## the unit tests; the integration tests on Apache Kafka (one broker for the session, fetched once with Maven: needs
+## Java 17+ and mvn); then what concerns the embedded default (its dev stack, `make run`) on tansu
 test: lint
-	$(BIN)/python -m pytest
-	KAFOLD_TEST_BROKER=kafka $(BIN)/python -m pytest -m apache_kafka
+	$(BIN)/python -m pytest -m "not integration and not tansu"
+	KAFOLD_TEST_BROKER=kafka $(BIN)/python -m pytest -m "integration and not tansu"
+	KAFOLD_TEST_BROKER=tansu $(BIN)/python -m pytest -m tansu
 
 ## the long chaos soak (30 minutes, >= 200 faults, >= 1M events; figures in docs/reliability.md); BROKER=kafka runs
 ## it on a three-node Apache Kafka cluster with broker faults besides
@@ -43,7 +44,7 @@ chaos: install
 	$(BIN)/python -m tests.chaos.run_chaos $(if $(BROKER),--broker $(BROKER)) $(CHAOS_ARGS)
 
 unit: install
-	$(BIN)/python -m pytest -m "not integration"
+	$(BIN)/python -m pytest -m "not integration and not tansu"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -204,7 +204,8 @@ def ensure(kafka: KafkaConfig, specs: Iterable[TopicSpec]) -> TopicReport:
     meta = _metadata(client, kafka)
     missing = [s for s in specs if s.name not in meta or meta[s.name].error is not None]
     created = set(_create(client, missing))
-    _await_metadata(client, kafka, created)
+    # Also those someone else created meanwhile (TOPIC_ALREADY_EXISTS): not yet in this broker's metadata either.
+    _await_metadata(client, kafka, {s.name for s in missing})
     return _report(client, kafka, specs, created)
 
 

@@ -15,6 +15,7 @@ from tests.chaos.chaos_harness import KINDS, Chaos, kinds_for
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
+@pytest.mark.tansu  # the harness's own stack on the embedded default, every kind of fault Spark's included
 @pytest.mark.timeout(900)
 def test_short_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
     spark = shutil.which("java") is not None

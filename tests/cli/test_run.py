@@ -23,6 +23,7 @@ from tests.support import ROOT
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.tansu  # `make run`'s smoke test: the embedded default's own stack
 @pytest.mark.timeout(400)
 def test_run_flows_events_and_stops_cleanly(tmp_path: Path) -> None:
     """Commands become events, reach the log connector, the projection and the webhook receiver; a snapshot is

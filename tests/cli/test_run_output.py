@@ -70,6 +70,7 @@ def stop_and_check(proc: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.tansu  # `kafold run` on the embedded default's own stack
 @pytest.mark.timeout(300)
 def test_sigint_stops_kafold_run_after_the_reader_of_its_output_pipe_exited(tmp_path: Path) -> None:
     read_end, write_end = os.pipe()
@@ -86,6 +87,7 @@ def test_sigint_stops_kafold_run_after_the_reader_of_its_output_pipe_exited(tmp_
 
 
 @pytest.mark.integration
+@pytest.mark.tansu  # `kafold run` on the embedded default's own stack
 @pytest.mark.timeout(300)
 def test_on_a_terminal_the_live_view_stays_in_place_and_the_logs_go_to_the_file_it_names(tmp_path: Path) -> None:
     controller, terminal = pty.openpty()

@@ -22,7 +22,9 @@ def test_the_example_plugin_installs_registers_and_passes_the_contract(tmp_path:
     shutil.copytree(PLUGIN, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                     "--target", str(site), str(source)], check=True, timeout=300)
-    env = {**os.environ, "PYTHONPATH": str(site), "KAFOLD_TEST_BOOTSTRAP": kafka_bootstrap}
+    # Not the outer run's PYTEST_ADDOPTS: its --basetemp (a parent of the plugin's folder) would refuse the run.
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}, "PYTHONPATH": str(site),
+           "KAFOLD_TEST_BOOTSTRAP": kafka_bootstrap}
 
     found = subprocess.run([sys.executable, "-c", "from kafold.connectors.registry import available, resolve; "
                             "import sys; print(available()); print(sys.modules[resolve('jsonl').__module__].__file__)"],

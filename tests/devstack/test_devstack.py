@@ -57,6 +57,7 @@ def _cli(argv: list[str]) -> int:
 
 
 @pytest.mark.integration
+@pytest.mark.tansu  # the default dev stack (tansu)
 def test_up_is_idempotent_and_down_leaves_no_process(tmp_path: Path) -> None:
     stack = devstack.up(tmp_path)
     try:
@@ -75,6 +76,7 @@ def test_up_is_idempotent_and_down_leaves_no_process(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.tansu  # the default dev stack (tansu)
 def test_postgres_data_survives_a_restart_of_the_stack(tmp_path: Path) -> None:
     try:
         with psycopg.connect(devstack.up(tmp_path).postgres_url, autocommit=True) as conn:
@@ -87,6 +89,7 @@ def test_postgres_data_survives_a_restart_of_the_stack(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.tansu  # the default dev stack (tansu)
 def test_a_fresh_start_drops_postgres_data_but_never_under_a_running_server(tmp_path: Path) -> None:
     try:
         with psycopg.connect(devstack.up(tmp_path).postgres_url, autocommit=True) as conn:
@@ -102,6 +105,7 @@ def test_a_fresh_start_drops_postgres_data_but_never_under_a_running_server(tmp_
 
 
 @pytest.mark.integration
+@pytest.mark.tansu  # the default dev stack (tansu)
 def test_a_dead_broker_is_restarted_on_the_same_port(tmp_path: Path) -> None:
     try:
         first = devstack.up(tmp_path)
@@ -117,6 +121,7 @@ def test_a_dead_broker_is_restarted_on_the_same_port(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.tansu  # the default dev stack (tansu)
 def test_stack_outlives_the_process_that_started_it(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = "import sys; from pathlib import Path; from kafold import devstack; devstack.up(Path(sys.argv[1]))"
