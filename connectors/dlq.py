@@ -115,3 +115,4 @@ class DeadLetterWriter(ErrantRecordReporter):
         except RetriableError as e:
             log.error("dead letters unacknowledged at close; their offsets were not committed",
                       connector=self.connector, error=str(e))
+        kafka_clients.close_producer(self._producer, 0)

@@ -126,7 +126,7 @@ class CommandClient:
         return found
 
     def close(self) -> None:
-        self.producer.flush(10)
+        kafka_clients.close_producer(self.producer, 10)
         if self._reader is not None:
             self._reader.close()
             self._reader = None

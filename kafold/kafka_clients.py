@@ -118,6 +118,19 @@ def produce(made: Producer, topic: str, value: bytes | None, key: bytes | None =
             made.poll(0.1)
 
 
+def close_producer(made: Producer, timeout: float) -> int:
+    """Flush for up to `timeout` s, purge what is still queued, then close: the producer's threads and connections
+    end now, not whenever the garbage collector meets it (a producer left open retries a stopped broker and prints
+    its connection errors past the owner's stop). `close()` alone would flush without a limit. Returns how many
+    records were purged unacknowledged (their on_delivery callbacks have run with a purge error)."""
+    left = made.flush(timeout)
+    if left:
+        made.purge()
+        made.poll(0)
+    made.close()
+    return int(left)
+
+
 def _connect(made: Producer) -> None:
     """librdkafka asks for an idempotent producer's id at creation, finds no broker connected yet (connections are
     made on demand) and retries on a 500 ms timer, which connects nothing either: its first write waited ~1 s.

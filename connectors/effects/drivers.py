@@ -201,7 +201,7 @@ class KafkaEffect(Effect):
 
     async def close(self) -> None:
         self._stop.set()
-        self.producer.flush(5)
+        kafka_clients.close_producer(self.producer, 5)
 
 
 def _settle(fut: asyncio.Future[None], err: Any) -> None:

@@ -126,7 +126,7 @@ class TransactionalWriter:
                 self.abort()
             except Exception as e:
                 log.warning("aggregate.txn_abort_on_close_failed", error=str(e))
-        self.producer.flush(5)
+        kafka_clients.close_producer(self.producer, 5)
 
 
 # A newer producer with our transactional.id exists: we are the zombie. Whatever flag the broker's error carries,

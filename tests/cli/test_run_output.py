@@ -9,6 +9,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +23,8 @@ GRACE_S = DaemonConfig().shutdown_grace_s + 30  # the daemon's grace, the dev st
 
 
 def start(tmp_path: Path, out: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "KAFOLD_DEV_DIR": str(tmp_path / "dev")}
+    # PYTHONFAULTHANDLER: a SIGABRT sent when it does not stop prints every thread's stack, for the failure message
+    env = {**os.environ, "KAFOLD_DEV_DIR": str(tmp_path / "dev"), "PYTHONFAULTHANDLER": "1"}
     for var in ("KAFOLD_KAFKA__BOOTSTRAP_SERVERS", "KAFOLD_POSTGRES__URL"):
         env.pop(var, None)
     return subprocess.Popen([sys.executable, "-m", "kafold.cli", "run", "-c", str(ROOT / "examples" / "bank" /
@@ -56,14 +58,38 @@ def read_for(fd: int, seconds: float) -> bytes:
     return seen
 
 
-def stop_and_check(proc: subprocess.Popen[bytes]) -> None:
+def drain(fd: int) -> list[bytes]:
+    """Read `fd` until it closes, as a terminal does: a pty nobody reads blocks its writer once its buffer fills,
+    which would stop `kafold run` for a reason no user's terminal gives it."""
+    got: list[bytes] = []
+
+    def loop() -> None:
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            got.append(chunk)
+
+    threading.Thread(target=loop, name="drain", daemon=True).start()
+    return got
+
+
+def stop_and_check(proc: subprocess.Popen[bytes], printed: list[bytes] | None = None) -> None:
+    """SIGINT, then exit 0 within the grace and no process left; `printed` (what a drain read) goes into the message
+    when it does not stop, with the stacks faulthandler prints on SIGABRT."""
     descendants = psutil.Process(proc.pid).children(recursive=True)
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(GRACE_S)
     except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        time.sleep(3)
         proc.kill()
-        raise AssertionError(f"kafold run did not stop within {GRACE_S} s of SIGINT") from None
+        tail = b"".join(printed or []).decode(errors="replace")[-12000:]
+        raise AssertionError(f"kafold run did not stop within {GRACE_S} s of SIGINT; it printed:\n{tail}") from None
     assert proc.returncode == 0
     _, alive = psutil.wait_procs(descendants, timeout=10)
     assert not alive, f"processes left behind: {[p.pid for p in alive]}"
@@ -98,7 +124,7 @@ def test_on_a_terminal_the_live_view_stays_in_place_and_the_logs_go_to_the_file_
         printed.append(read_until(controller, "kafold run — live".encode(), 120))  # the table's title
         printed.append(read_for(controller, 15))  # the live view redrawn, meanwhile the daemon logs
     finally:
-        stop_and_check(proc)
+        stop_and_check(proc, drain(controller))
         os.close(controller)
     text = b"".join(printed).decode(errors="replace")
     log_file = tmp_path / "run.log"
