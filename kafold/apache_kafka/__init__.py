@@ -170,10 +170,19 @@ def read_cluster(home: Path) -> dict[str, Any]:
     return read_json(home / CLUSTER_FILE, f"remove {home} to start a new cluster")
 
 
+def new_cluster_id() -> str:
+    """A random cluster id as Kafka's own `Uuid.randomUuid` makes them: base64url of 16 bytes, never starting with
+    '-' (kafka-storage's argument parser reads such an id as an option: one id in 64 failed to format)."""
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        if not cid.startswith("-"):
+            return cid
+
+
 def layout(home: Path, nodes: int, ports: list[tuple[int, int]], cluster_id: str | None = None) -> list[Node]:
     """The cluster's nodes, their properties written and the layout recorded (the cluster id outlives restarts:
     the formatted storage is bound to it)."""
-    cid = cluster_id or base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+    cid = cluster_id or new_cluster_id()
     out = [Node(i + 1, p, c, home / f"node-{i + 1}") for i, (p, c) in enumerate(ports[:nodes])]
     rf, min_isr = replication(nodes)
     voters = ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in out)
@@ -221,7 +230,7 @@ def format_storage(java_bin: str, jars: Path, cluster_id: str, nodes: list[Node]
     todo = [n for n in nodes if not (n.data / "meta.properties").exists()]
     procs = [(n, subprocess.Popen(
         [java_bin, f"-Dlog4j2.configurationFile={LOG4J}", "-cp", classpath(jars), "kafka.tools.StorageTool",
-         "format", "-t", cluster_id, "-c", str(n.properties)],
+         "format", f"--cluster-id={cluster_id}", "-c", str(n.properties)],
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)) for n in todo]
     for n, p in procs:
         try:

@@ -13,9 +13,10 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
-from kafold import devstack
+from kafold import apache_kafka, devstack
 from kafold.commands import dev as dev_cmd
 from kafold.config import KafkaConfig, KafoldConfig, PostgresConfig
+from kafold.testing import free_port
 
 NO_BROKER = ("no broker configured and no `kafold dev` stack running — run `kafold dev up` or set "
              "[kafka].bootstrap_servers")
@@ -286,3 +287,15 @@ def test_a_broker_kind_or_node_count_the_stack_cannot_run_is_refused(tmp_path: P
     with pytest.raises(devstack.DevStackError, match="--nodes 3: the dev stack runs 1 broker"):
         devstack.up(tmp_path, broker="tansu", nodes=3)
     assert _processes(tmp_path) == []
+
+
+def test_new_cluster_ids_never_start_with_a_dash() -> None:
+    assert not any(apache_kafka.new_cluster_id().startswith("-") for _ in range(2000))
+
+
+@pytest.mark.integration
+def test_a_cluster_id_starting_with_a_dash_formats(tmp_path: Path) -> None:
+    # One random id in 64 starts with '-', which kafka-storage's parser read as an option (seen in CI).
+    nodes = apache_kafka.layout(tmp_path, 1, [(free_port(), free_port())], cluster_id="-u8inXnAQ2y2nfri1zKfkw")
+    apache_kafka.format_storage(apache_kafka.java(), apache_kafka.libs(), "-u8inXnAQ2y2nfri1zKfkw", nodes)
+    assert "cluster.id=-u8inXnAQ2y2nfri1zKfkw" in (nodes[0].data / "meta.properties").read_text()
