@@ -23,7 +23,7 @@ from kafold.snapshot import kafka_io, record
 from kafold.testing import free_port
 from tests.aggregates.agg_support import BANK, events
 from tests.aggregates.test_idempotency import Outside
-from tests.support import wait_for
+from tests.support import kafka_toml, wait_for
 
 KAFOLD = str(Path(sys.executable).parent / "kafold")
 
@@ -31,12 +31,7 @@ KAFOLD = str(Path(sys.executable).parent / "kafold")
 
 def _config(path: Path, kafka: KafkaConfig, unique: str, table: str, port: int) -> Path:
     path.write_text(f"""
-[kafka]
-bootstrap_servers = "{kafka.bootstrap_servers}"
-session_timeout_ms = 6000
-rebalance_timeout_ms = 6000
-heartbeat_interval_ms = 1000
-
+{kafka_toml(kafka)}
 [daemon]
 group_prefix = "{unique}"
 http_port = {port}

@@ -12,7 +12,7 @@ from kafold import config
 from kafold.commands import daemon
 from kafold.config import KafkaConfig
 from kafold.envelope import encode
-from tests.support import committed, create_topic, make_event, produce, wait_for
+from tests.support import committed, create_topic, kafka_toml, make_event, produce, wait_for
 
 # The CLI module list names commands other engineers are still writing, so the test enters the daemon's
 # handler directly, exactly as `kafold daemon -c FILE` does.
@@ -23,12 +23,7 @@ ENTRY = ("import argparse, sys; from kafold import logs; from kafold.commands im
 def write_config(tmp_path: Path, kafka: KafkaConfig, unique: str, topic: str) -> Path:
     path = tmp_path / "kafold.toml"
     path.write_text(f"""
-[kafka]
-bootstrap_servers = "{kafka.bootstrap_servers}"
-session_timeout_ms = 6000
-rebalance_timeout_ms = 6000
-heartbeat_interval_ms = 1000
-
+{kafka_toml(kafka)}
 [daemon]
 group_prefix = "{unique}"
 shutdown_grace_s = 3.0

@@ -10,19 +10,14 @@ from kafold.config import KafkaConfig
 from kafold.testing import free_port
 from tests.aggregates.agg_support import BANK
 from tests.daemon.daemon_support import daemon_in_process
-from tests.support import wait_for
+from tests.support import kafka_toml, wait_for
 
 
 def test_aggregate_state_is_served_once_the_runtime_is_live(
         tmp_path: Path, kafka_config: KafkaConfig, unique: str) -> None:
     path = tmp_path / "kafold.toml"
     path.write_text(f"""
-[kafka]
-bootstrap_servers = "{kafka_config.bootstrap_servers}"
-session_timeout_ms = 6000
-rebalance_timeout_ms = 6000
-heartbeat_interval_ms = 1000
-
+{kafka_toml(kafka_config)}
 [daemon]
 group_prefix = "{unique}"
 http_port = {free_port()}

@@ -10,7 +10,7 @@ from typing import Any
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig
 from kafold.connectors.registry import instantiate
 from kafold.daemon.runner import SinkRunner
-from tests.support import ROOT
+from tests.support import ROOT, kafka_toml
 
 
 @dataclass
@@ -45,12 +45,7 @@ def daemon_config(path: Path, kafka: KafkaConfig, pg_url: str, schema: str, grou
                   task_processes: bool = False) -> Path:
     """A kafold.toml with one effect connector `only` (config = `effect_toml`, an inline table)."""
     path.write_text(f"""
-[kafka]
-bootstrap_servers = "{kafka.bootstrap_servers}"
-session_timeout_ms = 6000
-rebalance_timeout_ms = 6000
-heartbeat_interval_ms = 1000
-
+{kafka_toml(kafka)}
 [postgres]
 url = "{pg_url}"
 schema = "{schema}"
