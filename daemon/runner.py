@@ -18,7 +18,7 @@ outlives the assignment (librdkafka would keep it for a later assignment: see `_
 progress (position, end offsets seen at assignment, caught-up, lag) is published by `daemon.progress`.
 
 The poll loop (the consumer, the poll, the subscription, fatal consumer errors, the back-off polls, the shutdown
-call) is `daemon.consumer_loop`'s; this runner is its batch handler, and every commit above is still made here:
+call) is `kafold.consumer_loop`'s; this runner is its batch handler, and every commit above is still made here:
 after a batch's put and dead-letter flush, on revoke and at shutdown (`loop_stopped`), never by the loop.
 """
 
@@ -46,7 +46,7 @@ from kafold.connectors.api import (
     sink_record,
 )
 from kafold.connectors.dlq import DeadLetterWriter
-from kafold.daemon.consumer_loop import ConsumerLoop, LoopHandler
+from kafold.consumer_loop import ConsumerLoop, LoopHandler
 from kafold.daemon.liveness import STATS_INTERVAL_MS, GroupState, GroupWatch
 from kafold.daemon.progress import BatchStats, PartitionProgress, ProgressTracker, last_event_times
 from kafold.envelope import decode
@@ -222,7 +222,7 @@ class SinkRunner(LoopHandler):
             return "UNASSIGNED"
         return "PAUSED" if self.api_paused else "RUNNING"
 
-    # ---- the loop (daemon.consumer_loop: this runner is its batch handler) -------------------------------
+    # ---- the loop (kafold.consumer_loop: this runner is its batch handler) -------------------------------
     def run(self) -> None:
         """Consume until stopped; raises nothing — a fatal error is logged and kept in `self.error`."""
         self.consumer = self._new_consumer()  # outside the loop's run: a consumer never made has nothing to stop
@@ -305,7 +305,7 @@ class SinkRunner(LoopHandler):
         self.counts["rejoins"] += 1
 
     def handle_batch(self, msgs: list[Any]) -> None:
-        """One batch (the loop raised its fatal consumer errors already): decode, dead-letter, put, commit."""
+        """One batch: decode, dead-letter, put, commit."""
         started = time.monotonic()
         records: list[SinkRecord] = []
         seen: dict[TopicPartition, int] = {}
@@ -318,6 +318,7 @@ class SinkRunner(LoopHandler):
                 yield_point()
             err = m.error()
             if err is not None:
+                self.loop.consumer_error(err)  # a fatal one ends the run before this batch is committed
                 self.log.warning("consumer error", error=str(err))
                 continue
             topic, part, offset = m.topic(), m.partition(), m.offset()

@@ -24,7 +24,7 @@ results partition of the same number (rejections, acceptances without events) be
 evicted aggregate gets it back with its state; a rebalance rebuilds it on the instance taking the partition over.
 
 The poll loop (the consumer, the poll, the subscription, fatal consumer errors, the shutdown call) is
-`daemon.consumer_loop`'s; this runtime is its batch handler. The loop commits nothing: the offsets are committed
+`kafold.consumer_loop`'s; this runtime is its batch handler. The loop commits nothing: the offsets are committed
 only in a batch's transaction, as above; a revoked or lost partition is dropped without a commit.
 """
 
@@ -43,13 +43,13 @@ from kafold import kafka_clients, logs, topics
 from kafold.config import SNAPSHOT_TOPIC_CONFIGS, AggregateConfig, DaemonConfig, KafkaConfig, TopicSpec
 from kafold.connectors.api import RawRecord
 from kafold.connectors.dlq import dlq_headers, fitted
+from kafold.consumer_loop import ConsumerLoop, LoopHandler
 from kafold.daemon.aggregates import recovery
 from kafold.daemon.aggregates.gate import PartitionGate
 from kafold.daemon.aggregates.processor import handle
 from kafold.daemon.aggregates.store import Entry, StateStore
 from kafold.daemon.aggregates.txn import TransactionalWriter
 from kafold.daemon.aggregates.window import Window
-from kafold.daemon.consumer_loop import ConsumerLoop, LoopHandler
 from kafold.domain import AggregateDomain
 from kafold.envelope import format_epoch_ms
 from kafold.errors import DecodeError, FatalError, RecordError, RetriableError
@@ -152,7 +152,7 @@ class AggregateRuntime(LoopHandler):
     def stop(self) -> None:
         self.stop_event.set()
 
-    # ---- the loop (daemon.consumer_loop: this runtime is its batch handler) ------------------------------
+    # ---- the loop (kafold.consumer_loop: this runtime is its batch handler) ------------------------------
     def run(self) -> None:
         """Start, then recover and decide until stopped; an error is logged, kept in `error` and raised."""
         self.loop.run()
@@ -305,12 +305,13 @@ class AggregateRuntime(LoopHandler):
 
     # ---- commands ---------------------------------------------------------------------------------------
     def handle_batch(self, msgs: list[Any]) -> None:
-        """One batch of commands (the loop raised its fatal consumer errors already) as one transaction."""
+        """One batch of commands as one transaction."""
         started = time.monotonic()
         live: list[Any] = []
         rewind: dict[int, int] = {}
         for m in msgs:
             if m.error() is not None:
+                self.loop.consumer_error(m.error())  # a fatal one ends the run before anything is decided
                 continue
             gate = self.gates.get(m.partition())
             if gate is None or not gate.may_decide():

@@ -1,11 +1,15 @@
-"""ConsumerLoop: the one poll loop of the daemon's group consumers; the sink runner and the aggregate runtime plug
-their batch handlers into it.
+"""ConsumerLoop: the one poll loop of kafold's group consumers; the sink runner (daemon/runner.py) and the aggregate
+runtime (daemon/aggregates/runtime.py) plug their batch handlers into it.
 
 The loop owns the consumer, the stop event, `last_poll` (the host warns when a loop stops polling), the poll itself
 (`batch_max_records` records or `batch_max_wait_ms`, a handler may ask for a shorter wait), the group subscription
 and its rebalance callbacks (counted: `assignments`), a new consumer joining again (`resubscribe`), fatal consumer
-errors (raised as FatalError before the batch reaches its handler), the polls count, a back-off that keeps serving
-the consumer, retries through `kafold.retry`, and the shutdown hook, called exactly once.
+errors (`raise_fatal`: FatalError), the polls count, a back-off that keeps serving the consumer, retries through
+`kafold.retry`, and the shutdown hook, called exactly once.
+
+It is in the core so that every layer reading Kafka shares it: the projection rebuild (connectors/projection/
+rebuild.py), whose reading is manually assigned and driven by its convergence with the live connector rather than
+by a poll loop, shares its fatal consumer errors (`raise_fatal`).
 
 Offsets and commits
 -------------------
@@ -13,15 +17,16 @@ The loop commits nothing, stores no offset and seeks nowhere except in `back_off
 sought back to, so it is fetched again once the back-off ends (nothing skipped, nothing handled twice in a row).
 Every commit is the handler's, inside its batch handler or its rebalance callbacks: the sink runner's after `put`
 and the dead-letter flush (at-least-once, runner.py), the aggregate runtime's in the batch's transaction
-(exactly-once, runtime.py). A batch holding a fatal consumer error reaches no handler, so nothing of it is committed;
-what the handler does on a revoke, a lost partition or at shutdown (commit or not) is its own contract.
+(exactly-once, runtime.py). A fatal consumer error is raised from inside the handler's batch, before its commit,
+so nothing of that batch is committed; what the handler does on a revoke, a lost partition or at shutdown (commit
+or not) is its own contract.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from confluent_kafka import TopicPartition as KafkaTP
@@ -35,6 +40,15 @@ Rebalance = Callable[[Any, list[Any]], None]  # librdkafka's on_assign / on_revo
 BACK_OFF_POLL_S = 0.2  # a back-off polls at least this often: heartbeats, rebalances and `last_poll` stay current
 
 
+def raise_fatal(err: Any, message: Callable[[Any], str]) -> None:
+    """FatalError(message(err)) when `err` (a record's KafkaError) is fatal: the consumer cannot go on (e.g. fenced
+    or unauthorized), so the batch ends before anything of it is committed. A transient error returns: the caller
+    skips that record (it carries no data) as it always did. Called only for a record that has an error, so the
+    batches' per-record loops pay nothing for it."""
+    if err.fatal():
+        raise FatalError(message(err))
+
+
 class BatchHandler(Protocol):
     """What a consumer plugs into the loop; every hook runs in the loop's thread."""
 
@@ -45,7 +59,7 @@ class BatchHandler(Protocol):
         """Work between polls (requests, seeks, recovery); the next poll's wait in seconds, None for the default."""
 
     def handle_batch(self, msgs: list[Any]) -> None:
-        """One batch, none of it a fatal consumer error."""
+        """One batch; a record's error goes to `ConsumerLoop.consumer_error` (a fatal one ends the run)."""
 
     def on_idle(self) -> None:
         """A poll that returned nothing."""
@@ -118,7 +132,6 @@ class ConsumerLoop:
                 wait = self.handler.before_poll()
                 msgs = self.consumer.consume(self.max_records, self.wait_s if wait is None else wait)
                 if msgs:
-                    self.raise_fatal(msgs)
                     self.handler.handle_batch(msgs)
                 else:
                     self.handler.on_idle()
@@ -130,13 +143,9 @@ class ConsumerLoop:
         finally:
             self.handler.loop_stopped()
 
-    def raise_fatal(self, msgs: Iterable[Any]) -> None:
-        """FatalError for a fatal consumer error in `msgs` (the consumer cannot go on); other errors are left in
-        the batch for the handler (each skips them its own way)."""
-        for m in msgs:
-            err = m.error()
-            if err is not None and err.fatal():
-                raise FatalError(self.fatal(err))
+    def consumer_error(self, err: Any) -> None:
+        """A record's error met in a batch: FatalError when fatal (see `raise_fatal`), else it returns."""
+        raise_fatal(err, self.fatal)
 
     # ---- the group --------------------------------------------------------------------------------------
     def subscribe(self, topics: list[str], on_assign: Rebalance, on_revoke: Rebalance,
