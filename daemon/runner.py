@@ -16,6 +16,10 @@ Pause/resume from outside (the REST API) are requests applied by the loop betwee
 partitions are paused but it keeps polling, so the group membership stays and no rebalance happens. A pause never
 outlives the assignment (librdkafka would keep it for a later assignment: see `_unpause`). Per-partition
 progress (position, end offsets seen at assignment, caught-up, lag) is published by `daemon.progress`.
+
+The poll loop (the consumer, the poll, the subscription, fatal consumer errors, the back-off polls, the shutdown
+call) is `kafold.consumer_loop`'s; this runner is its batch handler, and every commit above is still made here:
+after a batch's put and dead-letter flush, on revoke and at shutdown (`loop_stopped`), never by the loop.
 """
 
 from __future__ import annotations
@@ -42,11 +46,11 @@ from kafold.connectors.api import (
     sink_record,
 )
 from kafold.connectors.dlq import DeadLetterWriter
+from kafold.consumer_loop import ConsumerLoop, LoopHandler
 from kafold.daemon.liveness import STATS_INTERVAL_MS, GroupState, GroupWatch
 from kafold.daemon.progress import BatchStats, PartitionProgress, ProgressTracker, last_event_times
 from kafold.envelope import decode
 from kafold.errors import DecodeError, FatalError, KafoldError, RecordError, RetriableError, UnknownTypeError
-from kafold.retry import retrying
 
 log = structlog.get_logger("kafold.daemon.runner")
 
@@ -143,7 +147,7 @@ class RunnerView(Protocol):
     def request_pause(self, paused: bool) -> None: ...
 
 
-class SinkRunner:
+class SinkRunner(LoopHandler):
     """Runs one task of a sink connector in the calling thread until `stop` is set or the task fails."""
 
     def __init__(self, connector: Connector[Any], task_config: TaskConfig[Any], *, kafka: KafkaConfig,
@@ -165,7 +169,6 @@ class SinkRunner:
         self.task: SinkTask = connector.task_class()  # type: ignore[assignment]
         self.context = _Context(self, task_config.task_id)
         self.log = log.bind(connector=connector.name, task=self.context.task_id)
-        self.consumer: Any = None
         self.assigned: set[TopicPartition] = set()
         self.user_paused: set[TopicPartition] = set()
         self.positions: dict[TopicPartition, int] = {}  # next offset to read, after the handled records
@@ -182,7 +185,9 @@ class SinkRunner:
         self.api_paused = False  # paused through the REST API (applied between polls)
         self._pause_request: bool | None = None
         self.started = self.stopped = False
-        self.last_poll = time.monotonic()  # when the loop last served the consumer (the host warns when it stops)
+        self.loop = ConsumerLoop(self, stop=self.stop_event, max_records=daemon.batch_max_records,
+                                 wait_s=daemon.batch_max_wait_ms / 1000, counts=self.counts,
+                                 fatal=lambda err: f"consumer error: {err}")
         self.group_watch = GroupWatch(kafka.rebalance_timeout_ms / 1000, kafka.session_timeout_ms / 1000)
 
     @property
@@ -217,41 +222,43 @@ class SinkRunner:
             return "UNASSIGNED"
         return "PAUSED" if self.api_paused else "RUNNING"
 
-    # ---- the loop ---------------------------------------------------------------------------------------
+    # ---- the loop (kafold.consumer_loop: this runner is its batch handler) -------------------------------
     def run(self) -> None:
         """Consume until stopped; raises nothing — a fatal error is logged and kept in `self.error`."""
-        self.consumer = self._new_consumer()
-        wait = self.daemon.batch_max_wait_ms / 1000
-        try:
-            self.task.start(self.task_config, self.context)
-            self._subscribe()
-            self.log.info("sink task started", group=self.group_id,
-                          topics=list(self.connector.settings.topics))
-            self.last_poll = time.monotonic()  # before `started`: the start-up's own time is not a stall
-            self.started = True
-            while not self.stop_event.is_set():
-                self.last_poll = time.monotonic()
-                self._watch_group()
-                self._apply_requests()
-                self._apply_seeks()
-                msgs = self.consumer.consume(self.daemon.batch_max_records, wait)
-                if msgs:
-                    self._batch(msgs)
-                elif self.context.commit_requested:
-                    self._commit(self.assigned)
-                self.counts["polls"] += 1
-                self.progress.refresh(self.consumer, self.positions, self.user_paused if not self.api_paused
-                                      else self.assigned, self.committed, self.event_times)
-        except _Abandoned as e:
-            self.failed = True
-            self.log.warning("in-flight batch abandoned at shutdown; it will be delivered again",
-                             error=str(e))
-        except Exception as e:  # a task bug is as fatal as a FatalError: stop this task, not the process
-            self.failed, self.error = True, e
-            self.log.error("sink task failed; stopping it (offsets stay at the last successful batch)",
-                           error_class=type(e).__name__, error=str(e), exc_info=not isinstance(e, FatalError))
-        finally:
-            self._shutdown()
+        self.consumer = self._new_consumer()  # outside the loop's run: a consumer never made has nothing to stop
+        self.loop.run()
+
+    def loop_started(self) -> None:
+        self.task.start(self.task_config, self.context)
+        self._subscribe()
+        self.log.info("sink task started", group=self.group_id, topics=list(self.connector.settings.topics))
+        self.last_poll = time.monotonic()  # before `started`: the start-up's own time is not a stall
+        self.started = True
+
+    def before_poll(self) -> float | None:
+        self._watch_group()
+        self._apply_requests()
+        self._apply_seeks()
+        return None
+
+    def on_idle(self) -> None:
+        if self.context.commit_requested:
+            self._commit(self.assigned)
+
+    def after_poll(self) -> None:
+        self.progress.refresh(self.consumer, self.positions, self.user_paused if not self.api_paused
+                              else self.assigned, self.committed, self.event_times)
+
+    def on_failure(self, error: Exception) -> bool:
+        """Every error is handled here (the run raises nothing): the task fails, the process goes on."""
+        self.failed = True
+        if isinstance(error, _Abandoned):
+            self.log.warning("in-flight batch abandoned at shutdown; it will be delivered again", error=str(error))
+            return True
+        self.error = error  # a task bug is as fatal as a FatalError: stop this task, not the process
+        self.log.error("sink task failed; stopping it (offsets stay at the last successful batch)",
+                       error_class=type(error).__name__, error=str(error), exc_info=not isinstance(error, FatalError))
+        return True
 
     def _new_consumer(self) -> Any:
         extra = {"isolation.level": "read_committed", "enable.auto.offset.store": False,
@@ -260,8 +267,7 @@ class SinkRunner:
         return kafka_clients.consumer(self.kafka, self.group_id, **extra)
 
     def _subscribe(self) -> None:
-        self.consumer.subscribe(list(self.connector.settings.topics), on_assign=self._on_assign,
-                                on_revoke=self._on_revoke, on_lost=self._on_lost)
+        self.loop.subscribe(list(self.connector.settings.topics), self._on_assign, self._on_revoke, self._on_lost)
         self.group_watch.reset()
 
     def _on_stats(self, stats_json: str) -> None:  # librdkafka statistics, served by consume() in this thread
@@ -293,15 +299,13 @@ class SinkRunner:
         """Release what this task holds (committed as in a rebalance), close the consumer, subscribe a new one."""
         if self.assigned:
             self._on_revoke(self.consumer, [KafkaTP(tp.topic, tp.partition) for tp in self.assigned])
-        try:
-            self.consumer.close()
-        except Exception as e:
-            self.log.warning("closing the old consumer failed", error=str(e))
-        self.consumer = self._new_consumer()
-        self._subscribe()
+        self.loop.resubscribe(self._new_consumer, lambda e: self.log.warning("closing the old consumer failed",
+                                                                             error=str(e)))
+        self.group_watch.reset()
         self.counts["rejoins"] += 1
 
-    def _batch(self, msgs: list[Any]) -> None:
+    def handle_batch(self, msgs: list[Any]) -> None:
+        """One batch: decode, dead-letter, put, commit."""
         started = time.monotonic()
         records: list[SinkRecord] = []
         seen: dict[TopicPartition, int] = {}
@@ -314,8 +318,7 @@ class SinkRunner:
                 yield_point()
             err = m.error()
             if err is not None:
-                if err.fatal():
-                    raise FatalError(f"consumer error: {err}")
+                self.loop.consumer_error(err)  # a fatal one ends the run before this batch is committed
                 self.log.warning("consumer error", error=str(err))
                 continue
             topic, part, offset = m.topic(), m.partition(), m.offset()
@@ -415,20 +418,15 @@ class SinkRunner:
                   back_off: Callable[[float], None]) -> None:
         """`step` until it succeeds, backing off while serving the consumer; once the runner is stopping, for up
         to the shutdown grace period more, then its RetriableError is raised."""
-        retrying(step, within_s=float("inf"), on_retry=warn, first_delay=0.1, max_delay=MAX_BACKOFF_S,
-                 stop=self.stop_event, grace_s=self.daemon.shutdown_grace_s, wait=back_off)
+        self.loop.retrying(step, warn, within_s=float("inf"), first_delay=0.1, max_delay=MAX_BACKOFF_S,
+                           grace_s=self.daemon.shutdown_grace_s, wait=back_off)
 
     def _back_off(self, seconds: float) -> None:
         """Sleep while serving the consumer (heartbeats, rebalances) with every partition paused."""
         self.backing_off = True
         self.consumer.pause([KafkaTP(tp.topic, tp.partition) for tp in self.assigned])
         try:
-            until = time.monotonic() + seconds
-            while (left := until - time.monotonic()) > 0:
-                self.last_poll = time.monotonic()
-                for m in self.consumer.consume(100, min(left, 0.2)):
-                    if m.error() is None:  # a partition assigned meanwhile: rewind so nothing is skipped
-                        self.consumer.seek(KafkaTP(m.topic(), m.partition(), m.offset()))
+            self.loop.back_off(seconds)  # what it fetches anyway (assigned meanwhile) is sought back to
         finally:
             self.backing_off = False
             active = [tp for tp in self.assigned if tp not in self.user_paused and not self.api_paused]
@@ -478,8 +476,7 @@ class SinkRunner:
         consumer.assign(partitions)
         if self.backing_off or self.api_paused:
             consumer.pause(partitions)
-        self.progress.assigned(tps)
-        self.counts["assignments"] += 1
+        self.progress.assigned(tps)  # `assignments` is counted by the loop once this returns
         self.log.info("partitions assigned", partitions=sorted(str(tp) for tp in tps))
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
@@ -529,7 +526,8 @@ class SinkRunner:
             self.log.warning("resuming released partitions failed", error=str(e),
                              partitions=sorted(str(tp) for tp in tps))
 
-    def _shutdown(self) -> None:
+    def loop_stopped(self) -> None:
+        """Commit what was put (as on a revoke), close the partitions, stop the task and close the consumer."""
         try:
             if self.assigned:
                 self._on_revoke(self.consumer, [KafkaTP(tp.topic, tp.partition) for tp in self.assigned])

@@ -72,6 +72,7 @@ from kafold.connectors.projection.rebuild_state import ACTIVE, offsets
 from kafold.connectors.projection.task import tune_interpreter
 from kafold.connectors.projection.writer import DeadLetter, ProjectionWriter, holds_lock, tracking_key, tracking_prefix
 from kafold.connectors.registry import instantiate
+from kafold.consumer_loop import raise_fatal
 from kafold.envelope import decode
 from kafold.errors import ConfigError, DecodeError, FatalError, RetriableError, UnknownTypeError
 from kafold.retry import retrying
@@ -91,6 +92,10 @@ RETRY_FIRST_S, RETRY_MAX_S = 0.1, 2.0
 MAX_DEFAULT_WORKERS = 4
 WATCH_S = 0.5  # how often the coordinator reports the workers' progress, and a worker looks for its parent
 WORKER_STOP_S = 60.0  # a stopped worker finishes its batch in flight within this, else it is terminated
+
+
+def _fatal(err: Any) -> str:
+    return f"rebuild consumer: {err}"
 
 
 def default_workers() -> int:
@@ -478,8 +483,7 @@ class Rebuild:
         for m in msgs:
             err = m.error()
             if err is not None:
-                if err.fatal():
-                    raise FatalError(f"rebuild consumer: {err}")
+                raise_fatal(err, _fatal)  # before the batch is written: its checkpoints do not move
                 continue
             topic, part, off = m.topic(), m.partition(), m.offset()
             if part != last_part or topic != last_topic:

@@ -22,6 +22,10 @@ with its first outcome and no new events, accepted or rejected. It is rebuilt wh
 snapshot that seeds a partition (snapshots carry it), from the replayed events' causation ids, and from the
 results partition of the same number (rejections, acceptances without events) before a partition opens; an
 evicted aggregate gets it back with its state; a rebalance rebuilds it on the instance taking the partition over.
+
+The poll loop (the consumer, the poll, the subscription, fatal consumer errors, the shutdown call) is
+`kafold.consumer_loop`'s; this runtime is its batch handler. The loop commits nothing: the offsets are committed
+only in a batch's transaction, as above; a revoked or lost partition is dropped without a commit.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from kafold import kafka_clients, logs, topics
 from kafold.config import SNAPSHOT_TOPIC_CONFIGS, AggregateConfig, DaemonConfig, KafkaConfig, TopicSpec
 from kafold.connectors.api import RawRecord
 from kafold.connectors.dlq import dlq_headers, fitted
+from kafold.consumer_loop import ConsumerLoop, LoopHandler
 from kafold.daemon.aggregates import recovery
 from kafold.daemon.aggregates.gate import PartitionGate
 from kafold.daemon.aggregates.processor import handle
@@ -50,7 +55,6 @@ from kafold.envelope import format_epoch_ms
 from kafold.errors import DecodeError, FatalError, RecordError, RetriableError
 from kafold.fold import Folder
 from kafold.messages import REJECTED, Command, Result, decode_command, header
-from kafold.retry import retrying
 
 log = logs.get(__name__)
 T = TypeVar("T")
@@ -77,7 +81,7 @@ def dlq_topic(agg: AggregateConfig) -> str:
     return agg.dlq_topic
 
 
-class AggregateRuntime:
+class AggregateRuntime(LoopHandler):
     """Runs one aggregate type in the calling thread until `stop()`; raises FatalError if it must stop."""
 
     def __init__(self, kafka: KafkaConfig, daemon: DaemonConfig, agg: AggregateConfig, domain: AggregateDomain,
@@ -98,7 +102,9 @@ class AggregateRuntime:
         self.positions: dict[int, int] = {}
         self.counts = dict.fromkeys(("batches", "commands", "accepted", "rejected", "dead_lettered", "duplicates",
                                      "events", "aborts", "assignments", "reloads"), 0)
-        self.consumer: Any = None
+        self.loop = ConsumerLoop(self, stop=self.stop_event, max_records=daemon.batch_max_records,
+                                 wait_s=daemon.batch_max_wait_ms / 1000, counts=self.counts,
+                                 fatal=lambda err: f"commands consumer: {err.str()}")
         self.reader: Any = None
         self.writer: TransactionalWriter | None = None
         self.joined = False
@@ -146,25 +152,26 @@ class AggregateRuntime:
     def stop(self) -> None:
         self.stop_event.set()
 
-    # ---- the loop ---------------------------------------------------------------------------------------
+    # ---- the loop (kafold.consumer_loop: this runtime is its batch handler) ------------------------------
     def run(self) -> None:
-        try:
-            self._start()
-            wait = self.daemon.batch_max_wait_ms / 1000
-            while not self.stop_event.is_set():
-                recovering = any(not g.live for g in self.gates.values())
-                if recovering:
-                    self._recover_step()
-                msgs = self.consumer.consume(self.daemon.batch_max_records, 0.0 if recovering else wait)
-                if msgs:
-                    self._batch(msgs)
-        except Exception as e:
-            self.error = e
-            self.log.error("aggregate.failed", error_class=type(e).__name__, error=str(e),
-                           exc_info=not isinstance(e, FatalError))
-            raise
-        finally:
-            self._shutdown()
+        """Start, then recover and decide until stopped; an error is logged, kept in `error` and raised."""
+        self.loop.run()
+
+    def loop_started(self) -> None:
+        self._start()
+
+    def before_poll(self) -> float | None:
+        """Fold one fetch of events while a partition recovers; the poll then does not wait (the gates)."""
+        if any(not g.live for g in self.gates.values()):
+            self._recover_step()
+            return 0.0
+        return None
+
+    def on_failure(self, error: Exception) -> bool:
+        self.error = error
+        self.log.error("aggregate.failed", error_class=type(error).__name__, error=str(error),
+                       exc_info=not isinstance(error, FatalError))
+        return False  # raised from run: the daemon decides (the aggregate's slot fails)
 
     def _start(self) -> None:
         rf = self.kafka.replication_factor
@@ -181,15 +188,14 @@ class AggregateRuntime:
         extra = {"isolation.level": "read_committed", "enable.auto.offset.store": False,
                  "fetch.wait.max.ms": 50, "max.partition.fetch.bytes": 8 * 1024 * 1024, **self.consumer_extra}
         self.consumer = kafka_clients.consumer(self.kafka, self.group_id, **extra)
-        self.consumer.subscribe([self.topics["commands"]], on_assign=self._on_assign, on_revoke=self._on_revoke,
-                                on_lost=self._on_revoke)
+        # A lost partition is released as a revoked one: its transaction's offsets were committed with it or not.
+        self.loop.subscribe([self.topics["commands"]], self._on_assign, self._on_revoke, self._on_revoke)
         self.log.info("aggregate.started", group=self.group_id, transactional_id=self.transactional_id)
 
     # ---- recovery ---------------------------------------------------------------------------------------
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
         consumer.assign(partitions)
         consumer.pause(partitions)  # the gate: nothing is decided until the events are replayed
-        self.counts["assignments"] += 1
         events = self.topics["events"]
         for p in partitions:
             n = p.partition
@@ -215,7 +221,7 @@ class AggregateRuntime:
         def warn(e: RetriableError, delay: float) -> None:
             self.log.warning(event, **fields, error=str(e), retry_in_s=delay)
 
-        return retrying(step, within_s=within_s, on_retry=warn, first_delay=0.5, stop=self.stop_event)
+        return self.loop.retrying(step, warn, within_s=within_s, first_delay=0.5)
 
     def _read_back(self, event: str, n: int, read: Callable[[Any], int]) -> int:
         """`read(reader)` on a reader of its own (the recovery reader is busy replaying), retried like a restore."""
@@ -298,14 +304,14 @@ class AggregateRuntime:
         self.log.info("aggregate.window_read_back", partition=n, aggregates=len(ids), events_read=read)
 
     # ---- commands ---------------------------------------------------------------------------------------
-    def _batch(self, msgs: list[Any]) -> None:
+    def handle_batch(self, msgs: list[Any]) -> None:
+        """One batch of commands as one transaction."""
         started = time.monotonic()
         live: list[Any] = []
         rewind: dict[int, int] = {}
         for m in msgs:
             if m.error() is not None:
-                if m.error().fatal():
-                    raise FatalError(f"commands consumer: {m.error().str()}")
+                self.loop.consumer_error(m.error())  # a fatal one ends the run before anything is decided
                 continue
             gate = self.gates.get(m.partition())
             if gate is None or not gate.may_decide():
@@ -436,7 +442,7 @@ class AggregateRuntime:
                 self.consumer.seek(KTP(self.topics["commands"], n, off))
         self.log.warning("aggregate.batch_aborted", partitions=sorted(first), rewound_to=first)
 
-    def _shutdown(self) -> None:
+    def loop_stopped(self) -> None:
         for what, close in (("writer", self.writer.close if self.writer else None),
                             ("consumer", self.consumer.close if self.consumer else None),
                             ("reader", self.reader.close if self.reader else None)):

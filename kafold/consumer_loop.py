@@ -1,0 +1,191 @@
+"""ConsumerLoop: the one poll loop of kafold's group consumers; the sink runner (daemon/runner.py) and the aggregate
+runtime (daemon/aggregates/runtime.py) plug their batch handlers into it.
+
+The loop owns the consumer, the stop event, `last_poll` (the host warns when a loop stops polling), the poll itself
+(`batch_max_records` records or `batch_max_wait_ms`, a handler may ask for a shorter wait), the group subscription
+and its rebalance callbacks (counted: `assignments`), a new consumer joining again (`resubscribe`), fatal consumer
+errors (`raise_fatal`: FatalError), the polls count, a back-off that keeps serving the consumer, retries through
+`kafold.retry`, and the shutdown hook, called exactly once.
+
+It is in the core so that every layer reading Kafka shares it: the projection rebuild (connectors/projection/
+rebuild.py), whose reading is manually assigned and driven by its convergence with the live connector rather than
+by a poll loop, shares its fatal consumer errors (`raise_fatal`).
+
+Offsets and commits
+-------------------
+The loop commits nothing, stores no offset and seeks nowhere except in `back_off`: what a back-off poll fetched is
+sought back to, so it is fetched again once the back-off ends (nothing skipped, nothing handled twice in a row).
+Every commit is the handler's, inside its batch handler or its rebalance callbacks: the sink runner's after `put`
+and the dead-letter flush (at-least-once, runner.py), the aggregate runtime's in the batch's transaction
+(exactly-once, runtime.py). A fatal consumer error is raised from inside the handler's batch, before its commit,
+so nothing of that batch is committed; what the handler does on a revoke, a lost partition or at shutdown (commit
+or not) is its own contract.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+from confluent_kafka import TopicPartition as KafkaTP
+
+from kafold.errors import FatalError, RetriableError
+from kafold.retry import retrying
+
+T = TypeVar("T")
+Rebalance = Callable[[Any, list[Any]], None]  # librdkafka's on_assign / on_revoke / on_lost: (consumer, partitions)
+
+BACK_OFF_POLL_S = 0.2  # a back-off polls at least this often: heartbeats, rebalances and `last_poll` stay current
+
+
+def raise_fatal(err: Any, message: Callable[[Any], str]) -> None:
+    """FatalError(message(err)) when `err` (a record's KafkaError) is fatal: the consumer cannot go on (e.g. fenced
+    or unauthorized), so the batch ends before anything of it is committed. A transient error returns: the caller
+    skips that record (it carries no data) as it always did. Called only for a record that has an error, so the
+    batches' per-record loops pay nothing for it."""
+    if err.fatal():
+        raise FatalError(message(err))
+
+
+class BatchHandler(Protocol):
+    """What a consumer plugs into the loop; every hook runs in the loop's thread."""
+
+    def loop_started(self) -> None:
+        """Start the handler and subscribe through the loop (errors end the run like a batch's)."""
+
+    def before_poll(self) -> float | None:
+        """Work between polls (requests, seeks, recovery); the next poll's wait in seconds, None for the default."""
+
+    def handle_batch(self, msgs: list[Any]) -> None:
+        """One batch; a record's error goes to `ConsumerLoop.consumer_error` (a fatal one ends the run)."""
+
+    def on_idle(self) -> None:
+        """A poll that returned nothing."""
+
+    def after_poll(self) -> None:
+        """After each poll and its handling, counted in `polls`."""
+
+    def on_failure(self, error: Exception) -> bool:
+        """The run's error; True when handled (the run returns), False to raise it from `run`."""
+
+    def loop_stopped(self) -> None:
+        """Release everything, whatever happened (called once, last)."""
+
+
+class LoopHandler:
+    """A base for batch handlers: the consumer and `last_poll` are the loop's (read and replaced through the
+    handler, as its callers and tests know them), and the optional hooks do nothing."""
+
+    loop: ConsumerLoop
+
+    @property
+    def consumer(self) -> Any:
+        return self.loop.consumer
+
+    @consumer.setter
+    def consumer(self, consumer: Any) -> None:
+        self.loop.consumer = consumer
+
+    @property
+    def last_poll(self) -> float:
+        """When the loop last served the consumer (CLOCK_MONOTONIC; the host warns when it stops)."""
+        return self.loop.last_poll
+
+    @last_poll.setter
+    def last_poll(self, at: float) -> None:
+        self.loop.last_poll = at
+
+    def before_poll(self) -> float | None:
+        return None
+
+    def on_idle(self) -> None:
+        pass
+
+    def after_poll(self) -> None:
+        pass
+
+
+class ConsumerLoop:
+    """Polls `consumer` for `handler` in the calling thread until `stop` is set or a hook raises."""
+
+    def __init__(self, handler: BatchHandler, *, stop: threading.Event, max_records: int, wait_s: float,
+                 counts: dict[str, int], fatal: Callable[[Any], str]) -> None:
+        self.handler = handler
+        self.stop = stop
+        self.max_records, self.wait_s = max_records, wait_s
+        self.counts = counts  # the handler's own counts: the loop adds `polls` and `assignments` to them
+        self.counts.setdefault("polls", 0)
+        self.counts.setdefault("assignments", 0)
+        self.fatal = fatal  # a fatal consumer error (librdkafka's KafkaError) as the FatalError's message
+        self.consumer: Any = None
+        self.last_poll = time.monotonic()  # CLOCK_MONOTONIC of the last poll (the host warns when it stops)
+        self._subscription: tuple[list[str], Rebalance, Rebalance, Rebalance] | None = None
+
+    def run(self) -> None:
+        """Start the handler, poll until stopped; the handler's `on_failure` decides whether an error is raised."""
+        try:
+            self.handler.loop_started()
+            while not self.stop.is_set():
+                self.last_poll = time.monotonic()
+                wait = self.handler.before_poll()
+                msgs = self.consumer.consume(self.max_records, self.wait_s if wait is None else wait)
+                if msgs:
+                    self.handler.handle_batch(msgs)
+                else:
+                    self.handler.on_idle()
+                self.counts["polls"] += 1
+                self.handler.after_poll()
+        except Exception as e:
+            if not self.handler.on_failure(e):
+                raise
+        finally:
+            self.handler.loop_stopped()
+
+    def consumer_error(self, err: Any) -> None:
+        """A record's error met in a batch: FatalError when fatal (see `raise_fatal`), else it returns."""
+        raise_fatal(err, self.fatal)
+
+    # ---- the group --------------------------------------------------------------------------------------
+    def subscribe(self, topics: list[str], on_assign: Rebalance, on_revoke: Rebalance,
+                  on_lost: Rebalance) -> None:
+        """Join the group on `topics`; the callbacks run inside the poll, in this thread."""
+        self._subscription = (topics, on_assign, on_revoke, on_lost)
+
+        def assigned(consumer: Any, partitions: list[Any]) -> None:
+            on_assign(consumer, partitions)
+            self.counts["assignments"] += 1  # a completed assignment (a failing one ends the run)
+
+        self.consumer.subscribe(topics, on_assign=assigned, on_revoke=on_revoke, on_lost=on_lost)
+
+    def resubscribe(self, new_consumer: Callable[[], Any], on_close_error: Callable[[Exception], None]) -> None:
+        """Close the consumer (leaving the group; a failure is reported, not raised) and join again with a new
+        one on the same subscription. What the old one held must have been released (and committed) before."""
+        assert self._subscription is not None
+        try:
+            self.consumer.close()
+        except Exception as e:
+            on_close_error(e)
+        self.consumer = new_consumer()
+        self.subscribe(*self._subscription)
+
+    # ---- backoff ----------------------------------------------------------------------------------------
+    def back_off(self, seconds: float) -> None:
+        """Serve the consumer (heartbeats, rebalances) for `seconds` without handling anything. The caller pauses
+        what should not be fetched; a record fetched anyway (a partition assigned meanwhile) is sought back to, so
+        it is delivered again after the back-off and nothing is skipped."""
+        until = time.monotonic() + seconds
+        while (left := until - time.monotonic()) > 0:
+            self.last_poll = time.monotonic()
+            for m in self.consumer.consume(100, min(left, BACK_OFF_POLL_S)):
+                if m.error() is None:
+                    self.consumer.seek(KafkaTP(m.topic(), m.partition(), m.offset()))
+
+    def retrying(self, step: Callable[[], T], on_retry: Callable[[RetriableError, float], None], *,
+                 within_s: float, first_delay: float, max_delay: float = 5.0, grace_s: float = 0.0,
+                 wait: Callable[[float], None] | None = None) -> T:
+        """`step` retried on RetriableError through `kafold.retry`, ending with this loop's stop (after `grace_s`);
+        `wait` replaces the sleep (e.g. a `back_off` that keeps the group membership)."""
+        return retrying(step, within_s=within_s, on_retry=on_retry, first_delay=first_delay, max_delay=max_delay,
+                        stop=self.stop, grace_s=grace_s, wait=wait)
