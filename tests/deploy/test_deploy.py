@@ -94,8 +94,13 @@ def test_configmap_config_is_valid_apart_from_its_mounted_secrets(tmp_path: Path
 def test_containerfile_install_steps_produce_a_working_kafold(tmp_path: Path) -> None:
     """The Containerfile's build (a wheel of the tree, installed into a venv) yields every kafold package."""
     wheels = tmp_path / "wheels"
+    # Built from a copy of the tree: setuptools reuses the checkout's build/lib, which would still ship a module
+    # that moved since the last build there.
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT, tree, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
+                                                              ".*_cache"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                    "--wheel-dir", str(wheels), str(ROOT)], check=True, capture_output=True)
+                    "--wheel-dir", str(wheels), str(tree)], check=True, capture_output=True)
     (wheel,) = wheels.glob("kafold-*.whl")
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--quiet", "--target", str(target),
