@@ -23,6 +23,17 @@ SASL_PROTOCOLS = ("SASL_PLAINTEXT", "SASL_SSL")
 RECONNECT_BACKOFF_MS = 20
 
 
+def coordinator_changing(err: Any) -> bool:
+    """A group-coordinator request's KafkaError that asking again can cure: the coordinator moving or still loading
+    (NOT_COORDINATOR on a fresh broker, after a broker restart), or the call's own timeout. librdkafka does not always
+    flag these retriable when the call's timeout ends first."""
+    from confluent_kafka import KafkaError
+
+    return bool(err.retriable()) or err.code() in {
+        KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError._TIMED_OUT, KafkaError._TRANSPORT}
+
+
 def librdkafka(kafka: KafkaConfig, **extra: Any) -> dict[str, Any]:
     """A confluent-kafka config dict; `extra` keys are librdkafka's own: `**{"enable.idempotence": True}`.
 

@@ -107,15 +107,13 @@ def _start(kafka: Any, pg: Any, name: str, topic: str, url: str, concurrency: in
 def _committed(consumer: Any, topic: str, partitions: int) -> dict[int, int]:
     """The group's committed offsets; {} (nothing seen this time, the callers poll again) while the group
     coordinator answers with a retriable error (e.g. not coordinator, or loading, as it moves or starts)."""
-    from confluent_kafka import KafkaError, KafkaException
+    from confluent_kafka import KafkaException
     from confluent_kafka import TopicPartition as KafkaTP
 
-    passing = {KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
-               KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError._TIMED_OUT}
     try:
         got = consumer.committed([KafkaTP(topic, p) for p in range(partitions)], timeout=10)
     except KafkaException as e:
-        if not (e.args[0].retriable() or e.args[0].code() in passing):
+        if not kafka_clients.coordinator_changing(e.args[0]):
             raise
         log.info("bench: committed offsets not available yet", error=str(e))
         return {}

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Consumer, KafkaException, Producer
 from confluent_kafka import TopicPartition as KafkaTP
 from confluent_kafka.admin import NewTopic
 
@@ -112,12 +112,20 @@ def produce(kafka: KafkaConfig, topic: str, items: Sequence[tuple[int, bytes | N
     return [c for c in coords if c is not None]
 
 
-def committed(kafka: KafkaConfig, group: str, topic: str, partitions: int) -> dict[int, int]:
-    """The group's committed offsets (next offset to read) of the topic's partitions."""
+def committed(kafka: KafkaConfig, group: str, topic: str, partitions: int, within_s: float = 30.0) -> dict[int, int]:
+    """The group's committed offsets (next offset to read) of the topic's partitions. A retriable error (the group
+    coordinator moving or still loading, NOT_COORDINATOR on a fresh broker) is asked again for up to `within_s`."""
     consumer = Consumer(kafka_clients.librdkafka(kafka, **{"group.id": group}))
+    deadline = time.monotonic() + within_s
     try:
-        got = consumer.committed([KafkaTP(topic, p) for p in range(partitions)], timeout=10)
-        return {tp.partition: tp.offset for tp in got}
+        while True:
+            try:
+                got = consumer.committed([KafkaTP(topic, p) for p in range(partitions)], timeout=10)
+                return {tp.partition: tp.offset for tp in got}
+            except KafkaException as e:
+                if not kafka_clients.coordinator_changing(e.args[0]) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
     finally:
         consumer.close()
 

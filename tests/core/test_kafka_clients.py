@@ -6,10 +6,10 @@ import ssl
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import KafkaError, Producer
 
 from kafold.config import KafkaConfig
-from kafold.kafka_clients import RECONNECT_BACKOFF_MS, aiokafka_kwargs, librdkafka, produce
+from kafold.kafka_clients import RECONNECT_BACKOFF_MS, aiokafka_kwargs, coordinator_changing, librdkafka, produce
 from kafold.schema import Secret
 
 SYSTEM_CA = ssl.get_default_verify_paths().cafile or "/etc/ssl/certs/ca-certificates.crt"
@@ -126,3 +126,10 @@ def test_produce_waits_for_room_in_a_full_queue_instead_of_raising() -> None:
         produce(made, "t", f"v{i}".encode(), on_delivery=lambda err, msg: reports.append(msg.value().decode()))
     made.flush(10)
     assert reports == ["v0", "v1", "v2"]
+
+
+def test_a_moving_or_loading_group_coordinator_is_asked_again_and_a_refusal_is_not() -> None:
+    for code in (KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError._TIMED_OUT):
+        assert coordinator_changing(KafkaError(code))
+    assert coordinator_changing(KafkaError(KafkaError.UNKNOWN, retriable=True))
+    assert not coordinator_changing(KafkaError(KafkaError.GROUP_AUTHORIZATION_FAILED))
