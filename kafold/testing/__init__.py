@@ -95,6 +95,7 @@ def new_producer(kafka: KafkaConfig) -> Producer:
 def produce(kafka: KafkaConfig, topic: str, items: Sequence[tuple[int, bytes | None, bytes | None, Any]],
             producer: Producer | None = None, flush_s: float = 15) -> list[tuple[int, int]]:
     """Produce (partition, key, value, headers) in order; returns each record's (partition, offset)."""
+    owned = producer is None
     producer = producer or new_producer(kafka)
     coords: list[tuple[int, int] | None] = [None] * len(items)
 
@@ -107,7 +108,7 @@ def produce(kafka: KafkaConfig, topic: str, items: Sequence[tuple[int, bytes | N
     for i, (partition, key, value, headers) in enumerate(items):
         producer.produce(topic, value=value, key=key, headers=headers, partition=partition,
                          on_delivery=on_delivery(i))
-    left = producer.flush(flush_s)
+    left = kafka_clients.close_producer(producer, flush_s) if owned else producer.flush(flush_s)
     assert left == 0, f"{left} record(s) of {len(items)} not acknowledged by {topic!r} within {flush_s} s"
     return [c for c in coords if c is not None]
 
