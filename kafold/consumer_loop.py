@@ -1,5 +1,6 @@
-"""ConsumerLoop: the one poll loop of kafold's group consumers; the sink runner (daemon/runner.py) and the aggregate
-runtime (daemon/aggregates/runtime.py) plug their batch handlers into it.
+"""ConsumerLoop: the one poll loop of kafold's consumers; the sink runner (daemon/runner.py), the aggregate runtime
+(daemon/aggregates/runtime.py) and the projection rebuild's catch-up (connectors/projection/rebuild.py) plug their
+batch handlers into it.
 
 The loop owns the consumer, the stop event, `last_poll` (the host warns when a loop stops polling), the poll itself
 (`batch_max_records` records or `batch_max_wait_ms`, a handler may ask for a shorter wait), the group subscription
@@ -7,12 +8,11 @@ and its rebalance callbacks (counted: `assignments`), a new consumer joining aga
 errors (`raise_fatal`: FatalError), the polls count, a back-off that keeps serving the consumer, retries through
 `kafold.retry`, and the shutdown hook, called exactly once a run.
 
-It is in the core so that every layer reading Kafka shares it: the projection rebuild (connectors/projection/
-rebuild.py), whose reading is manually assigned and driven by its convergence with the live connector rather than
-by a poll loop, shares its fatal consumer errors (`raise_fatal`). For such a reader, a handler without a group
-never subscribes and assigns in `before_poll`; it may skip a poll when it already holds its next batch
-(`SKIP_POLL`: e.g. records read ahead), and it ends a run itself once done (`finish`) rather than only through the
-stop event. A loop may `run` more than once over the same consumer: `loop_stopped` ends each run, and such a
+It is in the core so that every layer reading Kafka shares it. A handler without a group (the rebuild: manual
+assignment, recomputed before each poll from its own state) never subscribes and assigns in `before_poll`; it may
+skip a poll when it already holds its next batch (`SKIP_POLL`: e.g. records read ahead), and it ends a run itself
+once done (`finish`) rather than only through the stop event. A loop may `run` more than once over the same
+consumer (the rebuild catches up again after a swap attempt rolled back): `loop_stopped` ends each run, and such a
 handler closes the consumer itself after its last one.
 
 Offsets and commits
@@ -21,7 +21,8 @@ The loop commits nothing, stores no offset and seeks nowhere except in `back_off
 sought back to, so it is fetched again once the back-off ends (nothing skipped, nothing handled twice in a row).
 Every commit is the handler's, inside its batch handler or its rebalance callbacks: the sink runner's after `put`
 and the dead-letter flush (at-least-once, runner.py), the aggregate runtime's in the batch's transaction
-(exactly-once, runtime.py). A fatal consumer error is raised from inside the handler's batch, before its commit,
+(exactly-once, runtime.py); the rebuild commits nothing to Kafka (its progress is the shadow's checkpoints, written
+with its rows, rebuild.py). A fatal consumer error is raised from inside the handler's batch, before its commit,
 so nothing of that batch is committed; what the handler does on a revoke, a lost partition or at shutdown (commit
 or not) is its own contract.
 """
