@@ -1,15 +1,19 @@
-"""ConsumerLoop: the one poll loop of kafold's group consumers; the sink runner (daemon/runner.py) and the aggregate
-runtime (daemon/aggregates/runtime.py) plug their batch handlers into it.
+"""ConsumerLoop: the one poll loop of kafold's consumers; the sink runner (daemon/runner.py), the aggregate runtime
+(daemon/aggregates/runtime.py) and the projection rebuild's catch-up (connectors/projection/rebuild.py) plug their
+batch handlers into it.
 
 The loop owns the consumer, the stop event, `last_poll` (the host warns when a loop stops polling), the poll itself
 (`batch_max_records` records or `batch_max_wait_ms`, a handler may ask for a shorter wait), the group subscription
 and its rebalance callbacks (counted: `assignments`), a new consumer joining again (`resubscribe`), fatal consumer
 errors (`raise_fatal`: FatalError), the polls count, a back-off that keeps serving the consumer, retries through
-`kafold.retry`, and the shutdown hook, called exactly once.
+`kafold.retry`, and the shutdown hook, called exactly once a run.
 
-It is in the core so that every layer reading Kafka shares it: the projection rebuild (connectors/projection/
-rebuild.py), whose reading is manually assigned and driven by its convergence with the live connector rather than
-by a poll loop, shares its fatal consumer errors (`raise_fatal`).
+It is in the core so that every layer reading Kafka shares it. A handler without a group (the rebuild: manual
+assignment, recomputed before each poll from its own state) never subscribes and assigns in `before_poll`; it may
+skip a poll when it already holds its next batch (`SKIP_POLL`: e.g. records read ahead), and it ends a run itself
+once done (`finish`) rather than only through the stop event. A loop may `run` more than once over the same
+consumer (the rebuild catches up again after a swap attempt rolled back): `loop_stopped` ends each run, and such a
+handler closes the consumer itself after its last one.
 
 Offsets and commits
 -------------------
@@ -17,7 +21,8 @@ The loop commits nothing, stores no offset and seeks nowhere except in `back_off
 sought back to, so it is fetched again once the back-off ends (nothing skipped, nothing handled twice in a row).
 Every commit is the handler's, inside its batch handler or its rebalance callbacks: the sink runner's after `put`
 and the dead-letter flush (at-least-once, runner.py), the aggregate runtime's in the batch's transaction
-(exactly-once, runtime.py). A fatal consumer error is raised from inside the handler's batch, before its commit,
+(exactly-once, runtime.py); the rebuild commits nothing to Kafka (its progress is the shadow's checkpoints, written
+with its rows, rebuild.py). A fatal consumer error is raised from inside the handler's batch, before its commit,
 so nothing of that batch is committed; what the handler does on a revoke, a lost partition or at shutdown (commit
 or not) is its own contract.
 """
@@ -40,6 +45,18 @@ Rebalance = Callable[[Any, list[Any]], None]  # librdkafka's on_assign / on_revo
 BACK_OFF_POLL_S = 0.2  # a back-off polls at least this often: heartbeats, rebalances and `last_poll` stay current
 
 
+class SkipPoll:
+    """The type of `SKIP_POLL`."""
+
+    def __repr__(self) -> str:
+        return "SKIP_POLL"
+
+
+# Returned by `before_poll`: nothing is consumed this round, the handler's batch is what it already holds
+# (`handle_batch([])`, then `after_poll`); not counted in `polls`.
+SKIP_POLL = SkipPoll()
+
+
 def raise_fatal(err: Any, message: Callable[[Any], str]) -> None:
     """FatalError(message(err)) when `err` (a record's KafkaError) is fatal: the consumer cannot go on (e.g. fenced
     or unauthorized), so the batch ends before anything of it is committed. A transient error returns: the caller
@@ -55,23 +72,25 @@ class BatchHandler(Protocol):
     def loop_started(self) -> None:
         """Start the handler and subscribe through the loop (errors end the run like a batch's)."""
 
-    def before_poll(self) -> float | None:
-        """Work between polls (requests, seeks, recovery); the next poll's wait in seconds, None for the default."""
+    def before_poll(self) -> float | SkipPoll | None:
+        """Work between polls (requests, seeks, assignment, recovery); the next poll's wait in seconds, None for
+        the default, SKIP_POLL for no poll this round. It may end the run (`ConsumerLoop.finish`): no poll then."""
 
     def handle_batch(self, msgs: list[Any]) -> None:
-        """One batch; a record's error goes to `ConsumerLoop.consumer_error` (a fatal one ends the run)."""
+        """One batch (empty after SKIP_POLL); a record's error goes to `ConsumerLoop.consumer_error` (a fatal one
+        ends the run)."""
 
     def on_idle(self) -> None:
         """A poll that returned nothing."""
 
     def after_poll(self) -> None:
-        """After each poll and its handling, counted in `polls`."""
+        """After each poll (counted in `polls`) or skipped poll, and its handling."""
 
     def on_failure(self, error: Exception) -> bool:
         """The run's error; True when handled (the run returns), False to raise it from `run`."""
 
     def loop_stopped(self) -> None:
-        """Release everything, whatever happened (called once, last)."""
+        """Release everything, whatever happened (called once a run, last)."""
 
 
 class LoopHandler:
@@ -97,7 +116,7 @@ class LoopHandler:
     def last_poll(self, at: float) -> None:
         self.loop.last_poll = at
 
-    def before_poll(self) -> float | None:
+    def before_poll(self) -> float | SkipPoll | None:
         return None
 
     def on_idle(self) -> None:
@@ -108,7 +127,8 @@ class LoopHandler:
 
 
 class ConsumerLoop:
-    """Polls `consumer` for `handler` in the calling thread until `stop` is set or a hook raises."""
+    """Polls `consumer` for `handler` in the calling thread until `stop` is set, the handler calls `finish` or a
+    hook raises."""
 
     def __init__(self, handler: BatchHandler, *, stop: threading.Event, max_records: int, wait_s: float,
                  counts: dict[str, int], fatal: Callable[[Any], str]) -> None:
@@ -122,26 +142,42 @@ class ConsumerLoop:
         self.consumer: Any = None
         self.last_poll = time.monotonic()  # CLOCK_MONOTONIC of the last poll (the host warns when it stops)
         self._subscription: tuple[list[str], Rebalance, Rebalance, Rebalance] | None = None
+        self._finished = False  # this run's end, asked for by the handler (`finish`); `stop` ends every run
 
     def run(self) -> None:
-        """Start the handler, poll until stopped; the handler's `on_failure` decides whether an error is raised."""
+        """Start the handler, poll until stopped or finished; the handler's `on_failure` decides whether an error
+        is raised. Each run starts afresh (a run finished before does not end the next one)."""
+        self._finished = False
         try:
             self.handler.loop_started()
-            while not self.stop.is_set():
+            while not self.stop.is_set() and not self._finished:
                 self.last_poll = time.monotonic()
                 wait = self.handler.before_poll()
-                msgs = self.consumer.consume(self.max_records, self.wait_s if wait is None else wait)
-                if msgs:
-                    self.handler.handle_batch(msgs)
+                if self._finished:
+                    break
+                if isinstance(wait, SkipPoll):
+                    self.handler.handle_batch([])
                 else:
-                    self.handler.on_idle()
-                self.counts["polls"] += 1
+                    self._poll(wait)
                 self.handler.after_poll()
         except Exception as e:
             if not self.handler.on_failure(e):
                 raise
         finally:
             self.handler.loop_stopped()
+
+    def _poll(self, wait: float | None) -> None:
+        msgs = self.consumer.consume(self.max_records, self.wait_s if wait is None else wait)
+        if msgs:
+            self.handler.handle_batch(msgs)
+        else:
+            self.handler.on_idle()
+        self.counts["polls"] += 1
+
+    def finish(self) -> None:
+        """End this run once the hook calling it returns (from `before_poll`: before its poll); `stop` stays
+        unset, so the loop may run again."""
+        self._finished = True
 
     def consumer_error(self, err: Any) -> None:
         """A record's error met in a batch: FatalError when fatal (see `raise_fatal`), else it returns."""

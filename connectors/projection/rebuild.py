@@ -6,6 +6,12 @@ The rebuild reads with a plain consumer and manual assignment (no consumer group
 it never disturbs the live connector nor triggers any effect connector. Its progress is the shadow writer's own
 checkpoints (`<name>:rebuild`) written in the same transaction as the shadow rows and their tracking records
 (namespace `<name>:rebuild`), exactly as the live writer does (see writer.py): a killed rebuild resumes from them.
+Its reading is a run of kafold's consumer loop (kafold/consumer_loop.py, which commits and seeks nothing here): the
+batch handler (`_CatchUp`) recomputes the assignment before each poll from the checkpoints in PostgreSQL (the
+shadow's and the live connector's), skips the poll when its read-ahead already reaches the targets, and finishes
+the run once caught up (below); the copy workers run the same. The loop runs again over the same consumer for each
+swap attempt, and the tail under the swap's lock is applied by the same step (`_step`) outside the loop, with its
+own deadline and short polls, while the live writer waits.
 
 While the shadow is far behind (more than `max_tail` records on a partition), the history is copied by worker
 processes (`workers`), each its own partitions, with its own consumer and writer on the same checkpoint key and
@@ -52,7 +58,7 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -72,7 +78,7 @@ from kafold.connectors.projection.rebuild_state import ACTIVE, offsets
 from kafold.connectors.projection.task import tune_interpreter
 from kafold.connectors.projection.writer import DeadLetter, ProjectionWriter, holds_lock, tracking_key, tracking_prefix
 from kafold.connectors.registry import instantiate
-from kafold.consumer_loop import raise_fatal
+from kafold.consumer_loop import SKIP_POLL, ConsumerLoop, LoopHandler, SkipPoll
 from kafold.envelope import decode
 from kafold.errors import ConfigError, DecodeError, FatalError, RetriableError, UnknownTypeError
 from kafold.retry import retrying
@@ -177,6 +183,69 @@ class _NotYet(RetriableError):
     catch up and try again after a backoff."""
 
 
+@dataclass
+class _Batch:
+    """One step's batch: the records below their targets, dead letters, the checkpoints it moves, and the
+    partitions read ahead past the bound (re-fetched from their target later)."""
+
+    targets: dict[TopicPartition, int]
+    records: list[SinkRecord] = field(default_factory=list)
+    dead: list[DeadLetter] = field(default_factory=list)
+    advance: dict[TopicPartition, int] = field(default_factory=dict)
+    overrun: set[TopicPartition] = field(default_factory=set)
+    count: int = 0  # messages taken, read ahead before included
+
+    def short(self, positions: dict[TopicPartition, int]) -> bool:
+        """Not at the targets yet on some partition: a poll is needed (else the read-ahead covers the step)."""
+        return not all(self.advance.get(tp, positions.get(tp, 0)) >= off for tp, off in self.targets.items())
+
+
+class _CatchUp(LoopHandler):
+    """The rebuild's catch-up (copy and tail phase, also a copy worker's) as the consumer loop's batch handler:
+    before each poll the live checkpoints are read and the partitions behind them assigned (no group); a step whose
+    read-ahead already reaches the targets skips its poll; the run finishes once the shadow has reached the targets
+    read before its last batch and is near the current ones. The loop runs again over the same consumer on each
+    swap attempt; the consumer is closed by `Rebuild` (its `_close`), after the swap's tail."""
+
+    def __init__(self, rebuild: Rebuild) -> None:
+        self.rebuild = rebuild
+        self.loop = ConsumerLoop(self, stop=rebuild.stop, max_records=rebuild.batch, wait_s=COPY_POLL_S,
+                                 counts={}, fatal=_fatal)
+        self.batch: _Batch | None = None
+        self.reached = False
+
+    def loop_started(self) -> None:
+        self.batch, self.reached = None, False
+
+    def before_poll(self) -> float | SkipPoll | None:
+        r = self.rebuild
+        targets = r._targets()
+        if self.reached and r._near(targets):
+            r._settle()
+            self.loop.finish()
+            return SKIP_POLL
+        self.batch = r._prepare(self.consumer, targets)
+        if not self.batch.short(r.positions):
+            return SKIP_POLL
+        # In the tail phase a short poll: what is left is small, and every wait lets the tail grow.
+        return TAIL_POLL_S if r.phase != "copying" else None
+
+    def handle_batch(self, msgs: list[Any]) -> None:
+        assert self.batch is not None
+        self.rebuild._add(self.batch, msgs)
+
+    def after_poll(self) -> None:
+        assert self.batch is not None
+        self.rebuild._apply(self.consumer, self.batch, save=True)
+        self.reached = self.rebuild._caught_up(self.batch.targets)
+
+    def on_failure(self, error: Exception) -> bool:
+        return False  # the attempt's error: retried (RetriableError) or ending the rebuild, resumable
+
+    def loop_stopped(self) -> None:
+        pass  # the consumer serves the next attempt and the swap's tail: closed by `Rebuild._close`
+
+
 class Rebuild:
     """Runs one rebuild to its swap; `stop` (a threading.Event) ends it early, resumable."""
 
@@ -208,6 +277,7 @@ class Rebuild:
         self.lock_ms_max = 0.0  # the longest the live table was locked by any swap attempt (also rolled back)
         self.tail_ms = self.finish_ms = 0.0  # of the swap's lock: applying the tail, then `finish` (commit apart)
         self.log = log.bind(projection=plan.name, shadow=plan.shadow)
+        self.catching_up = _CatchUp(self)
 
     # ---- state ------------------------------------------------------------------------------------------
     def _begin(self) -> bool:
@@ -366,22 +436,20 @@ class Rebuild:
 
     def _catch_up(self, consumer: Any) -> None:
         """Apply batches until the shadow has reached the live checkpoints read before its last batch (so what is
-        left is what the live connector committed meanwhile) and is within `max_tail` of them on every partition."""
-        reached = False
-        while not self.stop.is_set():
-            targets = self._ours(offsets(self.plan.pgc, self.plan.name, self._bookkeeping()))
-            self.behind = self._behind(targets)
-            near = self._near(targets)
-            if near and self.phase == "copying" and self.share is None:  # from here on it reads ahead (module note)
-                self._save("catching-up")
-                self._report(0, sum(targets.values()))
-                self.log.info("within --max-tail of the live connector; in the tail phase", behind=self.behind)
-            if reached and near:
-                self._settle()
-                return
-            # In the tail phase a short poll: what is left is small, and every wait lets the tail grow.
-            self._step(consumer, targets, TAIL_POLL_S if self.phase != "copying" else COPY_POLL_S)
-            reached = self._caught_up(targets)
+        left is what the live connector committed meanwhile) and is within `max_tail` of them on every partition:
+        a run of the consumer loop (see _CatchUp); `stop` ends it early."""
+        self.catching_up.loop.consumer = consumer
+        self.catching_up.loop.run()
+
+    def _targets(self) -> dict[TopicPartition, int]:
+        """The live checkpoints now, and where the shadow stands against them; entering the tail phase when near."""
+        targets = self._ours(offsets(self.plan.pgc, self.plan.name, self._bookkeeping()))
+        self.behind = self._behind(targets)
+        if self.phase == "copying" and self.share is None and self._near(targets):  # reads ahead from here on
+            self._save("catching-up")
+            self._report(0, sum(targets.values()))
+            self.log.info("within --max-tail of the live connector; in the tail phase", behind=self.behind)
+        return targets
 
     def _partitions(self, consumer: Any) -> list[TopicPartition]:
         out: list[TopicPartition] = []
@@ -427,21 +495,30 @@ class Rebuild:
     def _step(self, consumer: Any, targets: dict[TopicPartition, int], wait_s: float = 0.5,
               save: bool = True) -> None:
         """One batch applied to the shadow (offsets below the targets only): first the messages read ahead in an
-        earlier step, then, unless they reach the targets, consumed ones."""
+        earlier step, then, unless they reach the targets, consumed ones. The swap's tail under the lock runs it
+        directly (its own deadline and short polls); the catch-up runs the same parts through the loop (_CatchUp)."""
+        batch = self._prepare(consumer, targets)
+        if batch.short(self.positions):
+            self._add(batch, consumer.consume(self.batch, wait_s))
+        self._apply(consumer, batch, save)
+
+    def _prepare(self, consumer: Any, targets: dict[TopicPartition, int]) -> _Batch:
+        """A step's assignment, and its batch started with the messages read ahead in an earlier step."""
         self._assign(consumer, targets)
-        records: list[SinkRecord] = []
-        dead: list[DeadLetter] = []
-        advance: dict[TopicPartition, int] = {}
-        overrun: set[TopicPartition] = set()  # read ahead past the bound: re-fetch from the target later
+        batch = _Batch(targets)
         buffered, self.ahead = self.ahead, {}
-        count = 0
         for msgs in buffered.values():
-            count += len(msgs)
-            self._take(msgs, targets, records, dead, advance, overrun)
-        if not all(advance.get(tp, self.positions.get(tp, 0)) >= off for tp, off in targets.items()):
-            msgs = consumer.consume(self.batch, wait_s)
-            count += len(msgs)
-            self._take(msgs, targets, records, dead, advance, overrun)
+            self._add(batch, msgs)
+        return batch
+
+    def _add(self, batch: _Batch, msgs: list[Any]) -> None:
+        batch.count += len(msgs)
+        self._take(msgs, batch.targets, batch.records, batch.dead, batch.advance, batch.overrun)
+
+    def _apply(self, consumer: Any, batch: _Batch, save: bool) -> None:
+        """Write a step's batch into the shadow, and re-fetch what was read ahead past the bound from the target."""
+        targets, records, dead, advance, overrun, count = (batch.targets, batch.records, batch.dead, batch.advance,
+                                                           batch.overrun, batch.count)
         if overrun:
             from confluent_kafka import TopicPartition as KafkaTP
 
@@ -483,7 +560,7 @@ class Rebuild:
         for m in msgs:
             err = m.error()
             if err is not None:
-                raise_fatal(err, _fatal)  # before the batch is written: its checkpoints do not move
+                self.catching_up.loop.consumer_error(err)  # before the batch is written: checkpoints do not move
                 continue
             topic, part, off = m.topic(), m.partition(), m.offset()
             if part != last_part or topic != last_topic:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError
 
-from kafold.consumer_loop import ConsumerLoop, LoopHandler, raise_fatal
+from kafold.consumer_loop import SKIP_POLL, ConsumerLoop, LoopHandler, SkipPoll, raise_fatal
 from kafold.errors import FatalError
 
 
@@ -143,3 +143,55 @@ def test_resubscribe_closes_the_old_consumer_and_subscribes_a_new_one_the_same_w
     h.loop_started()
     h.loop.resubscribe(lambda: new, lambda e: None)
     assert old.closed == 1 and h.consumer is new and set(new.callbacks) == {"on_assign", "on_revoke", "on_lost"}
+
+
+class _Assigning(_Handler):
+    """A handler without a group (as the rebuild's catch-up): it holds read-ahead records, skips the poll when they
+    are its batch, and finishes the run itself once it has taken `records` records."""
+
+    def __init__(self, consumer: _Consumer, records: int, polls: int = 100) -> None:
+        super().__init__(consumer, polls, handled=False)
+        self.records, self.held, self.taken, self.runs = records, [_Msg(0)], 0, 0
+
+    def loop_started(self) -> None:
+        self.runs += 1
+        self.calls.append("started")
+
+    def before_poll(self) -> float | SkipPoll | None:
+        if self.taken >= self.records:
+            self.calls.append("finish")
+            self.loop.finish()
+            return None  # not polled: the run ends as the hook returns
+        return SKIP_POLL if self.held else None
+
+    def handle_batch(self, msgs: list[Any]) -> None:
+        batch, self.held = self.held + msgs, []
+        self.calls.append(f"batch:{len(batch)}")
+        self.taken += len(batch)
+
+
+def test_a_skipped_poll_hands_the_handler_an_empty_batch_and_is_not_counted() -> None:
+    consumer = _Consumer([[_Msg(1), _Msg(2)]])
+    h = _Assigning(consumer, records=3)
+    h.loop.run()
+    assert h.calls == ["started", "batch:1", "after", "batch:2", "after", "finish", "stopped"]
+    assert len(consumer.polls) == 1 and h.counts["polls"] == 1  # the read-ahead's round consumed nothing
+
+
+def test_a_run_finished_by_its_handler_leaves_stop_unset_and_the_loop_runs_again_over_the_same_consumer() -> None:
+    consumer = _Consumer([[_Msg(1)], [_Msg(2)]])
+    h = _Assigning(consumer, records=2)
+    h.loop.run()
+    assert not h.stop.is_set() and h.taken == 2
+    h.records = 3
+    h.loop.run()  # a finished run does not end the next one
+    assert h.runs == 2 and h.taken == 3 and h.consumer is consumer and h.failures == []
+    assert h.calls == ["started", "batch:1", "after", "batch:1", "after", "finish", "stopped",
+                       "started", "batch:1", "after", "finish", "stopped"]
+
+
+def test_stop_ends_a_run_the_handler_has_not_finished() -> None:
+    h = _Assigning(_Consumer([]), records=100, polls=2)
+    h.held = []
+    h.loop.run()
+    assert h.counts["polls"] == 2 and h.calls == ["started", "idle", "after", "idle", "after", "stopped"]
