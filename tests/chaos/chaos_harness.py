@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import psutil
 from aiohttp import web
 from confluent_kafka import Consumer, Producer
 from confluent_kafka import TopicPartition as KafkaTP
@@ -217,10 +218,20 @@ class Stack:
         proc = devstack._postmaster_pid(self.state)
         if proc is not None:
             os.kill(proc.pid, signal.SIGQUIT)  # PostgreSQL's immediate shutdown: no checkpoint, crash recovery next
+            # Until its pid is gone, not only until it looks exited: the old postmaster removes its socket lock file on
+            # its way out, and a new one that finds the file while kill(pid, 0) still reaches the old pid refuses to
+            # start ("lock file … already exists", seen in CI). The retries cover a lock file that outlives the wait.
             deadline = time.monotonic() + 30
-            while proc.alive() and time.monotonic() < deadline:
+            while psutil.pid_exists(proc.pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
-        devstack._start_postgres(self.state)
+        for attempt in range(3):
+            try:
+                devstack._start_postgres(self.state)
+                return
+            except devstack.DevStackError as e:
+                if "lock file" not in str(e) or attempt == 2:
+                    raise
+                time.sleep(2.0)
 
     def down(self) -> None:
         for proc in self.brokers():
