@@ -28,6 +28,7 @@ TIMEOUT_S = 30.0
 # waited for this long beyond its timeout, then the producer counts as broken and this instance stops (its
 # supervisor starts a new one; the broker aborts the open transaction or the new producer fences it).
 HANG_GRACE_S = 30.0
+CLOSE_FLUSH_S = 5.0  # what a close waits for queued records, and again for the close itself
 
 
 class TransactionalWriter:
@@ -43,6 +44,7 @@ class TransactionalWriter:
             "transaction.timeout.ms": 60000, **extra})
         self._produce = self.producer.produce
         self.open = False
+        self.held = False  # a librdkafka call blocked for good holds the producer: close must not touch it
         self._init()
 
     def _init(self) -> None:
@@ -76,6 +78,7 @@ class TransactionalWriter:
                     self.producer.send_offsets_to_transaction(offsets, group_metadata, t))))
         except FatalError:
             self.open = False  # the blocked call holds the producer: no abort on close (the broker aborts)
+            self.held = True
             raise
         except KafkaException as e:
             err = e.args[0]
@@ -121,12 +124,23 @@ class TransactionalWriter:
                 raise
 
     def close(self) -> None:
+        """Abort an open transaction and close the producer, never blocking the stop for good: a producer held by a
+        blocked call is left to the process's exit (closing it would wait behind that call), and the close itself
+        runs bounded, as any call on a producer that met such a hang may block too."""
+        if self.held:
+            log.warning("aggregate.txn_producer_left_open", transactional_id=self.transactional_id,
+                        reason="a blocked librdkafka call holds it; the broker aborts its transaction")
+            return
         if self.open:
             try:
                 self.abort()
             except Exception as e:
                 log.warning("aggregate.txn_abort_on_close_failed", error=str(e))
-        kafka_clients.close_producer(self.producer, 5)
+        try:
+            _bounded("close", CLOSE_FLUSH_S, lambda: kafka_clients.close_producer(self.producer, CLOSE_FLUSH_S),
+                     grace_s=CLOSE_FLUSH_S)
+        except Exception as e:
+            log.warning("aggregate.txn_close_failed", transactional_id=self.transactional_id, error=str(e))
 
 
 # A newer producer with our transactional.id exists: we are the zombie. Whatever flag the broker's error carries,
@@ -134,9 +148,10 @@ class TransactionalWriter:
 FENCED = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH})
 
 
-def _bounded(doing: str, timeout_s: float, call: Any) -> None:
-    """`call()` in a helper thread, waited for `timeout_s` + HANG_GRACE_S; FatalError if it has not returned (the
-    thread is left behind: a blocked librdkafka call cannot be cancelled)."""
+def _bounded(doing: str, timeout_s: float, call: Any, grace_s: float | None = None) -> None:
+    """`call()` in a helper thread, waited for `timeout_s` + `grace_s` (default HANG_GRACE_S); FatalError if it has
+    not returned (the thread is left behind: a blocked librdkafka call cannot be cancelled)."""
+    grace_s = HANG_GRACE_S if grace_s is None else grace_s
     done, failure = threading.Event(), []
 
     def run() -> None:
@@ -148,8 +163,8 @@ def _bounded(doing: str, timeout_s: float, call: Any) -> None:
             done.set()
 
     threading.Thread(target=run, daemon=True, name=f"kafold-txn-{doing}").start()
-    if not done.wait(timeout_s + HANG_GRACE_S):
-        raise FatalError(f"transactional producer {doing} did not return within {timeout_s + HANG_GRACE_S:.0f}s "
+    if not done.wait(timeout_s + grace_s):
+        raise FatalError(f"transactional producer {doing} did not return within {timeout_s + grace_s:.0f}s "
                          "(a librdkafka hang after the group coordinator's broker went away); this instance must "
                          "restart")
     if failure:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from typing import Any
+
 import pytest
 
 from kafold.client import CommandClient
 from kafold.config import KafkaConfig
+from kafold.daemon.aggregates import txn
 from kafold.daemon.aggregates.txn import TransactionalWriter
 from kafold.envelope import Event, encode
 from kafold.errors import FatalError
@@ -86,3 +91,48 @@ def test_aborted_transaction_leaves_nothing_visible(kafka_config: KafkaConfig, u
         assert (state.owner, state.balance) == ("real", 0)
     assert [(e["version"], e["payload"]) for e in events(kafka_config, agg)] == [(1, {"owner": "real",
                                                                                       "currency": "EUR"})]
+
+
+class _Blocking:
+    """A producer whose every call blocks until released: librdkafka's hang behind send_offsets_to_transaction
+    (the call never returns, and later calls on the producer wait behind it)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*_args: Any, **_kwargs: Any) -> int:
+            self.calls.append(name)
+            self.release.wait(60)
+            return 0
+        return call
+
+
+def _writer(producer: Any) -> TransactionalWriter:
+    writer = TransactionalWriter.__new__(TransactionalWriter)  # no broker: the close path alone
+    writer.transactional_id, writer.producer, writer.open, writer.held = "t", producer, False, False
+    return writer
+
+
+def test_a_writer_held_by_a_hung_call_stops_without_touching_its_producer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(txn, "HANG_GRACE_S", 0.2)
+    monkeypatch.setattr(txn, "TIMEOUT_S", 0.1)
+    producer = _Blocking()
+    writer = _writer(producer)
+    writer.open = True
+    with pytest.raises(FatalError, match="did not return"):
+        writer.commit([object()], None)  # type: ignore[list-item]
+    began = time.monotonic()
+    writer.close()
+    assert time.monotonic() - began < 1.0 and producer.calls == ["send_offsets_to_transaction"]
+    producer.release.set()
+
+
+def test_a_close_that_blocks_is_given_up_within_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(txn, "CLOSE_FLUSH_S", 0.2)
+    producer = _Blocking()
+    began = time.monotonic()
+    _writer(producer).close()
+    assert time.monotonic() - began < 2.0 and producer.calls == ["flush"]
+    producer.release.set()
