@@ -13,6 +13,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 from kafold import kafka_clients, logs
 from kafold.config import KafkaConfig, TopicSpec
 from kafold.errors import FatalError, KafoldError, RetriableError
+from kafold.retry import retrying
 
 log = logs.get(__name__)
 
@@ -120,17 +121,33 @@ def _create(client: AdminClient, specs: list[TopicSpec]) -> list[str]:
 
 
 def _configs(client: AdminClient, names: list[str]) -> dict[str, dict[str, str]]:
-    if not names:
-        return {}
-    futures = client.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, n) for n in names],
-                                      request_timeout=TIMEOUT_S)
-    out = {}
-    for res, fut in futures.items():
-        try:
-            out[res.name] = {k: v.value for k, v in fut.result().items() if v.value is not None}
-        except KafkaException as e:
-            raise _wrap(e, f"cannot describe the configs of topic {res.name!r}") from e
-    return out
+    """The configs of topics the metadata shows. The broker that answers may not know a topic created a moment
+    ago (a cluster's brokers learn of it asynchronously, seen on three-node Apache Kafka): asked again, bounded."""
+    out: dict[str, dict[str, str]] = {}
+
+    def describe() -> dict[str, dict[str, str]]:
+        todo = [n for n in names if n not in out]
+        if not todo:
+            return out
+        futures = client.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, n) for n in todo],
+                                          request_timeout=TIMEOUT_S)
+        unknown = []
+        for res, fut in futures.items():
+            try:
+                out[res.name] = {k: v.value for k, v in fut.result().items() if v.value is not None}
+            except KafkaException as e:
+                if e.args and isinstance(e.args[0], KafkaError) \
+                        and e.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+                    unknown.append(res.name)
+                    continue
+                raise _wrap(e, f"cannot describe the configs of topic {res.name!r}") from e
+        if unknown:
+            raise RetriableError(f"cannot describe the configs of topic {unknown[0]!r}: "
+                                 "the broker does not know it yet")
+        return out
+
+    return retrying(describe, within_s=TIMEOUT_S, first_delay=0.1, max_delay=1.0,
+                    on_retry=lambda e, delay: log.info("topics.describe_retry", error=str(e), delay_s=delay))
 
 
 def _same(key: str, expected: str, actual: str | None) -> bool:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from kafold import topics
 from kafold.commands import topics as topics_cmd
 from kafold.config import KafkaConfig, TopicSpec
-from kafold.errors import RetriableError
+from kafold.errors import FatalError, RetriableError
 from kafold.topics import ERROR, WARNING, Drift, TopicReport, TopicState
 
 
@@ -159,3 +161,36 @@ def test_table_lists_every_topic_and_each_drift() -> None:
     assert lines[1].split() == ["a.events", "events", "2/2", "exists"]
     assert lines[2].startswith("a.snapshots") and "3/2" in lines[2] and "ERROR" in lines[2]
     assert lines[3].strip() == "error: cleanup.policy: expected compact, broker has delete"
+
+
+class _LateBroker:
+    """An admin client whose answering broker learns of each topic only on the second describe (as a broker of
+    a three-node cluster may, just after the topic was created through another)."""
+
+    def __init__(self, error: int) -> None:
+        self.error, self.asked = error, []  # type: list[list[str]]
+
+    def describe_configs(self, resources: list[ConfigResource], **_: object) -> dict[ConfigResource, object]:
+        self.asked.append([r.name for r in resources])
+        out = {}
+        for r in resources:
+            fut: Future = Future()
+            if len(self.asked) == 1:
+                fut.set_exception(KafkaException(KafkaError(self.error)))
+            else:
+                fut.set_result({})
+            out[r] = fut
+        return out
+
+
+def test_configs_ask_again_for_a_topic_the_answering_broker_does_not_know_yet() -> None:
+    client = _LateBroker(KafkaError.UNKNOWN_TOPIC_OR_PART)
+    assert topics._configs(client, ["a", "b"]) == {"a": {}, "b": {}}  # type: ignore[arg-type]
+    assert client.asked == [["a", "b"], ["a", "b"]]
+
+
+def test_configs_do_not_ask_again_on_a_lasting_error() -> None:
+    client = _LateBroker(KafkaError.TOPIC_AUTHORIZATION_FAILED)
+    with pytest.raises(FatalError, match="cannot describe the configs of topic 'a'"):
+        topics._configs(client, ["a"])  # type: ignore[arg-type]
+    assert len(client.asked) == 1
