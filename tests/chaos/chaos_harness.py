@@ -40,7 +40,7 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -406,8 +406,8 @@ class Workload:
                                                                           "linger.ms": 20}))
         self.lock = threading.Lock()
 
-    def step(self, n_items: int, n_commands: int) -> None:
-        """Publish n_items ItemSet events and send n_commands commands (opens first, then deposits)."""
+    def publish_items(self, n_items: int) -> None:
+        """Publish n_items ItemSet events."""
         batch = []
         for _ in range(n_items):
             item = f"item-{self.rng.randrange(2000)}"
@@ -416,6 +416,10 @@ class Workload:
             key, value, headers = encode(Event.new("ItemSet", "item", item, v, {"value": self.rng.randrange(10**6)}))
             batch.append((hash(item) % ITEM_PARTITIONS, key, value, headers))
         self._publish(batch)
+        self.produced += len(batch)
+
+    def send_commands(self, n_commands: int) -> None:
+        """Send n_commands commands (opens first, then deposits), acknowledged (sent again on a timeout)."""
         cmds = []
         for _ in range(n_commands):
             if len(self.accounts) < 50 or self.rng.random() < 0.02:
@@ -431,7 +435,7 @@ class Workload:
             cmds.append(cmd)
         if cmds:
             self._send(cmds)
-        self.produced += len(batch) + len(cmds)
+        self.produced += len(cmds)
 
     def _send(self, cmds: list[Any]) -> None:
         """Send commands; when they are not acknowledged in time (every broker restarting), send them again with
@@ -748,34 +752,56 @@ class Chaos:
         self._pending.append(t)
 
     def run(self, seconds: float, fault_every_s: float, items_per_s: int, commands_per_s: int,
-            min_faults: int = 0) -> None:
+            min_faults: int = 0, broker_lane: bool = False) -> None:
         """Workload for `seconds` (longer until `min_faults` were injected), a fault every ~fault_every_s (kinds in
-        a shuffled cycle so each appears)."""
+        a shuffled cycle so each appears). `broker_lane`: the broker faults (`broker-pause` too) are injected by a
+        second lane of their own, at the same spacing, overlapping the other kinds (a broker fault waits for JVMs to
+        restart, so one lane of every kind injects too few faults of any kind in a soak)."""
         self.daemon.start()
         started = time.monotonic()
-        kinds = list(self.kinds)
-        cycle: list[str] = []
-        with self.loading(items_per_s, commands_per_s):
-            time.sleep(min(10.0, seconds / 10))  # let the daemon join its groups first
-            while time.monotonic() - started < seconds or sum(self.report.faults.values()) < min_faults:
+        # Every fault that stops or pauses a broker goes in that lane, so no two of them meet on one node.
+        broker_kinds = [k for k in self.kinds if k in (*BROKER_KINDS, "broker-pause")] if broker_lane else []
+        lanes = [[k for k in self.kinds if k not in broker_kinds]] + ([broker_kinds] if broker_kinds else [])
+        stop = threading.Event()
+
+        def lane(kinds: list[str], rng: random.Random) -> None:
+            cycle: list[str] = []
+            while not stop.is_set() and (time.monotonic() - started < seconds
+                                         or sum(self.report.faults.values()) < min_faults):
                 if not cycle:
                     cycle = list(kinds)
-                    self.rng.shuffle(cycle)
+                    rng.shuffle(cycle)
                 self._fault(cycle.pop())
-                time.sleep(self.rng.uniform(0.5, 1.5) * fault_every_s)
+                stop.wait(rng.uniform(0.5, 1.5) * fault_every_s)
+
+        with self.loading(items_per_s, commands_per_s):
+            time.sleep(min(10.0, seconds / 10))  # let the daemon join its groups first
+            second = None
+            if len(lanes) > 1:  # its own random stream: the main lane's sequence stays that of its seed
+                second = threading.Thread(target=lane, args=(lanes[1], random.Random(self.rng.random())),
+                                          daemon=True)
+                second.start()
+            try:
+                lane(lanes[0], self.rng)
+            finally:
+                if second is not None:
+                    second.join()  # the broker fault in progress ends (nodes restarted) before the workload stops
+            stop.set()
 
     @contextlib.contextmanager
     def loading(self, items_per_s: int, commands_per_s: int) -> Iterator[None]:
-        """The workload running in a thread while the block runs; flushed and counted in the report after it."""
+        """The workload running while the block runs, items and commands each in a thread of its own (a command
+        send that waits for a restarting cluster does not hold the items back); flushed and counted in the report
+        after it."""
         stop = threading.Event()
         started = time.monotonic()
+        tick = 0.2
 
-        def load() -> None:
-            tick = 0.2
+        def load(step: Callable[[], None]) -> None:
             while not stop.is_set():
                 t0 = time.monotonic()
                 try:
-                    self.workload.step(int(items_per_s * tick), max(1, int(commands_per_s * tick)))
+                    step()
                 except BufferError:
                     pass
                 except Exception as e:  # the workload must not stop unnoticed
@@ -783,13 +809,17 @@ class Chaos:
                     return
                 stop.wait(max(0.0, tick - (time.monotonic() - t0)))
 
-        loader = threading.Thread(target=load, daemon=True)
-        loader.start()
+        loaders = [threading.Thread(target=load, args=(step,), daemon=True) for step in (
+            lambda: self.workload.publish_items(int(items_per_s * tick)),
+            lambda: self.workload.send_commands(max(1, int(commands_per_s * tick))))]
+        for loader in loaders:
+            loader.start()
         try:
             yield
         finally:
             stop.set()
-            loader.join(30)
+            for loader in loaders:
+                loader.join(30)
         self.workload.flush()
         self.report.seconds = time.monotonic() - started
         self.report.commands = len(self.workload.commands)

@@ -4,7 +4,8 @@
                                     [--broker tansu|kafka]
 
 `--broker kafka` runs it on a three-node Apache Kafka cluster (replication 3, min ISR 2) and adds the broker
-faults: kill -9 of a broker, of a partition leader, a paused controller and all three nodes restarted.
+faults: kill -9 of a broker, of a partition leader, a paused controller and all three nodes restarted, injected by
+a lane of their own (with the broker pauses) that overlaps the other kinds' lane.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def main() -> int:
     chaos = Chaos(workdir, seed=args.seed, pause_s=(5.0, 30.0), spark=spark, broker=args.broker)
     try:
         chaos.run(seconds=args.minutes * 60, fault_every_s=args.fault_every, items_per_s=args.items_per_s,
-                  commands_per_s=args.commands_per_s)
+                  commands_per_s=args.commands_per_s, broker_lane=args.broker == "kafka")
         report = chaos.check(settle_timeout=600)
         if args.broker == "kafka":
             report.violations += chaos.strict_violations()
