@@ -29,6 +29,12 @@ TIMEOUT_S = 30.0
 # supervisor starts a new one; the broker aborts the open transaction or the new producer fences it).
 HANG_GRACE_S = 30.0
 CLOSE_FLUSH_S = 5.0  # what a close waits for queued records, and again for the close itself
+TXN_TIMEOUT_MS = 60000  # the producer's transaction.timeout.ms: past it the coordinator aborts an open transaction
+# A commit or abort that timed out has an outcome not known yet: librdkafka asks for the call again ("retry call to
+# resume"), which is safe. It is asked again until past the transaction timeout, by when the coordinator has decided
+# (committed, or aborted by itself: the retry then answers abort-required and the batch is decided again), rather
+# than stopping the instance on a slow cluster (seen in the chaos soak on three-node Apache Kafka under load 30).
+DECIDED_S = TXN_TIMEOUT_MS / 1000 + 15.0
 
 
 class TransactionalWriter:
@@ -41,7 +47,7 @@ class TransactionalWriter:
         self.producer = kafka_clients.producer(kafka, **{
             "transactional.id": transactional_id, "enable.idempotence": True, "acks": "all", "linger.ms": 100,
             "batch.num.messages": 10000, "queue.buffering.max.messages": 500000,
-            "transaction.timeout.ms": 60000, **extra})
+            "transaction.timeout.ms": TXN_TIMEOUT_MS, **extra})
         self._produce = self.producer.produce
         self.open = False
         self.held = False  # a librdkafka call blocked for good holds the producer: close must not touch it
@@ -91,7 +97,7 @@ class TransactionalWriter:
             self.abort()
             return False
         try:
-            self._retrying(self.producer.commit_transaction)
+            self._retrying(self.producer.commit_transaction, DECIDED_S)
             return True
         except KafkaException as e:
             err = e.args[0]
@@ -105,17 +111,18 @@ class TransactionalWriter:
 
     def abort(self) -> None:
         try:
-            self._retrying(self.producer.abort_transaction)
+            self._retrying(self.producer.abort_transaction, DECIDED_S)
         except KafkaException as e:
             raise _convert(e, "abort") from e
         finally:
             self.open = False
 
-    def _retrying(self, op: Any) -> None:
-        deadline = time.monotonic() + TIMEOUT_S
+    def _retrying(self, op: Any, within_s: float | None = None) -> None:
+        """`op(timeout)` again on a retriable error until `within_s` (default TIMEOUT_S) has passed."""
+        deadline = time.monotonic() + (TIMEOUT_S if within_s is None else within_s)
         while True:
             try:
-                op(TIMEOUT_S)
+                op(max(0.1, min(TIMEOUT_S, deadline - time.monotonic())))
                 return
             except KafkaException as e:
                 err = e.args[0]

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 
 from kafold.client import CommandClient
 from kafold.config import KafkaConfig
@@ -136,3 +137,28 @@ def test_a_close_that_blocks_is_given_up_within_its_bound(monkeypatch: pytest.Mo
     _writer(producer).close()
     assert time.monotonic() - began < 2.0 and producer.calls == ["flush"]
     producer.release.set()
+
+
+class _SlowCoordinator:
+    """A producer whose first commits time out (as librdkafka's do while the coordinator is slow to answer)."""
+
+    def __init__(self, timeouts: int) -> None:
+        self.timeouts, self.calls = timeouts, 0
+
+    def commit_transaction(self, timeout: float) -> None:
+        self.calls += 1
+        if self.calls <= self.timeouts:
+            time.sleep(timeout)
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "Timed out waiting for operation to finish, "
+                                            "retry call to resume", retriable=True))
+
+
+def test_a_commit_that_timed_out_is_asked_again_until_the_coordinator_decided(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(txn, "TIMEOUT_S", 0.1)  # each call's own timeout; the commit is asked again past it
+    monkeypatch.setattr(txn, "DECIDED_S", 5.0)
+    producer = _SlowCoordinator(timeouts=2)
+    writer = _writer(producer)
+    writer.open = True
+    assert writer.commit([], None) is True
+    assert producer.calls == 3 and not writer.open
