@@ -826,12 +826,18 @@ class Chaos:
         self.report.events = len(self.workload.items)
 
     # ---- the checker ----
-    def settle(self, timeout: float) -> list[str]:
-        """Wait until every consumer is at the end offsets; returns what did not get there."""
+    def settle(self, timeout: float, while_progressing_s: float = 0.0) -> list[str]:
+        """Wait until every consumer is at the end offsets; returns what did not get there. Past `timeout`, the wait
+        goes on for up to `while_progressing_s` more as long as the consumers' offsets keep moving (a backlog being
+        worked off, as after a soak whose effects fell behind under load, is not a stall); it ends on a minute
+        without progress."""
         kafka, pg = self.stack.kafka, self.stack.pg
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         missing: list[str] = []
-        while time.monotonic() < deadline:
+        covered, moved = -1, started
+        while time.monotonic() < deadline or (time.monotonic() < started + timeout + while_progressing_s
+                                             and time.monotonic() - moved < 60.0):
             missing = []
             items_end, events_end = end_offsets(kafka, ITEMS), end_offsets(kafka, "account.events")
             commands_end = end_offsets(kafka, "account.commands")
@@ -851,6 +857,10 @@ class Chaos:
                 missing.append(f"commands committed {cmds} != end {commands_end}")
             if not missing:
                 return []
+            now_covered = (sum(stored_items.values()) + sum(stored_acc.values()) + sum(hooks.values())
+                           + sum(cmds.values()))
+            if now_covered > covered:
+                covered, moved = now_covered, time.monotonic()
             time.sleep(1.0)
         return missing
 
@@ -908,11 +918,14 @@ class Chaos:
                          for m in read_topic(self.stack.kafka, "account.events"))
         return out + [f"event {eid}: {n} records" for eid, n in events.items() if n != 1]
 
-    def check(self, settle_timeout: float = 180.0) -> Report:
+    def check(self, settle_timeout: float = 180.0, while_progressing_s: float = 0.0) -> Report:
         r = self.report
         for t in self._pending:
             t.join(0)
-        unsettled = self.settle(settle_timeout)
+        settling = time.monotonic()
+        unsettled = self.settle(settle_timeout, while_progressing_s)
+        r.notes.append(f"settled in {time.monotonic() - settling:.0f} s" if not unsettled
+                       else f"not settled after {time.monotonic() - settling:.0f} s")
         if self.workload.resent:
             r.notes.append(f"{self.workload.resent} command(s) sent again with their ids after a send timed out")
         exits = [e for d in self.daemons for e in d.exits]
