@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,9 +180,8 @@ def _drift(spec: TopicSpec, meta: Any, configs: dict[str, str], counts: dict[str
     return out
 
 
-def _report(client: AdminClient, kafka: KafkaConfig, specs: list[TopicSpec],
-            created: set[str]) -> TopicReport:
-    meta = _metadata(client, kafka)
+def _report(client: AdminClient, kafka: KafkaConfig, specs: list[TopicSpec], created: set[str],
+            meta: dict[str, Any]) -> TopicReport:
     present = [s.name for s in specs if s.name in meta and meta[s.name].error is None]
     configs = _configs(client, present)
     counts = {name: len(m.partitions) for name, m in meta.items() if m.error is None}
@@ -207,7 +205,7 @@ def _report(client: AdminClient, kafka: KafkaConfig, specs: list[TopicSpec],
 def check(kafka: KafkaConfig, specs: Iterable[TopicSpec]) -> TopicReport:
     """Describe `specs` on the broker without changing anything."""
     client = kafka_clients.admin(kafka)
-    return _report(client, kafka, list(specs), set())
+    return _report(client, kafka, list(specs), set(), _metadata(client, kafka))
 
 
 def ensure(kafka: KafkaConfig, specs: Iterable[TopicSpec]) -> TopicReport:
@@ -222,16 +220,28 @@ def ensure(kafka: KafkaConfig, specs: Iterable[TopicSpec]) -> TopicReport:
     missing = [s for s in specs if s.name not in meta or meta[s.name].error is not None]
     created = set(_create(client, missing))
     # Also those someone else created meanwhile (TOPIC_ALREADY_EXISTS): not yet in this broker's metadata either.
-    _await_metadata(client, kafka, {s.name for s in missing})
-    return _report(client, kafka, specs, created)
+    return _report(client, kafka, specs, created, _metadata_listing(client, kafka, {s.name for s in specs}))
 
 
-def _await_metadata(client: AdminClient, kafka: KafkaConfig, names: set[str]) -> None:
-    """Wait (bounded) until new topics show in metadata: brokers of a cluster learn of them asynchronously."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while names and time.monotonic() < deadline:
-        meta = _metadata(client, kafka)
-        if all(n in meta and meta[n].error is None and meta[n].partitions for n in names):
-            return
-        time.sleep(0.1)  # poll interval between metadata requests
+def _metadata_listing(client: AdminClient, kafka: KafkaConfig, names: set[str]) -> dict[str, Any]:
+    """The metadata, read again (bounded) until it lists every one of `names`: the brokers of a cluster learn of
+    new topics asynchronously, so one broker can list a topic just created and the next not yet (seen on
+    three-node Apache Kafka). The report is made from the metadata that listed them; at the bound, from the last
+    one read, where a topic still absent is reported missing."""
+    last: dict[str, Any] | None = None
 
+    def read() -> dict[str, Any]:
+        nonlocal last
+        meta = last = _metadata(client, kafka)
+        absent = sorted(n for n in names if n not in meta or meta[n].error is not None or not meta[n].partitions)
+        if absent:
+            raise RetriableError(f"topic {absent[0]!r} is not in the metadata yet")
+        return meta
+
+    try:
+        return retrying(read, within_s=TIMEOUT_S, first_delay=0.1, max_delay=1.0,
+                        on_retry=lambda e, delay: log.info("topics.metadata_retry", error=str(e), delay_s=delay))
+    except RetriableError:
+        if last is None:
+            raise
+        return last

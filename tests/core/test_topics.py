@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException
@@ -194,3 +195,30 @@ def test_configs_do_not_ask_again_on_a_lasting_error() -> None:
     with pytest.raises(FatalError, match="cannot describe the configs of topic 'a'"):
         topics._configs(client, ["a"])  # type: ignore[arg-type]
     assert len(client.asked) == 1
+
+
+class _Listing:
+    """An admin client whose metadata answers come from brokers that learn of a new topic one after another: the
+    topic is listed by the second answer, not by the third, then by every later one."""
+
+    def __init__(self, pattern: list[bool]) -> None:
+        self.pattern, self.reads = pattern, 0
+
+    def list_topics(self, **_: object) -> SimpleNamespace:
+        listed = self.pattern[min(self.reads, len(self.pattern) - 1)]
+        self.reads += 1
+        meta = SimpleNamespace(error=None, partitions={0: SimpleNamespace(replicas=[1])})
+        return SimpleNamespace(topics={"t": meta} if listed else {})
+
+
+def test_metadata_is_read_until_it_lists_every_topic_asked_for() -> None:
+    client = _Listing([False, True, False, True])
+    meta = topics._metadata_listing(client, KafkaConfig(), {"t"})  # type: ignore[arg-type]
+    assert "t" in meta and client.reads == 2
+
+
+def test_metadata_that_never_lists_a_topic_is_returned_at_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(topics, "TIMEOUT_S", 0.5)
+    client = _Listing([False])
+    assert topics._metadata_listing(client, KafkaConfig(), {"t"}) == {}  # type: ignore[arg-type]
+    assert client.reads > 1
