@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,12 @@ SASL_PROTOCOLS = ("SASL_PLAINTEXT", "SASL_SSL")
 # (measured: 52 ms on about half the first requests of a new client, 12 ms with this; 11 ms is librdkafka's floor).
 # The backoff after a failed connection still doubles up to reconnect.backoff.max.ms (10 s).
 RECONNECT_BACKOFF_MS = 20
+
+
+# librdkafka's own log lines (a broker unreachable, a request timed out) go through this logger, so they come out as
+# kafold's structured lines (logs.configure routes stdlib logging through structlog) instead of raw `%3|…|FAIL|`
+# lines on stderr. confluent-kafka hands them over while the client is polled (poll, consume, flush).
+LIBRDKAFKA_LOG = logging.getLogger("kafold.librdkafka")
 
 
 def coordinator_changing(err: Any) -> bool:
@@ -44,6 +51,7 @@ def librdkafka(kafka: KafkaConfig, **extra: Any) -> dict[str, Any]:
         "client.id": kafka.client_id,
         "security.protocol": kafka.security_protocol,
         "reconnect.backoff.ms": RECONNECT_BACKOFF_MS,
+        "logger": LIBRDKAFKA_LOG,
     }
     if kafka.security_protocol in SASL_PROTOCOLS:
         if kafka.sasl_mechanism:

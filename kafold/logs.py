@@ -95,7 +95,8 @@ def configure(level: str = "info", fmt: str = "auto", path: str | None = None) -
     )
     handler = logging.StreamHandler(out)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(processors=[
-        structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer], foreign_pre_chain=shared))
+        structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name]))  # whose line: faust, kafold.librdkafka
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(max(_LEVELS[level], logging.WARNING))  # third-party chatter only from warnings up

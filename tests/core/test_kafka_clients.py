@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import json
 import ssl
+import time
 from pathlib import Path
 
 import pytest
 from confluent_kafka import KafkaError, Producer
 
+from kafold import logs
 from kafold.config import KafkaConfig
-from kafold.kafka_clients import RECONNECT_BACKOFF_MS, aiokafka_kwargs, coordinator_changing, librdkafka, produce
+from kafold.kafka_clients import (
+    LIBRDKAFKA_LOG,
+    RECONNECT_BACKOFF_MS,
+    aiokafka_kwargs,
+    coordinator_changing,
+    librdkafka,
+    produce,
+)
 from kafold.schema import Secret
+from kafold.testing import free_port
 
 SYSTEM_CA = ssl.get_default_verify_paths().cafile or "/etc/ssl/certs/ca-certificates.crt"
 
@@ -24,7 +35,27 @@ def secrets(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_plaintext_has_only_the_basics() -> None:
     conf = librdkafka(KafkaConfig(bootstrap_servers="b1:9092,b2:9092", client_id="svc"))
     assert conf == {"bootstrap.servers": "b1:9092,b2:9092", "client.id": "svc",
-                    "security.protocol": "PLAINTEXT", "reconnect.backoff.ms": RECONNECT_BACKOFF_MS}
+                    "security.protocol": "PLAINTEXT", "reconnect.backoff.ms": RECONNECT_BACKOFF_MS,
+                    "logger": LIBRDKAFKA_LOG}
+
+
+def test_librdkafkas_own_log_lines_come_out_as_structured_lines(tmp_path: Path,
+                                                                capfd: pytest.CaptureFixture[str]) -> None:
+    log_file = tmp_path / "kafold.log"
+    logs.configure("info", "json", str(log_file))
+    try:
+        producer = Producer(librdkafka(KafkaConfig(bootstrap_servers=f"127.0.0.1:{free_port()}")))
+        deadline = time.monotonic() + 20
+        while "Connection refused" not in log_file.read_text() and time.monotonic() < deadline:
+            producer.poll(0.2)  # the client hands its log lines over while polled
+        producer.flush(0)
+    finally:
+        logs.configure()
+    lines = [json.loads(t) for t in log_file.read_text().splitlines() if "Connection refused" in t]
+    assert lines, "librdkafka's connection failure did not reach kafold's log"
+    assert (lines[0]["logger"], lines[0]["level"]) == ("kafold.librdkafka", "error")
+    assert "FAIL" in lines[0]["event"]
+    assert "|FAIL|" not in capfd.readouterr().err  # no raw librdkafka line on stderr
 
 
 def test_a_client_option_given_by_the_caller_wins_over_kafolds_default() -> None:
