@@ -25,16 +25,17 @@ The shadow never goes past the live connector: partition by partition it applies
 checkpoint (the target), re-read as the live connector advances. Under steady traffic the live connector commits a
 batch on some partition several times a second, so the shadow is never *equal* to it for long; the rebuild converges
 instead: once the shadow has reached the targets read before its last batch and is within `max_tail` records of the
-current ones on every partition, the swap transaction locks the live table (ACCESS EXCLUSIVE: it waits for the live
-writer's in-flight batch and blocks the next one) and the live checkpoint rows (FOR UPDATE), re-reads the targets,
-applies the remaining tail into the shadow while holding the lock (so the lock lasts as long as that tail takes),
-renames live -> old and shadow -> live, drops old (unless kept), deletes the rebuild checkpoints and marks the
-rebuild swapped; then commits. If the tail grew past `max_tail` while the lock was awaited (or the lock was not
-granted in time), the transaction rolls back having changed nothing, and the rebuild catches up and tries again
-after a backoff (a log line and `swap_retries` count each). At the commit the new table holds exactly the events
-below the live checkpoints, which is what the live writer's tracking namespace has recorded, so the live connector
-continues from its own checkpoints with its own tracking, untouched. Its statements name the table, so its next
-batch (even one blocked on the lock) resolves the name again and writes into the new table.
+current ones on every partition (and one more such lap would not leave a tail shorter by a quarter: the tail goes
+under the lock, so laps outside it shorten the lock), the swap transaction locks the live table (ACCESS EXCLUSIVE:
+it waits for the live writer's in-flight batch and blocks the next one) and the live checkpoint rows (FOR UPDATE),
+re-reads the targets, applies the remaining tail into the shadow while holding the lock (so the lock lasts as long
+as that tail takes), renames live -> old and shadow -> live, drops old (unless kept), deletes the rebuild
+checkpoints and marks the rebuild swapped; then commits. If the tail grew past `max_tail` while the lock was awaited
+(or the lock was not granted in time), the transaction rolls back having changed nothing, and the rebuild catches up
+and tries again after a backoff (a log line and `swap_retries` count each). At the commit the new table holds
+exactly the events below the live checkpoints, which is what the live writer's tracking namespace has recorded, so
+the live connector continues from its own checkpoints with its own tracking, untouched. Its statements name the
+table, so its next batch (even one blocked on the lock) resolves the name again and writes into the new table.
 
 The tail phase (`catching-up`) starts once the shadow is within `max_tail` of the live connector on every partition.
 In it the rebuild keeps every partition assigned and keeps what it fetched at or past its target (up to
@@ -93,6 +94,8 @@ LOCK_WAIT_S = 2.0
 COPY_POLL_S, TAIL_POLL_S = 0.5, 0.05  # how long a batch waits for records while copying / in the tail phase
 TAIL_WAIT_S = 30.0  # the tail under the lock must arrive from Kafka within this (else roll back, retry)
 RETRY_FIRST_S, RETRY_MAX_S = 0.1, 2.0
+# A tail this small goes under the swap's lock without another lap first (see _CatchUp._last_lap).
+LAST_LAP_TAIL = 100
 # Copy workers: one interpreter each (the copy is GIL-bound, see task.py); a few more than the cores pays off as
 # each waits for PostgreSQL part of the time, but every worker is one more session and one more consumer.
 MAX_DEFAULT_WORKERS = 4
@@ -213,14 +216,27 @@ class _CatchUp(LoopHandler):
                                  counts={}, fatal=_fatal)
         self.batch: _Batch | None = None
         self.reached = False
+        self.lap_tail: int | None = None  # records behind when the last lap reached its targets
 
     def loop_started(self) -> None:
-        self.batch, self.reached = None, False
+        self.batch, self.reached, self.lap_tail = None, False, None
+
+    def _last_lap(self) -> bool:
+        """Whether the lap that just reached its targets is the last before the swap's lock. A copy worker stops
+        as soon as it is near. Otherwise the laps go on while each leaves a tail at most 3/4 of the one before:
+        what is left when the lock is taken is applied while the live writer waits, so a lap more outside the
+        lock is a shorter lock (under steady traffic the tail shrinks to what the live connector commits during
+        one lap); a tail that stops shrinking, or is already small, ends them."""
+        r = self.rebuild
+        if r.share is not None or r.behind <= LAST_LAP_TAIL:
+            return True
+        last, self.lap_tail = self.lap_tail, r.behind
+        return last is not None and r.behind > last * 3 // 4
 
     def before_poll(self) -> float | SkipPoll | None:
         r = self.rebuild
         targets = r._targets()
-        if self.reached and r._near(targets):
+        if self.reached and r._near(targets) and self._last_lap():
             r._settle()
             self.loop.finish()
             return SKIP_POLL
