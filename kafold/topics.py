@@ -219,8 +219,9 @@ def ensure(kafka: KafkaConfig, specs: Iterable[TopicSpec]) -> TopicReport:
     meta = _metadata(client, kafka)
     missing = [s for s in specs if s.name not in meta or meta[s.name].error is not None]
     created = set(_create(client, missing))
-    # Also those someone else created meanwhile (TOPIC_ALREADY_EXISTS): not yet in this broker's metadata either.
-    return _report(client, kafka, specs, created, _metadata_listing(client, kafka, {s.name for s in specs}))
+    if missing:  # also those someone else created meanwhile (TOPIC_ALREADY_EXISTS): not in this metadata either
+        meta = _metadata_listing(client, kafka, {s.name for s in specs})
+    return _report(client, kafka, specs, created, meta)
 
 
 def _metadata_listing(client: AdminClient, kafka: KafkaConfig, names: set[str]) -> dict[str, Any]:

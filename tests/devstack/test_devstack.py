@@ -10,13 +10,13 @@ from pathlib import Path
 import psutil
 import psycopg
 import pytest
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from kafold import apache_kafka, devstack
 from kafold.commands import dev as dev_cmd
 from kafold.config import KafkaConfig, KafoldConfig, PostgresConfig
-from kafold.errors import RetriableError
+from kafold.daemon.aggregates.recovery import bounds
 from kafold.retry import retrying
 from kafold.testing import free_port
 
@@ -185,28 +185,13 @@ def _topic_with_records(bootstrap: str, topic: str, replicas: int, count: int) -
     assert producer.flush(30) == 0
 
 
-# Errors a partition's leader answers while it settles after a restart (librdkafka does not flag them retriable
-# when they come from ListOffsets, though the protocol calls them retriable).
-_NOT_YET = (KafkaError.OFFSET_NOT_AVAILABLE, KafkaError.LEADER_NOT_AVAILABLE, KafkaError.NOT_LEADER_FOR_PARTITION,
-            KafkaError._TIMED_OUT, KafkaError._TRANSPORT)
-
-
 def _end_offset(bootstrap: str, topic: str) -> int:
     """The partition's end offset. Just after a node of a cluster restarts, the leader may answer that its high
-    watermark is not caught up yet (OFFSET_NOT_AVAILABLE, retriable): asked again, bounded."""
+    watermark is not caught up yet (OFFSET_NOT_AVAILABLE): asked again, bounded, as the aggregate recovery asks."""
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "kt-devstack"})
-
-    def ask() -> int:
-        try:
-            return int(consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=30)[1])
-        except KafkaException as e:
-            err = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
-            if err is not None and (err.retriable() or err.code() in _NOT_YET):
-                raise RetriableError(str(e)) from e
-            raise
-
     try:
-        return retrying(ask, within_s=60, first_delay=0.2, max_delay=2.0, on_retry=lambda e, delay: None)
+        return retrying(lambda: bounds(consumer, topic, 0)[1], within_s=60, first_delay=0.2, max_delay=2.0,
+                        on_retry=lambda e, delay: None)
     finally:
         consumer.close()
 
