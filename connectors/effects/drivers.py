@@ -1,4 +1,4 @@
-"""The three effects behind one interface: webhook (aiohttp POST), kafka (idempotent produce), python (a call)."""
+"""The three effects behind one interface: webhook (an HTTP POST), kafka (idempotent produce), python (a call)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from kafold.connectors.effects.settings import (
     WebhookConfig,
 )
 from kafold.connectors.effects.signing import sign
+from kafold.connectors.effects.webhook_client import HttpError, WebhookClient
 from kafold.envelope import KAFOLD_NAMESPACE, Event, encode
 from kafold.refs import import_ref
 
@@ -83,19 +84,14 @@ class Webhook(Effect):
         self.secrets = [s.reveal() for s in (config.secret, config.previous_secret) if s is not None]
         self.mapper: Callable[[Event], Any] | None = (
             import_ref(config.body) if config.body not in ("event", "payload") else None)
-        self.session: Any = None
-        self.url: Any = config.url
+        self.client: WebhookClient | None = None
         parts = urlsplit(config.url)
         self.endpoint = f"{parts.scheme}://{parts.hostname}{f':{parts.port}' if parts.port else ''}"
 
     async def start(self) -> None:
-        import aiohttp
-        import yarl
-
-        timeout = aiohttp.ClientTimeout(total=self.config.timeout_s, sock_connect=self.config.connect_timeout_s)
-        connector = aiohttp.TCPConnector(limit=self.concurrency, ttl_dns_cache=60)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=connector, skip_auto_headers=("User-Agent",))
-        self.url = yarl.URL(self.config.url)  # parsed once, not per request
+        self.client = WebhookClient(self.config.url, timeout_s=self.config.timeout_s,
+                                    connect_timeout_s=self.config.connect_timeout_s,
+                                    headers=[*self.config.headers.items(), ("content-type", "application/json")])
 
     def body(self, event: Event) -> bytes:
         if self.mapper is not None:
@@ -105,32 +101,30 @@ class Webhook(Effect):
         return event_json(event)
 
     async def run(self, event: Event) -> None:
-        import aiohttp
-
+        assert self.client is not None, "start() first"
         try:
             body = self.body(event)
         except Exception as e:
             raise PermanentEffectError(f"body mapping failed: {type(e).__name__}: {e}") from e
         ts = int(time.time())
-        headers = {**self.config.headers, "content-type": "application/json", "webhook-id": event.event_id,
-                   "webhook-timestamp": str(ts)}
+        headers = [("webhook-id", event.event_id), ("webhook-timestamp", str(ts))]
         if self.secrets:
-            headers["webhook-signature"] = sign(event.event_id, ts, body, self.secrets)
+            headers.append(("webhook-signature", sign(event.event_id, ts, body, self.secrets)))
         try:
-            async with self.session.post(self.url, data=body, headers=headers,
-                                         allow_redirects=False) as resp:
-                await resp.read()
-                error = classify(resp.status, resp.headers.get("Retry-After"))
+            resp = await self.client.post(body, headers)
         except TimeoutError as e:
             raise RetriableEffectError(f"timed out after {self.config.timeout_s}s") from e
-        except aiohttp.ClientError as e:
+        except ValueError as e:  # an event id that cannot be a header: no attempt will ever send it
+            raise PermanentEffectError(f"event_id: {e}") from e
+        except (OSError, HttpError) as e:
             raise RetriableEffectError(f"{type(e).__name__}: {e}") from e
+        error = classify(resp.status, resp.headers.get("retry-after"))
         if error is not None:
             raise error
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        if self.client is not None:
+            await self.client.close()
 
 
 def derived_id(connector: str, source_event_id: str, index: int) -> str:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from kafold.connectors.effects.webhook_client import header_safe
 from kafold.schema import Secret, setting
 
 AT_LEAST_ONCE = "at-least-once"
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 5.1: a header name
 AT_MOST_ONCE = "at-most-once"
 
 
@@ -76,9 +79,12 @@ class WebhookConfig(EffectConfig):
             raise ValueError(f"url: {shown!r} is plain http; use https or set allow_http = true")
         if self.body not in ("event", "payload") and ":" not in self.body:
             raise ValueError(f"body: expected `event`, `payload` or `module:function`, got {self.body!r}")
-        for name in self.headers:
-            if name.lower().startswith("webhook-") or name.lower() == "content-type":
+        for name, value in self.headers.items():
+            if name.lower().startswith("webhook-") or name.lower() in ("content-type", "content-length", "host"):
                 raise ValueError(f"headers: {name!r} is set by kafold")
+            if not _TOKEN.fullmatch(name):
+                raise ValueError(f"headers: {name!r} is not a valid HTTP header name")
+            header_safe(value, f"headers: the value of {name!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
