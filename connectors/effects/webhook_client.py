@@ -56,7 +56,8 @@ def parse(buf: bytes | bytearray, eof: bool) -> tuple[Response, int, bool] | Non
             if len(buf) - start > MAX_HEAD:
                 raise HttpError(f"response head larger than {MAX_HEAD} bytes")
             if eof:
-                raise HttpError("connection closed before a complete response head")
+                raise HttpError("connection closed before an answer" if len(buf) == start
+                                else "connection closed before a complete response head")
             return None
         lines = bytes(buf[start:end]).split(b"\r\n")
         status_line = lines[0].split(b" ", 2)
