@@ -85,8 +85,13 @@ class TopicReport:
                          for r in rows)
 
 
+def _kafka_error(e: Exception) -> KafkaError | None:
+    """The KafkaError a KafkaException carries, if any."""
+    return e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
+
+
 def _wrap(e: Exception, doing: str) -> KafoldError:
-    err = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
+    err = _kafka_error(e)
     if err is not None and (err.retriable() or err.code() in (KafkaError._TRANSPORT, KafkaError._TIMED_OUT)):
         return RetriableError(f"{doing}: {err.str()}")
     return FatalError(f"{doing}: {err.str() if err is not None else e}")
@@ -135,8 +140,8 @@ def _configs(client: AdminClient, names: list[str]) -> dict[str, dict[str, str]]
             try:
                 out[res.name] = {k: v.value for k, v in fut.result().items() if v.value is not None}
             except KafkaException as e:
-                if e.args and isinstance(e.args[0], KafkaError) \
-                        and e.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+                err = _kafka_error(e)
+                if err is not None and err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
                     unknown.append(res.name)
                     continue
                 raise _wrap(e, f"cannot describe the configs of topic {res.name!r}") from e

@@ -118,7 +118,11 @@ class TransactionalWriter:
             self.open = False
 
     def _retrying(self, op: Any, within_s: float | None = None) -> None:
-        """`op(timeout)` again on a retriable error until `within_s` (default TIMEOUT_S) has passed."""
+        """`op(timeout)` again on a retriable error until `within_s` (default TIMEOUT_S) has passed.
+
+        Not kafold.retry.retrying: each try is given what is left of the budget as its own timeout (the call blocks
+        inside librdkafka that long, waiting for the coordinator itself), and a retriable answer is asked again at
+        once — librdkafka documents retriable errors of these calls as "call again", with no backoff of ours."""
         deadline = time.monotonic() + (TIMEOUT_S if within_s is None else within_s)
         while True:
             try:
