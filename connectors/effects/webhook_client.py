@@ -257,7 +257,9 @@ class WebhookClient:
         except BaseException:  # a timeout or a cancel included: the connection's state is unknown
             conn.abort()
             raise
-        if not conn.closed:
+        if conn.buf:  # bytes beyond the answer: a server out of step with the framing is not asked again
+            conn.close()
+        elif not conn.closed:
             conn.idle_since = time.monotonic()
             self._idle.append(conn)
         return response

@@ -300,3 +300,18 @@ def test_idle_connections_past_the_keep_alive_time_are_not_reused(monkeypatch: p
         assert server.connections == 2
 
     asyncio.run(main())
+
+
+def test_a_connection_with_bytes_beyond_the_answer_is_not_reused() -> None:
+    async def main() -> None:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+            while await server.read_request(reader) is not None:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\nHTTP/1.1 500 Stray\r\n\r\n")
+
+        async with Server(handler) as server:
+            c = client(server.port)
+            statuses = [(await c.post(b"{}", [])).status for _ in range(3)]
+            await c.close()
+        assert statuses == [200, 200, 200] and server.connections == 3
+
+    asyncio.run(main())
