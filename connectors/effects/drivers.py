@@ -78,9 +78,8 @@ def classify(status: int, retry_after_header: str | None) -> EffectError | None:
 class Webhook(Effect):
     """POST with Standard Webhooks headers; `webhook-id` (the event id) is the receiver's idempotency key."""
 
-    def __init__(self, config: WebhookConfig, concurrency: int) -> None:
+    def __init__(self, config: WebhookConfig) -> None:
         self.config = config
-        self.concurrency = concurrency
         self.secrets = [s.reveal() for s in (config.secret, config.previous_secret) if s is not None]
         self.mapper: Callable[[Event], Any] | None = (
             import_ref(config.body) if config.body not in ("event", "payload") else None)

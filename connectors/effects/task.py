@@ -205,7 +205,7 @@ class EffectSinkTask(SinkTask):
 
 def build_effect(config: EffectConfig, kafka: KafkaConfig, name: str) -> Effect:
     if isinstance(config, WebhookConfig):
-        return Webhook(config, config.concurrency)
+        return Webhook(config)  # connections: as many as effects run at once (the executor's `concurrency`)
     if isinstance(config, KafkaEffectConfig):
         return KafkaEffect(config, kafka, name)
     if isinstance(config, PythonEffectConfig):

@@ -262,7 +262,7 @@ def test_an_event_id_that_cannot_be_a_header_is_permanent_and_statuses_are_class
                 writer.write(b"HTTP/1.1 503 Busy\r\nRetry-After: 4\r\nContent-Length: 4\r\n\r\nbusy")
 
         async with Server(handler) as server:
-            effect = Webhook(WebhookConfig(url=f"http://127.0.0.1:{server.port}/hook", allow_http=True), 4)
+            effect = Webhook(WebhookConfig(url=f"http://127.0.0.1:{server.port}/hook", allow_http=True))
             await effect.start()
             try:
                 with pytest.raises(PermanentEffectError, match="event_id"):
