@@ -22,7 +22,7 @@ import ssl
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 MAX_HEAD = 64 * 1024  # a response head (status line and headers) larger than this is refused
 MAX_BODY = 1024 * 1024  # a larger response body is not read to its end: the connection is closed instead
@@ -230,7 +230,8 @@ class WebhookClient:
         host = f"[{self.host}]" if ":" in self.host else self.host
         if parts.port is not None and parts.port != (443 if self.ssl else 80):
             host = f"{host}:{parts.port}"
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        # Percent-encoded as a browser would (a space, non-ASCII); what is encoded already stays as it is.
+        target = quote((parts.path or "/") + (f"?{parts.query}" if parts.query else ""), safe="/?:@!$&'()*+,;=%~")
         lines = [f"POST {header_safe(target, 'the URL')} HTTP/1.1", f"Host: {host}"]
         lines += [f"{header_safe(k, 'a header name')}: {header_safe(v, f'header {k}')}" for k, v in headers]
         self._head = ("\r\n".join(lines) + "\r\n").encode()

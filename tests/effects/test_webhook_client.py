@@ -133,8 +133,8 @@ class Server:
             writer.close()
 
 
-def client(port: int, **kw: float) -> WebhookClient:
-    return WebhookClient(f"http://127.0.0.1:{port}/hook?token=t", timeout_s=kw.get("timeout_s", 5.0),
+def client(port: int, path: str = "/hook?token=t", **kw: float) -> WebhookClient:
+    return WebhookClient(f"http://127.0.0.1:{port}{path}", timeout_s=kw.get("timeout_s", 5.0),
                          connect_timeout_s=1.0, headers=[("x-static", "s")])
 
 
@@ -313,5 +313,20 @@ def test_a_connection_with_bytes_beyond_the_answer_is_not_reused() -> None:
             statuses = [(await c.post(b"{}", [])).status for _ in range(3)]
             await c.close()
         assert statuses == [200, 200, 200] and server.connections == 3
+
+    asyncio.run(main())
+
+
+def test_the_url_path_is_percent_encoded_once() -> None:
+    async def main() -> None:
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+            while await server.read_request(reader) is not None:
+                writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+
+        async with Server(handler) as server:
+            c = client(server.port, path="/hooks/caf\u00e9 bar%2F1?x=a b")
+            await c.post(b"{}", [])
+            await c.close()
+        assert server.requests[0].startswith(b"POST /hooks/caf%C3%A9%20bar%2F1?x=a%20b HTTP/1.1\r\n")
 
     asyncio.run(main())
