@@ -123,8 +123,6 @@ def _chunked(buf: bytes | bytearray, at: int, response: Response, keep: bool,
         except ValueError:
             raise HttpError(f"invalid chunk size {size_text[:20]!r}") from None
         if size == 0:  # the last chunk; trailer lines (rarely any) follow up to an empty line
-            if buf[line_end:line_end + 4] == b"\r\n\r\n":
-                return response, line_end + 4, keep
             trailers_end = buf.find(b"\r\n\r\n", line_end)
             if trailers_end < 0:
                 break

@@ -106,6 +106,16 @@ class Server:
         self.connections = 0
         self.requests: list[bytes] = []
 
+    @classmethod
+    def answering(cls, raw: bytes) -> Server:
+        """A server that answers every request with `raw`, on connections kept open."""
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+            while await server.read_request(reader) is not None:
+                writer.write(raw)
+
+        server = cls(handler)
+        return server
+
     async def __aenter__(self) -> Server:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.port = self.server.sockets[0].getsockname()[1]
@@ -140,11 +150,8 @@ def client(port: int, path: str = "/hook?token=t", **kw: float) -> WebhookClient
 
 def test_connections_are_kept_alive_and_requests_carry_every_header() -> None:
     async def main() -> None:
-        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
-            while await server.read_request(reader) is not None:
-                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n")
-
-        async with Server(handler) as server:
+        chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"
+        async with Server.answering(chunked) as server:
             c = client(server.port)
             statuses = [(await c.post(b'{"n": %d}' % i, [("webhook-id", f"id-{i}")])).status for i in range(30)]
             await c.close()
@@ -257,11 +264,7 @@ def test_tls_verifies_the_certificate_against_the_system_trust_store(tmp_path: P
 
 def test_an_event_id_that_cannot_be_a_header_is_permanent_and_statuses_are_classified() -> None:
     async def main() -> None:
-        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
-            while await server.read_request(reader) is not None:
-                writer.write(b"HTTP/1.1 503 Busy\r\nRetry-After: 4\r\nContent-Length: 4\r\n\r\nbusy")
-
-        async with Server(handler) as server:
+        async with Server.answering(b"HTTP/1.1 503 Busy\r\nRetry-After: 4\r\nContent-Length: 4\r\n\r\nbusy") as server:
             effect = Webhook(WebhookConfig(url=f"http://127.0.0.1:{server.port}/hook", allow_http=True))
             await effect.start()
             try:
@@ -286,11 +289,7 @@ def test_static_headers_that_would_break_a_request_are_refused_in_the_config() -
 
 def test_idle_connections_past_the_keep_alive_time_are_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
     async def main() -> None:
-        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
-            while await server.read_request(reader) is not None:
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
-
-        async with Server(handler) as server:
+        async with Server.answering(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n") as server:
             c = client(server.port)
             await c.post(b"{}", [])
             monkeypatch.setattr(webhook_client, "IDLE_S", 0.0)
@@ -304,11 +303,8 @@ def test_idle_connections_past_the_keep_alive_time_are_not_reused(monkeypatch: p
 
 def test_a_connection_with_bytes_beyond_the_answer_is_not_reused() -> None:
     async def main() -> None:
-        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
-            while await server.read_request(reader) is not None:
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\nHTTP/1.1 500 Stray\r\n\r\n")
-
-        async with Server(handler) as server:
+        stray = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\nHTTP/1.1 500 Stray\r\n\r\n"
+        async with Server.answering(stray) as server:
             c = client(server.port)
             statuses = [(await c.post(b"{}", [])).status for _ in range(3)]
             await c.close()
@@ -319,11 +315,7 @@ def test_a_connection_with_bytes_beyond_the_answer_is_not_reused() -> None:
 
 def test_the_url_path_is_percent_encoded_once() -> None:
     async def main() -> None:
-        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
-            while await server.read_request(reader) is not None:
-                writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
-
-        async with Server(handler) as server:
+        async with Server.answering(b"HTTP/1.1 204 No Content\r\n\r\n") as server:
             c = client(server.port, path="/hooks/caf\u00e9 bar%2F1?x=a b")
             await c.post(b"{}", [])
             await c.close()
