@@ -165,6 +165,8 @@ def _connect(made: Producer) -> None:
         made.list_topics(timeout=10)
     except KafkaException:
         pass  # only a warm-up: the writes themselves report an unreachable broker
+    except RuntimeError:
+        pass  # the owner closed the producer meanwhile ("Handle has been closed"): nothing left to warm up
 
 
 def consumer(kafka: KafkaConfig, group_id: str, **extra: Any) -> Consumer:

@@ -105,6 +105,11 @@ class Mapping:
             raise MappingError(f"event {event.event_id} ({event.type}): a key column would be null")
         return values
 
+    @property
+    def copies_rows(self) -> bool:
+        """Rules: a row is never changed in place, and json columns are only set (a mapper is the user's code)."""
+        return self._mapper is None
+
     def is_stale(self, row: Row | None, event: Event) -> bool:
         """An older (or the same) aggregate version than the row already reflects: never overwrite newer."""
         return self.guard and row is not None and event.version <= (row.get(VERSION_COLUMN) or 0)

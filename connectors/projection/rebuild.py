@@ -99,6 +99,8 @@ LAST_LAP_TAIL = 100
 # Copy workers: one interpreter each (the copy is GIL-bound, see task.py); a few more than the cores pays off as
 # each waits for PostgreSQL part of the time, but every worker is one more session and one more consumer.
 MAX_DEFAULT_WORKERS = 4
+# Rows of the shadow a rebuild (each copy worker) keeps between its batches: ~0.5 KB a row of a few columns.
+SHADOW_CACHE_ROWS = 65536
 WATCH_S = 0.5  # how often the coordinator reports the workers' progress, and a worker looks for its parent
 WORKER_STOP_S = 60.0  # a stopped worker finishes its batch in flight within this, else it is terminated
 
@@ -274,7 +276,10 @@ class Rebuild:
         self.share = frozenset(share) if share is not None else None  # a copy worker's partitions (see _copier)
         self.on_progress = on_progress
         self.stop = stop or threading.Event()
-        self.writer = ProjectionWriter(plan.pgc, plan.config, plan.mapping, plan.key, plan.key, plan.shadow)
+        # The rebuild is the shadow's only writer (its copy workers each their own partitions' keys, one after the
+        # other with this process): rows it wrote are not read back (see ProjectionWriter's cache).
+        self.writer = ProjectionWriter(plan.pgc, plan.config, plan.mapping, plan.key, plan.key, plan.shadow,
+                                       cache_rows=SHADOW_CACHE_ROWS)
         self.positions: dict[TopicPartition, int] = {}
         self.assigned: set[TopicPartition] = set()
         self.ahead: dict[TopicPartition, list[Any]] = {}  # messages at or past the target, in order (tail phase)

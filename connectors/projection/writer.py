@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import operator
 import threading
 import time
@@ -248,7 +249,7 @@ class ProjectionWriter:
     """Owns one PostgreSQL session for one projection task; `write` is the whole per-batch protocol."""
 
     def __init__(self, pgc: PostgresConfig, config: ProjectionConfig, mapping: Mapping, connector: str,
-                 namespace: str | None = None, table: str | None = None) -> None:
+                 namespace: str | None = None, table: str | None = None, cache_rows: int = 0) -> None:
         self.pgc, self.config, self.mapping = pgc, config, mapping
         self.connector = connector  # key of checkpoints and dead letters
         self.namespace = namespace or connector  # key of tracking records (a rebuild uses its own)
@@ -274,6 +275,15 @@ class ProjectionWriter:
         self.idle = threading.Event()
         self.idle.set()
         self._turns = _Turns(self.idle)
+        # Rows kept between batches, for a writer that is its table's only writer (a rebuild's shadow): a key
+        # written or read before is not read again. Only what a transaction committed goes in, only rows whose
+        # values read back from PostgreSQL as the same Python values (see _cacheable), and the whole cache is
+        # dropped when a write fails (its commit may or may not have happened). At most `cache_rows` keys: the
+        # least recently written half goes when full.
+        self.cache_rows = cache_rows
+        self._cache: dict[tuple[Any, ...], Row | None] = {}
+        self._folded: dict[tuple[Any, ...], Row | None] = {}  # the attempt's rows, cached once committed
+        self._plain: dict[str, tuple[type, ...]] = {}  # column -> the Python types that read back as-is
 
     # ---- session ----------------------------------------------------------------------------------------
     def connection(self) -> psycopg.Connection[Any]:
@@ -325,6 +335,7 @@ class ProjectionWriter:
                                f"({', '.join(c.key_columns)}), which upserts need"])
         types = {col: found[col] for col in (*c.columns, VERSION_COLUMN)}
         self._json = {col for col, tp in types.items() if tp in ("json", "jsonb")}
+        self._plain = {col: _read_back(tp, self.mapping.copies_rows) for col, tp in types.items()}
         return q.TableShape(schema, table, types, tuple(c.key_columns), VERSION_COLUMN)
 
     # ---- offsets ----------------------------------------------------------------------------------------
@@ -358,11 +369,16 @@ class ProjectionWriter:
         try:
             return self._isolating(list(records), list(dead), dict(offsets or {}), report)
         except RetriableError:
+            self._cache.clear()
             self.close()
             raise
         except psycopg.OperationalError as e:
+            self._cache.clear()
             self.close()
             raise RetriableError(f"PostgreSQL: {e}") from e
+        except BaseException:
+            self._cache.clear()
+            raise
         finally:
             self.idle.set()
 
@@ -402,9 +418,12 @@ class ProjectionWriter:
         while True:
             try:
                 conn = self.connection()
+                self._folded = {}
                 with db.transaction(conn):
                     result = self._apply(conn, records, excluded, dead, offsets, self._prepared, heads)
                 self._held.update(heads)  # committed with their heads
+                if self.cache_rows and self._folded:
+                    self._remember(self._folded)
                 return result
             except (_Duplicates, _HoldsChanged):  # rolled back: do it again (expecting duplicates / the keys read)
                 continue
@@ -471,6 +490,7 @@ class ProjectionWriter:
             todo = _candidates(records, prep, skip)
             if todo.first:
                 fresh, folded = self._track_read_fold(conn, todo)
+                self._folded = folded.state
             else:
                 if self._hold_now and result.held:  # nothing to apply, events to hold: under the lock, keys read
                     self._check_holds(self._read_holds(conn))
@@ -511,8 +531,7 @@ class ProjectionWriter:
             fresh = [r for tk, r in first.items() if tk in inserted]
         self._optimistic = count == len(first)
         if not optimistic:
-            folded = self._fold(fresh, self._rows(found) if found is not None else {}, todo.record_keys,
-                                todo.key_errors)
+            folded = self._fold(fresh, self._loaded(todo.keys, found), todo.record_keys, todo.key_errors)
         return fresh, folded
 
     def _read_track_fold(self, conn: psycopg.Connection[Any], todo: _Candidates) -> tuple[int, _Folded]:
@@ -524,12 +543,13 @@ class ProjectionWriter:
         with turns.waiting(conn.pipeline()) as pipe:
             if self._hold_now:
                 held_keys = self._read_holds(conn)
-            found = self._select(conn, todo.keys)
+            found = self._select_uncached(conn, todo.keys)
             turns.sync(pipe)
             if held_keys is not None:
                 self._check_holds(held_keys)
             tracked = conn.execute(q.track_new(self._tracking), (list(todo.first), self.namespace))
-            folded = self._fold(list(todo.first.values()), self._rows(found), todo.record_keys, todo.key_errors)
+            folded = self._fold(list(todo.first.values()), self._loaded(todo.keys, found), todo.record_keys,
+                                todo.key_errors)
         return tracked.rowcount, folded
 
     def _track_read(self, conn: psycopg.Connection[Any], todo: _Candidates
@@ -542,7 +562,7 @@ class ProjectionWriter:
             if self._hold_now:
                 held_keys = self._read_holds(conn)
             tracked = conn.execute(q.track(self._tracking), (list(first), self.namespace, len(first)))
-            found = self._select(conn, todo.keys) if todo.keys else None
+            found = self._select_uncached(conn, todo.keys)
         if held_keys is not None:
             self._check_holds(held_keys)
         count, new_keys = tracked.fetchone() or (0, None)
@@ -637,6 +657,36 @@ class ProjectionWriter:
         assert self.shape is not None
         return conn.execute(q.select_rows(self.shape), [list(col) for col in zip(*keys, strict=True)])
 
+    def _select_uncached(self, conn: psycopg.Connection[Any], keys: list[tuple[Any, ...]]
+                         ) -> psycopg.Cursor[Any] | None:
+        """The rows of the keys the cache does not know (None: it knows them all)."""
+        if self.cache_rows:
+            cache = self._cache
+            keys = [k for k in keys if k not in cache]
+        return self._select(conn, keys) if keys else None
+
+    def _loaded(self, keys: list[tuple[Any, ...]], found: psycopg.Cursor[Any] | None) -> dict[tuple[Any, ...], Row]:
+        """The current rows of `keys`: those read by `_select_uncached`, and the cached ones."""
+        rows = self._rows(found) if found is not None else {}
+        if self.cache_rows:
+            cache = self._cache
+            for k in keys:
+                row = cache.get(k)
+                if row is not None:
+                    rows[k] = row
+        return rows
+
+    def _remember(self, state: dict[tuple[Any, ...], Row | None]) -> None:
+        """A committed transaction's rows into the cache (None: the key has no row), most recent last."""
+        cache, plain = self._cache, self._plain
+        for key, row in state.items():
+            cache.pop(key, None)
+            if row is None or all(v is None or type(v) in plain.get(c, ()) for c, v in row.items()):
+                cache[key] = row
+        if len(cache) > self.cache_rows:
+            keep = self.cache_rows // 2
+            self._cache = dict(itertools.islice(cache.items(), len(cache) - keep, None))
+
     def _rows(self, found: psycopg.Cursor[Any]) -> dict[tuple[Any, ...], Row]:
         """The current rows read by `_select`, by key."""
         assert self.shape is not None
@@ -690,6 +740,24 @@ class ProjectionWriter:
         return (self.connector, raw.topic, raw.partition, raw.offset, raw.key, raw.value,
                 Jsonb(headers_json(raw.headers)), f"{cls.__module__}.{cls.__qualname__}", str(error)[:2000],
                 getattr(error, "reason", "task-error"), status, hold_key)
+
+
+_TEXT, _INT = (str,), (int,)
+_READ_BACK: dict[str, tuple[type, ...]] = {
+    "text": _TEXT, "character varying": _TEXT, "bigint": _INT, "integer": _INT, "smallint": _INT,
+    "boolean": (bool,),
+}
+
+
+def _read_back(pg_type: str, copies_rows: bool) -> tuple[type, ...]:
+    """The Python types a value of a column of `pg_type` is written as and read back as, unchanged (none known:
+    such a value is read from PostgreSQL each time). A json(b) float may come back an int (jsonb
+    writes 1e20 out in full), so it is not kept; a json(b) container (equal when read back, with such floats
+    inside) only when the mapping copies rows and only sets it (rules): a mapper's code sees what PostgreSQL
+    gives back."""
+    if pg_type in ("json", "jsonb"):
+        return (str, int, bool, dict, list) if copies_rows else (str, int, bool)
+    return _READ_BACK.get(pg_type.partition("(")[0], ())
 
 
 def elapsed_ms(started: float) -> float:

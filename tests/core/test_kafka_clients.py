@@ -15,6 +15,7 @@ from kafold.config import KafkaConfig
 from kafold.kafka_clients import (
     LIBRDKAFKA_LOG,
     RECONNECT_BACKOFF_MS,
+    _connect,
     aiokafka_kwargs,
     coordinator_changing,
     librdkafka,
@@ -164,3 +165,13 @@ def test_a_moving_or_loading_group_coordinator_is_asked_again_and_a_refusal_is_n
         assert coordinator_changing(KafkaError(code))
     assert coordinator_changing(KafkaError(KafkaError.UNKNOWN, retriable=True))
     assert not coordinator_changing(KafkaError(KafkaError.GROUP_AUTHORIZATION_FAILED))
+
+
+def test_the_producer_warm_up_ends_quietly_when_its_producer_is_closed_under_it() -> None:
+    """The idempotent producer's connect warm-up runs in a thread; an owner closing the producer first (a test's
+    short-lived client, a stop during start) must not leave a traceback in that thread."""
+    made = Producer({"bootstrap.servers": f"127.0.0.1:{free_port()}", "log_level": 0})
+    made.close()
+    with pytest.raises(RuntimeError):
+        made.list_topics(timeout=0.1)  # what the warm-up meets
+    _connect(made)  # returns, raising nothing

@@ -4,6 +4,9 @@ same table as the ON CONFLICT order, falls back to it on duplicates and returns 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from kafold import db
 from kafold.config import PostgresConfig
@@ -12,7 +15,9 @@ from kafold.connectors.projection.mapping import Mapping
 from kafold.connectors.projection.writer import ProjectionWriter
 from kafold.connectors.registry import instantiate
 from kafold.envelope import Event
+from kafold.errors import RetriableError
 from tests.projection.projection_support import (
+    closed,
     deposited,
     fold,
     history,
@@ -54,3 +59,85 @@ def test_duplicates_switch_the_writer_to_the_conflict_order_until_a_clean_batch(
         writer.close()
     assert read_table(pg_config, table) == fold(events)
     assert stored_offsets(pg_config, unique, topic) == {0: len(recs), 1: len(again) + 1}
+
+
+def test_a_writer_keeping_rows_between_batches_writes_what_one_reading_them_writes(pg_config: PostgresConfig,
+                                                                                   unique: str) -> None:
+    """The rebuild's row cache (cache_rows): over batches that bisect around a rejected row, redo a fold without a
+    refused event, meet duplicates, delete rows and lose their session, a writer keeping rows gives the table a
+    writer reading them each batch gives — also for values PostgreSQL reads back as another Python value (an int
+    into text, a timestamp written as text, jsonb floats), which are never kept."""
+    from psycopg import sql
+    from psycopg.rows import dict_row
+
+    db.upgrade(pg_config)
+    columns = {"account_id": "text", "owner": "text", "balance": "bigint", "status": "text", "tag": "text",
+               "note": "varchar(8)", "meta": "jsonb", "seen": "timestamptz"}
+    rules = [
+        {"type": "AccountOpened", "set": {"owner": "payload.owner", "status": "'open'", "balance": 0,
+                                          "tag": "payload.tag", "note": "payload.note", "meta": "payload.meta"}},
+        {"type": "MoneyDeposited", "action": "update", "increment": {"balance": "payload.amount"}},
+        {"type": "AccountSeen", "action": "update", "set": {"seen": "occurred_at", "meta": "payload.meta"}},
+        {"type": "AccountClosed", "action": "delete"},
+    ]
+
+    def opened_(acc: str, tag: Any, note: str = "ok") -> Event:
+        return Event.new("AccountOpened", "account", acc, 1, {"owner": acc, "tag": tag, "note": note,
+                                                             "meta": {"n": [1, 2.5, 1e20]}})
+
+    def seen(acc: str, version: int) -> Event:
+        return Event.new("AccountSeen", "account", acc, version, {"meta": 1e20})
+
+    def broken(acc: str, version: int) -> Event:  # no amount: the mapping refuses it
+        return Event.new("MoneyDeposited", "account", acc, version, {})
+
+    topic = f"{unique}.events"
+    batches = [
+        [opened_(f"a{i}", i if i % 2 else f"t{i}") for i in range(10)] + [deposited(f"a{i}", 2, i) for i in range(10)],
+        [deposited(f"a{i}", 3, 10) for i in range(10)] + [opened_("b0", 1, note="far too long")]
+        + [deposited("b0", 2, 5), deposited("a1", 4, 1)],
+        [deposited("a2", 4, 7), broken("a3", 4), deposited("a3", 5, 2), seen("a4", 4), deposited("a4", 5, 1)],
+        [closed("a5", 4), deposited("a5", 5, 3), opened_("c0", "x"), deposited("c0", 2, 4)],
+        [deposited(f"a{i}", 6, 100) for i in range(10)],
+    ]
+    tables, writers = [], []
+    for cache in (0, 1000):
+        table = table_name()
+        config = instantiate(settings(f"{unique}-{cache}", topic, table, columns=columns, on=rules),
+                             Path(".")).config
+        tables.append(table)
+        writers.append(ProjectionWriter(pg_config, config, Mapping(config), f"{unique}-{cache}", cache_rows=cache))
+    keeping = writers[1]
+
+    def rows(table: str) -> list[dict[str, Any]]:
+        with db.connect(pg_config, row_factory=dict_row) as conn:
+            return conn.execute(sql.SQL("SELECT * FROM public.{} ORDER BY account_id").format(
+                sql.Identifier(table))).fetchall()
+
+    try:
+        offset = 0
+        for i, events in enumerate(batches):
+            recs = _records(topic, 0, events, start=offset)
+            offset += len(recs)
+            if i == 3:  # the keeping writer's session dies: the write fails, what it kept is dropped
+                assert keeping.conn is not None and keeping._cache
+                with db.connect(pg_config) as conn:
+                    conn.execute("SELECT pg_terminate_backend(%s)", (keeping.conn.info.backend_pid,))
+                with pytest.raises(RetriableError):
+                    keeping.write(recs)
+                assert not keeping._cache
+            done = [w.write(recs) for w in writers]
+            if i == 2:  # a replay of the batch (another partition, same events): duplicates, or held behind a3's
+                again = _records(topic, 1, events)
+                done += [w.write(again) for w in writers]
+                assert done[2].duplicates == 3 and done[2].held == 2
+            assert done[1::2] == done[::2]
+            assert rows(tables[1]) == rows(tables[0])
+        assert keeping._cache, "the keeping writer kept no row"
+        final = {r["account_id"]: r for r in rows(tables[1])}
+        assert "b0" not in final and "a5" not in final and final["c0"]["balance"] == 4
+        assert final["a1"]["tag"] == "1" and final["a3"]["balance"] == 3 + 10  # later ones held behind v4
+        assert final["a4"]["seen"] is not None and final["a4"]["meta"] == 1e20
+    finally:
+        for w in writers:
+            w.close()
