@@ -141,3 +141,16 @@ def test_a_writer_keeping_rows_between_batches_writes_what_one_reading_them_writ
     finally:
         for w in writers:
             w.close()
+
+
+def test_only_values_postgresql_reads_back_as_the_same_python_value_are_kept() -> None:
+    """What the row cache may keep, per column type: ints into text come back as str, a timestamp written as text
+    comes back a datetime, a jsonb float may come back an int; a mapper's code is never handed a kept container."""
+    from kafold.connectors.projection.writer import _read_back
+
+    assert _read_back("text", True) == (str,) and _read_back("character varying(8)", True) == (str,)
+    assert _read_back("bigint", False) == (int,) and _read_back("boolean", True) == (bool,)
+    assert _read_back("timestamp with time zone", True) == () and _read_back("numeric(10,2)", True) == ()
+    assert _read_back("character(5)", True) == ()  # blank-padded on the way back
+    assert float not in _read_back("jsonb", True) and dict in _read_back("jsonb", True)
+    assert dict not in _read_back("jsonb", False) and list not in _read_back("json", False)
