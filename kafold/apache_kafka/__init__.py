@@ -29,12 +29,9 @@ INSTALL_HINT = "apt-get install openjdk-17-jre-headless maven"
 MIN_JAVA = 17
 FETCH_TIMEOUT_S = 1800.0
 FORMAT_TIMEOUT_S = 120.0
-# A broker for development and tests on a small machine, not a production sizing. C1 only (TieredStopAtLevel=1):
-# a dev broker lives minutes, and in its first minutes C2 compiling took ~a quarter of a core (half the broker's
-# CPU during `bench rebuild`, measured per JVM thread), taken from kafold and PostgreSQL on the same cores; a
-# long-running broker has that work behind it.
-JVM_OPTS = ("-Xms256m", "-Xmx512m", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:TieredStopAtLevel=1",
-            "-XX:+ExitOnOutOfMemoryError", "-Djava.awt.headless=true")
+# A broker for development and tests on a small machine, not a production sizing.
+JVM_OPTS = ("-Xms256m", "-Xmx512m", "-XX:+UseG1GC", "-XX:MaxGCPauseMillis=20", "-XX:+ExitOnOutOfMemoryError",
+            "-Djava.awt.headless=true")
 CLUSTER_FILE = "cluster.json"
 
 
