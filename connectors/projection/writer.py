@@ -277,7 +277,7 @@ class ProjectionWriter:
         self._turns = _Turns(self.idle)
         # Rows kept between batches, for a writer that is its table's only writer (a rebuild's shadow): a key
         # written or read before is not read again. Only what a transaction committed goes in, only rows whose
-        # values read back from PostgreSQL as the same Python values (see _cacheable), and the whole cache is
+        # values read back from PostgreSQL as the same Python values (see _read_back), and the whole cache is
         # dropped when a write fails (its commit may or may not have happened). At most `cache_rows` keys: the
         # least recently written half goes when full.
         self.cache_rows = cache_rows
