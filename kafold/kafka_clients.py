@@ -22,6 +22,11 @@ SASL_PROTOCOLS = ("SASL_PLAINTEXT", "SASL_SSL")
 # (measured: 52 ms on about half the first requests of a new client, 12 ms with this; 11 ms is librdkafka's floor).
 # The backoff after a failed connection still doubles up to reconnect.backoff.max.ms (10 s).
 RECONNECT_BACKOFF_MS = 20
+# A consumer whose group join found no usable broker for its metadata request (a broker of three killed while it
+# started) waits for librdkafka's next periodic refresh before it asks again (confluentinc/librdkafka#2318): with
+# the default (300 s) an effect task sat in join state wait-metadata, nothing assigned, for 5 minutes in the
+# broker-fault chaos test. Every 10 s costs one small Metadata request per client.
+METADATA_REFRESH_MS = 10_000
 
 
 # librdkafka's own log lines (a broker unreachable, a request timed out) go through this logger, so they come out as
@@ -51,6 +56,7 @@ def librdkafka(kafka: KafkaConfig, **extra: Any) -> dict[str, Any]:
         "client.id": kafka.client_id,
         "security.protocol": kafka.security_protocol,
         "reconnect.backoff.ms": RECONNECT_BACKOFF_MS,
+        "topic.metadata.refresh.interval.ms": METADATA_REFRESH_MS,
         "logger": LIBRDKAFKA_LOG,
     }
     if kafka.security_protocol in SASL_PROTOCOLS:

@@ -1,11 +1,17 @@
 """The catch-up gate of one commands partition: RECOVERING until its events partition is replayed to the end.
 
-Offset note: `captured_end` is the events partition's end offset as the broker reports it at assignment (under
-read_committed: the last stable offset). The gate opens only when the replay has reached it *and* a fetch
-response reported the end of the partition (partition EOF) at an offset >= `captured_end`. A fetch reports
-the true end of the log (high watermark / last stable offset), so if the captured figure under-reports the end,
-the replay simply continues to the end the fetch path reports: the gate can open late, never early. Until it
-opens, the partition's commands are paused and any command fetched anyway is sought back (never decided).
+Offset note: `captured_end` is the events partition's high watermark at assignment (ListOffsets under
+read_uncommitted: every record written, transactions still open included). The gate opens only when the replay
+(read_committed) has reached it *and* a fetch response reported the end of the partition (partition EOF) at an
+offset >= `captured_end`. The last stable offset is not enough: the previous owner's last transaction can be
+committed, its command offsets already readable by the group, while its COMMIT marker has not yet reached the
+events partition (the coordinator writes the markers partition by partition); a gate opened there decides the
+next commands on a state without that transaction's events and writes a second event at their versions. Below
+the high watermark the replay waits until every such transaction ends (committed: folded; aborted, or timed out
+by the coordinator after transaction.timeout.ms: skipped, and the fetch reports EOF past it). A fetch reports the
+true end of the log, so if the captured figure under-reports the end the replay simply continues: the gate can
+open late, never early. Until it opens, the partition's commands are paused and any command fetched anyway is
+sought back (never decided).
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ replay stops is the catch-up gate's business (`gate.PartitionGate`).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -58,8 +60,21 @@ def reader(kafka: KafkaConfig, name: str) -> Any:
     return kafka_clients.range_reader(kafka, f"kafold.aggregate.{name}.reader")
 
 
+@contextmanager
+def probing(kafka: KafkaConfig, name: str) -> Iterator[Any]:
+    """A group-less consumer that only lists offsets, read_uncommitted (its `bounds` end is the high watermark),
+    closed after use. A fresh one per lookup: one kept for long, never assigned, answered offsets_for_times with
+    "Unknown partition" for minutes after a broker kill (its metadata for a topic it does not fetch went stale)."""
+    made = kafka_clients.consumer(kafka, f"kafold.aggregate.{name}.probe", **{"isolation.level": "read_uncommitted"})
+    try:
+        yield made
+    finally:
+        made.close()
+
+
 def bounds(consumer: Any, topic: str, partition: int) -> tuple[int, int]:
-    """(first offset, end offset) as ListOffsets reports them (under read_committed: the last stable offset)."""
+    """(first offset, end offset) as ListOffsets reports them: under read_committed the end is the last stable
+    offset (the first offset of a transaction still open), under read_uncommitted the high watermark."""
     try:
         low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10, cached=False)
     except Exception as e:
@@ -110,10 +125,12 @@ def seed(store: StateStore, partition: int, base: Base) -> None:
 
 
 def read_until_eof(consumer: Any, topic: str, partition: int, start: int, on_batch: Any,
-                   batch: int = 20000, stall_s: float = 30.0) -> int:
-    """Feed records [start, partition EOF) to `on_batch(msgs)`; the offset EOF was reported at (the true end)."""
+                   batch: int = 20000, stall_s: float = 30.0, until: int = 0) -> int:
+    """Feed records [start, partition EOF) to `on_batch(msgs)`; the offset EOF was reported at (the true end).
+    An EOF below `until` (a high watermark: a transaction still open below it) is read past: the reading waits
+    for what that transaction's end makes readable (RetriableError after `stall_s` without progress)."""
     consumer.assign([TopicPartition(topic, partition, start)])
-    last = time.monotonic()
+    last, eof = time.monotonic(), -1
     try:
         while True:
             msgs = consumer.consume(batch, 0.05)
@@ -125,14 +142,19 @@ def read_until_eof(consumer: Any, topic: str, partition: int, start: int, on_bat
                 elif err.code() == KafkaError._PARTITION_EOF:
                     if data:
                         on_batch(data)
-                    return int(m.offset())
+                        data = []
+                        last = time.monotonic()
+                    eof = int(m.offset())
+                    if eof >= until:
+                        return eof
                 else:
                     raise RetriableError(f"{topic}[{partition}]: {err.str()}")
             if data:
                 on_batch(data)
                 last = time.monotonic()
             elif time.monotonic() - last > stall_s:
-                raise RetriableError(f"{topic}[{partition}]: no progress for {stall_s:.0f} s")
+                waiting = f" (readable up to {eof}: a transaction open below {until})" if 0 <= eof < until else ""
+                raise RetriableError(f"{topic}[{partition}]: no progress for {stall_s:.0f} s{waiting}")
     finally:
         consumer.unassign()
 
@@ -172,19 +194,23 @@ def offset_at(consumer: Any, topic: str, partition: int, since_ms: int) -> int:
 
 
 def note_results(consumer: Any, topic: str, domain: AggregateDomain, store: StateStore, partition: int,
-                 only: set[str] | None = None, now_ms: int | None = None) -> int:
+                 only: set[str] | None = None, now_ms: int | None = None, probe: Any = None) -> int:
     """Add to the idempotency window the outcomes on results partition `partition` within the window that events
     cannot give: rejections, and acceptances that wrote no event. Results read.
 
     Offset note: reading starts at the first result whose record time is within the window of the latest command
     time known (ListOffsets by timestamp; results carry their command's time) and stops at the partition's end
-    under read_committed, so results of aborted transactions never count. Repeats (`duplicate`) are skipped: the
+    under read_committed, so results of aborted transactions never count. With `probe` (a read_uncommitted
+    consumer, `probing`) both are looked up there: the start may then lie in a transaction still open, and the
+    reading stops no earlier than the high watermark, so a transaction committed but whose marker has not yet
+    reached this partition is waited for (see gate.py). Repeats (`duplicate`) are skipped: the
     first outcome is the one that counts, and an id already known from the events keeps that outcome."""
     window = store.window
     high = max(window.high, now_ms if now_ms is not None else int(time.time() * 1000))
-    start = offset_at(consumer, topic, partition, high - window.window_ms)
+    start = offset_at(probe or consumer, topic, partition, high - window.window_ms)
     if start < 0:  # no result at or after the window's start
         return 0
+    until = bounds(probe, topic, partition)[1] if probe is not None else 0
     evicted = store.evicted.get(partition, ())
     read = 0
 
@@ -212,7 +238,7 @@ def note_results(consumer: Any, topic: str, domain: AggregateDomain, store: Stat
                 window.remember(entry, aid, r.command_id, rejected(t, r.version, r.reason or "") if
                                 r.status == REJECTED else accepted(t, r.version, 0))
 
-    read_until_eof(consumer, topic, partition, start, feed)
+    read_until_eof(consumer, topic, partition, start, feed, until=until)
     window.expire(store.entries)
     return read
 

@@ -211,8 +211,11 @@ class AggregateRuntime(LoopHandler):
         self.joined = True  # after the gates exist: `ready` must not see a joined runtime without them
 
     def _restore(self, events: str, n: int) -> tuple[int, int, Any]:
-        low, end = recovery.bounds(self.reader, events, n)
-        return low, end, self.restorer.restore(n, low, end)
+        """(first offset, the gate's end: the high watermark, the restored base); see gate.py's offset note."""
+        low, stable = recovery.bounds(self.reader, events, n)
+        with recovery.probing(self.kafka, self.agg.name) as probe:
+            _, high = recovery.bounds(probe, events, n)
+        return low, max(stable, high), self.restorer.restore(n, low, stable)
 
     def _retrying(self, event: str, step: Callable[[], T], within_s: float = ASSIGN_RETRY_S, **fields: Any) -> T:
         """`step`, its RetriableErrors (the broker paused or unreachable) logged as `event` and retried with backoff
@@ -278,8 +281,11 @@ class AggregateRuntime(LoopHandler):
         n = gate.partition
         self.reader.incremental_unassign([KTP(self.topics["events"], n)])
         folder = self.folders.pop(n)
-        results = self._read_back("aggregate.results_retrying", n, lambda reader: recovery.note_results(
-            reader, self.topics["results"], self.domain, self.store, n))
+        def note_results(reader: Any) -> int:
+            with recovery.probing(self.kafka, self.agg.name) as probe:
+                return recovery.note_results(reader, self.topics["results"], self.domain, self.store, n, probe=probe)
+
+        results = self._read_back("aggregate.results_retrying", n, note_results)
         tp = KTP(self.topics["commands"], n)
         self.consumer.resume([tp])
         # Start from the group's committed offset now: nothing of this partition was decided in this assignment,

@@ -14,6 +14,7 @@ from kafold import logs
 from kafold.config import KafkaConfig
 from kafold.kafka_clients import (
     LIBRDKAFKA_LOG,
+    METADATA_REFRESH_MS,
     RECONNECT_BACKOFF_MS,
     _connect,
     aiokafka_kwargs,
@@ -37,7 +38,7 @@ def test_plaintext_has_only_the_basics() -> None:
     conf = librdkafka(KafkaConfig(bootstrap_servers="b1:9092,b2:9092", client_id="svc"))
     assert conf == {"bootstrap.servers": "b1:9092,b2:9092", "client.id": "svc",
                     "security.protocol": "PLAINTEXT", "reconnect.backoff.ms": RECONNECT_BACKOFF_MS,
-                    "logger": LIBRDKAFKA_LOG}
+                    "topic.metadata.refresh.interval.ms": METADATA_REFRESH_MS, "logger": LIBRDKAFKA_LOG}
 
 
 def test_librdkafkas_own_log_lines_come_out_as_structured_lines(tmp_path: Path,
