@@ -367,18 +367,17 @@ class ProjectionWriter:
         if report is not None:  # reporting waits for the runner's thread: never make it wait for us meanwhile
             report = self._turns.handing_over(report)
         try:
-            return self._isolating(list(records), list(dead), dict(offsets or {}), report)
+            try:
+                return self._isolating(list(records), list(dead), dict(offsets or {}), report)
+            except BaseException:
+                self._cache.clear()  # rows kept may be what a rolled-back transaction wrote
+                raise
         except RetriableError:
-            self._cache.clear()
             self.close()
             raise
         except psycopg.OperationalError as e:
-            self._cache.clear()
             self.close()
             raise RetriableError(f"PostgreSQL: {e}") from e
-        except BaseException:
-            self._cache.clear()
-            raise
         finally:
             self.idle.set()
 
