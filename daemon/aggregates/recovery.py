@@ -134,25 +134,21 @@ def read_until_eof(consumer: Any, topic: str, partition: int, start: int, on_bat
     try:
         while True:
             msgs = consumer.consume(batch, 0.05)
-            data = []
+            data, ended = [], False
             for m in msgs:
                 err = m.error()
                 if err is None:
                     data.append(m)
                 elif err.code() == KafkaError._PARTITION_EOF:
-                    if data:
-                        on_batch(data)
-                        data = []
-                        last = time.monotonic()
-                    eof = int(m.offset())
-                    if eof >= until:
-                        return eof
+                    eof, ended = int(m.offset()), True
                 else:
                     raise RetriableError(f"{topic}[{partition}]: {err.str()}")
             if data:
                 on_batch(data)
                 last = time.monotonic()
-            elif time.monotonic() - last > stall_s:
+            if ended and eof >= until:
+                return eof
+            if not data and time.monotonic() - last > stall_s:
                 waiting = f" (readable up to {eof}: a transaction open below {until})" if 0 <= eof < until else ""
                 raise RetriableError(f"{topic}[{partition}]: no progress for {stall_s:.0f} s{waiting}")
     finally:
