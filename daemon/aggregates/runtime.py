@@ -48,7 +48,7 @@ from kafold.daemon.aggregates import recovery
 from kafold.daemon.aggregates.gate import PartitionGate
 from kafold.daemon.aggregates.processor import handle
 from kafold.daemon.aggregates.store import Entry, StateStore
-from kafold.daemon.aggregates.txn import TransactionalWriter
+from kafold.daemon.aggregates.txn import ProducerBroken, TransactionalWriter
 from kafold.daemon.aggregates.window import Window
 from kafold.domain import AggregateDomain
 from kafold.envelope import format_epoch_ms
@@ -101,7 +101,8 @@ class AggregateRuntime(LoopHandler):
         self.folders: dict[int, Folder[recovery.Recovering]] = {}
         self.positions: dict[int, int] = {}
         self.counts = dict.fromkeys(("batches", "commands", "accepted", "rejected", "dead_lettered", "duplicates",
-                                     "events", "aborts", "assignments", "reloads"), 0)
+                                     "events", "aborts", "assignments", "reloads", "producers_renewed"), 0)
+        self.renewed = False  # a producer was renewed and no batch has committed since: a second break stops
         self.loop = ConsumerLoop(self, stop=self.stop_event, max_records=daemon.batch_max_records,
                                  wait_s=daemon.batch_max_wait_ms / 1000, counts=self.counts,
                                  fatal=lambda err: f"commands consumer: {err.str()}")
@@ -195,7 +196,12 @@ class AggregateRuntime(LoopHandler):
     # ---- recovery ---------------------------------------------------------------------------------------
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
         consumer.assign(partitions)
-        consumer.pause(partitions)  # the gate: nothing is decided until the events are replayed
+        self._recover(partitions)
+
+    def _recover(self, partitions: list[Any]) -> None:
+        """Start the gates of `partitions` (of the commands topic): restore each one's base, then replay its events."""
+        assert self.consumer is not None
+        self.consumer.pause(partitions)  # the gate: nothing is decided until the events are replayed
         events = self.topics["events"]
         for p in partitions:
             n = p.partition
@@ -337,17 +343,23 @@ class AggregateRuntime(LoopHandler):
         first: dict[int, int] = {}
         last: dict[int, int] = {}
         now_ms = int(time.time() * 1000)
-        self.writer.begin()
-        for m, cmd in zip(live, decoded, strict=True):
-            n = m.partition()
-            first.setdefault(n, m.offset())
-            last[n] = m.offset() + 1
-            self._one(m, cmd, n, command_time(m, now_ms), undo, tally)
-        offsets = [KTP(self.topics["commands"], n, off) for n, off in last.items()]
-        decided = time.monotonic()
-        if not self.writer.commit(offsets, self.consumer.consumer_group_metadata()):
+        try:
+            self.writer.begin()
+            for m, cmd in zip(live, decoded, strict=True):
+                n = m.partition()
+                first.setdefault(n, m.offset())
+                last[n] = m.offset() + 1
+                self._one(m, cmd, n, command_time(m, now_ms), undo, tally)
+            offsets = [KTP(self.topics["commands"], n, off) for n, off in last.items()]
+            decided = time.monotonic()
+            committed = self.writer.commit(offsets, self.consumer.consumer_group_metadata())
+        except ProducerBroken as e:
+            self._renew_writer(e)
+            return
+        if not committed:
             self._rewind(first, undo)
             return
+        self.renewed = False
         self.positions.update(last)
         self.store.trim()
         self.counts["batches"] += 1
@@ -447,6 +459,25 @@ class AggregateRuntime(LoopHandler):
             if n in self.gates:
                 self.consumer.seek(KTP(self.topics["commands"], n, off))
         self.log.warning("aggregate.batch_aborted", partitions=sorted(first), rewound_to=first)
+
+    def _renew_writer(self, error: ProducerBroken) -> None:
+        """Replace a producer librdkafka reported broken (see txn.ProducerBroken) and recover every assigned
+        partition again, as a restart of this instance would, without stopping the daemon's other tasks. A second
+        break before any batch commits stops the runtime (the daemon fails fast; its supervisor restarts it)."""
+        assert self.writer is not None and self.consumer is not None
+        if self.renewed:
+            raise error
+        self.renewed = True
+        self.counts["producers_renewed"] += 1
+        partitions = [KTP(self.topics["commands"], n) for n in sorted(self.gates)]
+        self.log.warning("aggregate.producer_renewing", error=str(error), partitions=[p.partition for p in partitions])
+        self._on_revoke(self.consumer, partitions)
+        broken, self.writer = self.writer, None
+        broken.open = False  # nothing to abort on a broken producer: the new one's init_transactions ends it
+        broken.close()
+        self.writer = self._retrying("aggregate.start_retrying",
+                                     lambda: TransactionalWriter(self.kafka, self.transactional_id), START_RETRY_S)
+        self._recover(partitions)
 
     def loop_stopped(self) -> None:
         for what, close in (("writer", self.writer.close if self.writer else None),

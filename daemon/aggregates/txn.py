@@ -5,7 +5,8 @@ visible together (read_committed) or not at all. The offsets go through `send_of
 consumer's group metadata (KIP-447): a member fenced by a newer generation cannot commit them, and a second
 producer with the same `transactional.id` fences this one (`init_transactions` aborts our open transaction).
 `commit` returns False when the transaction was aborted (the caller rewinds to the last committed offsets and
-rebuilds the state the batch touched); it raises FatalError when this producer is fenced or broken.
+rebuilds the state the batch touched); it raises FatalError when this producer is fenced or hung, and ProducerBroken
+when librdkafka reports a fatal error that is not a fence (the caller replaces the producer, see ProducerBroken).
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ TXN_TIMEOUT_MS = 60000  # the producer's transaction.timeout.ms: past it the coo
 # (committed, or aborted by itself: the retry then answers abort-required and the batch is decided again), rather
 # than stopping the instance on a slow cluster (seen in the chaos soak on three-node Apache Kafka under load 30).
 DECIDED_S = TXN_TIMEOUT_MS / 1000 + 15.0
+
+
+class ProducerBroken(FatalError):
+    """A fatal transactional error that is not a fence, e.g. INVALID_TXN_STATE when an abort reached a coordinator
+    that had just taken over after a broker kill. This producer cannot go on; librdkafka's remedy is a new producer
+    instance, and one with the same transactional.id fences this one (init_transactions bumps the epoch; the
+    coordinator aborts what this one left open, or completes a commit it had started). What the last transaction
+    became is then known only from the topics: the caller recovers its partitions again, as a restart would."""
 
 
 class TransactionalWriter:
@@ -184,9 +193,11 @@ def _bounded(doing: str, timeout_s: float, call: Any, grace_s: float | None = No
 
 def _convert(e: KafkaException, doing: str) -> Exception:
     err = e.args[0]
-    if err.fatal() or err.code() in FENCED:
-        return FatalError(f"transactional producer {doing} failed (fenced or broken; this instance must stop): "
-                          f"{err.str()}")
+    if err.code() in FENCED:
+        return FatalError(f"transactional producer {doing} failed (fenced: this instance must stop): {err.str()}")
+    if err.fatal():
+        return ProducerBroken(f"transactional producer {doing} failed (fatal: the producer is replaced): "
+                              f"{err.str()}")
     if err.retriable():
         return RetriableError(f"transactional producer {doing} failed: {err.str()}")
     return FatalError(f"transactional producer {doing} failed: {err.str()}")

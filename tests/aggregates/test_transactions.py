@@ -94,6 +94,78 @@ def test_aborted_transaction_leaves_nothing_visible(kafka_config: KafkaConfig, u
                                                                                       "currency": "EUR"})]
 
 
+def _broken(writer: TransactionalWriter) -> Any:
+    """A commit that fails as librdkafka's abort did after a coordinator moved (seen in the broker-fault chaos test):
+    the batch's records are flushed first, so the broken producer leaves a real open transaction on the broker."""
+    def commit(_offsets: Any, _metadata: Any) -> bool:
+        writer.producer.flush(10)
+        raise txn.ProducerBroken("transactional producer abort failed (fatal: the producer is replaced): Failed to "
+                                 "end transaction: Broker: Producer attempted a transactional operation in an "
+                                 "invalid state (injected)")
+    return commit
+
+
+def test_a_broken_producer_is_replaced_and_its_batch_decided_again_exactly_once(
+        kafka_config: KafkaConfig, unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fatal transactional error that is not a fence replaces the producer instead of stopping the runtime: the
+    new producer (same transactional id) fences the broken one, whose open transaction is aborted; the partitions
+    are recovered again and the batch is decided again, each command once, at the versions it would have had."""
+    agg = bank_config(unique, partitions=2)
+    create_topics(kafka_config, agg)
+    ids = [f"acc-{i}" for i in range(8)]
+    rt = runtime(kafka_config, agg)
+    with CommandClient(kafka_config, agg) as client, running(rt) as r:
+        wait_for(lambda: rt.ready, what="runtime live")
+        opened = client.send_many([client.command(a, "OpenAccount", {"owner": a}) for a in ids])
+        assert all(res.accepted for res in opened.values())
+        broken = rt.writer
+        assert broken is not None
+        monkeypatch.setattr(broken, "commit", _broken(broken))
+        deposits = [client.command(a, "Deposit", {"amount": 5}) for a in ids]
+        decided = client.send_many(deposits, timeout=90)
+        assert all(res.accepted and res.version == 2 for res in decided.values()), decided
+        assert rt.counts["producers_renewed"] == 1 and rt.writer is not broken and r.error == []
+        assert r.thread.is_alive() and rt.ready and rt.get_state(ids[0]).balance == 5
+    per_command: dict[str, list[dict]] = {}
+    for res in results(kafka_config, agg):
+        per_command.setdefault(res["command_id"], []).append(res)
+    assert len(per_command) == 16 and all(len(v) == 1 for v in per_command.values())
+    versions = sorted((e["aggregate_id"], e["version"]) for e in events(kafka_config, agg))
+    assert versions == sorted((a, v) for a in ids for v in (1, 2))
+    # The broken producer's deposits did reach the broker, in the transaction its successor's fencing aborted.
+    assert len(read_all(kafka_config, agg.topic("events"), committed_only=False)) > 16
+
+
+def test_a_producer_broken_again_before_any_commit_stops_the_runtime(
+        kafka_config: KafkaConfig, unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Renewal is bounded: when the new producer breaks too before a batch commits, the runtime stops with the
+    error (the daemon fails fast and its supervisor restarts it) rather than renewing in a loop."""
+    agg = bank_config(unique)
+    create_topics(kafka_config, agg)
+    original = TransactionalWriter.commit
+    monkeypatch.setattr(TransactionalWriter, "commit", lambda self, *a: _broken(self)(*a))
+    rt = runtime(kafka_config, agg)
+    with CommandClient(kafka_config, agg) as client, running(rt) as r:
+        wait_for(lambda: rt.ready, what="runtime live")
+        client.send_many([client.command("acc", "OpenAccount", {"owner": "o"})], wait=False)
+        wait_for(lambda: not r.thread.is_alive(), timeout=90, what="the runtime to stop")
+        assert len(r.error) == 1 and isinstance(r.error[0], txn.ProducerBroken), r.error
+        assert rt.counts["producers_renewed"] == 1
+    monkeypatch.setattr(TransactionalWriter, "commit", original)
+    assert results(kafka_config, agg) == []  # neither broken transaction became visible
+
+
+def test_fatal_transactional_errors_other_than_fences_ask_for_a_new_producer() -> None:
+    def converted(code: int, fatal: bool) -> Exception:
+        return txn._convert(KafkaException(KafkaError(code, "x", fatal=fatal)), "abort")
+
+    assert isinstance(converted(KafkaError.INVALID_TXN_STATE, True), txn.ProducerBroken)
+    for fence in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH):
+        e = converted(fence, True)
+        assert isinstance(e, FatalError) and not isinstance(e, txn.ProducerBroken) and "fenced" in str(e)
+    assert not isinstance(converted(KafkaError.INVALID_TXN_STATE, False), txn.ProducerBroken)
+
+
 class _Blocking:
     """A producer whose every call blocks until released: librdkafka's hang behind send_offsets_to_transaction
     (the call never returns, and later calls on the producer wait behind it)."""
