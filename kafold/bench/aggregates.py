@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing
+import queue
 import threading
 import time
 import uuid
@@ -29,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accounts", type=int, default=10_000, help="aggregates the commands go to (default 10k)")
     p.add_argument("--partitions", type=int, default=4, help="partitions of the throughput phase's topics")
     p.add_argument("--batch", type=int, default=2000, help="commands per transaction (default 2000)")
+    p.add_argument("--instances", type=int, default=1,
+                   help="runtimes deciding the commands, each in its own process and in one consumer group, as "
+                        "that many daemons on this machine would (default 1: in the bench's process)")
     p.add_argument("--events", type=int, default=500_000, help="events in the replay phase's backlog (default 500k)")
     p.add_argument("--no-window-baseline", action="store_true",
                    help="skip the same-run baseline with the idempotency window off")
@@ -75,12 +80,13 @@ def window_memory(ids: int = 200_000, aggregates: int = 10_000) -> dict[str, Any
             "window_s_held_at_30k_per_s_by_max_ids_default": round(1_000_000 / rate)}
 
 
-def _setup(kafka: Any, name: str, partitions: int, batch: int, window_s: float = 86_400.0) -> tuple[Any, Any]:
+def _setup(kafka: Any, name: str, partitions: int, batch: int, window_s: float = 86_400.0,
+           instance: str = "bench") -> tuple[Any, Any]:
     agg = AggregateConfig(name=name, initial="bank_domain:initial", evolve="bank_domain:evolve",
                           decide="bank_domain:decide", partitions=partitions, idempotency_window_s=window_s)
     domain = AggregateDomain.load(agg, [str(BANK)])
     daemon = DaemonConfig(group_prefix="kafold-bench", batch_max_records=batch, batch_max_wait_ms=50)
-    return agg, AggregateRuntime(kafka, daemon, agg, domain, instance_id="bench")
+    return agg, AggregateRuntime(kafka, daemon, agg, domain, instance_id=instance)
 
 
 def _in_thread(rt: Any) -> threading.Thread:
@@ -109,6 +115,8 @@ def _throughput(kafka: Any, args: argparse.Namespace, window_s: float = 86_400.0
                  for i in range(max(0, args.commands - len(ids)))]
         for i in range(0, len(cmds), 20000):
             client.send_many(cmds[i:i + 20000], wait=False)
+    if args.instances > 1:
+        return _throughput_instances(kafka, args, agg.name, window_s, len(cmds))
     thread = _in_thread(rt)  # the commands wait in the topic: the runtime's own speed is measured
     try:
         _wait(lambda: rt.counts["commands"] >= len(cmds), 600, "every command to be processed")
@@ -124,6 +132,66 @@ def _throughput(kafka: Any, args: argparse.Namespace, window_s: float = 86_400.0
             "window_ids_held": held,
             "commands_accepted": counts["accepted"], "events_written": counts["events"],
             "transactions": counts["batches"], "commands_phase_s": round(elapsed, 2)}
+
+
+def _instance(kafka: Any, name: str, partitions: int, batch: int, window_s: float, instance: str, go: Any,
+              stop: Any, out: Any) -> None:
+    """One runtime of `--instances` in a child process: built, then started on `go`; reports (instance, commands
+    committed, first command decided, when the count last grew: time.monotonic, one clock for the machine)."""
+    _, rt = _setup(kafka, name, partitions, batch, window_s, instance=instance)
+    go.wait()
+    thread = _in_thread(rt)
+    first, last, seen = None, None, 0
+    try:
+        while not stop.is_set() and thread.is_alive():
+            decided = [g.first_decided_at for g in list(rt.gates.values()) if g.first_decided_at]
+            first = min([*decided, first] if first else decided, default=None)
+            if rt.counts["commands"] != seen:
+                seen, last = rt.counts["commands"], time.monotonic()
+            out.put((instance, seen, first, last))
+            time.sleep(0.02)
+    finally:
+        rt.stop()
+        thread.join(30)
+        out.put((instance, rt.counts["commands"], first, last))
+
+
+def _throughput_instances(kafka: Any, args: argparse.Namespace, name: str, window_s: float,
+                          commands: int) -> dict[str, Any]:
+    """The commands phase with `--instances` runtimes in child processes sharing the group: timed from the first
+    command any of them decided to the last transaction any of them committed (the rebalances while they join
+    count against it)."""
+    ctx = multiprocessing.get_context("spawn")
+    go, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_instance, name=f"bench-aggregate-{i}", daemon=True,
+                         args=(kafka, name, args.partitions, args.batch, window_s, f"bench-{i}", go, stop, out))
+             for i in range(args.instances)]
+    for proc in procs:
+        proc.start()
+    latest: dict[str, tuple[int, float | None, float | None]] = {}
+    go.set()
+    deadline = time.monotonic() + 600
+    try:
+        while sum(c for c, _, _ in latest.values()) < commands:
+            if time.monotonic() > deadline or not all(proc.is_alive() for proc in procs):
+                raise TimeoutError("bench: the instances did not process every command (one died or timed out)")
+            with contextlib.suppress(queue.Empty):
+                instance, count, first, last = out.get(timeout=1)
+                latest[instance] = (count, first, last)
+    finally:
+        stop.set()
+        deadline = time.monotonic() + 60
+        while any(proc.is_alive() for proc in procs) and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):  # a child exits only once what it queued was taken
+                out.get(timeout=0.1)
+        for proc in procs:
+            proc.join(1)
+    started = min(f for _, f, _ in latest.values() if f is not None)
+    finished = max(t for _, _, t in latest.values() if t is not None)
+    total = sum(c for c, _, _ in latest.values())
+    return {"commands": total, "commands_per_s": round(total / (finished - started)), "instances": args.instances,
+            "commands_per_instance": sorted(c for c, _, _ in latest.values()),
+            "commands_phase_s": round(finished - started, 2)}
 
 
 def _replay(kafka: Any, args: argparse.Namespace) -> dict[str, Any]:
