@@ -1,4 +1,4 @@
-"""kafold's own tables (checkpoints, tracking, dead letters, rebuild state) as SQLAlchemy Core metadata."""
+"""kafold's own tables (checkpoints, tracking, dead letters, tombstones, rebuild state) as SQLAlchemy metadata."""
 
 from __future__ import annotations
 
@@ -62,6 +62,14 @@ def metadata(schema: str | None = None) -> sa.MetaData:
                  postgresql_where=sa.text("status IN ('new', 'held') AND hold_key IS NOT NULL")),
         comment="Records a connector could not process, with their coordinates and the error; for a projection, "
                 "the row key a dead letter holds back (hold_key) and the events held behind it (status held).",
+    )
+    sa.Table(
+        "tombstones", md,
+        sa.Column("namespace", sa.Text, primary_key=True),
+        sa.Column("row_key", sa.Text, primary_key=True),
+        sa.Column("version", sa.BigInteger, nullable=False),
+        comment="The version each deleted row had reached, per namespace: how a writer that dedupes by version "
+                "(a rebuild's) knows a late duplicate of a deleted row's events.",
     )
     sa.Table(
         "rebuild_state", md,

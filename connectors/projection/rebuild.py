@@ -4,8 +4,12 @@ Note on offsets and commits
 ---------------------------
 The rebuild reads with a plain consumer and manual assignment (no consumer group, nothing committed to Kafka), so
 it never disturbs the live connector nor triggers any effect connector. Its progress is the shadow writer's own
-checkpoints (`<name>:rebuild`) written in the same transaction as the shadow rows and their tracking records
-(namespace `<name>:rebuild`), exactly as the live writer does (see writer.py): a killed rebuild resumes from them.
+checkpoints (`<name>:rebuild`) written in the same transaction as the shadow rows (and, for a projection without
+the version guard, their tracking records; with it the shadow's writer deduplicates by version, deleted rows' versions
+kept as tombstones, namespace `<name>:rebuild`), as the live writer does (see writer.py): a killed rebuild resumes
+from them. Those transactions do not wait for the WAL flush (`durable=False`): a PostgreSQL crash may lose the last
+of them, each with its checkpoints, so the rebuild resumes from what is left; the swap's own transaction is durable
+and flushes the WAL up to it.
 Its reading is a run of kafold's consumer loop (kafold/consumer_loop.py, which commits and seeks nothing here): the
 batch handler (`_CatchUp`) recomputes the assignment before each poll from the checkpoints in PostgreSQL (the
 shadow's and the live connector's), skips the poll when its read-ahead already reaches the targets, and finishes
@@ -278,8 +282,11 @@ class Rebuild:
         self.stop = stop or threading.Event()
         # The rebuild is the shadow's only writer (its copy workers each their own partitions' keys, one after the
         # other with this process): rows it wrote are not read back (see ProjectionWriter's cache).
+        # With the version guard it deduplicates by version (tombstones for deleted rows), not by tracking records,
+        # and its commits do not wait for the WAL flush: see ProjectionWriter's `track` and `durable`.
         self.writer = ProjectionWriter(plan.pgc, plan.config, plan.mapping, plan.key, plan.key, plan.shadow,
-                                       cache_rows=SHADOW_CACHE_ROWS)
+                                       cache_rows=SHADOW_CACHE_ROWS, track=not plan.config.version_guard,
+                                       durable=False)
         self.positions: dict[TopicPartition, int] = {}
         self.assigned: set[TopicPartition] = set()
         self.ahead: dict[TopicPartition, list[Any]] = {}  # messages at or past the target, in order (tail phase)
@@ -323,10 +330,11 @@ class Rebuild:
         return False
 
     def _forget(self, conn: psycopg.Connection[Any]) -> None:
-        """Remove the rebuild's checkpoints, tracking records and dead letters (the live ones stay)."""
+        """Remove the rebuild's checkpoints, tracking records, tombstones and dead letters (the live ones stay)."""
         pgc, key = self.plan.pgc, self.plan.key
         conn.execute(sql.SQL("DELETE FROM {} WHERE connector = %s").format(db.table(pgc, "checkpoints")), (key,))
         conn.execute(sql.SQL("DELETE FROM {} WHERE projection = %s").format(db.table(pgc, "tracking")), (key,))
+        conn.execute(sql.SQL("DELETE FROM {} WHERE namespace = %s").format(db.table(pgc, "tombstones")), (key,))
         conn.execute(sql.SQL("DELETE FROM {} WHERE connector = %s").format(db.table(pgc, "dead_letters")), (key,))
 
     def _save(self, phase: str, conn: psycopg.Connection[Any] | None = None) -> None:

@@ -155,6 +155,19 @@ def track_new(tracking: sql.Composed) -> sql.Composed:
     return sql.SQL("INSERT INTO {} (event_key, projection) SELECT unnest(%b::bytea[]), %s").format(tracking)
 
 
+def select_tombstones(tombstones: sql.Composed) -> sql.Composed:
+    return sql.SQL("SELECT row_key, version FROM {} WHERE namespace = %s AND row_key = ANY(%s::text[])").format(
+        tombstones)
+
+
+def save_tombstones(tombstones: sql.Composed) -> sql.Composed:
+    """Record deleted rows' versions (row key as JSON text); a tombstone only ever rises."""
+    return sql.SQL(
+        "INSERT INTO {} AS g (namespace, row_key, version) SELECT %s, k, v FROM unnest(%s::text[], %s::bigint[]) "
+        "AS x(k, v) ON CONFLICT (namespace, row_key) DO UPDATE SET version = EXCLUDED.version "
+        "WHERE g.version < EXCLUDED.version").format(tombstones)
+
+
 def save_checkpoints(checkpoints: sql.Composed) -> sql.Composed:
     """Store next offsets; monotonic, so a zombie writer after a rebalance cannot move a checkpoint back."""
     return sql.SQL(

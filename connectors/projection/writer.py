@@ -42,6 +42,15 @@ connector's holds lock (an advisory lock, shared) and reading the connector's he
 its first statements; a set different from the one the batch was prepared with (another task's head, a release by
 `kafold dlq replay|discard`, which takes that lock exclusively, or a swap) rolls the transaction back and redoes it
 with the set read. See holds.py for the release.
+
+Deduplicating by version (`track=False`, a rebuild's writer when the projection has its version guard). Tracking
+records cost a key per event in the server; a writer that is its table's only writer can drop them and let the
+version guard alone skip what was already applied: a row at version V has seen every event of its aggregate up to V,
+a duplicate carries its original's version, so it is stale. What a row forgets when it is deleted is kept as a
+tombstone (namespace, row key, the highest version the row had reached; `tombstones` table, written in the same
+transaction as the delete): an event of a key with no row is stale when its version is at most the tombstone's.
+This equals tracking wherever an aggregate's versions rise along its partition (what kafold's aggregates write and
+what the version guard already assumes); where they go back, the version guard decides as it does live.
 """
 
 from __future__ import annotations
@@ -72,7 +81,8 @@ log = logs.get(__name__)
 
 DeadLetter = tuple[RawRecord, BaseException]
 Report = Callable[[Sequence[tuple[Any, BaseException]]], None]  # to the DLQ topic, acknowledged on return
-Prepared = dict[int, tuple[bytes, "tuple[Any, ...] | MappingError"]]  # id(record) -> (tracking key, row key)
+# id(record) -> (tracking key, or the record's id when deduplicating by version; row key)
+Prepared = dict[int, tuple["bytes | int", "tuple[Any, ...] | MappingError"]]
 REJECTED = (psycopg.errors.IntegrityError, psycopg.errors.DataError)
 T = TypeVar("T")
 
@@ -101,13 +111,16 @@ class BatchResult:
 
 @dataclass
 class _Folded:
-    """A batch folded onto the rows it read: the rows after it (None: removed), and what it skipped or refused."""
+    """A batch folded onto the rows it read: the rows after it (None: removed), and what it skipped or refused;
+    deduplicating by version, the tombstones known (`gone`) and those this batch made or raised (`buried`)."""
 
     state: dict[tuple[Any, ...], Row | None]
     loaded: dict[tuple[Any, ...], Row]
     stale: int
     unchanged: int
     bad: list[tuple[SinkRecord, RecordError]]
+    gone: dict[tuple[Any, ...], int] | None = None
+    buried: dict[tuple[Any, ...], int] = field(default_factory=dict)
 
 
 class _HoldsChanged(Exception):
@@ -181,14 +194,14 @@ class _Candidates:
     """The events of a batch to try: the first of each tracking key, in order, and their row keys (a key error
     counts only if the event turns out to be new)."""
 
-    first: dict[bytes, SinkRecord]  # tracking key -> record
+    first: dict[bytes | int, SinkRecord]  # tracking key (see Prepared) -> record
     record_keys: dict[int, tuple[Any, ...]]  # id(record) -> row key
     key_errors: dict[int, MappingError]  # id(record) -> why it has no row key
     keys: list[tuple[Any, ...]]  # the distinct row keys, in order
 
 
 def _candidates(records: list[SinkRecord], prep: Prepared, skip: set[int]) -> _Candidates:
-    first: dict[bytes, SinkRecord] = {}
+    first: dict[bytes | int, SinkRecord] = {}
     for r in records:
         if id(r) not in skip:
             first.setdefault(prep[id(r)][0], r)
@@ -249,7 +262,8 @@ class ProjectionWriter:
     """Owns one PostgreSQL session for one projection task; `write` is the whole per-batch protocol."""
 
     def __init__(self, pgc: PostgresConfig, config: ProjectionConfig, mapping: Mapping, connector: str,
-                 namespace: str | None = None, table: str | None = None, cache_rows: int = 0) -> None:
+                 namespace: str | None = None, table: str | None = None, cache_rows: int = 0, track: bool = True,
+                 durable: bool = True) -> None:
         self.pgc, self.config, self.mapping = pgc, config, mapping
         self.connector = connector  # key of checkpoints and dead letters
         self.namespace = namespace or connector  # key of tracking records (a rebuild uses its own)
@@ -257,6 +271,16 @@ class ProjectionWriter:
         self.conn: psycopg.Connection[Any] | None = None
         self.shape: q.TableShape | None = None
         self._tracking = db.table(pgc, "tracking")
+        # Deduplicating by version instead (see the module note): only with the guard, for its table's only writer.
+        if not track and not mapping.guard:
+            raise ConfigError([f"projection {connector}: deduplicating by version needs the version guard"])
+        self.track = track
+        self._tombstones = db.table(pgc, "tombstones")
+        # durable=False: commits do not wait for the WAL flush (synchronous_commit off). For a writer whose
+        # transactions may be lost together with their checkpoints on a PostgreSQL crash (it then resumes from
+        # the checkpoints left): a rebuild's shadow, which nothing reads before the swap, whose own transaction
+        # flushes the WAL up to it.
+        self.durable = durable
         self._checkpoints = db.table(pgc, "checkpoints")
         self._dead = db.table(pgc, "dead_letters")
         self._json: set[str] = set()
@@ -281,8 +305,9 @@ class ProjectionWriter:
         # dropped when a write fails (its commit may or may not have happened). At most `cache_rows` keys: the
         # least recently written half goes when full.
         self.cache_rows = cache_rows
-        self._cache: dict[tuple[Any, ...], Row | None] = {}
+        self._cache: dict[tuple[Any, ...], Row | int | None] = {}  # int: a tombstone (see _remember)
         self._folded: dict[tuple[Any, ...], Row | None] = {}  # the attempt's rows, cached once committed
+        self._buried: dict[tuple[Any, ...], int] = {}  # the attempt's tombstones, cached once committed
         self._plain: dict[str, tuple[type, ...]] = {}  # column -> the Python types that read back as-is
 
     # ---- session ----------------------------------------------------------------------------------------
@@ -291,6 +316,8 @@ class ProjectionWriter:
             self.close()
             conn = db.connect(self.pgc)
             try:
+                if not self.durable:
+                    conn.execute("SET synchronous_commit = off")
                 with db.transaction(conn):
                     self.shape = self._prepare(conn)
                     conn.execute(q.create_stage(self.shape))
@@ -417,12 +444,12 @@ class ProjectionWriter:
         while True:
             try:
                 conn = self.connection()
-                self._folded = {}
+                self._folded, self._buried = {}, {}
                 with db.transaction(conn):
                     result = self._apply(conn, records, excluded, dead, offsets, self._prepared, heads)
                 self._held.update(heads)  # committed with their heads
                 if self.cache_rows and self._folded:
-                    self._remember(self._folded)
+                    self._remember(self._folded, self._buried)
                 return result
             except (_Duplicates, _HoldsChanged):  # rolled back: do it again (expecting duplicates / the keys read)
                 continue
@@ -470,7 +497,9 @@ class ProjectionWriter:
                 key: tuple[Any, ...] | MappingError = key_of(r.event)
             except MappingError as e:
                 key = e
-            out[id(r)] = (hashed(prefix + r.event.event_id.encode(), digest_size=16).digest(), key)
+            # Deduplicating by version, every record is a candidate: its identity stands for the tracking key.
+            out[id(r)] = (hashed(prefix + r.event.event_id.encode(), digest_size=16).digest() if self.track
+                          else id(r), key)
         return out
 
     def _apply(self, conn: psycopg.Connection[Any], records: list[SinkRecord], excluded: list[SinkRecord],
@@ -488,8 +517,8 @@ class ProjectionWriter:
                 dead = [*dead, *held]
             todo = _candidates(records, prep, skip)
             if todo.first:
-                fresh, folded = self._track_read_fold(conn, todo)
-                self._folded = folded.state
+                fresh, folded = self._track_read_fold(conn, todo) if self.track else self._read_fold(conn, todo)
+                self._folded, self._buried = folded.state, folded.buried
             else:
                 if self._hold_now and result.held:  # nothing to apply, events to hold: under the lock, keys read
                     self._check_holds(self._read_holds(conn))
@@ -500,7 +529,8 @@ class ProjectionWriter:
                 raise _Bad(folded.bad)
             upserts, deletes = self._stage(conn, folded)
             advance = self._advance_to(records, offsets)
-        result.upserted, result.deleted = self._merge_and_checkpoint(conn, upserts, deletes, dead, advance)
+        result.upserted, result.deleted = self._merge_and_checkpoint(conn, upserts, deletes, dead, advance,
+                                                                     folded.buried)
         result.checkpoints = advance
         if self._then is not None:
             self._then(conn, result)
@@ -551,6 +581,39 @@ class ProjectionWriter:
                                 todo.key_errors)
         return tracked.rowcount, folded
 
+    def _read_fold(self, conn: psycopg.Connection[Any], todo: _Candidates) -> tuple[list[SinkRecord], _Folded]:
+        """Deduplicating by version: the rows and tombstones of the keys not cached (and the held keys) in one
+        round trip, then every candidate folded (the version guard skips what was applied)."""
+        held_keys = None
+        with self._turns.waiting(conn.pipeline()):
+            if self._hold_now:
+                held_keys = self._read_holds(conn)
+            uncached = {hold_text(k): k for k in self._uncached(todo.keys)}  # by the key's text, as stored
+            found = self._select(conn, list(uncached.values())) if uncached else None
+            tombs = (conn.execute(q.select_tombstones(self._tombstones), (self.namespace, list(uncached)))
+                     if uncached else None)
+        if held_keys is not None:
+            self._check_holds(held_keys)
+        rows = self._loaded(todo.keys, found)
+        gone = self._gone(todo.keys, uncached, tombs)
+        fresh = list(todo.first.values())
+        return fresh, self._fold(fresh, rows, todo.record_keys, todo.key_errors, gone)
+
+    def _gone(self, keys: list[tuple[Any, ...]], uncached: dict[str, tuple[Any, ...]],
+              tombs: psycopg.Cursor[Any] | None) -> dict[tuple[Any, ...], int]:
+        """The tombstones of `keys`: those read for the keys not cached, and the cached ones."""
+        gone: dict[tuple[Any, ...], int] = {}
+        if tombs is not None:
+            for text, version in tombs.fetchall():
+                gone[uncached[text]] = version
+        if self.cache_rows:
+            cache = self._cache
+            for k in keys:
+                v = cache.get(k)
+                if type(v) is int:
+                    gone[k] = v
+        return gone
+
     def _track_read(self, conn: psycopg.Connection[Any], todo: _Candidates
                     ) -> tuple[int, list[bytes] | None, psycopg.Cursor[Any] | None]:
         """The safe order in ONE round trip: the tracking insert (ON CONFLICT DO NOTHING, RETURNING the new keys),
@@ -595,15 +658,20 @@ class ProjectionWriter:
         return {tp: off for tp, off in advance.items() if off >= 0}
 
     def _merge_and_checkpoint(self, conn: psycopg.Connection[Any], upserts: bool, deletes: list[tuple[Any, ...]],
-                              dead: list[DeadLetter], advance: dict[TopicPartition, int]) -> tuple[int, int]:
-        """Steps (4)-(5) in ONE round trip: merge the staged rows (version-guarded), delete the removed ones, record
-        the dead letters, move the checkpoints forward only (the commit follows); the rows upserted and deleted."""
+                              dead: list[DeadLetter], advance: dict[TopicPartition, int],
+                              buried: dict[tuple[Any, ...], int]) -> tuple[int, int]:
+        """Steps (4)-(5) in ONE round trip: merge the staged rows (version-guarded), delete the removed ones (and
+        record their tombstones), record the dead letters, move the checkpoints forward only (the commit follows);
+        the rows upserted and deleted."""
         assert self.shape is not None
         shape = self.shape
         with conn.pipeline():
             merged = conn.execute(q.merge_stage(shape, self.mapping.guard)) if upserts else None
             removed = (conn.execute(q.delete_rows(shape), [list(c) for c in zip(*deletes, strict=True)])
                        if deletes else None)
+            if buried:
+                conn.execute(q.save_tombstones(self._tombstones),
+                             (self.namespace, [hold_text(k) for k in buried], list(buried.values())))
             if dead:
                 with conn.cursor() as cur:
                     cur.executemany(q.insert_dead_letters(self._dead),
@@ -659,10 +727,14 @@ class ProjectionWriter:
     def _select_uncached(self, conn: psycopg.Connection[Any], keys: list[tuple[Any, ...]]
                          ) -> psycopg.Cursor[Any] | None:
         """The rows of the keys the cache does not know (None: it knows them all)."""
+        keys = self._uncached(keys)
+        return self._select(conn, keys) if keys else None
+
+    def _uncached(self, keys: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         if self.cache_rows:
             cache = self._cache
-            keys = [k for k in keys if k not in cache]
-        return self._select(conn, keys) if keys else None
+            return [k for k in keys if k not in cache]
+        return keys
 
     def _loaded(self, keys: list[tuple[Any, ...]], found: psycopg.Cursor[Any] | None) -> dict[tuple[Any, ...], Row]:
         """The current rows of `keys`: those read by `_select_uncached`, and the cached ones."""
@@ -671,16 +743,19 @@ class ProjectionWriter:
             cache = self._cache
             for k in keys:
                 row = cache.get(k)
-                if row is not None:
+                if type(row) is dict:  # None: no row; an int: no row, a tombstone (see _remember)
                     rows[k] = row
         return rows
 
-    def _remember(self, state: dict[tuple[Any, ...], Row | None]) -> None:
-        """A committed transaction's rows into the cache (None: the key has no row), most recent last."""
+    def _remember(self, state: dict[tuple[Any, ...], Row | None], buried: dict[tuple[Any, ...], int]) -> None:
+        """A committed transaction's rows into the cache (None: the key has no row; an int: nor a row, but that
+        tombstone — kept only when deduplicating by version, whose reads of a key fetch both), most recent last."""
         cache, plain = self._cache, self._plain
         for key, row in state.items():
             cache.pop(key, None)
-            if row is None or all(v is None or type(v) in plain.get(c, ()) for c, v in row.items()):
+            if row is None:
+                cache[key] = buried.get(key) if buried else None
+            elif all(v is None or type(v) in plain.get(c, ()) for c, v in row.items()):
                 cache[key] = row
         if len(cache) > self.cache_rows:
             keep = self.cache_rows // 2
@@ -697,11 +772,13 @@ class ProjectionWriter:
                 for row in found.fetchall()}
 
     def _fold(self, fresh: list[SinkRecord], loaded: dict[tuple[Any, ...], Row],
-              record_keys: dict[int, tuple[Any, ...]], key_errors: dict[int, MappingError]) -> _Folded:
-        """Fold the new events, in order, onto the rows read; nothing is written (pure but for the mapper)."""
+              record_keys: dict[int, tuple[Any, ...]], key_errors: dict[int, MappingError],
+              gone: dict[tuple[Any, ...], int] | None = None) -> _Folded:
+        """Fold the new events, in order, onto the rows read; nothing is written (pure but for the mapper).
+        `gone`: deduplicating by version, the tombstones of the keys (a deleted row's version still guards)."""
         mapping = self.mapping
-        folded = _Folded({}, loaded, 0, 0, [])
-        bad = folded.bad
+        folded = _Folded({}, loaded, 0, 0, [], gone)
+        bad, buried = folded.bad, folded.buried
         state: dict[tuple[Any, ...], Row | None] = dict(loaded)
         for r in fresh:
             key = record_keys.get(id(r))
@@ -709,7 +786,8 @@ class ProjectionWriter:
                 bad.append((r, MappingError(str(key_errors[id(r)]), raw=r)))
                 continue
             row = state.get(key)
-            if mapping.is_stale(row, r.event):
+            if mapping.is_stale(row, r.event) or (
+                    gone and row is None and r.event.version <= gone.get(key, 0)):
                 folded.stale += 1
                 continue
             try:
@@ -720,6 +798,9 @@ class ProjectionWriter:
             if new is UNCHANGED:
                 folded.unchanged += 1
                 continue
+            if new is None and gone is not None:  # deleted: its tombstone keeps the highest version it reached
+                assert row is not None
+                gone[key] = buried[key] = max(row.get(VERSION_COLUMN) or 0, r.event.version, gone.get(key, 0))
             state[key] = new  # type: ignore[assignment]
         folded.state = state
         return folded

@@ -15,7 +15,7 @@ from kafold.connectors.projection.mapping import Mapping
 from kafold.connectors.projection.writer import ProjectionWriter
 from kafold.connectors.registry import instantiate
 from kafold.envelope import Event
-from kafold.errors import RetriableError
+from kafold.errors import ConfigError, RetriableError
 from tests.projection.projection_support import (
     closed,
     deposited,
@@ -154,3 +154,80 @@ def test_only_values_postgresql_reads_back_as_the_same_python_value_are_kept() -
     assert _read_back("character(5)", True) == ()  # blank-padded on the way back
     assert float not in _read_back("jsonb", True) and dict in _read_back("jsonb", True)
     assert dict not in _read_back("jsonb", False) and list not in _read_back("json", False)
+
+
+def test_a_writer_deduplicating_by_version_writes_what_a_tracking_one_writes(pg_config: PostgresConfig,
+                                                                              unique: str) -> None:
+    """A rebuild's writer (track=False): no tracking records; the version guard skips duplicates, and a deleted
+    row's tombstone skips late duplicates of its events — also after its session died (its cache dropped) and in
+    a new writer (a resumed rebuild), which reads the tombstones from PostgreSQL. A re-opening at a later version
+    is applied. Same table as a tracking writer's after every batch."""
+    from psycopg import sql
+
+    db.upgrade(pg_config)
+    topic = f"{unique}.events"
+    tables, writers = [], []
+    for track in (True, False):
+        table, name = table_name(), f"{unique}-{track}"
+        config = instantiate(settings(name, topic, table), Path(".")).config
+        tables.append(table)
+        writers.append(ProjectionWriter(pg_config, config, Mapping(config), name, f"{name}:ns", cache_rows=1000,
+                                        track=track))
+    versioned = writers[1]
+    first = history(accounts=6, deposits=3, close_every=2)  # acc-0, acc-2, acc-4 closed at version 5
+    reopened = Event.new("AccountOpened", "account", "acc-2", 6, {"owner": "again"})
+    batches = [
+        first[:12],
+        first[12:] + first[:3],  # acc-0 closed, then its opening and first deposit again
+        [first[5], reopened, first[9], deposited("acc-2", 7, 40)],  # duplicates of a live row's, of a closed one's
+        first[::4],
+    ]
+
+    def tracking_rows(ns: str) -> int:
+        with db.connect(pg_config) as conn:
+            row = conn.execute(sql.SQL("SELECT count(*) FROM {} WHERE projection = %s").format(
+                db.table(pg_config, "tracking")), (ns,)).fetchone()
+        assert row is not None
+        return int(row[0])
+
+    try:
+        offset = 0
+        for i, events in enumerate(batches):
+            recs = _records(topic, 0, events, start=offset)
+            offset += len(recs)
+            if i == 2:  # the versioned writer's session dies: what it kept is dropped, tombstones read again
+                assert versioned.conn is not None and versioned._cache
+                with db.connect(pg_config) as conn:
+                    conn.execute("SELECT pg_terminate_backend(%s)", (versioned.conn.info.backend_pid,))
+                with pytest.raises(RetriableError):
+                    versioned.write(recs)
+                assert not versioned._cache
+            done = [w.write(recs) for w in writers]
+            assert done[0].upserted == done[1].upserted and done[0].deleted == done[1].deleted
+            assert done[1].duplicates == 0 and done[1].stale == done[0].stale + done[0].duplicates
+            assert read_table(pg_config, tables[1]) == read_table(pg_config, tables[0])
+        # A new writer, as a resumed rebuild: nothing cached; the tombstones of acc-0 and acc-4 are in PostgreSQL.
+        fresh = ProjectionWriter(pg_config, versioned.config, versioned.mapping, versioned.connector,
+                                 versioned.namespace, cache_rows=1000, track=False)
+        try:
+            late = fresh.write(_records(topic, 0, [first[0], first[1], first[18]], start=offset))
+        finally:
+            fresh.close()
+        assert (late.stale, late.upserted) == (3, 0)
+    finally:
+        for w in writers:
+            w.close()
+    final = read_table(pg_config, tables[1])
+    assert final == fold([*first, reopened, deposited("acc-2", 7, 40)])
+    assert "acc-0" not in final and final["acc-2"]["owner"] == "again" and final["acc-2"]["balance"] == 40
+    assert tracking_rows(f"{unique}-False:ns") == 0 and tracking_rows(f"{unique}-True:ns") > 0
+    with db.connect(pg_config) as conn:
+        tombs = conn.execute(sql.SQL("SELECT row_key, version FROM {} WHERE namespace = %s ORDER BY 1").format(
+            db.table(pg_config, "tombstones")), (f"{unique}-False:ns",)).fetchall()
+    assert tombs == [('["acc-0"]', 5), ('["acc-2"]', 5), ('["acc-4"]', 5)]
+
+
+def test_deduplicating_by_version_needs_the_version_guard(pg_config: PostgresConfig, unique: str) -> None:
+    config = instantiate(settings(unique, f"{unique}.events", table_name(), version_guard=False), Path(".")).config
+    with pytest.raises(ConfigError, match="version guard"):
+        ProjectionWriter(pg_config, config, Mapping(config), unique, track=False)
