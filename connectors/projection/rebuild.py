@@ -81,7 +81,15 @@ from kafold.connectors.projection.holds import stored_headers
 from kafold.connectors.projection.mapping import Mapping, load_mapper
 from kafold.connectors.projection.rebuild_state import ACTIVE, offsets
 from kafold.connectors.projection.task import tune_interpreter
-from kafold.connectors.projection.writer import DeadLetter, ProjectionWriter, holds_lock, tracking_key, tracking_prefix
+from kafold.connectors.projection.writer import (
+    DeadLetter,
+    Prepared,
+    ProjectionWriter,
+    Rewind,
+    holds_lock,
+    tracking_key,
+    tracking_prefix,
+)
 from kafold.connectors.registry import instantiate
 from kafold.consumer_loop import SKIP_POLL, ConsumerLoop, LoopHandler, SkipPoll
 from kafold.envelope import decode
@@ -105,6 +113,10 @@ LAST_LAP_TAIL = 100
 MAX_DEFAULT_WORKERS = 4
 # Rows of the shadow a rebuild (each copy worker) keeps between its batches: ~0.5 KB a row of a few columns.
 SHADOW_CACHE_ROWS = 65536
+# While copying, the shadow's rows are folded ahead in memory and written (with their checkpoints) when this many
+# keys are waiting, after this many batches or this long after the last write, whichever comes first: a key's row
+# is written once per write, not once per batch; a killed rebuild redoes at most that much.
+AHEAD_ROWS, AHEAD_BATCHES, AHEAD_S = SHADOW_CACHE_ROWS, 50, 5.0
 WATCH_S = 0.5  # how often the coordinator reports the workers' progress, and a worker looks for its parent
 WORKER_STOP_S = 60.0  # a stopped worker finishes its batch in flight within this, else it is terminated
 
@@ -243,9 +255,10 @@ class _CatchUp(LoopHandler):
         r = self.rebuild
         targets = r._targets()
         if self.reached and r._near(targets) and self._last_lap():
-            r._settle()
-            self.loop.finish()
-            return SKIP_POLL
+            if r._settle(self.consumer):
+                self.loop.finish()
+                return SKIP_POLL
+            self.reached, targets = False, r._targets()  # rewound: not there any more
         self.batch = r._prepare(self.consumer, targets)
         if not self.batch.short(r.positions):
             return SKIP_POLL
@@ -294,6 +307,10 @@ class Rebuild:
         # most one in flight, and `positions` already count it (see _settle).
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"kafold-rebuild-{plan.name}")
         self.inflight: Future[Any] | None = None
+        self.folding: bool | None = None  # folding ahead while copying (see AHEAD_ROWS); decided on the first batch
+        self.folded_at = time.monotonic()  # when the rows folded ahead were last written
+        self.folded_batches = 0  # batches folded ahead since
+        self.rewinds = 0  # times folding ahead gave way to batch-by-batch writes (see _rewind)
         self.meta: psycopg.Connection[Any] | None = None  # see _bookkeeping
         self.phase = "copying"
         self.events = 0
@@ -396,7 +413,7 @@ class Rebuild:
 
     def _close(self, consumer: Any) -> None:
         try:
-            self._settle()
+            self._settle(flush=False)  # what was folded ahead and not written is redone on resuming
         finally:
             self.pool.shutdown()
             consumer.close()
@@ -558,8 +575,15 @@ class Rebuild:
         if not advance:
             return
         prepared = self.writer.prepare(records) if records else None  # while the write in flight runs
-        self._settle()
-        if save and self.phase == "copying":  # written while the next batch is fetched and decoded
+        copying = save and self.phase == "copying"
+        if self.folding is None:
+            self.folding = self.writer.can_fold_ahead
+        ahead = copying and self.folding
+        if not self._settle(consumer, flush=not ahead):
+            return  # rewound: this batch is read again from the stored checkpoints
+        if ahead:  # folded (and now and then written) while the next batch is fetched and decoded
+            self.inflight = self.pool.submit(self._fold_ahead, records, dead, advance, prepared)
+        elif copying:  # written while the next batch is fetched and decoded
             self.inflight = self.pool.submit(self.writer.write, records, dead, offsets=advance, prepared=prepared)
         else:
             self.writer.write(records, dead, offsets=advance, prepared=prepared)
@@ -571,12 +595,50 @@ class Rebuild:
         if save and self.share is None:  # a copy worker's progress is saved by the coordinator
             self._save(self.phase)
 
-    def _settle(self) -> None:
-        """Wait for the shadow write in flight (its error, if any, ends the run: it resumes from the checkpoints
-        in PostgreSQL, which that write did not move)."""
+    def _fold_ahead(self, records: list[SinkRecord], dead: list[DeadLetter], advance: dict[TopicPartition, int],
+                    prepared: Prepared | None) -> None:
+        writer = self.writer
+        writer.fold_ahead(records, dead, advance, prepared)
+        self.folded_batches += 1
+        if (writer.ahead_rows >= AHEAD_ROWS or self.folded_batches >= AHEAD_BATCHES
+                or time.monotonic() - self.folded_at >= AHEAD_S):
+            self._flush()
+
+    def _flush(self) -> None:
+        self.writer.flush()
+        self.folded_at, self.folded_batches = time.monotonic(), 0
+
+    def _settle(self, consumer: Any = None, flush: bool = True) -> bool:
+        """Wait for the shadow write in flight, and write what was folded ahead unless `flush` is False (an error
+        ends the run: it resumes from the checkpoints in PostgreSQL, which that write did not move); False when
+        folding ahead gave way (see _rewind)."""
         inflight, self.inflight = self.inflight, None
-        if inflight is not None:
-            inflight.result()
+        try:
+            if inflight is not None:
+                inflight.result()
+            if flush and self.writer.ahead_events:
+                self._flush()
+        except Rewind as e:
+            self._rewind(consumer, e)
+            return False
+        return True
+
+    def _rewind(self, consumer: Any, why: Rewind) -> None:
+        """What was folded ahead cannot be written as folded (see ProjectionWriter.fold_ahead): nothing of it was.
+        Read again from the stored checkpoints and write batch by batch from now on, which isolates the events
+        at fault as a live writer does."""
+        self.folding = False
+        self.rewinds += 1
+        self.events -= why.events
+        stored = self.writer.checkpoints()
+        self.positions = {tp: stored.get(tp, 0) for tp in {*self.positions, *self._ours(stored)}}
+        if consumer is not None and self.assigned:
+            from confluent_kafka import TopicPartition as KafkaTP
+
+            consumer.incremental_unassign([KafkaTP(tp.topic, tp.partition) for tp in self.assigned])
+        self.assigned, self.ahead = set(), {}
+        self.log.warning("rebuild writes batch by batch from the stored checkpoints", reason=str(why),
+                         events_again=why.events)
 
     def _take(self, msgs: list[Any], targets: dict[TopicPartition, int], records: list[SinkRecord],
               dead: list[DeadLetter], advance: dict[TopicPartition, int], overrun: set[TopicPartition]) -> None:
@@ -649,7 +711,8 @@ class Rebuild:
     def _converge(self, consumer: Any) -> None:
         """The swap transaction: lock, apply the tail, `finish`; _NotYet (rolled back, nothing changed) when the
         tail under the lock is longer than `max_tail` or the lock was not granted in time."""
-        self._settle()
+        if not self._settle(consumer):
+            raise _NotYet("rewound to the stored checkpoints")
         p, c = self.plan, self.plan.config
         live = q.qualified(c.schema, c.table)
         started = time.perf_counter()

@@ -131,6 +131,16 @@ class _Duplicates(Exception):
     """The batch holds events already applied, which the optimistic transaction did not expect; redo it."""
 
 
+class Rewind(Exception):
+    """A fold ahead could not be written as folded (an event the mapping refused, a row PostgreSQL rejected, a held
+    key): nothing of it was (`events` of it dropped), and the caller goes back to the stored checkpoints and writes
+    batch by batch."""
+
+    def __init__(self, message: str, events: int) -> None:
+        super().__init__(message)
+        self.events = events
+
+
 class _Bad(Exception):
     """Events the mapping refused during a fold; the transaction is redone without them."""
 
@@ -309,6 +319,7 @@ class ProjectionWriter:
         self._folded: dict[tuple[Any, ...], Row | None] = {}  # the attempt's rows, cached once committed
         self._buried: dict[tuple[Any, ...], int] = {}  # the attempt's tombstones, cached once committed
         self._plain: dict[str, tuple[type, ...]] = {}  # column -> the Python types that read back as-is
+        self._reset_ahead()
 
     # ---- session ----------------------------------------------------------------------------------------
     def connection(self) -> psycopg.Connection[Any]:
@@ -364,6 +375,128 @@ class ProjectionWriter:
         self._json = {col for col, tp in types.items() if tp in ("json", "jsonb")}
         self._plain = {col: _read_back(tp, self.mapping.copies_rows) for col, tp in types.items()}
         return q.TableShape(schema, table, types, tuple(c.key_columns), VERSION_COLUMN)
+
+    # ---- folding ahead (a rebuild's copy) ---------------------------------------------------------------------
+    # Deduplicating by version, a writer that is its table's only writer may fold batch after batch in memory and
+    # write the rows they leave once (`flush`): a key's row is written once per flush instead of once per batch.
+    # The rows, tombstones, dead letters and next offsets folded ahead are written in ONE transaction, so the
+    # stored checkpoints still describe exactly the rows. Only the clean path folds ahead: an event the mapping
+    # refuses, a row PostgreSQL rejects or a held key raises Rewind (nothing written); the caller then reads again
+    # from the stored checkpoints with `write`, which isolates such events batch by batch.
+    def fold_ahead(self, records: Sequence[SinkRecord], dead: Sequence[DeadLetter],
+                   offsets: dict[TopicPartition, int], prepared: Prepared | None = None) -> None:
+        """Fold `records` onto the rows folded so far (reading the rows and tombstones of keys not known yet);
+        nothing is written until `flush`."""
+        assert not self.track and self.cache_rows, "folding ahead deduplicates by version, keeping rows"
+        with self._turns:
+            records = list(records)
+            prep = prepared if prepared is not None else self.prepare(records)
+            todo = _candidates(records, prep, set())
+            pending, base, cache = self._ahead, self._ahead_base, self._cache
+            new_keys = [k for k in todo.keys if k not in pending and k not in cache]
+            found: dict[tuple[Any, ...], Row] = {}
+            gone: dict[tuple[Any, ...], int] = {}
+            if new_keys:
+                conn = self.connection()
+                try:
+                    texts = {hold_text(k): k for k in new_keys}
+                    with self._turns.waiting(conn.pipeline()):
+                        rows = self._select(conn, new_keys)
+                        tombs = conn.execute(q.select_tombstones(self._tombstones), (self.namespace, list(texts)))
+                    found = self._rows(rows)
+                    gone = {texts[text]: version for text, version in tombs.fetchall()}
+                except psycopg.OperationalError as e:
+                    self.close()
+                    raise RetriableError(f"PostgreSQL: {e}") from e
+            loaded: dict[tuple[Any, ...], Row] = {}
+            for k in todo.keys:
+                row: Row | None = None
+                if k in pending:
+                    row = pending[k]
+                    if k in self._ahead_buried:
+                        gone[k] = self._ahead_buried[k]
+                else:
+                    got = cache[k] if k in cache else found.get(k)
+                    if type(got) is int:  # a cached tombstone
+                        gone[k] = got
+                    elif got is not None:
+                        row = base[k] = got  # type: ignore[assignment]
+                if row is not None:
+                    loaded[k] = row
+            folded = self._fold(list(todo.first.values()), loaded, todo.record_keys, todo.key_errors, gone)
+            if folded.bad:
+                raise Rewind(f"{len(folded.bad)} event(s) the mapping refused", self.drop_ahead() + len(records))
+            pending.update(folded.state)
+            self._ahead_buried.update(folded.buried)
+            self._ahead_dead += dead
+            for tp, off in self._advance_to(records, offsets).items():
+                self._ahead_offsets[tp] = max(off, self._ahead_offsets.get(tp, 0))
+            self.ahead_events += len(records)
+
+    def flush(self) -> BatchResult:
+        """Write what was folded ahead in one transaction (Rewind: nothing was, and nothing is kept)."""
+        if not self._ahead and not self._ahead_dead and not self._ahead_offsets:
+            return BatchResult()
+        folded = _Folded(self._ahead, self._ahead_base, 0, 0, [], None, self._ahead_buried)
+        result = BatchResult(events=self.ahead_events, transactions=1, dead_lettered=len(self._ahead_dead))
+        try:
+            conn = self.connection()
+            with db.transaction(conn):
+                with self._turns:
+                    with self._turns.waiting(conn.pipeline()):
+                        holds = self._read_holds(conn)
+                    if {row[0] for row in holds.fetchall()} != self._held:
+                        raise Rewind("held keys", self.ahead_events)
+                    upserts, deletes = self._stage(conn, folded)
+                result.upserted, result.deleted = self._merge_and_checkpoint(
+                    conn, upserts, deletes, self._ahead_dead, self._ahead_offsets, self._ahead_buried)
+        except REJECTED as e:
+            raise Rewind(f"PostgreSQL rejected a row: {str(e).splitlines()[0]}", self.drop_ahead()) from e
+        except Rewind:
+            self.drop_ahead()
+            raise
+        except psycopg.OperationalError as e:
+            self.drop_ahead()
+            self.close()
+            raise RetriableError(f"PostgreSQL: {e}") from e
+        except BaseException:
+            self.drop_ahead()
+            raise
+        finally:
+            self.idle.set()
+        result.checkpoints = dict(self._ahead_offsets)
+        self._remember(self._ahead, self._ahead_buried)
+        self._reset_ahead()
+        return result
+
+    def drop_ahead(self) -> int:
+        """Forget what was folded ahead, and the rows kept (they may be what it folded onto); the events dropped."""
+        dropped = self.ahead_events
+        self._reset_ahead()
+        self._cache.clear()
+        return dropped
+
+    def _reset_ahead(self) -> None:
+        self._ahead: dict[tuple[Any, ...], Row | None] = {}  # key -> its row after the events folded ahead
+        self._ahead_base: dict[tuple[Any, ...], Row] = {}  # key -> its stored row before them
+        self._ahead_buried: dict[tuple[Any, ...], int] = {}
+        self._ahead_dead: list[DeadLetter] = []
+        self._ahead_offsets: dict[TopicPartition, int] = {}
+        self.ahead_events = 0
+
+    @property
+    def can_fold_ahead(self) -> bool:
+        """Deduplicating by version, keeping rows, and folding onto rows as PostgreSQL would give them back: a
+        mapper (the user's code) sees each value as read back, so with one every column must read back as written."""
+        if self.track or not self.cache_rows:
+            return False
+        self.connection()  # the table's column types
+        return self.mapping.copies_rows or all(self._plain.get(c) for c in (*self.config.columns, VERSION_COLUMN))
+
+    @property
+    def ahead_rows(self) -> int:
+        """Keys folded ahead, not written yet."""
+        return len(self._ahead)
 
     # ---- offsets ----------------------------------------------------------------------------------------
     def checkpoints(self) -> dict[TopicPartition, int]:
