@@ -32,6 +32,16 @@ def _records(topic: str, partition: int, events: list[Event], start: int = 0) ->
     return [sink_record(topic, partition, start + i, e.aggregate_id, e, None) for i, e in enumerate(events)]
 
 
+def _lose_session(pgc: PostgresConfig, writer: ProjectionWriter, recs: list[SinkRecord]) -> None:
+    """The writer's session dies: its next write fails (RetriableError), and the rows it kept are dropped."""
+    assert writer.conn is not None and writer._cache
+    with db.connect(pgc) as conn:
+        conn.execute("SELECT pg_terminate_backend(%s)", (writer.conn.info.backend_pid,))
+    with pytest.raises(RetriableError):
+        writer.write(recs)
+    assert not writer._cache
+
+
 def test_duplicates_switch_the_writer_to_the_conflict_order_until_a_clean_batch(pg_config: PostgresConfig,
                                                                                 unique: str) -> None:
     topic, table = f"{unique}.events", table_name()
@@ -120,12 +130,7 @@ def test_a_writer_keeping_rows_between_batches_writes_what_one_reading_them_writ
             recs = _records(topic, 0, events, start=offset)
             offset += len(recs)
             if i == 3:  # the keeping writer's session dies: the write fails, what it kept is dropped
-                assert keeping.conn is not None and keeping._cache
-                with db.connect(pg_config) as conn:
-                    conn.execute("SELECT pg_terminate_backend(%s)", (keeping.conn.info.backend_pid,))
-                with pytest.raises(RetriableError):
-                    keeping.write(recs)
-                assert not keeping._cache
+                _lose_session(pg_config, keeping, recs)
             done = [w.write(recs) for w in writers]
             if i == 2:  # a replay of the batch (another partition, same events): duplicates, or held behind a3's
                 again = _records(topic, 1, events)
@@ -196,12 +201,7 @@ def test_a_writer_deduplicating_by_version_writes_what_a_tracking_one_writes(pg_
             recs = _records(topic, 0, events, start=offset)
             offset += len(recs)
             if i == 2:  # the versioned writer's session dies: what it kept is dropped, tombstones read again
-                assert versioned.conn is not None and versioned._cache
-                with db.connect(pg_config) as conn:
-                    conn.execute("SELECT pg_terminate_backend(%s)", (versioned.conn.info.backend_pid,))
-                with pytest.raises(RetriableError):
-                    versioned.write(recs)
-                assert not versioned._cache
+                _lose_session(pg_config, versioned, recs)
             done = [w.write(recs) for w in writers]
             assert done[0].upserted == done[1].upserted and done[0].deleted == done[1].deleted
             assert done[1].duplicates == 0 and done[1].stale == done[0].stale + done[0].duplicates
