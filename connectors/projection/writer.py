@@ -438,6 +438,7 @@ class ProjectionWriter:
         if not self._ahead and not self._ahead_dead and not self._ahead_offsets:
             return BatchResult()
         folded = _Folded(self._ahead, self._ahead_base, 0, 0, [], None, self._ahead_buried)
+        self._hold_of = {}  # its dead letters (undecodable, unknown types) hold no key
         result = BatchResult(events=self.ahead_events, transactions=1, dead_lettered=len(self._ahead_dead))
         try:
             conn = self.connection()
