@@ -125,6 +125,12 @@ def _fatal(err: Any) -> str:
     return f"rebuild consumer: {err}"
 
 
+def _unassign(consumer: Any, partitions: Collection[TopicPartition]) -> None:
+    from confluent_kafka import TopicPartition as KafkaTP
+
+    consumer.incremental_unassign([KafkaTP(tp.topic, tp.partition) for tp in partitions])
+
+
 def default_workers() -> int:
     """Copy workers when `--workers` is not given: the cores, at most MAX_DEFAULT_WORKERS."""
     return max(1, min(os.cpu_count() or 1, MAX_DEFAULT_WORKERS))
@@ -530,7 +536,7 @@ class Rebuild:
         want = {tp for tp, off in targets.items() if ahead or self.positions.get(tp, 0) < off}
         gone, new = self.assigned - want, want - self.assigned
         if gone:
-            consumer.incremental_unassign([KafkaTP(tp.topic, tp.partition) for tp in gone])
+            _unassign(consumer, gone)
             for tp in gone:
                 self.ahead.pop(tp, None)
         if new:
@@ -566,9 +572,7 @@ class Rebuild:
         targets, records, dead, advance, overrun, count = (batch.targets, batch.records, batch.dead, batch.advance,
                                                            batch.overrun, batch.count)
         if overrun:
-            from confluent_kafka import TopicPartition as KafkaTP
-
-            consumer.incremental_unassign([KafkaTP(tp.topic, tp.partition) for tp in overrun])
+            _unassign(consumer, overrun)
             self.assigned -= overrun
             for tp in overrun:
                 self.ahead.pop(tp, None)
@@ -633,9 +637,7 @@ class Rebuild:
         stored = self.writer.checkpoints()
         self.positions = {tp: stored.get(tp, 0) for tp in {*self.positions, *self._ours(stored)}}
         if consumer is not None and self.assigned:
-            from confluent_kafka import TopicPartition as KafkaTP
-
-            consumer.incremental_unassign([KafkaTP(tp.topic, tp.partition) for tp in self.assigned])
+            _unassign(consumer, self.assigned)
         self.assigned, self.ahead = set(), {}
         self.log.warning("rebuild writes batch by batch from the stored checkpoints", reason=str(why),
                          events_again=why.events)

@@ -112,14 +112,13 @@ class BatchResult:
 @dataclass
 class _Folded:
     """A batch folded onto the rows it read: the rows after it (None: removed), and what it skipped or refused;
-    deduplicating by version, the tombstones known (`gone`) and those this batch made or raised (`buried`)."""
+    deduplicating by version, the tombstones this batch made or raised (`buried`)."""
 
     state: dict[tuple[Any, ...], Row | None]
     loaded: dict[tuple[Any, ...], Row]
     stale: int
     unchanged: int
     bad: list[tuple[SinkRecord, RecordError]]
-    gone: dict[tuple[Any, ...], int] | None = None
     buried: dict[tuple[Any, ...], int] = field(default_factory=dict)
 
 
@@ -399,12 +398,10 @@ class ProjectionWriter:
             if new_keys:
                 conn = self.connection()
                 try:
-                    texts = {hold_text(k): k for k in new_keys}
                     with self._turns.waiting(conn.pipeline()):
-                        rows = self._select(conn, new_keys)
-                        tombs = conn.execute(q.select_tombstones(self._tombstones), (self.namespace, list(texts)))
-                    found = self._rows(rows)
-                    gone = {texts[text]: version for text, version in tombs.fetchall()}
+                        read = self._read_keys(conn, new_keys)
+                    found = self._rows(read[0])
+                    gone = self._tombstones_read(read)
                 except psycopg.OperationalError as e:
                     self.close()
                     raise RetriableError(f"PostgreSQL: {e}") from e
@@ -437,7 +434,7 @@ class ProjectionWriter:
         """Write what was folded ahead in one transaction (Rewind: nothing was, and nothing is kept)."""
         if not self._ahead and not self._ahead_dead and not self._ahead_offsets:
             return BatchResult()
-        folded = _Folded(self._ahead, self._ahead_base, 0, 0, [], None, self._ahead_buried)
+        folded = _Folded(self._ahead, self._ahead_base, 0, 0, [], self._ahead_buried)
         self._hold_of = {}  # its dead letters (undecodable, unknown types) hold no key
         result = BatchResult(events=self.ahead_events, transactions=1, dead_lettered=len(self._ahead_dead))
         try:
@@ -446,16 +443,15 @@ class ProjectionWriter:
                 with self._turns:
                     with self._turns.waiting(conn.pipeline()):
                         holds = self._read_holds(conn)
-                    if {row[0] for row in holds.fetchall()} != self._held:
-                        raise Rewind("held keys", self.ahead_events)
+                    try:
+                        self._check_holds(holds)
+                    except _HoldsChanged:
+                        raise Rewind("held keys", self.ahead_events) from None
                     upserts, deletes = self._stage(conn, folded)
                 result.upserted, result.deleted = self._merge_and_checkpoint(
                     conn, upserts, deletes, self._ahead_dead, self._ahead_offsets, self._ahead_buried)
         except REJECTED as e:
             raise Rewind(f"PostgreSQL rejected a row: {str(e).splitlines()[0]}", self.drop_ahead()) from e
-        except Rewind:
-            self.drop_ahead()
-            raise
         except psycopg.OperationalError as e:
             self.drop_ahead()
             self.close()
@@ -722,31 +718,38 @@ class ProjectionWriter:
         with self._turns.waiting(conn.pipeline()):
             if self._hold_now:
                 held_keys = self._read_holds(conn)
-            uncached = {hold_text(k): k for k in self._uncached(todo.keys)}  # by the key's text, as stored
-            found = self._select(conn, list(uncached.values())) if uncached else None
-            tombs = (conn.execute(q.select_tombstones(self._tombstones), (self.namespace, list(uncached)))
-                     if uncached else None)
+            uncached = self._uncached(todo.keys)
+            read = self._read_keys(conn, uncached) if uncached else None
         if held_keys is not None:
             self._check_holds(held_keys)
-        rows = self._loaded(todo.keys, found)
-        gone = self._gone(todo.keys, uncached, tombs)
+        rows = self._loaded(todo.keys, read[0] if read else None)
+        gone = self._tombstones_read(read) if read else {}
+        self._cached_tombstones(todo.keys, gone)
         fresh = list(todo.first.values())
         return fresh, self._fold(fresh, rows, todo.record_keys, todo.key_errors, gone)
 
-    def _gone(self, keys: list[tuple[Any, ...]], uncached: dict[str, tuple[Any, ...]],
-              tombs: psycopg.Cursor[Any] | None) -> dict[tuple[Any, ...], int]:
-        """The tombstones of `keys`: those read for the keys not cached, and the cached ones."""
-        gone: dict[tuple[Any, ...], int] = {}
-        if tombs is not None:
-            for text, version in tombs.fetchall():
-                gone[uncached[text]] = version
+    def _read_keys(self, conn: psycopg.Connection[Any], keys: list[tuple[Any, ...]]
+                   ) -> tuple[psycopg.Cursor[Any], psycopg.Cursor[Any], dict[str, tuple[Any, ...]]]:
+        """Deduplicating by version, what PostgreSQL knows of `keys` (pipelined by the caller): their rows, their
+        tombstones, and the keys by their text as the tombstones store them."""
+        texts = {hold_text(k): k for k in keys}
+        return (self._select(conn, keys),
+                conn.execute(q.select_tombstones(self._tombstones), (self.namespace, list(texts))), texts)
+
+    @staticmethod
+    def _tombstones_read(read: tuple[Any, psycopg.Cursor[Any], dict[str, tuple[Any, ...]]]
+                         ) -> dict[tuple[Any, ...], int]:
+        _, tombs, texts = read
+        return {texts[text]: version for text, version in tombs.fetchall()}
+
+    def _cached_tombstones(self, keys: list[tuple[Any, ...]], gone: dict[tuple[Any, ...], int]) -> None:
+        """Add the cached tombstones of `keys` to `gone`."""
         if self.cache_rows:
             cache = self._cache
             for k in keys:
                 v = cache.get(k)
                 if type(v) is int:
                     gone[k] = v
-        return gone
 
     def _track_read(self, conn: psycopg.Connection[Any], todo: _Candidates
                     ) -> tuple[int, list[bytes] | None, psycopg.Cursor[Any] | None]:
@@ -911,7 +914,7 @@ class ProjectionWriter:
         """Fold the new events, in order, onto the rows read; nothing is written (pure but for the mapper).
         `gone`: deduplicating by version, the tombstones of the keys (a deleted row's version still guards)."""
         mapping = self.mapping
-        folded = _Folded({}, loaded, 0, 0, [], gone)
+        folded = _Folded({}, loaded, 0, 0, [])
         bad, buried = folded.bad, folded.buried
         state: dict[tuple[Any, ...], Row | None] = dict(loaded)
         for r in fresh:
