@@ -7,7 +7,9 @@ again by the next `flush`, so a dead letter may be written twice but is never lo
 
 from __future__ import annotations
 
+import base64
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -33,6 +35,65 @@ MAX_MESSAGE_CHARS = 2000
 MAX_VALUE_BYTES = 900_000
 
 log = structlog.get_logger("kafold.connectors.dlq")
+
+
+# ---- what PostgreSQL can hold --------------------------------------------------------------------------------
+# PostgreSQL's text and jsonb hold neither NUL nor a lone surrogate (psycopg cannot even encode one), and a record's
+# producer chooses every byte of it: a dead letter must be writable whatever they are, or one record stops the task
+# for good. Bytes are kept as they were (bytea, base64 in JSON); text derived from them is escaped.
+
+def pg_text(text: str) -> str:
+    """`text` as PostgreSQL text can store it: NUL as `\\x00`, a lone surrogate as `\\udXXX` (the rest unchanged)."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+def _storable(raw: bytes) -> str | None:
+    """`raw` as JSON text PostgreSQL's jsonb keeps exactly, or None (not UTF-8, or holding NUL)."""
+    if b"\x00" in raw:
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def headers_json(headers: Sequence[tuple[str, Any]]) -> list[list[Any]]:
+    """Headers as jsonb can hold them, every byte kept: [name, text] when UTF-8 without NUL, [name, {"base64": …}]
+    otherwise, [name, null] for none; a name that is not storable text is {"base64": …} too."""
+    out: list[list[Any]] = []
+    for name, value in headers:
+        n: Any = name
+        if not isinstance(name, str) or pg_text(name) != name:
+            raw_name = name.encode("utf-8", "surrogateescape") if isinstance(name, str) else bytes(name)
+            n = {"base64": base64.b64encode(raw_name).decode()}
+        if value is None:
+            out.append([n, None])
+            continue
+        raw = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else bytes(value)
+        text = _storable(raw)
+        out.append([n, text if text is not None else {"base64": base64.b64encode(raw).decode()}])
+    return out
+
+
+def stored_headers(stored: list[list[Any]]) -> list[tuple[str, bytes | None]]:
+    """The original headers of a dead letter as `headers_json` stored them, without kafold's `kafold-dlq-*` ones."""
+    out: list[tuple[str, bytes | None]] = []
+    for name, value in stored:
+        if isinstance(name, dict):
+            name = base64.b64decode(name["base64"]).decode("utf-8", "surrogateescape")
+        if name.startswith("kafold-dlq-"):
+            continue
+        if isinstance(value, dict):
+            out.append((name, base64.b64decode(value["base64"])))
+        else:
+            out.append((name, None if value is None else str(value).encode()))
+    return out
 
 
 def dlq_headers(raw: RawRecord, error: BaseException, connector: str, now_ms: int) -> Headers:

@@ -15,7 +15,6 @@ held, in order.
 
 from __future__ import annotations
 
-import base64
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,7 @@ from psycopg.rows import dict_row
 from kafold import db
 from kafold.config import PostgresConfig
 from kafold.connectors.api import SinkRecord
+from kafold.connectors.dlq import stored_headers
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.mapping import Mapping
 from kafold.connectors.projection.writer import BatchResult, ProjectionWriter, holds_lock
@@ -64,19 +64,6 @@ def held_keys(pgc: PostgresConfig, connector: str | None = None) -> dict[str, in
     with db.connect(pgc) as conn:
         rows = conn.execute(query, (connector,) if connector else ()).fetchall()
     return {name: int(n) for name, n in rows}
-
-
-def stored_headers(stored: list[list[Any]]) -> list[tuple[str, bytes | None]]:
-    """The original headers of a dead letter as stored (JSON), without kafold's `kafold-dlq-*` ones."""
-    out: list[tuple[str, bytes | None]] = []
-    for name, value in stored:
-        if name.startswith("kafold-dlq-"):
-            continue
-        if isinstance(value, dict):
-            out.append((name, base64.b64decode(value["base64"])))
-        else:
-            out.append((name, None if value is None else str(value).encode()))
-    return out
 
 
 class Release:

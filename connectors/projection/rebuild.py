@@ -74,10 +74,10 @@ from psycopg import sql
 from kafold import db, kafka_clients, logs
 from kafold.config import KafkaConfig, KafoldConfig, PostgresConfig, python_path
 from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition, sink_record
+from kafold.connectors.dlq import stored_headers
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.connector import ProjectionConnector
-from kafold.connectors.projection.holds import stored_headers
 from kafold.connectors.projection.mapping import Mapping, load_mapper
 from kafold.connectors.projection.rebuild_state import ACTIVE, offsets
 from kafold.connectors.projection.task import tune_interpreter

@@ -72,6 +72,7 @@ from psycopg.types.json import Jsonb
 from kafold import db, logs
 from kafold.config import PostgresConfig
 from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition
+from kafold.connectors.dlq import headers_json, pg_text
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.mapping import UNCHANGED, Mapping, MappingError, Row
@@ -148,21 +149,12 @@ class _Bad(Exception):
         self.bad = bad
 
 
-def headers_json(headers: Sequence[tuple[str, Any]]) -> list[list[Any]]:
-    """Headers as JSON: [name, text] when UTF-8, [name, {"base64": …}] otherwise, [name, null] for none."""
-    import base64
-
-    out: list[list[Any]] = []
-    for name, value in headers:
-        if value is None:
-            out.append([name, None])
-            continue
-        raw = value.encode() if isinstance(value, str) else bytes(value)
-        try:
-            out.append([name, raw.decode("utf-8")])
-        except UnicodeDecodeError:
-            out.append([name, {"base64": base64.b64encode(raw).decode()}])
-    return out
+def _rejection(e: BaseException) -> str:
+    """Why PostgreSQL refused a row, in one line; a NUL character (which its text and jsonb cannot store) named."""
+    full = str(e)
+    text = f"{type(e).__name__}: {full.splitlines()[0] if full else ''}"
+    nul = "0x00" in full or "\\u0000" in full  # the server's words (text, jsonb) and psycopg's (a text parameter)
+    return f"a value holds a NUL character, which PostgreSQL text and jsonb cannot store ({text})" if nul else text
 
 
 def _next_offsets(records: Sequence[SinkRecord]) -> dict[TopicPartition, int]:
@@ -549,8 +541,7 @@ class ProjectionWriter:
                     raise FatalError(f"PostgreSQL rejected kafold's own bookkeeping: {e}") from e
                 bad = records[0]
                 error = RecordError(f"{self.config.schema}.{self.table} rejected the row of event "
-                                    f"{bad.event.event_id}: {type(e).__name__}: {str(e).splitlines()[0]}",
-                                    raw=bad, reason="db-rejected")
+                                    f"{bad.event.event_id}: {_rejection(e)}", raw=bad, reason="db-rejected")
                 if report is not None:
                     report([(bad, error)])
                 head = self._head_text(bad)
@@ -955,8 +946,8 @@ class ProjectionWriter:
         cls = type(error)
         status, hold_key = self._hold_of.get(id(error), ("new", None))
         return (self.connector, raw.topic, raw.partition, raw.offset, raw.key, raw.value,
-                Jsonb(headers_json(raw.headers)), f"{cls.__module__}.{cls.__qualname__}", str(error)[:2000],
-                getattr(error, "reason", "task-error"), status, hold_key)
+                Jsonb(headers_json(raw.headers)), pg_text(f"{cls.__module__}.{cls.__qualname__}"),
+                pg_text(str(error)[:2000]), pg_text(str(getattr(error, "reason", "task-error"))), status, hold_key)
 
 
 _TEXT, _INT = (str,), (int,)

@@ -13,14 +13,17 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from kafold import config, db, devstack, kafka_clients
 from kafold.cli import add_config_arg
+from kafold.connectors.dlq import stored_headers
 from kafold.connectors.projection import ProjectionConnector
-from kafold.connectors.projection.holds import Release, stored_headers
+from kafold.connectors.projection.holds import Release
 from kafold.connectors.projection.mapping import Mapping, load_mapper
 from kafold.connectors.registry import instantiate
 from kafold.errors import ConfigError, KafoldError
+from kafold.terminal import visible
 
 STATUSES = ("new", "held", "replayed", "discarded")
 
@@ -90,19 +93,22 @@ def list_(args: argparse.Namespace) -> int:
     rows = _rows(cfg.postgres, " AND ".join(where), tuple(params), args.limit)
     table = Table("id", "connector", "record", "reason", "error", "status", "holds key", "created")
     for r in rows:
-        table.add_row(str(r["id"]), r["connector"], f"{r['topic']}[{r['partition']}]@{r['offset']}", r["reason"],
-                      f"{r['error_class'].rpartition('.')[2]}: {r['error_message'][:80]}", r["status"],
-                      r["hold_key"] or "", r["created_at"].isoformat(timespec="seconds"))
+        # Text, not markup: a record's content is shown as it is, escaped, never interpreted by rich.
+        cells = (str(r["id"]), r["connector"], f"{r['topic']}[{r['partition']}]@{r['offset']}", r["reason"],
+                 f"{r['error_class'].rpartition('.')[2]}: {r['error_message'][:80]}", r["status"],
+                 r["hold_key"] or "", r["created_at"].isoformat(timespec="seconds"))
+        table.add_row(*(Text(visible(c)) for c in cells))
     Console().print(table)
     print(f"{len(rows)} dead letter(s)")
     return 0
 
 
 def _text(value: bytes | None) -> str:
+    """Bytes as a terminal may print them: UTF-8 with control characters escaped, else base64."""
     if value is None:
         return "(none)"
     try:
-        return bytes(value).decode("utf-8")
+        return visible(bytes(value).decode("utf-8"))
     except UnicodeDecodeError:
         return "base64:" + base64.b64encode(bytes(value)).decode()
 
@@ -115,10 +121,10 @@ def show_(args: argparse.Namespace) -> int:
     r = rows[0]
     for name in ("id", "connector", "topic", "partition", "offset", "status", "hold_key", "reason", "error_class",
                  "error_message", "created_at", "replayed_at"):
-        print(f"{name:<14} {r[name]}")
+        print(f"{name:<14} {visible(r[name], lines=name == 'error_message')}")
     print("headers")
-    for name, value in r["headers"]:
-        print(f"  {name}: {value}")
+    for name, value in stored_headers(r["headers"]):
+        print(f"  {visible(name)}: {_text(value)}")
     print(f"key            {_text(r['key'])}")
     print(f"value          {_text(r['value'])}")
     return 0
@@ -162,7 +168,8 @@ def replay(args: argparse.Namespace) -> int:
         _to_topic(cfg, by_topic)
         _mark(cfg.postgres, [r["id"] for r in by_topic], "replayed")
         for r in by_topic:
-            print(f"#{r['id']} {r['topic']}[{r['partition']}]@{r['offset']}: re-published to the source topic")
+            print(visible(f"#{r['id']} {r['topic']}[{r['partition']}]@{r['offset']}: re-published to the source "
+                          "topic"))
         applied += len(by_topic)
     for name, release in projections.items():
         done: set[int] = set()
@@ -174,7 +181,7 @@ def replay(args: argparse.Namespace) -> int:
                 for outcome in release.replay(r["id"], value):
                     done.add(outcome.id)
                     applied += outcome.applied
-                    print(outcome.line())
+                    print(visible(outcome.line()))
     print(f"{len(rows)} dead letter(s) replayed: {applied} record(s) applied" +
           ("" if applied else "; nothing was applied"))
     return 0 if applied else 1
@@ -232,12 +239,12 @@ def discard(args: argparse.Namespace) -> int:
     plain = [r for r in rows if r["connector"] not in projections]
     _mark(cfg.postgres, [r["id"] for r in plain], "discarded")
     for r in plain:
-        print(f"#{r['id']} {r['topic']}[{r['partition']}]@{r['offset']}: discarded (not applied)")
+        print(visible(f"#{r['id']} {r['topic']}[{r['partition']}]@{r['offset']}: discarded (not applied)"))
     for name, release in projections.items():
         with release:
             for r in rows:
                 if r["connector"] == name:
                     for outcome in release.discard(r["id"]):
-                        print(outcome.line())
+                        print(visible(outcome.line()))
     print(f"{len(rows)} dead letter(s) discarded")
     return 0
