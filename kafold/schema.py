@@ -265,12 +265,20 @@ def is_missing(value: Any) -> bool:
     return value is _MISSING
 
 
-def reference(cls: type, heading: str, depth: int = 3) -> list[str]:
-    """Markdown rows documenting `cls` (used for the README's configuration reference)."""
+def reference(cls: type, heading: str, depth: int = 3, *, shared: type | None = None,
+              shared_note: str = "") -> list[str]:
+    """Markdown rows documenting `cls` (docs/configuration.md); the keys `cls` inherits from `shared` are left
+    out, with `shared_note` (a pointer to where `shared` is documented once) in their place."""
     hints = typing.get_type_hints(cls)
-    lines = [f"{'#' * depth} `{heading}`", "", "| key | type | default | description |", "|---|---|---|---|"]
+    lines = [f"{'#' * depth} `{heading}`", ""]
+    if shared_note:
+        lines += [shared_note, ""]
+    lines += ["| key | type | default | description |", "|---|---|---|---|"]
     nested: list[tuple[type, str]] = []
+    inherited = {f.name for f in dataclasses.fields(shared)} if shared is not None else set()
     for f in dataclasses.fields(cls):
+        if f.name in inherited:
+            continue
         tp = hints[f.name]
         if f.metadata.get("secret"):
             key = f"`{f.name}_env` / `{f.name}_file`"
@@ -287,6 +295,7 @@ def reference(cls: type, heading: str, depth: int = 3) -> list[str]:
         choices = f.metadata.get("choices")
         if choices:
             doc += " One of " + ", ".join(f"`{c}`" for c in choices) + "."
+        doc = doc.replace("|", "\\|")  # a bar inside a table cell (even in backticks) would split the cell
         lines.append(f"| {key} | {describe(tp)} | {default} | {doc} |")
         inner = typing.get_args(tp)[0] if typing.get_args(tp) else None
         if dataclasses.is_dataclass(tp):

@@ -1,6 +1,10 @@
-"""The configuration reference, generated from the declared schemas (the README embeds it; a test keeps it in sync)."""
+"""The configuration reference, generated from the declared schemas (docs/configuration.md embeds it; a test keeps
+it in sync)."""
 
 from __future__ import annotations
+
+import dataclasses
+import re
 
 from kafold import config
 from kafold.connectors.registry import available, resolve
@@ -25,15 +29,55 @@ def render() -> str:
         table = reference(cls, name)
         lines += [table[0], "", doc, *table[1:]]
 
-    for name in available():
-        connector = resolve(name)
-        if connector.__module__.startswith("kafold."):  # built-ins only: installed plugins document themselves
-            lines += reference(connector.config_class, f'connectors.config (class = "{name}")')
+    builtins = {name: resolve(name).config_class for name in available()
+                if resolve(name).__module__.startswith("kafold.")}  # installed plugins document themselves
+    shared = _shared_bases(builtins)
+    for base, names in shared.items():  # rendered once, before the connectors that point to it
+        classes = ", ".join(f'`class = "{n}"`' for n in names)
+        lines += reference(base, _shared_heading(base),
+                           shared_note=f"{(base.__doc__ or '').strip()} Used by {classes}.")
+    for name, cls in builtins.items():
+        parent = _base(cls)
+        if parent is not None and parent in shared:
+            heading = _shared_heading(parent)
+            lines += reference(cls, f'connectors.config (class = "{name}")', shared=parent,
+                               shared_note=f"Plus every key of [{heading}](#{_anchor(heading)}).")
+        else:
+            lines += reference(cls, f'connectors.config (class = "{name}")')
     return "\n".join(lines).rstrip() + "\n"
 
 
-def splice(readme: str) -> str:
-    """The README text with its generated section replaced by a fresh render."""
-    head, _, rest = readme.partition(BEGIN)
+# A readable name for a settings base class several connectors share (its heading and the anchor pointing to it).
+_SHARED_NAMES = {"EffectConfig": "effect connectors"}
+
+
+def _shared_heading(base: type) -> str:
+    return f"connectors.config ({_SHARED_NAMES.get(base.__name__, base.__name__)})"
+
+
+def _base(cls: type) -> type | None:
+    """The settings class `cls` extends, if any (its keys are then documented once, with that class)."""
+    parents = [b for b in cls.__mro__[1:] if dataclasses.is_dataclass(b)]
+    return parents[0] if parents else None
+
+
+def _shared_bases(classes: dict[str, type]) -> dict[type, list[str]]:
+    """Settings base classes that two or more connectors extend, with those connectors' names."""
+    users: dict[type, list[str]] = {}
+    for name, cls in classes.items():
+        base = _base(cls)
+        if base is not None:
+            users.setdefault(base, []).append(name)
+    return {base: names for base, names in users.items() if len(names) > 1}
+
+
+def _anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation (backticks too) dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def splice(page: str) -> str:
+    """The page's text (docs/configuration.md) with its generated section replaced by a fresh render."""
+    head, _, rest = page.partition(BEGIN)
     _, _, tail = rest.partition(END)
     return f"{head}{BEGIN}\n{render()}{END}{tail}"

@@ -147,12 +147,23 @@ def test_validate_command_exit_codes(tmp_path: Path) -> None:
     assert "hunter2-literal" not in res.stderr + res.stdout  # the refused secret is not echoed
 
 
-def test_readme_reference_is_in_sync() -> None:
-    """The README's configuration reference equals what the schemas declare."""
-    from kafold.commands.reference import splice
+def test_configuration_reference_is_in_sync() -> None:
+    """docs/configuration.md's reference equals what the schemas declare."""
+    from kafold.commands.reference import BEGIN, splice
 
-    readme = (ROOT / "README.md").read_text()
-    assert splice(readme) == readme, "run `kafold config reference` and update README.md"
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert BEGIN in page, "docs/configuration.md lost its generated reference markers"
+    assert splice(page) == page, ("run `kafold config reference` and paste its output between the markers of "
+                                  "docs/configuration.md")
+
+
+def test_effect_keys_are_documented_once() -> None:
+    """The keys every effect connector shares appear once in the reference, each connector pointing to them."""
+    from kafold.commands.reference import render
+
+    text = render()
+    assert text.count("| `circuit_window` |") == 1
+    assert text.count("Plus every key of [connectors.config (effect connectors)]") == 3
 
 
 def test_a_task_without_postgres_never_guesses_a_database(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
