@@ -7,10 +7,16 @@ never one round trip per event. A *succeeded* row needs no durability before the
 re-delivers with the same idempotency key); a *parked* event does: its dead letter is acknowledged by the
 dead-letter topic and its parked row committed to PostgreSQL before `on_durable` fires, and only then does the
 tracker count it complete. A failing write is retried with backoff; completions simply wait (offsets hold back).
+
+A producer chooses an event's id, type, key and payload: whatever they hold, the rows must be writable, or one event
+stalls the ledger for good. Ids, keys and error texts are stored as `pg_text` (NUL and lone surrogates escaped; the
+task hands over keys already so, see task.py), and a parked event PostgreSQL's jsonb cannot hold exactly (a NUL in
+a string) is stored as {"base64": its JSON}, read back to the same event.
 """
 
 from __future__ import annotations
 
+import base64
 import queue
 import threading
 import time
@@ -28,6 +34,7 @@ from psycopg import sql
 from kafold import logs
 from kafold.config import PostgresConfig
 from kafold.connectors.api import ErrantRecordReporter, SinkRecord
+from kafold.connectors.dlq import pg_text
 from kafold.envelope import Event
 from kafold.errors import FatalError, RetriableError
 from kafold.pg import conninfo
@@ -74,6 +81,26 @@ class Parking:
     exc: BaseException | None = None
     parked_at: datetime = field(default_factory=now)
     reported: bool = False  # its dead letter was acknowledged (a failed DB write does not send it again)
+
+
+def _text(value: str | None) -> str | None:
+    return None if value is None else pg_text(value)
+
+
+def parked_json(event: Event) -> str:
+    """A parked event as its jsonb column holds it exactly: its JSON, or {"base64": its JSON} when that holds a NUL
+    (jsonb refuses \\u0000)."""
+    body = event_json(event)
+    if b"\\u0000" in body:
+        return orjson.dumps({"base64": base64.b64encode(body).decode()}).decode()
+    return body.decode()
+
+
+def parked_body(stored: str) -> bytes:
+    """The event JSON `parked_json` stored."""
+    if stored.startswith('{"base64"'):
+        return base64.b64decode(orjson.loads(stored)["base64"])
+    return stored.encode()
 
 
 def event_json(event: Event) -> bytes:
@@ -216,12 +243,13 @@ class Ledger:
     def _merge(self, out: dict[str, list[Any]], o: Outcome, failures: list[tuple[Any, ...]]) -> None:
         r = o.record
         if o.status == "retrying" or (o.status == "parked" and o.attempts):
-            failures.append((self.connector, r.event.event_id, o.last_attempt_at, o.latency_ms, "failed", o.error))
+            failures.append((self.connector, pg_text(r.event.event_id), o.last_attempt_at, o.latency_ms, "failed",
+                             _text(o.error)))
         row = out.get(r.event.event_id)
         if row is None:
-            out[r.event.event_id] = [self.connector, r.event.event_id, r.event.type, r.key, r.topic, r.partition,
-                                     r.offset, o.status, o.attempts, o.first_attempt_at, o.last_attempt_at,
-                                     o.completed_at, o.latency_ms, o.error]
+            out[r.event.event_id] = [self.connector, pg_text(r.event.event_id), pg_text(r.event.type), r.key,
+                                     r.topic, r.partition, r.offset, o.status, o.attempts, o.first_attempt_at,
+                                     o.last_attempt_at, o.completed_at, o.latency_ms, _text(o.error)]
             return
         row[7] = o.status
         row[8] += o.attempts
@@ -229,7 +257,7 @@ class Ledger:
         row[10] = o.last_attempt_at or row[10]
         row[11] = o.completed_at or row[11]
         row[12] = o.latency_ms if o.latency_ms is not None else row[12]
-        row[13] = o.error or row[13]
+        row[13] = _text(o.error) or row[13]
 
     def _copy_outcomes(self, cur: psycopg.Cursor[Any], rows: list[list[Any]]) -> None:
         ledger = table(self.schema, "effect_ledger")
@@ -257,8 +285,9 @@ class Ledger:
             "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s::jsonb, %s) "
             "ON CONFLICT (connector, event_id) DO NOTHING").format(
             table(self.schema, "effect_parked")),
-            [(self.connector, p.record.key, p.record.event.event_id, p.record.topic, p.record.partition,
-              p.record.offset, p.head, p.error, event_json(p.record.event).decode(), p.parked_at) for p in parkings])
+            [(self.connector, p.record.key, pg_text(p.record.event.event_id), p.record.topic, p.record.partition,
+              p.record.offset, p.head, pg_text(p.error), parked_json(p.record.event), p.parked_at)
+             for p in parkings])
         heads = {p.record.key: p for p in parkings if p.head}
         if heads:
             cur.executemany(sql.SQL(
@@ -266,8 +295,8 @@ class Ledger:
                 "VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (connector, key) DO UPDATE SET "
                 "head_event_id = EXCLUDED.head_event_id, error = EXCLUDED.error, requested_action = NULL, "
                 "requested_at = NULL").format(table(self.schema, "effect_parked_keys")),
-                [(self.connector, k, p.record.topic, p.record.partition, p.record.event.event_id, p.error,
-                  p.parked_at) for k, p in heads.items()])
+                [(self.connector, k, p.record.topic, p.record.partition, pg_text(p.record.event.event_id),
+                  pg_text(p.error), p.parked_at) for k, p in heads.items()])
 
     # ---- reads and release steps (executor thread pool; one at a time) ----------------------------------------
     @contextmanager
@@ -301,10 +330,11 @@ class Ledger:
         """Ids among `event_ids` this connector already finished (succeeded, parked or skipped)."""
         if not event_ids:
             return set()
+        stored = {pg_text(i): i for i in event_ids}
         rows = self._read(sql.SQL(
             "SELECT event_id FROM {} WHERE connector = %s AND event_id = ANY(%s) AND status <> 'retrying'").format(
-            table(self.schema, "effect_ledger")), (self.connector, list(event_ids)))
-        return {r[0] for r in rows}
+            table(self.schema, "effect_ledger")), (self.connector, list(stored)))
+        return {stored[r[0]] for r in rows}
 
     def parked_keys(self) -> list[tuple[str, str, int]]:
         """(key, topic, partition) of this connector's parked keys."""
@@ -324,7 +354,7 @@ class Ledger:
         rows = self._read(sql.SQL("SELECT event_id, topic, partition, \"offset\", event::text FROM {} "
                                   "WHERE connector = %s AND key = %s ORDER BY seq").format(
             table(self.schema, "effect_parked")), (self.connector, key))
-        return [(r[0], r[1], r[2], r[3], r[4].encode()) for r in rows]
+        return [(r[0], r[1], r[2], r[3], parked_body(r[4])) for r in rows]
 
     def settle(self, key: str, event_id: str, status: str, outcome: Outcome | None) -> None:
         """A parked event left the queue (`succeeded` or `skipped`): ledger updated, parked row deleted."""
@@ -343,14 +373,14 @@ class Ledger:
         """A released event failed again: it becomes the key's head again; the request is answered."""
         with self._reading(transaction=True) as cur:
             cur.execute(sql.SQL("UPDATE {} SET head = true, error = %s WHERE connector = %s AND event_id = %s").format(
-                table(self.schema, "effect_parked")), (error, self.connector, event_id))
+                table(self.schema, "effect_parked")), (pg_text(error), self.connector, event_id))
             cur.execute(sql.SQL("UPDATE {} SET head_event_id = %s, error = %s, requested_action = NULL, "
                                 "requested_at = NULL WHERE connector = %s AND key = %s").format(
-                table(self.schema, "effect_parked_keys")), (event_id, error, self.connector, key))
+                table(self.schema, "effect_parked_keys")), (event_id, pg_text(error), self.connector, key))
             cur.execute(sql.SQL("UPDATE {} SET status = 'parked', attempts = attempts + %s, last_attempt_at = %s, "
                                 "last_error = %s WHERE connector = %s AND event_id = %s").format(
                 table(self.schema, "effect_ledger")),
-                (outcome.attempts, outcome.last_attempt_at, error, self.connector, event_id))
+                (outcome.attempts, outcome.last_attempt_at, pg_text(error), self.connector, event_id))
 
     def unpark(self, key: str) -> None:
         self._read(sql.SQL("DELETE FROM {} WHERE connector = %s AND key = %s").format(

@@ -16,6 +16,7 @@ Note on offsets and commits
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Collection, Iterable, Sequence
@@ -35,7 +36,7 @@ from kafold.connectors.api import (
     TaskView,
     TopicPartition,
 )
-from kafold.connectors.dlq import DeadLetterWriter
+from kafold.connectors.dlq import DeadLetterWriter, pg_text
 from kafold.connectors.effects.circuit import Circuit
 from kafold.connectors.effects.drivers import Effect, KafkaEffect, PythonEffect, Webhook
 from kafold.connectors.effects.executor import Executor
@@ -117,6 +118,7 @@ class EffectSinkTask(SinkTask):
         self._release_committed()
         if not records:
             return
+        records = [_storable_key(r) for r in records]
         for r in records:
             self.tracker.add(r.tp, r.offset)
         if self.at_most_once:
@@ -201,6 +203,13 @@ class EffectSinkTask(SinkTask):
                 part.close()
         if executor is not None:
             self.log.info("effect task stopped", **executor.counts)
+
+
+def _storable_key(record: SinkRecord) -> SinkRecord:
+    """`record` with its key as the ledger stores it (`pg_text`: a NUL escaped): the executor orders, parks and
+    releases keys by the same text PostgreSQL holds. The effect itself gets the event unchanged."""
+    key = pg_text(record.key)
+    return record if key == record.key else dataclasses.replace(record, key=key)
 
 
 def build_effect(config: EffectConfig, kafka: KafkaConfig, name: str) -> Effect:

@@ -9,6 +9,7 @@ from kafold import config, devstack
 from kafold.cli import add_config_arg
 from kafold.connectors.effects import ops
 from kafold.errors import KafoldError
+from kafold.terminal import visible
 
 
 def register(sub: Any) -> None:
@@ -55,15 +56,15 @@ def _cfg(args: argparse.Namespace, need: tuple[str, ...]) -> config.KafoldConfig
 def handle_show(args: argparse.Namespace) -> int:
     rows = ops.show(_cfg(args, ("postgres",)).postgres, args.event_id)
     if not rows:
-        print(f"no effect recorded for event {args.event_id}")
+        print(f"no effect recorded for event {visible(args.event_id)}")
         return 1
     for r in rows:
-        print(f"{r['connector']}: {r['status']} after {r['attempts']} attempt(s); first {r['first_attempt_at']}, "
-              f"last {r['last_attempt_at']}, completed {r['completed_at'] or '-'}; latency "
-              f"{r['latency_ms'] if r['latency_ms'] is None else round(r['latency_ms'], 1)} ms; "
-              f"{r['topic']}[{r['partition']}]@{r['offset']}")
+        print(visible(f"{r['connector']}: {r['status']} after {r['attempts']} attempt(s); first "
+                      f"{r['first_attempt_at']}, last {r['last_attempt_at']}, completed {r['completed_at'] or '-'}; "
+                      f"latency {r['latency_ms'] if r['latency_ms'] is None else round(r['latency_ms'], 1)} ms; "
+                      f"{r['topic']}[{r['partition']}]@{r['offset']}"))
         for f in r["failed_attempts"]:
-            print(f"  failed {f['attempted_at']} ({round(f['latency_ms'] or 0, 1)} ms): {f['error']}")
+            print(visible(f"  failed {f['attempted_at']} ({round(f['latency_ms'] or 0, 1)} ms): {f['error']}"))
     return 0
 
 
@@ -73,8 +74,9 @@ def handle_list(args: argparse.Namespace) -> int:
         print("no parked keys")
     for r in rows:
         req = f" (requested: {r['requested_action']})" if r["requested_action"] else ""
-        print(f"{r['connector']}  key={r['key']}  events={r['events']}  head={r['head_event_id']}  "
-              f"{r['topic']}[{r['partition']}]  since {r['parked_at']}{req}\n    {r['error']}")
+        print(visible(f"{r['connector']}  key={r['key']}  events={r['events']}  head={r['head_event_id']}  "
+                      f"{r['topic']}[{r['partition']}]  since {r['parked_at']}{req}"))
+        print(f"    {visible(r['error'])}")
     return 0
 
 
@@ -84,14 +86,14 @@ def handle_release(args: argparse.Namespace) -> int:
         return _release_all(args, pg)
     connector = ops.request(pg, args.key, args.action, args.connector)
     if args.wait <= 0:
-        print(f"{args.action} of key {args.key!r} ({connector}) requested")
+        print(visible(f"{args.action} of key {args.key!r} ({connector}) requested"))
         return 0
     result = ops.wait(pg, connector, args.key, args.wait)
-    print({"released": f"key {args.key!r} ({connector}) released: its parked events were delivered in order",
+    print(visible({"released": f"key {args.key!r} ({connector}) released: its parked events were delivered in order",
            "parked": f"key {args.key!r} ({connector}) is parked again: an event failed again "
                      "(see `kafold effects parked list`)",
            "pending": f"no daemon answered within {args.wait:g}s; the request stays and runs when the "
-                      f"connector's daemon does"}[result])
+                      f"connector's daemon does"}[result]))
     return 0 if result == "released" else 1
 
 

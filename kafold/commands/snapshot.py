@@ -21,6 +21,7 @@ from kafold.snapshot.verify import verify
 from kafold.spark_jobs import runs
 from kafold.spark_jobs.runs import partitions_of
 from kafold.spark_jobs.session import session
+from kafold.terminal import visible
 
 log = logs.get("kafold.snapshot")
 EX_TEMPFAIL = 75  # another run holds the lock
@@ -49,6 +50,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                         "[snapshots].local_max_events are unfolded (default [snapshots].engine, auto)")
     p.add_argument("--refresh-lag", type=int, default=None, metavar="OFFSETS",
                    help="move unchanged snapshots lagging the end by more than this forward (default 100000)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="draw no progress bar even on a terminal (the daemon's scheduled runs: nobody watches them)")
 
 
 def _aggregates(cfg: config.KafoldConfig, name: str | None, path: str) -> list[config.AggregateConfig]:
@@ -84,9 +87,10 @@ def run_lock(config_path: str) -> Iterator[bool]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _reporter(name: str) -> tuple[Any, Any]:
-    """(progress context, reporter callback): a rich bar on a TTY, nothing otherwise (logs carry progress)."""
-    if not sys.stderr.isatty():
+def _reporter(name: str, wanted: bool = True) -> tuple[Any, Any]:
+    """(progress context, reporter callback): a rich bar on a TTY when `wanted`, nothing otherwise (logs carry
+    progress)."""
+    if not (wanted and sys.stderr.isatty()):
         return contextlib.nullcontext(), None
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -126,7 +130,7 @@ def handle_run(args: argparse.Namespace) -> int:
         began = time.monotonic()
         results = []
         for agg in aggs:
-            display, report = _reporter(agg.name)
+            display, report = _reporter(agg.name, wanted=not args.no_progress)
             with display:
                 results.append(runs.run(cfg.kafka, agg, _python_path(loaded), spark, engine=engine,
                                         local_max_events=cfg.snapshots.local_max_events, reporter=report,
@@ -160,6 +164,6 @@ def handle_verify(args: argparse.Namespace) -> int:
         print(f"{agg.name}: {report.checked} aggregates checked, {report.snapshots_used} snapshots used, "
               f"{len(report.mismatches)} mismatches")
         for m in report.mismatches:
-            print(f"  MISMATCH {agg.name} {m.aggregate_id} (partition {m.partition}): {m.problem}")
+            print(visible(f"  MISMATCH {agg.name} {m.aggregate_id} (partition {m.partition}): {m.problem}"))
         bad += len(report.mismatches)
     return 1 if bad else 0

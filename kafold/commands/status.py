@@ -18,6 +18,7 @@ from kafold.cli import add_config_arg
 from kafold.connectors.projection import holds
 from kafold.daemon import offsets
 from kafold.errors import KafoldError
+from kafold.terminal import visible
 
 COLUMNS = ("connector", "task", "topic", "partition", "committed", "end_offset", "lag", "lag_seconds", "state")
 # Effect connectors (from the daemon only): the endpoint's circuit, events held, fetching paused, parked keys.
@@ -50,7 +51,7 @@ def handle(args: argparse.Namespace) -> int:
             print(table(report["effects"], EFFECT_COLUMNS))
         for name, n in sorted((held or {}).items()):
             hint = f" (kafold dlq list --connector {name} --status all)" if n else ""
-            print(f"held keys of {name}: {n}{hint}")
+            print(visible(f"held keys of {name}: {n}{hint}"))
     return 0
 
 
@@ -106,7 +107,8 @@ def from_kafka(cfg: config.KafoldConfig) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]], columns: tuple[str, ...] = COLUMNS) -> str:
-    cells = [[("-" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
+    # A task's state may quote what a record held (an error): shown escaped, as every command shows record content.
+    cells = [[("-" if r.get(c) is None else visible(r.get(c))) for c in columns] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
