@@ -11,12 +11,12 @@ from kafold.commands.reference import render
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("config", help="validate or show a configuration (no connections opened)")
+    p = sub.add_parser("config", help="validate a configuration (no connections opened), or print the reference")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     v = csub.add_parser("validate", help="check a kafold.toml and print every problem found")
     add_config_arg(v)
     v.set_defaults(handler=validate)
-    r = csub.add_parser("reference", help="print the configuration reference (Markdown)")
+    r = csub.add_parser("reference", help="print the configuration reference (Markdown; docs/configuration.md)")
     r.set_defaults(handler=reference)
 
 
