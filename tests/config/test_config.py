@@ -153,8 +153,10 @@ def test_configuration_reference_is_in_sync() -> None:
 
     page = (ROOT / "docs" / "configuration.md").read_text()
     assert BEGIN in page, "docs/configuration.md lost its generated reference markers"
-    assert splice(page) == page, ("run `kafold config reference` and paste its output between the markers of "
-                                  "docs/configuration.md")
+    assert splice(page) == page, (
+        "docs/configuration.md is stale; regenerate it: .venv/bin/python -c \"from pathlib import Path; "
+        "from kafold.commands.reference import splice; p = Path('docs/configuration.md'); "
+        "p.write_text(splice(p.read_text()))\"")
 
 
 def test_effect_keys_are_documented_once() -> None:
