@@ -146,7 +146,9 @@ class DaemonHost:
         servers = [s.strip() for s in (self.cfg.kafka.bootstrap_servers or "localhost:9092").split(",") if s]
         app = _App(f"kafold-daemon-{d.group_prefix}", broker=[f"kafka://{s}" for s in servers], datadir=datadir,
                    autodiscover=False, web_enabled=d.http_port != 0, web_bind=d.http_host, web_host=d.http_host,
-                   web_port=d.http_port or 8083, loop=self.loop)
+                   web_port=d.http_port or 8083, web_router_enabled=False, web_tables_enabled=False, loop=self.loop)
+        http.guard_web(app, self)  # the token in front of Faust's own routes too (docs/security.md)
+        logs.withhold_request_bytes()  # aiohttp logs a request it cannot parse quoting its header lines
         for path, view in {**http.ROUTES, **connect_api.ROUTES}.items():
             app.page(path, name=view.__name__)(type(view.__name__, (view,), {"host": self}))
         app.service(type("KafoldTasks", (TasksService,), {"host": self}))

@@ -5,7 +5,11 @@ from __future__ import annotations
 import hmac
 from typing import TYPE_CHECKING, Any
 
+import faust
+from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from faust.web import Request, Response, View
+from faust.web.drivers.aiohttp import Web as AiohttpWeb
 
 from kafold.daemon.metrics import CONTENT_TYPE
 from kafold.errors import ConfigError, KafoldError
@@ -14,18 +18,45 @@ if TYPE_CHECKING:
     from kafold.daemon.host import DaemonHost
 
 
+# The only routes answered without the bearer token (docs/security.md): orchestrator probes (kubelet, systemd)
+# cannot carry a secret, and these show only liveness and the connectors' readiness.
+OPEN_PATHS = frozenset({"/health", "/ready"})
+
+
+def token_guard(host: DaemonHost) -> Middleware:
+    """The aiohttp middleware that refuses, when a token is configured, every request without it but those
+    routed to OPEN_PATHS: kafold's views, Faust's own (index, router, tables, whatever a Faust upgrade adds),
+    unknown paths and unserved methods alike. The one place auth is decided."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not _open(request) and not authorized(host.token, request.headers.get("Authorization", "")):
+            return web.json_response({"error_code": 401, "message": "missing or wrong bearer token"}, status=401,
+                                     headers={"WWW-Authenticate": 'Bearer realm="kafold"'})
+        return await handler(request)
+
+    return guard
+
+
+def guard_web(app: faust.App, host: DaemonHost) -> None:
+    """Put `token_guard` in front of every route of `app`'s web server (before it starts)."""
+    server = app.web
+    if not isinstance(server, AiohttpWeb):  # another web driver would serve everything without the token
+        raise KafoldError(f"the daemon's web server must be Faust's aiohttp driver, not {type(server).__name__}")
+    server.web_app.middlewares.append(token_guard(host))
+
+
+def _open(request: web.Request) -> bool:
+    """True when the request was routed to one of OPEN_PATHS (by the route that matched, not by the raw path)."""
+    info = request.match_info
+    resource = info.route.resource if info.http_exception is None else None
+    return resource is not None and resource.canonical in OPEN_PATHS
+
+
 class HostView(View):
-    """Base view: knows the host; every endpoint but /health and /ready requires the bearer token when one is
-    configured."""
+    """Base view: knows the host (auth is `token_guard`'s, in front of every view)."""
 
     host: DaemonHost
-    public = False
-
-    async def dispatch(self, request: Any) -> Any:
-        if not self.public and not authorized(self.host.token, request.headers.get("Authorization", "")):
-            return self.json({"error_code": 401, "message": "missing or wrong bearer token"}, status=401,
-                             headers={"WWW-Authenticate": 'Bearer realm="kafold"'})
-        return await super().dispatch(request)
 
     def problem(self, status: int, message: str) -> Response:
         """Kafka Connect's error body."""
@@ -33,26 +64,24 @@ class HostView(View):
 
 
 def authorized(token: str | None, header: str) -> bool:
-    """True when no token is configured, or the header is `Bearer <token>` (compared in constant time)."""
+    """True when no token is configured, or the header is `Bearer <token>` (compared in constant time). Never
+    raises: aiohttp hands undecodable header bytes over as lone surrogates, which a strict encode would turn into
+    an exception quoting the header, token and all, in the log (and a 500 instead of a 401)."""
     if token is None:
         return True
     scheme, _, given = header.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "surrogatepass"),
+                                                              token.encode())
 
 
 class Health(HostView):
-    public = True
-
     async def get(self, request: Request, **kwargs: Any) -> Response:
         return self.json({"status": "ok" if not self.host.failed else "failing"},
                          status=200 if not self.host.failed else 503)
 
 
 class Ready(HostView):
-    # Public like /health: orchestrator probes (kubelet, systemd) cannot carry a secret; it shows only the
-    # connectors' readiness, no offsets, data or configuration.
-    public = True
-
+    # In OPEN_PATHS like /health: it shows only the connectors' readiness, no offsets, data or configuration.
     async def get(self, request: Request, **kwargs: Any) -> Response:
         ready, report = self.host.ready_report()
         return self.json(report, status=200 if ready else 503)

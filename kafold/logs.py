@@ -3,6 +3,11 @@
 Output that nobody reads any more (`kafold run | tee run.log` after Ctrl-C killed tee, a closed terminal) must not
 stop the process: stdout and stderr are wrapped so that a write to a closed pipe goes nowhere instead of raising
 BrokenPipeError in whatever code logged, which could be a signal handler on the way to a graceful stop.
+
+What a client sends never reaches the log: aiohttp's server logs a request it cannot parse with an exception whose
+message quotes the offending header line (an `Authorization: Bearer <token>` included), so the exceptions it logs
+keep their type and stack but not their message (`WithholdMessages`); and a traceback never shows the frames' local
+variables (the console renderer's default would, request bytes and secrets included).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
 from typing import Any, TextIO
 
 import structlog
@@ -21,6 +27,8 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 # What `configure` was last given (a task process configures itself the same way): level, format, log file.
 _current: tuple[str, str, str | None] = ("info", "auto", None)
 _GONE = (errno.EPIPE, errno.EBADF, errno.ECONNRESET)
+# Loggers whose exceptions may quote raw request bytes (header lines, a bearer token among them).
+REQUEST_LOGGERS = ("aiohttp.server", "aiohttp.web", "aiohttp.access")
 
 
 class Tolerant:
@@ -60,6 +68,44 @@ class Tolerant:
         return getattr(self.stream, name)
 
 
+class Withheld(Exception):
+    """Stands in, in a log record, for an exception whose message may quote what a client sent."""
+
+
+def _withheld(exc: BaseException | None, seen: set[int]) -> BaseException | None:
+    """`exc` (and its cause and context) as `Withheld` exceptions naming their type, with the same stacks."""
+    if exc is None or id(exc) in seen:
+        return None
+    seen.add(id(exc))
+    stand_in = Withheld(f"{type(exc).__module__}.{type(exc).__qualname__} (message withheld: it may quote the "
+                        "request)").with_traceback(exc.__traceback__)
+    stand_in.__cause__ = _withheld(exc.__cause__, seen)
+    stand_in.__context__ = _withheld(exc.__context__, seen)
+    stand_in.__suppress_context__ = exc.__suppress_context__
+    return stand_in
+
+
+class WithholdMessages(logging.Filter):
+    """Replaces a record's exception by `Withheld` stand-ins: type and stack stay, the message goes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            stand_in = _withheld(record.exc_info[1], set())
+            assert stand_in is not None
+            tb: TracebackType | None = stand_in.__traceback__
+            record.exc_info = (Withheld, stand_in, tb)
+            record.exc_text = None
+        return True
+
+
+def withhold_request_bytes() -> None:
+    """Install `WithholdMessages` on REQUEST_LOGGERS (once)."""
+    for name in REQUEST_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, WithholdMessages) for f in logger.filters):
+            logger.addFilter(WithholdMessages())
+
+
 def tolerate_closed_output() -> None:
     """Wrap sys.stdout and sys.stderr in `Tolerant` (once)."""
     if not isinstance(sys.stdout, Tolerant):
@@ -74,6 +120,7 @@ def configure(level: str = "info", fmt: str = "auto", path: str | None = None) -
     global _current
     _current = (level, fmt, path)
     tolerate_closed_output()
+    withhold_request_bytes()
     out: Any = sys.stderr
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -84,8 +131,9 @@ def configure(level: str = "info", fmt: str = "auto", path: str | None = None) -
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
-    renderer: structlog.types.Processor = (
-        structlog.dev.ConsoleRenderer() if pretty else structlog.processors.JSONRenderer()
+    renderer: structlog.types.Processor = (  # a plain traceback: the default shows each frame's local variables
+        structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback) if pretty
+        else structlog.processors.JSONRenderer()
     )
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
