@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import random
 import signal
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from kafold import config, devstack, logs, topics
@@ -56,6 +59,8 @@ def handle(args: argparse.Namespace) -> int:
     finally:
         stop.set()
         parts.stop()
+        if parts.terminal is not None:  # the view has stopped drawing: what follows is printed on the terminal
+            parts.terminal.restore()
         _stop_jobs()
         for s, h in previous.items():
             signal.signal(s, h)
@@ -83,6 +88,7 @@ class _Parts:
     receiver: DemoReceiver | None
     generator: threading.Thread | None = None
     view: LiveView | None = None
+    terminal: _ViewTerminal | None = None
     sent: list[int] = dataclasses.field(default_factory=lambda: [0])
 
     def stop(self) -> None:
@@ -104,24 +110,55 @@ def _run(args: argparse.Namespace, cfg: config.KafoldConfig, loaded: config.Load
     print(report.table())
     if not report.ok:
         return 1
+    print(f"daemon running on {args.config}")
+    print(f"query the projections: psql '{cfg.postgres.url}' -c 'SELECT * FROM accounts LIMIT 10'")
+    view, log_file = None, None
+    if cfg.daemon.http_port:
+        print(f"metrics: http://127.0.0.1:{cfg.daemon.http_port}/metrics   status: kafold status -c {args.config}")
+        parts.view = view = LiveView(cfg, receiver, lambda: sent[0], stop)
+        if view.tty:  # anything printed through the live table would tear it: it all goes to a file instead
+            log_file = devstack.default_state_dir().parent / "run.log"
+            print(f"logs: {log_file}")
+    print("Ctrl-C stops everything", flush=True)
+    if view is not None:
+        if log_file is not None:  # before the generator, the daemon and its children start: all write to the file
+            level, fmt, _ = logs.current()
+            logs.configure(level, fmt, str(log_file))
+            parts.terminal = _ViewTerminal(log_file)
+            view.out = parts.terminal.stream
+        view.start()
     if args.traffic and cfg.aggregates:
         parts.generator = threading.Thread(target=_traffic, args=(cfg, loaded, args.traffic, args.rate, stop, sent),
                                            name="kafold-traffic", daemon=True)
         parts.generator.start()
-    print(f"daemon running on {args.config}")
-    print(f"query the projections: psql '{cfg.postgres.url}' -c 'SELECT * FROM accounts LIMIT 10'")
-    if cfg.daemon.http_port:
-        print(f"metrics: http://127.0.0.1:{cfg.daemon.http_port}/metrics   status: kafold status -c {args.config}")
-        parts.view = view = LiveView(cfg, receiver, lambda: sent[0], stop)
-        if view.tty:  # log lines printed through the live table would tear it: they go to a file instead
-            log_file = devstack.default_state_dir().parent / "run.log"
-            print(f"logs: {log_file}")
-            level, fmt, _ = logs.current()
-            logs.configure(level, fmt, str(log_file))
-        view.start()
-    print("Ctrl-C stops everything", flush=True)
 
     return run_daemon(cfg, loaded.base, stop, config_path=loaded.path)
+
+
+class _ViewTerminal:
+    """The terminal kept for the live view alone: this process's stdout and stderr (file descriptors 1 and 2) are
+    pointed at the log file, so whatever anything writes there — a stray print, a Python warning, librdkafka, and
+    every child that inherits them: the daemon's task processes, snapshot runs, their Spark JVMs' log4j — lands in
+    the file; the view draws on its own copy of the terminal. `restore` gives 1 and 2 the terminal back."""
+
+    def __init__(self, log_file: Path) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._saved = (os.dup(1), os.dup(2))
+        fd = os.open(log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        self.stream = logs.Tolerant(open(os.dup(self._saved[0]), "w", encoding="utf-8", buffering=1))  # noqa: SIM115
+
+    def restore(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.stream.flush()
+        for fd, saved in zip((1, 2), self._saved, strict=True):
+            os.dup2(saved, fd)
+            os.close(saved)
+        self.stream.close()
 
 
 def _stop_jobs() -> None:

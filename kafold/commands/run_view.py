@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import sys
 import threading
@@ -117,6 +118,7 @@ class LiveView:
                  stop: threading.Event, *, tty: bool | None = None, line_every_s: float = 5.0) -> None:
         self.cfg, self.receiver, self.commands_sent, self.stop = cfg, receiver, commands_sent, stop
         self.tty = sys.stdout.isatty() if tty is None else tty
+        self.out: Any = sys.stdout  # where the table is drawn: `kafold run` hands it the terminal it keeps for it
         self.line_every_s = line_every_s
         self.last: Figures | None = None
         self.java = shutil.which("java") is not None
@@ -196,12 +198,26 @@ class LiveView:
                   + ("" if self.java else " (no Java: in-process runs only)"))
         return t
 
+    def _follow_size(self, console: Any) -> None:
+        """The console's size is its terminal's (rich would ask file descriptors 0-2, which may not be it)."""
+        try:
+            console.size = os.get_terminal_size(self.out.fileno())
+        except (AttributeError, ValueError, OSError):
+            pass
+
     def _loop(self) -> None:
         if self.tty:
+            from rich.console import Console
             from rich.live import Live
 
-            with Live(self.table(self.read()), refresh_per_second=2, transient=False) as live:
+            console = Console(file=self.out)
+            self._follow_size(console)
+            # Not redirected through the table: whatever this process prints goes where its stdout and stderr point
+            # (the log file while the view owns the terminal).
+            with Live(self.table(self.read()), console=console, refresh_per_second=2, transient=False,
+                      redirect_stdout=False, redirect_stderr=False) as live:
                 while not self.stop.wait(1.0):
+                    self._follow_size(console)
                     live.update(self.table(self.read()))
             return
         last_line = 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import threading
@@ -35,12 +36,21 @@ def events_end_total(kafka: KafkaConfig, aggregates: Sequence[AggregateConfig]) 
 
 def subprocess_job(config_path: Path, master: str | None = None) -> Callable[[], int]:
     """A job that runs `kafold snapshot run -c FILE` in a child process (the Spark driver and its JVM stay out
-    of the daemon's memory; a crashed job cannot take the daemon down)."""
+    of the daemon's memory; a crashed job cannot take the daemon down).
+
+    The child writes where the daemon logs: its stdout and stderr (its log lines, its summary, its Spark JVM's
+    log4j output) are appended to the daemon's log file when it has one (`kafold run` on a terminal, whose live
+    view they would tear), else inherited. Nobody watches a scheduled run, so it draws no progress bar."""
     def run() -> int:
-        cmd = [sys.executable, "-m", "kafold.cli", "--log-format", "json", "snapshot", "run", "-c", str(config_path)]
+        cmd = [sys.executable, "-m", "kafold.cli", "--log-format", "json", "snapshot", "run", "-c", str(config_path),
+               "--no-progress"]
         if master:
             cmd += ["--master", master]
-        return subprocess.run(cmd, check=False).returncode
+        log_file = logs.current()[2]
+        with contextlib.ExitStack() as files:
+            out = None if log_file is None else files.enter_context(open(log_file, "ab"))
+            return subprocess.run(cmd, check=False, stdin=subprocess.DEVNULL, stdout=out,
+                                  stderr=None if out is None else subprocess.STDOUT).returncode
     return run
 
 
