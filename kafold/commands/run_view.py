@@ -134,6 +134,8 @@ class LiveView:
         now = time.monotonic()
         f = Figures(now)
         f.processed, f.lag = read_metrics(self.cfg.daemon.http_port)
+        if not f.processed and self.last is not None:  # a stopping daemon answers no /metrics: its last figures stay
+            f.processed, f.lag = self.last.processed, self.last.lag
         f.commands_sent = self.commands_sent()
         f.effects_delivered = self.receiver.delivered if self.receiver is not None else 0
         f.parked_keys = self._parked()

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from kafold.config import DaemonConfig
-from tests.support import ROOT
+from tests.support import ROOT, wait_for
 
 GRACE_S = DaemonConfig().shutdown_grace_s + 30  # the daemon's grace, the dev stack's stop and a loaded machine
 
@@ -152,14 +152,18 @@ def test_on_a_terminal_the_live_view_stays_in_place_and_the_logs_go_to_the_file_
         return text.count('"snapshot.schedule.done"')  # the daemon's line after each child that succeeded
 
     printed: list[bytes] = []
+    last: list[bytes] = []
     try:
         printed.append(read_until(controller, "kafold run — live".encode(), 120))  # the table's title
         printed.append(read_while_draining(controller, lambda: snapshot_runs() >= 2, 240))
         printed.append(read_for(controller, 5))  # the view redrawn after the runs
     finally:
-        stop_and_check(proc, drain(controller))
+        stop_and_check(proc, last := drain(controller))
+        wait_for(lambda: b"dev stack stopped" in b"".join(last), "the stop printed", 10)
         os.close(controller)
-    text = b"".join(printed).decode(errors="replace")
+    final = b"".join(last).decode(errors="replace").rsplit("kafold run — live", 1)[-1]
+    assert "connector accounts" in final and "dev stack stopped" in final, final  # the last frame keeps its figures
+    text = b"".join([*printed, *last]).decode(errors="replace")  # until the end, the stop included
     assert f"logs: {log_file}" in text
     after = text.split("logs: ", 1)[1]
     leak = LEAKS.search(after)
