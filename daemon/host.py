@@ -376,8 +376,6 @@ class TasksService(mode.Service):
             slot.start()
         for agg in self.host.aggregates.values():
             agg.start()
-        if self.host.scheduler is not None:
-            self.host.scheduler.start()
         log.info("daemon started", connectors=[g.name for g in self.host.groups], tasks=len(self.host.slots),
                  aggregates=list(self.host.aggregates), http=self.host.worker_id
                  if self.host.cfg.daemon.http_port else None)
@@ -412,13 +410,29 @@ class TasksService(mode.Service):
                 last_ping = time.monotonic()
             await self.sleep(WATCH_INTERVAL_S)
 
+    @mode.Service.task
+    async def _snapshot_timer(self) -> None:
+        """[snapshots]: the scheduler's triggers, checked every `poll_s` off the loop (the new-events count asks
+        the broker); a due run starts in its own thread, never while one is in progress (SnapshotScheduler)."""
+        sched = self.host.scheduler
+        if sched is None:
+            return
+        async for _ in self.itertimer(sched.poll_s, name="kafold.snapshot.scheduler"):
+            if sched.stopped or self.host.stop_event.is_set():
+                return
+            if sched.busy:
+                continue
+            reason = await self.host.call(sched.check)
+            if reason and not sched.stopped:
+                sched.start_run(reason)
+
     async def on_stop(self) -> None:
         host = self.host
         host.stopping = True
         started = time.monotonic()
         host.notifier.stopping("stopping sink tasks")
         if host.scheduler is not None:
-            host.scheduler.stop(timeout=0)  # a snapshot run in progress finishes on its own; it is idempotent
+            host.scheduler.stop()  # a snapshot run in progress finishes on its own; it is idempotent
         workers: list[Any] = [*host.slots, *host.aggregates.values()]
         for w in workers:
             w.stop()

@@ -58,7 +58,8 @@ class SnapshotScheduler:
     """Triggers `job` every `interval_s`, and also once `every_n_events` new events arrived (0 = off).
 
     A lock guarantees that two runs never overlap: a trigger while a run is in progress is skipped (and
-    `trigger()` says so). Run it from the daemon with `start()` / `stop()`; `run_once()` is the unit of work.
+    `trigger()` says so). The daemon drives it from a Faust/mode timer every `poll_s` (daemon.host.TasksService):
+    `check()` off the event loop, then `start_run(reason)` unless `busy`; `run_once()` is the unit of work.
     """
 
     def __init__(self, job: Callable[[], Any], *, interval_s: float, every_n_events: int = 0,
@@ -70,7 +71,6 @@ class SnapshotScheduler:
         self.new_events, self.poll_s, self.clock = new_events, poll_s, clock
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.last_run: float | None = None
         self.events_at_last_run: int | None = None
         self.runs = 0
@@ -128,25 +128,31 @@ class SnapshotScheduler:
 
     trigger = run_once
 
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                reason = self.due()
-            except Exception as e:
-                log.warning("snapshot.schedule.check_failed", error=str(e))
-                reason = None
-            if reason:
-                self.run_once(reason)
-            self._stop.wait(self.poll_s)
+    @property
+    def busy(self) -> bool:
+        """True while a run is in progress."""
+        return self._lock.locked()
 
-    def start(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._stop.clear()
-            self._thread = threading.Thread(target=self._loop, name="kafold-snapshot-scheduler", daemon=True)
-            self._thread.start()
+    def check(self) -> str | None:
+        """One check of the triggers (blocking: the new-events count asks the broker): the reason a run is due, or
+        None; a failing check is logged and counts as not due."""
+        try:
+            return self.due()
+        except Exception as e:
+            log.warning("snapshot.schedule.check_failed", error=str(e))
+            return None
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Stop triggering; a run in progress finishes (wait up to `timeout` for it)."""
+    def start_run(self, reason: str) -> threading.Thread:
+        """`run_once(reason)` in a daemon thread of its own: the trigger never waits for a run, and a run still in
+        progress at exit does not hold the process (a snapshot run is idempotent)."""
+        thread = threading.Thread(target=self.run_once, args=(reason,), name="kafold-snapshot-run", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        """Stop triggering (the daemon's timer checks this); a run in progress finishes on its own."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
