@@ -7,6 +7,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,6 +52,66 @@ def test_compose_runs_apache_kafka_postgres_sidecar_and_snapshot_job() -> None:
     assert services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft
     assert services["kafold"]["environment"]["KAFOLD_POSTGRES__PASSWORD_FILE"].startswith("/run/secrets/")
     assert services["snapshot"]["command"][:2] == ["snapshot", "run"]
+
+
+def _host_path(service: dict[str, Any], path: str) -> Path:
+    """Where a path inside a compose service's container comes from in the repository (its bind mounts)."""
+    for volume in service.get("volumes", []):
+        source, target, *_ = str(volume).split(":")
+        if path == target or path.startswith(target.rstrip("/") + "/"):
+            return (CONTAINER / source).resolve() / path[len(target):].lstrip("/")
+    raise AssertionError(f"{path} is not mounted into the container")
+
+
+def test_compose_init_job_ensures_topics_and_applies_migrations() -> None:
+    """The one-shot init job runs `kafold topics ensure` and `kafold db upgrade` on the mounted config."""
+    import yaml
+
+    init = yaml.safe_load((CONTAINER / "compose.yaml").read_text())["services"]["kafold-init"]
+    script = " ".join([*init.get("entrypoint", []), *init["command"]])
+    assert "kafold topics ensure -c /etc/kafold/kafold.toml" in script, script
+    assert "kafold db upgrade -c /etc/kafold/kafold.toml" in script, script
+    assert script.index("topics ensure") < script.index("db upgrade") and "&&" in script, script
+
+
+def test_compose_config_webhook_targets_a_service_of_the_project() -> None:
+    """The config the sidecar mounts is valid, its modules are mounted, and each webhook URL names a compose service
+    that exists (127.0.0.1 inside a container is the container itself: nothing would receive)."""
+    from urllib.parse import urlsplit
+
+    import yaml
+
+    from kafold import config
+
+    services = yaml.safe_load((CONTAINER / "compose.yaml").read_text())["services"]
+    sidecar = services["kafold"]
+    loaded = config.load_file(_host_path(sidecar, "/etc/kafold/kafold.toml"),
+                              {"KAFOLD_KAFKA__BOOTSTRAP_SERVERS": "kafka:9092",
+                               "KAFOLD_POSTGRES__URL": "postgresql://kafold@postgres:5432/app"})
+    for folder in loaded.config.daemon.python_path:
+        assert (_host_path(sidecar, str(Path("/etc/kafold", folder))) / "bank_domain.py").is_file(), folder
+    webhooks = [c for c in loaded.config.connectors if c.connector_class == "webhook"]
+    assert webhooks
+    for con in webhooks:
+        host = urlsplit(con.config["url"]).hostname
+        assert host in services and host != "kafold", (con.name, con.config["url"])
+        receiver = services[host]
+        assert receiver["image"] == services["kafold"]["image"]
+        script = _host_path(receiver, receiver["entrypoint"][1])
+        assert script == CONTAINER / "receiver.py" and script.is_file()
+        assert str(urlsplit(con.config["url"]).port) in receiver["entrypoint"]
+    assert sidecar["depends_on"]["kafold-init"]["condition"] == "service_completed_successfully"
+
+
+def test_containerfile_base_image_is_a_build_argument() -> None:
+    """Both stages build FROM the BASE_IMAGE argument (a local base in tests), by default a public Python image."""
+    import re
+
+    text = (CONTAINER / "Containerfile").read_text()
+    (default,) = re.findall(r"^ARG BASE_IMAGE=(\S+)$", text, flags=re.MULTILINE)
+    assert default.startswith("python:3.")
+    froms = re.findall(r"^FROM (\S+)", text, flags=re.MULTILINE)
+    assert froms == ["${BASE_IMAGE}", "${BASE_IMAGE}"], froms
 
 
 @pytest.mark.parametrize("manifest", sorted(K8S.glob("*.yaml")), ids=lambda p: p.name)
