@@ -57,7 +57,7 @@ def install_tools() -> str | None:
     if shutil.which("apt-get") is None:
         return f"{', '.join(missing)} missing and no apt-get to install them (needs Debian's {how})"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *TOOLS]
+    install = ["apt-get", "install", "-y", "-q", *TOOLS]
     try:
         _run(install, env=env)
     except ContainerSetupError:
@@ -66,7 +66,6 @@ def install_tools() -> str | None:
             _run(install, env=env)
         except ContainerSetupError as e:
             return f"could not install {', '.join(missing)}: {e}"
-    # --no-install-recommends leaves out podman's recommended crun; runc is the runtime used here anyway.
     still = [t for t in TOOLS if shutil.which(t) is None and not Path("/usr/sbin", t).exists()]
     return f"{', '.join(still)} still missing after {how}" if still else None
 
