@@ -1,5 +1,9 @@
 """A Kafka Connect-compatible REST subset (same paths and JSON shapes), acting on the daemon's sink runners.
 
+Control calls (pause, resume, restarts) are queued on the connector and applied one at a time in the order they
+arrived (see `daemon.tasks.Control`): a restart answers once done (204, as in Connect; 202 with `includeTasks` or
+`onlyFailed`, at once), a pause or resume answers 202 at once and applies after the calls before it.
+
 Note on offsets: `GET /connectors/{name}/offsets` reports the connector's consumer-group committed offsets, read
 from Kafka (as Connect does for sink connectors), so it shows what a restart would resume from. A connector that
 keeps its offsets elsewhere (the projection keeps them in PostgreSQL and commits them to Kafka after the database
@@ -8,14 +12,16 @@ commit) shows the Kafka copy.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from concurrent.futures import Future
 from typing import Any
 
 from faust.web import Request, Response
 
 from kafold import __version__
 from kafold.daemon.http import HostView
-from kafold.daemon.tasks import ConnectorGroup
+from kafold.daemon.tasks import ConnectorGroup, TaskSlot
 
 
 def connector_config(group: ConnectorGroup) -> dict[str, str]:
@@ -61,6 +67,16 @@ class _ConnectorView(HostView):
 
     def missing(self, name: str) -> Response:
         return self.problem(404, f"Connector {name} not found")
+
+    async def restarted(self, done: Future[bool], slots: list[TaskSlot]) -> Response:
+        """204 once the queued restart of `slots` is done; 500 when a task did not stop in time."""
+        try:
+            ok = await asyncio.wrap_future(done)
+        except Exception as e:
+            return self.problem(500, f"restart failed: {type(e).__name__}: {e}")
+        if not ok:
+            return self.problem(500, f"tasks {[s.name for s in slots]} did not stop for the restart in time")
+        return self.bytes(b"", status=204)
 
 
 class Root(HostView):
@@ -141,14 +157,10 @@ class Restart(_ConnectorView):
             return self.missing(name)
         include, only_failed = _flag(request, "includeTasks"), _flag(request, "onlyFailed")
         slots = [s for s in g.slots if s.failed or not only_failed]
-        for s in slots:
-            s.restarting = True
-        status = connector_status(g, self.host.worker_id)
-        for s in slots:
-            self.host.background(s.restart, self.host.restart_timeout)
+        done = g.restart(slots, self.host.restart_timeout)
         if include or only_failed:
-            return self.json(status, status=202)
-        return self.bytes(b"", status=204)
+            return self.json(connector_status(g, self.host.worker_id), status=202)
+        return await self.restarted(done, slots)
 
 
 class TaskRestart(_ConnectorView):
@@ -159,9 +171,7 @@ class TaskRestart(_ConnectorView):
         slot = next((s for s in g.slots if str(s.task_id) == task), None)
         if slot is None:
             return self.problem(404, f"Task {name}-{task} not found")
-        slot.restarting = True
-        self.host.background(slot.restart, self.host.restart_timeout)
-        return self.bytes(b"", status=204)
+        return await self.restarted(g.restart([slot], self.host.restart_timeout), [slot])
 
 
 class Offsets(_ConnectorView):

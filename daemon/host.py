@@ -18,6 +18,7 @@ whatever kind of connector it is. A reload that adds such a connector applies th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import signal
 import tempfile
@@ -200,18 +201,25 @@ class DaemonHost:
                 self.cfg = previous  # nothing was stopped yet
                 raise
             self.migrate(list(built.values()))  # before anything stops: a failure changes nothing
-            for name in [*removed, *changed]:
-                group = self.group(name)
-                for slot in group.slots if group is not None else []:
+            by_name = {g.name: g for g in self.groups}
+            leaving = [by_name[n] for n in [*removed, *changed] if n in by_name]
+            with contextlib.ExitStack() as held:  # the connectors' control calls wait (daemon.tasks.Control)
+                for group in [*leaving, *(built[n] for n in added)]:
+                    held.enter_context(group.control.lock)
+                for slot in [s for g in leaving for s in g.slots]:
                     slot.stop()
-                for slot in group.slots if group is not None else []:
+                for slot in [s for g in leaving for s in g.slots]:
                     if not slot.join(self.restart_timeout):
                         log.error("task did not stop for the reload", task=slot.name)
-            by_name = {g.name: g for g in self.groups}
-            self.groups = [built[n] if n in built else by_name[n] for n in fresh]
-            for name in [*added, *changed]:
-                for slot in built[name].slots:
-                    slot.start()
+                for group in leaving:
+                    if group.name in built:
+                        built[group.name].adopt(group)
+                    else:
+                        group.retired = True
+                self.groups = [built[n] if n in built else by_name[n] for n in fresh]
+                for name in [*added, *changed]:
+                    for slot in built[name].slots:
+                        slot.start()
             result = {"added": added, "removed": removed, "changed": changed, "unchanged": kept,
                       "needs_restart": ignored}
             log.info("configuration reloaded", **result)

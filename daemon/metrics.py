@@ -78,9 +78,19 @@ class _TaskCollector(Collector):
                                    "at its assignment.", labels=part)
         state = GaugeMetricFamily("kafold_task_state", "1 for the task's current state (Kafka Connect states).",
                                   labels=("connector", "task", "state"))
+        task = ("connector", "task")
+        started = CounterMetricFamily("kafold_task_runners_started", "Runners started for a task (its first start "
+                                      "and each restart; since the task's last reload).", labels=task)
+        stopped = CounterMetricFamily("kafold_task_runners_stopped", "Runners of a task that ended (a restart's old "
+                                      "one, a failure); started = stopped + running.", labels=task)
+        running = GaugeMetricFamily("kafold_task_runners_running", "1 while the task's runner runs.", labels=task)
         now_ms = int(time.time() * 1000)
         for group in self.groups():
             for slot in group.slots:
+                counts, key = slot.runners, [group.name, str(slot.task_id)]
+                started.add_metric(key, counts["started"])
+                stopped.add_metric(key, counts["stopped"])
+                running.add_metric(key, counts["running"])
                 current = slot.state
                 for s in TASK_STATES:
                     state.add_metric([group.name, str(slot.task_id), s], 1.0 if s == current else 0.0)
@@ -92,7 +102,7 @@ class _TaskCollector(Collector):
                     if p.position is not None:
                         position.add_metric(labels, float(p.position))
                     caught.add_metric(labels, 1.0 if p.caught_up else 0.0)
-        yield from (lag, lag_s, position, caught, state)
+        yield from (lag, lag_s, position, caught, state, started, stopped, running)
 
 
 class ConnectorCollector(Collector):

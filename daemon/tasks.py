@@ -4,6 +4,11 @@ and per aggregate runtime, with their states.
 Note on commits at stop and restart: stopping a slot sets its runner's stop event; the runner finishes or
 abandons the in-flight batch, commits what is done and closes its partitions (see `daemon.runner`). A restart
 is a stop followed by a fresh runner on a fresh consumer, which resumes from the committed offsets.
+
+Note on control calls: pause, resume and restarts of a connector (the REST API) and a reload's stop and start of
+it go through the connector's `Control`: applied one at a time, in the order they were asked for, each holding the
+connector's lock across stop, join and start. So a task never has two runners, and the last call's state is the
+connector's (the pause asked through the API is the connector's, kept across restarts and reloads).
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -51,11 +58,15 @@ class TaskSlot:
         self.task_id = task_config.task_id
         self.kafka, self.daemon = kafka, daemon
         self.on_batch, self.on_exit = on_batch, on_exit
-        self.restarting = False
+        self.restarts_pending = 0  # restarts asked for and not yet done (the state shows RESTARTING meanwhile)
         self.stopping = False
         self.runner = self._new_runner()
         self.thread: threading.Thread | None = None
         self._stall_logged = float("-inf")
+        self._lock = threading.Lock()  # the runner's swap and start, and the counts below
+        self.runners_started = self.runners_stopped = 0
+        self._live: list[RunnerView] = []  # runners whose `run` has not returned (one at most: the current one)
+        self._stop_asked: RunnerView | None = None  # the runner a restart stopped (its end is not a failure)
 
     @property
     def name(self) -> str:
@@ -72,15 +83,38 @@ class TaskSlot:
         return SinkRunner(self.connector, self.task_config, kafka=self.kafka, daemon=self.daemon)
 
     def start(self) -> None:
-        runner = self.runner
-        self.thread = threading.Thread(target=self._run, args=(runner,), daemon=True,
-                                       name=f"kafold-{self.connector.name}-{self.task_id}")
-        self.thread.start()
+        """Start the current runner in a thread; nothing if it was started already or the slot is stopping."""
+        with self._lock:
+            runner = self.runner
+            if self.stopping or runner in self._live or runner.started or runner.stopped:
+                return
+            self.runners_started += 1
+            self._live.append(runner)
+            self.thread = threading.Thread(target=self._run, args=(runner,), daemon=True,
+                                           name=f"kafold-{self.connector.name}-{self.task_id}")
+            self.thread.start()
 
     def _run(self, runner: RunnerView) -> None:
-        runner.run()
-        if runner is self.runner and not self.restarting and self.on_exit is not None:
-            self.on_exit(self)
+        try:
+            runner.run()
+        finally:
+            with self._lock:
+                self.runners_stopped += 1
+                self._live.remove(runner)
+                asked = self.stopping or runner is self._stop_asked
+        if asked:
+            return
+        if runner is self.runner and self.on_exit is not None:
+            self.on_exit(self)  # the host logs it and fails fast
+        else:
+            log.error("sink task runner stopped by itself", task=self.name, state=runner.state,
+                      error=str(runner.error) if runner.error is not None else None)
+
+    @property
+    def runners(self) -> dict[str, int]:
+        with self._lock:
+            return {"started": self.runners_started, "stopped": self.runners_stopped,
+                    "running": sum(r is self.runner for r in self._live)}
 
     @property
     def failed(self) -> bool:
@@ -88,7 +122,7 @@ class TaskSlot:
 
     @property
     def state(self) -> str:
-        return "RESTARTING" if self.restarting else self.runner.state
+        return "RESTARTING" if self.restarts_pending else self.runner.state
 
     def stop(self) -> None:
         self.stopping = True
@@ -119,23 +153,32 @@ class TaskSlot:
         self.thread.join(max(0.0, timeout))
         return not self.thread.is_alive()
 
-    def restart(self, timeout: float) -> bool:
-        """Stop the runner (committing what is done), then start a fresh one; blocks up to `timeout`."""
-        self.restarting = True
-        try:
-            paused = self.runner.api_paused
-            self.runner.stop()
-            if not self.join(timeout):
-                log.error("task did not stop for the restart", task=self.name)
+    def count_restart(self, delta: int) -> None:
+        with self._lock:
+            self.restarts_pending += delta
+
+    def stop_runner(self) -> None:
+        """Ask the current runner to stop (committing what is done), for a restart: its end is then no failure.
+        A restart is `stop_runner` then `replace_runner`, through the connector's `Control` (one at a time)."""
+        with self._lock:
+            self._stop_asked = self.runner
+        self.runner.stop()
+
+    def replace_runner(self, timeout: float, paused: bool) -> bool:
+        """Wait up to `timeout` for the runner `stop_runner` stopped, then start a fresh one (paused if `paused`);
+        False, keeping the old one, when it did not end in time or the slot is stopping."""
+        if not self.join(timeout):
+            log.error("task did not stop for the restart; it keeps its runner", task=self.name)
+            return False
+        with self._lock:
+            if self.stopping:  # the daemon is stopping: no fresh runner
                 return False
             self.runner = self._new_runner()
             if paused:
                 self.runner.request_pause(True)
-            self.start()
-            log.info("task restarted", task=self.name)
-            return True
-        finally:
-            self.restarting = False
+        self.start()
+        log.info("task restarted", task=self.name, paused=paused)
+        return True
 
 
 class ProcessTaskSlot(TaskSlot):
@@ -172,12 +215,62 @@ def task_slots(connector: Connector[Any], kafka: KafkaConfig, postgres: Postgres
         on_batch, on_exit) for i, tc in enumerate(configs)]
 
 
-@dataclasses.dataclass
+class Control:
+    """The control calls of one connector, applied one at a time in the order they were submitted (by a thread
+    that lives while calls are queued), each holding `lock`; a reload holds it too while it replaces the connector.
+
+    Shared by the groups that follow each other at reloads, so a call queued before a reload applies to the
+    group that runs afterwards (`ConnectorGroup.current`)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.lock = threading.RLock()
+        self._queue: deque[tuple[str, Callable[[], Any], Future[Any]]] = deque()
+        self._guard = threading.Lock()
+        self._draining = False
+
+    def submit(self, what: str, op: Callable[[], Any]) -> Future[Any]:
+        """Queue `op`; its future holds its result (or error) once applied."""
+        future: Future[Any] = Future()
+        with self._guard:
+            self._queue.append((what, op, future))
+            if self._draining:
+                return future
+            self._draining = True
+        threading.Thread(target=self._drain, daemon=True, name=f"kafold-control-{self.name}").start()
+        return future
+
+    def _drain(self) -> None:
+        while True:
+            with self._guard:
+                if not self._queue:
+                    self._draining = False
+                    return
+                what, op, future = self._queue.popleft()
+            try:
+                with self.lock:
+                    result = op()
+            except BaseException as e:  # the caller gets it; the calls queued behind still run
+                log.error("connector control call failed", connector=self.name, call=what,
+                          error_class=type(e).__name__, error=str(e))
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+
+
+@dataclasses.dataclass(eq=False)
 class ConnectorGroup:
     """A connector instance and its task slots."""
 
     connector: Connector[Any]
     slots: list[TaskSlot]
+    control: Control = dataclasses.field(init=False)  # shared with the groups replacing this one (`adopt`)
+    paused: bool = False  # paused through the REST API: kept across restarts and reloads
+    successor: ConnectorGroup | None = None  # the group a reload put in this one's place
+    retired: bool = False  # stopped by a reload (its successor, if any, runs the connector now)
+
+    def __post_init__(self) -> None:
+        self.control = Control(self.connector.name)
 
     @property
     def name(self) -> str:
@@ -195,9 +288,57 @@ class ConnectorGroup:
             return "UNASSIGNED"
         return "RUNNING"
 
-    def pause(self, paused: bool) -> None:
-        for s in self.slots:
+    def current(self) -> ConnectorGroup | None:
+        """The group running this connector now (this one, or the one a reload put in its place); None if a
+        reload removed it."""
+        group: ConnectorGroup | None = self
+        while group is not None and group.retired:
+            group = group.successor
+        return group
+
+    def pause(self, paused: bool) -> Future[Any]:
+        """Queue a pause (True) or a resume (False) of every task."""
+        return self.control.submit("pause" if paused else "resume", lambda: self._pause(paused))
+
+    def _pause(self, paused: bool) -> None:
+        group = self.current()
+        if group is None:
+            log.warning("connector pause or resume not applied: a reload removed the connector", connector=self.name)
+            return
+        group.paused = paused
+        for s in group.slots:
             s.runner.request_pause(paused)
+        log.info("connector paused" if paused else "connector resumed", connector=group.name)
+
+    def restart(self, slots: list[TaskSlot], timeout: float) -> Future[bool]:
+        """Queue a restart of `slots` (each stopped, joined, started afresh); shown RESTARTING meanwhile. The
+        future holds True when every one restarted."""
+        for s in slots:
+            s.count_restart(1)
+        return self.control.submit("restart", lambda: self._restart(slots, timeout))
+
+    def _restart(self, slots: list[TaskSlot], timeout: float) -> bool:
+        try:
+            group = self.current()
+            if group is not self:  # a reload restarted (or removed) the connector meanwhile: done already
+                log.info("connector restart skipped: a reload replaced its tasks", connector=self.name)
+                return group is not None
+            for s in slots:  # all stop together: one rebalance, not one per task
+                s.stop_runner()
+            deadline = time.monotonic() + timeout
+            return all([s.replace_runner(deadline - time.monotonic(), self.paused) for s in slots])
+        finally:
+            for s in slots:
+                s.count_restart(-1)
+
+    def adopt(self, old: ConnectorGroup) -> None:
+        """Take `old`'s place at a reload (call with `old.control.lock` held and `old` stopped): its control
+        calls and its pause."""
+        self.control, self.paused = old.control, old.paused
+        old.successor, old.retired = self, True
+        if self.paused:
+            for s in self.slots:
+                s.runner.request_pause(True)
 
 
 class AggregateSlot:
