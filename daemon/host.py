@@ -37,7 +37,7 @@ from kafold import db, devstack, logs, sdnotify
 from kafold.config import KafoldConfig, Loaded, python_path
 from kafold.connectors.api import TopicPartition
 from kafold.connectors.registry import instantiate, resolve
-from kafold.daemon import connect_api, http, offsets, signals
+from kafold.daemon import connect_api, extensions, http, offsets, signals
 from kafold.daemon.metrics import DaemonMetrics
 from kafold.daemon.tasks import (
     AggregateSlot,
@@ -59,12 +59,17 @@ WATCH_INTERVAL_S = 0.2
 
 
 class _Boot(BootStrategy):
-    """Faust without its own Kafka consumer/producer: the sink tasks bring their own batched consumers."""
+    """Faust's Kafka consumer/producer off unless users' modules add agents or tables (daemon.extensions): the
+    sink tasks and aggregates bring their own batched consumers."""
 
     enable_kafka = False
     enable_kafka_consumer = False
     enable_kafka_producer = False
     enable_sensors = False
+
+    def stream(self, on: bool) -> None:
+        """Faust's Kafka consumer and producer on (for users' agents and tables) or off."""
+        self.enable_kafka = self.enable_kafka_consumer = self.enable_kafka_producer = on
 
 
 class _App(faust.App):
@@ -110,6 +115,8 @@ class DaemonHost:
         self._reload_lock = threading.Lock()
         self.groups = self._build_groups()
         self.aggregates = self._build_aggregates()
+        with python_path(cfg, base):
+            self.extensions = extensions.load(d.faust_modules)
         # [snapshots] enabled: snapshot jobs as `kafold snapshot run` child processes (the Spark JVM stays out of
         # the daemon), never two at once; needs the config file's path to hand to the child.
         self.scheduler: SnapshotScheduler | None = None
@@ -147,12 +154,21 @@ class DaemonHost:
         servers = [s.strip() for s in (self.cfg.kafka.bootstrap_servers or "localhost:9092").split(",") if s]
         app = _App(f"kafold-daemon-{d.group_prefix}", broker=[f"kafka://{s}" for s in servers], datadir=datadir,
                    autodiscover=False, web_enabled=d.http_port != 0, web_bind=d.http_host, web_host=d.http_host,
-                   web_port=d.http_port or 8083, web_router_enabled=False, web_tables_enabled=False, loop=self.loop)
+                   web_port=d.http_port or 8083, web_router_enabled=False, web_tables_enabled=False, loop=self.loop,
+                   topic_replication_factor=self.cfg.kafka.replication_factor)
         http.guard_web(app, self)  # the token in front of Faust's own routes too (docs/security.md)
         logs.withhold_request_bytes()  # aiohttp logs a request it cannot parse quoting its header lines
         for path, view in {**http.ROUTES, **connect_api.ROUTES}.items():
             app.page(path, name=view.__name__)(type(view.__name__, (view,), {"host": self}))
         app.service(type("KafoldTasks", (TasksService,), {"host": self}))
+        installed = extensions.install(app, self.extensions)
+        if installed.needs_kafka:
+            app.conf.broker_credentials = extensions.broker_credentials(self.cfg.kafka)
+        assert isinstance(app.boot_strategy, _Boot)
+        app.boot_strategy.stream(installed.needs_kafka)
+        if installed.modules:
+            log.info("daemon.faust_modules_installed", modules=list(installed.modules), agents=list(installed.agents),
+                     tables=list(installed.tables), faust_consumer_group=app.conf.id if installed.needs_kafka else None)
         return app
 
     # ---- migrations -------------------------------------------------------------------------------------

@@ -14,12 +14,14 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from kafold.errors import ConfigError
+from kafold.refs import import_ref
 from kafold.schema import Problems, Secret, is_missing, load, setting
 from kafold.sqlnames import check_identifier
 
 ENV_PREFIX = "KAFOLD_"
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 IMPORT_REF_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # libpq parameters that carry a secret: never accepted inside postgres.url.
 URL_SECRETS = frozenset({"password", "sslpassword"})
 
@@ -75,6 +77,9 @@ class DaemonConfig:
     log_level: str = setting("info", doc="Log level.", choices=("debug", "info", "warning", "error"))
     python_path: list[str] = setting(
         factory=list, doc="Folders (relative to the config file) added to sys.path for user modules.")
+    faust_modules: list[str] = setting(
+        factory=list, doc="Python modules whose `setup(app)` adds Faust agents, tables, timers and web pages to the "
+        "daemon's worker (docs/extending.md); Faust's Kafka consumer runs only when they add agents or tables.")
 
 
 @dataclass(frozen=True)
@@ -326,6 +331,7 @@ def parse(text: str, path: Path, environ: dict[str, str] | None = None) -> Loade
     if not is_missing(cfg):
         _check_refs(cfg, problems)
         _check_connectors(cfg, problems, path.parent)
+        _check_faust_modules(cfg, problems, path.parent)
     if problems.items:
         raise ConfigError(problems.items)
     return Loaded(cfg, path)
@@ -347,6 +353,21 @@ def _check_connectors(cfg: KafoldConfig, problems: Problems, base: Path) -> None
                 problems.add(f"{where}.class", f"{e}{more}")
                 continue
             load(cls.config_class, con.config, f"{where}.config", problems, base)
+
+
+def _check_faust_modules(cfg: KafoldConfig, problems: Problems, base: Path) -> None:
+    """Each `daemon.faust_modules` entry imports and has `setup(app)`: found at load, not when the worker starts
+    (the daemon's loader, daemon.extensions, does the same)."""
+    with python_path(cfg, base):
+        for i, name in enumerate(cfg.daemon.faust_modules):
+            where = f"daemon.faust_modules[{i}]"
+            if not MODULE_RE.match(name):
+                problems.add(where, f"expected a dotted module name, got {name!r}")
+                continue
+            try:
+                import_ref(f"{name}:setup", callable_=True)
+            except LookupError as e:
+                problems.add(where, str(e))
 
 
 def load_file(path: str | Path, environ: dict[str, str] | None = None) -> Loaded:

@@ -17,10 +17,36 @@ from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig, TopicSpec
 from kafold.daemon.aggregates import AggregateRuntime, dlq_topic
 from kafold.domain import AggregateDomain
 from kafold.envelope import Event, encode
-from tests.support import EXAMPLES
+from tests.support import EXAMPLES, kafka_toml
 
 BANK = EXAMPLES / "bank"
 DAEMON = DaemonConfig(group_prefix="kt", batch_max_records=2000, batch_max_wait_ms=50)
+
+
+def bank_daemon_toml(kafka: KafkaConfig, unique: str, port: int, *, partitions: int = 1,
+                     python_path: tuple[str, ...] = (str(BANK),), daemon_extra: str = "") -> str:
+    """A daemon's kafold.toml hosting the bank aggregate `account` on topics named after `unique` (append
+    connectors to it)."""
+    return f"""
+{kafka_toml(kafka)}
+[daemon]
+group_prefix = "{unique}"
+http_port = {port}
+python_path = {list(python_path)!r}
+batch_max_wait_ms = 100
+{daemon_extra}
+
+[[aggregates]]
+name = "account"
+initial = "bank_domain:initial"
+evolve = "bank_domain:evolve"
+decide = "bank_domain:decide"
+partitions = {partitions}
+events_topic = "{unique}.events"
+commands_topic = "{unique}.commands"
+results_topic = "{unique}.results"
+snapshot_topic = "{unique}.snapshots"
+"""
 
 
 def bank_config(unique: str, partitions: int = 1, **extra: Any) -> AggregateConfig:

@@ -21,9 +21,9 @@ from kafold import config, topics
 from kafold.config import KafkaConfig
 from kafold.snapshot import kafka_io, record
 from kafold.testing import free_port
-from tests.aggregates.agg_support import BANK, events
+from tests.aggregates.agg_support import bank_daemon_toml, events
 from tests.aggregates.test_idempotency import Outside
-from tests.support import kafka_toml, wait_for
+from tests.support import wait_for
 
 KAFOLD = str(Path(sys.executable).parent / "kafold")
 
@@ -31,24 +31,7 @@ KAFOLD = str(Path(sys.executable).parent / "kafold")
 
 def _config(path: Path, kafka: KafkaConfig, unique: str, table: str, port: int) -> Path:
     path.write_text(f"""
-{kafka_toml(kafka)}
-[daemon]
-group_prefix = "{unique}"
-http_port = {port}
-python_path = ["{BANK}"]
-batch_max_wait_ms = 100
-
-[[aggregates]]
-name = "account"
-initial = "bank_domain:initial"
-evolve = "bank_domain:evolve"
-decide = "bank_domain:decide"
-partitions = 1
-events_topic = "{unique}.events"
-commands_topic = "{unique}.commands"
-results_topic = "{unique}.results"
-snapshot_topic = "{unique}.snapshots"
-
+{bank_daemon_toml(kafka, unique, port)}
 [[connectors]]
 name = "accounts"
 class = "postgres-projection"

@@ -175,3 +175,22 @@ def test_a_task_without_postgres_never_guesses_a_database(monkeypatch: pytest.Mo
     with pytest.raises(ConfigError, match=r"postgres\.url: no \[postgres\] section reached the task"):
         db.from_environment({})
     assert db.from_environment({"KAFOLD_POSTGRES__URL": "postgresql://u@h/d"}).url == "postgresql://u@h/d"
+
+
+def test_faust_modules_are_checked_when_the_file_loads(tmp_path: Path) -> None:
+    """Each `daemon.faust_modules` entry must import and define `setup(app)`: found by `config validate`, naming
+    the entry, not when the worker starts."""
+    (tmp_path / "ext_broken.py").write_text("raise RuntimeError('boom at import')\n")
+    (tmp_path / "ext_nosetup.py").write_text("SETUP = 1\n")
+    (tmp_path / "ext_notfunc.py").write_text("setup = 1\n")
+    (tmp_path / "ext_good.py").write_text("def setup(app):\n    pass\n")
+    found = problems_of("""
+[daemon]
+python_path = ["."]
+faust_modules = ["ext_good", "ext_missing", "ext broken", "ext_broken", "ext_nosetup", "ext_notfunc"]
+""", tmp_path)
+    text = "\n".join(found)
+    assert len(found) == 5 and "faust_modules[0]" not in text, found
+    for i, words in [(1, "No module named 'ext_missing'"), (2, "expected a dotted module name"),
+                     (3, "RuntimeError: boom at import"), (4, "has no 'setup'"), (5, "is not a function")]:
+        assert any(f"daemon.faust_modules[{i}]" in p and words in p for p in found), (i, found)

@@ -14,7 +14,7 @@ from typing import Any
 from kafold.config import KafkaConfig
 from kafold.daemon.host import DaemonHost
 from tests.daemon.daemon_plugins import GATES, RECEIVED
-from tests.support import ROOT, wait_for
+from tests.support import ROOT, kafka_toml, wait_for
 from tests.support.daemons import daemon_thread
 
 
@@ -22,12 +22,7 @@ def write_config(tmp_path: Path, kafka: KafkaConfig, unique: str, topic: str, *,
                  connector: str = "log", config_toml: str = "{}", daemon_extra: str = "") -> Path:
     path = tmp_path / "kafold.toml"
     path.write_text(f"""
-[kafka]
-bootstrap_servers = "{kafka.bootstrap_servers}"
-session_timeout_ms = {kafka.session_timeout_ms}
-rebalance_timeout_ms = {kafka.rebalance_timeout_ms}
-heartbeat_interval_ms = {kafka.heartbeat_interval_ms}
-
+{kafka_toml(kafka)}
 [daemon]
 group_prefix = "{unique}"
 http_port = {port}

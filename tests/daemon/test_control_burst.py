@@ -27,7 +27,7 @@ from kafold.errors import RetriableError
 from kafold.schema import toml_value
 from tests.daemon.test_daemon_http import metric_samples
 from tests.projection.projection_support import COLUMNS, RULES, deposited, encoded, opened, read_table, table_name
-from tests.support import create_topic, free_port, produce, wait_for
+from tests.support import create_topic, free_port, kafka_toml, produce, wait_for
 
 NAME = "proj"
 ROUNDS = 6  # each round on the code before the fix left runners behind; several make the failure certain
@@ -38,12 +38,7 @@ def _write_config(path: Path, kafka: KafkaConfig, pg_url: str, unique: str, topi
     rules = "".join("\n[[connectors.config.on]]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in rule.items())
                     for rule in RULES)
     path.write_text(f"""
-[kafka]
-bootstrap_servers = "{kafka.bootstrap_servers}"
-session_timeout_ms = {kafka.session_timeout_ms}
-rebalance_timeout_ms = {kafka.rebalance_timeout_ms}
-heartbeat_interval_ms = {kafka.heartbeat_interval_ms}
-
+{kafka_toml(kafka)}
 [postgres]
 url = "{pg_url}"
 

@@ -8,33 +8,15 @@ from kafold import config, topics
 from kafold.client import CommandClient
 from kafold.config import KafkaConfig
 from kafold.testing import free_port
-from tests.aggregates.agg_support import BANK
+from tests.aggregates.agg_support import bank_daemon_toml
 from tests.daemon.daemon_support import daemon_in_process
-from tests.support import kafka_toml, wait_for
+from tests.support import wait_for
 
 
 def test_aggregate_state_is_served_once_the_runtime_is_live(
         tmp_path: Path, kafka_config: KafkaConfig, unique: str) -> None:
     path = tmp_path / "kafold.toml"
-    path.write_text(f"""
-{kafka_toml(kafka_config)}
-[daemon]
-group_prefix = "{unique}"
-http_port = {free_port()}
-python_path = ["{BANK}"]
-batch_max_wait_ms = 100
-
-[[aggregates]]
-name = "account"
-initial = "bank_domain:initial"
-evolve = "bank_domain:evolve"
-decide = "bank_domain:decide"
-partitions = 1
-events_topic = "{unique}.events"
-commands_topic = "{unique}.commands"
-results_topic = "{unique}.results"
-snapshot_topic = "{unique}.snapshots"
-""")
+    path.write_text(bank_daemon_toml(kafka_config, unique, free_port()))
     loaded = config.load_file(path)
     assert topics.ensure(kafka_config, config.topic_map(loaded.config).values()).ok
     with daemon_in_process(path) as d:

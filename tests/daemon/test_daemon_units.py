@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kafold.connectors.api import TopicPartition
 from kafold.daemon.connect_api import offsets_body
 from kafold.daemon.http import authorized
@@ -48,3 +50,27 @@ def test_offsets_body_has_connects_shape() -> None:
     assert offsets_body({("t", 1): 7, ("t", 0): 3}) == {"offsets": [
         {"partition": {"kafka_topic": "t", "kafka_partition": 0}, "offset": {"kafka_offset": 3}},
         {"partition": {"kafka_topic": "t", "kafka_partition": 1}, "offset": {"kafka_offset": 7}}]}
+
+
+def test_faust_agents_get_kafkas_security_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's Faust agents reach the brokers with [kafka]'s settings: none for PLAINTEXT, SASL (with TLS when
+    asked) as Faust credentials; OAUTHBEARER, which Faust's transport is given no token for, is refused."""
+    import faust
+
+    from kafold.config import KafkaConfig
+    from kafold.daemon.extensions import broker_credentials
+    from kafold.errors import ConfigError
+    from kafold.schema import Secret
+
+    monkeypatch.setenv("TEST_FAUST_SASL", "pw")
+    assert broker_credentials(KafkaConfig(bootstrap_servers="b:1")) is None
+    scram = broker_credentials(KafkaConfig(bootstrap_servers="b:1", security_protocol="SASL_SSL",
+                                           sasl_mechanism="SCRAM-SHA-512", sasl_username="svc",
+                                           sasl_password=Secret("env:TEST_FAUST_SASL")))
+    assert isinstance(scram, faust.SASLCredentials)
+    assert (scram.username, scram.password, scram.mechanism.value, scram.protocol.value) == \
+        ("svc", "pw", "SCRAM-SHA-512", "SASL_SSL")
+    assert scram.ssl_context is not None and scram.ssl_context.check_hostname
+    with pytest.raises(ConfigError, match="OAUTHBEARER"):
+        broker_credentials(KafkaConfig(bootstrap_servers="b:1", security_protocol="SASL_PLAINTEXT",
+                                       sasl_mechanism="OAUTHBEARER"))

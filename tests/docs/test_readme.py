@@ -12,9 +12,9 @@ from kafold import config, kafka_clients, topics
 from kafold.config import KafkaConfig
 from kafold.envelope import decode
 from kafold.testing import free_port
-from tests.aggregates.agg_support import BANK
+from tests.aggregates.agg_support import bank_daemon_toml
 from tests.daemon.daemon_support import daemon_in_process
-from tests.support import ROOT, kafka_toml, wait_for
+from tests.support import ROOT, wait_for
 
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
@@ -38,27 +38,9 @@ def test_readme_service_snippet_runs(tmp_path: Path, monkeypatch: pytest.MonkeyP
                                      unique: str) -> None:
     """The snippet under "Your service's side" writes its event and gets its command's result, printed as shown."""
     snippet = block("Your service's side", "python")
-    (tmp_path / "kafold.toml").write_text(f"""
-{kafka_toml(kafka_config)}
-[daemon]
-group_prefix = "{unique}"
-http_port = {free_port()}
-python_path = ["{BANK}"]
-batch_max_wait_ms = 100
-
+    (tmp_path / "kafold.toml").write_text(bank_daemon_toml(kafka_config, unique, free_port()) + """
 [[topics]]
 name = "order.events"
-
-[[aggregates]]
-name = "account"
-initial = "bank_domain:initial"
-evolve = "bank_domain:evolve"
-decide = "bank_domain:decide"
-partitions = 1
-events_topic = "{unique}.events"
-commands_topic = "{unique}.commands"
-results_topic = "{unique}.results"
-snapshot_topic = "{unique}.snapshots"
 """)
     loaded = config.load_file(tmp_path / "kafold.toml")
     assert topics.ensure(kafka_config, config.topic_map(loaded.config).values()).ok
