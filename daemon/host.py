@@ -284,7 +284,11 @@ class DaemonHost:
                     waiting.append({**where, "reason": "catching up", "partitions": behind})
         for agg in self.aggregates.values():
             if not agg.ready:
-                waiting.append({"aggregate": agg.name, "reason": "recovering" if not agg.failed else "failed"})
+                stopped = [{"partition": p["partition"], "fold_error": p["fold_error"]}
+                           for p in agg.runtime.partitions() if p.get("fold_error")]
+                reason = "failed" if agg.failed else "fold error" if stopped else "recovering"
+                waiting.append({"aggregate": agg.name, "reason": reason,
+                                **({"partitions": stopped} if stopped else {})})
         if self.stopping:
             waiting.append({"reason": "shutting down"})
         ready = not waiting

@@ -46,6 +46,8 @@ class AggregateRuntime(Protocol):
 
     def get(self, aggregate_id: str) -> tuple[Any, int, str] | None: ...
 
+    def partitions(self) -> list[dict[str, object]]: ...
+
 
 class TaskSlot:
     """One sink task: its current SinkRunner and thread; `restart` replaces both."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import os
 import re
 import sys
@@ -90,6 +91,13 @@ class TopicConfig:
     configs: dict[str, str] = setting(factory=dict, doc="Topic configs, e.g. {\"retention.ms\" = \"-1\"}.")
 
 
+class FoldErrorPolicy(enum.StrEnum):
+    """What a fold does with a stored event it cannot apply (kafold.fold)."""
+
+    STOP = "stop"                # the partition stops there: not ready, the event named in the log and /ready
+    DEAD_LETTER = "dead-letter"  # the event is dead-lettered, left out of every state, and the fold goes on
+
+
 @dataclass(frozen=True)
 class AggregateConfig:
     name: str = setting(doc="Aggregate type name, e.g. `account`.")
@@ -102,6 +110,9 @@ class AggregateConfig:
     results_topic: str = setting("", doc="Results topic; default `<name>.results`.")
     snapshot_topic: str = setting("", doc="Compacted snapshot topic; default `<name>.snapshots`.")
     fingerprint: str = setting("v1", doc="Identifies the fold (bump when evolve changes); snapshots must match.")
+    on_fold_error: FoldErrorPolicy = setting(
+        FoldErrorPolicy.STOP, doc="A stored event the fold cannot apply: `stop` keeps its partition not ready, "
+        "naming it; `dead-letter` parks it (aggregate dead-letter topic), leaves it out of the state and goes on.")
     state_schema_version: int = setting(1, doc="Version of the state's shape stored in snapshots.", minimum=1)
     cache_max_aggregates: int = setting(100000, doc="Aggregates kept in memory per process (LRU).", minimum=1)
     idempotency_window_s: float = setting(86400.0, doc="A command id retried within this many seconds (by command "

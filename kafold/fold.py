@@ -9,6 +9,12 @@ Offset note: `Folder.fold` takes a partition's events in offset order. An event 
 offset (already in a base snapshot's state) is skipped unread; an event whose version is not above its aggregate's
 current version (covered by a snapshot, or a duplicate write) is skipped too, so a replay never folds an event twice.
 
+A fold error is never skipped silently: an event that cannot be read or folded (its bytes, its type or payload
+under the current code, `evolve` raising) raises FoldError naming the offset, aggregate, event type and exception,
+after the events before it in the batch were applied; the caller stops there (the runtime keeps the partition's
+gate closed, a snapshot run or `state get` fails). Under `on_fold_error = "dead-letter"` the Folder parks it
+instead (`parked`: offset, key, value, error), leaves it out of every state and goes on; the caller dead-letters it.
+
 Reading: the envelope's fast path (`envelope.peek_body`, msgspec in C) reads every event kafold wrote, faster than
 parsing to a dict. When it declines, the body is read as plain JSON (`Loose`) and the fold's own checks decide
 (version an integer, key equal to the aggregate id, the domain building the event): the envelope's decoder is
@@ -23,7 +29,9 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import orjson
 
+from kafold.config import FoldErrorPolicy
 from kafold.envelope import peek_body
+from kafold.errors import KafoldError
 
 UNSET: Any = object()  # an entry's state not built yet (a snapshot run builds it from its base on first use)
 
@@ -50,6 +58,41 @@ def fields(value: bytes | None) -> Any:
     return body if body is not None else Loose(orjson.loads(value))  # type: ignore[arg-type]
 
 
+class FoldError(KafoldError):
+    """An event a fold cannot apply: where it is and why (`partition` is filled by callers that know it)."""
+
+    def __init__(self, offset: int, aggregate_id: str | None, event_type: str | None, error: BaseException,
+                 partition: int | None = None) -> None:
+        self.offset, self.aggregate_id, self.event_type, self.error = offset, aggregate_id, event_type, error
+        self.partition = partition
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        where = f"partition {self.partition} " if self.partition is not None else ""
+        return (f"cannot fold the event at {where}offset {self.offset} (aggregate {self.aggregate_id!r}, "
+                f"type {self.event_type!r}): {type(self.error).__name__}: {self.error}")
+
+    def fields(self) -> dict[str, Any]:
+        """For a log line."""
+        return {"partition": self.partition, "offset": self.offset, "aggregate_id": self.aggregate_id,
+                "event_type": self.event_type, "error_class": type(self.error).__name__, "error": str(self.error)}
+
+
+def domain_event(kernel: Kernel, body: Any) -> Any:
+    """The domain event of a read event body (`fields`), as every path reads it: the live path, replays, snapshot
+    runs and `state get` all call this."""
+    return kernel.event(body.type, body.payload)
+
+
+class Parked:
+    """An event left out under `on_fold_error = "dead-letter"`: its coordinates, bytes and why."""
+
+    __slots__ = ("error", "key", "offset", "value")
+
+    def __init__(self, offset: int, key: bytes | None, value: bytes | None, error: FoldError) -> None:
+        self.offset, self.key, self.value, self.error = offset, key, value, error
+
+
 class Kernel(Protocol):
     """What a fold needs of an aggregate's domain (kafold.domain.AggregateDomain, kafold.snapshot.fold.Domain)."""
 
@@ -58,6 +101,9 @@ class Kernel(Protocol):
 
     @property
     def event(self) -> Callable[[str, dict[str, Any]], Any]: ...
+
+    @property
+    def on_fold_error(self) -> FoldErrorPolicy: ...
 
 
 class States(Protocol):
@@ -86,21 +132,23 @@ H = TypeVar("H", bound=States)
 class Folder(Generic[H]):
     """Folds the events of one partition into `held` (see the module docstring); counts and names bad events."""
 
-    def __init__(self, domain: Kernel, held: H) -> None:
-        self.domain, self.held = domain, held
+    def __init__(self, domain: Kernel, held: H, partition: int | None = None) -> None:
+        self.domain, self.held, self.on_error, self.partition = domain, held, domain.on_fold_error, partition
         self.read = 0        # events seen
         self.folded = 0      # events applied
         self.skipped = 0     # covered by a snapshot or duplicate versions
-        self.bad = 0         # could not be decoded or applied; left out of every state
-        self.first_bad: list[tuple[int, str]] = []
+        self.parked: list[Parked] = []  # left out under on_fold_error = "dead-letter" (the caller takes them)
+        self.bad = 0         # parked in total
 
     def fold(self, offsets: Sequence[int], keys: Sequence[bytes | None], values: Sequence[bytes | None]) -> None:
-        """Apply one batch of events (parallel sequences, offset order). A bad event changes nothing."""
+        """Apply one batch of events (parallel sequences, offset order). An event that cannot be folded changes
+        nothing and raises FoldError (the events before it applied), or is parked (see the module docstring)."""
         held = self.held
         entries, new, add, note = held.entries, held.new, held.add, held.note
-        read, make, evolve = fields, self.domain.event, self.domain.evolve
+        read, domain, evolve = fields, self.domain, self.domain.evolve
         folded = skipped = 0
         for offset, key, value in zip(offsets, keys, values, strict=True):
+            aid = body = None
             try:
                 aid = key.decode()  # type: ignore[union-attr]  # no key: a bad event
                 entry: Any = entries.get(aid)
@@ -124,20 +172,26 @@ class Folder(Generic[H]):
                 state = entry.state
                 if state is UNSET:
                     state = held.thaw(entry)
-                state = evolve(state, make(body.type, body.payload))
+                state = evolve(state, domain_event(domain, body))
                 cause = body.causation_id
                 if cause:
                     note(entry, aid, cause, body.occurred_at, version, body.event_id)
-            except Exception as e:  # a bad event is left out of the state, counted and logged per batch
+            except Exception as e:
+                error = FoldError(offset, aid, getattr(body, "type", None), e, self.partition)
+                if self.on_error is not FoldErrorPolicy.DEAD_LETTER:
+                    self._count(len(offsets), folded, skipped)
+                    raise error from e
+                self.parked.append(Parked(offset, key, value, error))
                 self.bad += 1
-                if len(self.first_bad) < 5:
-                    self.first_bad.append((offset, type(e).__name__))
                 continue
             entry.state, entry.version = state, version
             if fresh:
                 add(aid, entry)
             folded += 1
-        self.read += len(offsets)
+        self._count(len(offsets), folded, skipped)
+
+    def _count(self, read: int, folded: int, skipped: int) -> None:
+        self.read += read
         self.folded += folded
         self.skipped += skipped
 

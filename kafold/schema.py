@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import json
 import os
 import re
@@ -97,6 +98,8 @@ def describe(tp: Any) -> str:
         return "secret reference"
     if dataclasses.is_dataclass(tp):
         return "table"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "string"
     return {str: "string", int: "integer", float: "number", bool: "boolean", Any: "any"}.get(tp, str(tp))
 
 
@@ -169,6 +172,12 @@ def _coerce(tp: Any, value: Any, where: str, problems: Problems, base: Path) -> 
         return dict(value)
     if tp is Any:
         return value
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            problems.add(where, f"{value!r} is not one of {', '.join(repr(m.value) for m in tp)}")
+            return _MISSING
     if tp is bool:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
@@ -293,6 +302,8 @@ def reference(cls: type, heading: str, depth: int = 3, *, shared: type | None = 
                 default = "**required**"
         doc = f.metadata.get("doc", "")
         choices = f.metadata.get("choices")
+        if isinstance(tp, type) and issubclass(tp, enum.Enum):
+            choices = tuple(m.value for m in tp)
         if choices:
             doc += " One of " + ", ".join(f"`{c}`" for c in choices) + "."
         doc = doc.replace("|", "\\|")  # a bar inside a table cell (even in backticks) would split the cell

@@ -19,12 +19,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-RECOVERING, LIVE = "RECOVERING", "LIVE"
+RECOVERING, LIVE, STOPPED = "RECOVERING", "LIVE", "STOPPED"  # STOPPED: an event the fold cannot apply
 
 
 @dataclass
 class PartitionGate:
-    """State machine of one partition: RECOVERING -> LIVE (a new assignment starts a new gate)."""
+    """State machine of one partition: RECOVERING -> LIVE, or RECOVERING -> STOPPED at an event the fold cannot
+    apply (`on_fold_error = "stop"`: the gate never opens on a state that misses it; a new assignment, after a fix
+    and a restart, starts a new gate)."""
 
     partition: int
     captured_end: int
@@ -39,6 +41,7 @@ class PartitionGate:
     opened_at: float | None = None
     first_decided_at: float | None = None  # when the first command of this assignment was decided
     decided_while_recovering: int = 0    # must stay 0: counted defensively by the runtime
+    fold_error: str | None = None        # why the gate STOPPED
 
     def __post_init__(self) -> None:
         self.position = max(self.position, self.start)
@@ -56,7 +59,7 @@ class PartitionGate:
 
     def end_of_partition(self, offset: int, now: float | None = None) -> bool:
         """A fetch reported partition EOF at `offset` (= the next offset to read). True when the gate opens."""
-        if self.live:
+        if self.live or self.stopped:
             return False
         self.eof_at = offset
         if offset > self.position:  # nothing in between (e.g. transaction markers): the position is the end
@@ -67,6 +70,14 @@ class PartitionGate:
             self.opened_at = time.monotonic() if now is None else now
             return True
         return False
+
+    def stop(self, why: str) -> None:
+        """The replay met an event it cannot fold: the gate stays closed."""
+        self.phase, self.fold_error = STOPPED, why
+
+    @property
+    def stopped(self) -> bool:
+        return self.phase == STOPPED
 
     def _check_reached(self, now: float | None) -> None:
         if self.reached_at is None and self.position >= self.captured_end:
@@ -79,4 +90,5 @@ class PartitionGate:
         return {"partition": self.partition, "phase": self.phase, "captured_end": self.captured_end,
                 "start": self.start, "position": self.position, "eof_at": self.eof_at,
                 "events_replayed": self.events_replayed, "snapshot_version": self.snapshot_version,
-                "recovery_s": round((self.opened_at or time.monotonic()) - self.began, 3)}
+                "recovery_s": round((self.opened_at or time.monotonic()) - self.began, 3),
+                **({"fold_error": self.fold_error} if self.fold_error else {})}

@@ -7,9 +7,10 @@ from typing import Any
 
 from kafold.daemon.aggregates import window
 from kafold.daemon.aggregates.store import Entry
-from kafold.domain import AggregateDomain, InvalidCommand, InvalidEvent
+from kafold.domain import AggregateDomain, InvalidCommand, InvalidEvent, UnreadableEvent
 from kafold.envelope import Event, Headers, encode
 from kafold.errors import FatalError, RecordError
+from kafold.fold import domain_event, fields
 from kafold.messages import ACCEPTED, REJECTED, Command, Result
 
 Encoded = tuple[bytes, bytes, Headers]
@@ -90,11 +91,14 @@ def _decide(domain: AggregateDomain, cmd: Command, entry: Entry, at: str, t: int
     try:
         for i, ev in enumerate(decided):
             type_name, payload = domain.event_payload(ev)
-            state = domain.evolve(state, ev)
-            eid = ids[i]
-            events.append(encode(Event(eid, type_name, domain.name, cmd.aggregate_id, version + i + 1, at,
-                                       cmd.correlation_id or cmd.command_id, payload, 1, cmd.command_id)))
-    except (InvalidEvent, FatalError, ValueError) as e:
+            written = encode(Event(ids[i], type_name, domain.name, cmd.aggregate_id, version + i + 1, at,
+                                   cmd.correlation_id or cmd.command_id, payload, 1, cmd.command_id))
+            # Live = replay: evolve the event as every reader will read it back from these bytes, not the object
+            # decide returned (a tuple would stay a tuple here and come back a list from JSON).
+            read_back = domain_event(domain, fields(written[1]))
+            state = domain.evolve(state, read_back)
+            events.append(written)
+    except (InvalidEvent, UnreadableEvent, FatalError, ValueError) as e:
         msg = f"cannot store the decided events: {e}"
         return _reject(cmd, entry, msg, t, at, RecordError(msg, reason="bad-event"))
     except Exception as e:

@@ -111,7 +111,7 @@ class Recovering:
 
 def folder(domain: AggregateDomain, store: StateStore, partition: int) -> Folder[Recovering]:
     """The Folder of one events partition into the runtime's store."""
-    return Folder(domain, Recovering(domain, store, partition))
+    return Folder(domain, Recovering(domain, store, partition), partition)
 
 
 def seed(store: StateStore, partition: int, base: Base) -> None:

@@ -53,7 +53,7 @@ from kafold.daemon.aggregates.window import Window
 from kafold.domain import AggregateDomain
 from kafold.envelope import format_epoch_ms
 from kafold.errors import DecodeError, FatalError, RecordError, RetriableError
-from kafold.fold import Folder
+from kafold.fold import Folder, FoldError, Parked
 from kafold.messages import REJECTED, Command, Result, decode_command, header
 
 log = logs.get(__name__)
@@ -101,13 +101,15 @@ class AggregateRuntime(LoopHandler):
         self.folders: dict[int, Folder[recovery.Recovering]] = {}
         self.positions: dict[int, int] = {}
         self.counts = dict.fromkeys(("batches", "commands", "accepted", "rejected", "dead_lettered", "duplicates",
-                                     "events", "aborts", "assignments", "reloads", "producers_renewed"), 0)
+                                     "events", "aborts", "assignments", "reloads", "producers_renewed",
+                                     "fold_errors", "events_parked"), 0)
         self.renewed = False  # a producer was renewed and no batch has committed since: a second break stops
         self.loop = ConsumerLoop(self, stop=self.stop_event, max_records=daemon.batch_max_records,
                                  wait_s=daemon.batch_max_wait_ms / 1000, counts=self.counts,
                                  fatal=lambda err: f"commands consumer: {err.str()}")
         self.reader: Any = None
         self.writer: TransactionalWriter | None = None
+        self.parker: Any = None  # a plain producer for parked events (on_fold_error = "dead-letter"), made on use
         self.joined = False
         self.error: BaseException | None = None
         self.log = log.bind(aggregate=agg.name)
@@ -250,7 +252,7 @@ class AggregateRuntime(LoopHandler):
             self.folders.pop(n, None)
             self.positions.pop(n, None)
             self.store.drop_partition(n)
-            if not gate.live:
+            if not gate.live and not gate.stopped:  # a stopped gate's events were unassigned when it stopped
                 self.reader.incremental_unassign([KTP(self.topics["events"], n)])
         if mine:
             self.log.info("aggregate.partitions_released", partitions=sorted(mine))
@@ -262,7 +264,7 @@ class AggregateRuntime(LoopHandler):
         for m in msgs:
             n = m.partition()
             gate = self.gates.get(n)
-            if gate is None or gate.live:
+            if gate is None or gate.live or gate.stopped:
                 continue
             err = m.error()
             if err is None:
@@ -272,16 +274,47 @@ class AggregateRuntime(LoopHandler):
                 self.log.warning("aggregate.reader_error", partition=n, error=err.str())
                 continue
             self._fold(n, data.pop(n, []))
-            if gate.end_of_partition(m.offset()):
+            if not gate.stopped and gate.end_of_partition(m.offset()):
                 self._open(gate)
         for n, batch in data.items():
-            self._fold(n, batch)
+            if not self.gates[n].stopped:
+                self._fold(n, batch)
         self.store.trim()
 
     def _fold(self, n: int, batch: list[Any]) -> None:
-        if batch:
-            self.folders[n].fold_records(batch)
-            self.gates[n].replayed(batch[-1].offset() + 1, len(batch))
+        if not batch:
+            return
+        folder, gate = self.folders[n], self.gates[n]
+        try:
+            folder.fold_records(batch)
+        except FoldError as e:  # on_fold_error = "stop": the gate never opens on a state that misses the event
+            gate.stop(e.describe())
+            self.reader.incremental_unassign([KTP(self.topics["events"], n)])
+            self.counts["fold_errors"] += 1
+            self.log.error("aggregate.fold_failed", **e.fields(), policy=str(folder.on_error),
+                           action="partition not ready: fix evolve or add an upcaster, then restart; or set "
+                                  "on_fold_error = \"dead-letter\"")
+            return
+        if folder.parked:
+            self._park(batch, folder.parked)
+            folder.parked.clear()
+        gate.replayed(batch[-1].offset() + 1, len(batch))
+
+    def _park(self, batch: list[Any], parked: list[Parked]) -> None:
+        """on_fold_error = "dead-letter": the events the fold left out, to the aggregate's dead-letter topic (not
+        in a transaction: the replay writes nothing else; a later replay parks them again)."""
+        by_offset = {m.offset(): m for m in batch}
+        if self.parker is None:
+            self.parker = kafka_clients.producer(self.kafka, **{"enable.idempotence": True, "acks": "all"})
+        for p in parked:
+            raw = RawRecord.of(by_offset[p.offset])
+            headers = dlq_headers(raw, RecordError(p.error.describe(), reason="fold-error"),
+                                  f"aggregate.{self.agg.name}", int(time.time() * 1000))
+            value, headers = fitted(raw.value, headers)
+            self.parker.produce(self.dlq, value=value, key=raw.key, headers=headers, partition=0)
+            self.counts["events_parked"] += 1
+            self.log.warning("aggregate.event_parked", **p.error.fields(), dlq_topic=self.dlq)
+        self.parker.flush(30)
 
     def _open(self, gate: PartitionGate) -> None:
         n = gate.partition
@@ -307,7 +340,7 @@ class AggregateRuntime(LoopHandler):
             if committed >= 0 or self.consumer_extra.get("auto.offset.reset", "earliest") == "earliest":
                 self.consumer.seek(KTP(tp.topic, n, committed if committed >= 0 else OFFSET_BEGINNING))
         self.log.info("aggregate.caught_up", **gate.describe(), folded=folder.folded, duplicates=folder.skipped,
-                      bad_events=folder.bad, first_bad=folder.first_bad or None, results_read=results)
+                      events_parked=folder.bad or None, results_read=results)
 
     def _note_events(self, n: int, ids: set[str], until: int) -> None:
         """The window's older ids of aggregates whose snapshots carried only their newest (recovery.note_events)."""

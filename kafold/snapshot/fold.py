@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kafold import logs
-from kafold.config import AggregateConfig
+from kafold.config import AggregateConfig, FoldErrorPolicy
 from kafold.domain import AggregateDomain
 from kafold.envelope import epoch_ms, utc_now
 from kafold.fold import UNSET, Folder
@@ -38,13 +38,14 @@ class Domain:
     to_json: Callable[[Any], Any]
     from_json: Callable[[Any], Any]
     window_ms: int = 86_400_000  # the aggregate's idempotency window, which snapshots carry
+    on_fold_error: FoldErrorPolicy = FoldErrorPolicy.STOP
 
     @classmethod
     def load(cls, agg: AggregateConfig, python_path: Sequence[str] = ()) -> Domain:
         d = AggregateDomain.load(agg, tuple(python_path))
         ident = Identity(agg.name, agg.fingerprint, agg.state_schema_version)
         return cls(ident, d.initial, d.evolve, d.event, d.state_to_json, d.state_from_json,
-                   int(agg.idempotency_window_s * 1000))
+                   int(agg.idempotency_window_s * 1000), agg.on_fold_error)
 
 
 def _window(commands: Any) -> dict[str, list[int]]:
@@ -150,12 +151,15 @@ class Tail:
                 yield aid, e.base, e.version, _commands(e.window, window_ms)
 
 
-def folder(domain: Domain, bases: dict[bytes, Snapshot] | None = None) -> Folder[Tail]:
+def folder(domain: Domain, bases: dict[bytes, Snapshot] | None = None, partition: int | None = None
+           ) -> Folder[Tail]:
     """The Folder of one events partition in a snapshot run, on top of `bases` (key -> usable snapshot)."""
-    return Folder(domain, Tail(domain, bases))
+    return Folder(domain, Tail(domain, bases), partition)
 
 
 def log_bad(folder: Folder[Tail], partition: int) -> None:
+    """Events parked under `on_fold_error = "dead-letter"` (the runtime dead-letters them; a run leaves them out)."""
     if folder.bad:
-        log.warning("snapshot.bad_events", aggregate=folder.held.domain.identity.aggregate_type, partition=partition,
-                    bad=folder.bad, first=folder.first_bad, action="left out of the state")
+        log.warning("snapshot.events_left_out", aggregate=folder.held.domain.identity.aggregate_type,
+                    partition=partition, events=folder.bad, policy=str(folder.on_error),
+                    first=[p.error.describe() for p in folder.parked[:3]])

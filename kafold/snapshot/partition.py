@@ -144,7 +144,7 @@ def fold_partition(consumer: Any, agg: AggregateConfig, domain: Domain, partitio
     """Fold one events partition: its usable snapshots (`selection`, planned here when not given) + the tail."""
     sel = selection or plan_partition(consumer, agg, domain.identity, partition, use_snapshots)
     began = time.monotonic()
-    folds = folder(domain, sel.bases)
+    folds = folder(domain, sel.bases, partition)
     for offsets, keys, values in kafka_io.read_range(consumer, agg.topic("events"), partition, sel.start, sel.end,
                                                      batch=BATCH):
         folds.fold(offsets, keys, values)
@@ -163,7 +163,7 @@ def fold_partitions(consumer: Any, agg: AggregateConfig, domain: Domain, selecti
     then after them). `on_batch(partition)` gives a partition's hook. Each result's `fold_s` is an even share."""
     began = time.monotonic()
     topic = agg.topic("events")
-    folders = {sel.partition: folder(domain, sel.bases) for sel in selections}
+    folders = {sel.partition: folder(domain, sel.bases, sel.partition) for sel in selections}
     hooks = {sel.partition: on_batch(sel.partition) for sel in selections} if on_batch is not None else {}
     ends = {sel.partition: sel.end for sel in selections}
     pre = {sel.partition: prefetched[sel.partition] for sel in selections

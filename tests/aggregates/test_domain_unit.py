@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
-from kafold.config import AggregateConfig
+from kafold.config import AggregateConfig, FoldErrorPolicy
 from kafold.daemon.aggregates.gate import LIVE, RECOVERING, PartitionGate
 from kafold.daemon.aggregates.processor import handle as _handle
 from kafold.daemon.aggregates.store import Entry, StateStore
@@ -20,7 +21,8 @@ from tests.aggregates.agg_support import BANK, bank_config, bank_domain
 
 def test_domain_loads_functions_and_type_maps() -> None:
     d = bank_domain(bank_config("account"))
-    assert d.initial().status == "new" and "Deposit" in d.command_types and "MoneyDeposited" in d.event_types
+    assert d.initial().status == "new" and "Deposit" in d.codec.command_types \
+        and "MoneyDeposited" in d.codec.event_types
     assert any(c.__name__ == "Rejected" and c.__module__ == "bank_domain" for c in d.rejections)
 
 
@@ -36,17 +38,19 @@ def test_command_conversion_names_the_bad_field() -> None:
     assert d.command("Deposit", {"amount": 5}).amount == 5
     with pytest.raises(InvalidCommand, match="unknown command type 'Nope'"):
         d.command("Nope", {})
-    with pytest.raises(InvalidCommand, match="field 'amount' expects int, got str"):
+    with pytest.raises(InvalidCommand, match=r"command Deposit: field 'amount': Expected `int`, got `str`$"):
         d.command("Deposit", {"amount": "5"})
-    with pytest.raises(InvalidCommand, match="missing field 'amount'"):
+    with pytest.raises(InvalidCommand, match="missing required field `amount`"):
         d.command("Deposit", {})
+    with pytest.raises(InvalidCommand, match="unknown field 'amuont'"):
+        d.command("Deposit", {"amount": 5, "amuont": 5})
 
 
 def test_event_payload_round_trip_and_state_json() -> None:
     d = bank_domain(bank_config("account"))
-    name, payload = d.event_payload(d.event_types["MoneyDeposited"](amount=3))
+    name, payload = d.event_payload(d.codec.event_types["MoneyDeposited"](amount=3))
     assert (name, payload) == ("MoneyDeposited", {"amount": 3})
-    assert d.event(name, payload) == d.event_types["MoneyDeposited"](amount=3)
+    assert d.event(name, payload) == d.codec.event_types["MoneyDeposited"](amount=3)
     with pytest.raises(InvalidEvent):
         d.event_payload(object())
     state = d.initial()
@@ -291,6 +295,7 @@ def test_both_folds_read_through_the_envelope_fast_path_and_keep_folding_what_it
     values = [records[0][1], extra, high, b'{"not":"an event"}', b"[]"]
     keys = [b"a1"] * len(values)
 
+    agg = dataclasses.replace(agg, on_fold_error=FoldErrorPolicy.DEAD_LETTER)  # the last two are no events
     runtime = bank_domain(agg)
     store = StateStore(100)
     kernel = recovery.folder(runtime, store, 0)
@@ -299,6 +304,7 @@ def test_both_folds_read_through_the_envelope_fast_path_and_keep_folding_what_it
     folder.fold(list(range(len(values))), keys, values)
 
     assert (kernel.folded, kernel.bad) == (folder.folded, folder.bad) == (3, 2)
+    assert [p.offset for p in kernel.parked] == [p.offset for p in folder.parked] == [3, 4]
     state, version = folder.held.states()["a1"]
     assert version == COUNT_MAX + 1 == store.entries["a1"].version
     assert state == store.entries["a1"].state and state.balance == 507

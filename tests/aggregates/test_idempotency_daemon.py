@@ -9,11 +9,8 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any
 
 import psycopg
 
@@ -23,6 +20,7 @@ from kafold.snapshot import kafka_io, record
 from kafold.testing import free_port
 from tests.aggregates.agg_support import bank_daemon_toml, events
 from tests.aggregates.test_idempotency import Outside
+from tests.daemon.daemon_support import get_json
 from tests.support import wait_for
 
 KAFOLD = str(Path(sys.executable).parent / "kafold")
@@ -54,16 +52,6 @@ updated_at = "timestamptz"
     return path
 
 
-def _get(port: int, path: str) -> tuple[int, Any]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"null")
-    except OSError:
-        return 0, None
-
-
 def _daemon(conf: Path, pg_url: str, log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "KAFOLD_POSTGRES__URL": pg_url}  # never in the file
     with open(log, "ab") as out:
@@ -73,7 +61,7 @@ def _daemon(conf: Path, pg_url: str, log: Path) -> subprocess.Popen[bytes]:
 
 def _aggregate_live(port: int) -> bool:
     """The aggregate runtime is live (the projection may still wait for its first record: /ready says so)."""
-    status, body = _get(port, "/ready")
+    status, body = get_json(port, "/ready")
     return status == 200 or (status == 503 and not any("aggregate" in w for w in body["not_ready"]))
 
 
@@ -101,7 +89,7 @@ def test_a_retry_after_a_snapshot_and_a_restart_is_decided_once_and_the_projecti
                 return None
 
     try:
-        wait_for(lambda: _get(port, "/ready")[0] == 200, "the daemon ready (its projection on an empty topic)", 90)
+        wait_for(lambda: get_json(port, "/ready")[0] == 200, "the daemon ready (its projection on an empty topic)", 90)
         client.ask("open", "acc", "OpenAccount", {"owner": "bo"})
         first = client.ask("retry-2", "acc", "Deposit", {"amount": 1000})
         assert first["status"] == "accepted" and not first["duplicate"]
@@ -122,11 +110,11 @@ def test_a_retry_after_a_snapshot_and_a_restart_is_decided_once_and_the_projecti
         again = client.ask("retry-2", "acc", "Deposit", {"amount": 1000})
         assert again["duplicate"] and (again["version"], again["event_ids"]) == (first["version"],
                                                                                 first["event_ids"])
-        status, served = _get(port, "/aggregates/account/acc")
+        status, served = get_json(port, "/aggregates/account/acc")
         assert status == 200 and served["state"]["balance"] == 1000 and served["version"] == 2, served
 
         client.ask("after", "acc", "Deposit", {"amount": 1})
-        status, served = _get(port, "/aggregates/account/acc")
+        status, served = get_json(port, "/aggregates/account/acc")
         assert status == 200 and (served["state"]["balance"], served["version"]) == (1001, 3), served
         wait_for(lambda: row() == (1001,), "the projection to agree with the aggregate", 120)
         caught_up = [json.loads(line) for line in log.read_text().splitlines()

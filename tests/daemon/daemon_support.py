@@ -68,6 +68,17 @@ class Running:
         return self.host.groups[0].slots[0].runner
 
 
+def get_json(port: int, path: str) -> tuple[int, Any]:
+    """GET a daemon's `path` without a token: (status, JSON body); (0, None) while nothing listens."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+    except OSError:
+        return 0, None
+
+
 def _parse(body: bytes, content_type: str) -> Any:
     if not body:
         return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -10,8 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kafold.config import FoldErrorPolicy
 from kafold.envelope import Event, encode
-from kafold.fold import Folder
+from kafold.fold import Folder, FoldError
 from kafold.snapshot import Marker, Selector, Snapshot, Tail
 from kafold.snapshot import folder as new_folder
 from kafold.snapshot.select import REJECTED
@@ -127,11 +129,26 @@ def test_a_rejected_snapshot_without_fallback_means_full_replay_for_all() -> Non
     assert restored.held.states() == fold(evs, new_folder(DOMAIN)).held.states()
 
 
-def test_bad_events_are_left_out_counted_and_the_rest_folds() -> None:
+def test_an_event_the_fold_cannot_apply_stops_it_there_naming_it() -> None:
+    """on_fold_error = "stop" (the default): the events before it are applied, then FoldError names the offset,
+    aggregate and event type; nothing is skipped silently."""
+    evs = events(50, 9, 3)
+    broken = [(50, evs[0][1], orjson.dumps({"aggregate_id": evs[0][1].decode(), "version": 99, "type": "Nope",
+                                            "payload": {}})), (51, evs[0][1], b"{not json")]
+    folder = new_folder(DOMAIN, partition=3)
+    with pytest.raises(FoldError, match=r"partition 3 offset 50 .*type 'Nope'.*unknown event type 'Nope'") as info:
+        fold(evs + broken, folder)
+    assert (info.value.offset, info.value.event_type, info.value.partition) == (50, "Nope", 3)
+    assert folder.held.states() == fold(evs, new_folder(DOMAIN)).held.states()
+
+
+def test_under_dead_letter_bad_events_are_parked_counted_and_the_rest_folds() -> None:
     evs = events(50, 9, 3)
     broken = [(50, evs[0][1], b"{not json"), (51, evs[0][1], orjson.dumps({"version": 99, "type": "Nope"}))]
-    folder = fold(evs + broken, new_folder(DOMAIN))
+    parking = dataclasses.replace(DOMAIN, on_fold_error=FoldErrorPolicy.DEAD_LETTER)
+    folder = fold(evs + broken, new_folder(parking))
     assert folder.bad == 2 and folder.folded == 50
+    assert [(p.offset, p.value) for p in folder.parked] == [(o, v) for o, _, v in broken]
     assert folder.held.states() == fold(evs, new_folder(DOMAIN)).held.states()
 
 

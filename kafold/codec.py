@@ -1,0 +1,147 @@
+"""Typed payloads: the domain's event and command classes to and from JSON, from their annotations (msgspec).
+
+One codec per aggregate serves every path: `decide`'s events become JSON payloads through `payload`, and every
+reader (the runtime's live path, its replay, `state get`, restore, snapshot runs in process and on Spark) turns a
+stored payload back into the domain's event through `event`. A `datetime`, `date`, `Decimal`, `UUID`, `Enum`,
+`tuple`, `frozenset`, nested dataclass or `Optional` comes back as the type its field declares, never as the list
+or string JSON holds. A field type msgspec cannot map to JSON and back (an arbitrary class, a dict with non-string
+keys) is refused when the aggregate loads, naming class, field and type. Commands are decoded the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+from msgspec import inspect as mi
+
+from kafold.errors import ConfigError, KafoldError
+
+
+class InvalidCommand(KafoldError):
+    """A command's type is unknown or its data does not fit the command class (a client error, dead-lettered)."""
+
+    def __init__(self, message: str, reason: str = "invalid-command") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class InvalidEvent(KafoldError):
+    """An event decided by the domain cannot be stored (unknown class, not JSON-serializable)."""
+
+
+class UnreadableEvent(KafoldError):
+    """A stored event that the current code cannot turn into a domain event (unknown type, a payload that does
+    not fit its class)."""
+
+
+def _refusals(info: Any, path: str, seen: set[type]) -> list[tuple[str, str]]:
+    """(field path, what cannot round-trip) under a msgspec type info."""
+    if isinstance(info, mi.CustomType):
+        return [(path, f"{info.cls.__module__}.{info.cls.__qualname__} has no JSON form")]
+    if isinstance(info, mi.DictType):
+        key = info.key_type
+        out = [] if isinstance(key, mi.StrType | mi.AnyType | mi.EnumType | mi.LiteralType) else \
+            [(path, "a dict whose keys are not strings (JSON object keys are)")]
+        return out + _refusals(info.value_type, f"{path}[]", seen)
+    if isinstance(info, mi.DataclassType | mi.StructType):
+        if info.cls in seen:
+            return []
+        seen.add(info.cls)
+        return [r for f in info.fields for r in _refusals(f.type, f"{path}.{f.name}" if path else f.name, seen)]
+    if isinstance(info, mi.UnionType):
+        return [r for t in info.types for r in _refusals(t, path, seen)]
+    for attr in ("item_type",):
+        if hasattr(info, attr):
+            return _refusals(getattr(info, attr), f"{path}[]", seen)
+    if isinstance(info, mi.TupleType):
+        return [r for i, t in enumerate(info.item_types) for r in _refusals(t, f"{path}[{i}]", seen)]
+    return []
+
+
+def check_class(cls: type, where: str) -> list[str]:
+    """Problems with `cls` as an event or command class: not a dataclass, or a field that cannot round-trip."""
+    if not dataclasses.is_dataclass(cls):
+        return [f"{where}: {cls.__qualname__} is not a dataclass"]
+    try:
+        info = mi.type_info(cls)
+    except Exception as e:  # an annotation msgspec cannot read at all
+        return [f"{where}: {cls.__qualname__}: {e}"]
+    return [f"{where}: {cls.__qualname__}.{field}: {why}; it would not read back as written"
+            for field, why in _refusals(info, "", set())]
+
+
+def _explain(error: msgspec.ValidationError) -> str:
+    """msgspec's message with the field named the way the rest of kafold names keys: `field 'lines[0].price': ...`."""
+    message, _, path = str(error).partition(" - at `")
+    path = path.rstrip("`").removeprefix("$").removeprefix(".")
+    return f"field {path!r}: {message}" if path else message
+
+
+class Codec:
+    """Events and commands of one aggregate between the domain's classes and JSON (see the module docstring).
+    Without classes (no EVENT_TYPES / COMMAND_TYPES), events and commands are dicts carrying their `type`."""
+
+    def __init__(self, aggregate: str, event_types: Mapping[str, type], command_types: Mapping[str, type]) -> None:
+        problems = [p for label, types in (("EVENT_TYPES", event_types), ("COMMAND_TYPES", command_types))
+                    for name, cls in types.items()
+                    for p in check_class(cls, f"aggregate {aggregate!r}: {label}[{name!r}]")]
+        if problems:
+            raise ConfigError(problems)
+        self.event_types, self.command_types = dict(event_types), dict(command_types)
+        self._names = {cls: name for name, cls in self.event_types.items()}
+        self._fields = {cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls in self.command_types.values()}
+
+    # ---- events -----------------------------------------------------------------------------------------
+    def payload(self, event: Any) -> tuple[str, dict[str, Any]]:
+        """(type name, JSON payload) of a domain event; InvalidEvent when it is not a known event or does not
+        fit JSON."""
+        if isinstance(event, dict):
+            body = dict(event)
+            type_name = body.pop("type", None)
+            if not isinstance(type_name, str) or (self.event_types and type_name not in self.event_types):
+                raise InvalidEvent(f"decide returned a dict event without a known 'type': {type_name!r}")
+        else:
+            type_name = self._names.get(type(event))
+            if type_name is None:
+                raise InvalidEvent(f"decide returned {type(event).__name__}, which is not in EVENT_TYPES")
+            body = event
+        try:
+            out = msgspec.to_builtins(body, str_keys=True)
+        except (TypeError, ValueError) as e:
+            raise InvalidEvent(f"event {type_name} does not fit JSON: {e}") from None
+        return type_name, out
+
+    def event(self, type_name: str, payload: dict[str, Any]) -> Any:
+        """The domain event for a stored type name and JSON payload; UnreadableEvent when it does not fit."""
+        if not self.event_types:
+            return {"type": type_name, **payload}
+        cls = self.event_types.get(type_name)
+        if cls is None:
+            raise UnreadableEvent(f"unknown event type {type_name!r} (EVENT_TYPES has "
+                                  f"{', '.join(sorted(self.event_types))})")
+        try:
+            return msgspec.convert(payload, cls)
+        except msgspec.ValidationError as e:
+            raise UnreadableEvent(f"event {type_name}: {_explain(e)}") from None
+
+    # ---- commands ---------------------------------------------------------------------------------------
+    def command(self, type_name: str, data: dict[str, Any]) -> Any:
+        """The domain command for `type_name` and its JSON data; InvalidCommand names what does not fit."""
+        if not self.command_types:
+            return {"type": type_name, **data}
+        cls = self.command_types.get(type_name)
+        if cls is None:
+            raise InvalidCommand(f"unknown command type {type_name!r} (known: {', '.join(sorted(self.command_types))})",
+                                 "unknown-type")
+        unknown = sorted(k for k in data if k not in self._fields[cls])
+        if unknown:
+            raise InvalidCommand(f"command {type_name}: unknown field {unknown[0]!r}")
+        try:
+            return msgspec.convert(data, cls)
+        except msgspec.ValidationError as e:
+            raise InvalidCommand(f"command {type_name}: {_explain(e)}") from None
+        except (TypeError, ValueError) as e:  # the class's own __post_init__ refused the values
+            raise InvalidCommand(f"command {type_name}: {e}") from None

@@ -1,0 +1,178 @@
+"""The cart domain (a tuple, a datetime, a Decimal, an Enum, a nested dataclass) in `kafold daemon` on Apache Kafka,
+driven from outside (plain confluent-kafka commands, HTTP state reads): the outcomes and `GET /aggregates/cart/..`
+equal those of the same commands decided without any restart (test_one_fold's pure model), while the aggregates
+are evicted from a one-entry cache and reloaded, the daemon is killed -9 and restarted, and restored from a local
+snapshot run. And a stored event the code cannot fold: the partition is not ready and says why; under
+`on_fold_error = "dead-letter"` it is parked on the aggregate's dead-letter topic and the rest flows."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+
+from kafold import config, kafka_clients, topics
+from kafold.config import KafkaConfig
+from kafold.envelope import Event, encode
+from kafold.testing import free_port
+from tests.aggregates.test_idempotency import Outside
+from tests.aggregates.test_one_fold import T0, _run
+from tests.daemon.daemon_support import daemon_in_process, get_json
+from tests.support import ROOT, child_env, kafka_toml, produce, wait_for
+
+KAFOLD = str(Path(sys.executable).parent / "kafold")
+M = "tests.aggregates.cart_domain"
+
+
+def _config(path: Path, kafka: KafkaConfig, unique: str, port: int, extra: str = "") -> Path:
+    path.write_text(f"""
+{kafka_toml(kafka)}
+[daemon]
+group_prefix = "{unique}"
+http_port = {port}
+python_path = ["{ROOT}"]
+batch_max_wait_ms = 50
+
+[[aggregates]]
+name = "cart"
+initial = "{M}:initial"
+evolve = "{M}:evolve"
+decide = "{M}:decide"
+partitions = 1
+cache_max_aggregates = 1
+events_topic = "{unique}.events"
+commands_topic = "{unique}.commands"
+results_topic = "{unique}.results"
+snapshot_topic = "{unique}.snapshots"
+{extra}
+""")
+    return path
+
+
+def _at(hours: float) -> str:
+    return (T0 + timedelta(hours=hours)).isoformat()
+
+
+def _lines(*items: tuple[str, str]) -> dict[str, Any]:
+    return {"lines": [{"sku": s, "price": p} for s, p in items]}
+
+
+# (cart, command, data) in rounds; between rounds: evictions happen throughout (one-entry cache), then a kill -9,
+# then a snapshot run and a restart that restores from it.
+ROUNDS: list[list[tuple[str, str, dict[str, Any]]]] = [
+    [("c1", "OpenCart", {"at": _at(0)}), ("c2", "OpenCart", {"at": _at(0.5)}),
+     ("c1", "AddItems", _lines(("a", "1.10"), ("b", "2.20"))), ("c2", "AddItems", _lines(("x", "9.99"))),
+     ("c1", "AddItems", {**_lines(("c", "0.05")), "note": "gift"})],
+    [("c1", "AddItems", _lines(("d", "10"))), ("c1", "CheckOut", {"at": _at(1)}),
+     ("c2", "AddItems", _lines(("y", "0.01")))],
+    [("c2", "AddItems", _lines(("z", "3"))), ("c2", "CheckOut", {"at": _at(40)}),
+     ("c1", "AddItems", _lines(("e", "1")))],
+]
+
+
+def _daemon(conf: Path, log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        return subprocess.Popen([KAFOLD, "--log-format", "json", "daemon", "-c", str(conf)], stdout=out,
+                                stderr=subprocess.STDOUT, env=child_env())
+
+
+@pytest.mark.timeout(600)
+def test_typed_state_survives_eviction_kill_and_snapshot_restore(kafka_config: KafkaConfig, unique: str,
+                                                                 tmp_path: Path) -> None:
+    port = free_port()
+    conf = _config(tmp_path / "kafold.toml", kafka_config, unique, port)
+    loaded = config.load_file(conf)
+    agg = loaded.config.aggregates[0]
+    assert topics.ensure(kafka_config, config.topic_map(loaded.config).values()).ok
+    plan = [(cart, (kind, data)) for r in ROUNDS for cart, kind, data in r]
+    model_outcomes, model_states = _run(plan, {})  # no restart at all
+    client = Outside(kafka_config, agg)
+    log = tmp_path / "daemon.log"
+    outcomes: list[tuple[str, str | None]] = []
+    proc = _daemon(conf, log)
+    try:
+        i = 0
+        for r, commands in enumerate(ROUNDS):
+            wait_for(lambda: get_json(port, "/ready")[0] == 200, f"round {r}: the daemon ready", 120)
+            for cart, kind, data in commands:
+                result = client.ask(f"cmd-{i}", cart, kind, data)
+                outcomes.append((result["status"], result.get("reason")))
+                i += 1
+            if r == 0:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(30)
+            elif r == 1:
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(60) == 0
+                run = subprocess.run([KAFOLD, "snapshot", "run", "-c", str(conf), "--engine", "local"],
+                                     capture_output=True, text=True, timeout=300, env=child_env())
+                assert run.returncode == 0, run.stdout + run.stderr
+            if r < len(ROUNDS) - 1:
+                proc = _daemon(conf, log)
+        served = {cart: get_json(port, f"/aggregates/cart/{cart}") for cart in ("c1", "c2")}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        client.close()
+    assert outcomes == model_outcomes, "the same commands, decided across restarts, must get the same outcomes"
+    assert [o[0] for o in outcomes].count("rejected") == 1  # only c1's AddItems after its checkout
+    for cart, (status, body) in served.items():
+        assert status == 200, (cart, status, body)
+        assert body["state"] == json.loads(json.dumps(model_states[cart])), (cart, body["state"])
+    caught_up = [json.loads(line) for line in log.read_text().splitlines() if '"aggregate.caught_up"' in line]
+    assert caught_up[-1]["snapshot_version"] is not None, caught_up[-1]  # the last start restored from it
+    assert "aggregate.fold_failed" not in log.read_text()
+
+
+def _bad_event(unique: str) -> tuple[int, bytes, bytes, Any]:
+    """An ItemsAdded an older version of the code wrote: a price the Decimal field cannot read."""
+    ev = Event.new("ItemsAdded", "cart", "c9", 2, {"skus": ["q"], "lines": [{"sku": "q", "price": "lots"}]})
+    return (0, *encode(ev))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("policy", ["stop", "dead-letter"])
+def test_an_event_the_fold_cannot_apply_is_never_skipped_silently(kafka_config: KafkaConfig, unique: str,
+                                                                 tmp_path: Path, policy: str) -> None:
+    port = free_port()
+    conf = _config(tmp_path / "kafold.toml", kafka_config, unique, port, f'on_fold_error = "{policy}"')
+    loaded = config.load_file(conf)
+    agg = loaded.config.aggregates[0]
+    assert topics.ensure(kafka_config, config.topic_map(loaded.config).values()).ok
+    opened = Event.new("CartOpened", "cart", "c9", 1, {"opened_at": _at(0)})
+    bad = _bad_event(unique)
+    produce(kafka_config, agg.topic("events"), [(0, *encode(opened)), bad])
+    with daemon_in_process(conf) as d:
+        if policy == "stop":
+            def says_why() -> bool:
+                status, body = d.get("/ready")
+                return status == 503 and any(w.get("reason") == "fold error" for w in body["not_ready"])
+
+            wait_for(says_why, "/ready naming the fold error", 90)
+            stopped = next(w for w in d.get("/ready")[1]["not_ready"] if w.get("reason") == "fold error")
+            why = stopped["partitions"][0]["fold_error"]
+            assert "offset 1" in why and "'ItemsAdded'" in why and "price" in why, why
+            assert d.get("/aggregates/cart/c9")[0] == 503  # no state served from a fold that stopped
+            return
+        wait_for(lambda: d.get("/ready")[0] == 200, "the aggregate live past the parked event", 90)
+        status, body = d.get("/aggregates/cart/c9")
+        assert status == 200 and body["version"] == 1 and body["state"]["status"] == "open", body
+    reader = kafka_clients.consumer(kafka_config, f"{unique}.dlq-reader")
+    try:
+        reader.assign([TopicPartition(agg.dlq_topic, 0, OFFSET_BEGINNING)])
+        parked = [m for m in reader.consume(100, 10) if m.error() is None]
+    finally:
+        reader.close()
+    mine = [(m.key(), m.value(), dict(m.headers() or [])) for m in parked if m.key() == b"c9"]
+    assert len(mine) == 1 and mine[0][1] == bad[2], mine
+    assert mine[0][2]["kafold-dlq-reason"] == b"fold-error"
