@@ -33,7 +33,7 @@ import structlog
 from confluent_kafka import KafkaException
 from confluent_kafka import TopicPartition as KafkaTP
 
-from kafold import kafka_clients
+from kafold import kafka_clients, upcast
 from kafold.config import DaemonConfig, KafkaConfig
 from kafold.connectors.api import (
     Connector,
@@ -43,14 +43,13 @@ from kafold.connectors.api import (
     SinkTaskContext,
     TaskConfig,
     TopicPartition,
-    sink_record,
 )
 from kafold.connectors.dlq import DeadLetterWriter
+from kafold.connectors.intake import Intake
 from kafold.consumer_loop import ConsumerLoop, LoopHandler
 from kafold.daemon.liveness import STATS_INTERVAL_MS, GroupState, GroupWatch
 from kafold.daemon.progress import BatchStats, PartitionProgress, ProgressTracker, last_event_times
-from kafold.envelope import decode
-from kafold.errors import DecodeError, FatalError, KafoldError, RecordError, RetriableError, UnknownTypeError
+from kafold.errors import FatalError, KafoldError, RecordError, RetriableError
 
 log = structlog.get_logger("kafold.daemon.runner")
 
@@ -167,6 +166,7 @@ class SinkRunner(LoopHandler):
         self._owns_reporter = reporter is None
         self.consumer_extra = dict(consumer_extra or {})
         self.task: SinkTask = connector.task_class()  # type: ignore[assignment]
+        self.upcaster = upcast.build(connector.settings.upcasters, f"connector {connector.name!r}")
         self.context = _Context(self, task_config.task_id)
         self.log = log.bind(connector=connector.name, task=self.context.task_id)
         self.assigned: set[TopicPartition] = set()
@@ -310,9 +310,10 @@ class SinkRunner(LoopHandler):
         records: list[SinkRecord] = []
         seen: dict[TopicPartition, int] = {}
         dead = skipped = 0
-        on_unknown = self.connector.settings.on_unknown_type
+        intake = Intake(self.connector.name, self.task.handles, self.connector.settings.on_unknown_type,
+                        self.upcaster)
         tp, last_topic, last_part = None, None, -1
-        handles, yield_point = self.task.handles, self.task.yield_point
+        yield_point = self.task.yield_point
         for i, m in enumerate(msgs):
             if not i & YIELD_EVERY_MASK:
                 yield_point()
@@ -327,21 +328,16 @@ class SinkRunner(LoopHandler):
             assert tp is not None
             seen[tp] = offset + 1
             try:
-                event = decode(m.key(), m.value(), m.headers(), raw=m)
-                if not handles(event.type):
-                    if on_unknown == "fail":
-                        raise FatalError(f"{tp}@{offset}: unknown event type {event.type!r}")
-                    if on_unknown == "skip":
-                        skipped += 1
-                        continue
-                    raise UnknownTypeError(f"unknown event type {event.type!r}", raw=m, reason="unknown-type")
-            except (DecodeError, UnknownTypeError) as e:
+                record = intake.record(m, topic, part, offset)
+            except RecordError as e:
                 self.reporter.report(m, e)
                 self.task.on_dead_letter(m, e)
                 dead += 1
                 continue
-            ts_kind, ts = m.timestamp()
-            records.append(sink_record(topic, part, offset, event.aggregate_id, event, ts if ts_kind else None))
+            if record is None:
+                skipped += 1
+                continue
+            records.append(record)
         dead += self._put(records)
         self._flush_dead_letters()
         self.event_times.update(last_event_times(records, msgs))

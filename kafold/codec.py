@@ -18,6 +18,7 @@ import msgspec
 from msgspec import inspect as mi
 
 from kafold.errors import ConfigError, KafoldError
+from kafold.upcast import NONE, Upcaster
 
 
 class InvalidCommand(KafoldError):
@@ -84,13 +85,15 @@ class Codec:
     """Events and commands of one aggregate between the domain's classes and JSON (see the module docstring).
     Without classes (no EVENT_TYPES / COMMAND_TYPES), events and commands are dicts carrying their `type`."""
 
-    def __init__(self, aggregate: str, event_types: Mapping[str, type], command_types: Mapping[str, type]) -> None:
+    def __init__(self, aggregate: str, event_types: Mapping[str, type], command_types: Mapping[str, type],
+                 upcaster: Upcaster = NONE) -> None:
         problems = [p for label, types in (("EVENT_TYPES", event_types), ("COMMAND_TYPES", command_types))
                     for name, cls in types.items()
                     for p in check_class(cls, f"aggregate {aggregate!r}: {label}[{name!r}]")]
         if problems:
             raise ConfigError(problems)
-        self.event_types, self.command_types = dict(event_types), dict(command_types)
+        self.event_types, self.command_types, self.upcaster = dict(event_types), dict(command_types), upcaster
+        self._steps = upcaster.steps if not upcaster.empty else None
         self._names = {cls: name for name, cls in self.event_types.items()}
         self._fields = {cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls in self.command_types.values()}
 
@@ -114,8 +117,11 @@ class Codec:
             raise InvalidEvent(f"event {type_name} does not fit JSON: {e}") from None
         return type_name, out
 
-    def event(self, type_name: str, payload: dict[str, Any]) -> Any:
-        """The domain event for a stored type name and JSON payload; UnreadableEvent when it does not fit."""
+    def event(self, type_name: str, payload: dict[str, Any], schema_version: int = 1) -> Any:
+        """The domain event for a stored type name, JSON payload and schema version, upcast to today's shape;
+        UnreadableEvent when it does not fit, UpcastError when a step fails."""
+        if self._steps is not None and (type_name, schema_version) in self._steps:
+            type_name, schema_version, payload = self.upcaster.apply(type_name, schema_version, payload)
         if not self.event_types:
             return {"type": type_name, **payload}
         cls = self.event_types.get(type_name)

@@ -18,6 +18,7 @@ from kafold.errors import ConfigError
 from kafold.refs import import_ref
 from kafold.schema import Problems, Secret, is_missing, load, setting
 from kafold.sqlnames import check_identifier
+from kafold.upcast import UpcasterConfig, build
 
 ENV_PREFIX = "KAFOLD_"
 NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
@@ -109,7 +110,13 @@ class AggregateConfig:
     commands_topic: str = setting("", doc="Commands topic; default `<name>.commands`.")
     results_topic: str = setting("", doc="Results topic; default `<name>.results`.")
     snapshot_topic: str = setting("", doc="Compacted snapshot topic; default `<name>.snapshots`.")
-    fingerprint: str = setting("v1", doc="Identifies the fold (bump when evolve changes); snapshots must match.")
+    fingerprint: str = setting("", doc="Identifies the fold; snapshots of another fingerprint are refused. Empty: "
+                               "derived from the evolve module's code, the event classes, the upcasters and the state "
+                               "shape (docs/aggregates.md#the-fold-fingerprint); set it only to declare a change "
+                               "compatible.")
+    upcasters: list[UpcasterConfig] = setting(
+        factory=list, doc="Steps turning older event shapes into today's (docs/aggregates.md#upcasting); applied "
+        "on every read path; `decide` writes each type at its newest version.")
     on_fold_error: FoldErrorPolicy = setting(
         FoldErrorPolicy.STOP, doc="A stored event the fold cannot apply: `stop` keeps its partition not ready, "
         "naming it; `dead-letter` parks it (aggregate dead-letter topic), leaves it out of the state and goes on.")
@@ -139,6 +146,9 @@ class ConnectorConfig:
     dead_letter_topic: str = setting("", doc="Topic for records that cannot be processed; default `kafold.dlq.<name>`.")
     on_unknown_type: str = setting("skip", doc="What an unknown event type does.",
                                    choices=("skip", "dead-letter", "fail"))
+    upcasters: list[UpcasterConfig] = setting(
+        factory=list, doc="Steps turning older event shapes into today's, applied before the connector sees an event "
+        "(docs/aggregates.md#upcasting); a step that fails dead-letters its event (`upcast-failed`).")
     config: dict[str, Any] = setting(factory=dict, doc="The connector's own settings (see its reference).")
 
     @property
@@ -343,6 +353,7 @@ def parse(text: str, path: Path, environ: dict[str, str] | None = None) -> Loade
         _check_refs(cfg, problems)
         _check_connectors(cfg, problems, path.parent)
         _check_faust_modules(cfg, problems, path.parent)
+        _check_upcasters(cfg, problems, path.parent)
     if problems.items:
         raise ConfigError(problems.items)
     return Loaded(cfg, path)
@@ -364,6 +375,19 @@ def _check_connectors(cfg: KafoldConfig, problems: Problems, base: Path) -> None
                 problems.add(f"{where}.class", f"{e}{more}")
                 continue
             load(cls.config_class, con.config, f"{where}.config", problems, base)
+
+
+def _check_upcasters(cfg: KafoldConfig, problems: Problems, base: Path) -> None:
+    """Every upcaster chain builds: its functions import, no step twice, no gap (kafold.upcast.build)."""
+    with python_path(cfg, base):
+        for where, chain in [*((f"aggregates[{i}]", a.upcasters) for i, a in enumerate(cfg.aggregates)),
+                             *((f"connectors[{i}]", c.upcasters) for i, c in enumerate(cfg.connectors))]:
+            try:
+                build(chain, where)
+            except ConfigError as e:
+                for problem in e.problems:
+                    key, _, message = problem.partition(": ")
+                    problems.add(key, message)
 
 
 def _check_faust_modules(cfg: KafoldConfig, problems: Problems, base: Path) -> None:

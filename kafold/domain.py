@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
+import inspect
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -11,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from msgspec import inspect as mi
 
+from kafold import upcast
 from kafold.codec import Codec, InvalidCommand, InvalidEvent, UnreadableEvent, check_class
 from kafold.config import AggregateConfig, FoldErrorPolicy
 from kafold.errors import ConfigError, KafoldError
@@ -55,6 +59,7 @@ class AggregateDomain:
     state_to_json: Callable[[Any], Any]
     state_from_json: Callable[[Any], Any]
     on_fold_error: FoldErrorPolicy = FoldErrorPolicy.STOP
+    fingerprint: str = ""  # what the fold is (`fingerprint`): snapshots of another one are refused
 
     @classmethod
     def load(cls, agg: AggregateConfig, python_path: list[str] | tuple[str, ...] = (),
@@ -84,21 +89,47 @@ class AggregateDomain:
                 raise ConfigError(problems)
         to_json = to_json or default_state_to_json
         from_json = getattr(ev_mod, "state_from_json", None) or default_state_from_json(sample)
-        codec = Codec(agg.name, event_types, command_types)  # refuses a field that would not read back
-        return cls(agg.name, initial, evolve, decide, codec, rejections, to_json, from_json, agg.on_fold_error)
+        # Refuses a field that would not read back, and an upcaster chain with a gap.
+        codec = Codec(agg.name, event_types, command_types, upcast.build(agg.upcasters, f"aggregate {agg.name!r}"))
+        printed = agg.fingerprint or fingerprint(evolve, codec, sample, agg.state_schema_version)
+        return cls(agg.name, initial, evolve, decide, codec, rejections, to_json, from_json, agg.on_fold_error,
+                   printed)
 
     # ---- commands and events: one codec for every path (kafold.codec) ---------------------------------------
     def command(self, type_name: str, data: dict[str, Any]) -> Any:
         """The domain command for `type_name` and its JSON data; InvalidCommand names what does not fit."""
         return self.codec.command(type_name, data)
 
-    def event(self, type_name: str, payload: dict[str, Any]) -> Any:
-        """The domain event for a stored envelope's type and payload; UnreadableEvent when it does not fit."""
-        return self.codec.event(type_name, payload)
+    def event(self, type_name: str, payload: dict[str, Any], schema_version: int = 1) -> Any:
+        """The domain event for a stored envelope's type, payload and schema version (upcast to today's shape);
+        UnreadableEvent or UpcastError when it does not fit."""
+        return self.codec.event(type_name, payload, schema_version)
 
     def event_payload(self, event: Any) -> tuple[str, dict[str, Any]]:
         """(type name, JSON payload) of a domain event; InvalidEvent when it is not a known event."""
         return self.codec.payload(event)
+
+
+def fingerprint(evolve: Callable[..., Any], codec: Codec, sample: Any, state_schema_version: int) -> str:
+    """What the fold is, as a short hash (`auto-...`): the evolve module's source, the event classes' fields and
+    types, the upcaster chain (its declarations and its functions' source) and the state's shape. Any change to
+    them is a new fingerprint, so snapshots written by the old fold are refused and the partition refolded; an
+    explicit `fingerprint` in the configuration overrides it for a change known to be compatible."""
+    parts = [f"state_schema_version={state_schema_version}", _source(sys.modules[evolve.__module__])]
+    parts += [f"event {name}: {mi.type_info(cls)!r}" for name, cls in sorted(codec.event_types.items())]
+    parts += [f"upcaster {d}" for d in codec.upcaster.describe]
+    parts += [_source(step) for _, step in sorted(codec.upcaster.steps.items(), key=lambda kv: kv[0])
+              if getattr(step, "__module__", "") != upcast.__name__]
+    state = mi.type_info(type(sample)) if dataclasses.is_dataclass(sample) else type(sample).__qualname__
+    parts.append(f"state: {state!r}")
+    return "auto-" + hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _source(obj: Any) -> str:
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):  # no source file (a built-in, an interactive session): its name stands in
+        return getattr(obj, "__qualname__", getattr(obj, "__name__", repr(obj)))
 
 
 def default_state_to_json(state: Any) -> Any:

@@ -38,15 +38,17 @@ UNSET: Any = object()  # an entry's state not built yet (a snapshot run builds i
 
 class Loose:
     """The fields a fold reads from a JSON object the fast path declined (KeyError: a field the fold needs is
-    missing; TypeError: not a JSON object). The optional ones are None when absent."""
+    missing; TypeError: not a JSON object). The optional ones are None when absent (schema_version: 1)."""
 
-    __slots__ = ("aggregate_id", "causation_id", "event_id", "occurred_at", "payload", "type", "version")
+    __slots__ = ("aggregate_id", "causation_id", "event_id", "occurred_at", "payload", "schema_version", "type",
+                 "version")
 
     def __init__(self, body: Any) -> None:
         self.aggregate_id, self.version = body["aggregate_id"], body["version"]
         self.type, self.payload = body["type"], body["payload"]
         self.causation_id, self.occurred_at = body.get("causation_id"), body.get("occurred_at")
         self.event_id = body.get("event_id")
+        self.schema_version = body.get("schema_version", 1)
 
 
 def fields(value: bytes | None) -> Any:
@@ -81,7 +83,7 @@ class FoldError(KafoldError):
 def domain_event(kernel: Kernel, body: Any) -> Any:
     """The domain event of a read event body (`fields`), as every path reads it: the live path, replays, snapshot
     runs and `state get` all call this."""
-    return kernel.event(body.type, body.payload)
+    return kernel.event(body.type, body.payload, body.schema_version)
 
 
 class Parked:
@@ -100,7 +102,7 @@ class Kernel(Protocol):
     def evolve(self) -> Callable[[Any, Any], Any]: ...
 
     @property
-    def event(self) -> Callable[[str, dict[str, Any]], Any]: ...
+    def event(self) -> Callable[[str, dict[str, Any], int], Any]: ...
 
     @property
     def on_fold_error(self) -> FoldErrorPolicy: ...

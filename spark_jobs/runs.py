@@ -179,7 +179,7 @@ def run_local(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitio
             writes.flush()  # every snapshot acknowledged before any marker that vouches for it is written
         markers = [kafka_io.Writes(producer, topic, sel.partition) for _, _, sel in done]
         for writes, (_, _, sel) in zip(markers, done, strict=True):
-            writes.add([marker(agg, sel.partition, sel.end).encode()])
+            writes.add([marker(domain.identity, sel.partition, sel.end).encode()])
         for writes in markers:
             writes.flush()
         flush_s = time.monotonic() - flush_began

@@ -33,6 +33,7 @@ from kafold.errors import FatalError
 from kafold.snapshot import kafka_io
 from kafold.snapshot.partition import write_marker
 from kafold.snapshot.record import H_KIND, KIND_SNAPSHOT
+from kafold.snapshot.select import Identity
 from kafold.spark_jobs import source
 from kafold.spark_jobs.progress import watch
 from kafold.spark_jobs.runs import REFRESH_LAG, JobResult, partitions_of
@@ -47,7 +48,8 @@ _SNAPSHOT_HEADERS = [(H_KIND, KIND_SNAPSHOT)]
 
 def write_partition(spec: str, progress: Any, batches: Iterator[Any]) -> Iterator[Any]:
     """mapInArrow body: the header, snapshot and stats rows of one Kafka partition in, one summary row out."""
-    kafka, agg, _, _ = source.load_spec(spec)
+    kafka, agg, python_path, _ = source.load_spec(spec)
+    ident = source.domain_of(agg, python_path).identity  # the fold's identity, as the snapshots carry it
     producer = kafka_io.writer(kafka)
     producer.poll(0)  # start the producer's handshake now, while the fold runs
     topic = agg.topic("snapshot")
@@ -61,7 +63,7 @@ def write_partition(spec: str, progress: Any, batches: Iterator[Any]) -> Iterato
         for kind, part, off, key, value in zip(kinds, *(c.to_pylist() for c in batch.columns[1:]), strict=True):
             if kind == HEADER:
                 if current:
-                    yield _finish(producer, agg, current)
+                    yield _finish(producer, agg, ident, current)
                 current = {"partition": part, "start": off, "header": orjson.loads(value), "stats": None,
                            "writes": kafka_io.Writes(producer, topic, part)}
             elif kind == SNAPSHOT:
@@ -71,10 +73,10 @@ def write_partition(spec: str, progress: Any, batches: Iterator[Any]) -> Iterato
                 if progress is not None:  # an accumulator: the driver sees it when the task ends
                     progress.add(current["stats"]["events_read"])
     if current:
-        yield _finish(producer, agg, current)
+        yield _finish(producer, agg, ident, current)
 
 
-def _finish(producer: Any, agg: AggregateConfig, current: dict[str, Any]) -> Any:
+def _finish(producer: Any, agg: AggregateConfig, ident: Identity, current: dict[str, Any]) -> Any:
     import pyarrow as pa
 
     p, end, stats = current["partition"], current["header"]["end"], current["stats"]
@@ -82,7 +84,7 @@ def _finish(producer: Any, agg: AggregateConfig, current: dict[str, Any]) -> Any
         raise FatalError(f"aggregate {agg.name!r}: partition {p}: the fold ended before its last row")
     write_began = time.monotonic()
     written = current["writes"].flush()
-    write_marker(producer, agg, p, end)  # only after every snapshot above is acknowledged
+    write_marker(producer, agg, ident, p, end)  # only after every snapshot above is acknowledged
     row = {"partition": p, "start": current["start"], "end": end, "events_read": stats["events_read"],
            "events_folded": stats["events_folded"], "skipped": stats["skipped"], "bad": stats["bad"],
            "snapshots": written, "aggregates": stats["aggregates"],

@@ -26,11 +26,12 @@ from kafold import db
 from kafold.config import PostgresConfig
 from kafold.connectors.api import SinkRecord
 from kafold.connectors.dlq import stored_headers
+from kafold.connectors.intake import Intake
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.mapping import Mapping
 from kafold.connectors.projection.writer import BatchResult, ProjectionWriter, holds_lock
-from kafold.envelope import decode
-from kafold.errors import DecodeError, KafoldError
+from kafold.errors import KafoldError, RecordError, UnknownTypeError
+from kafold.upcast import NONE, Upcaster
 
 COLUMNS = 'id, connector, topic, partition, "offset", key, value, headers, status, hold_key'
 
@@ -71,8 +72,10 @@ class Release:
     connector's holds lock."""
 
     def __init__(self, pgc: PostgresConfig, name: str, config: ProjectionConfig, mapping: Mapping,
-                 repair: str) -> None:
+                 repair: str, upcaster: Upcaster = NONE) -> None:
         self.pgc, self.name, self.config, self.mapping = pgc, name, config, mapping
+        # A replayed dead letter goes through the connector's one intake, as if read live (unknown types refused).
+        self.intake = Intake(name, mapping.handles, "dead-letter", upcaster)
         self.repair = repair  # the command that rebuilds the projection (named in "skipped as stale")
         self.writer = ProjectionWriter(pgc, config, mapping, name)
         self._dead = db.table(pgc, "dead_letters")
@@ -178,12 +181,13 @@ class Release:
         applied; with `mark_always` also when skipped as a duplicate or stale, which ends its hold)."""
         where = self._where(r)
         try:
-            event = decode(r["key"], r["value"], stored_headers(r["headers"]))
-        except DecodeError as e:
+            event = self.intake.event(r["key"], r["value"], stored_headers(r["headers"]))
+        except UnknownTypeError as e:  # "unknown event type 'X'"
+            return Outcome(r["id"], where, "refused",
+                           f"still refused: the projection does not handle {str(e).removeprefix('unknown ')}")
+        except RecordError as e:
             return Outcome(r["id"], where, "refused", f"still refused: {e}")
-        if not self.mapping.handles(event.type):
-            return Outcome(r["id"], where, "refused", f"still refused: the projection does not handle event type "
-                           f"{event.type!r}")
+        assert event is not None  # "dead-letter": an unhandled type raises
         record = SinkRecord(r["topic"], r["partition"], r["offset"], event.aggregate_id, event)
 
         def refuse(bad: Any) -> None:

@@ -55,6 +55,7 @@ only step that swaps, so a check that compares instead of swapping overrides it 
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import signal
@@ -71,10 +72,11 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from kafold import db, kafka_clients, logs
+from kafold import db, kafka_clients, logs, upcast
 from kafold.config import KafkaConfig, KafoldConfig, PostgresConfig, python_path
-from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition, sink_record
+from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition
 from kafold.connectors.dlq import stored_headers
+from kafold.connectors.intake import Intake
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.connector import ProjectionConnector
@@ -93,8 +95,9 @@ from kafold.connectors.projection.writer import (
 from kafold.connectors.registry import instantiate
 from kafold.consumer_loop import SKIP_POLL, ConsumerLoop, LoopHandler, SkipPoll
 from kafold.envelope import decode
-from kafold.errors import ConfigError, DecodeError, FatalError, RetriableError, UnknownTypeError
+from kafold.errors import ConfigError, DecodeError, FatalError, RecordError, RetriableError
 from kafold.retry import retrying
+from kafold.upcast import UpcasterConfig
 
 log = logs.get(__name__)
 
@@ -148,6 +151,13 @@ class Plan:
     topics: tuple[str, ...]
     on_unknown: str
     python_path: tuple[str, ...] = ()  # the config's `daemon.python_path`, resolved: a copy worker imports the mapper
+    upcasters: tuple[UpcasterConfig, ...] = ()  # the connector's, as configured (built where they are used)
+
+    @functools.cached_property
+    def intake(self) -> Intake:
+        """The connector's one decode-and-intake (connectors.intake): the rebuild sees what the live runner sees."""
+        return Intake(self.name, self.mapping.handles, self.on_unknown,
+                      upcast.build(self.upcasters, f"connector {self.name!r}"))
 
     @property
     def shadow(self) -> str:
@@ -161,16 +171,17 @@ class Plan:
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled for a copy worker without the mapping (it may hold closures): built again there."""
         return (_unpickle_plan, (type(self), self.name, self.kafka, self.pgc, self.config, self.topics,
-                                 self.on_unknown, self.python_path))
+                                 self.on_unknown, self.python_path, self.upcasters))
 
 
 def _unpickle_plan(cls: type[Plan], name: str, kafka: KafkaConfig, pgc: PostgresConfig, config: ProjectionConfig,
-                   topics: tuple[str, ...], on_unknown: str, paths: tuple[str, ...]) -> Plan:
+                   topics: tuple[str, ...], on_unknown: str, paths: tuple[str, ...],
+                   upcasters: tuple[UpcasterConfig, ...]) -> Plan:
     for path in reversed(paths):
         if path not in sys.path:
             sys.path.insert(0, path)
     mapping = Mapping(config, load_mapper(config.mapper) if config.mapper else None)
-    return cls(name, kafka, pgc, config, mapping, topics, on_unknown, paths)
+    return cls(name, kafka, pgc, config, mapping, topics, on_unknown, paths, upcasters)
 
 
 @dataclass
@@ -202,7 +213,7 @@ def plan(cfg: KafoldConfig, base: Path, name: str) -> Plan:
         pc: ProjectionConfig = connector.config
         mapping = Mapping(pc, load_mapper(pc.mapper) if pc.mapper else None)
     return Plan(name, cfg.kafka, cfg.postgres, pc, mapping, tuple(settings.topics), settings.on_unknown_type,
-                tuple(paths.paths))
+                tuple(paths.paths), tuple(settings.upcasters))
 
 
 class _NotYet(RetriableError):
@@ -695,19 +706,10 @@ class Rebuild:
     def _record(self, m: Any, dead: list[DeadLetter], topic: str, part: int, off: int) -> SinkRecord | None:
         """The message as a SinkRecord; None when skipped or dead-lettered (as the live runner does)."""
         try:
-            event = decode(m.key(), m.value(), m.headers(), raw=m)
-            if not self.plan.mapping.handles(event.type):
-                if self.plan.on_unknown == "fail":
-                    raise FatalError(f"{topic}[{part}]@{off}: unknown event type "
-                                     f"{event.type!r}")
-                if self.plan.on_unknown == "skip":
-                    return None
-                raise UnknownTypeError(f"unknown event type {event.type!r}", raw=m, reason="unknown-type")
-        except (DecodeError, UnknownTypeError) as e:
+            return self.plan.intake.record(m, topic, part, off)
+        except RecordError as e:
             dead.append((RawRecord.of(m), e))
             return None
-        ts_kind, ts = m.timestamp()
-        return sink_record(topic, part, off, event.aggregate_id, event, ts if ts_kind else None)
 
     # ---- the swap ---------------------------------------------------------------------------------------
     def _converge(self, consumer: Any) -> None:

@@ -88,11 +88,12 @@ def _decide(domain: AggregateDomain, cmd: Command, entry: Entry, at: str, t: int
     state, version = entry.state, entry.version
     events: list[Encoded] = []
     ids = event_ids(cmd.command_id, version, len(decided))
+    newest = domain.codec.upcaster.version_of  # decide writes every type at its newest schema version
     try:
         for i, ev in enumerate(decided):
             type_name, payload = domain.event_payload(ev)
             written = encode(Event(ids[i], type_name, domain.name, cmd.aggregate_id, version + i + 1, at,
-                                   cmd.correlation_id or cmd.command_id, payload, 1, cmd.command_id))
+                                   cmd.correlation_id or cmd.command_id, payload, newest(type_name), cmd.command_id))
             # Live = replay: evolve the event as every reader will read it back from these bytes, not the object
             # decide returned (a tuple would stay a tuple here and come back a list from JSON).
             read_back = domain_event(domain, fields(written[1]))

@@ -22,7 +22,7 @@ class SnapshotRestorer:
 
     def __init__(self, kafka: KafkaConfig, agg: AggregateConfig, domain: AggregateDomain) -> None:
         self.kafka, self.agg, self.domain = kafka, agg, domain
-        self.identity = Identity(agg.name, agg.fingerprint, agg.state_schema_version)
+        self.identity = Identity(agg.name, domain.fingerprint, agg.state_schema_version)
 
     def restore(self, partition: int, low: int, end: int) -> Base:
         consumer: Any = kafka_io.reader(self.kafka)

@@ -55,6 +55,7 @@ from kafold.envelope import format_epoch_ms
 from kafold.errors import DecodeError, FatalError, RecordError, RetriableError
 from kafold.fold import Folder, FoldError, Parked
 from kafold.messages import REJECTED, Command, Result, decode_command, header
+from kafold.upcast import UpcastError
 
 log = logs.get(__name__)
 T = TypeVar("T")
@@ -193,7 +194,8 @@ class AggregateRuntime(LoopHandler):
         self.consumer = kafka_clients.consumer(self.kafka, self.group_id, **extra)
         # A lost partition is released as a revoked one: its transaction's offsets were committed with it or not.
         self.loop.subscribe([self.topics["commands"]], self._on_assign, self._on_revoke, self._on_revoke)
-        self.log.info("aggregate.started", group=self.group_id, transactional_id=self.transactional_id)
+        self.log.info("aggregate.started", group=self.group_id, transactional_id=self.transactional_id,
+                      fingerprint=self.domain.fingerprint)
 
     # ---- recovery ---------------------------------------------------------------------------------------
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
@@ -308,7 +310,8 @@ class AggregateRuntime(LoopHandler):
             self.parker = kafka_clients.producer(self.kafka, **{"enable.idempotence": True, "acks": "all"})
         for p in parked:
             raw = RawRecord.of(by_offset[p.offset])
-            headers = dlq_headers(raw, RecordError(p.error.describe(), reason="fold-error"),
+            reason = UpcastError.reason if isinstance(p.error.error, UpcastError) else "fold-error"
+            headers = dlq_headers(raw, RecordError(p.error.describe(), reason=reason),
                                   f"aggregate.{self.agg.name}", int(time.time() * 1000))
             value, headers = fitted(raw.value, headers)
             self.parker.produce(self.dlq, value=value, key=raw.key, headers=headers, partition=0)

@@ -108,8 +108,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "cpu_us_per_event": first["cpu_us_per_event"], "cores_busy": first["cores_busy"]}
 
 
-def _produce(kafka: Any, topic: str, n: int, partitions: int, accounts: int) -> int:
-    """n events of ~300 bytes: each account opened, then deposits; returns the mean value size."""
+def deposited(account: str, version: int, amount: int) -> Event:
+    return Event.new("MoneyDeposited", "account", account, version, {"amount": amount})
+
+
+def _produce(kafka: Any, topic: str, n: int, partitions: int, accounts: int,
+             deposit: Callable[[str, int, int], Event] = deposited) -> int:
+    """n events of ~300 bytes: each account opened, then deposits (`deposit(account, version, amount)`); returns
+    the mean value size."""
     from confluent_kafka.admin import NewTopic
 
     admin = kafka_clients.admin(kafka)
@@ -123,7 +129,7 @@ def _produce(kafka: Any, topic: str, n: int, partitions: int, accounts: int) -> 
         if version == 1:
             event = Event.new("AccountOpened", "account", acc, 1, {"owner": f"owner-{i}"})
         else:
-            event = Event.new("MoneyDeposited", "account", acc, version, {"amount": i % 97 + 1})
+            event = deposit(acc, version, i % 97 + 1)
         key, value, headers = encode(event)
         total += len(value)
         kafka_clients.produce(producer, topic, value, key, headers)
@@ -132,7 +138,8 @@ def _produce(kafka: Any, topic: str, n: int, partitions: int, accounts: int) -> 
     return round(total / max(1, n))
 
 
-def _project(stack: DaemonStack, name: str, topic: str, table: str, args: argparse.Namespace) -> dict[str, Any]:
+def _project(stack: DaemonStack, name: str, topic: str, table: str, args: argparse.Namespace,
+             connector_extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run `kafold daemon` on a connector for `topic` until PostgreSQL's checkpoints cover every event, measuring
     the daemon as an operator would: its whole process tree (the daemon, and with task processes its children) for
     RSS, PSS and CPU. The clock runs from the first stored checkpoint (the start-up and the group join are not the
@@ -142,7 +149,7 @@ def _project(stack: DaemonStack, name: str, topic: str, table: str, args: argpar
     from psycopg import sql
 
     conf = stack.workdir / f"{name}.{uuid.uuid4().hex[:4]}.toml"
-    conf.write_text(_daemon_toml(stack, name, topic, table, args))
+    conf.write_text(_daemon_toml(stack, name, topic, table, args, connector_extra))
     log_path = conf.with_suffix(".log")
     with db.connect(stack.postgres) as conn:
         postmaster = _postmaster(conn)
@@ -217,14 +224,16 @@ def _figures(marks: dict[str, Any], total: int, changed: int) -> dict[str, Any]:
             "rss_mb_peak": round(max(marks["peak"], marks["rss"])), "pss_mb": round(marks["pss"])}
 
 
-def _daemon_toml(stack: DaemonStack, name: str, topic: str, table: str, args: argparse.Namespace) -> str:
+def _daemon_toml(stack: DaemonStack, name: str, topic: str, table: str, args: argparse.Namespace,
+                 connector_extra: dict[str, Any] | None = None) -> str:
     """The daemon's kafold.toml: [kafka] and [postgres] as given (no secrets: the loader takes references only),
-    short group timeouts, and the one connector."""
+    short group timeouts, and the one connector (with `connector_extra` keys, e.g. its upcasters)."""
     kafka = {**stack.kafka_raw, **SHORT_GROUP_TIMEOUTS}
     daemon = {"group_prefix": f"{name}.{uuid.uuid4().hex[:4]}", "http_port": 0, "batch_max_records": args.batch,
               "task_processes": args.task_processes}
     connector = {"name": name, "class": "postgres-projection", "topics": [topic], "tasks_max": args.tasks,
-                 "config": {"table": table, "key_columns": ["account_id"], "columns": COLUMNS, "on": RULES}}
+                 "config": {"table": table, "key_columns": ["account_id"], "columns": COLUMNS, "on": RULES},
+                 **(connector_extra or {})}
     sections = [("kafka", kafka), ("postgres", stack.postgres_raw), ("daemon", daemon)]
     text = "".join(f"[{section}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in body.items()) + "\n"
                    for section, body in sections)

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kafold import config, db, devstack, kafka_clients
+from kafold import config, db, devstack, kafka_clients, upcast
 from kafold.cli import add_config_arg
 from kafold.connectors.dlq import stored_headers
 from kafold.connectors.projection import ProjectionConnector
@@ -201,8 +201,9 @@ def _projections(cfg: config.KafoldConfig, base: Path, names: set[str], path: Pa
                 continue
             pc = connector.config
             mapping = Mapping(pc, load_mapper(pc.mapper) if pc.mapper else None)
+            upcaster = upcast.build(settings.upcasters, f"connector {name!r}")
         repair = f"kafold projection rebuild {name} -c {path}"
-        out[name] = Release(cfg.postgres, name, pc, mapping, repair)
+        out[name] = Release(cfg.postgres, name, pc, mapping, repair, upcaster)
     return out
 
 

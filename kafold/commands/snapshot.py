@@ -161,8 +161,8 @@ def handle_verify(args: argparse.Namespace) -> int:
     for agg in _aggregates(cfg, args.aggregate, args.config):
         domain = Domain.load(agg, _python_path(loaded))
         report = verify(cfg.kafka, agg, domain, partitions_of(cfg.kafka, agg), args.sample)
-        print(f"{agg.name}: {report.checked} aggregates checked, {report.snapshots_used} snapshots used, "
-              f"{len(report.mismatches)} mismatches")
+        print(f"{agg.name}: fingerprint {visible(domain.identity.fingerprint)}: {report.checked} aggregates checked, "
+              f"{report.snapshots_used} snapshots used, {len(report.mismatches)} mismatches")
         for m in report.mismatches:
             print(visible(f"  MISMATCH {agg.name} {m.aggregate_id} (partition {m.partition}): {m.problem}"))
         bad += len(report.mismatches)

@@ -34,7 +34,7 @@ class Domain:
     identity: Identity
     initial: Callable[[], Any]
     evolve: Callable[[Any, Any], Any]
-    event: Callable[[str, dict[str, Any]], Any]  # a stored event's type name and payload -> the domain event
+    event: Callable[[str, dict[str, Any], int], Any]  # a stored event's type, payload, schema version -> domain
     to_json: Callable[[Any], Any]
     from_json: Callable[[Any], Any]
     window_ms: int = 86_400_000  # the aggregate's idempotency window, which snapshots carry
@@ -43,7 +43,7 @@ class Domain:
     @classmethod
     def load(cls, agg: AggregateConfig, python_path: Sequence[str] = ()) -> Domain:
         d = AggregateDomain.load(agg, tuple(python_path))
-        ident = Identity(agg.name, agg.fingerprint, agg.state_schema_version)
+        ident = Identity(agg.name, d.fingerprint, agg.state_schema_version)
         return cls(ident, d.initial, d.evolve, d.event, d.state_to_json, d.state_from_json,
                    int(agg.idempotency_window_s * 1000), agg.on_fold_error)
 

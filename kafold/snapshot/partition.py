@@ -213,12 +213,13 @@ def progress_logger(agg: AggregateConfig, partition: int, every_s: float = 5.0) 
     return report
 
 
-def marker(agg: AggregateConfig, partition: int, end: int) -> Marker:
-    """The marker of a finished partition; write it only once its snapshots are acknowledged (see the note above)."""
-    return Marker(agg.name, partition, end, agg.fingerprint, agg.state_schema_version)
+def marker(ident: Identity, partition: int, end: int) -> Marker:
+    """The marker of a finished partition, vouching for the fold `ident` names (its fingerprint comes from the
+    loaded domain, as the snapshots'); write it only once its snapshots are acknowledged (see the note above)."""
+    return Marker(ident.aggregate_type, partition, end, ident.fingerprint, ident.state_schema_version)
 
 
-def write_marker(producer: Any, agg: AggregateConfig, partition: int, end: int) -> None:
+def write_marker(producer: Any, agg: AggregateConfig, ident: Identity, partition: int, end: int) -> None:
     """Write `marker(...)` and wait for it (call only once the partition's snapshots are acknowledged)."""
-    kafka_io.write(producer, agg.topic("snapshot"), partition, [marker(agg, partition, end)])
+    kafka_io.write(producer, agg.topic("snapshot"), partition, [marker(ident, partition, end)])
 

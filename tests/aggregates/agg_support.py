@@ -17,7 +17,7 @@ from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig, TopicSpec
 from kafold.daemon.aggregates import AggregateRuntime, dlq_topic
 from kafold.domain import AggregateDomain
 from kafold.envelope import Event, encode
-from tests.support import EXAMPLES, kafka_toml
+from tests.support import EXAMPLES, ROOT, kafka_toml
 
 BANK = EXAMPLES / "bank"
 DAEMON = DaemonConfig(group_prefix="kt", batch_max_records=2000, batch_max_wait_ms=50)
@@ -46,6 +46,32 @@ events_topic = "{unique}.events"
 commands_topic = "{unique}.commands"
 results_topic = "{unique}.results"
 snapshot_topic = "{unique}.snapshots"
+"""
+
+
+def cart_daemon_toml(kafka: KafkaConfig, unique: str, port: int, prefix: str, extra: str = "") -> str:
+    """A daemon's kafold.toml head hosting the cart aggregate (tests/aggregates/cart_domain.py) on topics named
+    `<prefix>.events` etc., one partition; `extra` goes into its [[aggregates]] table (append connectors after)."""
+    m = "tests.aggregates.cart_domain"
+    return f"""
+{kafka_toml(kafka)}
+[daemon]
+group_prefix = "{unique}"
+http_port = {port}
+python_path = ["{ROOT}"]
+batch_max_wait_ms = 50
+
+[[aggregates]]
+name = "cart"
+initial = "{m}:initial"
+evolve = "{m}:evolve"
+decide = "{m}:decide"
+partitions = 1
+events_topic = "{prefix}.events"
+commands_topic = "{prefix}.commands"
+results_topic = "{prefix}.results"
+snapshot_topic = "{prefix}.snapshots"
+{extra}
 """
 
 

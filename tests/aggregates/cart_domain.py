@@ -115,3 +115,19 @@ def decide(command: Any, state: Cart) -> list[Any]:
             raise Rejected("cart is empty")
         return [CheckedOut(command.at, state.total)]
     raise Rejected(f"unknown command {type(command).__name__}")
+
+
+# ---- a read model: one row per cart (a postgres-projection mapper; it reads today's ItemsAdded shape only) ----
+def cart_row(row: dict[str, Any] | None, event: Any) -> dict[str, Any] | None:
+    p = event.payload
+    if event.type == "CartOpened":
+        return {"status": "open", "skus": "", "lines": 0, "total": "0"}
+    if row is None:
+        raise ValueError(f"{event.type} before CartOpened")
+    if event.type == "ItemsAdded":
+        total = Decimal(row["total"]) + sum((Decimal(line["price"]) for line in p["lines"]), Decimal("0"))
+        return {**row, "skus": ",".join(filter(None, [row["skus"], *p["skus"]])),
+                "lines": row["lines"] + len(p["lines"]), "total": str(total)}
+    if event.type == "CheckedOut":
+        return {**row, "status": "checked-out"}
+    raise ValueError(f"unknown event type {event.type}")

@@ -22,37 +22,17 @@ from kafold import config, kafka_clients, topics
 from kafold.config import KafkaConfig
 from kafold.envelope import Event, encode
 from kafold.testing import free_port
+from tests.aggregates.agg_support import cart_daemon_toml
 from tests.aggregates.test_idempotency import Outside
 from tests.aggregates.test_one_fold import T0, _run
 from tests.daemon.daemon_support import daemon_in_process, get_json
-from tests.support import ROOT, child_env, kafka_toml, produce, wait_for
+from tests.support import child_env, produce, wait_for
 
 KAFOLD = str(Path(sys.executable).parent / "kafold")
-M = "tests.aggregates.cart_domain"
 
 
 def _config(path: Path, kafka: KafkaConfig, unique: str, port: int, extra: str = "") -> Path:
-    path.write_text(f"""
-{kafka_toml(kafka)}
-[daemon]
-group_prefix = "{unique}"
-http_port = {port}
-python_path = ["{ROOT}"]
-batch_max_wait_ms = 50
-
-[[aggregates]]
-name = "cart"
-initial = "{M}:initial"
-evolve = "{M}:evolve"
-decide = "{M}:decide"
-partitions = 1
-cache_max_aggregates = 1
-events_topic = "{unique}.events"
-commands_topic = "{unique}.commands"
-results_topic = "{unique}.results"
-snapshot_topic = "{unique}.snapshots"
-{extra}
-""")
+    path.write_text(cart_daemon_toml(kafka, unique, port, unique, f"cache_max_aggregates = 1\n{extra}"))
     return path
 
 
