@@ -11,6 +11,7 @@ from aiohttp.typedefs import Handler, Middleware
 from faust.web import Request, Response, View
 from faust.web.drivers.aiohttp import Web as AiohttpWeb
 
+from kafold.daemon.aggregates.gate import STATUS_FIELDS
 from kafold.daemon.metrics import CONTENT_TYPE
 from kafold.errors import ConfigError, KafoldError
 
@@ -109,8 +110,10 @@ class Status(HostView):
                              "caught_up": p.caught_up})
         effects = [{"connector": slot.connector.name, "task": slot.task_id, **st} for slot in self.host.slots
                    if "circuit" in (st := slot.runner.task_status)]
+        aggregates = [{"aggregate": name, **{k: p.get(k) for k in STATUS_FIELDS}}
+                      for name, slot in self.host.aggregates.items() for p in slot.runtime.partitions()]
         return self.json({"source": "daemon", "worker_id": self.host.worker_id, "partitions": rows,
-                          "effects": effects})
+                          "effects": effects, "aggregates": aggregates})
 
 
 class AggregateState(HostView):

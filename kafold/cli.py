@@ -15,7 +15,8 @@ from kafold.errors import ConfigError, KafoldError
 # its top), so no command pays the start-up of the others' dependencies; help, or no known command, imports them all.
 COMMANDS = {"config": "config", "dev": "dev", "topics": "topics", "daemon": "daemon", "run": "run",
             "command": "aggregate", "state": "aggregate", "status": "status", "db": "db", "dlq": "dlq",
-            "effects": "effects", "snapshot": "snapshot", "bench": "bench", "projection": "projection"}
+            "effects": "effects", "snapshot": "snapshot", "bench": "bench", "projection": "projection",
+            "events": "events"}
 COMMAND_MODULES = tuple(dict.fromkeys(COMMANDS.values()))
 GLOBAL_OPTIONS_WITH_VALUE = ("--log-format",)
 

@@ -26,11 +26,12 @@ from typing import Any
 import orjson
 
 from kafold import logs
-from kafold.config import AggregateConfig, KafkaConfig
+from kafold.config import AggregateConfig, FoldErrorPolicy, KafkaConfig
 from kafold.schema import Secret
 from kafold.snapshot import kafka_io
 from kafold.snapshot.fold import Domain
 from kafold.snapshot.partition import fold_partition, progress_logger
+from kafold.upcast import UpcasterConfig
 
 try:
     from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
@@ -57,12 +58,15 @@ def spec_json(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], 
 def load_spec(spec: str | dict[str, Any]) -> tuple[KafkaConfig, AggregateConfig, list[str], list[int]]:
     raw = json.loads(spec) if isinstance(spec, str) else spec
     kafka: dict[str, Any] = {k: (Secret(v["source"]) if isinstance(v, dict) else v) for k, v in raw["kafka"].items()}
-    return KafkaConfig(**kafka), AggregateConfig(**raw["aggregate"]), raw["python_path"], raw["partitions"]
+    agg = dict(raw["aggregate"])  # JSON gave the nested settings back as plain values: their types again
+    agg["upcasters"] = [UpcasterConfig(**u) for u in agg.get("upcasters", ())]
+    agg["on_fold_error"] = FoldErrorPolicy(agg.get("on_fold_error", FoldErrorPolicy.STOP))
+    return KafkaConfig(**kafka), AggregateConfig(**agg), raw["python_path"], raw["partitions"]
 
 
 def domain_of(agg: AggregateConfig, python_path: list[str]) -> Any:
     key = f"{agg.name}|{agg.initial}|{agg.evolve}|{agg.fingerprint}|{agg.state_schema_version}|" \
-          f"{agg.idempotency_window_s}"
+          f"{agg.idempotency_window_s}|{agg.on_fold_error}|{agg.upcasters!r}"
     if key not in _DOMAINS:
         _DOMAINS[key] = Domain.load(agg, python_path)
     return _DOMAINS[key]

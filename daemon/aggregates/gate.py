@@ -19,6 +19,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+# A gate's fields in the daemon's /status rows and `kafold status` (after the aggregate's name).
+STATUS_FIELDS = ("partition", "phase", "position", "captured_end", "fold_error")
+
 RECOVERING, LIVE, STOPPED = "RECOVERING", "LIVE", "STOPPED"  # STOPPED: an event the fold cannot apply
 
 

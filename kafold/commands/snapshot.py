@@ -54,9 +54,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="draw no progress bar even on a terminal (the daemon's scheduled runs: nobody watches them)")
 
 
-def _aggregates(cfg: config.KafoldConfig, name: str | None, path: str) -> list[config.AggregateConfig]:
+def selected_aggregates(cfg: config.KafoldConfig, name: str | None, path: str, doing: str = "snapshot"
+                        ) -> list[config.AggregateConfig]:
+    """The aggregates a command works on: all, or the one `--aggregate` names; ConfigError naming the problem."""
     if not cfg.aggregates:
-        raise ConfigError([f"{path}: aggregates: no [[aggregates]] configured, nothing to snapshot"])
+        raise ConfigError([f"{path}: aggregates: no [[aggregates]] configured, nothing to {doing}"])
     if name is None:
         return list(cfg.aggregates)
     found = [a for a in cfg.aggregates if a.name == name]
@@ -66,7 +68,8 @@ def _aggregates(cfg: config.KafoldConfig, name: str | None, path: str) -> list[c
     return found
 
 
-def _python_path(loaded: config.Loaded) -> list[str]:
+def python_paths(loaded: config.Loaded) -> list[str]:
+    """`daemon.python_path`, resolved against the configuration file's folder."""
     return [str((loaded.base / p).resolve()) for p in loaded.config.daemon.python_path]
 
 
@@ -110,7 +113,7 @@ def _reporter(name: str, wanted: bool = True) -> tuple[Any, Any]:
 def handle_run(args: argparse.Namespace) -> int:
     loaded = config.load_file(args.config)
     cfg = devstack.effective(loaded.config, need=("kafka",))
-    aggs = _aggregates(cfg, args.aggregate, args.config)
+    aggs = selected_aggregates(cfg, args.aggregate, args.config)
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit chose the master
     master = args.master or (None if under_submit else cfg.snapshots.spark_master)
     engine = args.engine or cfg.snapshots.engine
@@ -132,7 +135,7 @@ def handle_run(args: argparse.Namespace) -> int:
         for agg in aggs:
             display, report = _reporter(agg.name, wanted=not args.no_progress)
             with display:
-                results.append(runs.run(cfg.kafka, agg, _python_path(loaded), spark, engine=engine,
+                results.append(runs.run(cfg.kafka, agg, python_paths(loaded), spark, engine=engine,
                                         local_max_events=cfg.snapshots.local_max_events, reporter=report,
                                         refresh_lag=args.refresh_lag or runs.REFRESH_LAG))
     total = time.monotonic() - began
@@ -158,8 +161,8 @@ def handle_verify(args: argparse.Namespace) -> int:
     if args.sample is not None and args.sample < 1:
         raise ConfigError(["--sample: must be >= 1"])
     bad = 0
-    for agg in _aggregates(cfg, args.aggregate, args.config):
-        domain = Domain.load(agg, _python_path(loaded))
+    for agg in selected_aggregates(cfg, args.aggregate, args.config):
+        domain = Domain.load(agg, python_paths(loaded))
         report = verify(cfg.kafka, agg, domain, partitions_of(cfg.kafka, agg), args.sample)
         print(f"{agg.name}: fingerprint {visible(domain.identity.fingerprint)}: {report.checked} aggregates checked, "
               f"{report.snapshots_used} snapshots used, {len(report.mismatches)} mismatches")

@@ -17,6 +17,7 @@ from kafold import config, devstack
 from kafold.cli import add_config_arg
 from kafold.connectors.projection import holds
 from kafold.daemon import offsets
+from kafold.daemon.aggregates.gate import STATUS_FIELDS
 from kafold.errors import KafoldError
 from kafold.terminal import visible
 
@@ -49,6 +50,8 @@ def handle(args: argparse.Namespace) -> int:
         print(table(report["partitions"]))
         if report.get("effects"):
             print(table(report["effects"], EFFECT_COLUMNS))
+        if report.get("aggregates"):
+            print(table(report["aggregates"], ("aggregate", *STATUS_FIELDS)))
         for name, n in sorted((held or {}).items()):
             hint = f" (kafold dlq list --connector {name} --status all)" if n else ""
             print(visible(f"held keys of {name}: {n}{hint}"))

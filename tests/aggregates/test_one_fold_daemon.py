@@ -143,6 +143,8 @@ def test_an_event_the_fold_cannot_apply_is_never_skipped_silently(kafka_config: 
             why = stopped["partitions"][0]["fold_error"]
             assert "offset 1" in why and "'ItemsAdded'" in why and "price" in why, why
             assert d.get("/aggregates/cart/c9")[0] == 503  # no state served from a fold that stopped
+            rows = d.get("/status")[1]["aggregates"]  # what `kafold status` prints
+            assert [(r["phase"], r["fold_error"]) for r in rows] == [("STOPPED", why)], rows
             return
         wait_for(lambda: d.get("/ready")[0] == 200, "the aggregate live past the parked event", 90)
         status, body = d.get("/aggregates/cart/c9")

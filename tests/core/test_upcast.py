@@ -137,3 +137,16 @@ def test_decide_writes_the_newest_version() -> None:
     added = handle(domain, Command("a", "AddItems", "c1", {"lines": [{"sku": "a", "price": "1"}]}), entry, AT, 0, 1)
     bodies = [orjson.loads(v) for _, v, _ in [*opened.events, *added.events]]
     assert [(b["type"], b["schema_version"]) for b in bodies] == [("CartOpened", 1), ("ItemsAdded", 3)]
+
+
+def test_a_spark_jobs_spec_carries_the_upcasters_and_the_policy_with_their_types() -> None:
+    """Executors rebuild the aggregate's settings from the job's JSON spec: the chain and the fold-error policy
+    must come back as the loader gave them (a dict step or a plain string policy would build another fold)."""
+    from kafold.config import FoldErrorPolicy, KafkaConfig
+    from kafold.spark_jobs.source import load_spec, spec_json
+
+    agg = AggregateConfig(name="cart", initial=f"{M}:initial", evolve=f"{M}:evolve", decide=f"{M}:decide",
+                          upcasters=CART_UPCASTERS, on_fold_error=FoldErrorPolicy.DEAD_LETTER)
+    _, back, _, _ = load_spec(spec_json(KafkaConfig(bootstrap_servers="b:1"), agg, [], [0], 0))
+    assert back == agg and back.on_fold_error is FoldErrorPolicy.DEAD_LETTER
+    assert build(back.upcasters, "x").apply("CartFilled", 1, {"items": []})[:2] == ("ItemsAdded", 3)
