@@ -98,7 +98,7 @@ def snapshot_partition(bank: Bank, p: int, limit: int | None = None) -> int:
     snaps = list(folded.folder.held.snapshots(p, end))
     kafka_io.write(producer, bank.agg.topic("snapshot"), p, snaps if limit is None else snaps[:limit])
     if limit is None:  # otherwise: a run killed between its snapshot writes and its marker
-        write_marker(producer, bank.agg, p, end)
+        write_marker(producer, bank.agg, bank.domain.identity, p, end)
     return int(end)
 
 
