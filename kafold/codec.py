@@ -11,6 +11,7 @@ keys) is refused when the aggregate loads, naming class, field and type. Command
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -81,6 +82,26 @@ def _explain(error: msgspec.ValidationError) -> str:
     return f"field {path!r}: {message}" if path else message
 
 
+_KINDS: dict[type, type] = {mi.StrType: str, mi.IntType: int, mi.FloatType: float, mi.BoolType: bool}
+
+
+def _flat_fields(cls: type) -> tuple[tuple[str, type, bool], ...] | None:
+    """(field, exact type, may be None) for a dataclass of unconstrained scalar fields only; None otherwise."""
+    out = []
+    for f in mi.type_info(cls).fields:  # type: ignore[attr-defined]
+        info, optional = f.type, False
+        if isinstance(info, mi.UnionType):
+            rest = [t for t in info.types if not isinstance(t, mi.NoneType)]
+            if len(rest) != 1 or len(info.types) != 2:
+                return None
+            info, optional = rest[0], True
+        if type(info) not in _KINDS or any(getattr(info, k, None) is not None for k in (
+                "gt", "ge", "lt", "le", "multiple_of", "pattern", "min_length", "max_length")):
+            return None
+        out.append((f.name, _KINDS[type(info)], optional))
+    return tuple(out)
+
+
 class Codec:
     """Events and commands of one aggregate between the domain's classes and JSON (see the module docstring).
     Without classes (no EVENT_TYPES / COMMAND_TYPES), events and commands are dicts carrying their `type`."""
@@ -95,6 +116,7 @@ class Codec:
         self.event_types, self.command_types, self.upcaster = dict(event_types), dict(command_types), upcaster
         self._steps = upcaster.steps if not upcaster.empty else None
         self._names = {cls: name for name, cls in self.event_types.items()}
+        self._flat = {cls: flat for cls in self.event_types.values() if (flat := _flat_fields(cls)) is not None}
         self._fields = {cls: frozenset(f.name for f in dataclasses.fields(cls)) for cls in self.command_types.values()}
 
     # ---- events -----------------------------------------------------------------------------------------
@@ -116,6 +138,25 @@ class Codec:
         except (TypeError, ValueError) as e:
             raise InvalidEvent(f"event {type_name} does not fit JSON: {e}") from None
         return type_name, out
+
+    def written(self, event: Any) -> tuple[str, dict[str, Any], bool]:
+        """`payload(event)`, and whether reading that payload back gives `event` itself: true for a class whose
+        fields are all str, int, float or bool (or None where Optional) holding exactly those types (finite
+        floats). The runtime then evolves `event` without decoding the bytes it writes (the same value, cheaper);
+        anything else is read back (a tuple, a datetime, an int in a float field would come back otherwise)."""
+        flat = self._flat.get(type(event))
+        if flat is not None:
+            payload: dict[str, Any] = {}
+            for name, kind, optional in flat:
+                value: Any = getattr(event, name)
+                if (type(value) is not kind and not (optional and value is None)) or (
+                        kind is float and not math.isfinite(value)):  # type: ignore[arg-type]  # no NaN in JSON
+                    break
+                payload[name] = value
+            else:
+                return self._names[type(event)], payload, True
+        type_name, payload = self.payload(event)
+        return type_name, payload, False
 
     def event(self, type_name: str, payload: dict[str, Any], schema_version: int = 1) -> Any:
         """The domain event for a stored type name, JSON payload and schema version, upcast to today's shape;
@@ -142,9 +183,9 @@ class Codec:
         if cls is None:
             raise InvalidCommand(f"unknown command type {type_name!r} (known: {', '.join(sorted(self.command_types))})",
                                  "unknown-type")
-        unknown = sorted(k for k in data if k not in self._fields[cls])
-        if unknown:
-            raise InvalidCommand(f"command {type_name}: unknown field {unknown[0]!r}")
+        names = self._fields[cls]
+        if not names.issuperset(data):
+            raise InvalidCommand(f"command {type_name}: unknown field {sorted(k for k in data if k not in names)[0]!r}")
         try:
             return msgspec.convert(data, cls)
         except msgspec.ValidationError as e:

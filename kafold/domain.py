@@ -61,6 +61,12 @@ class AggregateDomain:
     on_fold_error: FoldErrorPolicy = FoldErrorPolicy.STOP
     fingerprint: str = ""  # what the fold is (`fingerprint`): snapshots of another one are refused
 
+    @property
+    def event(self) -> Callable[..., Any]:
+        """`event(type, payload, schema_version=1)`: the domain event of a stored envelope (upcast to today's
+        shape); UnreadableEvent or UpcastError when it does not fit. The codec's own method (no extra call)."""
+        return self.codec.event
+
     @classmethod
     def load(cls, agg: AggregateConfig, python_path: list[str] | tuple[str, ...] = (),
              base: Path | None = None) -> AggregateDomain:
@@ -99,11 +105,6 @@ class AggregateDomain:
     def command(self, type_name: str, data: dict[str, Any]) -> Any:
         """The domain command for `type_name` and its JSON data; InvalidCommand names what does not fit."""
         return self.codec.command(type_name, data)
-
-    def event(self, type_name: str, payload: dict[str, Any], schema_version: int = 1) -> Any:
-        """The domain event for a stored envelope's type, payload and schema version (upcast to today's shape);
-        UnreadableEvent or UpcastError when it does not fit."""
-        return self.codec.event(type_name, payload, schema_version)
 
     def event_payload(self, event: Any) -> tuple[str, dict[str, Any]]:
         """(type name, JSON payload) of a domain event; InvalidEvent when it is not a known event."""

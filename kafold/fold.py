@@ -147,7 +147,7 @@ class Folder(Generic[H]):
         nothing and raises FoldError (the events before it applied), or is parked (see the module docstring)."""
         held = self.held
         entries, new, add, note = held.entries, held.new, held.add, held.note
-        read, domain, evolve = fields, self.domain, self.domain.evolve
+        read, make, evolve = fields, self.domain.event, self.domain.evolve
         folded = skipped = 0
         for offset, key, value in zip(offsets, keys, values, strict=True):
             aid = body = None
@@ -174,7 +174,7 @@ class Folder(Generic[H]):
                 state = entry.state
                 if state is UNSET:
                     state = held.thaw(entry)
-                state = evolve(state, domain_event(domain, body))
+                state = evolve(state, make(body.type, body.payload, body.schema_version))  # as domain_event
                 cause = body.causation_id
                 if cause:
                     note(entry, aid, cause, body.occurred_at, version, body.event_id)

@@ -88,15 +88,17 @@ def _decide(domain: AggregateDomain, cmd: Command, entry: Entry, at: str, t: int
     state, version = entry.state, entry.version
     events: list[Encoded] = []
     ids = event_ids(cmd.command_id, version, len(decided))
-    newest = domain.codec.upcaster.version_of  # decide writes every type at its newest schema version
+    codec = domain.codec
+    newest = codec.upcaster.version_of  # decide writes every type at its newest schema version
     try:
         for i, ev in enumerate(decided):
-            type_name, payload = domain.event_payload(ev)
+            type_name, payload, as_is = codec.written(ev)
             written = encode(Event(ids[i], type_name, domain.name, cmd.aggregate_id, version + i + 1, at,
                                    cmd.correlation_id or cmd.command_id, payload, newest(type_name), cmd.command_id))
             # Live = replay: evolve the event as every reader will read it back from these bytes, not the object
-            # decide returned (a tuple would stay a tuple here and come back a list from JSON).
-            read_back = domain_event(domain, fields(written[1]))
+            # decide returned (a tuple would stay a tuple here and come back a list from JSON), unless the codec
+            # proves them equal (flat scalar fields of exactly their types: the common case, without a decode).
+            read_back = ev if as_is else domain_event(domain, fields(written[1]))
             state = domain.evolve(state, read_back)
             events.append(written)
     except (InvalidEvent, UnreadableEvent, FatalError, ValueError) as e:

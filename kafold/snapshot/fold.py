@@ -44,7 +44,7 @@ class Domain:
     def load(cls, agg: AggregateConfig, python_path: Sequence[str] = ()) -> Domain:
         d = AggregateDomain.load(agg, tuple(python_path))
         ident = Identity(agg.name, d.fingerprint, agg.state_schema_version)
-        return cls(ident, d.initial, d.evolve, d.event, d.state_to_json, d.state_from_json,
+        return cls(ident, d.initial, d.evolve, d.codec.event, d.state_to_json, d.state_from_json,
                    int(agg.idempotency_window_s * 1000), agg.on_fold_error)
 
 
