@@ -9,12 +9,11 @@ or reason `upcast-failed` (an upcaster step raised; the message names type, vers
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from kafold.connectors.api import SinkRecord, sink_record
-from kafold.envelope import Event, decode
+from kafold.envelope import Event, decode, reshaped
 from kafold.errors import FatalError, RecordError, UnknownTypeError
 from kafold.upcast import NONE, Upcaster, UpcastError
 
@@ -47,7 +46,7 @@ class Intake:
             type_name, version, payload = self.upcaster.apply(event.type, event.schema_version, event.payload)
         except UpcastError as e:
             raise RecordError(f"connector {self.name!r}: {e}", raw=raw, reason=e.reason) from e
-        return dataclasses.replace(event, type=type_name, schema_version=version, payload=payload)
+        return reshaped(event, type_name, version, payload)
 
     def record(self, m: Any, topic: str, partition: int, offset: int) -> SinkRecord | None:
         """A consumed message as the SinkRecord its task sees; None when skipped."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import calendar
+import dataclasses
 import hashlib
 import time
 import uuid
@@ -352,6 +353,26 @@ def _fast_body(value: bytes) -> Event | None:
     s[8](event, b.causation_id)
     s[9](event, payload)
     return event
+
+
+def reshaped(event: Event, type_name: str, schema_version: int, payload: dict[str, Any]) -> Event:
+    """`event` with another type, schema version and payload (an upcaster's output; kafold.upcast checks them),
+    built through the slots as the fast path builds events: the other fields were validated when it was decoded."""
+    if type(type_name) is not str or not 0 < len(type_name) <= MAX_ID_CHARS or type(payload) is not dict:
+        return dataclasses.replace(event, type=type_name, schema_version=schema_version, payload=payload)  # names it
+    out = _new_event(Event)
+    s = _SET
+    s[0](out, event.event_id)
+    s[1](out, type_name)
+    s[2](out, event.aggregate_type)
+    s[3](out, event.aggregate_id)
+    s[4](out, event.version)
+    s[5](out, event.occurred_at)
+    s[6](out, event.correlation_id)
+    s[7](out, schema_version)
+    s[8](out, event.causation_id)
+    s[9](out, payload)
+    return out
 
 
 def decode(key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes | None]] | None, *,
