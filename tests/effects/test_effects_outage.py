@@ -169,7 +169,7 @@ def test_the_circuit_state_is_on_metrics_and_in_kafold_status(
     def status() -> list[dict[str, Any]]:
         capsys.readouterr()  # the daemon's log lines so far
         assert cli.main(["status", "-c", str(path), "--json"]) == 0
-        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith('{"effects"'))
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("{") and '"effects":' in x)
         return list(json.loads(line)["effects"])
 
     with daemon_thread(path) as (_, thread):
