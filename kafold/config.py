@@ -148,7 +148,10 @@ class ConnectorConfig:
                                    choices=("skip", "dead-letter", "fail"))
     upcasters: list[UpcasterConfig] = setting(
         factory=list, doc="Steps turning older event shapes into today's, applied before the connector sees an event "
-        "(docs/aggregates.md#upcasting); a step that fails dead-letters its event (`upcast-failed`).")
+        "(docs/aggregates.md#upcasting); a step that fails dead-letters its event (`upcast-failed`). Left empty, a "
+        "connector reading an aggregate's events topic takes that aggregate's upcasters.")
+    raw: bool = setting(False, doc="See events as they were written: no upcaster applies (neither `upcasters` nor "
+                        "the aggregate's), e.g. a webhook whose receivers want the bytes of the day.")
     config: dict[str, Any] = setting(factory=dict, doc="The connector's own settings (see its reference).")
 
     @property
@@ -353,10 +356,26 @@ def parse(text: str, path: Path, environ: dict[str, str] | None = None) -> Loade
         _check_refs(cfg, problems)
         _check_connectors(cfg, problems, path.parent)
         _check_faust_modules(cfg, problems, path.parent)
+        cfg = _inherit_upcasters(cfg, problems)
         _check_upcasters(cfg, problems, path.parent)
     if problems.items:
         raise ConfigError(problems.items)
     return Loaded(cfg, path)
+
+
+def _inherit_upcasters(cfg: KafoldConfig, problems: Problems) -> KafoldConfig:
+    """A connector with no `upcasters` of its own reads an aggregate's events in today's shape: it takes the chains
+    of the aggregates whose events topics it reads (one chain per topic, so a projection and the aggregate never
+    disagree on what an old event says); `raw = true` takes none."""
+    chains = {a.topic("events"): a.upcasters for a in cfg.aggregates if a.upcasters}
+    connectors = []
+    for i, con in enumerate(cfg.connectors):
+        if con.raw and con.upcasters:
+            problems.add(f"connectors[{i}].raw", "a raw connector sees events as written: drop its `upcasters`")
+        elif not con.raw and not con.upcasters and any(t in chains for t in con.topics):
+            con = dataclasses.replace(con, upcasters=[step for t in con.topics for step in chains.get(t, ())])
+        connectors.append(con)
+    return dataclasses.replace(cfg, connectors=connectors)
 
 
 def _check_connectors(cfg: KafoldConfig, problems: Problems, base: Path) -> None:

@@ -106,10 +106,6 @@ class AggregateDomain:
         """The domain command for `type_name` and its JSON data; InvalidCommand names what does not fit."""
         return self.codec.command(type_name, data)
 
-    def event_payload(self, event: Any) -> tuple[str, dict[str, Any]]:
-        """(type name, JSON payload) of a domain event; InvalidEvent when it is not a known event."""
-        return self.codec.payload(event)
-
 
 def fingerprint(evolve: Callable[..., Any], codec: Codec, sample: Any, state_schema_version: int) -> str:
     """What the fold is, as a short hash (`auto-...`): the evolve module's source, the event classes' fields and

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import calendar
 import dataclasses
+import enum
 import hashlib
 import time
 import uuid
@@ -108,7 +109,7 @@ class _Invalid(ValueError):
         self.reason = reason
 
 
-def _text(name: str, value: Any, optional: bool = False) -> None:
+def _text(name: str, value: Any, optional: bool) -> None:
     if value is None and optional:
         return
     if type(value) is not str:
@@ -117,7 +118,7 @@ def _text(name: str, value: Any, optional: bool = False) -> None:
         raise _Invalid(name, f"expected 1..{MAX_ID_CHARS} characters, got {len(value)}")
 
 
-def _count(name: str, value: Any) -> None:
+def _count(name: str, value: Any, optional: bool) -> None:
     if type(value) is not int:
         raise _Invalid(name, f"expected an integer, got {_kind(value)}")
     if value < 1:
@@ -126,67 +127,67 @@ def _count(name: str, value: Any) -> None:
         raise _Invalid(name, f"must be <= {COUNT_MAX} (64-bit signed), got {value}")
 
 
+def _time(name: str, value: Any, optional: bool) -> None:
+    if type(value) is not str or not value.endswith("Z"):
+        raise _Invalid(name, "expected an ISO-8601 UTC string ending in 'Z'")
+    try:
+        datetime.fromisoformat(value)
+    except ValueError:
+        raise _Invalid(name, "not an ISO-8601 timestamp") from None
+
+
+def _object(name: str, value: Any, optional: bool) -> None:
+    if type(value) is not dict:
+        raise _Invalid(name, f"expected a JSON object, got {_kind(value)}")
+
+
 def _kind(value: Any) -> str:
     return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
         type(value), type(value).__name__)
 
 
+class Kind(enum.Enum):
+    """What an envelope field holds: its check, and the type msgspec checks it as on decode's fast path."""
+
+    # (the check naming the defect, msgspec's type for the fast decoder, the same rule as one fast expression on `{v}`)
+    ID = (_text, Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)],
+          "type({v}) is str and 0 < len({v}) <= MAX_ID_CHARS")  # 1..MAX_ID_CHARS characters
+    COUNT = (_count, Annotated[int, msgspec.Meta(ge=1, le=COUNT_MAX)],
+             "type({v}) is int and 1 <= {v} <= COUNT_MAX")  # outside: the strict path names the defect
+    TIME = (_time, str, "type({v}) is str and {v}.endswith('Z') and parses({v})")  # ISO-8601 UTC ending in Z
+    OBJECT = (_object, dict[str, Any], "type({v}) is dict")  # a JSON object
+
+
+def _spec(kind: Kind, *, optional: bool = False) -> dict[str, Any]:
+    """A field's schema: its kind; `optional` fields may be absent from a body (their default) or null (ids)."""
+    return {"kind": kind, "optional": optional}
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
     """One event as stored on Kafka. Immutable: change it with dataclasses.replace (payload is read-only by
-    convention). `occurred_at` is an ISO-8601 UTC string ending in `Z` (see `occurred_at_datetime`)."""
+    convention). `occurred_at` is an ISO-8601 UTC string ending in `Z` (see `occurred_at_datetime`).
 
-    event_id: str
-    type: str
-    aggregate_type: str
-    aggregate_id: str
-    version: int
-    occurred_at: str
-    correlation_id: str
-    payload: dict[str, Any] = field(default_factory=dict)
-    schema_version: int = 1
-    causation_id: str | None = None
+    The envelope's one schema: each field's metadata says what it holds (`Kind`); the construction checks, the
+    fast decoder's msgspec struct, the lenient reader of folds and the encoded body are all derived from it."""
+
+    event_id: str = field(metadata=_spec(Kind.ID))
+    type: str = field(metadata=_spec(Kind.ID))
+    aggregate_type: str = field(metadata=_spec(Kind.ID))
+    aggregate_id: str = field(metadata=_spec(Kind.ID))
+    version: int = field(metadata=_spec(Kind.COUNT))
+    occurred_at: str = field(metadata=_spec(Kind.TIME))
+    correlation_id: str = field(metadata=_spec(Kind.ID))
+    payload: dict[str, Any] = field(default_factory=dict, metadata=_spec(Kind.OBJECT))
+    schema_version: int = field(default=1, metadata=_spec(Kind.COUNT, optional=True))
+    causation_id: str | None = field(default=None, metadata=_spec(Kind.ID, optional=True))
 
     def __post_init__(self) -> None:
-        # Fast path (decode's hot loop): one expression that holds exactly when every check below passes; any
-        # doubt falls through to the checks, which name the field.
-        at, cause, m = self.occurred_at, self.causation_id, MAX_ID_CHARS
-        if (type(self.event_id) is str and 0 < len(self.event_id) <= m and type(self.type) is str
-                and 0 < len(self.type) <= m and type(self.aggregate_type) is str
-                and 0 < len(self.aggregate_type) <= m and type(self.aggregate_id) is str
-                and 0 < len(self.aggregate_id) <= m and type(self.correlation_id) is str
-                and 0 < len(self.correlation_id) <= m
-                and (cause is None or (type(cause) is str and 0 < len(cause) <= m))
-                and type(self.version) is int and 1 <= self.version <= COUNT_MAX
-                and type(self.schema_version) is int and 1 <= self.schema_version <= COUNT_MAX
-                and type(self.payload) is dict and type(at) is str
-                and at.endswith("Z")):
-            try:
-                datetime.fromisoformat(at)
-                return
-            except ValueError:
-                pass
-        self._check()
-
-    def _check(self) -> None:
-        """Every field check in order; raises _Invalid naming the first wrong field."""
-        _text("event_id", self.event_id)
-        _text("type", self.type)
-        _text("aggregate_type", self.aggregate_type)
-        _text("aggregate_id", self.aggregate_id)
-        _count("version", self.version)
-        _count("schema_version", self.schema_version)
-        _text("correlation_id", self.correlation_id)
-        _text("causation_id", self.causation_id, optional=True)
-        if type(self.payload) is not dict:
-            raise _Invalid("payload", f"expected a JSON object, got {_kind(self.payload)}")
-        at = self.occurred_at
-        if type(at) is not str or not at.endswith("Z"):
-            raise _Invalid("occurred_at", "expected an ISO-8601 UTC string ending in 'Z'")
-        try:
-            datetime.fromisoformat(at)
-        except ValueError:
-            raise _Invalid("occurred_at", "not an ISO-8601 timestamp") from None
+        # One generated expression that holds exactly when every check passes; any doubt takes the checks in schema
+        # order, the first wrong field raising _Invalid that names it.
+        if not _valid(self):
+            for name, kind, optional in _RULES:
+                kind.value[0](name, getattr(self, name), optional)
 
     @classmethod
     def new(cls, type: str, aggregate_type: str, aggregate_id: str, version: int, payload: dict[str, Any], *,
@@ -203,23 +204,85 @@ class Event:
         return datetime.fromisoformat(self.occurred_at)
 
 
-_REQUIRED = ("event_id", "type", "aggregate_type", "aggregate_id", "version", "occurred_at", "correlation_id",
-             "payload")
+_SCHEMA = dataclasses.fields(Event)
+NAMES = tuple(f.name for f in _SCHEMA)  # in the order of the encoded body
+_REQUIRED = tuple(f.name for f in _SCHEMA if not f.metadata["optional"])
+_RULES = tuple((f.name, f.metadata["kind"], f.metadata["optional"]) for f in _SCHEMA)  # (name, Kind, optional)
+
+
+def _parses(at: str) -> bool:
+    try:
+        datetime.fromisoformat(at)
+    except ValueError:
+        return False
+    return True
+
+
+def _rule(name: str, kind: Kind, optional: bool) -> str:
+    """A field's rule as an expression on `e` (an optional id may be None)."""
+    rule = kind.value[2].format(v=f"e.{name}")
+    return f"(e.{name} is None or ({rule}))" if optional and kind is Kind.ID else f"({rule})"
 _REQUIRED_SET = frozenset(_REQUIRED)
-_FIELDS = frozenset((*_REQUIRED, "schema_version", "causation_id"))
+_FIELDS = frozenset(NAMES)
+# A wire default is the dataclass default of an optional field (payload's default is for `Event(...)` in code only).
+_DEFAULTS = {f.name: f.default for f in _SCHEMA if f.metadata["optional"]}
+_SET = tuple(Event.__dict__[name].__set__ for name in NAMES)  # the slots' own setters
+
+
+def _compiled(source: str, **namespace: Any) -> Any:
+    """The function `source` defines (named `f`): the envelope's hot helpers are generated from the schema, unrolled,
+    the way dataclasses writes a class's __init__, so the fields are spelled once (in `Event`) and cost no loop."""
+    exec(source, namespace)
+    return namespace["f"]
+
+
+def _builder() -> Any:
+    """`_build(source)`: an Event of the already validated fields of `source` (a fast-path body, or an Event), set
+    through the slots' own setters without the frozen dataclass's per-field object.__setattr__ and __post_init__
+    (~2 µs saved an event on decode's hot loop)."""
+    sets = "".join(f"    s{i}(e, b.{name})\n" for i, name in enumerate(NAMES))
+    return _compiled(f"def f(b):\n    e = new(Event)\n{sets}    return e\n", new=object.__new__, Event=Event,
+                     **{f"s{i}": put for i, put in enumerate(_SET)})
+
+
+_build = _builder()
+# `_valid(event)`: True exactly when every field passes its check (Event.__post_init__'s fast path)
+_valid = _compiled("def f(e):\n    return " + " and ".join(_rule(*check) for check in _RULES) + "\n",
+                   parses=_parses, MAX_ID_CHARS=MAX_ID_CHARS, COUNT_MAX=COUNT_MAX)
+# `_as_dict(event)`: the body's fields in schema order (a dict literal: twice as fast as orjson's own dataclass path)
+_as_dict = _compiled("def f(e):\n    return {" + ", ".join(f"{n!r}: e.{n}" for n in NAMES) + "}\n")
+
+
+def _struct(name: str, lenient: bool) -> type[msgspec.Struct]:
+    """The envelope as a msgspec struct: strict (decode's fast path: every rule of `Event`'s checks but the time's,
+    in C) or lenient (what a fold has always accepted: any value, unknown fields, only `LENIENT_REQUIRED` present)."""
+    fields: list[Any] = []
+    for f in _SCHEMA:
+        kind, optional = f.metadata["kind"], f.metadata["optional"]
+        if lenient:
+            fields.append((f.name, Any, msgspec.NODEFAULT if f.name in LENIENT_REQUIRED else _DEFAULTS.get(f.name)))
+        elif optional:
+            fields.append((f.name, kind.value[1] | None if f.default is None else kind.value[1], f.default))
+        else:
+            fields.append((f.name, kind.value[1]))
+    if lenient:  # the required ones first, as a struct wants them
+        fields.sort(key=lambda x: len(x) == 3 and x[2] is not msgspec.NODEFAULT)
+    return msgspec.defstruct(name, fields, forbid_unknown_fields=not lenient, gc=False, module=__name__)
+
+
+# What a fold reads of an event no matter how loosely it was written: an event once folded stays foldable, though
+# the envelope's decoder is stricter (unknown fields, version bounds, id lengths).
+LENIENT_REQUIRED = frozenset({"type", "aggregate_id", "version", "payload"})
+# msgspec keeps integers beyond 64 bits exact (orjson rounds them to floats); `_check_record` refuses them.
+_BODY = msgspec.json.Decoder(_struct("Body", lenient=False))
+_LENIENT = msgspec.json.Decoder(_struct("LenientBody", lenient=True))
 
 
 def encode(event: Event, *, max_bytes: int = MAX_BYTES,
            max_depth: int = MAX_DEPTH) -> tuple[bytes, bytes, Headers]:
     """(key, value, headers) for producing `event`; refuses what `decode` would refuse (FatalError)."""
-    body = {
-        "event_id": event.event_id, "type": event.type, "aggregate_type": event.aggregate_type,
-        "aggregate_id": event.aggregate_id, "version": event.version, "schema_version": event.schema_version,
-        "occurred_at": event.occurred_at, "correlation_id": event.correlation_id,
-        "causation_id": event.causation_id, "payload": event.payload,
-    }
     try:
-        value = orjson.dumps(body)
+        value = body_json(event)
     except orjson.JSONEncodeError as e:
         raise FatalError(f"event {event.event_id}: payload is not JSON-serializable: {e}") from e
     if len(value) > max_bytes:
@@ -231,6 +294,12 @@ def encode(event: Event, *, max_bytes: int = MAX_BYTES,
         (H_VERSION, str(event.version).encode()), (H_AGGREGATE, event.aggregate_type.encode()),
     ]
     return event.aggregate_id.encode(), value, headers
+
+
+def body_json(event: Event) -> bytes:
+    """The event's JSON body, every field of the schema (what `encode` writes and a webhook's `body = "event"`
+    sends); raises orjson.JSONEncodeError on a payload that is not JSON."""
+    return orjson.dumps(_as_dict(event))
 
 
 def _too_deep(value: bytes, payload: Any, max_depth: int) -> bool:
@@ -289,37 +358,8 @@ def peek_headers(headers: Sequence[tuple[str, bytes | None]] | None, *,
     return found[H_TYPE], found[H_ID], _version_header(found[H_VERSION], raw)
 
 
-_Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
-_Count = Annotated[int, msgspec.Meta(ge=1, le=COUNT_MAX)]  # outside: the strict path names the defect
-
-
-class _Body(msgspec.Struct, forbid_unknown_fields=True, gc=False):
-    """The envelope fields and the payload as msgspec checks and builds them in C, in one pass: decode's fast path.
-    msgspec keeps integers beyond 64 bits exact (orjson rounds them to floats); `_check_record` refuses them."""
-
-    event_id: _Id
-    type: _Id
-    aggregate_type: _Id
-    aggregate_id: _Id
-    version: _Count
-    occurred_at: str
-    correlation_id: _Id
-    payload: dict[str, Any]
-    schema_version: _Count = 1
-    causation_id: _Id | None = None
-
-
-_BODY = msgspec.json.Decoder(_Body)
-_new_event = object.__new__
-# The slots' own setters: the fast path fills an Event whose every field msgspec (and the checks below) already
-# validated, without the frozen dataclass's per-field object.__setattr__ and __post_init__ (~2 µs an event).
-_SET = tuple(Event.__dict__[name].__set__ for name in ("event_id", "type", "aggregate_type", "aggregate_id",
-                                                      "version", "occurred_at", "correlation_id", "schema_version",
-                                                      "causation_id", "payload"))
-
-
-def peek_body(value: bytes | None) -> _Body | None:
-    """The body's fields as the fast path checks them in C (every rule of `Event._check` but the time's), without
+def peek_body(value: bytes | None) -> Any | None:
+    """The body's fields as the fast path checks them in C (every rule of `Event`'s checks but the time's), without
     building an Event; None on any doubt. Folds read events through it: attribute reads, no Event, no time parse."""
     try:
         return _BODY.decode(value)  # type: ignore[arg-type]
@@ -327,32 +367,30 @@ def peek_body(value: bytes | None) -> _Body | None:
         return None
 
 
+def lenient_body(value: bytes | None) -> Any:
+    """The body's fields as a fold reads them when `peek_body` declined: any values (the fold checks what it uses),
+    unknown fields ignored; raises (msgspec.MsgspecError, TypeError) when it is no JSON object with
+    `LENIENT_REQUIRED`."""
+    return _LENIENT.decode(value)  # type: ignore[arg-type]
+
+
 def _fast_body(value: bytes) -> Event | None:
-    """The Event when the body is valid by every rule of `Event._check`; None on any doubt (the strict path then
+    """The Event when the body is valid by every rule of `Event`'s checks; None on any doubt (the strict path then
     decides, and names the defect). Differential-tested against the strict path (tests/core/test_envelope.py)."""
     b = peek_body(value)
     if b is None:
         return None
-    at, payload = b.occurred_at, b.payload
+    at = b.occurred_at
     if not at.endswith("Z"):
         return None
     try:
         datetime.fromisoformat(at)
     except ValueError:
         return None
-    event = _new_event(Event)
-    s = _SET
-    s[0](event, b.event_id)
-    s[1](event, b.type)
-    s[2](event, b.aggregate_type)
-    s[3](event, b.aggregate_id)
-    s[4](event, b.version)
-    s[5](event, at)
-    s[6](event, b.correlation_id)
-    s[7](event, b.schema_version)
-    s[8](event, b.causation_id)
-    s[9](event, payload)
-    return event
+    return _build(b)
+
+
+_RESHAPED = tuple(_SET[NAMES.index(name)] for name in ("type", "schema_version", "payload"))
 
 
 def reshaped(event: Event, type_name: str, schema_version: int, payload: dict[str, Any]) -> Event:
@@ -360,18 +398,11 @@ def reshaped(event: Event, type_name: str, schema_version: int, payload: dict[st
     built through the slots as the fast path builds events: the other fields were validated when it was decoded."""
     if type(type_name) is not str or not 0 < len(type_name) <= MAX_ID_CHARS or type(payload) is not dict:
         return dataclasses.replace(event, type=type_name, schema_version=schema_version, payload=payload)  # names it
-    out = _new_event(Event)
-    s = _SET
-    s[0](out, event.event_id)
-    s[1](out, type_name)
-    s[2](out, event.aggregate_type)
-    s[3](out, event.aggregate_id)
-    s[4](out, event.version)
-    s[5](out, event.occurred_at)
-    s[6](out, event.correlation_id)
-    s[7](out, schema_version)
-    s[8](out, event.causation_id)
-    s[9](out, payload)
+    out = _build(event)
+    set_type, set_version, set_payload = _RESHAPED
+    set_type(out, type_name)
+    set_version(out, schema_version)
+    set_payload(out, payload)
     return out
 
 

@@ -16,10 +16,11 @@ gate closed, a snapshot run or `state get` fails). Under `on_fold_error = "dead-
 instead (`parked`: offset, key, value, error), leaves it out of every state and goes on; the caller dead-letters it.
 
 Reading: the envelope's fast path (`envelope.peek_body`, msgspec in C) reads every event kafold wrote, faster than
-parsing to a dict. When it declines, the body is read as plain JSON (`Loose`) and the fold's own checks decide
-(version an integer, key equal to the aggregate id, the domain building the event): the envelope's decoder is
-stricter (unknown fields, version bounds, id lengths) than what a fold has always accepted, and an event once folded
-must stay foldable, or a replay would come to a different state than the one the runtime decided commands on.
+parsing to a dict. When it declines, the body is read leniently (`envelope.lenient_body`, from the same schema) and
+the fold's own checks decide (version an integer, key equal to the aggregate id, the domain building the event): the
+envelope's decoder is stricter (unknown fields, version bounds, id lengths) than what a fold has always accepted,
+and an event once folded must stay foldable, or a replay would come to a different state than the one the runtime
+decided commands on.
 """
 
 from __future__ import annotations
@@ -27,37 +28,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
-import orjson
-
 from kafold.config import FoldErrorPolicy
-from kafold.envelope import peek_body
+from kafold.envelope import lenient_body, peek_body
 from kafold.errors import KafoldError
 
 UNSET: Any = object()  # an entry's state not built yet (a snapshot run builds it from its base on first use)
 
 
-class Loose:
-    """The fields a fold reads from a JSON object the fast path declined (KeyError: a field the fold needs is
-    missing; TypeError: not a JSON object). The optional ones are None when absent (schema_version: 1)."""
-
-    __slots__ = ("aggregate_id", "causation_id", "event_id", "occurred_at", "payload", "schema_version", "type",
-                 "version")
-
-    def __init__(self, body: Any) -> None:
-        self.aggregate_id, self.version = body["aggregate_id"], body["version"]
-        self.type, self.payload = body["type"], body["payload"]
-        self.causation_id, self.occurred_at = body.get("causation_id"), body.get("occurred_at")
-        self.event_id = body.get("event_id")
-        self.schema_version = body.get("schema_version", 1)
-
-
 def fields(value: bytes | None) -> Any:
     """An event body's fields as attributes (aggregate_id, version, type, payload, causation_id, occurred_at,
-    event_id); raises (orjson.JSONDecodeError, KeyError, TypeError) when it is no event a fold can read.
-    Integers beyond 64 bits in a payload read exactly on the fast path (the plain path rounds them to floats, as
-    folds always did); kafold's own `encode` never writes them."""
+    event_id, schema_version): the envelope's fast path, else its lenient reading; raises (msgspec.MsgspecError,
+    TypeError) when it is no event a fold can read."""
     body = peek_body(value)
-    return body if body is not None else Loose(orjson.loads(value))  # type: ignore[arg-type]
+    return body if body is not None else lenient_body(value)
 
 
 class FoldError(KafoldError):

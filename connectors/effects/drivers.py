@@ -17,7 +17,6 @@ import orjson
 
 from kafold import kafka_clients
 from kafold.config import KafkaConfig
-from kafold.connectors.effects.ledger import event_json
 from kafold.connectors.effects.policy import EffectError, PermanentEffectError, RetriableEffectError
 from kafold.connectors.effects.settings import (
     KafkaEffectConfig,
@@ -26,7 +25,7 @@ from kafold.connectors.effects.settings import (
 )
 from kafold.connectors.effects.signing import sign
 from kafold.connectors.effects.webhook_client import HttpError, WebhookClient
-from kafold.envelope import KAFOLD_NAMESPACE, Event, encode
+from kafold.envelope import KAFOLD_NAMESPACE, Event, body_json, encode
 from kafold.refs import import_ref
 
 RETRY_STATUSES = frozenset({408, 409, 425, 429})
@@ -97,7 +96,7 @@ class Webhook(Effect):
             return orjson.dumps(self.mapper(event))
         if self.config.body == "payload":
             return orjson.dumps(event.payload)
-        return event_json(event)
+        return body_json(event)
 
     async def run(self, event: Event) -> None:
         assert self.client is not None, "start() first"

@@ -35,7 +35,7 @@ from kafold import logs
 from kafold.config import PostgresConfig
 from kafold.connectors.api import ErrantRecordReporter, SinkRecord
 from kafold.connectors.dlq import pg_text
-from kafold.envelope import Event
+from kafold.envelope import Event, body_json
 from kafold.errors import FatalError, RetriableError
 from kafold.pg import conninfo
 from kafold.retry import retrying
@@ -90,7 +90,7 @@ def _text(value: str | None) -> str | None:
 def parked_json(event: Event) -> str:
     """A parked event as its jsonb column holds it exactly: its JSON, or {"base64": its JSON} when that holds a NUL
     (jsonb refuses \\u0000)."""
-    body = event_json(event)
+    body = body_json(event)
     if b"\\u0000" in body:
         return orjson.dumps({"base64": base64.b64encode(body).decode()}).decode()
     return body.decode()
@@ -101,14 +101,6 @@ def parked_body(stored: str) -> bytes:
     if stored.startswith('{"base64"'):
         return base64.b64decode(orjson.loads(stored)["base64"])
     return stored.encode()
-
-
-def event_json(event: Event) -> bytes:
-    return orjson.dumps({
-        "event_id": event.event_id, "type": event.type, "aggregate_type": event.aggregate_type,
-        "aggregate_id": event.aggregate_id, "version": event.version, "schema_version": event.schema_version,
-        "occurred_at": event.occurred_at, "correlation_id": event.correlation_id,
-        "causation_id": event.causation_id, "payload": event.payload})
 
 
 class Ledger:

@@ -46,13 +46,13 @@ def test_command_conversion_names_the_bad_field() -> None:
         d.command("Deposit", {"amount": 5, "amuont": 5})
 
 
-def test_event_payload_round_trip_and_state_json() -> None:
+def test_codec_payload_round_trip_and_state_json() -> None:
     d = bank_domain(bank_config("account"))
-    name, payload = d.event_payload(d.codec.event_types["MoneyDeposited"](amount=3))
+    name, payload = d.codec.payload(d.codec.event_types["MoneyDeposited"](amount=3))
     assert (name, payload) == ("MoneyDeposited", {"amount": 3})
     assert d.event(name, payload) == d.codec.event_types["MoneyDeposited"](amount=3)
     with pytest.raises(InvalidEvent):
-        d.event_payload(object())
+        d.codec.payload(object())
     state = d.initial()
     assert d.state_from_json(d.state_to_json(state)) == state
 
@@ -283,7 +283,7 @@ def test_both_folds_read_through_the_envelope_fast_path_and_keep_folding_what_it
     events = [Event.new("AccountOpened", "bank", "a1", 1, {"owner": "ann", "currency": "EUR"}, causation_id="c1"),
               Event.new("MoneyDeposited", "bank", "a1", 2, {"amount": 500}, causation_id="c2")]
     records = [encode(e) for e in events]
-    assert all(type(fold.fields(value)) is not fold.Loose for _, value, _ in records)  # read by peek_body
+    assert all(fold.fields(value).__class__.__name__ == "Body" for _, value, _ in records)  # read by peek_body
     # the envelope's decoder refuses these (an unknown field; a version beyond its bound) but folds always read them
     extra = records[1][1].replace(b'{"event_id"', b'{"note":"added by hand","event_id"', 1)
     high = encode(Event.new("MoneyDeposited", "bank", "a1", 3, {"amount": 7}))[1].replace(

@@ -129,10 +129,10 @@ def test_typed_events_and_commands_round_trip_exactly() -> None:
     from tests.aggregates.cart_domain import AddItems, CheckedOut, ItemsAdded, Line
 
     event = ItemsAdded(("a", "b"), (Line("a", Decimal("1.10")), Line("b", Decimal("2"))), None)
-    name, payload = DOMAIN.event_payload(event)
+    name, payload = DOMAIN.codec.payload(event)
     assert DOMAIN.event(name, orjson.loads(orjson.dumps(payload))) == event
     out = CheckedOut(T0, Decimal("3.10"))
-    assert DOMAIN.event(*DOMAIN.event_payload(out)) == out
+    assert DOMAIN.event(*DOMAIN.codec.payload(out)) == out
     cmd = DOMAIN.command("AddItems", {"lines": [{"sku": "a", "price": "1.10"}]})
     assert cmd == AddItems((Line("a", Decimal("1.10")),))
 

@@ -1,7 +1,9 @@
 """A cart history written in v1 (CartFilled with `items`), v2 (ItemsAdded with `lines`) and v3 (today's
-ItemsAdded with `skus`) on Apache Kafka, read by `kafold daemon` with the upcaster chain: the aggregate's state
-(live, and restored from a local snapshot run after a restart), the projection's rows and the rows of a rebuilt
-projection all equal those of the same history written natively in v3; the next command is decided on it."""
+ItemsAdded with `skus`) on Apache Kafka, read by `kafold daemon` with the aggregate's upcaster chain: the aggregate's
+state (live, and restored after a restart from a snapshot run: Spark for the old history, local for the native one),
+the projection's rows, the webhook bodies and the rows of a rebuilt projection all equal those of the same history
+written natively in v3; the next command is decided on it. The projection and the webhook declare no chain: they
+take the aggregate's (one chain per topic); a `raw` webhook gets the events as they were written."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import orjson
 import psycopg
 import pytest
 
@@ -21,6 +24,7 @@ from tests.aggregates.agg_support import cart_daemon_toml
 from tests.aggregates.test_idempotency import Outside
 from tests.daemon.daemon_support import Running, daemon_in_process
 from tests.support import child_env, produce, wait_for
+from tests.support.receiver import Receiver
 
 KAFOLD = str(Path(sys.executable).parent / "kafold")
 M = "tests.aggregates.cart_domain"
@@ -51,16 +55,33 @@ def _history(cart: str, old: bool) -> list[Event]:
             Event.new("ItemsAdded", "cart", cart, 3, {"lines": MORE, "skus": ["c"]}, schema_version=3), last]
 
 
-def _config(path: Path, kafka: KafkaConfig, pg_url: str, prefix: str, port: int, table: str) -> Path:
+def _config(path: Path, kafka: KafkaConfig, pg_url: str, prefix: str, port: int, table: str,
+            hooks: dict[str, str]) -> Path:
     path.write_text(cart_daemon_toml(kafka, prefix, port, prefix, UPCASTERS.format(section="aggregates")) + f"""
 [postgres]
 url = "{pg_url}"
 
 [[connectors]]
+name = "hooks-{table}"
+class = "webhook"
+topics = ["{prefix}.events"]
+[connectors.config]
+url = "{hooks["upcast"]}"
+allow_http = true
+
+[[connectors]]
+name = "raw-{table}"
+class = "webhook"
+topics = ["{prefix}.events"]
+raw = true
+[connectors.config]
+url = "{hooks["raw"]}"
+allow_http = true
+
+[[connectors]]
 name = "carts-{table}"
 class = "postgres-projection"
 topics = ["{prefix}.events"]
-{UPCASTERS.format(section="connectors")}
 [connectors.config]
 table = "{table}"
 key_columns = ["cart_id"]
@@ -85,6 +106,15 @@ def _rows(pg_url: str, table: str) -> list[tuple[Any, ...]]:
         return []
 
 
+def _bodies(receiver: Receiver) -> list[tuple[str, int, Any]]:
+    """(type, schema_version, payload) of each event delivered, once each, in delivery order."""
+    seen: dict[str, tuple[str, int, Any]] = {}
+    for r in receiver.successes():
+        doc = orjson.loads(r.body)
+        seen.setdefault(r.event_id, (doc["type"], doc["schema_version"], doc["payload"]))
+    return list(seen.values())
+
+
 def _aggregate_live(d: Running) -> bool:
     """The aggregate runtime is live. (Not the whole /ready: a projection restarted on a transactional topic whose
     last record is a commit marker reports itself catching up, one offset short, until a new event arrives.)"""
@@ -99,7 +129,9 @@ def test_a_history_in_three_versions_reads_as_the_same_history_in_v3(
     for kind in ("native", "old"):
         prefix, table, port = f"{unique}.{kind}", f"carts_{kind}_{unique[-8:]}", free_port()
         topic = f"{prefix}.events"
-        conf = _config(tmp_path / f"{kind}.toml", kafka_config, pg_url, prefix, port, table)
+        receivers = {"upcast": Receiver(), "raw": Receiver()}
+        hooks = {name: r.start() for name, r in receivers.items()}
+        conf = _config(tmp_path / f"{kind}.toml", kafka_config, pg_url, prefix, port, table, hooks)
         loaded = config.load_file(conf)
         assert topics.ensure(kafka_config, config.topic_map(loaded.config).values()).ok
         produce(kafka_config, topic, [(0, *encode(e)) for e in _history("c1", old=kind == "old")])
@@ -110,7 +142,10 @@ def test_a_history_in_three_versions_reads_as_the_same_history_in_v3(
                 state = d.get("/aggregates/cart/c1")[1]
                 wait_for(lambda table=table: len(_rows(pg_url, table)) == 1, f"{kind}: the projection's row", 90)
                 checkout = client.ask(f"{kind}-out", "c1", "CheckOut", {"at": "2026-11-01T10:00:00Z"})
-            run = subprocess.run([KAFOLD, "snapshot", "run", "-c", str(conf), "--engine", "local"],
+                for name, r in receivers.items():
+                    wait_for(lambda r=r: len(_bodies(r)) == 5, f"{kind}: the {name} webhook's five bodies", 90)
+            engine = "spark" if kind == "old" else "local"
+            run = subprocess.run([KAFOLD, "snapshot", "run", "-c", str(conf), "--engine", engine],
                                  capture_output=True, text=True, timeout=300, env=child_env())
             assert run.returncode == 0, run.stdout + run.stderr
             with daemon_in_process(conf) as d:  # restored from the snapshot
@@ -119,13 +154,21 @@ def test_a_history_in_three_versions_reads_as_the_same_history_in_v3(
                 wait_for(lambda table=table: _rows(pg_url, table)[0][1] == "checked-out", f"{kind}: row updated", 90)
         finally:
             client.close()
+            for r in receivers.values():
+                r.stop()
         rebuild = subprocess.run([KAFOLD, "projection", "rebuild", f"carts-{table}", "-c", str(conf)],
                                  capture_output=True, text=True, timeout=300, env=child_env())
         assert rebuild.returncode == 0, rebuild.stdout + rebuild.stderr
         results[kind] = {"state": state, "checkout": (checkout["status"], checkout["version"]),
                          "restored": restored["state"], "version": restored["version"],
-                         "rows": _rows(pg_url, table)}
+                         "rows": _rows(pg_url, table), "hooks": _bodies(receivers["upcast"]),
+                         "raw": _bodies(receivers["raw"])}
+    raw = {kind: results[kind].pop("raw") for kind in results}
     assert results["old"] == results["native"]
+    assert [(t, v) for t, v, _ in raw["old"]][:4] == [("CartOpened", 1), ("CartFilled", 1), ("ItemsAdded", 2),
+                                                     ("ItemsAdded", 3)]
+    assert raw["old"][1][2] == {"items": LINES}  # as written, not upcast
+    assert raw["native"] == results["native"]["hooks"]  # a history already in v3: raw and upcast bodies agree
     assert results["native"]["checkout"] == ("accepted", 5)
     assert results["native"]["rows"] == [("c1", "checked-out", "a,b,c,c", 4, "3.20")]
     assert list(results["native"]["state"]["state"]["skus"]) == ["a", "b", "c", "c"]

@@ -37,7 +37,7 @@ def test_the_demo_traffic_is_mostly_accepted_with_a_few_refusals_to_show() -> No
             continue
         accepted += 1
         for event in events:
-            state = domain.evolve(state, domain.event(*domain.event_payload(event)))
+            state = domain.evolve(state, domain.event(*domain.codec.payload(event)))
         states[aggregate_id] = state
     total = accepted + sum(refused.values())
     assert first_seconds >= 0.9 and accepted / total >= 0.9, (first_seconds, accepted, refused)

@@ -98,6 +98,69 @@ function = "tests.core.test_upcast:skus_from_lines"
         config.load_file(path)
 
 
+def test_a_connector_on_an_aggregates_events_takes_its_upcasters_unless_it_is_raw(tmp_path: Path) -> None:
+    """One chain per topic: a projection or webhook reading the cart's events sees them in today's shape without
+    repeating the aggregate's chain; `raw = true` sees them as written; its own chain replaces the inherited one."""
+    path = tmp_path / "kafold.toml"
+    aggregate = f"""
+[[aggregates]]
+name = "cart"
+initial = "{M}:initial"
+evolve = "{M}:evolve"
+decide = "{M}:decide"
+
+[[aggregates.upcasters]]
+type = "CartFilled"
+from_version = 1
+rename_type = "ItemsAdded"
+"""
+    path.write_text(aggregate + """
+[[connectors]]
+name = "rows"
+class = "log"
+topics = ["cart.events"]
+
+[[connectors]]
+name = "hooks"
+class = "log"
+topics = ["cart.events"]
+raw = true
+
+[[connectors]]
+name = "own"
+class = "log"
+topics = ["cart.events"]
+
+[[connectors.upcasters]]
+type = "Other"
+from_version = 1
+rename_type = "Another"
+
+[[connectors]]
+name = "elsewhere"
+class = "log"
+topics = ["orders"]
+""")
+    cons = {c.name: c for c in config.load_file(path).config.connectors}
+    assert [(u.type, u.rename_type) for u in cons["rows"].upcasters] == [("CartFilled", "ItemsAdded")]
+    assert cons["hooks"].upcasters == [] and cons["elsewhere"].upcasters == []
+    assert [u.type for u in cons["own"].upcasters] == ["Other"]
+    path.write_text(aggregate + """
+[[connectors]]
+name = "hooks"
+class = "log"
+topics = ["cart.events"]
+raw = true
+
+[[connectors.upcasters]]
+type = "Other"
+from_version = 1
+rename_type = "Another"
+""")
+    with pytest.raises(ConfigError, match=r"connectors\[0\]\.raw: a raw connector sees events as written"):
+        config.load_file(path)
+
+
 def _cart(upcasters: list[UpcasterConfig]) -> AggregateDomain:
     return AggregateDomain.load(AggregateConfig(name="cart", initial=f"{M}:initial", evolve=f"{M}:evolve",
                                                 decide=f"{M}:decide", upcasters=upcasters))

@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 import urllib.request
 
-from kafold.connectors.effects.ledger import event_json
-from kafold.envelope import Event
+from kafold.envelope import Event, body_json
 
 
 def forward(event: Event) -> None:
-    req = urllib.request.Request(os.environ["KT_FORWARD_URL"], data=event_json(event), method="POST",
+    req = urllib.request.Request(os.environ["KT_FORWARD_URL"], data=body_json(event), method="POST",
                                  headers={"content-type": "application/json", "webhook-id": event.event_id})
     with urllib.request.urlopen(req, timeout=10) as resp:
         resp.read()

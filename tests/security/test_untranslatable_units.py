@@ -7,8 +7,8 @@ import re
 import pytest
 
 from kafold.connectors.dlq import headers_json, pg_text, stored_headers
-from kafold.connectors.effects.ledger import event_json, parked_body, parked_json
-from kafold.envelope import Event
+from kafold.connectors.effects.ledger import parked_body, parked_json
+from kafold.envelope import Event, body_json
 from kafold.terminal import visible
 
 CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -54,9 +54,9 @@ def test_a_parked_event_with_a_nul_is_stored_as_base64_and_read_back_exactly() -
     event = Event.new("Nope\x00x", "thing", "k\x00", 1, {"note": "a\x00b", "nested": ["\x00"]})
     stored = parked_json(event)
     assert "\\u0000" not in stored and stored.startswith('{"base64"')
-    assert parked_body(stored) == event_json(event)
+    assert parked_body(stored) == body_json(event)
     plain = Event.new("Fine", "thing", "k", 1, {"note": "ok"})
-    assert parked_json(plain) == event_json(plain).decode() and parked_body(parked_json(plain)) == event_json(plain)
+    assert parked_json(plain) == body_json(plain).decode() and parked_body(parked_json(plain)) == body_json(plain)
 
 
 def test_kafold_status_tables_show_a_state_quoting_a_record_escaped() -> None:
