@@ -133,6 +133,21 @@ class TaskConfig(Generic[C]):
         return replace(self, kafka=kafka or self.kafka, postgres=postgres or self.postgres)
 
 
+@dataclass(frozen=True, slots=True)
+class Outcomes:
+    """What became of the records a sink task was handed by `put` on one partition, counted since `start`: the
+    task's half of the offset accounting (see `SinkTask.outcomes`)."""
+
+    applied: int = 0  # taken into the task's store (a row written, left unchanged, an effect done)
+    duplicates: int = 0  # already handled before (same event id)
+    stale: int = 0  # older than what the store already holds (version guard)
+    dead_lettered: int = 0  # refused by the task itself and kept as a dead letter (or held behind one)
+
+    def __add__(self, other: Outcomes) -> Outcomes:
+        return Outcomes(self.applied + other.applied, self.duplicates + other.duplicates,
+                        self.stale + other.stale, self.dead_lettered + other.dead_lettered)
+
+
 class ErrantRecordReporter(ABC):
     """Sends records that cannot be processed to the connector's dead-letter topic."""
 
@@ -226,6 +241,15 @@ class SinkTask(ABC):
         """Task-specific state for /metrics and `kafold status` (plain JSON values; called from other threads,
         so it only reads). Default: nothing."""
         return {}
+
+    def outcomes(self) -> Mapping[TopicPartition, Outcomes] | None:
+        """Per partition, what became of the records handed to `put` since `start`, once decided (a write still in
+        flight counts when it is done): the offset accounting, where the runner counts the records it saw and
+        those it dead-lettered or skipped itself (RecordError from `put` included), so that per partition
+        seen = applied + duplicates + stale + dead_lettered + skipped, and a record dropped silently shows as a
+        gap. Called from other threads: return a snapshot that is never changed afterwards. None (the default):
+        the task does not tell, and every record put counts as applied."""
+        return None
 
     def open(self, partitions: Collection[TopicPartition]) -> None:
         """Partitions newly assigned to this task (seek with context.offset if offsets live elsewhere)."""

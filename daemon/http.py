@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hmac
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import faust
 from aiohttp import web
@@ -11,6 +11,7 @@ from aiohttp.typedefs import Handler, Middleware
 from faust.web import Request, Response, View
 from faust.web.drivers.aiohttp import Web as AiohttpWeb
 
+from kafold.daemon.aggregates import routing
 from kafold.daemon.aggregates.gate import STATUS_FIELDS
 from kafold.daemon.metrics import CONTENT_TYPE
 from kafold.errors import ConfigError, KafoldError
@@ -110,33 +111,30 @@ class Status(HostView):
                              "caught_up": p.caught_up})
         effects = [{"connector": slot.connector.name, "task": slot.task_id, **st} for slot in self.host.slots
                    if "circuit" in (st := slot.runner.task_status)]
+        # The offset accounting (daemon/accounting.py): every partition a task's runner has seen records of.
+        accounting = [{"connector": slot.connector.name, "task": slot.task_id, **a.as_dict()}
+                      for slot in self.host.slots for a in slot.runner.accounts.values()]
         aggregates = [{"aggregate": name, **{k: p.get(k) for k in STATUS_FIELDS}}
                       for name, slot in self.host.aggregates.items() for p in slot.runtime.partitions()]
         return self.json({"source": "daemon", "worker_id": self.host.worker_id, "partitions": rows,
-                          "effects": effects, "aggregates": aggregates})
+                          "effects": effects, "aggregates": aggregates, "accounting": accounting})
 
 
 class AggregateState(HostView):
+    """GET /aggregates/{name}/{id}[?min_version=N&timeout_ms=T] on any instance: served by the owner of the key's
+    partition (sent on to it, or redirected there: `[daemon] state_routing`; routing.py)."""
+
     async def get(self, request: Request, name: str = "", id: str = "", **kwargs: Any) -> Response:
         slot = self.host.aggregates.get(name)
         if slot is None:
             return self.problem(404, f"Aggregate {name} not found")
-        if not slot.ready:
-            return self.problem(503, f"Aggregate {name} is recovering; state is not served until caught up")
-        got = await self.host.call(slot.runtime.get, id)
-        if got is None:
-            return self.problem(404, f"Aggregate {name}/{id} not found")
-        state, version, source = got
-        return self.json({"aggregate": name, "id": id, "version": version, "state": _jsonable(state),
-                          "read_from": source})
-
-
-def _jsonable(value: Any) -> Any:
-    import dataclasses
-
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    return value
+        try:
+            wait = routing.Wait.parse(request.query)
+        except ValueError as e:
+            return self.problem(400, str(e))
+        # Faust's aiohttp driver hands over aiohttp's own request (guard_web insists on that driver)
+        got = await routing.router(self.host).read(slot, id, wait, cast(web.Request, request), self.app.http_client)
+        return self.json(got.body, status=got.status, headers=got.headers)
 
 
 class Reload(HostView):

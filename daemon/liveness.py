@@ -19,6 +19,8 @@ from typing import Any
 
 import orjson
 
+from kafold.config import GroupProtocol, KafkaConfig
+
 STATS_INTERVAL_MS = 5000
 WARN_AFTER_S = 60.0
 WARN_EVERY_S = 60.0
@@ -55,11 +57,24 @@ class GroupState:
 class GroupWatch:
     """Feeds on GroupState reports; says when to warn about a pending join and when it is wedged."""
 
-    def __init__(self, rebalance_timeout_s: float, session_timeout_s: float) -> None:
+    def __init__(self, rebalance_timeout_s: float, session_timeout_s: float, *, init_is_steady: bool = False) -> None:
         self.rejoin_after_s = rebalance_timeout_s + session_timeout_s + REJOIN_MARGIN_S
+        # The consumer group protocol (KIP-848) leaves a member the broker assigned nothing (more members than
+        # partitions) in join state "init" with no rebalance counted: in its statistics it looks like one still
+        # joining (librdkafka 2.16, seen on Apache Kafka 4.3). Its join is heartbeats that librdkafka sends and
+        # repeats by itself; the wedged JoinGroup this watch guards against is the classic protocol's. There, "up"
+        # (the coordinator found and answering) in "init" counts as steady, else every idle member would leave
+        # and join again, over and over.
+        self.init_is_steady = init_is_steady
         self.current: GroupState | None = None
         self.unsteady_since: float | None = None  # monotonic time of the first non-steady report in a row
         self._warned_at: float | None = None
+
+    @classmethod
+    def for_kafka(cls, kafka: KafkaConfig) -> GroupWatch:
+        """The watch for a consumer of [kafka]: its timeouts, its group protocol."""
+        return cls(kafka.rebalance_timeout_ms / 1000, kafka.session_timeout_ms / 1000,
+                   init_is_steady=kafka.group_protocol is GroupProtocol.CONSUMER)
 
     def reset(self, now: float | None = None) -> None:
         """A new consumer (subscribed at `now`): its join is pending from then on."""
@@ -70,7 +85,7 @@ class GroupWatch:
     def update(self, state: GroupState, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         self.current = state
-        if state.steady:
+        if state.steady or (self.init_is_steady and state.state == "up" and state.join_state == "init"):
             self.unsteady_since = self._warned_at = None
         elif self.unsteady_since is None:
             self.unsteady_since = now

@@ -39,6 +39,7 @@ class DaemonMetrics:
         self.batches = Histogram("kafold_batch_duration_seconds", "Time to decode, put and commit one batch.",
                                  labels, buckets=BATCH_BUCKETS, registry=self.registry)
         self.registry.register(_TaskCollector(groups))
+        self.registry.register(_AccountingCollector(groups))
         self.registry.register(ConnectorCollector(groups))
         self.registry.register(_SnapshotCollector())
         if aggregates is not None:
@@ -103,6 +104,44 @@ class _TaskCollector(Collector):
                         position.add_metric(labels, float(p.position))
                     caught.add_metric(labels, 1.0 if p.caught_up else 0.0)
         yield from (lag, lag_s, position, caught, state, started, stopped, running)
+
+
+class _AccountingCollector(Collector):
+    """The offset accounting (daemon/accounting.py) per connector, task and partition: records seen, what became
+    of them by outcome, and the records unaccounted for (seen minus the outcomes: a write in flight, else lost)."""
+
+    OUTCOMES = ("applied", "duplicates", "stale", "dead_lettered", "skipped")
+
+    def __init__(self, groups: Callable[[], list[ConnectorGroup]]) -> None:
+        self.groups = groups
+
+    def describe(self) -> list[Any]:
+        return []  # dynamic: collected on each scrape
+
+    def collect(self) -> Iterator[Any]:
+        labels = ("connector", "task", "topic", "partition")
+        seen = CounterMetricFamily("kafold_records_seen", "Records a sink task's runner consumed, per partition "
+                                   "(since the runner started).", labels=labels)
+        outcome = CounterMetricFamily("kafold_records_outcome", "What became of the records seen: applied, "
+                                      "duplicates, stale, dead_lettered or skipped; their sum plus "
+                                      "kafold_records_unaccounted is kafold_records_seen.", labels=(*labels, "outcome"))
+        gap = GaugeMetricFamily("kafold_records_unaccounted", "Records seen whose outcome is not known: a write in "
+                                "flight, 0 once done; a value that stays above 0 is a record lost on the way.",
+                                labels=labels)
+        for group in self.groups():
+            for slot in group.slots:
+                try:
+                    accounts = slot.runner.accounts
+                except Exception as e:  # a view must never fail the scrape
+                    log.warning("offset accounting not read", connector=group.name, error=str(e))
+                    continue
+                for a in accounts.values():
+                    key = [group.name, str(slot.task_id), a.tp.topic, str(a.tp.partition)]
+                    seen.add_metric(key, a.seen)
+                    for name in self.OUTCOMES:
+                        outcome.add_metric([*key, name], getattr(a, name))
+                    gap.add_metric(key, a.unaccounted)
+        yield from (seen, outcome, gap)
 
 
 class ConnectorCollector(Collector):

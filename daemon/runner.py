@@ -47,6 +47,7 @@ from kafold.connectors.api import (
 from kafold.connectors.dlq import DeadLetterWriter
 from kafold.connectors.intake import Intake
 from kafold.consumer_loop import ConsumerLoop, LoopHandler
+from kafold.daemon.accounting import Account, Tally, accounts
 from kafold.daemon.liveness import STATS_INTERVAL_MS, GroupState, GroupWatch
 from kafold.daemon.progress import BatchStats, PartitionProgress, ProgressTracker, last_event_times
 from kafold.errors import FatalError, KafoldError, RecordError, RetriableError
@@ -139,6 +140,9 @@ class RunnerView(Protocol):
     @property
     def task_status(self) -> dict[str, Any]: ...
 
+    @property
+    def accounts(self) -> Mapping[TopicPartition, Account]: ...
+
     def run(self) -> None: ...
 
     def stop(self) -> None: ...
@@ -182,13 +186,14 @@ class SinkRunner(LoopHandler):
         self.progress = ProgressTracker(str(self.consumer_extra.get("auto.offset.reset", "earliest")))
         self.committed: dict[TopicPartition, int] = {}
         self.event_times: dict[TopicPartition, int] = {}  # event time (ms) of the last handled record
+        self.tally = Tally()  # the runner's half of the offset accounting (daemon/accounting.py)
         self.api_paused = False  # paused through the REST API (applied between polls)
         self._pause_request: bool | None = None
         self.started = self.stopped = False
         self.loop = ConsumerLoop(self, stop=self.stop_event, max_records=daemon.batch_max_records,
                                  wait_s=daemon.batch_max_wait_ms / 1000, counts=self.counts,
                                  fatal=lambda err: f"consumer error: {err}")
-        self.group_watch = GroupWatch(kafka.rebalance_timeout_ms / 1000, kafka.session_timeout_ms / 1000)
+        self.group_watch = GroupWatch.for_kafka(kafka)  # timeouts and group protocol
 
     @property
     def task_id(self) -> int:
@@ -210,6 +215,15 @@ class SinkRunner(LoopHandler):
             return self.task.status()
         except Exception:  # a view must never fail the scrape
             return {}
+
+    @property
+    def accounts(self) -> Mapping[TopicPartition, Account]:
+        """The offset accounting per partition: the runner's counts with the task's `outcomes`."""
+        try:
+            outcomes = self.task.outcomes() if self.started else None
+        except Exception:  # a view must never fail the scrape
+            outcomes = None
+        return accounts(self.tally.snapshot, outcomes)
 
     @property
     def state(self) -> str:
@@ -246,8 +260,25 @@ class SinkRunner(LoopHandler):
             self._commit(self.assigned)
 
     def after_poll(self) -> None:
+        self._past_markers()
         self.progress.refresh(self.consumer, self.positions, self.user_paused if not self.api_paused
                               else self.assigned, self.committed, self.event_times)
+
+    def _past_markers(self) -> None:
+        """Offset note: under read_committed a transaction's commit marker takes an offset that no record has. The
+        consumer's position moves past it (librdkafka, like Kafka's Java consumer), but the next offset after the
+        handled records stays one short, so a partition whose last record is a marker would look one behind for
+        good: lag 1, never caught up, /ready 503 after a restart. After a poll every record consumed has been
+        handed to the task, so a consumer position beyond ours can only be markers (or aborted records, which
+        read_committed never delivers): it is taken, and committed with the next batch."""
+        if self.backing_off or not self.positions:
+            return
+        tps = [KafkaTP(tp.topic, tp.partition) for tp in self.positions if tp in self.assigned]
+        for kafka_tp in self.consumer.position(tps) if tps else ():
+            tp = TopicPartition(kafka_tp.topic, kafka_tp.partition)
+            if kafka_tp.offset > self.positions.get(tp, kafka_tp.offset):
+                self.positions[tp] = kafka_tp.offset
+                self.dirty = True
 
     def on_failure(self, error: Exception) -> bool:
         """Every error is handled here (the run raises nothing): the task fails, the process goes on."""
@@ -309,7 +340,12 @@ class SinkRunner(LoopHandler):
         started = time.monotonic()
         records: list[SinkRecord] = []
         seen: dict[TopicPartition, int] = {}
-        dead = skipped = 0
+        dead = skipped = run = 0
+        # The offset accounting, per partition: records counted per run of one partition (not per record), and
+        # those dead-lettered or skipped here.
+        counted: dict[TopicPartition, int] = {}
+        dead_at: dict[TopicPartition, int] = {}
+        skipped_at: dict[TopicPartition, int] = {}
         intake = Intake(self.connector.name, self.task.handles, self.connector.settings.on_unknown_type,
                         self.upcaster)
         tp, last_topic, last_part = None, None, -1
@@ -324,21 +360,28 @@ class SinkRunner(LoopHandler):
                 continue
             topic, part, offset = m.topic(), m.partition(), m.offset()
             if part != last_part or topic != last_topic:  # records come in runs per partition
-                tp, last_topic, last_part = TopicPartition(topic, part), topic, part
+                if tp is not None:
+                    counted[tp] = counted.get(tp, 0) + run
+                tp, last_topic, last_part, run = TopicPartition(topic, part), topic, part, 0
             assert tp is not None
             seen[tp] = offset + 1
+            run += 1
             try:
                 record = intake.record(m, topic, part, offset)
             except RecordError as e:
                 self.reporter.report(m, e)
                 self.task.on_dead_letter(m, e)
                 dead += 1
+                dead_at[tp] = dead_at.get(tp, 0) + 1
                 continue
             if record is None:
                 skipped += 1
+                skipped_at[tp] = skipped_at.get(tp, 0) + 1
                 continue
             records.append(record)
-        dead += self._put(records)
+        if tp is not None:
+            counted[tp] = counted.get(tp, 0) + run
+        dead += self._put(records, dead_at)
         self._flush_dead_letters()
         self.event_times.update(last_event_times(records, msgs))
         for tp, nxt in seen.items():
@@ -350,6 +393,7 @@ class SinkRunner(LoopHandler):
         self.counts["records"] += len(msgs)
         self.counts["dead_lettered"] += dead
         self.counts["skipped"] += skipped
+        self.tally.add(counted, dead_at, skipped_at)
         duration = time.monotonic() - started
         self.log.info("batch", records=len(msgs), put=len(records), dead_lettered=dead, skipped=skipped,
                       duration_ms=round(duration * 1000, 1),
@@ -368,8 +412,9 @@ class SinkRunner(LoopHandler):
         self.log.info("paused through the API" if request else "resumed through the API",
                       partitions=sorted(str(tp) for tp in self.assigned))
 
-    def _put(self, records: list[SinkRecord]) -> int:
-        """Put until it succeeds; returns how many records the task dead-lettered via RecordError."""
+    def _put(self, records: list[SinkRecord], dead_at: dict[TopicPartition, int]) -> int:
+        """Put until it succeeds; returns how many records the task dead-lettered via RecordError (counted per
+        partition into `dead_at`)."""
         pending, dead = records, 0
 
         def put() -> None:
@@ -384,6 +429,7 @@ class SinkRunner(LoopHandler):
                         raise
                     self.reporter.report(bad, e)
                     dead += 1
+                    dead_at[bad.tp] = dead_at.get(bad.tp, 0) + 1
                     pending = [r for r in pending if r is not bad]  # the others again: put is idempotent
 
         def warn(e: RetriableError, delay: float) -> None:
@@ -440,7 +486,7 @@ class SinkRunner(LoopHandler):
         if chosen:
             try:
                 offsets = [KafkaTP(tp.topic, tp.partition, off) for tp, off in chosen.items()]
-                self.consumer.commit(offsets=offsets, asynchronous=False)
+                kafka_clients.commit(self.consumer, offsets)  # a moving member epoch is sent again
                 self.committed.update(chosen)
             except KafkaException as e:  # e.g. a rebalance: the new owner re-reads from the last commit
                 self.log.warning("offset commit failed; records after the last commit will be delivered "
@@ -469,7 +515,7 @@ class SinkRunner(LoopHandler):
             if tp in seeks:
                 p.offset = seeks[tp]
                 self.positions[tp] = seeks[tp]
-        consumer.assign(partitions)
+        kafka_clients.rebalance_assign(self.kafka, consumer, partitions)  # incremental with KIP-848
         if self.backing_off or self.api_paused:
             consumer.pause(partitions)
         self.progress.assigned(tps)  # `assignments` is counted by the loop once this returns

@@ -37,6 +37,7 @@ from kafold import logs
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig
 from kafold.connectors.api import Connector, TopicPartition
 from kafold.connectors.registry import instantiate
+from kafold.daemon.accounting import Account
 from kafold.daemon.progress import BatchStats, PartitionProgress
 from kafold.daemon.runner import SinkRunner
 from kafold.errors import KafoldError
@@ -92,6 +93,7 @@ class RemoteRunner:
         self.failed = self.started = self.stopped = self.api_paused = False
         self.last_poll = time.monotonic()
         self.task_status: dict[str, Any] = {}
+        self.accounts: dict[TopicPartition, Account] = {}  # the child's offset accounting, as last reported
         self.pid: int | None = None
         self._state = "UNASSIGNED"
         self._conn: Connection | None = None
@@ -162,6 +164,7 @@ class RemoteRunner:
         self.counts = message["counts"]
         self.progress = Published(message["snapshot"])
         self.task_status = message.get("task_status", {})
+        self.accounts = message.get("accounts", {})
         self.last_poll = message["last_poll"]  # CLOCK_MONOTONIC: one clock for every process of the machine
         self.started, self.api_paused, self._state = message["started"], message["api_paused"], message["state"]
         if message.get("error") is not None:
@@ -208,7 +211,7 @@ def child_main(conn: Connection, spec: TaskSpec) -> None:
             conn.send({"state": runner.state, "started": runner.started, "api_paused": runner.api_paused,
                        "counts": dict(runner.counts), "snapshot": dict(runner.progress.snapshot),
                        "last_poll": runner.last_poll, "batches": done, "final": final,
-                       "task_status": runner.task_status,
+                       "task_status": runner.task_status, "accounts": dict(runner.accounts),
                        "error": (type(error).__name__, str(error)) if error is not None else None})
 
     def on_batch(stats: BatchStats) -> None:

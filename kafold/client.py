@@ -1,23 +1,34 @@
-"""Request/reply for aggregates: send commands to the commands topic and wait for their results.
+"""Request/reply for aggregates: send commands to the commands topic and wait for their results; wait until a
+connector's read model shows them (read-your-writes, kafold.tokens).
 
 Offset note: before sending, the client takes each results partition's end offset as ListOffsets reports it;
 a result is written (by a transaction committed after the command was read) at a later offset, so reading
 each partition from there cannot miss it. A broker that under-reports that end only makes the client read a
 few records more. Results are read with read_committed: only results of committed batches are seen.
+
+Read-your-writes: an accepted result carries a token (where its events landed); `wait_visible` asks the daemon
+(`GET /connectors/{name}/wait`, a `DaemonClient`) to answer once the connector's committed checkpoint covers it. An
+event producer makes its own token from delivery reports (`Landed`).
 """
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Iterable
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from kafold import kafka_clients, logs
-from kafold.config import AggregateConfig, KafkaConfig
+from kafold import kafka_clients, logs, tokens
+from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig
+from kafold.consumer_loop import take
 from kafold.errors import KafoldError, RetriableError
 from kafold.messages import H_COMMAND_ID, Command, Result, decode_result, header
+from kafold.tokens import BadToken
 
 log = logs.get(__name__)
 
@@ -30,11 +41,120 @@ class ResultTimeout(KafoldError):
     """No result arrived in time (the runtime may be down or still recovering); the command may still apply."""
 
 
-class CommandClient:
-    """Sends commands of one aggregate type; `send` waits for the result when asked to."""
+class NotVisible(KafoldError):
+    """The connector did not cover the token in time (it may be behind, paused or failed); the write stands."""
 
-    def __init__(self, kafka: KafkaConfig, agg: AggregateConfig) -> None:
+
+class NoToken(KafoldError):
+    """The result wrote events but carries no token (a duplicate whose first decision the runtime no longer
+    remembers, or a daemon before tokens): there is nothing to wait on."""
+
+
+REQUEST_MAX_MS = 60_000  # the daemon's longest single wait; a longer timeout is several requests
+HTTP_SLACK_S = 5.0  # beyond the wait itself, for the request and its answer
+UNREACHABLE_RETRY_S = 0.2
+
+
+class DaemonClient:
+    """The daemon's HTTP API as a service needs it: `wait` until a connector covers a token.
+
+    `url`: the daemon's base URL (e.g. http://127.0.0.1:8083); `token`: its `[daemon].api_token`, if set (sent
+    as a bearer token). `for_config` takes both from a kafold.toml's [daemon]."""
+
+    def __init__(self, url: str, token: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+
+    @classmethod
+    def for_config(cls, daemon: DaemonConfig, host: str | None = None) -> DaemonClient:
+        """The daemon a kafold.toml's [daemon] describes (on this host when it listens on every address)."""
+        if not daemon.http_port:
+            raise KafoldError("the daemon's HTTP server is disabled ([daemon].http_port = 0): nothing to wait on")
+        host = host or ("127.0.0.1" if daemon.http_host in ("0.0.0.0", "", "::") else daemon.http_host)
+        return cls(f"http://{host}:{daemon.http_port}",
+                   daemon.api_token.reveal() if daemon.api_token is not None else None)
+
+    def wait(self, connector: str, token: str, timeout: float = 10.0) -> None:
+        """Return once `connector`'s committed checkpoint covers `token`. NotVisible after `timeout` seconds;
+        BadToken when the token is refused (checked here, then by the daemon against the connector's topics);
+        KafoldError for an unknown connector, or a daemon that did not answer within `timeout` (a daemon
+        restarting is asked again until then)."""
+        tokens.parse(token)
+        deadline = time.monotonic() + timeout
+        while True:
+            left_ms = max(0, min(REQUEST_MAX_MS, int((deadline - time.monotonic()) * 1000)))
+            try:
+                status, body = self._get(f"/connectors/{urllib.parse.quote(connector, safe='')}/wait",
+                                         {"token": token, "timeout_ms": str(left_ms)}, left_ms / 1000 + HTTP_SLACK_S)
+            except _Unreachable as e:
+                if time.monotonic() + UNREACHABLE_RETRY_S >= deadline:
+                    raise KafoldError(f"{self.url}: the daemon did not answer: {e.__cause__}") from e
+                time.sleep(UNREACHABLE_RETRY_S)
+                continue
+            if status == 200:
+                return
+            message = str(body.get("message", "")) if isinstance(body, dict) else str(body)
+            if status == 400 and message.startswith("token:"):
+                raise BadToken(message.removeprefix("token:").strip())
+            if status != 408:
+                raise KafoldError(f"{self.url}: waiting on connector {connector!r}: HTTP {status}: {message}")
+            if time.monotonic() >= deadline:
+                behind = body.get("behind", []) if isinstance(body, dict) else []
+                raise NotVisible(f"connector {connector!r} did not cover the token within {timeout:.1f}s "
+                                 f"(behind: {json.dumps(behind)})")
+
+    def _get(self, path: str, query: dict[str, str], timeout: float) -> tuple[int, Any]:
+        req = urllib.request.Request(f"{self.url}{path}?{urllib.parse.urlencode(query)}")
+        if self.token is not None:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as e:
+            raw = e.read()
+            try:
+                return e.code, json.loads(raw or b"null")
+            except ValueError:
+                return e.code, raw.decode("utf-8", "replace")[:200]
+        except (OSError, ValueError) as e:
+            raise _Unreachable() from e
+
+
+class _Unreachable(Exception):
+    """No HTTP answer (refused, reset, timed out): the daemon may be restarting."""
+
+
+class Landed:
+    """A delivery-report callback (`producer.produce(..., on_delivery=landed)`) that collects where records
+    landed; after `flush`, `token` names them all (the last offset per partition) for `DaemonClient.wait`."""
+
+    def __init__(self) -> None:
+        self.positions: tokens.Positions = {}
+        self.failed: list[str] = []
+
+    def __call__(self, err: Any, msg: Any) -> None:
+        if err is not None:
+            self.failed.append(str(err))
+            return
+        tp = (msg.topic(), msg.partition())
+        self.positions[tp] = max(msg.offset(), self.positions.get(tp, -1))
+
+    @property
+    def token(self) -> str:
+        if self.failed:
+            raise KafoldError(f"{len(self.failed)} record(s) not delivered: {self.failed[0]}")
+        if not self.positions:
+            raise KafoldError("no record delivered yet (flush the producer first)")
+        return tokens.encode(self.positions)
+
+
+class CommandClient:
+    """Sends commands of one aggregate type; `send` waits for the result when asked to; `wait_visible` waits for
+    a result's events in a connector's read model (needs `daemon`)."""
+
+    def __init__(self, kafka: KafkaConfig, agg: AggregateConfig, daemon: DaemonClient | None = None) -> None:
         self.agg = agg
+        self.daemon = daemon
         self.commands, self.results = agg.topic("commands"), agg.topic("results")
         self.producer = kafka_clients.producer(kafka, **{"enable.idempotence": True, "acks": "all",
                                                          "linger.ms": 5, "partitioner": PARTITIONER})
@@ -61,6 +181,20 @@ class CommandClient:
             return {}
         return self._collect({c.command_id for c in cmds}, {p: starts[p] for p in set(partitions.values())},
                              timeout)
+
+    def wait_visible(self, result: Result, connector: str, timeout: float = 10.0) -> None:
+        """Return once `connector` (e.g. a projection of this aggregate's events) has committed `result`'s
+        events: a read of its table after this sees them. At once when the command wrote nothing (rejected, or
+        no events); NotVisible after `timeout` s; NoToken when it wrote events but carries no token."""
+        if not result.event_ids or not result.accepted:
+            return
+        if result.token is None:
+            why = "a duplicate whose first decision is no longer remembered" if result.duplicate else \
+                "a daemon before tokens"
+            raise NoToken(f"the result of command {result.command_id!r} carries no token ({why})")
+        if self.daemon is None:
+            raise KafoldError("waiting on a connector needs CommandClient(..., daemon=DaemonClient(url, token))")
+        self.daemon.wait(connector, result.token, timeout)
 
     def _produce(self, cmds: list[Command]) -> dict[str, int]:
         placed: dict[str, int] = {}
@@ -113,7 +247,7 @@ class CommandClient:
                 if left <= 0:
                     raise ResultTimeout(f"{len(wanted) - len(found)} of {len(wanted)} results not received within "
                                         f"{timeout:.1f}s from {self.results!r}")
-                for m in reader.consume(1000, min(left, 0.2)):
+                for m in take(reader, 1000, min(left, 0.2)):  # at once: no wait for 1,000 results
                     if m.error() is not None:
                         if m.error().code() != KafkaError._PARTITION_EOF:
                             log.warning("client.results_error", error=m.error().str())

@@ -28,6 +28,13 @@ MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 URL_SECRETS = frozenset({"password", "sslpassword"})
 
 
+class GroupProtocol(enum.StrEnum):
+    """The consumer group protocol of kafold's group members (docs/operations.md#consumer-group-protocol)."""
+
+    CLASSIC = "classic"    # JoinGroup/SyncGroup, assigned by a member, every member stops at each rebalance
+    CONSUMER = "consumer"  # KIP-848 (Apache Kafka 4.0+): assigned by the broker, rebalances move only what moves
+
+
 @dataclass(frozen=True)
 class KafkaConfig:
     bootstrap_servers: str = setting("", doc="Comma-separated host:port list; empty = the running `kafold dev` stack.")
@@ -49,6 +56,14 @@ class KafkaConfig:
     rebalance_timeout_ms: int = setting(300000, doc="Consumer group rebalance (max poll interval) timeout.",
                                         minimum=1000)
     heartbeat_interval_ms: int = setting(3000, doc="Consumer group heartbeat interval.", minimum=100)
+    group_protocol: GroupProtocol = setting(
+        GroupProtocol.CLASSIC, doc="Consumer group protocol of the sink tasks and aggregate runtimes: `classic`, or "
+        "`consumer` (KIP-848, Apache Kafka 4.0+: incremental rebalances; the session timeout and heartbeat interval "
+        "are then the broker's `group.consumer.*` settings and the two above are not sent). Faust's own consumer "
+        "stays classic (docs/operations.md#consumer-group-protocol).")
+    group_remote_assignor: str | None = setting(
+        None, doc="With group_protocol = `consumer`: the broker-side assignor (`uniform` or `range`); unset = the "
+        "broker's default (`group.consumer.assignors`).", choices=("uniform", "range"))
 
 
 @dataclass(frozen=True)
@@ -65,14 +80,25 @@ class PostgresConfig:
                                      "task, whenever a connector uses PostgreSQL).")
 
 
+class StateRouting(enum.StrEnum):
+    """What a daemon does with a state read (`GET /aggregates/{name}/{id}`) for a key another instance owns."""
+
+    FORWARD = "forward"    # asks the owner itself and answers with its reply (one hop; the client sees one answer)
+    REDIRECT = "redirect"  # answers 307 with the owner's URL (the client follows it)
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     group_prefix: str = setting("kafold", doc="Consumer groups are `<group_prefix>.<connector name>`.")
     http_host: str = setting("127.0.0.1", doc="Address of the health / metrics / REST endpoint.")
     http_port: int = setting(8083, doc="Port of the health / metrics / REST endpoint (0 = disabled).", minimum=0)
     api_token: Secret | None = setting(doc="Bearer token required by the REST API when set.", secret=True)
-    batch_max_records: int = setting(5000, doc="Largest batch handed to a sink task.", minimum=1)
-    batch_max_wait_ms: int = setting(200, doc="Longest wait to fill a batch.", minimum=1)
+    batch_max_records: int = setting(5000, doc="Largest batch handed to a sink task (or decided in one aggregate "
+                                     "transaction).", minimum=1)
+    batch_max_wait_ms: int = setting(200, doc="Longest an idle poll waits for a first record before the loop goes "
+                                     "round (pause and commit requests, progress). A batch never waits to fill: "
+                                     "what the fetch brought is handed over at once, so batches grow with the "
+                                     "load up to batch_max_records (natural batching).", minimum=1)
     shutdown_grace_s: float = setting(10.0, doc="Time SIGTERM gives in-flight batches to finish.", minimum=0)
     task_processes: bool = setting(False, doc="Run each sink task in its own child process (one interpreter "
                                    "each), so a connector with tasks_max > 1 uses several cores.")
@@ -82,6 +108,14 @@ class DaemonConfig:
     faust_modules: list[str] = setting(
         factory=list, doc="Python modules whose `setup(app)` adds Faust agents, tables, timers and web pages to the "
         "daemon's worker (docs/extending.md); Faust's Kafka consumer runs only when they add agents or tables.")
+    advertised_url: str = setting(
+        "", doc="This daemon's HTTP address as the other instances of its group reach it (state reads sent on, "
+        "redirects), e.g. `http://orders-2.orders:8083` in a container; empty: `http://<http_host>:<http_port>`, "
+        "the host name when http_host binds every address.")
+    state_routing: StateRouting = setting(
+        StateRouting.FORWARD, doc="A state read for a key another instance owns: `forward` asks the owner and "
+        "answers its reply; `redirect` answers 307 with the owner's URL (docs/aggregates.md#state-queries-on-any-"
+        "instance).")
 
 
 @dataclass(frozen=True)
@@ -241,6 +275,8 @@ def _check_refs(cfg: KafoldConfig, problems: Problems) -> None:
             problems.add(f"{where}.topics", "at least one source topic is required")
     _check_postgres(cfg.postgres, problems)
     _check_kafka_security(cfg.kafka, problems)
+    _check_group_protocol(cfg.kafka, problems)
+    _check_advertised_url(cfg.daemon.advertised_url, problems)
     for name, spec in topic_map(cfg).items():
         if not NAME_RE.match(name):
             problems.add("topics", f"invalid topic name {name!r}")
@@ -272,6 +308,22 @@ def _check_postgres(pg: PostgresConfig, problems: Problems) -> None:
             _check_file(getattr(pg, key), f"postgres.{key}", problems)
     if (pg.sslcert is None) != (pg.sslkey is None):
         problems.add("postgres.sslkey", "give both sslcert and sslkey (certificate authentication) or neither")
+
+
+def _check_advertised_url(url: str, problems: Problems) -> None:
+    """An http(s) URL naming a host, without query or fragment (state reads append their own path to it)."""
+    if not url:
+        return
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        problems.add("daemon.advertised_url", f"expected http(s)://host[:port][/prefix], got {url!r}")
+
+
+def _check_group_protocol(kafka: KafkaConfig, problems: Problems) -> None:
+    """A remote assignor is the consumer protocol's: with classic it would be silently ignored."""
+    if kafka.group_remote_assignor is not None and kafka.group_protocol is not GroupProtocol.CONSUMER:
+        problems.add("kafka.group_remote_assignor", "applies to group_protocol = \"consumer\" only (classic groups "
+                     "are assigned by a member, not by the broker)")
 
 
 def _check_kafka_security(kafka: KafkaConfig, problems: Problems) -> None:

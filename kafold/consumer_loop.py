@@ -3,7 +3,8 @@
 batch handlers into it.
 
 The loop owns the consumer, the stop event, `last_poll` (the host warns when a loop stops polling), the poll itself
-(`batch_max_records` records or `batch_max_wait_ms`, a handler may ask for a shorter wait), the group subscription
+(natural batching, `take`: what the fetch brought, at once, up to `batch_max_records`; a wait only while nothing is
+there, of up to `batch_max_wait_ms`, and a handler may ask for a shorter one), the group subscription
 and its rebalance callbacks (counted: `assignments`), a new consumer joining again (`resubscribe`), fatal consumer
 errors (`raise_fatal`: FatalError), the polls count, a back-off that keeps serving the consumer, retries through
 `kafold.retry`, and the shutdown hook, called exactly once a run.
@@ -25,6 +26,14 @@ and the dead-letter flush (at-least-once, runner.py), the aggregate runtime's in
 with its rows, rebuild.py). A fatal consumer error is raised from inside the handler's batch, before its commit,
 so nothing of that batch is committed; what the handler does on a revoke, a lost partition or at shutdown (commit
 or not) is its own contract.
+
+Natural batching
+----------------
+librdkafka's `consume(n, timeout)` returns only once it holds `n` records or the timeout expired, so a lone record
+waited the whole `batch_max_wait_ms` for a batch that never filled. `take` hands over what is already fetched
+(a zero-wait `consume`) and waits only while nothing is: a `poll` returns the first record as soon as it arrives,
+and what came with it is drained at once. Under load the batches grow by themselves (everything fetched while the
+previous batch was handled), up to `batch_max_records`; at a few records a second each one goes alone.
 """
 
 from __future__ import annotations
@@ -43,6 +52,9 @@ T = TypeVar("T")
 Rebalance = Callable[[Any, list[Any]], None]  # librdkafka's on_assign / on_revoke / on_lost: (consumer, partitions)
 
 BACK_OFF_POLL_S = 0.2  # a back-off polls at least this often: heartbeats, rebalances and `last_poll` stay current
+# An idle wait is served in slices of at most this long: a stop is seen (and `last_poll` kept current) within it,
+# however long `batch_max_wait_ms` is.
+IDLE_SLICE_S = 0.5
 
 
 class SkipPoll:
@@ -64,6 +76,25 @@ def raise_fatal(err: Any, message: Callable[[Any], str]) -> None:
     batches' per-record loops pay nothing for it."""
     if err.fatal():
         raise FatalError(message(err))
+
+
+def take(consumer: Any, max_records: int, wait_s: float, stop: threading.Event | None = None,
+         waiting: Callable[[], bool] | None = None) -> list[Any]:
+    """A natural batch: the records (or record errors) already fetched, up to `max_records`, returned at once; only
+    when there are none, a wait of up to `wait_s` for the first one, which is returned as soon as it arrives with
+    whatever came with it. The wait is served in slices of IDLE_SLICE_S; it ends early on `stop`, or when
+    `waiting` (called before each slice) returns False. [] when nothing arrived."""
+    msgs = consumer.consume(max_records, 0)
+    if msgs:
+        return list(msgs)
+    until = time.monotonic() + wait_s
+    while (left := until - time.monotonic()) > 0 and not (stop is not None and stop.is_set()):
+        if waiting is not None and not waiting():
+            break
+        first = consumer.poll(min(left, IDLE_SLICE_S))  # returns with the first record (callbacks served too)
+        if first is not None:
+            return [first, *consumer.consume(max_records - 1, 0)] if max_records > 1 else [first]
+    return []
 
 
 class BatchHandler(Protocol):
@@ -143,6 +174,7 @@ class ConsumerLoop:
         self.last_poll = time.monotonic()  # CLOCK_MONOTONIC of the last poll (the host warns when it stops)
         self._subscription: tuple[list[str], Rebalance, Rebalance, Rebalance] | None = None
         self._finished = False  # this run's end, asked for by the handler (`finish`); `stop` ends every run
+        self._rebalances = 0  # callbacks run: an idle wait ends after one, so the handler's hooks see it at once
 
     def run(self) -> None:
         """Start the handler, poll until stopped or finished; the handler's `on_failure` decides whether an error
@@ -167,7 +199,13 @@ class ConsumerLoop:
             self.handler.loop_stopped()
 
     def _poll(self, wait: float | None) -> None:
-        msgs = self.consumer.consume(self.max_records, self.wait_s if wait is None else wait)
+        rebalances = self._rebalances
+
+        def waiting() -> bool:  # an idle wait serves the consumer (not a stall); a rebalance ends it
+            self.last_poll = time.monotonic()
+            return self._rebalances == rebalances
+
+        msgs = take(self.consumer, self.max_records, self.wait_s if wait is None else wait, self.stop, waiting)
         if msgs:
             self.handler.handle_batch(msgs)
         else:
@@ -190,10 +228,19 @@ class ConsumerLoop:
         self._subscription = (topics, on_assign, on_revoke, on_lost)
 
         def assigned(consumer: Any, partitions: list[Any]) -> None:
+            self._rebalances += 1
             on_assign(consumer, partitions)
             self.counts["assignments"] += 1  # a completed assignment (a failing one ends the run)
 
-        self.consumer.subscribe(topics, on_assign=assigned, on_revoke=on_revoke, on_lost=on_lost)
+        def revoked(consumer: Any, partitions: list[Any]) -> None:
+            self._rebalances += 1
+            on_revoke(consumer, partitions)
+
+        def lost(consumer: Any, partitions: list[Any]) -> None:
+            self._rebalances += 1
+            on_lost(consumer, partitions)
+
+        self.consumer.subscribe(topics, on_assign=assigned, on_revoke=revoked, on_lost=lost)
 
     def resubscribe(self, new_consumer: Callable[[], Any], on_close_error: Callable[[Exception], None]) -> None:
         """Close the consumer (leaving the group; a failure is reported, not raised) and join again with a new

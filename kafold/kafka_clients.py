@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
-from kafold.config import KafkaConfig
+from kafold import logs
+from kafold.config import GroupProtocol, KafkaConfig
+from kafold.retry import backoff
 
 if TYPE_CHECKING:
     from confluent_kafka import Consumer, Producer
     from confluent_kafka.admin import AdminClient
 
+log = logs.get(__name__)
 SSL_PROTOCOLS = ("SSL", "SASL_SSL")
 SASL_PROTOCOLS = ("SASL_PLAINTEXT", "SASL_SSL")
 
@@ -44,6 +48,65 @@ def coordinator_changing(err: Any) -> bool:
     return bool(err.retriable()) or err.code() in {
         KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.COORDINATOR_NOT_AVAILABLE,
         KafkaError._TIMED_OUT, KafkaError._TRANSPORT}
+
+
+# The consumer group protocol (KIP-848) moves a member's epoch at every step of a reconciliation (partitions
+# revoked, then assigned, one heartbeat at a time); a commit sent with the epoch of a step before answers
+# STALE_MEMBER_EPOCH, and one sent while the member rejoins after a fence UNKNOWN_MEMBER_ID. The member still owns
+# the partitions it commits (a revoked partition is released only after its on_revoke returns): the next
+# heartbeat brings the new epoch, and the same commit sent again succeeds. These codes are retried by `commit`
+# only (the sink runner's commits; the aggregate runtime's offsets go through its transaction, which is aborted
+# and decided again on them, daemon/aggregates/txn.py), never counted as "the coordinator is moving" for other
+# requests.
+MEMBER_EPOCH_MOVING = frozenset({"STALE_MEMBER_EPOCH", "UNKNOWN_MEMBER_ID"})
+COMMIT_RETRY_S = 10.0  # a reconciliation step takes a heartbeat (the broker's interval, 5 s by default) or two
+COMMIT_FIRST_DELAY_S = 0.05
+
+
+def commit_retriable(err: Any) -> bool:
+    """An offset commit's KafkaError that `commit` sends again at once: with the consumer group protocol, the
+    member's epoch moving under it (MEMBER_EPOCH_MOVING). Not the classic protocol's fencing by a newer generation
+    (ILLEGAL_GENERATION: the partitions belong to someone else by then), nor a coordinator moving
+    (`coordinator_changing`): the sink runner commits again with its next batch anyway, and a revoke's commit
+    retried behind an unreachable coordinator would hold up the rebalance for every member."""
+    from confluent_kafka import KafkaError
+
+    return err.code() in {getattr(KafkaError, name) for name in MEMBER_EPOCH_MOVING}
+
+
+def commit(consumer: Consumer, offsets: list[Any], within_s: float = COMMIT_RETRY_S) -> None:
+    """`consumer.commit(offsets, asynchronous=False)`, sent again on a `commit_retriable` error (with backoff, for
+    up to `within_s`); any other error, or the last retriable one, is raised (KafkaException).
+
+    Offsets: the same offsets are committed on every try (a commit is idempotent); the caller records them as
+    committed only once this returns."""
+    from confluent_kafka import KafkaException
+
+    deadline, attempt = time.monotonic() + within_s, 0
+    while True:
+        try:
+            consumer.commit(offsets=offsets, asynchronous=False)
+            return
+        except KafkaException as e:
+            attempt += 1
+            delay = backoff(attempt, COMMIT_FIRST_DELAY_S, 1.0)
+            if not commit_retriable(e.args[0]) or time.monotonic() + delay > deadline:
+                raise
+            log.info("kafka.commit_retrying", error=str(e.args[0]), attempt=attempt, retry_in_s=delay)
+            time.sleep(delay)  # librdkafka's own thread heartbeats meanwhile: the epoch moves on without a poll
+
+
+def rebalance_assign(kafka: KafkaConfig, consumer: Consumer, partitions: list[Any]) -> None:
+    """Take `partitions` (an on_assign callback's, offsets as set by the caller) into the assignment. The consumer
+    protocol's rebalances are incremental: the callback gets only what is added, and librdkafka refuses `assign`
+    there (_STATE: "must be made using incremental_assign() ... when rebalance protocol type is COOPERATIVE"); the
+    classic protocol's (eager, librdkafka's default assignors) get the whole assignment and refuse
+    `incremental_assign`. An on_revoke or on_lost callback calls neither: confluent-kafka then unassigns what it
+    lists, the way the protocol asks."""
+    if kafka.group_protocol is GroupProtocol.CONSUMER:
+        consumer.incremental_assign(partitions)
+    else:
+        consumer.assign(partitions)
 
 
 def librdkafka(kafka: KafkaConfig, **extra: Any) -> dict[str, Any]:
@@ -106,8 +169,21 @@ def aiokafka_kwargs(kafka: KafkaConfig) -> dict[str, Any]:
     return kwargs
 
 
+# Refused by librdkafka when group.protocol=consumer ("... is not supported for `group.protocol=consumer`"): the
+# session timeout and heartbeat interval are the broker's (group.consumer.session.timeout.ms,
+# group.consumer.heartbeat.interval.ms), the assignment is the broker's (group.remote.assignor names which one).
+CLASSIC_ONLY = frozenset({"session.timeout.ms", "heartbeat.interval.ms", "partition.assignment.strategy",
+                          "group.protocol.type"})
+
+
 def group_settings(kafka: KafkaConfig) -> dict[str, Any]:
-    """Consumer-group timeouts; librdkafka sends max.poll.interval.ms as the JoinGroup rebalance timeout."""
+    """Consumer-group settings per [kafka] group_protocol; librdkafka sends max.poll.interval.ms as the rebalance
+    timeout (JoinGroup's, or the consumer protocol's heartbeat), in both protocols."""
+    if kafka.group_protocol is GroupProtocol.CONSUMER:
+        conf: dict[str, Any] = {"group.protocol": "consumer", "max.poll.interval.ms": kafka.rebalance_timeout_ms}
+        if kafka.group_remote_assignor:
+            conf["group.remote.assignor"] = kafka.group_remote_assignor
+        return conf
     return {
         "session.timeout.ms": kafka.session_timeout_ms,
         "heartbeat.interval.ms": kafka.heartbeat_interval_ms,
@@ -176,7 +252,9 @@ def _connect(made: Producer) -> None:
 
 
 def consumer(kafka: KafkaConfig, group_id: str, **extra: Any) -> Consumer:
-    """A consumer that never auto-commits (kafold commits once the work is durable), from the earliest."""
+    """A consumer that never auto-commits (kafold commits once the work is durable), from the earliest, speaking
+    [kafka] group_protocol when it subscribes (an assign-only reader never joins; its commits, if any, are a
+    non-member's in either protocol)."""
     from confluent_kafka import Consumer
 
     defaults = {"group.id": group_id, "enable.auto.commit": False, "auto.offset.reset": "earliest",

@@ -103,15 +103,22 @@ class Result:
     correlation_id: str = ""
     duplicate: bool = False  # the command id was processed before; this repeats its outcome
     at: str = ""  # the command's time (ISO-8601 UTC), which the idempotency window counts from
+    # Where the command's events landed (kafold.tokens: the offset of its last event): what a reader waits on to
+    # see them (CommandClient.wait_visible). None when nothing was written (a rejection, no events), for a
+    # duplicate whose first decision this runtime does not remember, and in results of daemons before tokens.
+    token: str | None = None
 
     @property
     def accepted(self) -> bool:
         return self.status == ACCEPTED
 
-    def encode(self) -> tuple[bytes, bytes, Headers]:
+    def encode(self, token: str | None = None) -> tuple[bytes, bytes, Headers]:
+        """Key, value, headers; `token` given: written instead of `self.token` (the runtime learns it only at
+        commit, and a copy of the result per command would cost more than the token itself)."""
         body = {"command_id": self.command_id, "aggregate_id": self.aggregate_id, "status": self.status,
                 "version": self.version, "event_ids": list(self.event_ids), "reason": self.reason,
-                "correlation_id": self.correlation_id, "duplicate": self.duplicate, "at": self.at}
+                "correlation_id": self.correlation_id, "duplicate": self.duplicate, "at": self.at,
+                "token": self.token if token is None else token}
         return self.aggregate_id.encode(), orjson.dumps(body), [(H_COMMAND_ID, self.command_id.encode())]
 
     def to_json(self) -> dict[str, Any]:
@@ -123,7 +130,7 @@ def decode_result(value: bytes) -> Result:
     body = orjson.loads(value)
     return Result(body["command_id"], body["aggregate_id"], body["status"], body["version"],
                   tuple(body.get("event_ids") or ()), body.get("reason"), body.get("correlation_id", ""),
-                  bool(body.get("duplicate", False)), body.get("at") or "")
+                  bool(body.get("duplicate", False)), body.get("at") or "", body.get("token"))
 
 
 def header(headers: Sequence[tuple[str, bytes | None]] | None, name: str) -> str | None:

@@ -43,6 +43,7 @@ from kafold.retry import retrying_async
 log = logs.get("kafold.connectors.effects")
 
 TICK_S = 0.1
+INTAKE_MAX = 5000  # events checked against the ledger in one read (the runner's largest batch by default)
 
 
 @dataclass(slots=True)
@@ -178,8 +179,12 @@ class Executor:
         await self.effect.close()
 
     async def _intake_loop(self) -> None:
+        """Natural batching: one ledger read for everything handed over since the last one (the runner's batches
+        are small at a low rate, and each read is a PostgreSQL round trip); nothing waits for more."""
         while True:
-            items = await self._intake.get()
+            items = list(await self._intake.get())  # a copy: the lists handed over are the runner's
+            while len(items) < INTAKE_MAX and not self._intake.empty():
+                items.extend(self._intake.get_nowait())
             ids = [i.record.event.event_id for i in items]
             finished = await self._finished(ids)
             for item in items:

@@ -107,7 +107,9 @@ class Ledger:
     """Batched writer (own thread) plus the few reads the executor needs (serialized on a second connection)."""
 
     def __init__(self, pg: PostgresConfig, connector: str, reporter: ErrantRecordReporter | None,
-                 flush_s: float = 0.2) -> None:
+                 flush_s: float = 0.0) -> None:
+        """`flush_s` (the `ledger_flush_ms` setting) is no longer a wait: rows are written as soon as the writer
+        is free (`_take`); it is accepted so that callers and configurations setting it keep working."""
         self.connector = connector
         self.schema = pg.schema
         self.reporter = reporter
@@ -188,18 +190,15 @@ class Ledger:
         return self._stop.is_set() and self._queue.empty()
 
     def _take(self) -> list[Any] | None:
-        """Block for the first item, then gather more for up to flush_s (or MAX_ROWS items)."""
+        """Natural batching: block for the first item only, then take what is queued already (up to MAX_ROWS) and
+        write it at once. Under load the batches grow by themselves: what queued while the last write ran."""
         first = self._queue.get()
         if first is None:
             return None
         batch = [first]
-        deadline = time.monotonic() + self.flush_s
         while len(batch) < MAX_ROWS:
-            left = deadline - time.monotonic()
-            if isinstance(batch[-1], Future | Parking) or left <= 0:
-                left = 0  # someone waits: write what is there now
             try:
-                item = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
+                item = self._queue.get_nowait()
             except queue.Empty:
                 break
             if item is None:

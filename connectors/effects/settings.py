@@ -40,7 +40,8 @@ class EffectConfig:
     concurrency: int = setting(64, doc="Effects running at once (across keys; one at a time per key).", minimum=1)
     max_in_flight: int = setting(20000, doc="Events handed over but not yet completed before fetching pauses.",
                                  minimum=1)
-    ledger_flush_ms: int = setting(200, doc="Longest time a ledger row waits before its batch is written.",
+    ledger_flush_ms: int = setting(200, doc="Accepted and ignored: ledger rows are written as soon as the "
+                                   "ledger's writer is free, with whatever queued meanwhile (natural batching).",
                                    minimum=1)
     request_poll_s: float = setting(1.0, doc="How often the task looks for `parked retry|skip` requests.",
                                     minimum=0.05)

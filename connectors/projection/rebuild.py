@@ -288,6 +288,7 @@ class _CatchUp(LoopHandler):
 
     def after_poll(self) -> None:
         assert self.batch is not None
+        self.rebuild._past_markers(self.consumer, self.batch)
         self.rebuild._apply(self.consumer, self.batch, save=True)
         self.reached = self.rebuild._caught_up(self.batch.targets)
 
@@ -527,6 +528,20 @@ class Rebuild:
         """The live checkpoints of the configured source topics (a topic dropped from the config is ignored)."""
         return {tp: off for tp, off in targets.items()
                 if tp.topic in self.plan.topics and (self.share is None or tp in self.share)}
+
+    def _past_markers(self, consumer: Any, batch: _Batch) -> None:
+        """Offset note: a transaction's commit marker takes an offset no record has, and the live connector's
+        checkpoint steps past it (daemon/runner.py `_past_markers`). A partition whose records end in a marker is
+        therefore never reached by the records' offsets: where nothing was read ahead, the consumer's position (past
+        the markers) moves the batch's advance up to it, at most to the target."""
+        from confluent_kafka import TopicPartition as KafkaTP
+
+        tps = [tp for tp in batch.targets if tp in self.assigned and tp not in self.ahead and tp not in batch.overrun]
+        for kafka_tp in consumer.position([KafkaTP(tp.topic, tp.partition) for tp in tps]) if tps else ():
+            tp = TopicPartition(kafka_tp.topic, kafka_tp.partition)
+            reach = min(kafka_tp.offset, batch.targets[tp])
+            if reach > batch.advance.get(tp, self.positions.get(tp, 0)):
+                batch.advance[tp] = reach
 
     def _caught_up(self, targets: dict[TopicPartition, int]) -> bool:
         return all(self.positions.get(tp, 0) >= off for tp, off in targets.items())

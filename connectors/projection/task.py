@@ -27,12 +27,13 @@ from __future__ import annotations
 import gc
 import sys
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from kafold import db, logs
 from kafold.connectors.api import (
     Offsets,
+    Outcomes,
     RawRecord,
     SinkRecord,
     SinkTask,
@@ -92,6 +93,8 @@ class ProjectionSinkTask(SinkTask):
         self.writer = ProjectionWriter(pgc, self.config, self.mapping, self.name)
         self.stored: dict[TopicPartition, int] = {}
         self.totals = BatchResult()
+        # Per partition, what became of the events put (SinkTask.outcomes): replaced whole, read from other threads.
+        self._outcomes: dict[TopicPartition, Outcomes] = {}
         self.log = log.bind(connector=self.name, task=context.task_id, table=self.writer.table)
         self.topic_reporter = context.errant_record_reporter()
         # The runner's dead letters (undecodable records, unknown types), kept for the dead-letter table: the next
@@ -190,6 +193,11 @@ class ProjectionSinkTask(SinkTask):
     def _write(self, job: Job, report: Report) -> BatchResult:
         return self.writer.write(job.records, job.dead, job.offsets, report=report, prepared=job.prepared)
 
+    def outcomes(self) -> Mapping[TopicPartition, Outcomes] | None:
+        """Counted from the writes that committed: duplicates by tracking, stale by the version guard, dead-lettered
+        the events the mapping or PostgreSQL refused and those held behind them; the others applied."""
+        return self._outcomes
+
     def _settle(self, timeout: float | None = None) -> None:
         """Wait for the write in flight and take its outcome (runner's thread)."""
         job = self.pipe.settle(timeout)
@@ -227,6 +235,11 @@ class ProjectionSinkTask(SinkTask):
         for tp, off in result.checkpoints.items():
             self.stored[tp] = max(off, self.stored.get(tp, -1))
         self.totals.add(result)
+        if result.by_partition:
+            merged = dict(self._outcomes)
+            for tp, o in result.outcomes().items():
+                merged[tp] = merged.get(tp, Outcomes()) + o
+            self._outcomes = merged
         self.log.info("projection batch", events=result.events, duplicates=result.duplicates, stale=result.stale,
                       upserted=result.upserted, deleted=result.deleted, unchanged=result.unchanged,
                       dead_lettered=result.dead_lettered, held=result.held, transactions=result.transactions,

@@ -61,7 +61,7 @@ import itertools
 import operator
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -71,7 +71,7 @@ from psycopg.types.json import Jsonb
 
 from kafold import db, logs
 from kafold.config import PostgresConfig
-from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition
+from kafold.connectors.api import Outcomes, RawRecord, SinkRecord, TopicPartition
 from kafold.connectors.dlq import headers_json, pg_text
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
@@ -102,12 +102,35 @@ class BatchResult:
     held: int = 0  # events held behind a dead letter of their row key
     transactions: int = 0
     checkpoints: dict[TopicPartition, int] = field(default_factory=dict)
+    # Per (topic, partition), [applied, duplicates, stale, dead-lettered or held] of the events handed over, each
+    # counted where it is decided: the task's offset accounting (SinkTask.outcomes).
+    by_partition: dict[tuple[str, int], list[int]] = field(default_factory=dict)
 
     def add(self, other: BatchResult) -> None:
         for name in ("events", "duplicates", "stale", "upserted", "deleted", "unchanged", "dead_lettered", "held",
                      "transactions"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.checkpoints.update(other.checkpoints)
+        for k, counts in other.by_partition.items():
+            mine = self.by_partition.setdefault(k, [0, 0, 0, 0])
+            for i, n in enumerate(counts):
+                mine[i] += n
+
+    def outcomes(self) -> dict[TopicPartition, Outcomes]:
+        """`by_partition` as the SinkTask contract has it."""
+        return {TopicPartition(*k): Outcomes(*counts) for k, counts in self.by_partition.items()}
+
+
+APPLIED, DUPLICATE, STALE, DEAD = range(4)  # slots of BatchResult.by_partition
+
+
+def _tally(into: dict[tuple[str, int], list[int]], records: Iterable[Any], slot: int) -> None:
+    """Count `records` (SinkRecords or RawRecords) per partition into `slot` of BatchResult.by_partition."""
+    for r in records:
+        counts = into.get((r.topic, r.partition))
+        if counts is None:
+            counts = into[(r.topic, r.partition)] = [0, 0, 0, 0]
+        counts[slot] += 1
 
 
 @dataclass
@@ -121,6 +144,8 @@ class _Folded:
     unchanged: int
     bad: list[tuple[SinkRecord, RecordError]]
     buried: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    stale_records: list[SinkRecord] = field(default_factory=list)
+    applied: dict[tuple[str, int], int] = field(default_factory=dict)  # events folded in, per (topic, partition)
 
 
 class _HoldsChanged(Exception):
@@ -552,6 +577,7 @@ class ProjectionWriter:
                 if head is not None:
                     self._held.add(head)  # committed: the key's later events are held from now on
                 done.dead_lettered += 1
+                _tally(done.by_partition, [bad], DEAD)
                 return done
             half = len(records) // 2
             result = self._isolating(records[:half], dead, {}, report)
@@ -635,6 +661,7 @@ class ProjectionWriter:
             if self._hold_now and (self._held or heads):
                 held = self._held_records(records, prep, skip, heads)
                 result.held = len(held)
+                _tally(result.by_partition, (raw for raw, _ in held), DEAD)
                 dead = [*dead, *held]
             todo = _candidates(records, prep, skip)
             if todo.first:
@@ -646,6 +673,13 @@ class ProjectionWriter:
                 fresh, folded = [], _Folded({}, {}, 0, 0, [])
             result.duplicates = len(records) - len(skip) - len(fresh)
             result.stale, result.unchanged = folded.stale, folded.unchanged
+            if result.duplicates:
+                handled = skip | {id(r) for r in fresh}
+                _tally(result.by_partition, (r for r in records if id(r) not in handled), DUPLICATE)
+            _tally(result.by_partition, folded.stale_records, STALE)
+            _tally(result.by_partition, excluded, DEAD)
+            for k, n in folded.applied.items():
+                result.by_partition.setdefault(k, [0, 0, 0, 0])[APPLIED] += n
             if folded.bad:
                 raise _Bad(folded.bad)
             upserts, deletes = self._stage(conn, folded)
@@ -906,7 +940,7 @@ class ProjectionWriter:
         `gone`: deduplicating by version, the tombstones of the keys (a deleted row's version still guards)."""
         mapping = self.mapping
         folded = _Folded({}, loaded, 0, 0, [])
-        bad, buried = folded.bad, folded.buried
+        bad, buried, applied = folded.bad, folded.buried, folded.applied
         state: dict[tuple[Any, ...], Row | None] = dict(loaded)
         for r in fresh:
             key = record_keys.get(id(r))
@@ -917,12 +951,15 @@ class ProjectionWriter:
             if mapping.is_stale(row, r.event) or (
                     gone and row is None and r.event.version <= gone.get(key, 0)):
                 folded.stale += 1
+                folded.stale_records.append(r)
                 continue
             try:
                 new = mapping.apply(row, r.event, key)
             except MappingError as e:
                 bad.append((r, MappingError(str(e), raw=r)))
                 continue
+            tp = (r.topic, r.partition)  # counted here, where it is decided: a record lost before shows as a gap
+            applied[tp] = applied.get(tp, 0) + 1
             if new is UNCHANGED:
                 folded.unchanged += 1
                 continue

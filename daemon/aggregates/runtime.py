@@ -9,7 +9,8 @@ the aggregate has a snapshot topic, restorer.py, else a full replay) and its tai
 before the partition resumes. A command fetched from a
 partition that is not LIVE is never decided: the partition is sought back to it.
 
-A batch (up to `batch_max_records` commands or `batch_max_wait_ms`) is one transaction (txn.py): the events
+A batch (the commands fetched, handed over at once: natural batching, up to `batch_max_records`; see
+kafold.consumer_loop) is one transaction (txn.py): the events
 (written to the command's partition number of the events topic, versions consecutive per aggregate, ids
 `derive_event_id(command_id, i)`), one result per command (same partition of the results topic), dead letters,
 and the offsets after the batch. A crash before the commit aborts all of it: the commands are read again and
@@ -44,7 +45,7 @@ from kafold.config import SNAPSHOT_TOPIC_CONFIGS, AggregateConfig, DaemonConfig,
 from kafold.connectors.api import RawRecord
 from kafold.connectors.dlq import dlq_headers, fitted
 from kafold.consumer_loop import ConsumerLoop, LoopHandler
-from kafold.daemon.aggregates import recovery
+from kafold.daemon.aggregates import recovery, routing
 from kafold.daemon.aggregates.gate import PartitionGate
 from kafold.daemon.aggregates.processor import handle
 from kafold.daemon.aggregates.store import Entry, StateStore
@@ -101,6 +102,10 @@ class AggregateRuntime(LoopHandler):
         self.gates: dict[int, PartitionGate] = {}
         self.folders: dict[int, Folder[recovery.Recovering]] = {}
         self.positions: dict[int, int] = {}
+        # The open transaction's undo log: the committed (state, version) of every aggregate it changed. State reads
+        # (another thread) answer from it, so they never show a decision that may yet abort; replaced by an empty
+        # one once the transaction committed or its changes were reverted.
+        self.uncommitted: Undo = {}
         self.counts = dict.fromkeys(("batches", "commands", "accepted", "rejected", "dead_lettered", "duplicates",
                                      "events", "aborts", "assignments", "reloads", "producers_renewed",
                                      "fold_errors", "events_parked"), 0)
@@ -131,8 +136,16 @@ class AggregateRuntime(LoopHandler):
         entry, partition = self.store.locate(aggregate_id)
         if entry is not None:
             gate = self.gates.get(entry.partition)
-            live = gate is not None and gate.live and entry.version > 0
-            return (entry.state, entry.version, "memory") if live else None
+            # The entry first: the runtime notes an aggregate's committed values in `uncommitted` before it changes
+            # the entry, so a changed entry read here always has its committed values there.
+            state, version = entry.state, entry.version
+            pending = self.uncommitted.get(aggregate_id)
+            if pending is not None:
+                if pending[0] is None:  # first decided in the open transaction: no committed state yet
+                    return None
+                state, version = pending[0]
+            live = gate is not None and gate.live and version > 0
+            return (state, version, "memory") if live else None
         if partition is None:
             return None
         private = StateStore(1)
@@ -190,7 +203,10 @@ class AggregateRuntime(LoopHandler):
                                      lambda: TransactionalWriter(self.kafka, self.transactional_id), START_RETRY_S)
         self.reader = recovery.reader(self.kafka, self.agg.name)
         extra = {"isolation.level": "read_committed", "enable.auto.offset.store": False,
-                 "fetch.wait.max.ms": 50, "max.partition.fetch.bytes": 8 * 1024 * 1024, **self.consumer_extra}
+                 "fetch.wait.max.ms": 50, "max.partition.fetch.bytes": 8 * 1024 * 1024,
+                 # the group's description then tells every instance where this one serves state (routing.py)
+                 "client.id": routing.member_client_id(self.kafka.client_id, routing.advertised_url(self.daemon)),
+                 **self.consumer_extra}
         self.consumer = kafka_clients.consumer(self.kafka, self.group_id, **extra)
         # A lost partition is released as a revoked one: its transaction's offsets were committed with it or not.
         self.loop.subscribe([self.topics["commands"]], self._on_assign, self._on_revoke, self._on_revoke)
@@ -199,7 +215,7 @@ class AggregateRuntime(LoopHandler):
 
     # ---- recovery ---------------------------------------------------------------------------------------
     def _on_assign(self, consumer: Any, partitions: list[Any]) -> None:
-        consumer.assign(partitions)
+        kafka_clients.rebalance_assign(self.kafka, consumer, partitions)  # incremental with KIP-848
         self._recover(partitions)
 
     def _recover(self, partitions: list[Any]) -> None:
@@ -341,7 +357,11 @@ class AggregateRuntime(LoopHandler):
                              fallback="the consumer looks the committed offset up itself")
         else:
             if committed >= 0 or self.consumer_extra.get("auto.offset.reset", "earliest") == "earliest":
-                self.consumer.seek(KTP(tp.topic, n, committed if committed >= 0 else OFFSET_BEGINNING))
+                try:
+                    self.consumer.seek(KTP(tp.topic, n, committed if committed >= 0 else OFFSET_BEGINNING))
+                except KafkaException as e:  # _STATE: not fetching yet (seen with the consumer group protocol)
+                    self.log.info("aggregate.seek_skipped", partition=n, error=str(e),
+                                  fallback="the consumer starts at the committed offset itself")
         self.log.info("aggregate.caught_up", **gate.describe(), folded=folder.folded, duplicates=folder.skipped,
                       events_parked=folder.bad or None, results_read=results)
 
@@ -375,6 +395,7 @@ class AggregateRuntime(LoopHandler):
         self._reload_missing(live)
         assert self.writer is not None
         undo: Undo = {}
+        self.uncommitted = undo
         tally = dict.fromkeys(("accepted", "rejected", "dead_lettered", "duplicates", "events"), 0)
         first: dict[int, int] = {}
         last: dict[int, int] = {}
@@ -391,10 +412,13 @@ class AggregateRuntime(LoopHandler):
             committed = self.writer.commit(offsets, self.consumer.consumer_group_metadata())
         except ProducerBroken as e:
             self._renew_writer(e)
+            self.uncommitted = {}
             return
         if not committed:
             self._rewind(first, undo)
+            self.uncommitted = {}
             return
+        self.uncommitted = {}
         self.renewed = False
         self.positions.update(last)
         self.store.trim()
@@ -415,6 +439,7 @@ class AggregateRuntime(LoopHandler):
     def _one(self, m: Any, cmd: Command | DecodeError, n: int, t: int, undo: Undo, tally: dict[str, int]) -> None:
         assert self.writer is not None
         at = format_epoch_ms(t)
+        landing = None  # where the command's last event lands: its result's token (txn.py)
         if isinstance(cmd, DecodeError):
             key = m.key() or b""
             cid = header(m.headers(), "kafold-command-id") or f"{m.topic()}/{n}/{m.offset()}"
@@ -439,8 +464,7 @@ class AggregateRuntime(LoopHandler):
                 if aid not in undo:  # first change in this batch: keep what was committed
                     undo[aid] = (None if fresh else (entry.state, entry.version), [])
                 undo[aid][1].append(cmd.command_id)
-                for key, value, headers in out.events:
-                    self.writer.produce(self.topics["events"], n, key, value, headers, timestamp=t)
+                landing = self.writer.produce_events(self.topics["events"], n, out.events, t)
                 entry.state, entry.version = out.state, out.version
                 self.store.window.remember(entry, aid, cmd.command_id, out.remember, result.event_ids)
                 if fresh:
@@ -454,8 +478,7 @@ class AggregateRuntime(LoopHandler):
                 self._dead_letter(m, out.error)
                 tally["dead_lettered"] += 1
             tally["duplicates" if result.duplicate else "accepted" if result.accepted else "rejected"] += 1
-        key, value, headers = result.encode()
-        self.writer.produce(self.topics["results"], n, key, value, headers, timestamp=t)
+        self.writer.produce_result(self.topics["results"], n, result, landing, t)
 
     def _dead_letter(self, m: Any, error: RecordError) -> None:
         assert self.writer is not None

@@ -7,12 +7,21 @@ producer with the same `transactional.id` fences this one (`init_transactions` a
 `commit` returns False when the transaction was aborted (the caller rewinds to the last committed offsets and
 rebuilds the state the batch touched); it raises FatalError when this producer is fenced or hung, and ProducerBroken
 when librdkafka reports a fatal error that is not a fence (the caller replaces the producer, see ProducerBroken).
+
+Result tokens (kafold.tokens): a result carries the offset of its command's last event, which Kafka assigns only
+when the event is written. So results are held back (`produce_result`) and produced at `commit`, after a flush
+has delivered the batch's events (their delivery reports give the offsets), still inside the open transaction:
+the results become visible with the events or not at all, as before. The offsets of records of an open
+transaction are final: an abort leaves them unused (never reassigned), and the results naming them are aborted
+with them. A duplicate carries its first decision's token when this writer committed that decision (a bounded
+memory, checked against the duplicate's event ids), else none.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from itertools import islice
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
@@ -21,6 +30,8 @@ from kafold import kafka_clients, logs
 from kafold.config import KafkaConfig
 from kafold.envelope import Headers
 from kafold.errors import FatalError, RetriableError
+from kafold.messages import Result
+from kafold.tokens import encode_one as encode_token
 
 log = logs.get(__name__)
 TIMEOUT_S = 30.0
@@ -36,6 +47,22 @@ TXN_TIMEOUT_MS = 60000  # the producer's transaction.timeout.ms: past it the coo
 # (committed, or aborted by itself: the retry then answers abort-required and the batch is decided again), rather
 # than stopping the instance on a slow cluster (seen in the chaos soak on three-node Apache Kafka under load 30).
 DECIDED_S = TXN_TIMEOUT_MS / 1000 + 15.0
+REMEMBERED_TOKENS = 20_000  # committed decisions whose token a duplicate can repeat (~0.4 KB each)
+Encoded = tuple[bytes, bytes, Headers]
+
+
+class Landing:
+    """Where one record of the open transaction landed: its offset, set by its delivery report."""
+
+    __slots__ = ("offset", "partition", "topic")
+
+    def __init__(self, topic: str, partition: int) -> None:
+        self.topic, self.partition = topic, partition
+        self.offset: int | None = None
+
+    def __call__(self, err: Any, msg: Any) -> None:  # librdkafka's delivery report (served by flush/poll)
+        if err is None:
+            self.offset = msg.offset()
 
 
 class ProducerBroken(FatalError):
@@ -58,6 +85,10 @@ class TransactionalWriter:
             "batch.num.messages": 10000, "queue.buffering.max.messages": 500000,
             "transaction.timeout.ms": TXN_TIMEOUT_MS, **extra})
         self._produce = self.producer.produce
+        self._results: list[tuple[str, int, Result, Landing | None, int]] = []  # held back until commit
+        # (aggregate id, command id) -> (event ids, token): of committed decisions (oldest first), of the batch
+        self._tokens: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {}
+        self._committing: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {}
         self.open = False
         self.held = False  # a librdkafka call blocked for good holds the producer: close must not touch it
         self._init()
@@ -73,6 +104,7 @@ class TransactionalWriter:
             self.producer.begin_transaction()
         except KafkaException as e:
             raise _convert(e, "begin_transaction") from e
+        self._results.clear()
         self.open = True
 
     def produce(self, topic: str, partition: int, key: bytes | None, value: bytes | None,
@@ -85,8 +117,74 @@ class TransactionalWriter:
         except KafkaException as e:
             raise _convert(e, "produce") from e
 
+    def produce_events(self, topic: str, partition: int, events: list[Encoded], timestamp: int = 0
+                       ) -> Landing | None:
+        """Queue one command's events; the Landing of the last (None when there are none)."""
+        if not events:
+            return None
+        for key, value, headers in events[:-1]:
+            self.produce(topic, partition, key, value, headers, timestamp)
+        key, value, headers = events[-1]
+        landing = Landing(topic, partition)
+        try:
+            self._produce(topic, value, key, partition, headers=headers, timestamp=timestamp, on_delivery=landing)
+        except BufferError:
+            kafka_clients.produce(self.producer, topic, value, key, headers, partition=partition,
+                                  timestamp=timestamp, on_delivery=landing)
+        except KafkaException as e:
+            raise _convert(e, "produce") from e
+        return landing
+
+    def produce_result(self, topic: str, partition: int, result: Result, events: Landing | None,
+                       timestamp: int = 0) -> None:
+        """Queue `result`, produced at commit with the token of `events` (its command's last event)."""
+        self._results.append((topic, partition, result, events, timestamp))
+
+    def _produce_results(self) -> bool:
+        """Produce the held-back results with their tokens; False when the batch's events were not all delivered
+        (the transaction cannot commit: the caller aborts it)."""
+        results, self._results = self._results, []
+        landings = [landing for *_, landing, _ in results if landing is not None]
+        if landings:  # one round trip for the batch's events; one not delivered: the transaction must abort
+            try:
+                left = self.producer.flush(TXN_TIMEOUT_MS / 1000)
+            except Exception as e:  # seen when fenced: confluent-kafka raises SystemError out of a delivery report
+                log.warning("aggregate.txn_flush_failed", transactional_id=self.transactional_id, error=str(e))
+                return False
+            if left or any(x.offset is None for x in landings):
+                return False
+        batch: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {}
+        for topic, partition, result, landing, timestamp in results:
+            ident = (result.aggregate_id, result.command_id)
+            token = None
+            if landing is not None:
+                assert landing.offset is not None
+                token = encode_token(landing.topic, landing.partition, landing.offset)
+                batch[ident] = (result.event_ids, token)
+            elif result.duplicate and result.event_ids:
+                known = batch.get(ident) or self._tokens.get(ident)
+                token = known[1] if known is not None and known[0] == result.event_ids else None
+            key, value, headers = result.encode(token)
+            self.produce(topic, partition, key, value, headers, timestamp)
+        self._committing = batch
+        return True
+
+    def _remember(self) -> None:
+        """The committed batch's tokens, for duplicates of its commands (the first remembered forgotten first)."""
+        committing, self._committing, tokens = self._committing, {}, self._tokens
+        tokens.update(committing)
+        if len(tokens) > REMEMBERED_TOKENS:
+            for ident in list(islice(tokens, len(tokens) - REMEMBERED_TOKENS)):
+                del tokens[ident]
+
     def commit(self, offsets: list[TopicPartition], group_metadata: Any) -> bool:
         """Commit the open transaction with `offsets`; False when it had to be aborted (nothing visible)."""
+        self._committing = {}
+        if self._results and not self._produce_results():
+            log.warning("aggregate.txn_aborting", transactional_id=self.transactional_id,
+                        error="events of the batch not delivered")
+            self.abort()
+            return False
         try:
             if offsets:
                 self._retrying(lambda t: _bounded("send_offsets_to_transaction", t, lambda: (
@@ -107,6 +205,7 @@ class TransactionalWriter:
             return False
         try:
             self._retrying(self.producer.commit_transaction, DECIDED_S)
+            self._remember()
             return True
         except KafkaException as e:
             err = e.args[0]
@@ -119,6 +218,7 @@ class TransactionalWriter:
             self.open = False
 
     def abort(self) -> None:
+        self._results.clear()
         try:
             self._retrying(self.producer.abort_transaction, DECIDED_S)
         except KafkaException as e:

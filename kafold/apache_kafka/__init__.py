@@ -213,6 +213,12 @@ def layout(home: Path, nodes: int, ports: list[tuple[int, int]], cluster_id: str
             "transaction.state.log.num.partitions": 10,
             "group.initial.rebalance.delay.ms": 0,
             "group.min.session.timeout.ms": 1000,
+            # the same for the consumer group protocol (KIP-848), whose members cannot ask: its session timeout
+            # and heartbeat interval are the broker's (production keeps Kafka's 45 s and 5 s)
+            "group.consumer.min.session.timeout.ms": 1000,
+            "group.consumer.session.timeout.ms": 6000,
+            "group.consumer.min.heartbeat.interval.ms": 500,
+            "group.consumer.heartbeat.interval.ms": 1000,
             # the log cleaner looks for compactable logs every second (Kafka's default waits 15 s), so that
             # compacted topics (snapshots, offsets) shed superseded records soon after a segment closes
             "log.cleaner.backoff.ms": 1000,

@@ -17,6 +17,7 @@ class Receiver:
     def __init__(self) -> None:
         self.state: dict[str, Any] = {"count": 0, "out_of_order": 0, "first": None, "last": None, "ids": set()}
         self.last: dict[str, int] = {}
+        self.received_at: dict[str, float] = {}  # webhook-id (the event id) -> first received (time.time())
         self.runner: web.AppRunner | None = None
         self.site: web.TCPSite | None = None
         self.port = 0
@@ -33,6 +34,7 @@ class Receiver:
             state["out_of_order"] += 1
         last[key] = max(version, last.get(key, 0))
         state["ids"].add(request.headers["webhook-id"])
+        self.received_at.setdefault(request.headers["webhook-id"], time.time())
         state["count"] += 1
         state["first"] = state["first"] or time.time()
         state["last"] = time.time()
@@ -41,6 +43,11 @@ class Receiver:
     async def stats(self, _: web.Request) -> web.Response:
         return web.json_response({k: v for k, v in self.state.items() if k not in ("ids", "down")} |
                                  {"unique": len(self.state["ids"])})
+
+    async def times(self, _: web.Request) -> web.Response:
+        """When each event was first received (for `kafold bench latency`), emptied once read."""
+        times, self.received_at = self.received_at, {}
+        return web.Response(body=orjson.dumps(times), content_type="application/json")
 
     async def listen(self, port: int) -> int:
         assert self.runner is not None
@@ -69,6 +76,7 @@ class Receiver:
         self.port = await self.listen(0)
         control = web.Application()
         control.router.add_get("/stats", self.stats)
+        control.router.add_get("/times", self.times)
         control.router.add_post("/down", self.down)
         control.router.add_post("/up", self.up)
         control_runner = web.AppRunner(control, access_log=None)

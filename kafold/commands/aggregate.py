@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
+import urllib.error
+import urllib.request
 from typing import Any
+from urllib.parse import quote, urlencode
 
 from kafold import config, devstack
 from kafold.cli import add_config_arg
-from kafold.client import CommandClient
+from kafold.client import CommandClient, DaemonClient
 from kafold.errors import ConfigError, KafoldError
 from kafold.partitioning import partition_for
 from kafold.snapshot.fold import Domain
@@ -27,6 +31,9 @@ def register(sub: Any) -> None:
     send.add_argument("--expected-version", type=int, default=None, help="reject unless the aggregate is at it")
     send.add_argument("--wait", action="store_true", help="wait for the result and print it")
     send.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the result")
+    send.add_argument("--wait-visible", metavar="CONNECTOR", default=None,
+                      help="also wait (implies --wait, up to --timeout more) until CONNECTOR, e.g. a projection, "
+                           "has committed the command's events: asks the daemon of the config ([daemon] http_port)")
     send.set_defaults(handler=send_command)
     state = sub.add_parser("state", help="the current state of one aggregate (snapshot + tail)")
     ssub = state.add_subparsers(dest="state_action", metavar="ACTION", required=True)
@@ -34,6 +41,12 @@ def register(sub: Any) -> None:
     add_config_arg(get)
     get.add_argument("aggregate")
     get.add_argument("id")
+    get.add_argument("--url", default=None, help="ask this running daemon (any instance of the group, e.g. "
+                     "http://127.0.0.1:8083) instead of folding the events here")
+    get.add_argument("--min-version", type=int, default=None,
+                     help="with --url: wait until the state has reached this version")
+    get.add_argument("--timeout", type=float, default=10.0,
+                     help="with --url: seconds to wait (for --min-version, and while the key's partition moves)")
     get.set_defaults(handler=get_state)
 
 
@@ -55,9 +68,16 @@ def send_command(args: argparse.Namespace) -> int:
     if not isinstance(data, dict):
         raise KafoldError("--data: expected a JSON object")
     cfg = devstack.effective(loaded.config, need=("kafka",))
-    with CommandClient(cfg.kafka, agg) as client:
+    daemon = DaemonClient.for_config(cfg.daemon) if args.wait_visible else None
+    with CommandClient(cfg.kafka, agg, daemon) as client:
         command = client.command(args.id, args.type, data, expected_version=args.expected_version)
-        result = client.send(command, wait=args.wait, timeout=args.timeout)
+        result = client.send(command, wait=args.wait or bool(args.wait_visible), timeout=args.timeout)
+        if result is not None and args.wait_visible:
+            try:
+                client.wait_visible(result, args.wait_visible, args.timeout)
+            except KafoldError:  # the command was decided all the same: its result first, then the error (exit 1)
+                print(json.dumps(result.to_json()))
+                raise
     if result is None:
         print(json.dumps({"command_id": command.command_id, "sent": True}))
         return 0
@@ -68,6 +88,10 @@ def send_command(args: argparse.Namespace) -> int:
 def get_state(args: argparse.Namespace) -> int:
     loaded = config.load_file(args.config)
     agg = _aggregate(loaded, args.aggregate)
+    if args.url:
+        print(json.dumps(state_from_daemon(loaded.config.daemon, args.url, agg.name, args.id, args.min_version,
+                                           args.timeout), indent=2))
+        return 0
     cfg = devstack.effective(loaded.config, need=("kafka",))
     paths = [str((loaded.base / p).resolve()) for p in cfg.daemon.python_path]
     domain = Domain.load(agg, paths)
@@ -83,3 +107,47 @@ def get_state(args: argparse.Namespace) -> int:
                                    "replayed_from_offset": restored.start, "end_offset": restored.end}},
                      default=str, indent=2))
     return 0
+
+
+def state_from_daemon(daemon: config.DaemonConfig, url: str, aggregate: str, aggregate_id: str,
+                      min_version: int | None, timeout: float) -> dict[str, Any]:
+    """GET /aggregates/{aggregate}/{id} from the daemon at `url` (any instance: it forwards or redirects to the
+    owner, redirects followed with the token), asked again while the key's partition moves (503, Retry-After)
+    until `timeout` s. KafoldError for anything but the state."""
+    # the daemon waits at most 60 s per read (daemon/aggregates/routing.py WAIT_MAX_MS)
+    query = {} if min_version is None else {"min_version": min_version, "timeout_ms": min(int(timeout * 1000),
+                                                                                          60_000)}
+    target = f"{url.rstrip('/')}/aggregates/{quote(aggregate, safe='')}/{quote(aggregate_id, safe='')}"
+    if query:
+        target += "?" + urlencode(query)
+    deadline = time.monotonic() + timeout
+    while True:
+        req = urllib.request.Request(target)
+        if daemon.api_token is not None:
+            req.add_header("Authorization", f"Bearer {daemon.api_token.reveal()}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout + 10) as resp:
+                body: dict[str, Any] = json.loads(resp.read())
+                return body
+        except urllib.error.HTTPError as e:
+            message = _message(e)
+            pause = _retry_after(e) if e.code == 503 else None
+            if pause is None or time.monotonic() + pause > deadline:
+                raise KafoldError(f"{target}: {e.code} {message}") from None
+            time.sleep(pause)
+        except (OSError, ValueError) as e:
+            raise KafoldError(f"{target}: {e}") from None
+
+
+def _message(e: urllib.error.HTTPError) -> str:
+    try:
+        return str(json.loads(e.read()).get("message", ""))
+    except (ValueError, AttributeError, OSError):
+        return e.reason or ""
+
+
+def _retry_after(e: urllib.error.HTTPError) -> float:
+    try:
+        return max(0.1, float(e.headers.get("Retry-After", "1")))
+    except ValueError:
+        return 1.0

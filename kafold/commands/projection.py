@@ -1,9 +1,11 @@
-"""`kafold projection rebuild|status NAME -c FILE`: blue-green rebuilds of a postgres-projection connector."""
+"""`kafold projection rebuild|status|verify NAME -c FILE`: blue-green rebuilds of a postgres-projection connector, and
+the check that its live table equals a fold of its events."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -16,6 +18,8 @@ from kafold import config, db, devstack, logs
 from kafold.cli import add_config_arg
 from kafold.connectors.projection import rebuild as rb
 from kafold.connectors.projection import rebuild_state
+from kafold.connectors.projection import verify as vf
+from kafold.terminal import visible
 
 log = logs.get(__name__)
 
@@ -41,6 +45,16 @@ def register(sub: Any) -> None:
     st.add_argument("name", help="the connector's name")
     add_config_arg(st)
     st.set_defaults(handler=status)
+    ve = psub.add_parser("verify", help="fold the source topics into a scratch table up to the live checkpoints and "
+                         "compare it with the live table row by row (exit 1 on any difference)")
+    ve.add_argument("name", help="the connector's name")
+    add_config_arg(ve)
+    ve.add_argument("--batch", type=int, default=5000, help="records per scratch transaction (default 5000)")
+    ve.add_argument("--limit", type=int, default=1000, metavar="N",
+                    help="show at most N differing rows (all are counted; default 1000)")
+    ve.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ve.add_argument("--no-progress", action="store_true", help="draw no progress bar even on a terminal")
+    ve.set_defaults(handler=verify)
 
 
 def _plan(args: argparse.Namespace) -> Any:
@@ -149,3 +163,55 @@ def status(args: argparse.Namespace) -> int:
             table.add_row(tp.topic, str(tp.partition), str(s), str(li), str(max(0, li - s)))
         console.print(table)
     return 0
+
+
+def verify(args: argparse.Namespace) -> int:
+    """0 when the live table equals the fold of its events up to its checkpoints, 1 otherwise."""
+    from kafold.commands.status import table
+
+    plan = _plan(args)
+    if plan.pgc.migrate_on_start:
+        db.upgrade(plan.pgc)
+    bar = not (args.no_progress or args.json) and sys.stderr.isatty()
+    with _verify_progress(bar, plan.name) as report:
+        result = vf.Verify(plan, batch=args.batch, limit=args.limit, on_progress=report).run()
+    if args.json:
+        print(json.dumps(result.as_json(), sort_keys=True))
+        return 0 if result.clean else 1
+    covered = sum(result.checkpoints.values())
+    if not result.completed:
+        print(f"{plan.name}: stopped before the comparison ({result.events} events folded)")
+    elif result.clean:
+        print(f"{plan.name}: clean: {result.table} ({result.live_rows} rows) equals the fold of its events below the "
+              f"live checkpoints ({covered} offsets, {result.events} events applied)")
+    else:
+        print(f"{plan.name}: {result.rows_differing} row(s) differ: {result.table} has {result.live_rows} rows, the "
+              f"fold of its events below the live checkpoints ({covered} offsets) {result.expected_rows}")
+        rows = [{"kind": d.kind, "key": ", ".join(f"{k}={v}" for k, v in d.key.items()), "column": d.column,
+                 "live": d.live, "expected": d.expected} for d in result.differences]
+        print(table(rows, ("kind", "key", "column", "live", "expected")))
+        if result.rows_differing > len({tuple(d.key.items()) for d in result.differences}):
+            print(visible(f"(the first {args.limit} rows shown; --limit N shows more)"))
+    return 0 if result.clean else 1
+
+
+@contextmanager
+def _verify_progress(bar: bool, name: str) -> Iterator[Callable[[Any], None]]:
+    """A progress bar of the offsets folded out of the live checkpoints on a TTY; a log line per batch otherwise."""
+    if not bar:
+        def line(p: Any) -> None:
+            log.info("verify batch", projection=name, phase=p.phase, records=p.batch, covered=p.done,
+                     target=p.total, applied=p.events)
+        yield line
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn(f"verify {visible(name)}"), TextColumn("{task.description}"), BarColumn(),
+               MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True)) as progress:
+        task = progress.add_task("folding", total=None)
+
+        def update(p: Any) -> None:
+            progress.update(task, description="comparing" if p.phase == "comparing" else "folding",
+                            completed=p.done, total=p.total)
+        yield update

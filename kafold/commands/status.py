@@ -1,4 +1,5 @@
-"""`kafold status -c FILE`: connectors, partitions, committed and end offsets, lag and state.
+"""`kafold status -c FILE`: connectors, partitions, committed and end offsets, lag and state (and, from the daemon, the
+offset accounting per partition: daemon/accounting.py).
 
 From the running daemon's HTTP API (`GET /status`) when it answers; otherwise computed from Kafka: the
 connector's consumer-group committed offsets against the partitions' end offsets (ListOffsets, which some
@@ -24,6 +25,10 @@ from kafold.terminal import visible
 COLUMNS = ("connector", "task", "topic", "partition", "committed", "end_offset", "lag", "lag_seconds", "state")
 # Effect connectors (from the daemon only): the endpoint's circuit, events held, fetching paused, parked keys.
 EFFECT_COLUMNS = ("connector", "task", "endpoint", "circuit", "waiting", "in_flight", "fetch_paused", "parked_keys")
+# The offset accounting (from the daemon only): seen = applied + duplicates + stale + dead_lettered + skipped, per
+# partition; `unaccounted` is a write in flight, or a record lost on the way when it stays above 0.
+ACCOUNTING_COLUMNS = ("connector", "task", "topic", "partition", "seen", "applied", "duplicates", "stale",
+                      "dead_lettered", "skipped", "unaccounted")
 
 
 def register(sub: Any) -> None:
@@ -50,6 +55,8 @@ def handle(args: argparse.Namespace) -> int:
         print(table(report["partitions"]))
         if report.get("effects"):
             print(table(report["effects"], EFFECT_COLUMNS))
+        if report.get("accounting"):
+            print(table(report["accounting"], ACCOUNTING_COLUMNS))
         if report.get("aggregates"):
             print(table(report["aggregates"], ("aggregate", *STATUS_FIELDS)))
         for name, n in sorted((held or {}).items()):

@@ -1,9 +1,10 @@
 """The cart domain (a tuple, a datetime, a Decimal, an Enum, a nested dataclass) in `kafold daemon` on Apache Kafka,
 driven from outside (plain confluent-kafka commands, HTTP state reads): the outcomes and `GET /aggregates/cart/..`
 equal those of the same commands decided without any restart (test_one_fold's pure model), while the aggregates
-are evicted from a one-entry cache and reloaded, the daemon is killed -9 and restarted, and restored from a local
-snapshot run. And a stored event the code cannot fold: the partition is not ready and says why; under
-`on_fold_error = "dead-letter"` it is parked on the aggregate's dead-letter topic and the rest flows."""
+are evicted from a one-entry cache and reloaded, the daemon is killed -9 and restarted, restored from a local
+snapshot run, and its partitions move to another instance of the group. And a stored event the code cannot fold:
+the partition is not ready and says why; under `on_fold_error = "dead-letter"` it is parked on the aggregate's
+dead-letter topic and the rest flows."""
 
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ ROUNDS: list[list[tuple[str, str, dict[str, Any]]]] = [
      ("c2", "AddItems", _lines(("y", "0.01")))],
     [("c2", "AddItems", _lines(("z", "3"))), ("c2", "CheckOut", {"at": _at(40)}),
      ("c1", "AddItems", _lines(("e", "1")))],
+    [("c3", "OpenCart", {"at": _at(50)}), ("c3", "AddItems", _lines(("q", "4.50"), ("r", "0.5"))),
+     ("c2", "AddItems", _lines(("w", "1"))), ("c3", "CheckOut", {"at": _at(51)})],
 ]
 
 
@@ -66,8 +69,9 @@ def _daemon(conf: Path, log: Path) -> subprocess.Popen[bytes]:
 @pytest.mark.timeout(600)
 def test_typed_state_survives_eviction_kill_and_snapshot_restore(kafka_config: KafkaConfig, unique: str,
                                                                  tmp_path: Path) -> None:
-    port = free_port()
+    port, other_port = free_port(), free_port()
     conf = _config(tmp_path / "kafold.toml", kafka_config, unique, port)
+    other = _config(tmp_path / "other.toml", kafka_config, unique, other_port)  # the same group, another instance
     loaded = config.load_file(conf)
     agg = loaded.config.aggregates[0]
     assert topics.ensure(kafka_config, config.topic_map(loaded.config).values()).ok
@@ -80,7 +84,7 @@ def test_typed_state_survives_eviction_kill_and_snapshot_restore(kafka_config: K
     try:
         i = 0
         for r, commands in enumerate(ROUNDS):
-            wait_for(lambda: get_json(port, "/ready")[0] == 200, f"round {r}: the daemon ready", 120)
+            wait_for(lambda port=port: get_json(port, "/ready")[0] == 200, f"round {r}: the daemon ready", 120)
             for cart, kind, data in commands:
                 result = client.ask(f"cmd-{i}", cart, kind, data)
                 outcomes.append((result["status"], result.get("reason")))
@@ -94,9 +98,15 @@ def test_typed_state_survives_eviction_kill_and_snapshot_restore(kafka_config: K
                 run = subprocess.run([KAFOLD, "snapshot", "run", "-c", str(conf), "--engine", "local"],
                                      capture_output=True, text=True, timeout=300, env=child_env())
                 assert run.returncode == 0, run.stdout + run.stderr
-            if r < len(ROUNDS) - 1:
+            elif r == 2:  # another instance joins, this one leaves: every partition moves to it
+                moved = _daemon(other, tmp_path / "other.log")
+                wait_for(lambda: get_json(other_port, "/ready")[0] == 200, "the other instance ready", 120)
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(60) == 0
+                proc, port = moved, other_port
+            if r < 2:
                 proc = _daemon(conf, log)
-        served = {cart: get_json(port, f"/aggregates/cart/{cart}") for cart in ("c1", "c2")}
+        served = {cart: get_json(port, f"/aggregates/cart/{cart}") for cart in ("c1", "c2", "c3")}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
@@ -105,13 +115,13 @@ def test_typed_state_survives_eviction_kill_and_snapshot_restore(kafka_config: K
             proc.wait()
         client.close()
     assert outcomes == model_outcomes, "the same commands, decided across restarts, must get the same outcomes"
-    assert [o[0] for o in outcomes].count("rejected") == 1  # only c1's AddItems after its checkout
+    assert [o[0] for o in outcomes].count("rejected") == 2  # c1's, then c2's AddItems after their checkouts
     for cart, (status, body) in served.items():
         assert status == 200, (cart, status, body)
         assert body["state"] == json.loads(json.dumps(model_states[cart])), (cart, body["state"])
     caught_up = [json.loads(line) for line in log.read_text().splitlines() if '"aggregate.caught_up"' in line]
     assert caught_up[-1]["snapshot_version"] is not None, caught_up[-1]  # the last start restored from it
-    assert "aggregate.fold_failed" not in log.read_text()
+    assert "aggregate.fold_failed" not in log.read_text() + (tmp_path / "other.log").read_text()
 
 
 def _bad_event(unique: str) -> tuple[int, bytes, bytes, Any]:

@@ -185,6 +185,7 @@ class _Blocking:
 def _writer(producer: Any) -> TransactionalWriter:
     writer = TransactionalWriter.__new__(TransactionalWriter)  # no broker: the close path alone
     writer.transactional_id, writer.producer, writer.open, writer.held = "t", producer, False, False
+    writer._results, writer._tokens, writer._committing = [], {}, {}  # results held back until commit (tokens)
     return writer
 
 

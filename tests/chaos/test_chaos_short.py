@@ -36,12 +36,15 @@ def test_short_chaos_run_keeps_every_invariant(tmp_path: Path) -> None:
 
 @pytest.mark.apache_kafka
 @pytest.mark.timeout(900)
-def test_short_chaos_run_on_apache_kafka_with_broker_faults(tmp_path: Path, broker_kind: str) -> None:
+@pytest.mark.parametrize("group_protocol", ["classic", "consumer"])
+def test_short_chaos_run_on_apache_kafka_with_broker_faults(tmp_path: Path, broker_kind: str, group_protocol: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The same on a three-node Apache Kafka cluster, each kind once at least, the broker faults included (kill -9
     of a broker, of a partition leader, a paused controller, all three nodes restarted); Spark's snapshot-kill is
-    left to the run above."""
+    left to the run above. Once per consumer group protocol ([kafka] group_protocol, KIP-848's `consumer` too)."""
     if broker_kind != "kafka":
         pytest.skip("the broker faults need the three-node Apache Kafka cluster (KAFOLD_TEST_BROKER=kafka)")
+    monkeypatch.setenv("KAFOLD_KAFKA__GROUP_PROTOCOL", group_protocol)  # read by the daemon the harness starts
     kinds = kinds_for("kafka", spark=False)
     chaos = Chaos(tmp_path, seed=13, pause_s=(2.0, 4.0), spark=False, broker="kafka")
     report, strict = chaos.run_strict(seconds=45, fault_every_s=2.0, items_per_s=300, commands_per_s=30,

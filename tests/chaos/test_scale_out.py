@@ -1,6 +1,8 @@
 """Scale-out on real consumer groups: three `kafold daemon` instances on one config share the connectors' groups and
 the aggregate's partitions while traffic flows — joining, one leaving gracefully and coming back, then a rolling
-restart (each killed -9 and started again, one by one); afterwards nothing is lost or applied twice."""
+restart (each killed -9 and started again, one by one); afterwards nothing is lost or applied twice. Once per
+consumer group protocol ([kafka] group_protocol): classic, and KIP-848's consumer protocol (incremental
+rebalances, the member epoch moving under commits)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from confluent_kafka import KafkaException
+from confluent_kafka import ConsumerGroupType, KafkaException
 from confluent_kafka.admin import AdminClient
 
 from kafold import kafka_clients
@@ -33,6 +35,13 @@ def _members(chaos: Chaos) -> dict[str, int]:
     return out
 
 
+def _group_types(chaos: Chaos) -> dict[str, str]:
+    """Per group, the protocol the broker sees it speak (CLASSIC or CONSUMER)."""
+    admin = AdminClient(kafka_clients.librdkafka(chaos.stack.kafka))
+    return {group: ConsumerGroupType(fut.result().type).name
+            for group, fut in admin.describe_consumer_groups(list(GROUPS), request_timeout=15).items()}
+
+
 def _wait_members(chaos: Chaos, want: int, timeout: float = 120.0) -> dict[str, int]:
     """Until every group has `want` members holding partitions (bounded): the instances really share the work."""
     deadline = time.monotonic() + timeout
@@ -46,10 +55,15 @@ def _wait_members(chaos: Chaos, want: int, timeout: float = 120.0) -> dict[str, 
 
 
 @pytest.mark.timeout(900)
-def test_three_instances_join_leave_and_roll_while_traffic_flows(tmp_path: Path, broker_kind: str) -> None:
+@pytest.mark.parametrize("group_protocol", ["classic", "consumer"])
+def test_three_instances_join_leave_and_roll_while_traffic_flows(tmp_path: Path, broker_kind: str,
+                                                                 group_protocol: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     if broker_kind != "kafka":
         pytest.skip("tansu stalls a consumer group's rebalance once it has two members (docs/brokers.md): "
                     "several instances in one group run on Apache Kafka only")
+    # [kafka] group_protocol of every daemon started below (each inherits this environment)
+    monkeypatch.setenv("KAFOLD_KAFKA__GROUP_PROTOCOL", group_protocol)
     chaos = Chaos(tmp_path, seed=41, spark=False, broker="kafka", nodes=1, kinds=())
     try:
         first, second, third = chaos.daemon, chaos.add_daemon(), chaos.add_daemon()
@@ -59,6 +73,7 @@ def test_three_instances_join_leave_and_roll_while_traffic_flows(tmp_path: Path,
             second.start()  # joining while traffic flows
             third.start()
             _wait_members(chaos, 3)
+            types = _group_types(chaos)  # the opt-in really reached the groups
             second.stop()  # leaving gracefully: its partitions move to the other two
             _wait_members(chaos, 2)
             second.start()
@@ -73,6 +88,7 @@ def test_three_instances_join_leave_and_roll_while_traffic_flows(tmp_path: Path,
     finally:
         chaos.close()
     print(report.text())
+    assert types == dict.fromkeys(GROUPS, group_protocol.upper()), types
     assert report.events > 2_000 and report.commands > 200, report.text()
     assert report.violations == [], report.text()
     assert order == [], order

@@ -147,7 +147,7 @@ def test_events_the_code_cannot_read_exit_1_naming_type_version_and_offset(kafka
     assert complaints[1].startswith(f"cart: ItemsAdded v1: 2 of 4 events fail (1 read, 1 fold); first at "
                                     f"{unique}.events 0:1: UnreadableEvent"), complaints
     assert complaints[3].startswith(f"cart: ? v?: 1 of 1 events fail (1 decode); first at {unique}.events 0:2: "
-                                    "JSONDecodeError"), complaints
+                                    "DecodeError: JSON is malformed"), complaints
 
     code, out, err = _audit(capsys, "-c", str(conf), "--json")
     assert code == 1, out + err

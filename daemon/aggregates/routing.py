@@ -1,0 +1,319 @@
+"""State reads on any instance: which daemon owns an aggregate's key, and the read sent on to it.
+
+Ownership is the aggregate's consumer group assignment and nothing else: partition p of the commands topic (the
+key's partition, kafold.partitioning, as the command client picks it) belongs to the member the group assigned it
+to, and that member's runtime serves p's keys once p's gate is LIVE. Each daemon's aggregate consumer carries its
+advertised HTTP address in its `client.id` (`<kafka.client_id>@<url, percent-encoded>`, `member_client_id`);
+DescribeConsumerGroups reports every member's client id with its assignment (classic and KIP-848 groups alike:
+checked on Apache Kafka 4.3 with confluent-kafka 2.16). So any instance finds a key's owner from one group
+description: no second registry that could disagree with the group, nothing stored. A description is cached for
+OWNERS_TTL_S and asked again on a miss or when a forward fails.
+
+While a partition moves nobody answers for it: a classic group describes no assignments while it rebalances, a
+KIP-848 group assigns a partition only once its previous owner released it, and a new owner answers 503 itself until
+its gate opens. What keeps an answer right is not the description (it can be stale) but the runtime: only an
+instance whose gate of the key's partition is LIVE answers with a state; a stale lookup costs a 503. A read sent on
+carries FORWARDED_HEADER and is never sent on again: an instance that finds it does not own the key after all
+answers 503 with NOT_OWNER_HEADER, and the sender asks the group once more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import quote, unquote, urlsplit
+
+from confluent_kafka import KafkaException
+
+from kafold import kafka_clients, logs
+from kafold.config import DaemonConfig, KafkaConfig, StateRouting
+from kafold.partitioning import partition_for
+
+if TYPE_CHECKING:
+    from aiohttp import ClientSession
+    from aiohttp.web import Request
+
+    from kafold.daemon.aggregates.runtime import AggregateRuntime
+    from kafold.daemon.host import DaemonHost
+    from kafold.daemon.tasks import AggregateSlot
+
+log = logs.get(__name__)
+
+FORWARDED_HEADER = "Kafold-Forwarded-By"  # set on a read sent on to the owner: it is never sent on again
+NOT_OWNER_HEADER = "Kafold-Not-Owner"     # on a 503 from an instance a read was sent on to that no longer owns it
+OWNERS_TTL_S = 2.0          # how long a group description answers for owners (refreshed sooner on a miss)
+MIN_REFRESH_S = 0.2         # but asked at most this often (reads of a moving partition would ask on each)
+DESCRIBE_TIMEOUT_S = 5.0
+RETRY_AFTER_S = 1           # the hint on a 503 while a partition moves: a rebalance plus a catch-up, usually
+WAIT_DEFAULT_MS = 5_000     # ?min_version=N without timeout_ms
+WAIT_MAX_MS = 60_000        # the longest ?timeout_ms a read may wait
+FORWARD_SLACK_S = 10.0      # a forward's own time limit beyond the read's wait
+FAILURE_LOG_EVERY_S = 10.0  # one `aggregate.forward_failed` line per owner this often (each read would log one)
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
+# ---- the advertised address in the group --------------------------------------------------------------------
+def advertised_url(daemon: DaemonConfig) -> str | None:
+    """`[daemon] advertised_url`, else `http://<http_host>:<http_port>` (the host name for a wildcard bind); None
+    when HTTP is off (such an instance owns partitions nobody else can ask it for)."""
+    if daemon.advertised_url:
+        return daemon.advertised_url.rstrip("/")
+    if not daemon.http_port:
+        return None
+    host = socket.gethostname() if daemon.http_host in WILDCARD_HOSTS else daemon.http_host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # an IPv6 address
+    return f"http://{host}:{daemon.http_port}"
+
+
+def member_client_id(client_id: str, url: str | None) -> str:
+    """The aggregate consumer's client.id: `client_id@<url percent-encoded>` (no '@' left in the encoded part)."""
+    return client_id if url is None else f"{client_id}@{quote(url, safe='')}"
+
+
+def url_of(client_id: str) -> str | None:
+    """The URL a member's client id carries, or None (a member without one: HTTP off, or an older kafold)."""
+    _, at, encoded = client_id.rpartition("@")
+    if not at:
+        return None
+    url = unquote(encoded)
+    return url if urlsplit(url).scheme in ("http", "https") else None
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The member holding a partition: its client id and the URL it carries (None: it advertises none)."""
+
+    client_id: str
+    url: str | None
+
+
+def owners(description: Any, topic: str) -> dict[int, Owner]:
+    """partition -> owner of `topic`'s partitions in a confluent-kafka ConsumerGroupDescription. A partition
+    that no member holds (unassigned, or the group rebalancing) is absent."""
+    out: dict[int, Owner] = {}
+    for m in description.members:
+        assigned = m.assignment.topic_partitions if m.assignment is not None else []
+        for tp in assigned:
+            if tp.topic == topic:
+                out[tp.partition] = Owner(m.client_id, url_of(m.client_id))
+    return out
+
+
+class OwnerDirectory:
+    """The owners of one aggregate's commands partitions, from its group's description (cached OWNERS_TTL_S).
+    Blocking: call it off the event loop."""
+
+    def __init__(self, kafka: KafkaConfig, group_id: str, topic: str, ttl_s: float = OWNERS_TTL_S) -> None:
+        self.kafka, self.group_id, self.topic, self.ttl_s = kafka, group_id, topic, ttl_s
+        self.admin: Any = None
+        self.lock = threading.Lock()
+        self.table: dict[int, Owner] = {}
+        self.at = float("-inf")
+
+    def owner(self, partition: int, fresh: bool = False) -> Owner | None:
+        """Who holds `partition`: from the cached description, asked again when older than the TTL, when `fresh`
+        (a forward failed) or when the cache names nobody."""
+        # While another read refreshes, answer from the description before it: these calls run on the daemon's
+        # small shared executor, which must not fill up with threads waiting on one slow broker request.
+        if not self.lock.acquire(blocking=self.at == float("-inf")):
+            return self.table.get(partition)
+        try:
+            age = time.monotonic() - self.at
+            if age > self.ttl_s or (age > MIN_REFRESH_S and (fresh or partition not in self.table)):
+                self._describe()
+            return self.table.get(partition)
+        finally:
+            self.lock.release()
+
+    def _describe(self) -> None:
+        if self.admin is None:
+            self.admin = kafka_clients.admin(self.kafka)
+        try:
+            desc = self.admin.describe_consumer_groups([self.group_id], request_timeout=DESCRIBE_TIMEOUT_S)
+            self.table = owners(desc[self.group_id].result(), self.topic)
+        except KafkaException as e:  # no group yet, its coordinator moving: nobody known to own anything
+            log.info("aggregate.owners_unknown", group=self.group_id, error=str(e))
+            self.table = {}
+        self.at = time.monotonic()
+
+
+# ---- the read -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Answer:
+    """What the view sends back: status, JSON body, headers."""
+
+    status: int
+    body: Any
+    headers: dict[str, str]
+
+    @classmethod
+    def problem(cls, status: int, message: str, **headers: str) -> Answer:
+        return cls(status, {"error_code": status, "message": message}, dict(headers))
+
+    @classmethod
+    def moving(cls, message: str, **headers: str) -> Answer:
+        return cls.problem(503, message, **{"Retry-After": str(RETRY_AFTER_S), **headers})
+
+
+@dataclass(frozen=True)
+class Wait:
+    """`?min_version=N&timeout_ms=T`: answer once the state has reached version N, else 408 after T ms."""
+
+    min_version: int | None = None
+    timeout_ms: int = WAIT_DEFAULT_MS
+
+    @classmethod
+    def parse(cls, query: Any) -> Wait:
+        """From a request's query; ValueError naming the bad parameter."""
+        def number(name: str, low: int, high: int | None = None) -> int | None:
+            raw = query.get(name)
+            if raw is None:
+                return None
+            try:
+                value = int(raw)
+            except ValueError:
+                raise ValueError(f"{name}: expected an integer, got {raw!r}") from None
+            if value < low or (high is not None and value > high):
+                raise ValueError(f"{name}: expected {low}..{high if high is not None else ''}, got {value}")
+            return value
+
+        timeout = number("timeout_ms", 0, WAIT_MAX_MS)
+        return cls(number("min_version", 1), WAIT_DEFAULT_MS if timeout is None else timeout)
+
+
+class StateRouter:
+    """Answers `GET /aggregates/{name}/{id}` on one daemon: from its own runtime when it owns the key's partition,
+    else from the owner (forward) or with the owner's address (redirect)."""
+
+    def __init__(self, host: DaemonHost) -> None:
+        self.host = host
+        self.url = advertised_url(host.cfg.daemon)
+        self.mode = host.cfg.daemon.state_routing
+        self.directories: dict[str, OwnerDirectory] = {}
+        self.failures_logged: dict[str, float] = {}  # owner URL -> when its last failure was logged
+
+    def directory(self, slot: AggregateSlot) -> OwnerDirectory:
+        d = self.directories.get(slot.name)
+        if d is None:
+            rt = _runtime(slot)
+            d = self.directories[slot.name] = OwnerDirectory(rt.kafka, rt.group_id, rt.topics["commands"])
+        return d
+
+    async def read(self, slot: AggregateSlot, aggregate_id: str, wait: Wait, request: Request,
+                   session: ClientSession) -> Answer:
+        partition = partition_for(aggregate_id.encode(), slot.config.partitions)
+        if slot.failed or not slot.thread.is_alive():
+            return Answer.moving(f"Aggregate {slot.name} is not running on this instance")
+        if partition in _runtime(slot).gates:
+            return await self.local(slot, aggregate_id, partition, wait)
+        if request.headers.get(FORWARDED_HEADER):
+            return Answer.moving(f"partition {partition} of {slot.name} is not owned here (it is moving)",
+                                 **{NOT_OWNER_HEADER: "1"})
+        directory = self.directory(slot)
+        owner = await self.host.call(directory.owner, partition)
+        tried: set[str] = set()
+        while True:
+            if owner is None:
+                return Answer.moving(f"partition {partition} of {slot.name} has no owner now (it is moving)")
+            if owner.url is None:
+                return Answer.moving(f"partition {partition} of {slot.name} is owned by {owner.client_id!r}, "
+                                     "which advertises no HTTP address ([daemon] advertised_url, http_port)")
+            if owner.url == self.url:  # the group gave it to this instance; its runtime has not taken it yet
+                return Answer.moving(f"partition {partition} of {slot.name} is being assigned here")
+            target = owner.url + request.raw_path
+            if self.mode is StateRouting.REDIRECT:
+                return Answer(307, {"location": target, "owner": owner.url}, {"Location": target})
+            if owner.url in tried:  # the group still names the instance that just failed: it is moving
+                return Answer.moving(f"partition {partition} of {slot.name} is moving ({owner.url} did not answer "
+                                     "for it)")
+            tried.add(owner.url)
+            got = await self.forward(session, target, request, wait)
+            if got is not None:
+                return got
+            owner = await self.host.call(directory.owner, partition, True)  # gone, or gave it up: ask again
+
+    async def local(self, slot: AggregateSlot, aggregate_id: str, partition: int, wait: Wait) -> Answer:
+        """From this runtime: its state once it reaches `wait.min_version` (if any), 404 when it has no events,
+        503 while the partition catches up or leaves."""
+        runtime = _runtime(slot)
+        deadline = time.monotonic() + wait.timeout_ms / 1000
+        pause = 0.005
+        while True:
+            gate = runtime.gates.get(partition)
+            if gate is None:
+                return Answer.moving(f"partition {partition} of {slot.name} is leaving this instance")
+            if gate.stopped:  # no Retry-After: it stays so until the fold is fixed and the daemon restarted
+                return Answer.problem(503, f"partition {partition} of {slot.name} stopped at an event its fold "
+                                      "cannot apply (see /ready); no state is served from it")
+            if not gate.live:
+                return Answer.moving(f"partition {partition} of {slot.name} is catching up")
+            got = await self.host.call(runtime.get, aggregate_id)
+            if runtime.gates.get(partition) is not gate:  # revoked (or reassigned) while it was read: not an answer
+                return Answer.moving(f"partition {partition} of {slot.name} moved while it was read")
+            if got is not None and (wait.min_version is None or got[1] >= wait.min_version):
+                state, version, source = got
+                return Answer(200, {"aggregate": slot.name, "id": aggregate_id, "version": version,
+                                    "state": _jsonable(state), "read_from": source, "partition": partition,
+                                    "served_by": self.url}, {})
+            if wait.min_version is None:
+                return Answer.problem(404, f"Aggregate {slot.name}/{aggregate_id} not found")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                have = got[1] if got is not None else 0
+                return Answer.problem(408, f"Aggregate {slot.name}/{aggregate_id} is at version {have}, not yet "
+                                      f"{wait.min_version}, after {wait.timeout_ms} ms")
+            await asyncio.sleep(min(pause, left))
+            pause = min(pause * 2, 0.1)
+
+    async def forward(self, session: ClientSession, target: str, request: Request, wait: Wait) -> Answer | None:
+        """The owner's answer, or None when it cannot give one (unreachable, or no longer the owner)."""
+        import aiohttp
+
+        headers = {FORWARDED_HEADER: self.url or "unknown"}
+        if "Authorization" in request.headers:  # already checked here; the owner checks it too
+            headers["Authorization"] = request.headers["Authorization"]
+        limit = aiohttp.ClientTimeout(total=wait.timeout_ms / 1000 + FORWARD_SLACK_S)
+        try:
+            async with session.get(target, headers=headers, timeout=limit, allow_redirects=False) as resp:
+                if resp.status == 503 and resp.headers.get(NOT_OWNER_HEADER):
+                    return None
+                body = await resp.json(content_type=None)
+                kept = {k: resp.headers[k] for k in ("Retry-After", "WWW-Authenticate") if k in resp.headers}
+                return Answer(resp.status, body, kept)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+            owner, now = urlsplit(target).netloc, time.monotonic()
+            if now - self.failures_logged.get(owner, float("-inf")) >= FAILURE_LOG_EVERY_S:
+                self.failures_logged[owner] = now
+                log.info("aggregate.forward_failed", target=target, error=f"{type(e).__name__}: {e}",
+                         action="answered 503 (Retry-After) unless the group names another owner")
+            return None
+
+
+def _runtime(slot: AggregateSlot) -> AggregateRuntime:
+    """The slot's runtime as built by `build_runtime` (daemon.tasks types it by the little the host needs)."""
+    return cast("AggregateRuntime", slot.runtime)
+
+
+def _jsonable(value: Any) -> Any:
+    import dataclasses
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value
+
+
+_ROUTERS: weakref.WeakKeyDictionary[Any, StateRouter] = weakref.WeakKeyDictionary()
+
+
+def router(host: DaemonHost) -> StateRouter:
+    """The host's router (made on its first state read)."""
+    found = _ROUTERS.get(host)
+    if found is None:
+        found = _ROUTERS[host] = StateRouter(host)
+    return found

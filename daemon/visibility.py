@@ -1,0 +1,266 @@
+"""GET /connectors/{name}/wait: long-poll until a connector's committed position covers a consistency token.
+
+What "covered" means (kafold/tokens.py): for every partition the token names, the connector's committed next
+offset is past the token's offset. Committed where the connector's truth is: a projection's checkpoint in
+PostgreSQL (written in the same transaction as its rows, so the rows then include the writes); any other sink's
+committed offset in its Kafka consumer group (this daemon's own runners first, then the group's offsets as the
+broker has them, for partitions another instance holds). Both only grow, so an answer of 200 stays true.
+
+One `Watch` per connector polls while someone waits on it — one query per interval however many wait — without
+blocking the event loop (the reads run in the executor), and wakes each waiter its read covers. It lingers for
+IDLE_S after the last waiter, so a steady trickle of waits keeps its connection and a new wait is answered at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from confluent_kafka import ConsumerGroupTopicPartitions
+from confluent_kafka import TopicPartition as KafkaTP
+from faust.web import Request, Response
+from psycopg import sql
+
+from kafold import db, kafka_clients, logs, tokens
+from kafold.config import PostgresConfig
+from kafold.connectors.projection.connector import ProjectionConnector
+from kafold.daemon.http import HostView
+from kafold.daemon.tasks import ConnectorGroup
+from kafold.tokens import BadToken, Positions
+
+if TYPE_CHECKING:
+    from kafold.daemon.host import DaemonHost
+
+log = logs.get(__name__)
+
+DEFAULT_TIMEOUT_MS = 10_000
+MAX_TIMEOUT_MS = 60_000  # a longer wait is a client's loop of requests (kafold.client.DaemonClient does that)
+PG_POLL_S = 0.005  # one small primary-key read per interval while someone waits: ~2.5 ms added on average
+KAFKA_POLL_S = 0.05  # an OffsetFetch to the group coordinator, only for partitions no local runner has committed
+IDLE_S = 30.0
+ADMIN_TIMEOUT_S = 5.0
+LIST_S = 30.0
+
+
+class Wait(HostView):
+    """200 {"covered": true} once covered; 408 on timeout; 400 for a bad token; 404 for an unknown connector."""
+
+    async def get(self, request: Request, name: str = "", **kwargs: Any) -> Response:
+        group = self.host.group(name)
+        if group is None:
+            return self.problem(404, f"Connector {name} not found")
+        try:
+            wanted = tokens.parse(request.query.get("token"))
+        except BadToken as e:
+            return self.problem(400, f"token: {e}")
+        timeout_ms = _timeout_ms(request.query.get("timeout_ms"))
+        if timeout_ms is None:
+            return self.problem(400, f"timeout_ms: expected an integer from 0 to {MAX_TIMEOUT_MS}")
+        foreign = sorted({t for t, _ in wanted} - set(group.connector.settings.topics))
+        if foreign:
+            return self.problem(400, f"token: names topic {foreign[0]!r}, which connector {name} does not read "
+                                f"(it reads {', '.join(group.connector.settings.topics)})")
+        watch = watches(self.host).get(name, group)
+        started = time.monotonic()
+        if await watch.wait(wanted, timeout_ms / 1000):
+            return self.json({"covered": True, "connector": name,
+                              "waited_ms": round((time.monotonic() - started) * 1000, 1)})
+        if watch.error is not None:
+            return self.problem(503, f"Connector {name}: committed positions not readable: {watch.error}")
+        behind = tokens.missing(wanted, watch.seen)
+        return self.json({"error_code": 408, "covered": False, "message": f"Connector {name} did not cover the "
+                          f"token within {timeout_ms} ms", "behind": [
+                              {"topic": t, "partition": p, "offset": wanted[(t, p)],
+                               "committed": watch.seen.get((t, p))} for t, p in behind]}, status=408)
+
+
+def _timeout_ms(raw: str | None) -> int | None:
+    if raw is None:
+        return DEFAULT_TIMEOUT_MS
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_TIMEOUT_MS:
+        return None
+    return int(raw)
+
+
+@dataclass
+class Watch:
+    """Committed next offsets of one connector, read while waiters exist."""
+
+    name: str
+    read: Callable[[], dict[tuple[str, int], int]]  # blocking: run in the executor
+    interval_s: float
+    close: Callable[[], None]
+    host: DaemonHost
+    seen: dict[tuple[str, int], int] = field(default_factory=dict)
+    error: str | None = None
+    waiters: list[tuple[Positions, asyncio.Future[bool]]] = field(default_factory=list)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+    reading: asyncio.Lock = field(default_factory=asyncio.Lock)  # one read at a time (one connection)
+    task: asyncio.Task[None] | None = None
+
+    async def wait(self, wanted: Positions, timeout_s: float) -> bool:
+        if tokens.covers(self.seen, wanted):  # positions only grow: an earlier read covering it still holds
+            return True
+        if timeout_s <= 0:  # a check, not a wait: one fresh read
+            await self._poll()
+            return tokens.covers(self.seen, wanted)
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        entry = (wanted, fut)
+        self.waiters.append(entry)
+        self.arrived.set()
+        if self.task is None or self.task.done():
+            self.task = asyncio.ensure_future(self._run())
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            return False
+        finally:
+            if entry in self.waiters:
+                self.waiters.remove(entry)
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                if not self.waiters:
+                    self.arrived.clear()
+                    try:
+                        await asyncio.wait_for(self.arrived.wait(), IDLE_S)
+                    except TimeoutError:
+                        return
+                await self._poll()
+                if self.waiters:
+                    await asyncio.sleep(self.interval_s)
+        finally:
+            self.close()  # quick (a socket close); also reached when the daemon's loop cancels this task
+
+    async def _poll(self) -> None:
+        try:
+            async with self.reading:
+                found = await self.host.call(self.read)
+        except Exception as e:  # PostgreSQL or the coordinator away: waiters keep waiting, 503 if it lasts
+            if self.error is None:
+                log.warning("visibility.read_failed", connector=self.name, error=str(e))
+            self.error = f"{type(e).__name__}: {e}"
+            return
+        self.error = None
+        for tp, off in found.items():
+            if off > self.seen.get(tp, -1):
+                self.seen[tp] = off
+        for wanted, fut in list(self.waiters):
+            if not fut.done() and tokens.covers(self.seen, wanted):
+                fut.set_result(True)
+
+
+class Watches:
+    """The watches of one daemon, by connector name (made on first use; a reload keeps them)."""
+
+    def __init__(self, host: DaemonHost) -> None:
+        self.host = host
+        self.by_name: dict[str, Watch] = {}
+
+    def get(self, name: str, group: ConnectorGroup) -> Watch:
+        watch = self.by_name.get(name)
+        if watch is None:
+            watch = self.by_name[name] = self._new(name, group)
+        return watch
+
+    def _new(self, name: str, group: ConnectorGroup) -> Watch:
+        if isinstance(group.connector, ProjectionConnector):
+            pgc = next((s.task_config.postgres for s in group.slots if s.task_config.postgres is not None),
+                       self.host.cfg.postgres)
+            checkpoints = Checkpoints(pgc, name)
+            return Watch(name, checkpoints.read, PG_POLL_S, checkpoints.close, self.host)
+        committed = GroupCommitted(self.host, name)
+        return Watch(name, committed.read, PG_POLL_S, committed.close, self.host)
+
+
+_WATCHES: weakref.WeakKeyDictionary[DaemonHost, Watches] = weakref.WeakKeyDictionary()
+
+
+def watches(host: DaemonHost) -> Watches:
+    found = _WATCHES.get(host)
+    if found is None:
+        found = _WATCHES[host] = Watches(host)
+    return found
+
+
+class Checkpoints:
+    """A projection's checkpoints in PostgreSQL (kafold.checkpoints), on one autocommit connection."""
+
+    def __init__(self, pgc: PostgresConfig, connector: str) -> None:
+        self.pgc, self.connector = pgc, connector
+        self.query = sql.SQL("SELECT topic, partition, next_offset FROM {} WHERE connector = %s").format(
+            db.table(pgc, "checkpoints"))
+        self.conn: Any = None
+
+    def read(self) -> dict[tuple[str, int], int]:
+        if self.conn is None or self.conn.closed:
+            self.conn = db.connect(self.pgc, autocommit=True)
+        try:
+            rows = self.conn.execute(self.query, (self.connector,)).fetchall()
+        except Exception:
+            self.close()
+            raise
+        return {(t, p): o for t, p, o in rows}
+
+    def close(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception as e:
+                log.debug("visibility.close_failed", connector=self.connector, error=str(e))
+
+
+class GroupCommitted:
+    """A sink's committed offsets: its runners' in this daemon (no I/O), then the group's (OffsetFetch, at most
+    every KAFKA_POLL_S) for the partitions the local ones do not show."""
+
+    def __init__(self, host: DaemonHost, connector: str) -> None:
+        self.host, self.connector = host, connector
+        self.admin: Any = None
+        self.remote: dict[tuple[str, int], int] = {}
+        self.asked_at = float("-inf")
+        self.partitions: list[KafkaTP] = []
+        self.listed_at = float("-inf")
+
+    def read(self) -> dict[tuple[str, int], int]:
+        group = self.host.group(self.connector)
+        if group is None:
+            return {}
+        found: dict[tuple[str, int], int] = dict(self.remote)
+        for slot in group.slots:
+            for p in list(slot.runner.progress.snapshot.values()):
+                tp = (p.tp.topic, p.tp.partition)
+                if p.committed is not None and p.committed > found.get(tp, -1):
+                    found[tp] = p.committed
+        if group.slots and time.monotonic() - self.asked_at >= KAFKA_POLL_S:
+            self.asked_at = time.monotonic()
+            self.remote = self._group_offsets(group.slots[0].runner.group_id, list(group.connector.settings.topics))
+            for tp, off in self.remote.items():
+                found[tp] = max(off, found.get(tp, -1))
+        return found
+
+    def _group_offsets(self, group_id: str, topics: list[str]) -> dict[tuple[str, int], int]:
+        if self.admin is None:
+            self.admin = kafka_clients.admin(self.host.cfg.kafka)
+        if time.monotonic() - self.listed_at >= LIST_S:  # partitions are added rarely: listed now and then
+            meta = self.admin.list_topics(timeout=ADMIN_TIMEOUT_S)
+            self.partitions = [KafkaTP(t, p) for t in topics if t in meta.topics
+                               for p in sorted(meta.topics[t].partitions)]
+            self.listed_at = time.monotonic()
+        if not self.partitions:
+            return {}
+        futures = self.admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group_id, self.partitions)])
+        result = futures[group_id].result(ADMIN_TIMEOUT_S)
+        return {(p.topic, p.partition): p.offset for p in result.topic_partitions if p.offset >= 0 and p.error is None}
+
+    def close(self) -> None:
+        self.admin = None  # AdminClient has no close; dropping it ends its threads
+
+
+ROUTES: dict[str, type[HostView]] = {"/connectors/{name}/wait": Wait}
