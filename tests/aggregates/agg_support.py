@@ -49,6 +49,29 @@ snapshot_topic = "{unique}.snapshots"
 """
 
 
+def accounts_projection_toml(name: str, topic: str, table: str) -> str:
+    """A `[[connectors]]` table projecting the bank's events into `table` with the example's row mapper."""
+    return f"""[[connectors]]
+name = "{name}"
+class = "postgres-projection"
+topics = ["{topic}"]
+
+[connectors.config]
+table = "{table}"
+key_columns = ["account_id"]
+mapper = "bank_projection:account_row"
+
+[connectors.config.columns]
+account_id = "text"
+owner = "text"
+currency = "text"
+balance = "bigint"
+status = "text"
+opened_at = "timestamptz"
+updated_at = "timestamptz"
+"""
+
+
 def cart_daemon_toml(kafka: KafkaConfig, unique: str, port: int, prefix: str, extra: str = "") -> str:
     """A daemon's kafold.toml head hosting the cart aggregate (tests/aggregates/cart_domain.py) on topics named
     `<prefix>.events` etc., one partition; `extra` goes into its [[aggregates]] table (append connectors after)."""

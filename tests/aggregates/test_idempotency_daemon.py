@@ -18,7 +18,7 @@ from kafold import config, topics
 from kafold.config import KafkaConfig
 from kafold.snapshot import kafka_io, record
 from kafold.testing import free_port
-from tests.aggregates.agg_support import bank_daemon_toml, events
+from tests.aggregates.agg_support import accounts_projection_toml, bank_daemon_toml, events
 from tests.aggregates.test_idempotency import Outside
 from tests.daemon.daemon_support import get_json
 from tests.support import wait_for
@@ -30,24 +30,7 @@ KAFOLD = str(Path(sys.executable).parent / "kafold")
 def _config(path: Path, kafka: KafkaConfig, unique: str, table: str, port: int) -> Path:
     path.write_text(f"""
 {bank_daemon_toml(kafka, unique, port)}
-[[connectors]]
-name = "accounts"
-class = "postgres-projection"
-topics = ["{unique}.events"]
-
-[connectors.config]
-table = "{table}"
-key_columns = ["account_id"]
-mapper = "bank_projection:account_row"
-
-[connectors.config.columns]
-account_id = "text"
-owner = "text"
-currency = "text"
-balance = "bigint"
-status = "text"
-opened_at = "timestamptz"
-updated_at = "timestamptz"
+{accounts_projection_toml("accounts", unique + ".events", table)}
 """)
     return path
 

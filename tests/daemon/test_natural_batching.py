@@ -17,7 +17,7 @@ from kafold.client import CommandClient
 from kafold.config import KafkaConfig
 from kafold.envelope import Event, encode
 from kafold.testing import free_port
-from tests.aggregates.agg_support import bank_daemon_toml
+from tests.aggregates.agg_support import accounts_projection_toml, bank_daemon_toml
 from tests.support import produce, wait_for
 from tests.support.daemons import daemon_thread
 
@@ -33,24 +33,7 @@ def _config(path: Path, kafka: KafkaConfig, pg_url: str, unique: str, table: str
 [postgres]
 url = "{pg_url}"
 
-[[connectors]]
-name = "accounts-{table}"
-class = "postgres-projection"
-topics = ["{unique}.events"]
-
-[connectors.config]
-table = "{table}"
-key_columns = ["account_id"]
-mapper = "bank_projection:account_row"
-
-[connectors.config.columns]
-account_id = "text"
-owner = "text"
-currency = "text"
-balance = "bigint"
-status = "text"
-opened_at = "timestamptz"
-updated_at = "timestamptz"
+{accounts_projection_toml("accounts-" + table, unique + ".events", table)}
 """)
     return path
 

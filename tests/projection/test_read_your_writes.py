@@ -31,7 +31,7 @@ from kafold.config import KafkaConfig
 from kafold.daemon.host import DaemonHost
 from kafold.messages import Result
 from kafold.testing import free_port
-from tests.aggregates.agg_support import bank_daemon_toml
+from tests.aggregates.agg_support import accounts_projection_toml, bank_daemon_toml
 from tests.daemon.daemon_support import get_json
 from tests.support import wait_for
 
@@ -100,24 +100,7 @@ def bank(kafka_config: KafkaConfig, pg_url: str, tmp_path_factory: pytest.TempPa
 [postgres]
 url = "{pg_url}"
 
-[[connectors]]
-name = "{PROJECTION}"
-class = "postgres-projection"
-topics = ["{unique}.events"]
-
-[connectors.config]
-table = "{table}"
-key_columns = ["account_id"]
-mapper = "bank_projection:account_row"
-
-[connectors.config.columns]
-account_id = "text"
-owner = "text"
-currency = "text"
-balance = "bigint"
-status = "text"
-opened_at = "timestamptz"
-updated_at = "timestamptz"
+{accounts_projection_toml(PROJECTION, unique + ".events", table)}
 
 [[connectors]]
 name = "{LOG}"
