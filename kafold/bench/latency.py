@@ -10,12 +10,14 @@ Two phases of `--duration` seconds each, on one daemon (`kafold daemon` in its o
 - commands: commands at `--rate` to the bank aggregate (Deposits to accounts opened beforehand), its events projected
   into an `accounts` table. Command → result: from the produce call to the result's arrival at a results reader
   kept assigned (read_committed). Read-your-writes: `--probes` commands a second open a fresh account; from their
-  produce call to their row being visible in the `accounts` table (polled every `--poll-ms`).
+  produce call to the return of `DaemonClient.wait` on their result's consistency token (the daemon's
+  `GET /connectors/{name}/wait`, as a service does it), after which the row is read once and must be there.
 Every time is taken with time.time() on this machine (the receiver's too)."""
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import random
 import threading
@@ -32,11 +34,12 @@ from kafold.bench import SHORT_GROUP_TIMEOUTS, short_group
 from kafold.bench.aggregates import BANK
 from kafold.bench.effects import _receiver
 from kafold.bench.projection import COLUMNS, RULES, DaemonStack, daemon_process, daemon_stack
-from kafold.client import PARTITIONER
+from kafold.client import PARTITIONER, DaemonClient
 from kafold.config import TopicSpec
 from kafold.consumer_loop import take
 from kafold.envelope import Event, encode
-from kafold.messages import H_COMMAND_ID, Command, header
+from kafold.errors import KafoldError
+from kafold.messages import H_COMMAND_ID, Command, decode_result, header
 from kafold.schema import toml_value
 from kafold.testing import free_port
 
@@ -54,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accounts", type=int, default=1000, help="aggregates the events and commands go to")
     p.add_argument("--probes", type=float, default=20.0, help="read-your-writes probes per second (default 20)")
     p.add_argument("--poll-ms", type=float, default=2.0,
-                   help="how often PostgreSQL is polled for checkpoints and probe rows (default 2 ms)")
+                   help="how often PostgreSQL is polled for the event projection's checkpoints (default 2 ms)")
     p.add_argument("-c", "--config", help="kafold.toml giving [kafka] and [postgres] (default: the dev stack)")
 
 
@@ -76,14 +79,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _wait_ready(proc, port, conf)
             figures = {"rate": args.rate, "duration_s": args.duration, "partitions": args.partitions}
             figures.update(_events_phase(kafka, daemons, names, args, control))
-            figures.update(_commands_phase(kafka, daemons, names, args))
+            figures.update(_commands_phase(kafka, daemons, names, args, DaemonClient(f"http://127.0.0.1:{port}")))
     figures["notes"] = [
         "event_to_row: broker acknowledgement -> the projection's PostgreSQL checkpoint seen covering the event "
         f"(polled every {args.poll_ms:g} ms)",
         "event_to_webhook: broker acknowledgement -> first receipt by a local HTTP receiver (its own process)",
         "command_to_result: produce call -> result read by a results reader kept assigned (read_committed)",
-        "read_your_writes: produce call of an OpenAccount command -> its row visible in the projection, found by "
-        f"polling the row every {args.poll_ms:g} ms (consistency tokens not used: not available to this bench yet)",
+        "read_your_writes: produce call of an OpenAccount command -> DaemonClient.wait on its result's token "
+        "returned (the row then read once; a missing row is counted in read_your_writes_missing)",
         "the two phases run one after the other, each at the offered rate",
     ]
     return figures
@@ -268,7 +271,8 @@ def _received(control: str, acked: dict[str, float], expected: int) -> dict[str,
 
 
 # ---- commands ---------------------------------------------------------------------------------------------------
-def _commands_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argparse.Namespace) -> dict[str, Any]:
+def _commands_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argparse.Namespace,
+                    daemon: DaemonClient) -> dict[str, Any]:
     from confluent_kafka import TopicPartition
     from psycopg import sql
 
@@ -283,11 +287,30 @@ def _commands_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argpars
     lock = threading.Lock()
     sent_at: dict[str, float] = {}
     results: list[float] = []
-    probes: dict[str, float] = {}  # account id -> sent at, until its row is seen
+    probes: dict[str, tuple[str, float]] = {}  # command id -> (account id, sent at), until its result is read
     visible: list[float] = []
-    counts = {"results": 0, "probes": 0}
+    counts = {"results": 0, "probes": 0, "missing": 0, "failed": 0}
     measuring = [False]
     stop = threading.Event()
+    waiters = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="bench-latency-wait")
+    rows_query = sql.SQL("SELECT count(*) FROM {} WHERE account_id = %s").format(sql.Identifier(names.accounts_table))
+    check = db.connect(stack.postgres, autocommit=True)
+    check_lock = threading.Lock()
+
+    def read_your_write(acc: str, token: str, sent: float) -> None:
+        """Wait as a service does (the token), then read the row once: it must be there."""
+        try:
+            daemon.wait(names.accounts, token, timeout=DRAIN_S)
+        except KafoldError:
+            with lock:
+                counts["failed"] += 1
+            return
+        seen = time.time()
+        with check_lock:
+            found = check.execute(rows_query, (acc,)).fetchone()
+        with lock:
+            visible.append(seen - sent)
+            counts["missing"] += 0 if found and found[0] else 1
 
     def read_results() -> None:
         while not stop.is_set():
@@ -297,61 +320,59 @@ def _commands_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argpars
                 at, cid = time.time(), header(m.headers(), H_COMMAND_ID)
                 with lock:
                     sent = sent_at.pop(cid, None) if cid else None
+                    probe = probes.pop(cid, None) if cid else None
                     counts["results"] += 1
                 if sent is not None:
                     results.append(at - sent)
+                if probe is not None:
+                    token = decode_result(m.value()).token
+                    if token is None:
+                        with lock:
+                            counts["failed"] += 1
+                    else:
+                        waiters.submit(read_your_write, probe[0], token, probe[1])
 
-    def send(cmd: Command) -> None:
+    def send(cmd: Command, probe: str | None = None) -> None:
         key, value, headers = cmd.encode()
         with lock:
             if measuring[0]:
                 sent_at[cmd.command_id] = time.time()
+                if probe is not None:
+                    probes[cmd.command_id] = (probe, sent_at[cmd.command_id])
         kafka_clients.produce(producer, commands, value, key, headers)
 
     accounts = [f"acc-{i}" for i in range(args.accounts)]
     reader_thread = threading.Thread(target=read_results, daemon=True, name="bench-latency-results")
     reader_thread.start()
-    rows_query = sql.SQL("SELECT account_id FROM {} WHERE account_id = ANY(%s)").format(
-        sql.Identifier(names.accounts_table))
     try:
         for acc in accounts:  # warm-up: the accounts the deposits go to, not measured
             send(Command.new("account", acc, "OpenAccount", {"owner": acc}))
         producer.flush(60)
         _wait_until(lambda: counts["results"] >= len(accounts), 120)
-        with db.connect(stack.postgres) as conn:
-            def poll() -> None:
-                with lock:
-                    waiting = list(probes)
-                if not waiting:
-                    return
-                found, seen = {r[0] for r in conn.execute(rows_query, (waiting,)).fetchall()}, time.time()
-                with lock:
-                    for acc in found:
-                        visible.append(seen - probes.pop(acc))
+        measuring[0] = True
+        probe_every = max(1, round(args.rate / args.probes)) if args.probes > 0 else 0
+        run_id = uuid.uuid4().hex[:6]
 
-            measuring[0] = True
-            probe_every = max(1, round(args.rate / args.probes)) if args.probes > 0 else 0
-            run_id = uuid.uuid4().hex[:6]
-            with _polling(args.poll_ms / 1000, poll):
-                def one(i: int) -> None:
-                    if probe_every and i % probe_every == 0:
-                        acc = f"probe-{run_id}-{i}"
-                        cmd = Command.new("account", acc, "OpenAccount", {"owner": acc})
-                        with lock:
-                            probes[acc] = time.time()
-                        counts["probes"] += 1
-                    else:
-                        acc = accounts[random.randrange(len(accounts))]
-                        cmd = Command.new("account", acc, "Deposit", {"amount": i % 97 + 1})
-                    send(cmd)
+        def one(i: int) -> None:
+            if probe_every and i % probe_every == 0:
+                acc = f"probe-{run_id}-{i}"
+                counts["probes"] += 1
+                send(Command.new("account", acc, "OpenAccount", {"owner": acc}), probe=acc)
+            else:
+                acc = accounts[random.randrange(len(accounts))]
+                send(Command.new("account", acc, "Deposit", {"amount": i % 97 + 1}))
 
-                sent = _pace(producer, args.rate, args.duration, one)
-                producer.flush(30)
-                _wait_until(lambda: len(results) >= sent and not probes, DRAIN_S)
+        sent = _pace(producer, args.rate, args.duration, one)
+        producer.flush(30)
+        _wait_until(lambda: len(results) >= sent and not probes
+                    and len(visible) + counts["failed"] >= counts["probes"], DRAIN_S)
     finally:
         stop.set()
         reader_thread.join(10)
+        waiters.shutdown(wait=True, cancel_futures=True)
         reader.close()
+        check.close()
         kafka_clients.close_producer(producer, 10)
     return {"commands_sent": sent, **_figures("command_to_result", results, sent),
-            **_figures("read_your_writes", visible, counts["probes"])}
+            **_figures("read_your_writes", visible, counts["probes"]),
+            "read_your_writes_missing": counts["missing"], "read_your_writes_wait_failed": counts["failed"]}
