@@ -15,6 +15,11 @@ the results become visible with the events or not at all, as before. The offsets
 transaction are final: an abort leaves them unused (never reassigned), and the results naming them are aborted
 with them. A duplicate carries its first decision's token when this writer committed that decision (a bounded
 memory, checked against the duplicate's event ids), else none.
+
+One delivery report and one token per partition and transaction: the last event of each partition is held back
+until commit (produced before any later event of its partition, so the order is Kafka's as before), and every result
+of that partition's commands carries the offset of the batch's last event there. A reader waiting on it waits for
+the same thing as on its own last event: the transaction makes the batch's events visible together.
 """
 
 from __future__ import annotations
@@ -52,13 +57,15 @@ Encoded = tuple[bytes, bytes, Headers]
 
 
 class Landing:
-    """Where one record of the open transaction landed: its offset, set by its delivery report."""
+    """Where the open transaction's last event of one partition landed: its offset, set by its delivery report;
+    `token`, encoded once for every result that names it."""
 
-    __slots__ = ("offset", "partition", "topic")
+    __slots__ = ("offset", "partition", "token", "topic")
 
     def __init__(self, topic: str, partition: int) -> None:
         self.topic, self.partition = topic, partition
         self.offset: int | None = None
+        self.token: str | None = None
 
     def __call__(self, err: Any, msg: Any) -> None:  # librdkafka's delivery report (served by flush/poll)
         if err is None:
@@ -86,6 +93,8 @@ class TransactionalWriter:
             "transaction.timeout.ms": TXN_TIMEOUT_MS, **extra})
         self._produce = self.producer.produce
         self._results: list[tuple[str, int, Result, Landing | None, int]] = []  # held back until commit
+        # (topic, partition) -> its Landing and the last event queued there, held back until commit (module note)
+        self._last: dict[tuple[str, int], tuple[Landing, tuple[bytes | None, bytes | None, Headers, int] | None]] = {}
         # (aggregate id, command id) -> (event ids, token): of committed decisions (oldest first), of the batch
         self._tokens: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {}
         self._committing: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {}
@@ -105,6 +114,7 @@ class TransactionalWriter:
         except KafkaException as e:
             raise _convert(e, "begin_transaction") from e
         self._results.clear()
+        self._last.clear()
         self.open = True
 
     def produce(self, topic: str, partition: int, key: bytes | None, value: bytes | None,
@@ -119,21 +129,37 @@ class TransactionalWriter:
 
     def produce_events(self, topic: str, partition: int, events: list[Encoded], timestamp: int = 0
                        ) -> Landing | None:
-        """Queue one command's events; the Landing of the last (None when there are none)."""
+        """Queue one command's events (the partition's last one held back, see the module note); the Landing of
+        the partition's last event at commit (None when there are none)."""
         if not events:
             return None
+        at = (topic, partition)
+        landing, held = self._last.get(at) or (Landing(topic, partition), None)
+        if held is not None:
+            self.produce(topic, partition, *held)
         for key, value, headers in events[:-1]:
             self.produce(topic, partition, key, value, headers, timestamp)
         key, value, headers = events[-1]
-        landing = Landing(topic, partition)
-        try:
-            self._produce(topic, value, key, partition, headers=headers, timestamp=timestamp, on_delivery=landing)
-        except BufferError:
-            kafka_clients.produce(self.producer, topic, value, key, headers, partition=partition,
-                                  timestamp=timestamp, on_delivery=landing)
-        except KafkaException as e:
-            raise _convert(e, "produce") from e
+        self._last[at] = (landing, (key, value, headers, timestamp))
         return landing
+
+    def _produce_last(self) -> list[Landing]:
+        """Produce each partition's held-back last event with its delivery report; their Landings."""
+        landings = []
+        for (topic, partition), (landing, held) in self._last.items():
+            assert held is not None
+            key, value, headers, timestamp = held
+            try:
+                self._produce(topic, value, key, partition, headers=headers, timestamp=timestamp,
+                              on_delivery=landing)
+            except BufferError:
+                kafka_clients.produce(self.producer, topic, value, key, headers, partition=partition,
+                                      timestamp=timestamp, on_delivery=landing)
+            except KafkaException as e:
+                raise _convert(e, "produce") from e
+            landings.append(landing)
+        self._last.clear()
+        return landings
 
     def produce_result(self, topic: str, partition: int, result: Result, events: Landing | None,
                        timestamp: int = 0) -> None:
@@ -144,7 +170,7 @@ class TransactionalWriter:
         """Produce the held-back results with their tokens; False when the batch's events were not all delivered
         (the transaction cannot commit: the caller aborts it)."""
         results, self._results = self._results, []
-        landings = [landing for *_, landing, _ in results if landing is not None]
+        landings = self._produce_last()
         if landings:  # one round trip for the batch's events; one not delivered: the transaction must abort
             try:
                 left = self.producer.flush(TXN_TIMEOUT_MS / 1000)
@@ -153,13 +179,16 @@ class TransactionalWriter:
                 return False
             if left or any(x.offset is None for x in landings):
                 return False
+            for x in landings:
+                assert x.offset is not None
+                x.token = encode_token(x.topic, x.partition, x.offset)
         batch: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {}
         for topic, partition, result, landing, timestamp in results:
             ident = (result.aggregate_id, result.command_id)
             token = None
             if landing is not None:
-                assert landing.offset is not None
-                token = encode_token(landing.topic, landing.partition, landing.offset)
+                token = landing.token
+                assert token is not None
                 batch[ident] = (result.event_ids, token)
             elif result.duplicate and result.event_ids:
                 known = batch.get(ident) or self._tokens.get(ident)
@@ -180,7 +209,7 @@ class TransactionalWriter:
     def commit(self, offsets: list[TopicPartition], group_metadata: Any) -> bool:
         """Commit the open transaction with `offsets`; False when it had to be aborted (nothing visible)."""
         self._committing = {}
-        if self._results and not self._produce_results():
+        if (self._results or self._last) and not self._produce_results():
             log.warning("aggregate.txn_aborting", transactional_id=self.transactional_id,
                         error="events of the batch not delivered")
             self.abort()
@@ -219,6 +248,7 @@ class TransactionalWriter:
 
     def abort(self) -> None:
         self._results.clear()
+        self._last.clear()
         try:
             self._retrying(self.producer.abort_transaction, DECIDED_S)
         except KafkaException as e:

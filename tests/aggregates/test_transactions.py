@@ -98,6 +98,7 @@ def _broken(writer: TransactionalWriter) -> Any:
     """A commit that fails as librdkafka's abort did after a coordinator moved (seen in the broker-fault chaos test):
     the batch's records are flushed first, so the broken producer leaves a real open transaction on the broker."""
     def commit(_offsets: Any, _metadata: Any) -> bool:
+        writer._produce_last()  # each partition's held-back last event, as the real commit produces it
         writer.producer.flush(10)
         raise txn.ProducerBroken("transactional producer abort failed (fatal: the producer is replaced): Failed to "
                                  "end transaction: Broker: Producer attempted a transactional operation in an "
@@ -186,6 +187,7 @@ def _writer(producer: Any) -> TransactionalWriter:
     writer = TransactionalWriter.__new__(TransactionalWriter)  # no broker: the close path alone
     writer.transactional_id, writer.producer, writer.open, writer.held = "t", producer, False, False
     writer._results, writer._tokens, writer._committing = [], {}, {}  # results held back until commit (tokens)
+    writer._last = {}  # each partition's last event, held back until commit
     return writer
 
 
