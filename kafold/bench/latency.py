@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probes", type=float, default=20.0, help="read-your-writes probes per second (default 20)")
     p.add_argument("--poll-ms", type=float, default=2.0,
                    help="how often PostgreSQL is polled for the event projection's checkpoints (default 2 ms)")
+    p.add_argument("--task-processes", action=argparse.BooleanOptionalAction, default=False,
+                   help="daemon.task_processes: each connector task in its own process (default: off, the "
+                   "daemon's default)")
     p.add_argument("-c", "--config", help="kafold.toml giving [kafka] and [postgres] (default: the dev stack)")
 
 
@@ -77,7 +80,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         conf.write_text(_daemon_toml(daemons, names, args, port, url))
         with daemon_process(daemons, conf) as proc:
             _wait_ready(proc, port, conf)
-            figures = {"rate": args.rate, "duration_s": args.duration, "partitions": args.partitions}
+            figures = {"rate": args.rate, "duration_s": args.duration, "partitions": args.partitions,
+                       "task_processes": args.task_processes}
             figures.update(_events_phase(kafka, daemons, names, args, control))
             figures.update(_commands_phase(kafka, daemons, names, args, DaemonClient(f"http://127.0.0.1:{port}")))
     figures["notes"] = [
@@ -104,7 +108,8 @@ class _Names:
 
 def _daemon_toml(stack: DaemonStack, names: _Names, args: argparse.Namespace, port: int, url: str) -> str:
     kafka = {**stack.kafka_raw, **SHORT_GROUP_TIMEOUTS}
-    daemon = {"group_prefix": names.prefix, "http_port": port, "python_path": [str(BANK)]}
+    daemon = {"group_prefix": names.prefix, "http_port": port, "python_path": [str(BANK)],
+              "task_processes": args.task_processes}
     aggregate = {"name": "account", "initial": "bank_domain:initial", "evolve": "bank_domain:evolve",
                  "decide": "bank_domain:decide", "partitions": args.partitions,
                  **{f"{k}_topic": t for k, t in names.agg_topics.items()}}
