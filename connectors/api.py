@@ -9,7 +9,10 @@ Note on offsets and commits
   What ``pre_commit`` returns is exactly what gets committed to the consumer group; the default flushes and
   returns its argument. A task that stores its offsets elsewhere (the projection connector keeps them in
   PostgreSQL, in the same transaction as its rows) returns ``{}`` — nothing is committed to Kafka — and in
-  ``open`` seeks to its own offsets with ``context.offset(tp, offset)``.
+  ``open`` seeks to its own offsets with ``context.offset(tp, offset)``. Such a task sets ``stores_offsets``: its
+  Kafka commit is then only a follower of its store, and the runner calls ``pre_commit`` on a timer
+  (``[daemon] offset_flush_interval_ms``, as Kafka Connect's ``offset.flush.interval.ms``; and on revoke and stop)
+  instead of after every batch. Other tasks are asked after every batch.
 * Hence delivery into a task is at-least-once: after a crash or rebalance a task sees again every record after
   the last committed offset, so ``put`` must be idempotent (e.g. keyed on ``event.event_id``).
 """
@@ -199,6 +202,10 @@ class SinkTaskContext(ABC):
 
 class SinkTask(ABC):
     """Receives batches of decoded events from Kafka. Required: start, put, stop."""
+
+    # The task keeps its offsets in its own store and seeks to them in `open` (see the module note): the runner
+    # then commits to Kafka on a timer (`[daemon] offset_flush_interval_ms`), not after every batch.
+    stores_offsets: ClassVar[bool] = False
 
     @abstractmethod
     def start(self, task_config: TaskConfig[Any], context: SinkTaskContext) -> None:

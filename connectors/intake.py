@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kafold import protect
 from kafold.connectors.api import SinkRecord, sink_record
+from kafold.connectors.convert.api import Converter
 from kafold.envelope import Event, decode, reshaped
 from kafold.errors import FatalError, RecordError, UnknownTypeError
 from kafold.upcast import NONE, Upcaster, UpcastError
@@ -22,15 +24,33 @@ class Intake:
     """Decides what one connector does with each record (see the module docstring)."""
 
     def __init__(self, name: str, handles: Callable[[str], bool], on_unknown: str,
-                 upcaster: Upcaster = NONE) -> None:
+                 upcaster: Upcaster = NONE, decrypt: Callable[[Event, Any], Event] | None = None,
+                 converter: Converter | None = None) -> None:
         self.name, self.handles, self.on_unknown = name, handles, on_unknown
+        # A record kafold did not write (kafold.connectors.convert); None: kafold's envelope, the fast decode.
+        self.converter = converter
+        # Protected fields opened before upcasters (kafold.protect; RecordError `decrypt-failed`); by default the
+        # process's Protector, built at start-up from the configuration.
+        protector = protect.active()
+        self.decrypt = decrypt if decrypt is not None else protector.event if protector is not None else None
         self.steps = upcaster.steps if not upcaster.empty else None
         self.upcaster = upcaster
 
     def event(self, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes | None]] | None,
-              raw: Any = None) -> Event | None:
-        """The record's event in today's shape; None when the connector skips its type."""
-        event = decode(key, value, headers, raw=raw)
+              raw: Any = None, *, topic: str = "", partition: int = -1, offset: int = -1,
+              timestamp_ms: int | None = None) -> Event | None:
+        """The record's event in today's shape; None when the connector skips its type (or the converter finds
+        no event in the record: a Debezium tombstone). The coordinates feed a converter's defaults."""
+        if self.converter is None:
+            event = decode(key, value, headers, raw=raw)
+        else:
+            converted = self.converter.event(key, value, headers, topic=topic, partition=partition, offset=offset,
+                                             timestamp_ms=timestamp_ms, raw=raw)
+            if converted is None:
+                return None
+            event = converted
+        if self.decrypt is not None:
+            event = self.decrypt(event, raw)
         if self.steps is not None and (event.type, event.schema_version) in self.steps:
             event = self.upcast(event, raw)
         if not self.handles(event.type):
@@ -50,8 +70,10 @@ class Intake:
 
     def record(self, m: Any, topic: str, partition: int, offset: int) -> SinkRecord | None:
         """A consumed message as the SinkRecord its task sees; None when skipped."""
-        event = self.event(m.key(), m.value(), m.headers(), raw=m)
+        ts_kind, ts = m.timestamp()
+        event = (self.event(m.key(), m.value(), m.headers(), raw=m) if self.converter is None else
+                 self.event(m.key(), m.value(), m.headers(), raw=m, topic=topic, partition=partition, offset=offset,
+                            timestamp_ms=ts if ts_kind else None))
         if event is None:
             return None
-        ts_kind, ts = m.timestamp()
         return sink_record(topic, partition, offset, event.aggregate_id, event, ts if ts_kind else None)

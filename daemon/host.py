@@ -33,7 +33,7 @@ import mode
 from faust.app.base import BootStrategy
 
 from kafold import config as kconfig
-from kafold import db, devstack, logs, sdnotify
+from kafold import db, devstack, logs, protect, sdnotify, tracing
 from kafold.config import KafoldConfig, Loaded, python_path
 from kafold.connectors.api import TopicPartition
 from kafold.connectors.registry import instantiate, resolve
@@ -113,6 +113,9 @@ class DaemonHost:
         self.background_stop: Any = None
         self.config_path = config_path
         self._reload_lock = threading.Lock()
+        # Protected fields (kafold.protect): built before any reader, so a missing master key stops the start here
+        self.protector = protect.build(cfg)
+        tracing.configure(cfg.tracing)  # off unless [tracing].enabled (kafold.tracing)
         self.groups = self._build_groups()
         self.aggregates = self._build_aggregates()
         with python_path(cfg, base):
@@ -137,7 +140,8 @@ class DaemonHost:
                 if not connector.is_sink():
                     raise FatalError(f"connector {settings.name!r}: the daemon runs sink connectors only")
                 slots = task_slots(connector, self.cfg.kafka, task_pg, task_daemon, self.base,
-                                   python_path(self.cfg, self.base).paths, self.metrics.observe, self._on_exit)
+                                   python_path(self.cfg, self.base).paths, self.metrics.observe, self._on_exit,
+                                   self.cfg.registry, self.cfg.tracing)
                 groups.append(ConnectorGroup(connector, slots))
         return groups
 
@@ -175,7 +179,8 @@ class DaemonHost:
     def needs_migrations(self, groups: list[ConnectorGroup] | None = None) -> bool:
         """True when `postgres.migrate_on_start` is set and one of `groups` (default: all) uses PostgreSQL."""
         groups = self.groups if groups is None else groups
-        return self.cfg.postgres.migrate_on_start and any(g.connector.uses_postgres for g in groups)
+        return self.cfg.postgres.migrate_on_start and (any(g.connector.uses_postgres for g in groups)
+                                                       or any(a.protect for a in self.cfg.aggregates))
 
     def migrate(self, groups: list[ConnectorGroup] | None = None) -> None:
         """Apply kafold's migrations when `groups` need them, retrying while PostgreSQL is unreachable (up to
@@ -346,6 +351,7 @@ class DaemonHost:
                     self.exit_code = 1
             finally:
                 _close_idle_consumer_loop(app)
+                tracing.shutdown()  # export the spans still buffered
         return self.exit_code
 
 

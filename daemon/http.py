@@ -151,6 +151,23 @@ class Reload(HostView):
         return self.json(result)
 
 
+class ForgetSubject(HostView):
+    """POST /subjects/{subject}/forget: delete the subject's data key (kafold.protect), record the erasure (actor:
+    the `X-Kafold-Actor` header, else `api-token`), and drop it from this process's key caches at once."""
+
+    async def post(self, request: Request, subject: str = "", **kwargs: Any) -> Response:
+        protector = self.host.protector
+        if protector is None:
+            return self.problem(404, "no aggregate has protected fields")
+        actor = request.headers.get("X-Kafold-Actor", "api-token")[:200]
+        existed = await self.host.call(lambda: protector.ring.forget(subject, actor))
+        for name, slot in self.host.aggregates.items():  # states folded while the key existed are refolded
+            if any(a == name and rule.subject == "aggregate_id" for (a, _), rule in protector.rules.items()):
+                slot.runtime.forget(subject)
+        return self.json({"subject_hash": protector.ring.cipher.subject_hash(subject), "key_deleted": existed,
+                          "actor": actor})
+
+
 ROUTES: dict[str, type[HostView]] = {
     "/health": Health,
     "/ready": Ready,
@@ -158,4 +175,5 @@ ROUTES: dict[str, type[HostView]] = {
     "/status": Status,
     "/aggregates/{name}/{id}": AggregateState,
     "/reload": Reload,
+    "/subjects/{subject}/forget": ForgetSubject,
 }

@@ -7,8 +7,10 @@ topic and never reach `put`; `put` gets the rest (retried on RetriableError with
 group membership stays alive); then the dead-letter writer is flushed (every dead letter acknowledged,
 acks=all); only then are the offsets after the batch offered to `pre_commit`, and what it returns is committed
 synchronously. So a committed offset never passes a record that was neither put successfully nor durably
-dead-lettered. After a crash, a FatalError or a rebalance, the records after the last commit are delivered
-again: `put` must be idempotent. On revoke, the offsets of everything already put are offered to `pre_commit`
+dead-lettered. A task that stores its own offsets (`SinkTask.stores_offsets`, the projection) is offered them on a
+timer instead (`offset_flush_interval_ms`; see `_commit`): its store decides where it resumes, Kafka's commit
+follows. After a crash, a FatalError or a rebalance, the records after the last commit are delivered again: `put`
+must be idempotent. On revoke, the offsets of everything already put are offered to `pre_commit`
 and committed before `close`. On stop, fetching stops, the in-flight batch finishes (within
 `shutdown_grace_s`), offsets are committed, the partitions are closed and the task stopped.
 
@@ -33,7 +35,7 @@ import structlog
 from confluent_kafka import KafkaException
 from confluent_kafka import TopicPartition as KafkaTP
 
-from kafold import kafka_clients, upcast
+from kafold import kafka_clients, tracing, upcast
 from kafold.config import DaemonConfig, KafkaConfig
 from kafold.connectors.api import (
     Connector,
@@ -44,6 +46,7 @@ from kafold.connectors.api import (
     TaskConfig,
     TopicPartition,
 )
+from kafold.connectors.convert import converter_for
 from kafold.connectors.dlq import DeadLetterWriter
 from kafold.connectors.intake import Intake
 from kafold.consumer_loop import ConsumerLoop, LoopHandler
@@ -156,7 +159,7 @@ class SinkRunner(LoopHandler):
     def __init__(self, connector: Connector[Any], task_config: TaskConfig[Any], *, kafka: KafkaConfig,
                  daemon: DaemonConfig, stop: threading.Event | None = None,
                  reporter: ErrantRecordReporter | None = None,
-                 consumer_extra: Mapping[str, Any] | None = None) -> None:
+                 consumer_extra: Mapping[str, Any] | None = None, registry: Any = None) -> None:
         if not connector.is_sink():
             raise FatalError(f"connector {connector.name!r} is not a sink connector")
         self.connector = connector
@@ -171,12 +174,18 @@ class SinkRunner(LoopHandler):
         self.consumer_extra = dict(consumer_extra or {})
         self.task: SinkTask = connector.task_class()  # type: ignore[assignment]
         self.upcaster = upcast.build(connector.settings.upcasters, f"connector {connector.name!r}")
+        # The connector's converter (kafold.connectors.convert; None = kafold envelopes); `registry` is the
+        # config's [registry], needed by the Schema Registry formats.
+        self.converter = converter_for(connector.settings, registry)
         self.context = _Context(self, task_config.task_id)
         self.log = log.bind(connector=connector.name, task=self.context.task_id)
         self.assigned: set[TopicPartition] = set()
         self.user_paused: set[TopicPartition] = set()
         self.positions: dict[TopicPartition, int] = {}  # next offset to read, after the handled records
         self.dirty = False
+        # A task that stores its own offsets is committed to Kafka on a timer (see the commit note on `_commit`).
+        self.flush_interval_s = daemon.offset_flush_interval_ms / 1000
+        self.next_flush = 0.0  # CLOCK_MONOTONIC of the next timed commit
         self.backing_off = False
         self.failed = False
         self.error: BaseException | None = None
@@ -256,7 +265,7 @@ class SinkRunner(LoopHandler):
         return None
 
     def on_idle(self) -> None:
-        if self.context.commit_requested:
+        if self.context.commit_requested or (self.dirty and self.task.stores_offsets and self._flush_due()):
             self._commit(self.assigned)
 
     def after_poll(self) -> None:
@@ -347,7 +356,7 @@ class SinkRunner(LoopHandler):
         dead_at: dict[TopicPartition, int] = {}
         skipped_at: dict[TopicPartition, int] = {}
         intake = Intake(self.connector.name, self.task.handles, self.connector.settings.on_unknown_type,
-                        self.upcaster)
+                        self.upcaster, converter=self.converter)
         tp, last_topic, last_part = None, None, -1
         yield_point = self.task.yield_point
         for i, m in enumerate(msgs):
@@ -381,14 +390,22 @@ class SinkRunner(LoopHandler):
             records.append(record)
         if tp is not None:
             counted[tp] = counted.get(tp, 0) + run
-        dead += self._put(records, dead_at)
+        tracer = tracing.tracer()  # once per batch; off: no header is read (kafold.tracing)
+        if tracer is None:
+            dead += self._put(records, dead_at)
+        else:
+            tracing.remember(msgs)  # an effect's delivery span continues its record's trace
+            with tracer.start_as_current_span(f"put {self.connector.name}", links=tracing.links(
+                    m.headers() for m in msgs), attributes={"kafold.connector": self.connector.name,
+                                                            "kafold.records": len(records)}):
+                dead += self._put(records, dead_at)
         self._flush_dead_letters()
         self.event_times.update(last_event_times(records, msgs))
         for tp, nxt in seen.items():
             if tp in self.assigned:
                 self.positions[tp] = nxt
                 self.dirty = True
-        committed = self._commit(self.assigned)
+        committed = self._commit(self.assigned) if self._flush_due() else {}
         self.counts["batches"] += 1
         self.counts["records"] += len(msgs)
         self.counts["dead_lettered"] += dead
@@ -475,12 +492,27 @@ class SinkRunner(LoopHandler):
             self.consumer.resume([KafkaTP(tp.topic, tp.partition) for tp in active])
 
     # ---- offsets ----------------------------------------------------------------------------------------
+    def _flush_due(self) -> bool:
+        """Whether to commit now: after every batch, unless the task stores its own offsets, whose commit follows
+        its store on a timer (`offset_flush_interval_ms`)."""
+        return not self.task.stores_offsets or time.monotonic() >= self.next_flush
+
     def _commit(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
-        """Offer the positions of `partitions` to pre_commit; commit what it returns (synchronously)."""
+        """Offer the positions of `partitions` to pre_commit; commit what it returns (synchronously).
+
+        Commit note for a task that stores its own offsets (`SinkTask.stores_offsets`: a projection, whose
+        checkpoints are written in the same PostgreSQL transaction as its rows): this is called after a batch or on
+        an idle poll only once `offset_flush_interval_ms` has passed since the last call, and always on revoke and
+        stop. What it commits is what `pre_commit` returned — offsets already stored in the task's store, never
+        those of a write still in flight — so the group's offset never passes the store; and the store, not the
+        group, decides where a restart resumes (the task's `open` seeks every assigned partition to its stored
+        offset). A group offset behind the store (up to one interval) only means a new owner's first fetch starts
+        a little earlier, before that seek."""
         requested, self.context.commit_requested = self.context.commit_requested, False
         offered = {tp: self.positions[tp] for tp in partitions if tp in self.positions}
         if not offered or not (self.dirty or requested):  # a task that completes work later asks explicitly
             return {}
+        self.next_flush = time.monotonic() + self.flush_interval_s
         chosen = dict(self.task.pre_commit(offered))
         chosen = {tp: off for tp, off in chosen.items() if tp in self.assigned and self.committed.get(tp) != off}
         if chosen:

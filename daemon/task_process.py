@@ -33,8 +33,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from kafold import logs
-from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig
+from kafold import logs, tracing
+from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig, RegistryConfig, TracingConfig
 from kafold.connectors.api import Connector, TopicPartition
 from kafold.connectors.registry import instantiate
 from kafold.daemon.accounting import Account
@@ -68,6 +68,8 @@ class TaskSpec:
     postgres: PostgresConfig
     daemon: DaemonConfig
     log: tuple[str, str, str | None]
+    registry: RegistryConfig | None = None  # [registry], for Schema Registry formats
+    tracing: TracingConfig | None = None  # [tracing]: the child makes its own spans
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,9 @@ def child_main(conn: Connection, spec: TaskSpec) -> None:
     sys.path[:0] = [p for p in spec.python_path if p not in sys.path]
     connector = instantiate(spec.settings, spec.base)
     task_config = connector.task_configs(spec.tasks_max)[spec.task_index].with_services(spec.kafka, spec.postgres)
-    runner = SinkRunner(connector, task_config, kafka=spec.kafka, daemon=spec.daemon)
+    if spec.tracing is not None:
+        tracing.configure(spec.tracing)
+    runner = SinkRunner(connector, task_config, kafka=spec.kafka, daemon=spec.daemon, registry=spec.registry)
     batches: list[BatchStats] = []
     send_lock = threading.Lock()
 
@@ -246,5 +250,6 @@ def child_main(conn: Connection, spec: TaskSpec) -> None:
     except OSError:
         pass
     conn.close()
+    tracing.shutdown()  # export the spans still buffered
     sys.exit(1 if runner.failed else 0)
 

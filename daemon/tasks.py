@@ -25,7 +25,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kafold import logs
-from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig, KafoldConfig, PostgresConfig
+from kafold.config import (
+    AggregateConfig,
+    DaemonConfig,
+    KafkaConfig,
+    KafoldConfig,
+    PostgresConfig,
+    RegistryConfig,
+    TracingConfig,
+)
 from kafold.connectors.api import Connector, TaskConfig
 from kafold.daemon.runner import BatchStats, RunnerView, SinkRunner
 from kafold.daemon.task_process import RemoteRunner, TaskSpec
@@ -48,14 +56,17 @@ class AggregateRuntime(Protocol):
 
     def partitions(self) -> list[dict[str, object]]: ...
 
+    def forget(self, aggregate_id: str) -> None: ...
+
 
 class TaskSlot:
     """One sink task: its current SinkRunner and thread; `restart` replaces both."""
 
     def __init__(self, connector: Connector[Any], task_config: TaskConfig[Any], kafka: KafkaConfig,
                  daemon: DaemonConfig, on_batch: Callable[[RunnerView, BatchStats], None] | None = None,
-                 on_exit: Callable[[TaskSlot], None] | None = None) -> None:
+                 on_exit: Callable[[TaskSlot], None] | None = None, registry: RegistryConfig | None = None) -> None:
         self.connector = connector
+        self.registry = registry  # [registry], for a connector reading Schema Registry formats
         self.task_config = task_config
         self.task_id = task_config.task_id
         self.kafka, self.daemon = kafka, daemon
@@ -82,7 +93,8 @@ class TaskSlot:
         return runner
 
     def _runner(self) -> RunnerView:
-        return SinkRunner(self.connector, self.task_config, kafka=self.kafka, daemon=self.daemon)
+        return SinkRunner(self.connector, self.task_config, kafka=self.kafka, daemon=self.daemon,
+                          registry=self.registry)
 
     def start(self) -> None:
         """Start the current runner in a thread; nothing if it was started already or the slot is stopping."""
@@ -205,16 +217,17 @@ class ProcessTaskSlot(TaskSlot):
 def task_slots(connector: Connector[Any], kafka: KafkaConfig, postgres: PostgresConfig, daemon: DaemonConfig,
                base: Path, python_paths: list[str],
                on_batch: Callable[[RunnerView, BatchStats], None] | None = None,
-               on_exit: Callable[[TaskSlot], None] | None = None) -> list[TaskSlot]:
+               on_exit: Callable[[TaskSlot], None] | None = None, registry: RegistryConfig | None = None,
+               tracing: TracingConfig | None = None) -> list[TaskSlot]:
     """The slots of a connector's tasks (at most `tasks_max`): threads, or with `daemon.task_processes` child
     processes. Each task gets the configured services with its task config (Connect's worker config)."""
     n = connector.settings.tasks_max
     configs = [tc.with_services(kafka, postgres) for tc in connector.task_configs(n)[:n]]
     if not daemon.task_processes:
-        return [TaskSlot(connector, tc, kafka, daemon, on_batch, on_exit) for tc in configs]
+        return [TaskSlot(connector, tc, kafka, daemon, on_batch, on_exit, registry) for tc in configs]
     return [ProcessTaskSlot(connector, tc, kafka, daemon, TaskSpec(
-        connector.settings, base, tuple(python_paths), i, n, kafka, postgres, daemon, logs.current()),
-        on_batch, on_exit) for i, tc in enumerate(configs)]
+        connector.settings, base, tuple(python_paths), i, n, kafka, postgres, daemon, logs.current(), registry,
+        tracing), on_batch, on_exit) for i, tc in enumerate(configs)]
 
 
 class Control:

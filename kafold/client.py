@@ -23,7 +23,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from kafold import kafka_clients, logs, tokens
+from kafold import kafka_clients, logs, tokens, tracing
 from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig
 from kafold.consumer_loop import take
 from kafold.errors import KafoldError, RetriableError
@@ -35,6 +35,16 @@ log = logs.get(__name__)
 # librdkafka's murmur2_random is the partitioner of the Java client: the same key lands in the same partition
 # whichever of the two produced it (the runtime writes events and results to the command's partition).
 PARTITIONER = "murmur2_random"
+
+
+def _producer_kind() -> Any:
+    from opentelemetry.trace import SpanKind
+    return SpanKind.PRODUCER
+
+
+def _in_span(span: Any) -> Any:
+    from opentelemetry import trace
+    return trace.set_span_in_context(span)
 
 
 class ResultTimeout(KafoldError):
@@ -152,8 +162,12 @@ class CommandClient:
     """Sends commands of one aggregate type; `send` waits for the result when asked to; `wait_visible` waits for
     a result's events in a connector's read model (needs `daemon`)."""
 
-    def __init__(self, kafka: KafkaConfig, agg: AggregateConfig, daemon: DaemonClient | None = None) -> None:
+    def __init__(self, kafka: KafkaConfig, agg: AggregateConfig, daemon: DaemonClient | None = None, *,
+                 tracer_provider: Any = None) -> None:
         self.agg = agg
+        # OpenTelemetry: a span per command (child of the current context) whose `traceparent` rides on the record;
+        # None unless a provider is given, kafold.tracing is on here, or the application set a global SDK provider.
+        self.tracer = tracing.application_tracer(tracer_provider)
         self.daemon = daemon
         self.commands, self.results = agg.topic("commands"), agg.topic("results")
         self.producer = kafka_clients.producer(kafka, **{"enable.idempotence": True, "acks": "all",
@@ -208,12 +222,24 @@ class CommandClient:
                     placed[cid] = msg.partition()
             return report
 
-        for c in cmds:
-            key, value, headers = c.encode()
-            kafka_clients.produce(self.producer, self.commands, value, key, headers,
-                                  on_delivery=delivered(c.command_id))
-        if self.producer.flush(30) or failed:
-            raise RetriableError(f"{self.commands}: commands not acknowledged: {failed[:1] or 'timeout'}")
+        spans = []
+        try:
+            for c in cmds:
+                key, value, headers = c.encode()
+                if self.tracer is not None:
+                    span = self.tracer.start_span(f"send {self.agg.name} {c.type}", kind=_producer_kind(),
+                                                  attributes={"kafold.command_id": c.command_id,
+                                                              "kafold.aggregate_id": c.aggregate_id,
+                                                              "messaging.destination.name": self.commands})
+                    spans.append(span)
+                    headers = [*headers, *tracing.inject(_in_span(span))]
+                kafka_clients.produce(self.producer, self.commands, value, key, headers,
+                                      on_delivery=delivered(c.command_id))
+            if self.producer.flush(30) or failed:
+                raise RetriableError(f"{self.commands}: commands not acknowledged: {failed[:1] or 'timeout'}")
+        finally:
+            for span in spans:
+                span.end()
         return placed
 
     def _result_ends(self) -> dict[int, int]:

@@ -99,6 +99,12 @@ class DaemonConfig:
                                      "round (pause and commit requests, progress). A batch never waits to fill: "
                                      "what the fetch brought is handed over at once, so batches grow with the "
                                      "load up to batch_max_records (natural batching).", minimum=1)
+    offset_flush_interval_ms: int = setting(5000, doc="How often a sink task that stores its own offsets (a "
+                                            "projection: in PostgreSQL, with its rows) has them committed to the "
+                                            "Kafka consumer group too, as Kafka Connect's offset.flush.interval.ms "
+                                            "(also on revoke and stop). That commit only follows the task's store, "
+                                            "which decides where a restart resumes. 0 = after every batch.",
+                                            minimum=0)
     shutdown_grace_s: float = setting(10.0, doc="Time SIGTERM gives in-flight batches to finish.", minimum=0)
     task_processes: bool = setting(False, doc="Run each sink task in its own child process (one interpreter "
                                    "each), so a connector with tasks_max > 1 uses several cores.")
@@ -134,6 +140,24 @@ class FoldErrorPolicy(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class ProtectConfig:
+    type: str = setting(doc="Event type whose payload holds personal data.")
+    fields: list[str] = setting(doc="Payload paths of the personal data, e.g. [\"email\", \"address.street\"]: "
+                                "written encrypted under the subject's key (docs/security.md#personal-data-crypto-"
+                                "shredding).")
+    subject: str = setting("aggregate_id", doc="Whose data it is: `aggregate_id`, or `payload.<path>` (e.g. "
+                           "`payload.customer_id`); `kafold subjects forget SUBJECT` makes it unreadable.")
+
+
+@dataclass(frozen=True)
+class PrivacyConfig:
+    master_key: Secret | None = setting(doc="The master key (32 bytes, base64 or hex) wrapping the subjects' data "
+                                        "keys; required when any aggregate has `protect` rules.", secret=True)
+    placeholder: str | None = setting(None, doc="What a protected field of a forgotten subject reads as; unset: "
+                                      "null.")
+
+
+@dataclass(frozen=True)
 class AggregateConfig:
     name: str = setting(doc="Aggregate type name, e.g. `account`.")
     initial: str = setting(doc="`module:function` returning the initial state.")
@@ -161,6 +185,9 @@ class AggregateConfig:
     idempotency_max_ids: int = setting(1_000_000, doc="Most command ids the window holds per process (memory "
                                        "bound); beyond it the oldest are forgotten early, with a warning.",
                                        minimum=1)
+    protect: list[ProtectConfig] = setting(
+        factory=list, doc="Personal data in this aggregate's events: per event type, the payload paths to encrypt "
+        "and their subject (docs/security.md#personal-data-crypto-shredding).")
 
     def topic(self, kind: str) -> str:
         return getattr(self, f"{kind}_topic") or f"{self.name}.{kind if kind != 'snapshot' else 'snapshots'}"
@@ -169,6 +196,44 @@ class AggregateConfig:
     def dlq_topic(self) -> str:
         """Where the runtime dead-letters bad commands (one partition; see docs/aggregates.md)."""
         return f"kafold.dlq.aggregate.{self.name}"
+
+
+class ConverterKind(enum.StrEnum):
+    """How a connector reads its records (docs/connectors.md#converters)."""
+
+    KAFOLD = "kafold"          # kafold's own envelope (the fast path)
+    JSON = "json"              # plain JSON; event fields from [connectors.convert] sources
+    DEBEZIUM = "debezium"      # Debezium change events (before/after/op/source)
+    AVRO = "avro"              # Schema Registry formats, then mapped as `json`
+    JSONSCHEMA = "jsonschema"
+    PROTOBUF = "protobuf"
+
+
+_CONVERT_SOURCE = re.compile(r"^(\$|(\$\.)?[^.\s@'][^.\s]*(\.[^.\s]+)*|header:.+"
+                             r"|@(key|topic|partition|offset|timestamp)|'[^']*')$")
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    format: str = setting("json", doc="debezium: the value format of its change events.",
+                          choices=("json", "avro", "jsonschema", "protobuf"))
+    id: str = setting("", doc="Source of the event id: a JSON path (`meta.id`, `$` the whole value), "
+                      "`header:<name>`, or `@key`/`@topic`/`@partition`/`@offset`/`@timestamp`; empty: a uuid5 of "
+                      "topic/partition/offset (a redelivered record dedups).")
+    type: str = setting("", doc="Source of the event type (as `id`, or a constant `'Name'`); empty: the topic.")
+    key: str = setting("", doc="Source of the aggregate id (as `id`); empty: the record key (utf-8).")
+    version: str = setting("", doc="Source of the version (an integer >= 1); empty: offset + 1 (json), the "
+                           "source's log position (debezium).")
+    time: str = setting("", doc="Source of the event time (epoch ms or ISO-8601); empty: the record timestamp.")
+    aggregate_type: str = setting("", doc="json: the events' aggregate type; empty: the topic.")
+    message_type: str = setting("", doc="protobuf: the generated message class `module:Class`.")
+
+    def __post_init__(self) -> None:
+        bad = [f"{n}: {getattr(self, n)!r} is not a JSON path, header:<name>, @coordinate or 'constant'"
+               for n in ("id", "type", "key", "version", "time") if getattr(self, n)
+               and not _CONVERT_SOURCE.match(getattr(self, n))]
+        if bad:
+            raise ValueError("; ".join(bad))
 
 
 @dataclass(frozen=True)
@@ -187,6 +252,10 @@ class ConnectorConfig:
     raw: bool = setting(False, doc="See events as they were written: no upcaster applies (neither `upcasters` nor "
                         "the aggregate's), e.g. a webhook whose receivers want the bytes of the day.")
     config: dict[str, Any] = setting(factory=dict, doc="The connector's own settings (see its reference).")
+    converter: ConverterKind = setting(ConverterKind.KAFOLD, doc="How records are read: `kafold` envelopes, plain "
+                                       "`json`, `debezium` change events, or Schema Registry `avro` / `jsonschema` / "
+                                       "`protobuf` (docs/connectors.md#converters).")
+    convert: ConvertConfig = setting(factory=ConvertConfig, doc="The converter's options.")
 
     @property
     def dlq_topic(self) -> str:
@@ -208,6 +277,30 @@ class SnapshotConfig:
 
 
 @dataclass(frozen=True)
+class RegistryConfig:
+    url: str = setting("", doc="Confluent-compatible Schema Registry URL (e.g. Apicurio's "
+                       "`http://host:8080/apis/ccompat/v7`), without credentials; needed by the avro, jsonschema "
+                       "and protobuf converters.")
+    username: str | None = setting(None, doc="HTTP basic-auth user name.")
+    password: Secret | None = setting(doc="HTTP basic-auth password.", secret=True)
+    ssl_ca_location: str | None = setting(None, doc="CA bundle (PEM) that signs the registry's certificate.")
+    timeout_s: float = setting(10.0, doc="Timeout of one request to the registry (seconds).", minimum=0.1)
+    cache_capacity: int = setting(1000, doc="Schemas kept per process (each schema id is fetched once).",
+                                  minimum=1)
+    retry_within_s: float = setting(120.0, doc="How long a record waits for a registry that is down (connection "
+                                    "refused, 5xx), retrying on the backoff, before the error goes to the runner; "
+                                    "keep it under kafka.rebalance_timeout_ms.", minimum=0)
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    enabled: bool = setting(False, doc="Make OpenTelemetry spans (command, aggregate, projection batch, effect, "
+                            "snapshot run) and carry W3C `traceparent` in Kafka headers; sampler and OTLP export "
+                            "from the standard OTEL_* environment variables.")
+    service_name: str = setting("kafold", doc="The `service.name` of the spans (unless OTEL_SERVICE_NAME is set).")
+
+
+@dataclass(frozen=True)
 class KafoldConfig:
     kafka: KafkaConfig = setting(factory=KafkaConfig, doc="Kafka brokers and client security.")
     postgres: PostgresConfig = setting(factory=PostgresConfig, doc="PostgreSQL holding projections and kafold state.")
@@ -216,6 +309,10 @@ class KafoldConfig:
     aggregates: list[AggregateConfig] = setting(factory=list, doc="Event-sourced aggregates.")
     connectors: list[ConnectorConfig] = setting(factory=list, doc="Connectors run by the daemon.")
     snapshots: SnapshotConfig = setting(factory=SnapshotConfig, doc="Snapshot jobs.")
+    registry: RegistryConfig = setting(factory=RegistryConfig, doc="Schema Registry for the avro / jsonschema / "
+                                       "protobuf converters.")
+    privacy: PrivacyConfig = setting(factory=PrivacyConfig, doc="Crypto-shredding of protected event fields.")
+    tracing: TracingConfig = setting(factory=TracingConfig, doc="OpenTelemetry traces (off unless enabled).")
 
 
 @dataclass(frozen=True)
@@ -273,6 +370,7 @@ def _check_refs(cfg: KafoldConfig, problems: Problems) -> None:
             problems.add(f"{where}.name", f"{con.name!r}: use letters, digits, '.', '_' or '-'")
         if not con.topics:
             problems.add(f"{where}.topics", "at least one source topic is required")
+    _check_protect(cfg, problems)
     _check_postgres(cfg.postgres, problems)
     _check_kafka_security(cfg.kafka, problems)
     _check_group_protocol(cfg.kafka, problems)
@@ -287,6 +385,49 @@ def _check_refs(cfg: KafoldConfig, problems: Problems) -> None:
             if other is not None and other.partitions != spec.partitions:
                 problems.add("topics", f"{spec.purpose} topic {name!r} has {spec.partitions} partitions but must be "
                              f"co-partitioned with {other.name!r} ({other.partitions})")
+
+
+PATH_RE = re.compile(r"^[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*$")
+
+
+def _check_protect(cfg: KafoldConfig, problems: Problems) -> None:
+    """Protect rules name paths, one rule per event type, a subject that is not itself encrypted, and a master key
+    reference (its value is read at start-up: kafold.protect.master_key)."""
+    for i, agg in enumerate(cfg.aggregates):
+        types: set[str] = set()
+        for j, rule in enumerate(agg.protect):
+            where = f"aggregates[{i}].protect[{j}]"
+            if rule.type in types:
+                problems.add(f"{where}.type", f"a second rule for event type {rule.type!r}")
+            types.add(rule.type)
+            if not rule.fields:
+                problems.add(f"{where}.fields", "name at least one payload path")
+            for path in rule.fields:
+                if not PATH_RE.match(path):
+                    problems.add(f"{where}.fields", f"expected a dotted payload path, got {path!r}")
+            if rule.subject != "aggregate_id":
+                path = rule.subject.removeprefix("payload.")
+                if not rule.subject.startswith("payload.") or not PATH_RE.match(path):
+                    problems.add(f"{where}.subject", f"expected `aggregate_id` or `payload.<path>`, got "
+                                 f"{rule.subject!r}")
+                elif any(path == f or path.startswith(f + ".") for f in rule.fields):
+                    problems.add(f"{where}.subject", f"the subject {rule.subject!r} is one of the encrypted fields")
+        if agg.protect and cfg.snapshots.enabled:
+            # a snapshot's state is sealed whole under the aggregate id's key (kafold.protect): one subject per
+            # state, and the keys reach only in-process runs
+            if any(rule.subject != "aggregate_id" for rule in agg.protect):
+                problems.add(f"aggregates[{i}].protect", "snapshots of aggregates with protected fields are supported "
+                             "only when every rule's subject is `aggregate_id` (a state would mix several subjects' "
+                             "data): set [snapshots] enabled = false")
+            elif cfg.snapshots.engine != "local":
+                problems.add("snapshots.engine", f"aggregate {agg.name!r} has protected fields: its snapshots run "
+                             "in process only (Spark executors have no keys): set [snapshots] engine = \"local\"")
+        if agg.protect and cfg.daemon.task_processes:
+            problems.add(f"aggregates[{i}].protect", "protected fields are not decrypted in task processes yet: set "
+                         "[daemon] task_processes = false")
+        if agg.protect and cfg.privacy.master_key is None and not problems.mentions("privacy.master_key"):
+            problems.add("privacy.master_key", "protected fields need a master key: privacy.master_key_env or "
+                         "privacy.master_key_file")
 
 
 def _check_postgres(pg: PostgresConfig, problems: Problems) -> None:
@@ -308,6 +449,21 @@ def _check_postgres(pg: PostgresConfig, problems: Problems) -> None:
             _check_file(getattr(pg, key), f"postgres.{key}", problems)
     if (pg.sslcert is None) != (pg.sslkey is None):
         problems.add("postgres.sslkey", "give both sslcert and sslkey (certificate authentication) or neither")
+
+
+def _check_registry(reg: RegistryConfig, problems: Problems) -> None:
+    """An http(s) URL without credentials in it; a password only with a user name; the CA file exists."""
+    if reg.url:
+        parts = urlsplit(reg.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            problems.add("registry.url", f"expected an http(s):// URL naming a host, got {reg.url!r}")
+        if parts.username or parts.password:
+            problems.add("registry.url", "the URL carries credentials; use registry.username and "
+                         "registry.password_env or registry.password_file")
+    if reg.password is not None and not reg.username:
+        problems.add("registry.username", "a registry password is set without a user name")
+    if reg.ssl_ca_location:
+        _check_file(reg.ssl_ca_location, "registry.ssl_ca_location", problems)
 
 
 def _check_advertised_url(url: str, problems: Problems) -> None:
@@ -408,6 +564,7 @@ def parse(text: str, path: Path, environ: dict[str, str] | None = None) -> Loade
         _check_refs(cfg, problems)
         _check_connectors(cfg, problems, path.parent)
         _check_faust_modules(cfg, problems, path.parent)
+        _check_registry(cfg.registry, problems)
         cfg = _inherit_upcasters(cfg, problems)
         _check_upcasters(cfg, problems, path.parent)
     if problems.items:

@@ -60,6 +60,16 @@ class AggregateDomain:
     state_from_json: Callable[[Any], Any]
     on_fold_error: FoldErrorPolicy = FoldErrorPolicy.STOP
     fingerprint: str = ""  # what the fold is (`fingerprint`): snapshots of another one are refused
+    # Protected fields (kafold.protect): `protector` seals decide's events; `unseal(type, aggregate_id, payload)`
+    # opens a stored payload before upcasters and evolve, on every read path (kafold.fold). None: nothing protected.
+    protector: Any = None
+    unseal: Callable[[str, str, dict[str, Any]], dict[str, Any]] | None = None
+
+    def protected(self, protector: Any) -> AggregateDomain:
+        """This domain sealing and opening its protected fields with `protector` (None: unchanged)."""
+        if protector is None or protector.for_aggregate(self.name) is None:
+            return self
+        return dataclasses.replace(self, protector=protector, unseal=protector.for_aggregate(self.name))
 
     @property
     def event(self) -> Callable[..., Any]:

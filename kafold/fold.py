@@ -65,8 +65,10 @@ class FoldError(KafoldError):
 
 def domain_event(kernel: Kernel, body: Any) -> Any:
     """The domain event of a read event body (`fields`), as every path reads it: the live path, replays, snapshot
-    runs and `state get` all call this."""
-    return kernel.event(body.type, body.payload, body.schema_version)
+    runs and `state get` all call this. Protected fields are opened first (kafold.protect), before upcasters."""
+    unseal = getattr(kernel, "unseal", None)
+    payload = body.payload if unseal is None else unseal(body.type, body.aggregate_id, body.payload)
+    return kernel.event(body.type, payload, body.schema_version)
 
 
 class Parked:
@@ -131,6 +133,7 @@ class Folder(Generic[H]):
         held = self.held
         entries, new, add, note = held.entries, held.new, held.add, held.note
         read, make, evolve = fields, self.domain.event, self.domain.evolve
+        unseal = getattr(self.domain, "unseal", None)  # protected fields (kafold.protect), opened before upcasters
         folded = skipped = 0
         for offset, key, value in zip(offsets, keys, values, strict=True):
             aid = body = None
@@ -157,7 +160,8 @@ class Folder(Generic[H]):
                 state = entry.state
                 if state is UNSET:
                     state = held.thaw(entry)
-                state = evolve(state, make(body.type, body.payload, body.schema_version))  # as domain_event
+                payload = body.payload if unseal is None else unseal(body.type, aid, body.payload)
+                state = evolve(state, make(body.type, payload, body.schema_version))  # as domain_event
                 cause = body.causation_id
                 if cause:
                     note(entry, aid, cause, body.occurred_at, version, body.event_id)

@@ -296,6 +296,8 @@ def reference(cls: type, heading: str, depth: int = 3, *, shared: type | None = 
             key = f"`{f.name}`"
             if f.default is not _MISSING:
                 default = "—" if f.default is None else f"`{toml_value(f.default)}`"
+            elif f.default_factory is not _MISSING and dataclasses.is_dataclass(tp):
+                default = "see below"  # a nested table: its keys have their own table
             elif f.default_factory is not _MISSING:
                 default = f"`{toml_value(f.default_factory())}`"  # type: ignore[operator]
             else:

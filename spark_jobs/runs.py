@@ -26,7 +26,7 @@ from typing import Any
 
 from kafold import kafka_clients, logs
 from kafold.config import AggregateConfig, KafkaConfig
-from kafold.errors import FatalError
+from kafold.errors import ConfigError, FatalError
 from kafold.snapshot import kafka_io
 from kafold.snapshot.fold import Domain
 from kafold.snapshot.partition import (
@@ -232,6 +232,9 @@ def run(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], spark:
         reporter: Reporter | None = None) -> JobResult:
     """Snapshot one aggregate type with the engine `engine` asks for; `spark()` gives the SparkSession (started
     only when a run needs it). The result's duration is the whole run but the SparkSession's start."""
+    if agg.protect and engine != "local":  # the keys of protected fields reach only in-process runs
+        raise ConfigError([f"aggregate {agg.name!r} has protected fields: its snapshots run in process only: "
+                           f"--engine local (or [snapshots] engine = \"local\"), not {engine!r}"])
     began = time.monotonic()
     planned: Plan | None = None
     if engine == "spark":

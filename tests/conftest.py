@@ -10,7 +10,7 @@ import pytest
 pytest_plugins = ["kafold.testing.fixtures"]
 
 # Fixtures that reach a real service; tests using them are marked `integration` automatically.
-SERVICE_FIXTURES = frozenset({"dev_stack", "kafka_bootstrap", "pg_url", "kafka_config", "pg_config"})
+SERVICE_FIXTURES = frozenset({"dev_stack", "kafka_bootstrap", "pg_url", "kafka_config", "pg_config", "registry_url"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -32,3 +32,21 @@ def _restore_logging() -> Iterator[None]:
         structlog.reset_defaults()
     root = logging.getLogger()
     root.handlers[:] = [h for h in root.handlers if type(h) is not logging.StreamHandler]
+
+
+@pytest.fixture(scope="session")
+def registry_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Apicurio Registry's Confluent-compatible URL: `$KAFOLD_TEST_REGISTRY_URL` (e.g. from `kafold dev up
+    --registry`), else one started for the session (built from Maven Central on first use)."""
+    import os
+
+    if os.environ.get("KAFOLD_TEST_REGISTRY_URL"):
+        yield os.environ["KAFOLD_TEST_REGISTRY_URL"]
+        return
+    from kafold.registry_server import start
+
+    reg = start(tmp_path_factory.mktemp("registry"))
+    try:
+        yield reg.url
+    finally:
+        reg.stop()

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from kafold import kafka_clients
+from kafold import kafka_clients, tracing
 from kafold.config import KafkaConfig
 from kafold.connectors.effects.policy import EffectError, PermanentEffectError, RetriableEffectError
 from kafold.connectors.effects.settings import (
@@ -108,6 +108,8 @@ class Webhook(Effect):
         headers = [("webhook-id", event.event_id), ("webhook-timestamp", str(ts))]
         if self.secrets:
             headers.append(("webhook-signature", sign(event.event_id, ts, body, self.secrets)))
+        if tracing.tracer() is not None:  # the executor's effect span is current: the receiver continues the trace
+            headers += [(k, v.decode()) for k, v in tracing.inject()]
         try:
             resp = await self.client.post(body, headers)
         except TimeoutError as e:

@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from kafold import logs
+from kafold import logs, tracing
 from kafold.connectors.api import SinkRecord, TopicPartition
 from kafold.connectors.effects.circuit import CLOSED, Circuit
 from kafold.connectors.effects.drivers import Effect
@@ -270,7 +270,11 @@ class Executor:
             t0 = time.perf_counter()
             try:
                 async with self._sem:
-                    await self.effect.run(item.record.event)
+                    tracer = tracing.tracer()
+                    if tracer is None:
+                        await self.effect.run(item.record.event)
+                    else:
+                        await self._run_traced(tracer, item)
             except asyncio.CancelledError:
                 if probe:  # the probe's answer never came: the next one goes out after the backoff
                     self.circuit.record(True, probe=True)
@@ -293,6 +297,17 @@ class Executor:
             item.attempts += 1
             latency = (time.perf_counter() - t0) * 1000
             return Attempted(True, Outcome(item.record, "succeeded", 1, item.first_at, at, latency, None, now()))
+
+    async def _run_traced(self, tracer: Any, item: Item) -> None:
+        """The effect in a span, child of its record's trace context (noted by the runner); a webhook request
+        carries the span's `traceparent` (drivers.py)."""
+        r = item.record
+        with tracer.start_as_current_span(f"effect {self.name}", context=tracing.extract(
+                tracing.recall(r.topic, r.partition, r.offset)), attributes={
+                    "kafold.connector": self.name, "kafold.event_id": r.event.event_id,
+                    "kafold.attempt": item.attempts + 1}):
+            await self.effect.run(r.event)
+        tracing.forget(r.topic, r.partition, r.offset)  # delivered: no later attempt needs it
 
     def _complete(self, item: Item) -> None:
         """Any thread: the record's offset may be committed now (unless its partition was revoked)."""

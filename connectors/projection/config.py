@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,8 @@ _REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 class OnEvent:
     """What one event type does to its row."""
 
-    type: str = setting(doc="Event type this rule handles.")
+    type: Any = setting(doc="Event type this rule handles, or a list of types sharing the rule (e.g. "
+                        "[\"create\", \"update\", \"read\"] for Debezium; expanded to one rule each at load).")
     action: str = setting("upsert", doc="upsert: create or change the row; update: change it only if it "
                           "exists; delete: remove it.", choices=ACTIONS)
     set: dict[str, Any] = setting(factory=dict, doc="column = \"payload.path\" | envelope field | "
@@ -53,6 +55,13 @@ class ProjectionConfig:
     create_table: bool = setting(True, doc="Create the table when it does not exist.")
 
     def __post_init__(self) -> None:
+        bad = [f"on[{i}].type: expected an event type or a non-empty list of them, got {r.type!r}"
+               for i, r in enumerate(self.on) if not _types_ok(r.type)]
+        if bad:
+            raise ValueError("; ".join(bad))
+        if any(isinstance(r.type, list | tuple) for r in self.on):  # one rule per type from here on
+            object.__setattr__(self, "on", [dataclasses.replace(r, type=t) for r in self.on
+                                            for t in ([r.type] if isinstance(r.type, str) else r.type)])
         problems = list(_problems(self))
         if problems:
             raise ValueError("; ".join(problems))
@@ -67,6 +76,11 @@ class ProjectionConfig:
         if self.mapper:
             return frozenset(self.mapper_types) or None
         return frozenset(rule.type for rule in self.on)
+
+
+def _types_ok(tp: Any) -> bool:
+    return (isinstance(tp, str) and bool(tp)) or (isinstance(tp, list | tuple) and bool(tp)
+                                                  and all(isinstance(t, str) and t for t in tp))
 
 
 def _problems(c: ProjectionConfig) -> list[str]:

@@ -25,6 +25,7 @@ from psycopg.rows import dict_row
 from kafold import db
 from kafold.config import PostgresConfig
 from kafold.connectors.api import SinkRecord
+from kafold.connectors.convert.api import Converter
 from kafold.connectors.dlq import stored_headers
 from kafold.connectors.intake import Intake
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
@@ -72,10 +73,10 @@ class Release:
     connector's holds lock."""
 
     def __init__(self, pgc: PostgresConfig, name: str, config: ProjectionConfig, mapping: Mapping,
-                 repair: str, upcaster: Upcaster = NONE) -> None:
+                 repair: str, upcaster: Upcaster = NONE, converter: Converter | None = None) -> None:
         self.pgc, self.name, self.config, self.mapping = pgc, name, config, mapping
         # A replayed dead letter goes through the connector's one intake, as if read live (unknown types refused).
-        self.intake = Intake(name, mapping.handles, "dead-letter", upcaster)
+        self.intake = Intake(name, mapping.handles, "dead-letter", upcaster, converter=converter)
         self.repair = repair  # the command that rebuilds the projection (named in "skipped as stale")
         self.writer = ProjectionWriter(pgc, config, mapping, name)
         self._dead = db.table(pgc, "dead_letters")
@@ -181,13 +182,15 @@ class Release:
         applied; with `mark_always` also when skipped as a duplicate or stale, which ends its hold)."""
         where = self._where(r)
         try:
-            event = self.intake.event(r["key"], r["value"], stored_headers(r["headers"]))
+            event = self.intake.event(r["key"], r["value"], stored_headers(r["headers"]), topic=r["topic"],
+                                      partition=r["partition"], offset=r["offset"])
         except UnknownTypeError as e:  # "unknown event type 'X'"
             return Outcome(r["id"], where, "refused",
                            f"still refused: the projection does not handle {str(e).removeprefix('unknown ')}")
         except RecordError as e:
             return Outcome(r["id"], where, "refused", f"still refused: {e}")
-        assert event is not None  # "dead-letter": an unhandled type raises
+        if event is None:  # "dead-letter": an unhandled type raises; a converter found no event (a tombstone)
+            return Outcome(r["id"], where, "refused", "still refused: the record carries no event")
         record = SinkRecord(r["topic"], r["partition"], r["offset"], event.aggregate_id, event)
 
         def refuse(bad: Any) -> None:

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kafold.connectors.api import SinkRecord, TopicPartition
-from kafold.connectors.projection.writer import BatchResult, DeadLetter, Prepared, Report
+from kafold.connectors.projection.fold import BatchResult, Prepared
+from kafold.connectors.projection.writer import DeadLetter, Report
 from kafold.errors import RetriableError
 
 POLL_S = 0.02

@@ -73,8 +73,9 @@ import psycopg
 from psycopg import sql
 
 from kafold import db, kafka_clients, logs, upcast
-from kafold.config import KafkaConfig, KafoldConfig, PostgresConfig, python_path
+from kafold.config import ConnectorConfig, KafkaConfig, KafoldConfig, PostgresConfig, RegistryConfig, python_path
 from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition
+from kafold.connectors.convert import converter_for
 from kafold.connectors.dlq import stored_headers
 from kafold.connectors.intake import Intake
 from kafold.connectors.projection import sql as q
@@ -82,12 +83,11 @@ from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.connector import ProjectionConnector
 from kafold.connectors.projection.mapping import Mapping, load_mapper
 from kafold.connectors.projection.rebuild_state import ACTIVE, offsets
+from kafold.connectors.projection.shadow_writer import Rewind, ShadowWriter
 from kafold.connectors.projection.task import tune_interpreter
 from kafold.connectors.projection.writer import (
     DeadLetter,
     Prepared,
-    ProjectionWriter,
-    Rewind,
     holds_lock,
     tracking_key,
     tracking_prefix,
@@ -152,12 +152,15 @@ class Plan:
     on_unknown: str
     python_path: tuple[str, ...] = ()  # the config's `daemon.python_path`, resolved: a copy worker imports the mapper
     upcasters: tuple[UpcasterConfig, ...] = ()  # the connector's, as configured (built where they are used)
+    settings: ConnectorConfig | None = None  # the connector's settings: its converter (connectors.convert)
+    registry: RegistryConfig | None = None  # the config's [registry], for the Schema Registry converters
 
     @functools.cached_property
     def intake(self) -> Intake:
         """The connector's one decode-and-intake (connectors.intake): the rebuild sees what the live runner sees."""
         return Intake(self.name, self.mapping.handles, self.on_unknown,
-                      upcast.build(self.upcasters, f"connector {self.name!r}"))
+                      upcast.build(self.upcasters, f"connector {self.name!r}"),
+                      converter=converter_for(self.settings, self.registry) if self.settings is not None else None)
 
     @property
     def shadow(self) -> str:
@@ -213,7 +216,7 @@ def plan(cfg: KafoldConfig, base: Path, name: str) -> Plan:
         pc: ProjectionConfig = connector.config
         mapping = Mapping(pc, load_mapper(pc.mapper) if pc.mapper else None)
     return Plan(name, cfg.kafka, cfg.postgres, pc, mapping, tuple(settings.topics), settings.on_unknown_type,
-                tuple(paths.paths), tuple(settings.upcasters))
+                tuple(paths.paths), tuple(settings.upcasters), settings, cfg.registry)
 
 
 class _NotYet(RetriableError):
@@ -314,10 +317,9 @@ class Rebuild:
         # The rebuild is the shadow's only writer (its copy workers each their own partitions' keys, one after the
         # other with this process): rows it wrote are not read back (see ProjectionWriter's cache).
         # With the version guard it deduplicates by version (tombstones for deleted rows), not by tracking records,
-        # and its commits do not wait for the WAL flush: see ProjectionWriter's `track` and `durable`.
-        self.writer = ProjectionWriter(plan.pgc, plan.config, plan.mapping, plan.key, plan.key, plan.shadow,
-                                       cache_rows=SHADOW_CACHE_ROWS, track=not plan.config.version_guard,
-                                       durable=False)
+        # and its commits do not wait for the WAL flush: see ProjectionWriter's `track` and shadow_writer.py.
+        self.writer = ShadowWriter(plan.pgc, plan.config, plan.mapping, plan.key, plan.shadow,
+                                   cache_rows=SHADOW_CACHE_ROWS, track=not plan.config.version_guard)
         self.positions: dict[TopicPartition, int] = {}
         self.assigned: set[TopicPartition] = set()
         self.ahead: dict[TopicPartition, list[Any]] = {}  # messages at or past the target, in order (tail phase)
@@ -654,7 +656,7 @@ class Rebuild:
         return True
 
     def _rewind(self, consumer: Any, why: Rewind) -> None:
-        """What was folded ahead cannot be written as folded (see ProjectionWriter.fold_ahead): nothing of it was.
+        """What was folded ahead cannot be written as folded (see ShadowWriter.fold_ahead): nothing of it was.
         Read again from the stored checkpoints and write batch by batch from now on, which isolates the events
         at fault as a live writer does."""
         self.folding = False

@@ -7,12 +7,16 @@ the rows (see writer.py). `open` seeks each newly assigned partition to its stor
 there is none), so whatever Kafka's consumer group says, no event is skipped and none is applied twice.
 
 Pipelining (see pipeline.py): `put` waits for the previous batch's write, then hands its batch to the writer
-thread and returns, so the runner decodes batch N+1 while batch N's transaction runs. `pre_commit` returns only
-offsets already stored in PostgreSQL (the runner commits those to Kafka), never those of the write in flight;
-while a write is in flight it asks the runner for another commit cycle (`request_commit`), so the offsets reach
-Kafka at the next poll at the latest. Offsets of records that never reached `put` (dead-lettered or skipped by the
-runner) are stored with the next write (`hint`: what `pre_commit` was offered, which covers only records already
-handed over) or, when no write is in flight, by a small write in `pre_commit` itself.
+thread and returns, so the runner decodes batch N+1 while batch N's transaction runs.
+
+Kafka's commit only follows PostgreSQL (`stores_offsets`): the runner calls `pre_commit` on a timer
+(`[daemon] offset_flush_interval_ms`, as Kafka Connect's `offset.flush.interval.ms`) and on revoke and stop, not
+after every batch. `pre_commit` returns only offsets already stored in PostgreSQL (the runner commits those to
+Kafka), never those of the write in flight; they go with the next timed commit. So the group's offset never passes
+PostgreSQL's, and may lag it by about one interval, which costs nothing: `open` seeks to the stored checkpoints
+whatever the group says. Offsets of records that never reached `put` (dead-lettered or skipped by the runner) are
+stored with the next write (`hint`: what `pre_commit` was offered while a write was in flight, which covers only
+records already handed over) or, when no write is in flight, by a small write in `pre_commit` itself.
 
 Errors of a write in the worker surface at the next `put` (or `pre_commit`). RetriableError: the failed batch is
 kept and `put` redoes it synchronously, before the new batch; while that fails `put` raises RetriableError, the
@@ -42,10 +46,11 @@ from kafold.connectors.api import (
     TopicPartition,
 )
 from kafold.connectors.projection.config import ProjectionConfig
+from kafold.connectors.projection.fold import BatchResult
 from kafold.connectors.projection.mapping import Mapping as EventMapping
 from kafold.connectors.projection.mapping import load_mapper
 from kafold.connectors.projection.pipeline import Job, WriteAhead
-from kafold.connectors.projection.writer import BatchResult, DeadLetter, ProjectionWriter, Report, elapsed_ms
+from kafold.connectors.projection.writer import DeadLetter, ProjectionWriter, Report, elapsed_ms
 from kafold.errors import FatalError, RetriableError
 from kafold.retry import retrying
 
@@ -80,6 +85,8 @@ def tune_interpreter() -> None:
 
 class ProjectionSinkTask(SinkTask):
     """Projects events into one PostgreSQL table with exactly-once checkpoints."""
+
+    stores_offsets = True  # its checkpoints in PostgreSQL; Kafka's commit follows on a timer (see the note above)
 
     def start(self, task_config: TaskConfig[ProjectionConfig], context: SinkTaskContext) -> None:
         self.context = context
@@ -168,8 +175,7 @@ class ProjectionSinkTask(SinkTask):
         offered = {tp: off for tp, off in offsets.items() if off >= 0}
         if not self.pipe.done():
             self.pipe.serve()
-            self.hint = {**self.hint, **offered}
-            self.context.request_commit()  # come back at the next poll for the offsets of the write in flight
+            self.hint = {**self.hint, **offered}  # stored with the next write; committed at a later flush
             return self._stored_of(offered)
         self._settle()
         self._raise_fatal()

@@ -1,5 +1,9 @@
 """ProjectionWriter: applies a batch of events to PostgreSQL in ONE transaction, set-based, exactly once.
 
+The fold of a batch onto the rows read (version guard, tombstones, outcomes) is fold.py's, pure; this module reads
+and writes around it. A rebuild's shadow table has its own writer on top of this one (shadow_writer.py: folding
+ahead).
+
 Note on offsets and commits
 ---------------------------
 Per batch, one transaction: (1) the batch's tracking keys go into the tracking table with ON CONFLICT DO NOTHING,
@@ -61,7 +65,7 @@ import itertools
 import operator
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -71,81 +75,35 @@ from psycopg.types.json import Jsonb
 
 from kafold import db, logs
 from kafold.config import PostgresConfig
-from kafold.connectors.api import Outcomes, RawRecord, SinkRecord, TopicPartition
+from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition
 from kafold.connectors.dlq import headers_json, pg_text
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
-from kafold.connectors.projection.mapping import UNCHANGED, Mapping, MappingError, Row
+from kafold.connectors.projection.fold import (
+    APPLIED,
+    DEAD,
+    DUPLICATE,
+    STALE,
+    BatchResult,
+    Candidates,
+    Folded,
+    Prepared,
+    candidates,
+    empty,
+    fold,
+    next_offsets,
+    prepare,
+    tally,
+)
+from kafold.connectors.projection.mapping import Mapping, MappingError, Row
 from kafold.errors import ConfigError, FatalError, RecordError, RetriableError
 
 log = logs.get(__name__)
 
 DeadLetter = tuple[RawRecord, BaseException]
 Report = Callable[[Sequence[tuple[Any, BaseException]]], None]  # to the DLQ topic, acknowledged on return
-# id(record) -> (tracking key, or the record's id when deduplicating by version; row key)
-Prepared = dict[int, tuple["bytes | int", "tuple[Any, ...] | MappingError"]]
 REJECTED = (psycopg.errors.IntegrityError, psycopg.errors.DataError)
 T = TypeVar("T")
-
-
-@dataclass
-class BatchResult:
-    """What one batch did to the projection."""
-
-    events: int = 0
-    duplicates: int = 0
-    stale: int = 0
-    upserted: int = 0
-    deleted: int = 0
-    unchanged: int = 0
-    dead_lettered: int = 0
-    held: int = 0  # events held behind a dead letter of their row key
-    transactions: int = 0
-    checkpoints: dict[TopicPartition, int] = field(default_factory=dict)
-    # Per (topic, partition), [applied, duplicates, stale, dead-lettered or held] of the events handed over, each
-    # counted where it is decided: the task's offset accounting (SinkTask.outcomes).
-    by_partition: dict[tuple[str, int], list[int]] = field(default_factory=dict)
-
-    def add(self, other: BatchResult) -> None:
-        for name in ("events", "duplicates", "stale", "upserted", "deleted", "unchanged", "dead_lettered", "held",
-                     "transactions"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.checkpoints.update(other.checkpoints)
-        for k, counts in other.by_partition.items():
-            mine = self.by_partition.setdefault(k, [0, 0, 0, 0])
-            for i, n in enumerate(counts):
-                mine[i] += n
-
-    def outcomes(self) -> dict[TopicPartition, Outcomes]:
-        """`by_partition` as the SinkTask contract has it."""
-        return {TopicPartition(*k): Outcomes(*counts) for k, counts in self.by_partition.items()}
-
-
-APPLIED, DUPLICATE, STALE, DEAD = range(4)  # slots of BatchResult.by_partition
-
-
-def _tally(into: dict[tuple[str, int], list[int]], records: Iterable[Any], slot: int) -> None:
-    """Count `records` (SinkRecords or RawRecords) per partition into `slot` of BatchResult.by_partition."""
-    for r in records:
-        counts = into.get((r.topic, r.partition))
-        if counts is None:
-            counts = into[(r.topic, r.partition)] = [0, 0, 0, 0]
-        counts[slot] += 1
-
-
-@dataclass
-class _Folded:
-    """A batch folded onto the rows it read: the rows after it (None: removed), and what it skipped or refused;
-    deduplicating by version, the tombstones this batch made or raised (`buried`)."""
-
-    state: dict[tuple[Any, ...], Row | None]
-    loaded: dict[tuple[Any, ...], Row]
-    stale: int
-    unchanged: int
-    bad: list[tuple[SinkRecord, RecordError]]
-    buried: dict[tuple[Any, ...], int] = field(default_factory=dict)
-    stale_records: list[SinkRecord] = field(default_factory=list)
-    applied: dict[tuple[str, int], int] = field(default_factory=dict)  # events folded in, per (topic, partition)
 
 
 class _HoldsChanged(Exception):
@@ -154,16 +112,6 @@ class _HoldsChanged(Exception):
 
 class _Duplicates(Exception):
     """The batch holds events already applied, which the optimistic transaction did not expect; redo it."""
-
-
-class Rewind(Exception):
-    """A fold ahead could not be written as folded (an event the mapping refused, a row PostgreSQL rejected, a held
-    key): nothing of it was (`events` of it dropped), and the caller goes back to the stored checkpoints and writes
-    batch by batch."""
-
-    def __init__(self, message: str, events: int) -> None:
-        super().__init__(message)
-        self.events = events
 
 
 class _Bad(Exception):
@@ -182,15 +130,6 @@ def _rejection(e: BaseException) -> str:
     return f"a value holds a NUL character, which PostgreSQL text and jsonb cannot store ({text})" if nul else text
 
 
-def _next_offsets(records: Sequence[SinkRecord]) -> dict[TopicPartition, int]:
-    last: dict[tuple[str, int], int] = {}  # plain tuples: TopicPartition per record costs ~1 µs
-    for r in records:
-        k = (r.topic, r.partition)
-        if last.get(k, -1) <= r.offset:
-            last[k] = r.offset + 1
-    return {TopicPartition(*k): off for k, off in last.items()}
-
-
 def holds_lock(connector: str) -> str:
     """The advisory lock (text, hashed by PostgreSQL) a connector's writer holds shared while it reads held keys."""
     return f"kafold.holds:{connector}"
@@ -204,6 +143,18 @@ def hold_text(key: tuple[Any, ...]) -> str:
 Then = Callable[[psycopg.Connection[Any], "BatchResult"], None]
 
 
+@dataclass
+class _Call:
+    """One `write`'s settings and the dead letters' hold keys it decides, handed down its steps (never kept on the
+    writer: a write's state ends with it)."""
+
+    advance: bool = True  # move the checkpoints to cover the records
+    prepared: Prepared | None = None  # `prepare` of the records, computed on the runner's thread
+    hold: bool = False  # this write holds (holding, and not a release)
+    then: Then | None = None  # runs in each committed transaction, last
+    hold_of: dict[int, tuple[str, str]] = field(default_factory=dict)  # id(error) -> (status, hold_key)
+
+
 def tracking_prefix(namespace: str) -> bytes:
     """What precedes the event id in the hashed tracking key (length-prefixed, so no two pairs collide)."""
     raw = namespace.encode()
@@ -213,33 +164,6 @@ def tracking_prefix(namespace: str) -> bytes:
 def tracking_key(prefix: bytes, event_id: str) -> bytes:
     """The tracking key of an event in a namespace: BLAKE2b-128 of the pair (collision-resistant, unlike md5)."""
     return hashlib.blake2b(prefix + event_id.encode(), digest_size=16).digest()
-
-
-@dataclass
-class _Candidates:
-    """The events of a batch to try: the first of each tracking key, in order, and their row keys (a key error
-    counts only if the event turns out to be new)."""
-
-    first: dict[bytes | int, SinkRecord]  # tracking key (see Prepared) -> record
-    record_keys: dict[int, tuple[Any, ...]]  # id(record) -> row key
-    key_errors: dict[int, MappingError]  # id(record) -> why it has no row key
-    keys: list[tuple[Any, ...]]  # the distinct row keys, in order
-
-
-def _candidates(records: list[SinkRecord], prep: Prepared, skip: set[int]) -> _Candidates:
-    first: dict[bytes | int, SinkRecord] = {}
-    for r in records:
-        if id(r) not in skip:
-            first.setdefault(prep[id(r)][0], r)
-    key_errors: dict[int, MappingError] = {}
-    record_keys: dict[int, tuple[Any, ...]] = {}
-    for r in first.values():
-        k = prep[id(r)][1]
-        if type(k) is tuple:
-            record_keys[id(r)] = k
-        else:
-            key_errors[id(r)] = k  # type: ignore[assignment]
-    return _Candidates(first, record_keys, key_errors, list(dict.fromkeys(record_keys.values())))
 
 
 class _Turns:
@@ -310,15 +234,10 @@ class ProjectionWriter:
         self._checkpoints = db.table(pgc, "checkpoints")
         self._dead = db.table(pgc, "dead_letters")
         self._json: set[str] = set()
-        self._advance = True
         self._optimistic = True  # fold while the tracking insert runs (see _apply); off after duplicates
-        self._prepared: Prepared | None = None
         self._prefix = tracking_prefix(self.namespace)
         self.holding = config.hold_on_dead_letter
         self._held: set[str] = set()  # the connector's held keys as last read (hold_text)
-        self._hold_now = False  # this write holds (holding, and not a release)
-        self._hold_of: dict[int, tuple[str, str]] = {}  # id(error) -> (status, hold_key) of this write's dead letters
-        self._then: Then | None = None
         # Set while this writer is not running Python (waiting for PostgreSQL, or between writes): the task's
         # yield point lets the runner's decoding wait for it, so the batch being written — the slower stage —
         # gets the interpreter first (see task.py). `_turns` is the one place that moves it.
@@ -332,10 +251,7 @@ class ProjectionWriter:
         # least recently written half goes when full.
         self.cache_rows = cache_rows
         self._cache: dict[tuple[Any, ...], Row | int | None] = {}  # int: a tombstone (see _remember)
-        self._folded: dict[tuple[Any, ...], Row | None] = {}  # the attempt's rows, cached once committed
-        self._buried: dict[tuple[Any, ...], int] = {}  # the attempt's tombstones, cached once committed
         self._plain: dict[str, tuple[type, ...]] = {}  # column -> the Python types that read back as-is
-        self._reset_ahead()
 
     # ---- session ----------------------------------------------------------------------------------------
     def connection(self) -> psycopg.Connection[Any]:
@@ -392,126 +308,6 @@ class ProjectionWriter:
         self._plain = {col: _read_back(tp, self.mapping.copies_rows) for col, tp in types.items()}
         return q.TableShape(schema, table, types, tuple(c.key_columns), VERSION_COLUMN)
 
-    # ---- folding ahead (a rebuild's copy) ---------------------------------------------------------------------
-    # Deduplicating by version, a writer that is its table's only writer may fold batch after batch in memory and
-    # write the rows they leave once (`flush`): a key's row is written once per flush instead of once per batch.
-    # The rows, tombstones, dead letters and next offsets folded ahead are written in ONE transaction, so the
-    # stored checkpoints still describe exactly the rows. Only the clean path folds ahead: an event the mapping
-    # refuses, a row PostgreSQL rejects or a held key raises Rewind (nothing written); the caller then reads again
-    # from the stored checkpoints with `write`, which isolates such events batch by batch.
-    def fold_ahead(self, records: Sequence[SinkRecord], dead: Sequence[DeadLetter],
-                   offsets: dict[TopicPartition, int], prepared: Prepared | None = None) -> None:
-        """Fold `records` onto the rows folded so far (reading the rows and tombstones of keys not known yet);
-        nothing is written until `flush`."""
-        assert not self.track and self.cache_rows, "folding ahead deduplicates by version, keeping rows"
-        with self._turns:
-            records = list(records)
-            prep = prepared if prepared is not None else self.prepare(records)
-            todo = _candidates(records, prep, set())
-            pending, base, cache = self._ahead, self._ahead_base, self._cache
-            new_keys = [k for k in todo.keys if k not in pending and k not in cache]
-            found: dict[tuple[Any, ...], Row] = {}
-            gone: dict[tuple[Any, ...], int] = {}
-            if new_keys:
-                conn = self.connection()
-                try:
-                    with self._turns.waiting(conn.pipeline()):
-                        read = self._read_keys(conn, new_keys)
-                    found = self._rows(read[0])
-                    gone = self._tombstones_read(read)
-                except psycopg.OperationalError as e:
-                    self.close()
-                    raise RetriableError(f"PostgreSQL: {e}") from e
-            loaded: dict[tuple[Any, ...], Row] = {}
-            for k in todo.keys:
-                row: Row | None = None
-                if k in pending:
-                    row = pending[k]
-                    if k in self._ahead_buried:
-                        gone[k] = self._ahead_buried[k]
-                else:
-                    got = cache[k] if k in cache else found.get(k)
-                    if type(got) is int:  # a cached tombstone
-                        gone[k] = got
-                    elif got is not None:
-                        row = base[k] = got  # type: ignore[assignment]
-                if row is not None:
-                    loaded[k] = row
-            folded = self._fold(list(todo.first.values()), loaded, todo.record_keys, todo.key_errors, gone)
-            if folded.bad:
-                raise Rewind(f"{len(folded.bad)} event(s) the mapping refused", self.drop_ahead() + len(records))
-            pending.update(folded.state)
-            self._ahead_buried.update(folded.buried)
-            self._ahead_dead += dead
-            for tp, off in self._advance_to(records, offsets).items():
-                self._ahead_offsets[tp] = max(off, self._ahead_offsets.get(tp, 0))
-            self.ahead_events += len(records)
-
-    def flush(self) -> BatchResult:
-        """Write what was folded ahead in one transaction (Rewind: nothing was, and nothing is kept)."""
-        if not self._ahead and not self._ahead_dead and not self._ahead_offsets:
-            return BatchResult()
-        folded = _Folded(self._ahead, self._ahead_base, 0, 0, [], self._ahead_buried)
-        self._hold_of = {}  # its dead letters (undecodable, unknown types) hold no key
-        result = BatchResult(events=self.ahead_events, transactions=1, dead_lettered=len(self._ahead_dead))
-        try:
-            conn = self.connection()
-            with db.transaction(conn):
-                with self._turns:
-                    with self._turns.waiting(conn.pipeline()):
-                        holds = self._read_holds(conn)
-                    try:
-                        self._check_holds(holds)
-                    except _HoldsChanged:
-                        raise Rewind("held keys", self.ahead_events) from None
-                    upserts, deletes = self._stage(conn, folded)
-                result.upserted, result.deleted = self._merge_and_checkpoint(
-                    conn, upserts, deletes, self._ahead_dead, self._ahead_offsets, self._ahead_buried)
-        except REJECTED as e:
-            raise Rewind(f"PostgreSQL rejected a row: {str(e).splitlines()[0]}", self.drop_ahead()) from e
-        except psycopg.OperationalError as e:
-            self.drop_ahead()
-            self.close()
-            raise RetriableError(f"PostgreSQL: {e}") from e
-        except BaseException:
-            self.drop_ahead()
-            raise
-        finally:
-            self.idle.set()
-        result.checkpoints = dict(self._ahead_offsets)
-        self._remember(self._ahead, self._ahead_buried)
-        self._reset_ahead()
-        return result
-
-    def drop_ahead(self) -> int:
-        """Forget what was folded ahead, and the rows kept (they may be what it folded onto); the events dropped."""
-        dropped = self.ahead_events
-        self._reset_ahead()
-        self._cache.clear()
-        return dropped
-
-    def _reset_ahead(self) -> None:
-        self._ahead: dict[tuple[Any, ...], Row | None] = {}  # key -> its row after the events folded ahead
-        self._ahead_base: dict[tuple[Any, ...], Row] = {}  # key -> its stored row before them
-        self._ahead_buried: dict[tuple[Any, ...], int] = {}
-        self._ahead_dead: list[DeadLetter] = []
-        self._ahead_offsets: dict[TopicPartition, int] = {}
-        self.ahead_events = 0
-
-    @property
-    def can_fold_ahead(self) -> bool:
-        """Deduplicating by version, keeping rows, and folding onto rows as PostgreSQL would give them back: a
-        mapper (the user's code) sees each value as read back, so with one every column must read back as written."""
-        if self.track or not self.cache_rows:
-            return False
-        self.connection()  # the table's column types
-        return self.mapping.copies_rows or all(self._plain.get(c) for c in (*self.config.columns, VERSION_COLUMN))
-
-    @property
-    def ahead_rows(self) -> int:
-        """Keys folded ahead, not written yet."""
-        return len(self._ahead)
-
     # ---- offsets ----------------------------------------------------------------------------------------
     def checkpoints(self) -> dict[TopicPartition, int]:
         """The stored next offset of every partition this connector has written."""
@@ -533,16 +329,12 @@ class ProjectionWriter:
         `prepare` gave for (at least) these records, else it is computed here. `hold=False`: neither hold events
         nor make heads (a release, which holds the holds lock itself); `then(conn, result)` runs in each
         committed transaction, last."""
-        self._advance = advance
-        self._prepared = prepared
-        self._hold_now = self.holding and hold
-        self._hold_of = {}
-        self._then = then
+        call = _Call(advance, prepared, self.holding and hold, then)
         if report is not None:  # reporting waits for the runner's thread: never make it wait for us meanwhile
             report = self._turns.handing_over(report)
         try:
             try:
-                return self._isolating(list(records), list(dead), dict(offsets or {}), report)
+                return self._isolating(call, list(records), list(dead), dict(offsets or {}), report)
             except BaseException:
                 self._cache.clear()  # rows kept may be what a rolled-back transaction wrote
                 raise
@@ -555,11 +347,11 @@ class ProjectionWriter:
         finally:
             self.idle.set()
 
-    def _isolating(self, records: list[SinkRecord], dead: list[DeadLetter], offsets: dict[TopicPartition, int],
-                   report: Report | None) -> BatchResult:
+    def _isolating(self, call: _Call, records: list[SinkRecord], dead: list[DeadLetter],
+                   offsets: dict[TopicPartition, int], report: Report | None) -> BatchResult:
         """One transaction; on a rejected row, bisect in order so each committed part covers a prefix."""
         try:
-            return self._transaction(records, dead, offsets, report)
+            return self._transaction(call, records, dead, offsets, report)
         except REJECTED as e:
             if len(records) <= 1:
                 if not records:
@@ -569,130 +361,119 @@ class ProjectionWriter:
                                     f"{bad.event.event_id}: {_rejection(e)}", raw=bad, reason="db-rejected")
                 if report is not None:
                     report([(bad, error)])
-                head = self._head_text(bad)
+                head = self._head_text(call, bad)
                 if head is not None:
-                    self._hold_of[id(error)] = ("new", head)
-                done = self._transaction([], [*dead, (RawRecord.of(bad), error)],
+                    call.hold_of[id(error)] = ("new", head)
+                done = self._transaction(call, [], [*dead, (RawRecord.of(bad), error)],
                                          {**offsets, bad.tp: bad.offset + 1}, None)
                 if head is not None:
                     self._held.add(head)  # committed: the key's later events are held from now on
                 done.dead_lettered += 1
-                _tally(done.by_partition, [bad], DEAD)
+                tally(done.by_partition, [bad], DEAD)
                 return done
             half = len(records) // 2
-            result = self._isolating(records[:half], dead, {}, report)
-            result.add(self._isolating(records[half:], [], offsets, report))
+            result = self._isolating(call, records[:half], dead, {}, report)
+            result.add(self._isolating(call, records[half:], [], offsets, report))
             return result
 
-    def _transaction(self, records: list[SinkRecord], dead: list[DeadLetter], offsets: dict[TopicPartition, int],
-                     report: Report | None) -> BatchResult:
+    def _transaction(self, call: _Call, records: list[SinkRecord], dead: list[DeadLetter],
+                     offsets: dict[TopicPartition, int], report: Report | None) -> BatchResult:
         excluded: list[SinkRecord] = []
         heads: dict[str, int] = {}  # row keys this batch's dead letters hold back -> index of the head in records
         while True:
             try:
                 conn = self.connection()
-                self._folded, self._buried = {}, {}
                 with db.transaction(conn):
-                    result = self._apply(conn, records, excluded, dead, offsets, self._prepared, heads)
+                    result, folded = self._apply(conn, call, records, excluded, dead, offsets, heads)
                 self._held.update(heads)  # committed with their heads
-                if self.cache_rows and self._folded:
-                    self._remember(self._folded, self._buried)
+                if self.cache_rows and folded.state:  # the attempt's rows and tombstones, once committed
+                    self._remember(folded.state, folded.buried)
                 return result
             except (_Duplicates, _HoldsChanged):  # rolled back: do it again (expecting duplicates / the keys read)
                 continue
             except _Bad as e:  # rolled back: do it again without them, dead-lettered
-                bad = self._heads(records, e.bad, heads)
+                bad = self._heads(call, records, e.bad, heads)
                 if report is not None and bad:
                     report(bad)
                 excluded += [r for r, _ in bad]
                 dead = [*dead, *((RawRecord.of(r), err) for r, err in bad)]
 
-    def _head_text(self, record: SinkRecord) -> str | None:
+    def _head_text(self, call: _Call, record: SinkRecord) -> str | None:
         """The hold key a dead letter of `record` would hold back (None: not holding, or no row key)."""
-        if not self._hold_now:
+        if not call.hold:
             return None
         try:
             return hold_text(self.mapping.key(record.event))
         except MappingError:
             return None
 
-    def _heads(self, records: list[SinkRecord], bad: list[tuple[SinkRecord, RecordError]],
+    def _heads(self, call: _Call, records: list[SinkRecord], bad: list[tuple[SinkRecord, RecordError]],
                heads: dict[str, int]) -> list[tuple[SinkRecord, RecordError]]:
         """The refused events that become dead letters (each the head of its row key when holding); one of a key
         already held, or behind an earlier refused one, is left out: the redo holds it."""
-        if not self._hold_now:
+        if not call.hold:
             return bad
         at = {id(r): i for i, r in enumerate(records)}
         out: list[tuple[SinkRecord, RecordError]] = []
         for r, err in bad:
-            text = self._head_text(r)
+            text = self._head_text(call, r)
             if text is not None:
                 if text in self._held or text in heads:
                     continue
                 heads[text] = at[id(r)]
-                self._hold_of[id(err)] = ("new", text)
+                call.hold_of[id(err)] = ("new", text)
             out.append((r, err))
         return out
 
     def prepare(self, records: Sequence[SinkRecord]) -> Prepared:
         """Per record (by id): its tracking key and its row key (or the MappingError). Pure, thread-safe: the
         task computes it on the runner's thread while the previous batch is being written."""
-        prefix, hashed, key_of = self._prefix, hashlib.blake2b, self.mapping.key
-        out: Prepared = {}
-        for r in records:
-            try:
-                key: tuple[Any, ...] | MappingError = key_of(r.event)
-            except MappingError as e:
-                key = e
-            # Deduplicating by version, every record is a candidate: its identity stands for the tracking key.
-            out[id(r)] = (hashed(prefix + r.event.event_id.encode(), digest_size=16).digest() if self.track
-                          else id(r), key)
-        return out
+        return prepare(self.mapping, records, self._prefix if self.track else None)
 
-    def _apply(self, conn: psycopg.Connection[Any], records: list[SinkRecord], excluded: list[SinkRecord],
-               dead: list[DeadLetter], offsets: dict[TopicPartition, int],
-               prepared: Prepared | None, heads: dict[str, int]) -> BatchResult:
+    def _apply(self, conn: psycopg.Connection[Any], call: _Call, records: list[SinkRecord],
+               excluded: list[SinkRecord], dead: list[DeadLetter], offsets: dict[TopicPartition, int],
+               heads: dict[str, int]) -> tuple[BatchResult, Folded]:
         """One transaction of the protocol in the module note: hold → track → read → fold → stage in Python's turn,
-        then merge → checkpoint in PostgreSQL's (the caller commits)."""
+        then merge → checkpoint in PostgreSQL's (the caller commits); what it did, and the batch folded."""
         result = BatchResult(events=len(records), transactions=1, dead_lettered=len(dead))
         skip = {id(r) for r in excluded}
         with self._turns:
-            prep = prepared if prepared is not None else self.prepare(records)
-            if self._hold_now and (self._held or heads):
-                held = self._held_records(records, prep, skip, heads)
+            prep = call.prepared if call.prepared is not None else self.prepare(records)
+            if call.hold and (self._held or heads):
+                held = self._held_records(call, records, prep, skip, heads)
                 result.held = len(held)
-                _tally(result.by_partition, (raw for raw, _ in held), DEAD)
+                tally(result.by_partition, (raw for raw, _ in held), DEAD)
                 dead = [*dead, *held]
-            todo = _candidates(records, prep, skip)
+            todo = candidates(records, prep, skip)
             if todo.first:
-                fresh, folded = self._track_read_fold(conn, todo) if self.track else self._read_fold(conn, todo)
-                self._folded, self._buried = folded.state, folded.buried
+                fresh, folded = (self._track_read_fold(conn, call.hold, todo) if self.track
+                                 else self._read_fold(conn, call.hold, todo))
             else:
-                if self._hold_now and result.held:  # nothing to apply, events to hold: under the lock, keys read
+                if call.hold and result.held:  # nothing to apply, events to hold: under the lock, keys read
                     self._check_holds(self._read_holds(conn))
-                fresh, folded = [], _Folded({}, {}, 0, 0, [])
+                fresh, folded = [], empty()
             result.duplicates = len(records) - len(skip) - len(fresh)
             result.stale, result.unchanged = folded.stale, folded.unchanged
             if result.duplicates:
                 handled = skip | {id(r) for r in fresh}
-                _tally(result.by_partition, (r for r in records if id(r) not in handled), DUPLICATE)
-            _tally(result.by_partition, folded.stale_records, STALE)
-            _tally(result.by_partition, excluded, DEAD)
+                tally(result.by_partition, (r for r in records if id(r) not in handled), DUPLICATE)
+            tally(result.by_partition, folded.stale_records, STALE)
+            tally(result.by_partition, excluded, DEAD)
             for k, n in folded.applied.items():
                 result.by_partition.setdefault(k, [0, 0, 0, 0])[APPLIED] += n
             if folded.bad:
                 raise _Bad(folded.bad)
             upserts, deletes = self._stage(conn, folded)
-            advance = self._advance_to(records, offsets)
+            advance = self._advance_to(records, offsets, call.advance)
         result.upserted, result.deleted = self._merge_and_checkpoint(conn, upserts, deletes, dead, advance,
-                                                                     folded.buried)
+                                                                     folded.buried, call.hold_of)
         result.checkpoints = advance
-        if self._then is not None:
-            self._then(conn, result)
-        return result
+        if call.then is not None:
+            call.then(conn, result)
+        return result, folded
 
-    def _track_read_fold(self, conn: psycopg.Connection[Any], todo: _Candidates
-                         ) -> tuple[list[SinkRecord], _Folded]:
+    def _track_read_fold(self, conn: psycopg.Connection[Any], hold: bool, todo: Candidates
+                         ) -> tuple[list[SinkRecord], Folded]:
         """Steps (1)-(3) of the note, in the optimistic order or the safe one: the new events, folded."""
         optimistic = self._optimistic and bool(todo.keys)
         first = todo.first
@@ -700,9 +481,9 @@ class ProjectionWriter:
         new_keys: list[bytes] | None = None
         try:
             if optimistic:
-                count, folded = self._read_track_fold(conn, todo)
+                count, folded = self._read_track_fold(conn, hold, todo)
             else:
-                count, new_keys, found = self._track_read(conn, todo)
+                count, new_keys, found = self._track_read(conn, hold, todo)
         except psycopg.errors.UniqueViolation as e:
             if not optimistic:
                 raise
@@ -715,33 +496,34 @@ class ProjectionWriter:
             fresh = [r for tk, r in first.items() if tk in inserted]
         self._optimistic = count == len(first)
         if not optimistic:
-            folded = self._fold(fresh, self._loaded(todo.keys, found), todo.record_keys, todo.key_errors)
+            folded = fold(self.mapping, fresh, self._loaded(todo.keys, found), todo.record_keys, todo.key_errors)
         return fresh, folded
 
-    def _read_track_fold(self, conn: psycopg.Connection[Any], todo: _Candidates) -> tuple[int, _Folded]:
+    def _read_track_fold(self, conn: psycopg.Connection[Any], hold: bool, todo: Candidates) -> tuple[int, Folded]:
         """The optimistic order: the rows first (and the held keys); then the plain tracking insert runs in the
         server while the batch is folded here, assuming every candidate is new (see the module note). A key
         already tracked fails the insert (UniqueViolation, on leaving the pipeline)."""
         held_keys = None
         turns = self._turns
         with turns.waiting(conn.pipeline()) as pipe:
-            if self._hold_now:
+            if hold:
                 held_keys = self._read_holds(conn)
             found = self._select_uncached(conn, todo.keys)
             turns.sync(pipe)
             if held_keys is not None:
                 self._check_holds(held_keys)
             tracked = conn.execute(q.track_new(self._tracking), (list(todo.first), self.namespace))
-            folded = self._fold(list(todo.first.values()), self._loaded(todo.keys, found), todo.record_keys,
-                                todo.key_errors)
+            folded = fold(self.mapping, list(todo.first.values()), self._loaded(todo.keys, found),
+                          todo.record_keys, todo.key_errors)
         return tracked.rowcount, folded
 
-    def _read_fold(self, conn: psycopg.Connection[Any], todo: _Candidates) -> tuple[list[SinkRecord], _Folded]:
+    def _read_fold(self, conn: psycopg.Connection[Any], hold: bool, todo: Candidates
+                   ) -> tuple[list[SinkRecord], Folded]:
         """Deduplicating by version: the rows and tombstones of the keys not cached (and the held keys) in one
         round trip, then every candidate folded (the version guard skips what was applied)."""
         held_keys = None
         with self._turns.waiting(conn.pipeline()):
-            if self._hold_now:
+            if hold:
                 held_keys = self._read_holds(conn)
             uncached = self._uncached(todo.keys)
             read = self._read_keys(conn, uncached) if uncached else None
@@ -751,7 +533,7 @@ class ProjectionWriter:
         gone = self._tombstones_read(read) if read else {}
         self._cached_tombstones(todo.keys, gone)
         fresh = list(todo.first.values())
-        return fresh, self._fold(fresh, rows, todo.record_keys, todo.key_errors, gone)
+        return fresh, fold(self.mapping, fresh, rows, todo.record_keys, todo.key_errors, gone)
 
     def _read_keys(self, conn: psycopg.Connection[Any], keys: list[tuple[Any, ...]]
                    ) -> tuple[psycopg.Cursor[Any], psycopg.Cursor[Any], dict[str, tuple[Any, ...]]]:
@@ -776,14 +558,14 @@ class ProjectionWriter:
                 if type(v) is int:
                     gone[k] = v
 
-    def _track_read(self, conn: psycopg.Connection[Any], todo: _Candidates
+    def _track_read(self, conn: psycopg.Connection[Any], hold: bool, todo: Candidates
                     ) -> tuple[int, list[bytes] | None, psycopg.Cursor[Any] | None]:
         """The safe order in ONE round trip: the tracking insert (ON CONFLICT DO NOTHING, RETURNING the new keys),
         and after it (same session, in order) the rows; the number of new keys, the keys, the rows' cursor."""
         held_keys = None
         first = todo.first
         with self._turns.waiting(conn.pipeline()):
-            if self._hold_now:
+            if hold:
                 held_keys = self._read_holds(conn)
             tracked = conn.execute(q.track(self._tracking), (list(first), self.namespace, len(first)))
             found = self._select_uncached(conn, todo.keys)
@@ -792,13 +574,12 @@ class ProjectionWriter:
         count, new_keys = tracked.fetchone() or (0, None)
         return count, new_keys, found
 
-    def _stage(self, conn: psycopg.Connection[Any], folded: _Folded) -> tuple[bool, list[tuple[Any, ...]]]:
+    def _stage(self, conn: psycopg.Connection[Any], folded: Folded) -> tuple[bool, list[tuple[Any, ...]]]:
         """Step (4), first half: COPY the changed rows into the staging table; whether any were, and the keys of
         the removed rows."""
         assert self.shape is not None
-        shape, state, loaded = self.shape, folded.state, folded.loaded
-        upserts = [row for key, row in state.items() if row is not None and row != loaded.get(key)]
-        deletes = [key for key, row in state.items() if row is None and key in loaded]
+        shape = self.shape
+        upserts, deletes = folded.changes()
         if upserts:
             written, special = shape.written, self._json
             values_of = operator.itemgetter(*written) if len(written) > 1 else (lambda row: (row[written[0]],))
@@ -811,17 +592,18 @@ class ProjectionWriter:
                     write_row(values)
         return bool(upserts), deletes
 
-    def _advance_to(self, records: list[SinkRecord], offsets: dict[TopicPartition, int]
+    def _advance_to(self, records: list[SinkRecord], offsets: dict[TopicPartition, int], advance_records: bool = True
                     ) -> dict[TopicPartition, int]:
         """The next offset of every partition the batch covers (unless not advancing) and of `offsets`."""
-        advance = _next_offsets(records) if self._advance else {}
+        advance = next_offsets(records) if advance_records else {}
         for tp, off in offsets.items():
             advance[tp] = max(off, advance.get(tp, -1))
         return {tp: off for tp, off in advance.items() if off >= 0}
 
     def _merge_and_checkpoint(self, conn: psycopg.Connection[Any], upserts: bool, deletes: list[tuple[Any, ...]],
                               dead: list[DeadLetter], advance: dict[TopicPartition, int],
-                              buried: dict[tuple[Any, ...], int]) -> tuple[int, int]:
+                              buried: dict[tuple[Any, ...], int], hold_of: dict[int, tuple[str, str]]
+                              ) -> tuple[int, int]:
         """Steps (4)-(5) in ONE round trip: merge the staged rows (version-guarded), delete the removed ones (and
         record their tombstones), record the dead letters, move the checkpoints forward only (the commit follows);
         the rows upserted and deleted."""
@@ -837,7 +619,7 @@ class ProjectionWriter:
             if dead:
                 with conn.cursor() as cur:
                     cur.executemany(q.insert_dead_letters(self._dead),
-                                    [self._dead_row(raw, err) for raw, err in dead])
+                                    [self._dead_row(raw, err, hold_of) for raw, err in dead])
             if advance:
                 tps = list(advance)
                 conn.execute(q.save_checkpoints(self._checkpoints),
@@ -845,7 +627,7 @@ class ProjectionWriter:
                               [advance[tp] for tp in tps]))
         return (merged.rowcount if merged is not None else 0), (removed.rowcount if removed is not None else 0)
 
-    def _held_records(self, records: list[SinkRecord], prep: Prepared, skip: set[int],
+    def _held_records(self, call: _Call, records: list[SinkRecord], prep: Prepared, skip: set[int],
                       heads: dict[str, int]) -> list[DeadLetter]:
         """The events of held keys (all of a key held before this batch; those after their head in it), as dead
         letters with status `held`; they join `skip`."""
@@ -863,7 +645,7 @@ class ProjectionWriter:
                 error = RecordError(f"held: an earlier event of row key {text} is dead-lettered; this one is applied "
                                     f"after it is replayed or discarded (kafold dlq list --connector "
                                     f"{self.connector} --status all)", raw=r, reason="held")
-                self._hold_of[id(error)] = ("held", text)
+                call.hold_of[id(error)] = ("held", text)
                 out.append((RawRecord.of(r), error))
         return out
 
@@ -933,43 +715,6 @@ class ProjectionWriter:
         return {key_at(row) if key_at else (row[i0],): dict(zip(names, row, strict=True))
                 for row in found.fetchall()}
 
-    def _fold(self, fresh: list[SinkRecord], loaded: dict[tuple[Any, ...], Row],
-              record_keys: dict[int, tuple[Any, ...]], key_errors: dict[int, MappingError],
-              gone: dict[tuple[Any, ...], int] | None = None) -> _Folded:
-        """Fold the new events, in order, onto the rows read; nothing is written (pure but for the mapper).
-        `gone`: deduplicating by version, the tombstones of the keys (a deleted row's version still guards)."""
-        mapping = self.mapping
-        folded = _Folded({}, loaded, 0, 0, [])
-        bad, buried, applied = folded.bad, folded.buried, folded.applied
-        state: dict[tuple[Any, ...], Row | None] = dict(loaded)
-        for r in fresh:
-            key = record_keys.get(id(r))
-            if key is None:
-                bad.append((r, MappingError(str(key_errors[id(r)]), raw=r)))
-                continue
-            row = state.get(key)
-            if mapping.is_stale(row, r.event) or (
-                    gone and row is None and r.event.version <= gone.get(key, 0)):
-                folded.stale += 1
-                folded.stale_records.append(r)
-                continue
-            try:
-                new = mapping.apply(row, r.event, key)
-            except MappingError as e:
-                bad.append((r, MappingError(str(e), raw=r)))
-                continue
-            tp = (r.topic, r.partition)  # counted here, where it is decided: a record lost before shows as a gap
-            applied[tp] = applied.get(tp, 0) + 1
-            if new is UNCHANGED:
-                folded.unchanged += 1
-                continue
-            if new is None and gone is not None:  # deleted: its tombstone keeps the highest version it reached
-                assert row is not None
-                gone[key] = buried[key] = max(row.get(VERSION_COLUMN) or 0, r.event.version, gone.get(key, 0))
-            state[key] = new  # type: ignore[assignment]
-        folded.state = state
-        return folded
-
     def _value(self, column: str, value: Any) -> Any:
         if value is None:
             return None
@@ -979,9 +724,10 @@ class ProjectionWriter:
             return orjson.dumps(value).decode()
         return value
 
-    def _dead_row(self, raw: RawRecord, error: BaseException) -> tuple[Any, ...]:
+    def _dead_row(self, raw: RawRecord, error: BaseException, hold_of: dict[int, tuple[str, str]]
+                  ) -> tuple[Any, ...]:
         cls = type(error)
-        status, hold_key = self._hold_of.get(id(error), ("new", None))
+        status, hold_key = hold_of.get(id(error), ("new", None))
         return (self.connector, raw.topic, raw.partition, raw.offset, raw.key, raw.value,
                 Jsonb(headers_json(raw.headers)), pg_text(f"{cls.__module__}.{cls.__qualname__}"),
                 pg_text(str(error)[:2000]), pg_text(str(getattr(error, "reason", "task-error"))), status, hold_key)

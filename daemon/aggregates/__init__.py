@@ -6,6 +6,7 @@ import os
 import socket
 from pathlib import Path
 
+from kafold import protect
 from kafold.config import AggregateConfig, KafoldConfig
 from kafold.daemon.aggregates.recovery import Base, FullReplay, Restorer
 from kafold.daemon.aggregates.restorer import SnapshotRestorer
@@ -27,7 +28,7 @@ def instance_id(cfg: KafoldConfig) -> str:
 
 def build_runtime(cfg: KafoldConfig, agg: AggregateConfig, base: Path) -> AggregateRuntime:
     """The runtime the daemon hosts for one `[[aggregates]]` entry."""
-    domain = AggregateDomain.load(agg, cfg.daemon.python_path, base)
+    domain = AggregateDomain.load(agg, cfg.daemon.python_path, base).protected(protect.active() or protect.build(cfg))
     return AggregateRuntime(cfg.kafka, cfg.daemon, agg, domain, instance_id=instance_id(cfg),
                             restorer=_restorer(cfg, agg, domain))
 

@@ -93,6 +93,8 @@ def _decide(domain: AggregateDomain, cmd: Command, entry: Entry, at: str, t: int
     try:
         for i, ev in enumerate(decided):
             type_name, payload, as_is = codec.written(ev)
+            if domain.protector is not None:  # personal data leaves only encrypted (kafold.protect)
+                payload = domain.protector.seal(domain.name, type_name, cmd.aggregate_id, payload)
             written = encode(Event(ids[i], type_name, domain.name, cmd.aggregate_id, version + i + 1, at,
                                    cmd.correlation_id or cmd.command_id, payload, newest(type_name), cmd.command_id))
             # Live = replay: evolve the event as every reader will read it back from these bytes, not the object

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kafold import protect
 from kafold.config import AggregateConfig, KafkaConfig
 from kafold.daemon.aggregates.recovery import Base
 from kafold.domain import AggregateDomain
@@ -22,7 +23,8 @@ class SnapshotRestorer:
 
     def __init__(self, kafka: KafkaConfig, agg: AggregateConfig, domain: AggregateDomain) -> None:
         self.kafka, self.agg, self.domain = kafka, agg, domain
-        self.identity = Identity(agg.name, domain.fingerprint, agg.state_schema_version)
+        self.identity = Identity(agg.name, domain.fingerprint, agg.state_schema_version,
+                                 protect.state_sealer(domain.protector, agg.name))  # sealed states opened
 
     def restore(self, partition: int, low: int, end: int) -> Base:
         consumer: Any = kafka_io.reader(self.kafka)

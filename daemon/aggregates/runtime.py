@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTP
 
-from kafold import kafka_clients, logs, topics
+from kafold import kafka_clients, logs, topics, tracing
 from kafold.config import SNAPSHOT_TOPIC_CONFIGS, AggregateConfig, DaemonConfig, KafkaConfig, TopicSpec
 from kafold.connectors.api import RawRecord
 from kafold.connectors.dlq import dlq_headers, fitted
@@ -117,6 +117,7 @@ class AggregateRuntime(LoopHandler):
         self.writer: TransactionalWriter | None = None
         self.parker: Any = None  # a plain producer for parked events (on_fold_error = "dead-letter"), made on use
         self.joined = False
+        self.forgotten: list[str] = []  # aggregate ids whose subject was forgotten, evicted before the next poll
         self.error: BaseException | None = None
         self.log = log.bind(aggregate=agg.name)
 
@@ -177,8 +178,23 @@ class AggregateRuntime(LoopHandler):
     def loop_started(self) -> None:
         self._start()
 
+    def forget(self, aggregate_id: str) -> None:
+        """A forgotten subject (kafold.protect) that is this aggregate's id: its cached state (folded while the key
+        existed) is evicted between two batches, on this runtime's thread, so it is reloaded with placeholders."""
+        self.forgotten.append(aggregate_id)
+
+    def _evict_forgotten(self) -> None:
+        while self.forgotten:
+            aid = self.forgotten.pop()
+            with self.store.lock:  # as StateStore.trim: evicted ids are reloaded from Kafka before any use
+                entry = self.store.entries.pop(aid, None)
+                if entry is not None:
+                    self.store.evicted.setdefault(entry.partition, set()).add(aid)
+
     def before_poll(self) -> float | None:
         """Fold one fetch of events while a partition recovers; the poll then does not wait (the gates)."""
+        if self.forgotten:
+            self._evict_forgotten()
         if any(not g.live for g in self.gates.values()):
             self._recover_step()
             return 0.0
@@ -400,13 +416,17 @@ class AggregateRuntime(LoopHandler):
         first: dict[int, int] = {}
         last: dict[int, int] = {}
         now_ms = int(time.time() * 1000)
+        tracer = tracing.tracer()  # once per batch: off, no header is read and nothing traced
         try:
             self.writer.begin()
             for m, cmd in zip(live, decoded, strict=True):
                 n = m.partition()
                 first.setdefault(n, m.offset())
                 last[n] = m.offset() + 1
-                self._one(m, cmd, n, command_time(m, now_ms), undo, tally)
+                if tracer is None:
+                    self._one(m, cmd, n, command_time(m, now_ms), undo, tally)
+                else:
+                    self._one_traced(tracer, m, cmd, n, command_time(m, now_ms), undo, tally)
             offsets = [KTP(self.topics["commands"], n, off) for n, off in last.items()]
             decided = time.monotonic()
             committed = self.writer.commit(offsets, self.consumer.consumer_group_metadata())
@@ -436,7 +456,19 @@ class AggregateRuntime(LoopHandler):
         except DecodeError as e:
             return e
 
-    def _one(self, m: Any, cmd: Command | DecodeError, n: int, t: int, undo: Undo, tally: dict[str, int]) -> None:
+    def _one_traced(self, tracer: Any, m: Any, cmd: Command | DecodeError, n: int, t: int, undo: Undo,
+                    tally: dict[str, int]) -> None:
+        """`_one` in a span, child of the command record's trace context; its events and result carry the span's."""
+        from opentelemetry import trace
+
+        name = f"handle {self.agg.name} {cmd.type}" if isinstance(cmd, Command) else f"handle {self.agg.name}"
+        with tracer.start_as_current_span(name, context=tracing.extract(m.headers()), kind=trace.SpanKind.CONSUMER,
+                                          attributes={"kafold.aggregate": self.agg.name, "kafold.partition": n,
+                                                      "kafold.offset": m.offset()}) as span:
+            self._one(m, cmd, n, t, undo, tally, tracing.inject(trace.set_span_in_context(span)))
+
+    def _one(self, m: Any, cmd: Command | DecodeError, n: int, t: int, undo: Undo, tally: dict[str, int],
+             trace: list[tuple[str, bytes]] | None = None) -> None:
         assert self.writer is not None
         at = format_epoch_ms(t)
         landing = None  # where the command's last event lands: its result's token (txn.py)
@@ -459,6 +491,8 @@ class AggregateRuntime(LoopHandler):
                 gate.first_decided_at = time.monotonic()
             out = handle(self.domain, cmd, entry, at, t, self.window_ms)
             result = out.result
+            if trace:  # tracing on: the events carry the aggregate span's context (kafold.tracing)
+                out.events = [(k, v, [*h, *trace]) for k, v, h in out.events]
             if out.remember is not None:  # decided (not a repeat): its outcome joins the window
                 aid = cmd.aggregate_id
                 if aid not in undo:  # first change in this batch: keep what was committed
@@ -478,7 +512,7 @@ class AggregateRuntime(LoopHandler):
                 self._dead_letter(m, out.error)
                 tally["dead_lettered"] += 1
             tally["duplicates" if result.duplicate else "accepted" if result.accepted else "rejected"] += 1
-        self.writer.produce_result(self.topics["results"], n, result, landing, t)
+        self.writer.produce_result(self.topics["results"], n, result, landing, t, trace)
 
     def _dead_letter(self, m: Any, error: RecordError) -> None:
         assert self.writer is not None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from itertools import islice
 from typing import Any
 
@@ -92,7 +93,8 @@ class TransactionalWriter:
             "batch.num.messages": 10000, "queue.buffering.max.messages": 500000,
             "transaction.timeout.ms": TXN_TIMEOUT_MS, **extra})
         self._produce = self.producer.produce
-        self._results: list[tuple[str, int, Result, Landing | None, int]] = []  # held back until commit
+        # held back until commit
+        self._results: list[tuple[str, int, Result, Landing | None, int, Sequence[tuple[str, bytes]] | None]] = []
         # (topic, partition) -> its Landing and the last event queued there, held back until commit (module note)
         self._last: dict[tuple[str, int], tuple[Landing, tuple[bytes | None, bytes | None, Headers, int] | None]] = {}
         # (aggregate id, command id) -> (event ids, token): of committed decisions (oldest first), of the batch
@@ -162,9 +164,10 @@ class TransactionalWriter:
         return landings
 
     def produce_result(self, topic: str, partition: int, result: Result, events: Landing | None,
-                       timestamp: int = 0) -> None:
-        """Queue `result`, produced at commit with the token of `events` (its command's last event)."""
-        self._results.append((topic, partition, result, events, timestamp))
+                       timestamp: int = 0, trace: Sequence[tuple[str, bytes]] | None = None) -> None:
+        """Queue `result`, produced at commit with the token of `events` (its command's last event); `trace`:
+        trace-context headers to add (kafold.tracing)."""
+        self._results.append((topic, partition, result, events, timestamp, trace))
 
     def _produce_results(self) -> bool:
         """Produce the held-back results with their tokens; False when the batch's events were not all delivered
@@ -183,7 +186,7 @@ class TransactionalWriter:
                 assert x.offset is not None
                 x.token = encode_token(x.topic, x.partition, x.offset)
         batch: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {}
-        for topic, partition, result, landing, timestamp in results:
+        for topic, partition, result, landing, timestamp, trace in results:
             ident = (result.aggregate_id, result.command_id)
             token = None
             if landing is not None:
@@ -194,6 +197,8 @@ class TransactionalWriter:
                 known = batch.get(ident) or self._tokens.get(ident)
                 token = known[1] if known is not None and known[0] == result.event_ids else None
             key, value, headers = result.encode(token)
+            if trace:
+                headers = [*headers, *trace]
             self.produce(topic, partition, key, value, headers, timestamp)
         self._committing = batch
         return True

@@ -116,6 +116,17 @@ def _produce(kafka: Any, topic: str, n: int, partitions: int, accounts: int,
              deposit: Callable[[str, int, int], Event] = deposited) -> int:
     """n events of ~300 bytes: each account opened, then deposits (`deposit(account, version, amount)`); returns
     the mean value size."""
+    def record(i: int, acc: str, version: int) -> tuple[bytes | None, bytes, Any]:
+        if version == 1:
+            return encode(Event.new("AccountOpened", "account", acc, 1, {"owner": f"owner-{i}"}))
+        return encode(deposit(acc, version, i % 97 + 1))
+    return produce_records(kafka, topic, n, partitions, accounts, record)
+
+
+def produce_records(kafka: Any, topic: str, n: int, partitions: int, accounts: int,
+                    record: Callable[[int, str, int], tuple[bytes | None, bytes, Any]]) -> int:
+    """n records `record(i, account, version)` (key, value, headers) to a new topic, the accounts in turn; returns
+    the mean value size."""
     from confluent_kafka.admin import NewTopic
 
     admin = kafka_clients.admin(kafka)
@@ -125,12 +136,7 @@ def _produce(kafka: Any, topic: str, n: int, partitions: int, accounts: int,
                                                 "batch.num.messages": 10000})
     total = 0
     for i in range(n):
-        acc, version = f"acc-{i % accounts}", i // accounts + 1
-        if version == 1:
-            event = Event.new("AccountOpened", "account", acc, 1, {"owner": f"owner-{i}"})
-        else:
-            event = deposit(acc, version, i % 97 + 1)
-        key, value, headers = encode(event)
+        key, value, headers = record(i, f"acc-{i % accounts}", i // accounts + 1)
         total += len(value)
         kafka_clients.produce(producer, topic, value, key, headers)
     if producer.flush(120):
@@ -139,7 +145,7 @@ def _produce(kafka: Any, topic: str, n: int, partitions: int, accounts: int,
 
 
 def _project(stack: DaemonStack, name: str, topic: str, table: str, args: argparse.Namespace,
-             connector_extra: dict[str, Any] | None = None) -> dict[str, Any]:
+             connector_extra: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run `kafold daemon` on a connector for `topic` until PostgreSQL's checkpoints cover every event, measuring
     the daemon as an operator would: its whole process tree (the daemon, and with task processes its children) for
     RSS, PSS and CPU. The clock runs from the first stored checkpoint (the start-up and the group join are not the
@@ -149,7 +155,7 @@ def _project(stack: DaemonStack, name: str, topic: str, table: str, args: argpar
     from psycopg import sql
 
     conf = stack.workdir / f"{name}.{uuid.uuid4().hex[:4]}.toml"
-    conf.write_text(_daemon_toml(stack, name, topic, table, args, connector_extra))
+    conf.write_text(_daemon_toml(stack, name, topic, table, args, connector_extra, extra))
     log_path = conf.with_suffix(".log")
     with db.connect(stack.postgres) as conn:
         postmaster = _postmaster(conn)
@@ -225,18 +231,25 @@ def _figures(marks: dict[str, Any], total: int, changed: int) -> dict[str, Any]:
 
 
 def _daemon_toml(stack: DaemonStack, name: str, topic: str, table: str, args: argparse.Namespace,
-                 connector_extra: dict[str, Any] | None = None) -> str:
+                 connector_extra: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> str:
     """The daemon's kafold.toml: [kafka] and [postgres] as given (no secrets: the loader takes references only),
-    short group timeouts, and the one connector (with `connector_extra` keys, e.g. its upcasters)."""
+    short group timeouts, and the one connector (with `connector_extra` keys, e.g. its upcasters). `extra` adds
+    top-level settings: a table (e.g. `privacy`, `tracing`; `daemon` keys merge into [daemon]) or a list of tables
+    (e.g. `aggregates`, written inline)."""
     kafka = {**stack.kafka_raw, **SHORT_GROUP_TIMEOUTS}
     daemon = {"group_prefix": f"{name}.{uuid.uuid4().hex[:4]}", "http_port": 0, "batch_max_records": args.batch,
               "task_processes": args.task_processes}
     connector = {"name": name, "class": "postgres-projection", "topics": [topic], "tasks_max": args.tasks,
                  "config": {"table": table, "key_columns": ["account_id"], "columns": COLUMNS, "on": RULES},
                  **(connector_extra or {})}
-    sections = [("kafka", kafka), ("postgres", stack.postgres_raw), ("daemon", daemon)]
-    text = "".join(f"[{section}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in body.items()) + "\n"
-                   for section, body in sections)
+    extra = dict(extra or {})
+    daemon.update(extra.pop("daemon", {}))
+    arrays = {k: v for k, v in extra.items() if isinstance(v, list)}  # before any [table] header, as TOML wants
+    sections = [("kafka", kafka), ("postgres", stack.postgres_raw), ("daemon", daemon),
+                *((k, v) for k, v in extra.items() if k not in arrays)]
+    text = "".join(f"{k} = {toml_value(v)}\n" for k, v in arrays.items())
+    text += "".join(f"[{section}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in body.items()) + "\n"
+                    for section, body in sections)
     return text + "[[connectors]]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in connector.items())
 
 

@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from kafold import apache_kafka, devstack
+from kafold import apache_kafka, devstack, registry_server
 
 
 def register(sub: Any) -> None:
@@ -26,6 +26,9 @@ def register(sub: Any) -> None:
                             "$XDG_STATE_HOME/kafold/dev)")
         if name == "up":
             add_broker_args(a)
+            a.add_argument("--registry", action="store_true",
+                           help="also run a Schema Registry (Apicurio, built once with Maven; in memory) for the "
+                                "avro / jsonschema / protobuf converters")
         a.set_defaults(handler=handler)
 
 
@@ -57,7 +60,12 @@ def _show(stack: devstack.DevStack) -> None:
 
 
 def up(args: argparse.Namespace) -> int:
-    _show(devstack.up(args.state_dir, broker=args.broker, nodes=args.nodes))
+    stack = devstack.up(args.state_dir, broker=args.broker, nodes=args.nodes)
+    _show(stack)
+    if args.registry:
+        url = registry_server.dev_up(stack.state_dir)
+        print(f"registry  {url}  (Apicurio Registry {registry_server.version()}, in memory)")
+        print(f"export KAFOLD_REGISTRY__URL={shlex.quote(url)}")
     return 0
 
 
@@ -67,10 +75,14 @@ def status(args: argparse.Namespace) -> int:
         print(f"not running (state dir {args.state_dir or devstack.default_state_dir()})")
         return 1
     _show(stack)
+    if url := registry_server.dev_url(stack.state_dir):
+        print(f"registry  {url}")
     return 0
 
 
 def down(args: argparse.Namespace) -> int:
     stopped = devstack.down(args.state_dir)
+    stopped = registry_server.dev_down((args.state_dir or devstack.default_state_dir()).expanduser().resolve()) \
+        or stopped
     print("stopped" if stopped else "not running")
     return 0

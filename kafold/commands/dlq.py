@@ -17,6 +17,7 @@ from rich.text import Text
 
 from kafold import config, db, devstack, kafka_clients, upcast
 from kafold.cli import add_config_arg
+from kafold.connectors.convert import converter_for
 from kafold.connectors.dlq import stored_headers
 from kafold.connectors.projection import ProjectionConnector
 from kafold.connectors.projection.holds import Release
@@ -203,7 +204,7 @@ def _projections(cfg: config.KafoldConfig, base: Path, names: set[str], path: Pa
             mapping = Mapping(pc, load_mapper(pc.mapper) if pc.mapper else None)
             upcaster = upcast.build(settings.upcasters, f"connector {name!r}")
         repair = f"kafold projection rebuild {name} -c {path}"
-        out[name] = Release(cfg.postgres, name, pc, mapping, repair, upcaster)
+        out[name] = Release(cfg.postgres, name, pc, mapping, repair, upcaster, converter_for(settings, cfg.registry))
     return out
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaException
 
-from kafold import config, devstack, logs
+from kafold import config, devstack, logs, protect
 from kafold.commands.snapshot import python_paths, selected_aggregates
 from kafold.config import AggregateConfig, FoldErrorPolicy, KafkaConfig
 from kafold.errors import ConfigError, FatalError, RetriableError
@@ -409,6 +409,7 @@ def handle_audit(args: argparse.Namespace) -> int:
     aggs = _aggregates(loaded.config, args.aggregate, args.topic, args.config)
     cfg = devstack.effective(loaded.config, need=("kafka",))
     path = python_paths(loaded)
+    protect.build(cfg)  # protected fields opened as every fold opens them (kafold.protect)
     domains = [(agg, Domain.load(agg, path)) for agg in aggs]  # every reference resolves before any read
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit chose the master
     master = args.master or (None if under_submit else cfg.snapshots.spark_master)

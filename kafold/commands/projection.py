@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kafold import config, db, devstack, logs
+from kafold import config, db, devstack, logs, protect
 from kafold.cli import add_config_arg
 from kafold.connectors.projection import rebuild as rb
 from kafold.connectors.projection import rebuild_state
@@ -61,6 +61,7 @@ def _plan(args: argparse.Namespace) -> Any:
     loaded = config.load_file(args.config)
     chosen = rb.plan(loaded.config, loaded.base, args.name)  # an unknown name fails before any connection
     cfg = devstack.effective(loaded.config)
+    protect.build(cfg)  # protected fields read in clear, or as the placeholder once forgotten (kafold.protect)
     return dataclasses.replace(chosen, kafka=cfg.kafka, pgc=cfg.postgres)
 
 

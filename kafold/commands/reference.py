@@ -21,6 +21,9 @@ def render() -> str:
         ("postgres", config.PostgresConfig, "PostgreSQL for projections and kafold's own tables."),
         ("daemon", config.DaemonConfig, "The sidecar daemon."),
         ("snapshots", config.SnapshotConfig, "Snapshot jobs."),
+        ("registry", config.RegistryConfig, "Schema Registry (Confluent-compatible API) for the avro, jsonschema "
+         "and protobuf converters."),
+        ("tracing", config.TracingConfig, "OpenTelemetry traces from command to read model (docs/operations.md)."),
         ("topics", config.TopicConfig, "`[[topics]]`: extra topics to create or override."),
         ("aggregates", config.AggregateConfig, "`[[aggregates]]`: event-sourced aggregates."),
         ("connectors", config.ConnectorConfig, "`[[connectors]]`: connectors run by the daemon "

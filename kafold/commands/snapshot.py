@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kafold import config, devstack, logs
+from kafold import config, devstack, logs, protect, tracing
 from kafold.errors import ConfigError
 from kafold.snapshot.fold import Domain
 from kafold.snapshot.verify import verify
@@ -114,6 +114,8 @@ def handle_run(args: argparse.Namespace) -> int:
     loaded = config.load_file(args.config)
     cfg = devstack.effective(loaded.config, need=("kafka",))
     aggs = selected_aggregates(cfg, args.aggregate, args.config)
+    protect.build(cfg)  # protected fields: events opened, snapshot states sealed (kafold.protect)
+    tracing.configure(cfg.tracing)  # one span per aggregate's run when [tracing].enabled
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit chose the master
     master = args.master or (None if under_submit else cfg.snapshots.spark_master)
     engine = args.engine or cfg.snapshots.engine
@@ -134,10 +136,17 @@ def handle_run(args: argparse.Namespace) -> int:
         results = []
         for agg in aggs:
             display, report = _reporter(agg.name, wanted=not args.no_progress)
-            with display:
+            tracer = tracing.tracer()
+            with display, (tracer.start_as_current_span(f"snapshot {agg.name}", attributes={
+                    "kafold.aggregate": agg.name}) if tracer is not None else contextlib.nullcontext()) as span:
                 results.append(runs.run(cfg.kafka, agg, python_paths(loaded), spark, engine=engine,
                                         local_max_events=cfg.snapshots.local_max_events, reporter=report,
                                         refresh_lag=args.refresh_lag or runs.REFRESH_LAG))
+                if span is not None:
+                    span.set_attributes({"kafold.engine": results[-1].engine,
+                                         "kafold.events_folded": results[-1].events_folded,
+                                         "kafold.snapshots": results[-1].snapshots})
+    tracing.shutdown()  # export the run's spans before the process ends
     total = time.monotonic() - began
     startup = started.get("startup_s", 0.0)
     print(f"{'AGGREGATE':<20} {'ENGINE':<6} {'PARTITIONS':>10} {'EVENTS FOLDED':>14} {'SNAPSHOTS':>10} "
@@ -158,6 +167,7 @@ def handle_run(args: argparse.Namespace) -> int:
 def handle_verify(args: argparse.Namespace) -> int:
     loaded = config.load_file(args.config)
     cfg = devstack.effective(loaded.config, need=("kafka",))
+    protect.build(cfg)  # protected fields: events and sealed snapshot states opened (kafold.protect)
     if args.sample is not None and args.sample < 1:
         raise ConfigError(["--sample: must be >= 1"])
     bad = 0

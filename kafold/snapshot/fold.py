@@ -14,6 +14,7 @@ from kafold import logs
 from kafold.config import AggregateConfig, FoldErrorPolicy
 from kafold.domain import AggregateDomain
 from kafold.envelope import epoch_ms, utc_now
+from kafold.errors import ConfigError
 from kafold.fold import UNSET, Folder
 from kafold.snapshot.record import Encoded, Encoder, Snapshot
 from kafold.snapshot.select import Identity
@@ -39,13 +40,23 @@ class Domain:
     from_json: Callable[[Any], Any]
     window_ms: int = 86_400_000  # the aggregate's idempotency window, which snapshots carry
     on_fold_error: FoldErrorPolicy = FoldErrorPolicy.STOP
+    # Protected fields (kafold.protect): events opened by the one fold's hook; states sealed by `identity.sealer`
+    unseal: Callable[[str, str, dict[str, Any]], dict[str, Any]] | None = None
 
     @classmethod
-    def load(cls, agg: AggregateConfig, python_path: Sequence[str] = ()) -> Domain:
-        d = AggregateDomain.load(agg, tuple(python_path))
-        ident = Identity(agg.name, d.fingerprint, agg.state_schema_version)
+    def load(cls, agg: AggregateConfig, python_path: Sequence[str] = (), protector: Any = None) -> Domain:
+        """`protector`: the process's (kafold.protect.build; default `protect.active()`), for aggregates with
+        protected fields."""
+        from kafold import protect
+
+        d = AggregateDomain.load(agg, tuple(python_path)).protected(protector or protect.active())
+        if agg.protect and d.unseal is None:
+            raise ConfigError([f"aggregates.{agg.name}.protect: no key ring built (kafold.protect.build) before "
+                               "loading the aggregate's snapshot domain"])
+        ident = Identity(agg.name, d.fingerprint, agg.state_schema_version,
+                         protect.state_sealer(d.protector, agg.name))
         return cls(ident, d.initial, d.evolve, d.codec.event, d.state_to_json, d.state_from_json,
-                   int(agg.idempotency_window_s * 1000), agg.on_fold_error)
+                   int(agg.idempotency_window_s * 1000), agg.on_fold_error, d.unseal)
 
 
 def _window(commands: Any) -> dict[str, list[int]]:
@@ -144,11 +155,17 @@ class Tail:
 
     def _due(self, end: int, refresh_lag: int | None) -> Iterator[tuple[str, Any, int, list[list[Any]]]]:
         to_json, window_ms = self.domain.to_json, self.domain.window_ms
+        sealer, atype = self.domain.identity.sealer, self.domain.identity.aggregate_type
         for aid, e in self.entries.items():
             if e.version > e.since:
-                yield aid, to_json(e.state), e.version, _commands(e.window, window_ms)
+                state = to_json(e.state)
             elif refresh_lag is not None and e.base is not None and end - e.covered > refresh_lag:
-                yield aid, e.base, e.version, _commands(e.window, window_ms)
+                state = e.base
+            else:
+                continue
+            if sealer is not None:  # personal data never in clear on the snapshot topic (kafold.protect)
+                state = sealer.seal_state(atype, aid, state)
+            yield aid, state, e.version, _commands(e.window, window_ms)
 
 
 def folder(domain: Domain, bases: dict[bytes, Snapshot] | None = None, partition: int | None = None

@@ -22,7 +22,8 @@ log = logs.get(__name__)
 # Metric: snapshot records rejected, by (aggregate type, reason); exported by whoever serves metrics.
 REJECTED: Counter[tuple[str, str]] = Counter()
 
-REASONS = ("corrupt", "checksum", "fingerprint", "schema", "ahead", "misplaced", "out-of-order")
+REASONS = ("corrupt", "checksum", "fingerprint", "schema", "ahead", "misplaced", "out-of-order", "forgotten",
+           "sealed")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class Identity:
     aggregate_type: str
     fingerprint: str
     state_schema_version: int
+    # Protected aggregates (kafold.protect.state_sealer): opens a sealed state; a snapshot it cannot open (a
+    # forgotten subject, or a state not sealed) is not used, like a fingerprint mismatch.
+    sealer: Any = field(default=None, compare=False)
 
 
 @dataclass
@@ -128,8 +132,26 @@ class Selector:
         if best is not None and (snap.offset, snap.version) < (best.offset, best.version):
             self._reject("out-of-order", key, offset)
             return
+        if self.identity.sealer is not None:
+            opened = self._open(snap, key, offset)
+            if opened is None:
+                return
+            snap = opened
         self.sel.bases[key] = snap
         self.sel.orphans.discard(key)
+
+    def _open(self, snap: Snapshot, key: bytes, offset: int | None) -> Snapshot | None:
+        """The snapshot with its sealed state opened; None (rejected: the aggregate folds from its events, which
+        give the placeholder) when its subject was forgotten or the state does not open."""
+        from kafold.protect import DecryptError, Forgotten
+
+        try:
+            state = self.identity.sealer.open_state(snap.aggregate_type, snap.aggregate_id, snap.state)
+        except (Forgotten, DecryptError) as e:
+            self._orphan(key)
+            self._reject("forgotten" if isinstance(e, Forgotten) else "sealed", key, offset)
+            return None
+        return snap._replace(state=state)
 
     def _orphan(self, key: bytes | None) -> None:
         if key is not None and key not in self.sel.bases:

@@ -1,0 +1,119 @@
+"""The `debezium` converter: Debezium change events (before/after/op/source) as row events of a projection.
+
+Types: op c/u/r/d as `create`/`update`/`read`/`delete`. Payload: `after` (c/u/r), or `before` merged with the key
+fields (d: REPLICA IDENTITY DEFAULT gives only key columns). aggregate_id: the key's one value as text, several as
+stable JSON; aggregate_type: `schema.table` (MySQL `db.table`). Version: the source's log position, so the
+projection's version guard never lets an out-of-order redelivery roll a row back: PostgreSQL `source.lsn`; MySQL
+`file` number, `pos` and `row` packed into one bigint; else the `version` path configured (`source.x`). The event id
+is a uuid5 of table, key and position: Debezium's own redelivery of a change (another offset) dedups.
+
+Tombstones (value None after a delete) carry no position, so they are skipped: the `d` event before each one has
+already deleted the row and left the writer's version tombstone (an older change redelivered later is stale). A
+tombstone cannot be ordered against a later re-create of the key, so letting it delete could drop a newer row.
+On a compacted topic keep `delete.retention.ms` above the projection's lag so a reader sees the `d` event.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any
+
+import orjson
+
+from kafold.connectors.convert.api import ConvertError, Headers, ValueFormat, where
+from kafold.connectors.convert.plain import _MISSING, NAMESPACE, JsonFormat, lookup, steps
+from kafold.envelope import Event, format_epoch_ms, utc_now
+
+OPS = {"c": "create", "u": "update", "r": "read", "d": "delete"}
+BINLOG_NUMBER = re.compile(r"(\d+)$")
+# MySQL position packing: file number (19 bits) | pos (32 bits) | row (12 bits) = 63 bits, a bigint.
+POS_BITS, ROW_BITS = 32, 12
+MAX_FILE = 1 << (63 - POS_BITS - ROW_BITS)
+
+
+def unwrap(body: Any) -> Any:
+    """The payload of a `{"schema": ..., "payload": ...}` wrapper (JsonConverter with schemas.enable), else body."""
+    if type(body) is dict and "payload" in body and "schema" in body and len(body) == 2:
+        return body["payload"]
+    return body
+
+
+def position(source: dict[str, Any]) -> int | None:
+    """The change's log position as one increasing int: PostgreSQL lsn, MySQL file/pos/row; None if neither."""
+    lsn = source.get("lsn")
+    if type(lsn) is int and lsn > 0:
+        return lsn
+    file, pos = source.get("file"), source.get("pos")
+    if isinstance(file, str) and type(pos) is int and (m := BINLOG_NUMBER.search(file)):
+        number, row = int(m.group(1)), source.get("row") or 0
+        if number < MAX_FILE and 0 <= pos < 1 << POS_BITS and 0 <= row < 1 << ROW_BITS:
+            return (number << (POS_BITS + ROW_BITS) | pos << ROW_BITS | row) + 1
+    return None
+
+
+class DebeziumConverter:
+    """One Debezium change record as an Event (see the module docstring)."""
+
+    def __init__(self, options: Any, fmt: ValueFormat | None = None) -> None:
+        self.fmt: ValueFormat = fmt if fmt is not None else JsonFormat()
+        self.key_fmt: ValueFormat = self.fmt
+        self.version_path = steps(options.version) if options.version else None
+        self.version_src = options.version
+
+    def event(self, key: bytes | None, value: bytes | None, headers: Headers, *, topic: str, partition: int,
+              offset: int, timestamp_ms: int | None, raw: Any) -> Event | None:
+        if value is None:
+            return None  # a tombstone: see the module docstring
+        at = where(topic, partition, offset)
+        try:
+            body = unwrap(self.fmt.load(topic, value, is_key=False))
+            key_body = unwrap(self.key_fmt.load(topic, key, is_key=True)) if key is not None else None
+        except ConvertError as e:
+            raise ConvertError(f"{at}: {e}", raw=raw) from None
+        if type(body) is not dict:
+            raise ConvertError(f"{at}: expected a Debezium change event (an object), got {type(body).__name__}",
+                               raw=raw)
+        op = body.get("op")
+        if op not in OPS:
+            raise ConvertError(f"{at}: path 'op' is {op!r}, expected one of c, u, r, d", raw=raw)
+        source = body.get("source")
+        if type(source) is not dict:
+            raise ConvertError(f"{at}: path 'source' is missing or not an object", raw=raw)
+        row = body.get("before" if op == "d" else "after")
+        if type(row) is not dict:
+            raise ConvertError(f"{at}: path {'before' if op == 'd' else 'after'!r} is missing or not an object "
+                               f"(op {op!r})", raw=raw)
+        if type(key_body) is not dict or not key_body:
+            raise ConvertError(f"{at}: the record key is not a Debezium key (an object of the key columns)", raw=raw)
+        table = source.get("table")
+        schema = source.get("schema") or source.get("db")
+        if not table:
+            raise ConvertError(f"{at}: path 'source.table' is missing", raw=raw)
+        aggregate_type = f"{schema}.{table}" if schema else str(table)
+        aggregate_id = (str(next(iter(key_body.values()))) if len(key_body) == 1
+                        else orjson.dumps(key_body, option=orjson.OPT_SORT_KEYS).decode())
+        version = self.version(body, source, at, raw)
+        payload = {**row, **key_body} if op == "d" else row
+        ts = source.get("ts_ms") or body.get("ts_ms") or timestamp_ms
+        event_id = str(uuid.uuid5(NAMESPACE, f"debezium/{aggregate_type}/{aggregate_id}/{version}/{op}"))
+        try:
+            return Event(event_id=event_id, type=OPS[op], aggregate_type=aggregate_type, aggregate_id=aggregate_id,
+                         version=version, occurred_at=format_epoch_ms(ts) if type(ts) is int else utc_now(),
+                         correlation_id=event_id, payload=payload)
+        except ValueError as e:
+            raise ConvertError(f"{at}: {e}", raw=raw) from None
+
+    def version(self, body: dict[str, Any], source: dict[str, Any], at: str, raw: Any) -> int:
+        if self.version_path is not None:
+            got = lookup(body, self.version_path)
+            if got is _MISSING or type(got) is not int or got < 1:
+                raise ConvertError(f"{at}: version path {self.version_src!r} is "
+                                   f"{'missing' if got is _MISSING else repr(got)}, expected an integer >= 1",
+                                   raw=raw)
+            return int(got)
+        pos = position(source)
+        if pos is None:
+            raise ConvertError(f"{at}: no log position in 'source' (PostgreSQL lsn, MySQL file/pos): set "
+                               "[connectors.convert] version = \"source.<field>\"", raw=raw)
+        return pos

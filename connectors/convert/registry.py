@@ -1,0 +1,192 @@
+"""Schema Registry value formats (Avro, JSON Schema, Protobuf) decoded by confluent-kafka's own deserializers.
+
+A record framed for a Confluent-compatible registry is a magic byte 0, a 4-byte schema id, then the encoded value.
+The deserializer fetches the writer's schema by id through `SchemaRegistryClient`, which keeps it in its cache
+(`cache_capacity`): each id is fetched once per process, not once per record.
+
+Errors: a registry that cannot be reached or answers 5xx is retried on the one backoff (kafold.retry) for
+`retry_within_s`, blocking the batch: records are decoded before the task's `put`, where the runner's own retry does
+not reach, and waiting in place keeps the partition's order. A registry stopped for a while holds the partition back
+and nothing is dead-lettered or skipped; past `retry_within_s` the `RetriableError` goes up to the runner.
+Anything that is wrong with the record itself (bad magic byte, an id the registry does not know, bytes that do not
+match the schema) is a `ConvertError` naming the topic and the schema id: a dead letter, later records flow.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import decimal
+import enum
+import struct
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from confluent_kafka.serialization import MessageField, SerializationContext
+
+from kafold import logs
+from kafold.errors import ConfigError, RetriableError
+from kafold.refs import import_ref
+from kafold.retry import retrying
+
+try:
+    from kafold.connectors.convert.api import ConvertError
+except ImportError:  # pragma: no cover - until the converters' api module is in the tree
+    from kafold.errors import RecordError
+
+    class ConvertError(RecordError):  # type: ignore[no-redef]
+        """A record that its converter cannot turn into an event (reason `convert-failed`)."""
+
+        def __init__(self, message: str, *, raw: Any = None, reason: str = "convert-failed") -> None:
+            super().__init__(message, raw=raw, reason=reason)
+
+if TYPE_CHECKING:
+    from kafold.config import RegistryConfig
+
+log = logs.get(__name__)
+
+MAGIC = 0
+HEADER = struct.Struct(">bI")
+NOT_FOUND_CODES = frozenset({40401, 40402, 40403, 40408})  # subject / version / schema not found
+
+
+class RegistryKind(enum.StrEnum):
+    """The value formats a Schema Registry frames."""
+
+    AVRO = "avro"
+    JSONSCHEMA = "jsonschema"
+    PROTOBUF = "protobuf"
+
+
+def client_conf(cfg: RegistryConfig) -> dict[str, Any]:
+    """The `SchemaRegistryClient` settings of a `[registry]` section (the password read from its reference)."""
+    conf: dict[str, Any] = {"url": cfg.url, "timeout": cfg.timeout_s, "cache.capacity": cfg.cache_capacity,
+                            # one try per call: the runner's backoff retries, not the client's own loop
+                            "max.retries": 0}
+    if cfg.username:
+        password = cfg.password.reveal() if cfg.password is not None else ""
+        conf["basic.auth.user.info"] = f"{cfg.username}:{password}"
+    if cfg.ssl_ca_location:
+        conf["ssl.ca.location"] = cfg.ssl_ca_location
+    return conf
+
+
+class RegistryFormat:
+    """One registry-framed value format: `load` turns the record's bytes into a dict (or list / scalar)."""
+
+    def __init__(self, kind: RegistryKind, registry: RegistryConfig, message_type: str = "") -> None:
+        from confluent_kafka.schema_registry import SchemaRegistryClient
+
+        self.kind = kind
+        self.url = registry.url
+        self.retry_within_s = registry.retry_within_s
+        self.client = SchemaRegistryClient(client_conf(registry))
+        self._value = self._deserializer(message_type)
+        self._key: Any = None  # built on the first key that needs one
+        self._message_type = message_type
+
+    def _deserializer(self, message_type: str) -> Any:
+        from confluent_kafka.schema_registry.avro import AvroDeserializer
+        from confluent_kafka.schema_registry.json_schema import JSONDeserializer
+        from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer
+
+        if self.kind is RegistryKind.AVRO:
+            return AvroDeserializer(self.client)
+        if self.kind is RegistryKind.JSONSCHEMA:
+            return JSONDeserializer(None, schema_registry_client=self.client)
+        if not message_type:
+            raise ConfigError(["connectors.convert.message_type: the protobuf format needs message_type = "
+                               "\"module:Class\" (the generated message class the records were written with)"])
+        return ProtobufDeserializer(import_ref(message_type), {"use.deprecated.format": False},
+                                    schema_registry_client=self.client)
+
+    def load(self, topic: str, data: bytes, *, is_key: bool) -> Any:
+        where = f"topic {topic!r} {'key' if is_key else 'value'}"
+        if data is None or len(data) < HEADER.size or data[0] != MAGIC:
+            first = "no bytes" if not data else f"first byte {data[0]}"
+            raise ConvertError(f"{where}: not framed for a schema registry (expected magic byte 0 and a 4-byte "
+                               f"schema id, got {first}, {len(data or b'')} bytes)", reason="convert-failed")
+        schema_id = HEADER.unpack_from(data)[1]
+        if is_key:
+            if self._key is None:
+                self._key = self._deserializer(self._message_type)
+            des = self._key
+        else:
+            des = self._value
+        ctx = SerializationContext(topic, MessageField.KEY if is_key else MessageField.VALUE)
+
+        def step() -> Any:
+            try:
+                return des(data, ctx)
+            except Exception as e:  # sorted below: the deserializers raise many kinds for bad bytes
+                raise self._classify(e, where, schema_id) from e
+
+        def warn(e: Exception, delay: float) -> None:
+            log.warning("registry.retrying", error=str(e), retry_in_s=delay, topic=topic, schema_id=schema_id)
+
+        # Retried here, blocking the batch (records are decoded before the task's put, outside the runner's put
+        # retry): the partition waits in order, nothing is skipped or dead-lettered. Past `retry_within_s`
+        # (kept under the consumer's poll interval) the RetriableError goes up to the runner.
+        value = retrying(step, within_s=self.retry_within_s, on_retry=warn, first_delay=0.2, max_delay=5.0)
+        if self.kind is RegistryKind.PROTOBUF:
+            from google.protobuf.json_format import MessageToDict
+
+            return MessageToDict(value, preserving_proto_field_name=True)
+        return jsonable(value) if self.kind is RegistryKind.AVRO else value
+
+    def _classify(self, e: Exception, where: str, schema_id: int) -> Exception:
+        """RetriableError for a registry that is down or failing; ConvertError for a record that is wrong."""
+        from confluent_kafka.schema_registry.error import SchemaRegistryError
+
+        err = e
+        while err is not None and not isinstance(err, SchemaRegistryError) and not _transport(err):
+            err = err.__cause__ or err.__context__  # type: ignore[assignment]
+        if isinstance(err, SchemaRegistryError):
+            status = err.http_status_code
+            if status == 404 or err.error_code in NOT_FOUND_CODES:
+                return ConvertError(f"{where}: schema id {schema_id} is unknown to the registry at {self.url} "
+                                    f"({err.error_code}: {err.error_message})", reason="convert-failed")
+            if status >= 500 or status in (408, 429) or status < 0:
+                return RetriableError(f"schema registry {self.url} failed fetching schema id {schema_id} "
+                                      f"(HTTP {status}: {err.error_message})")
+            return ConvertError(f"{where}: schema id {schema_id}: the registry refused it (HTTP {status}, "
+                                f"{err.error_code}: {err.error_message})", reason="convert-failed")
+        if err is not None:
+            return RetriableError(f"schema registry {self.url} unreachable fetching schema id {schema_id}: "
+                                  f"{type(err).__name__}: {err}")
+        return ConvertError(f"{where}: bytes do not match {self.kind.value} schema id {schema_id}: "
+                            f"{type(e).__name__}: {e}", reason="convert-failed")
+
+
+def jsonable(value: Any) -> Any:
+    """Avro's logical types as JSON values, so an Avro payload is stored like its JSON form: timestamps and dates as
+    ISO 8601, decimals as strings (exact), uuids as strings, bytes as base64."""
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [jsonable(v) for v in value]
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, (decimal.Decimal, uuid.UUID)):
+        return str(value)
+    if isinstance(value, (bytes, bytearray)):
+        return base64.b64encode(value).decode("ascii")
+    return value
+
+
+def _transport(e: BaseException) -> bool:
+    """A connection-level failure (refused, reset, timed out) from the HTTP client or the OS."""
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    return any(c.__name__ in ("TransportError", "ConnectError", "TimeoutException", "NetworkError")
+               for c in type(e).__mro__)
+
+
+def registry_format(kind: str | RegistryKind, registry_config: RegistryConfig | None,
+                    message_type: str = "") -> RegistryFormat:
+    """The value format `kind` (avro, jsonschema, protobuf) reading through the registry of `registry_config`."""
+    if registry_config is None or not registry_config.url:
+        raise ConfigError([f"registry.url: converter {str(kind)!r} needs a [registry] section with its url"])
+    return RegistryFormat(RegistryKind(kind), registry_config, message_type)

@@ -1,0 +1,463 @@
+"""Crypto-shredding of protected event fields: AES-GCM under per-subject data keys wrapped by a master key.
+
+A protected field's value is written as `kfenc1:` + base64url(key id (8) | nonce (12) | ciphertext+tag), under its
+subject's data key (256 bits, AES-GCM), with associated data `subject \\0 event type \\0 path`: a value copied to
+another field, type or subject fails authentication. The data keys live in `<schema>.subject_keys`, wrapped by
+the master key (AES-GCM, associated data = the subject); `forget` deletes a subject's key and records the erasure in
+`<schema>.erasures` as a keyed hash of the subject (who, when; never the subject itself).
+
+Snapshots: when every rule of an aggregate names the aggregate id as subject, a snapshot's whole state is sealed
+under that key (associated data: aggregate type and id); a restore that cannot open it (Forgotten) does not use it
+and folds the aggregate from its events, whose protected fields then read as the placeholder.
+
+Reading: a value whose key is gone (forgotten, or a key of an earlier life of the subject: the key id differs)
+reads as the placeholder, and nothing fails. A value that does not authenticate (a wrong master key, a tampered
+value) raises DecryptError: never plaintext, never garbage; the fold makes it a fold error, a sink connector's
+intake dead-letters it (reason `decrypt-failed`).
+
+Caching: unwrapped keys (and known absences) are kept in process for `CACHE_TTL_S` seconds. `forget` through this
+process (the daemon's HTTP endpoint) drops the subject from every cache of the process at once; a `forget` by the
+CLI (another process) is seen by a running daemon within the TTL.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from kafold import logs
+from kafold.errors import ConfigError, FatalError, KafoldError, RecordError
+
+if TYPE_CHECKING:
+    from kafold.config import KafoldConfig, PostgresConfig, PrivacyConfig
+    from kafold.envelope import Event
+
+PREFIX = "kfenc1:"
+KEY_ID_BYTES = 8
+NONCE_BYTES = 12
+CACHE_TTL_S = 5.0
+CACHE_MAX = 100_000
+STORE_RETRY_S = 30.0
+AGGREGATE_ID = "aggregate_id"
+log = logs.get(__name__)
+
+
+class DecryptError(FatalError):
+    """A protected value that does not authenticate under its subject's key (wrong master key, tampered value)."""
+
+
+class Forgotten(KafoldError):
+    """A sealed snapshot state whose subject's key is gone (forgotten, or an earlier life of the subject)."""
+
+
+def _aesgcm(key: bytes) -> Any:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # imported where used: only protected setups pay
+
+    return AESGCM(key)
+
+
+def master_key(privacy: PrivacyConfig) -> bytes:
+    """The master key (32 bytes, given base64 or hex) the [privacy] reference names; ConfigError naming the
+    variable or file when it is missing or not a 256-bit key."""
+    secret = privacy.master_key
+    if secret is None:
+        raise ConfigError(["privacy.master_key: protected fields need privacy.master_key_env or "
+                           "privacy.master_key_file"])
+    where = secret.source.replace("env:", "environment variable ", 1).replace("file:", "file ", 1)
+    try:
+        text = secret.reveal().strip()
+    except KeyError:
+        raise ConfigError([f"privacy.master_key: {where} is not set (the master key of protected fields)"]) from None
+    except OSError as e:
+        raise ConfigError([f"privacy.master_key: cannot read {where}: {e.strerror}"]) from None
+    raw: bytes | None = None
+    try:
+        raw = bytes.fromhex(text) if len(text) == 64 else base64.b64decode(text, validate=True)
+    except (ValueError, binascii.Error):
+        raw = None
+    if raw is None or len(raw) != 32:
+        raise ConfigError([f"privacy.master_key: {where} does not hold a 256-bit key (32 bytes, base64 or hex; "
+                           "e.g. `openssl rand -base64 32`)"])
+    return raw
+
+
+class Cipher:
+    """Seals and opens single values under data keys; wraps data keys under the master key. Pure (no I/O)."""
+
+    def __init__(self, master: bytes) -> None:
+        self.master = _aesgcm(master)
+        self.hash_key = hashlib.sha256(b"kafold erasure hash\0" + master).digest()
+
+    def new_key(self) -> tuple[bytes, bytes]:
+        """(key id, data key): a fresh random 256-bit data key."""
+        return os.urandom(KEY_ID_BYTES), os.urandom(32)
+
+    def wrap(self, subject: str, key_id: bytes, key: bytes) -> bytes:
+        nonce = os.urandom(NONCE_BYTES)
+        return nonce + self.master.encrypt(nonce, key, b"kafold key\0" + subject.encode() + b"\0" + key_id)
+
+    def unwrap(self, subject: str, key_id: bytes, wrapped: bytes) -> bytes:
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            return bytes(self.master.decrypt(wrapped[:NONCE_BYTES], wrapped[NONCE_BYTES:],
+                                             b"kafold key\0" + subject.encode() + b"\0" + key_id))
+        except InvalidTag:
+            raise DecryptError("a subject's data key does not unwrap: wrong master key, or a tampered "
+                               "subject_keys row") from None
+
+    def subject_hash(self, subject: str) -> str:
+        """The keyed hash recorded for an erasure: proves a given subject was forgotten, names none."""
+        return hmac.new(self.hash_key, subject.encode(), hashlib.sha256).hexdigest()
+
+    @staticmethod
+    def seal(key_id: bytes, key: bytes, value: Any, aad: bytes) -> str:
+        nonce = os.urandom(NONCE_BYTES)
+        sealed = _aesgcm(key).encrypt(nonce, orjson.dumps(value), aad)
+        return PREFIX + base64.urlsafe_b64encode(key_id + nonce + sealed).decode()
+
+    @staticmethod
+    def key_id(token: str) -> bytes:
+        """The key id a sealed value names; DecryptError when it is not a sealed value."""
+        try:
+            blob = base64.urlsafe_b64decode(token[len(PREFIX):])
+        except (ValueError, binascii.Error):
+            raise DecryptError("a protected value is not valid base64") from None
+        if len(blob) < KEY_ID_BYTES + NONCE_BYTES + 16:
+            raise DecryptError("a protected value is too short")
+        return blob[:KEY_ID_BYTES]
+
+    @staticmethod
+    def open(key: bytes, token: str, aad: bytes) -> Any:
+        from cryptography.exceptions import InvalidTag
+
+        blob = base64.urlsafe_b64decode(token[len(PREFIX):])
+        nonce, sealed = blob[KEY_ID_BYTES:KEY_ID_BYTES + NONCE_BYTES], blob[KEY_ID_BYTES + NONCE_BYTES:]
+        try:
+            return orjson.loads(_aesgcm(key).decrypt(nonce, sealed, aad))
+        except InvalidTag:
+            raise DecryptError("a protected value does not authenticate (tampered, moved to another field or "
+                               "subject, or sealed under another master key)") from None
+
+
+def aad(subject: str, type_name: str, path: str) -> bytes:
+    return f"{subject}\0{type_name}\0{path}".encode()
+
+
+def state_aad(aggregate: str, aggregate_id: str) -> bytes:
+    """A sealed snapshot state's associated data: it opens only as the snapshot of that aggregate."""
+    return f"kafold snapshot\0{aggregate}\0{aggregate_id}".encode()
+
+
+class KeyStore:
+    """Where data keys live (`<schema>.subject_keys`): get, create on first use, forget."""
+
+    def get(self, subject: str) -> tuple[bytes, bytes] | None:
+        """(key id, wrapped key), or None when the subject has none."""
+        raise NotImplementedError
+
+    def create(self, subject: str, key_id: bytes, wrapped: bytes) -> tuple[bytes, bytes]:
+        """Insert unless present (INSERT ... ON CONFLICT DO NOTHING); the subject's (key id, wrapped key) after."""
+        raise NotImplementedError
+
+    def forget(self, subject: str, subject_hash: str, actor: str) -> bool:
+        """Delete the key and record the erasure; True when a key was deleted."""
+        raise NotImplementedError
+
+
+class MemoryKeyStore(KeyStore):
+    """Keys in a dict: for tests and tools that never share keys."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, tuple[bytes, bytes]] = {}
+        self.erasures: list[tuple[str, str]] = []
+
+    def get(self, subject: str) -> tuple[bytes, bytes] | None:
+        return self.keys.get(subject)
+
+    def create(self, subject: str, key_id: bytes, wrapped: bytes) -> tuple[bytes, bytes]:
+        return self.keys.setdefault(subject, (key_id, wrapped))
+
+    def forget(self, subject: str, subject_hash: str, actor: str) -> bool:
+        self.erasures.append((subject_hash, actor))
+        return self.keys.pop(subject, None) is not None
+
+
+class PgKeyStore(KeyStore):
+    """Keys in PostgreSQL, one autocommit connection per store (opened on first use, guarded by a lock)."""
+
+    def __init__(self, pgc: PostgresConfig) -> None:
+        from psycopg import sql
+
+        self.pgc = pgc
+        schema = sql.Identifier(pgc.schema)
+        self.q_get = sql.SQL("SELECT key_id, wrapped_key FROM {}.subject_keys WHERE subject = %s").format(schema)
+        self.q_create = sql.SQL(
+            "INSERT INTO {}.subject_keys (subject, key_id, wrapped_key) VALUES (%s, %s, %s) "
+            "ON CONFLICT (subject) DO NOTHING").format(schema)
+        self.q_delete = sql.SQL("DELETE FROM {}.subject_keys WHERE subject = %s").format(schema)
+        self.q_record = sql.SQL("INSERT INTO {}.erasures (subject_hash, actor, key_existed) VALUES (%s, %s, %s)"
+                                ).format(schema)
+        self.conn: Any = None
+        self.lock = threading.Lock()
+
+    def _conn(self) -> Any:
+        if self.conn is None or self.conn.closed:
+            from kafold import db
+
+            self.conn = db.connect(self.pgc)
+        return self.conn
+
+    def _run(self, step: Callable[[Any], Any]) -> Any:
+        """`step(connection)` under the lock; PostgreSQL unreachable is retried with backoff (kafold.retry) for
+        STORE_RETRY_S, then a FatalError naming it (a sealing write is then refused, not written in clear)."""
+        import psycopg
+
+        from kafold.errors import RetriableError
+        from kafold.retry import retrying
+
+        def once() -> Any:
+            with self.lock:
+                try:
+                    return step(self._conn())
+                except psycopg.OperationalError as e:
+                    if self.conn is not None:
+                        self.conn.close()
+                    raise RetriableError(f"PostgreSQL unreachable: {str(e).splitlines()[0] if str(e) else e}"
+                                         ) from e
+
+        def warn(e: RetriableError, delay: float) -> None:
+            log.warning("protect.keys_unavailable", error=str(e), retry_in_s=delay)
+
+        try:
+            return retrying(once, within_s=STORE_RETRY_S, on_retry=warn)
+        except RetriableError as e:
+            raise FatalError(f"subject keys unavailable: {e}") from e
+
+    def get(self, subject: str) -> tuple[bytes, bytes] | None:
+        row = self._run(lambda conn: conn.execute(self.q_get, (subject,)).fetchone())
+        return None if row is None else (bytes(row[0]), bytes(row[1]))
+
+    def create(self, subject: str, key_id: bytes, wrapped: bytes) -> tuple[bytes, bytes]:
+        def step(conn: Any) -> Any:
+            conn.execute(self.q_create, (subject, key_id, wrapped))
+            return conn.execute(self.q_get, (subject,)).fetchone()
+
+        row = self._run(step)
+        return bytes(row[0]), bytes(row[1])
+
+    def forget(self, subject: str, subject_hash: str, actor: str) -> bool:
+        def step(conn: Any) -> bool:
+            with conn.transaction():
+                deleted: bool = conn.execute(self.q_delete, (subject,)).rowcount > 0
+                conn.execute(self.q_record, (subject_hash, actor, deleted))
+            return deleted
+
+        return bool(self._run(step))
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+
+
+_RINGS: weakref.WeakSet[KeyRing] = weakref.WeakSet()  # every ring of this process: forget drops from all
+
+
+class KeyRing:
+    """Unwrapped data keys by subject, cached for CACHE_TTL_S (see the module docstring)."""
+
+    def __init__(self, cipher: Cipher, store: KeyStore, ttl_s: float = CACHE_TTL_S) -> None:
+        self.cipher, self.store, self.ttl_s = cipher, store, ttl_s
+        self.cache: dict[str, tuple[float, bytes | None, bytes | None]] = {}  # subject -> (until, key id, key)
+        _RINGS.add(self)
+
+    def _cached(self, subject: str) -> tuple[bytes | None, bytes | None] | None:
+        hit = self.cache.get(subject)
+        if hit is not None and hit[0] > time.monotonic():
+            return hit[1], hit[2]
+        return None
+
+    def _keep(self, subject: str, key_id: bytes | None, key: bytes | None) -> None:
+        if len(self.cache) >= CACHE_MAX:
+            self.cache.clear()
+        self.cache[subject] = (time.monotonic() + self.ttl_s, key_id, key)
+
+    def lookup(self, subject: str) -> tuple[bytes | None, bytes | None]:
+        """(key id, key) of the subject, (None, None) when it has none (forgotten or never written)."""
+        hit = self._cached(subject)
+        if hit is not None:
+            return hit
+        row = self.store.get(subject)
+        key_id, key = (None, None) if row is None else (row[0], self.cipher.unwrap(subject, row[0], row[1]))
+        self._keep(subject, key_id, key)
+        return key_id, key
+
+    def for_writing(self, subject: str) -> tuple[bytes, bytes]:
+        key_id, key = self.lookup(subject)
+        if key_id is not None and key is not None:
+            return key_id, key
+        new_id, new_key = self.cipher.new_key()
+        key_id, wrapped = self.store.create(subject, new_id, self.cipher.wrap(subject, new_id, new_key))
+        key = new_key if key_id == new_id else self.cipher.unwrap(subject, key_id, wrapped)
+        self._keep(subject, key_id, key)
+        return key_id, key
+
+    def forget(self, subject: str, actor: str) -> bool:
+        """Delete the subject's key, record the erasure, and drop it from every ring of this process."""
+        existed = self.store.forget(subject, self.cipher.subject_hash(subject), actor)
+        for ring in list(_RINGS):
+            ring.cache.pop(subject, None)
+        return existed
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One event type's protected paths and where its subject is."""
+
+    paths: tuple[tuple[str, ...], ...]
+    subject: str  # AGGREGATE_ID or "payload.<path>"
+
+    def subject_of(self, aggregate_id: str, payload: Mapping[str, Any]) -> str:
+        if self.subject == AGGREGATE_ID:
+            return aggregate_id
+        node: Any = payload
+        for part in self.subject.split(".")[1:]:
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if node is None or isinstance(node, dict | list):
+            raise ValueError(f"protected event: subject {self.subject!r} is missing or not a scalar")
+        return str(node)
+
+
+class Protector:
+    """Seals the protected fields of payloads on write and opens them on read, for rules keyed by
+    (aggregate type, event type)."""
+
+    def __init__(self, rules: Mapping[tuple[str, str], Rule], ring: KeyRing, placeholder: Any = None) -> None:
+        self.rules, self.ring, self.placeholder = dict(rules), ring, placeholder
+
+    def seal(self, aggregate: str, type_name: str, aggregate_id: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """`payload` with its protected values sealed (a copy; unchanged when the type has no rule)."""
+        rule = self.rules.get((aggregate, type_name))
+        if rule is None:
+            return payload
+        subject = rule.subject_of(aggregate_id, payload)
+        key_id, key = self.ring.for_writing(subject)
+        return _each(payload, rule.paths, lambda path, v: Cipher.seal(key_id, key, v, aad(subject, type_name, path)))
+
+    def unseal(self, aggregate: str, type_name: str, aggregate_id: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """`payload` with its sealed values opened (placeholder when the key is gone); DecryptError when one
+        does not authenticate."""
+        rule = self.rules.get((aggregate, type_name))
+        if rule is None:
+            return payload
+        subject = rule.subject_of(aggregate_id, payload)
+        ring = self.ring
+
+        def one(path: str, value: Any) -> Any:
+            if not isinstance(value, str) or not value.startswith(PREFIX):
+                # written before the field was protected, or by hand: refused rather than passed on as data
+                raise DecryptError(f"protected field {path!r} of {type_name!r} is not a sealed value")
+            key_id, key = ring.lookup(subject)
+            if key is None or key_id != Cipher.key_id(value):
+                return self.placeholder
+            return Cipher.open(key, value, aad(subject, type_name, path))
+
+        return _each(payload, rule.paths, one)
+
+    def for_aggregate(self, aggregate: str) -> Callable[[str, str, dict[str, Any]], dict[str, Any]] | None:
+        """`unseal` bound to one aggregate type (the fold's hook), or None when it protects nothing."""
+        if not any(a == aggregate for a, _ in self.rules):
+            return None
+        return lambda type_name, aid, payload: self.unseal(aggregate, type_name, aid, payload)
+
+    def seals_states(self, aggregate: str) -> bool:
+        """Whether snapshots of `aggregate` are sealed whole: it has rules, and every rule's subject is the
+        aggregate id (so the state holds one subject's data only; payload-path subjects are refused at load)."""
+        found = [r for (a, _), r in self.rules.items() if a == aggregate]
+        return bool(found) and all(r.subject == AGGREGATE_ID for r in found)
+
+    def seal_state(self, aggregate: str, aggregate_id: str, state: Any) -> str:
+        """A snapshot's state JSON sealed under the aggregate's (subject's) key, bound to the aggregate."""
+        key_id, key = self.ring.for_writing(aggregate_id)
+        return Cipher.seal(key_id, key, state, state_aad(aggregate, aggregate_id))
+
+    def open_state(self, aggregate: str, aggregate_id: str, sealed: Any) -> Any:
+        """A sealed snapshot state's JSON; Forgotten when its key is gone, DecryptError when it is not a sealed
+        state or does not authenticate."""
+        if not isinstance(sealed, str) or not sealed.startswith(PREFIX):
+            raise DecryptError("the snapshot state is not sealed (written before the aggregate had protect rules)")
+        key_id, key = self.ring.lookup(aggregate_id)
+        if key is None or key_id != Cipher.key_id(sealed):
+            raise Forgotten(f"the key of {aggregate}/{aggregate_id} is gone (forgotten)")
+        return Cipher.open(key, sealed, state_aad(aggregate, aggregate_id))
+
+    def event(self, event: Event, raw: Any = None) -> Event:
+        """A decoded event with its protected fields opened (the sink intake's hook); RecordError with reason
+        `decrypt-failed` when one does not authenticate."""
+        if (event.aggregate_type, event.type) not in self.rules:
+            return event
+        from kafold.envelope import reshaped
+
+        try:
+            payload = self.unseal(event.aggregate_type, event.type, event.aggregate_id, event.payload)
+        except (DecryptError, ValueError) as e:
+            raise RecordError(f"event {event.event_id}: {e}", raw=raw, reason="decrypt-failed") from e
+        return reshaped(event, event.type, event.schema_version, payload)
+
+
+def _each(payload: dict[str, Any], paths: Iterable[tuple[str, ...]], fn: Callable[[str, Any], Any]
+          ) -> dict[str, Any]:
+    """A copy of `payload` with `fn(path, value)` in place of each present, non-null value at `paths`."""
+    out = dict(payload)
+    for path in paths:
+        node = out
+        for part in path[:-1]:
+            child = node.get(part)
+            if not isinstance(child, dict):
+                node = {}
+                break
+            node[part] = node = dict(child)
+        if node.get(path[-1]) is not None:
+            node[path[-1]] = fn(".".join(path), node[path[-1]])
+    return out
+
+
+def state_sealer(protector: Protector | None, aggregate: str) -> Protector | None:
+    """The protector that seals and opens `aggregate`'s snapshot states, or None when they are stored in clear."""
+    return protector if protector is not None and protector.seals_states(aggregate) else None
+
+
+def rules(cfg: KafoldConfig) -> dict[tuple[str, str], Rule]:
+    return {(a.name, p.type): Rule(tuple(tuple(f.split(".")) for f in p.fields), p.subject)
+            for a in cfg.aggregates for p in a.protect}
+
+
+_ACTIVE: dict[str, Protector] = {}
+
+
+def build(cfg: KafoldConfig, store: KeyStore | None = None) -> Protector | None:
+    """The Protector of a configuration (None when it protects nothing); a missing master key is a ConfigError
+    naming the variable or file. One per process and configuration (kept for `active`)."""
+    found = rules(cfg)
+    if not found:
+        return None
+    ring = KeyRing(Cipher(master_key(cfg.privacy)), store or PgKeyStore(cfg.postgres))
+    protector = Protector(found, ring, cfg.privacy.placeholder)
+    _ACTIVE["default"] = protector
+    return protector
+
+
+def active() -> Protector | None:
+    """The Protector this process built last (the daemon's), for readers built without the configuration."""
+    return _ACTIVE.get("default")

@@ -1,0 +1,220 @@
+"""Crypto-shredding on Apache Kafka: a customer aggregate whose `email` is protected. The email never appears in
+plain text in the events topic's raw bytes, the dead-letter topics or the daemon's log output; the projection and
+the webhook see it in clear; after `forget`, the state, a rebuilt projection and new webhook bodies hold the
+placeholder and nothing else changes; forgetting twice is harmless; a missing master key stops the start, named.
+The domain functions below are the aggregate's (dict events, pure)."""
+
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import psycopg
+import pytest
+
+from kafold import config, topics
+from kafold.config import KafkaConfig
+from kafold.envelope import Event
+from kafold.testing import free_port
+from tests.aggregates.agg_support import read_all
+from tests.aggregates.test_idempotency import Outside
+from tests.daemon.daemon_support import daemon_in_process
+from tests.support import ROOT, child_env, kafka_toml, wait_for
+from tests.support.receiver import Receiver
+
+KAFOLD = str(Path(sys.executable).parent / "kafold")
+M = "tests.aggregates.test_protect_daemon"
+EMAILS = {"c-1": "ann.secret@example.com", "c-2": "bob.secret@example.com"}
+PLACEHOLDER = "[erased]"
+MASTER_VAR = "KAFOLD_TEST_PROTECT_MASTER"
+
+
+# ---- the aggregate (pure) ------------------------------------------------------------------------------
+def initial() -> dict[str, Any]:
+    return {}
+
+
+def evolve(state: dict[str, Any], event: dict[str, Any]) -> dict[str, Any]:
+    if event["type"] == "Registered":
+        return {"email": event["email"], "name": event["name"]}
+    return {**state, "name": event["name"]}
+
+
+def decide(command: dict[str, Any], state: dict[str, Any]) -> list[dict[str, Any]]:
+    if command["type"] == "Register":
+        return [{"type": "Registered", "email": command["email"], "name": command["name"]}]
+    return [{"type": "Renamed", "name": command["name"]}]
+
+
+def customer_row(row: dict[str, Any] | None, event: Event) -> dict[str, Any] | None:
+    p = event.payload
+    if event.type == "Registered":
+        return {"email": p["email"], "name": p["name"]}
+    return {**(row or {}), "name": p["name"]}
+
+
+# ---- the test ----------------------------------------------------------------------------------------------
+def _config(path: Path, kafka: KafkaConfig, pg_url: str, prefix: str, port: int, table: str, hook: str) -> Path:
+    path.write_text(f"""
+{kafka_toml(kafka)}
+[daemon]
+group_prefix = "{prefix}"
+http_port = {port}
+python_path = ["{ROOT}"]
+batch_max_wait_ms = 50
+
+[postgres]
+url = "{pg_url}"
+
+[privacy]
+master_key_env = "{MASTER_VAR}"
+placeholder = "{PLACEHOLDER}"
+
+[[aggregates]]
+name = "customer"
+initial = "{M}:initial"
+evolve = "{M}:evolve"
+decide = "{M}:decide"
+partitions = 1
+events_topic = "{prefix}.events"
+commands_topic = "{prefix}.commands"
+results_topic = "{prefix}.results"
+snapshot_topic = "{prefix}.snapshots"
+
+[[aggregates.protect]]
+type = "Registered"
+fields = ["email"]
+subject = "aggregate_id"
+
+[[connectors]]
+name = "hook-{table}"
+class = "webhook"
+topics = ["{prefix}.events"]
+[connectors.config]
+url = "{hook}"
+allow_http = true
+
+[[connectors]]
+name = "{table}"
+class = "postgres-projection"
+topics = ["{prefix}.events"]
+[connectors.config]
+table = "{table}"
+key_columns = ["customer_id"]
+mapper = "{M}:customer_row"
+[connectors.config.columns]
+customer_id = "text"
+email = "text"
+name = "text"
+""")
+    return path
+
+
+def _rows(pg_url: str, table: str) -> dict[str, tuple[Any, ...]]:
+    try:
+        with psycopg.connect(pg_url) as conn:
+            return {r[0]: r[1:] for r in conn.execute(f'SELECT customer_id, email, name FROM "{table}"').fetchall()}
+    except psycopg.errors.UndefinedTable:
+        return {}
+
+
+def _bodies(receiver: Receiver) -> list[dict[str, Any]]:
+    seen: dict[str, dict[str, Any]] = {}
+    for r in receiver.successes():
+        seen.setdefault(r.event_id, orjson.loads(r.body))
+    return list(seen.values())
+
+
+def _raw_bytes(kafka: KafkaConfig, *names: str) -> bytes:
+    """Every key, value and header of the topics, as bytes (read_uncommitted: aborted writes count too)."""
+    out = bytearray()
+    for name in names:
+        for m in read_all(kafka, name, committed_only=False):
+            out += (m.key() or b"") + (m.value() or b"")
+            for _, v in m.headers() or ():
+                out += v or b""
+    return bytes(out)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_protected_email_is_encrypted_everywhere_and_forgotten(
+        kafka_config: KafkaConfig, pg_url: str, unique: str, tmp_path: Path, capfd: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(MASTER_VAR, base64.b64encode(os.urandom(32)).decode())
+    prefix, table, port = unique, f"customers_{unique[-8:]}", free_port()
+    receiver = Receiver()
+    conf = _config(tmp_path / "kafold.toml", kafka_config, pg_url, prefix, port, table, receiver.start())
+    loaded = config.load_file(conf)
+    assert topics.ensure(kafka_config, config.topic_map(loaded.config).values()).ok
+    agg = loaded.config.aggregates[0]
+    client = Outside(kafka_config, agg)
+    try:
+        with daemon_in_process(conf) as d:
+            wait_for(lambda: d.get("/ready")[0] == 200, "the daemon ready", 120)
+            for cid, email in EMAILS.items():
+                client.send(f"reg-{cid}", cid, "Register", {"email": email, "name": cid.upper()})
+            client.wait()
+            assert all(r[0]["status"] == "accepted" for r in client.results.values())
+            wait_for(lambda: len(_rows(pg_url, table)) == 2, "the projection's rows", 90)
+            wait_for(lambda: len(_bodies(receiver)) == 2, "two webhook bodies", 90)
+            assert _rows(pg_url, table) == {cid: (email, cid.upper()) for cid, email in EMAILS.items()}
+            assert {b["payload"]["email"] for b in _bodies(receiver)} == set(EMAILS.values())
+            assert d.get("/aggregates/customer/c-1")[1]["state"]["email"] == EMAILS["c-1"]
+
+            # forget c-1 through the HTTP API (its state is refolded), twice: harmless
+            first = d.call("POST", "/subjects/c-1/forget")
+            again = d.call("POST", "/subjects/c-1/forget")
+            assert first[0] == 200 and first[1]["key_deleted"] is True
+            assert again[0] == 200 and again[1]["key_deleted"] is False
+            wait_for(lambda: d.get("/aggregates/customer/c-1")[1]["state"].get("email") == PLACEHOLDER,
+                     "the forgotten state", 60)
+            assert d.get("/aggregates/customer/c-1")[1]["state"] == {"email": PLACEHOLDER, "name": "C-1"}
+            assert d.get("/aggregates/customer/c-2")[1]["state"]["email"] == EMAILS["c-2"]
+
+            # new events of both after forget: webhook bodies are unchanged but for the placeholder
+            client.send("rename-c1", "c-1", "Rename", {"name": "Ann"})
+            client.send("rename-c2", "c-2", "Rename", {"name": "Bob"})
+            client.wait()
+            wait_for(lambda: len(_bodies(receiver)) == 4, "four webhook bodies", 90)
+            assert d.get("/aggregates/customer/c-1")[1]["state"] == {"email": PLACEHOLDER, "name": "Ann"}
+        # the CLI path, for the other subject
+        forget = subprocess.run([KAFOLD, "subjects", "forget", "c-2", "-c", str(conf), "--actor", "dpo", "--json"],
+                                capture_output=True, text=True, timeout=120, env=child_env())
+        assert forget.returncode == 0, forget.stdout + forget.stderr
+        assert orjson.loads(forget.stdout)["key_deleted"] is True
+        rebuild = subprocess.run([KAFOLD, "projection", "rebuild", table, "-c", str(conf)],
+                                 capture_output=True, text=True, timeout=300, env=child_env())
+        assert rebuild.returncode == 0, rebuild.stdout + rebuild.stderr
+        assert _rows(pg_url, table) == {"c-1": (PLACEHOLDER, "Ann"), "c-2": (PLACEHOLDER, "Bob")}
+        with psycopg.connect(pg_url) as conn:
+            erasures = conn.execute("SELECT subject_hash, actor, key_existed FROM kafold.erasures").fetchall()
+        assert sorted(a for _, a, _ in erasures)[-3:] == ["api-token", "api-token", "dpo"]
+        assert all(not any(s in h for s in EMAILS) for h, _, _ in erasures)
+    finally:
+        client.close()
+        receiver.stop()
+    raw = _raw_bytes(kafka_config, agg.topic("events"), agg.dlq_topic, "kafold.dlq." + table,
+                     f"kafold.dlq.hook-{table}")
+    logged = capfd.readouterr()
+    assert "migrations applied" in logged.out + logged.err  # the daemon's log output was captured
+    for email in EMAILS.values():
+        assert email.encode() not in raw
+        assert email not in logged.out + logged.err
+    assert b"kfenc1:" in raw  # the events are there, encrypted
+
+
+@pytest.mark.integration
+def test_a_missing_master_key_is_a_clear_start_up_error(
+        kafka_config: KafkaConfig, pg_url: str, unique: str, tmp_path: Path) -> None:
+    conf = _config(tmp_path / "kafold.toml", kafka_config, pg_url, unique, free_port(), "t_unused",
+                   "http://127.0.0.1:9/hook")
+    env = {k: v for k, v in child_env().items() if k != MASTER_VAR}
+    run = subprocess.run([KAFOLD, "daemon", "-c", str(conf)], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode != 0
+    assert MASTER_VAR in run.stderr and "not set" in run.stderr

@@ -1,0 +1,303 @@
+"""Crypto-shredding of protected fields (kafold.protect): the cipher, forgetting, and the configuration checks."""
+
+from __future__ import annotations
+
+import base64
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kafold import protect
+from kafold.config import parse
+from kafold.connectors.intake import Intake
+from kafold.envelope import Event, decode, encode
+from kafold.errors import ConfigError, RecordError
+from kafold.fold import domain_event, fields
+from kafold.protect import Cipher, DecryptError, KeyRing, KeyStore, MemoryKeyStore, Protector, Rule
+
+MASTER = os.urandom(32)
+RULES = {("customer", "Registered"): Rule((("email",), ("address", "street")), "aggregate_id"),
+         ("order", "Placed"): Rule((("email",),), "payload.customer_id")}
+
+
+def protector(master: bytes = MASTER, store: KeyStore | None = None, placeholder: Any = None) -> Protector:
+    return Protector(RULES, KeyRing(Cipher(master), store or MemoryKeyStore()), placeholder)
+
+
+def test_round_trip_seals_only_the_protected_paths() -> None:
+    p = protector()
+    payload = {"email": "ann@example.com", "address": {"street": "1 Main St", "city": "Oslo"}, "name": "Ann"}
+    sealed = p.seal("customer", "Registered", "c-1", payload)
+    assert sealed["email"].startswith(protect.PREFIX) and sealed["address"]["street"].startswith(protect.PREFIX)
+    assert sealed["address"]["city"] == "Oslo" and sealed["name"] == "Ann"
+    assert "ann@example.com" not in str(sealed) and "Main St" not in str(sealed)
+    assert payload["email"] == "ann@example.com"  # the caller's payload is not changed
+    assert p.unseal("customer", "Registered", "c-1", sealed) == payload
+
+
+def test_a_value_moved_to_another_subject_type_or_field_fails_authentication() -> None:
+    p = protector()
+    sealed = p.seal("customer", "Registered", "c-1", {"email": "ann@example.com", "address": {"street": "x"}})
+    with pytest.raises(DecryptError):
+        p.unseal("customer", "Registered", "c-1", {"email": sealed["address"]["street"]})  # another field
+    key = p.ring.lookup("c-1")[1]
+    assert key is not None
+    with pytest.raises(DecryptError):
+        Cipher.open(key, sealed["email"], protect.aad("c-1", "Other", "email"))  # another type
+    # another subject with the same key id cannot happen by accident; forge it: copy c-1's key under c-2
+    store = MemoryKeyStore()
+    q = protector(store=store)
+    moved = q.seal("customer", "Registered", "c-1", {"email": "ann@example.com"})
+    store.keys["c-2"] = store.keys["c-1"]
+    with pytest.raises(DecryptError):
+        q.unseal("customer", "Registered", "c-2", moved)
+
+
+def test_a_tampered_value_fails_authentication() -> None:
+    p = protector()
+    token = p.seal("customer", "Registered", "c-1", {"email": "ann@example.com"})["email"]
+    blob = bytearray(base64.urlsafe_b64decode(token[len(protect.PREFIX):]))
+    blob[-1] ^= 1
+    tampered = protect.PREFIX + base64.urlsafe_b64encode(bytes(blob)).decode()
+    with pytest.raises(DecryptError):
+        p.unseal("customer", "Registered", "c-1", {"email": tampered})
+
+
+def test_a_wrong_master_key_never_yields_plaintext() -> None:
+    store = MemoryKeyStore()
+    sealed = protector(store=store).seal("customer", "Registered", "c-1", {"email": "ann@example.com"})
+    with pytest.raises(DecryptError):
+        protector(master=os.urandom(32), store=store).unseal("customer", "Registered", "c-1", sealed)
+
+
+def test_a_plain_value_in_a_protected_field_is_refused() -> None:
+    with pytest.raises(DecryptError, match="not a sealed value"):
+        protector().unseal("customer", "Registered", "c-1", {"email": "ann@example.com"})
+
+
+def test_forgotten_subject_reads_as_the_placeholder_and_others_are_unchanged() -> None:
+    store = MemoryKeyStore()
+    p = protector(store=store, placeholder="[erased]")
+    ann = p.seal("customer", "Registered", "c-1", {"email": "ann@example.com", "name": "Ann"})
+    bob = p.seal("customer", "Registered", "c-2", {"email": "bob@example.com", "name": "Bob"})
+    assert p.ring.forget("c-1", "test") is True
+    assert p.unseal("customer", "Registered", "c-1", ann) == {"email": "[erased]", "name": "Ann"}
+    assert p.unseal("customer", "Registered", "c-2", bob)["email"] == "bob@example.com"
+    assert p.ring.forget("c-1", "test") is False  # twice: harmless
+    assert [actor for _, actor in store.erasures] == ["test", "test"]
+    assert all("c-1" not in h for h, _ in store.erasures)  # the record holds a keyed hash, not the subject
+
+
+def test_a_new_key_after_forget_does_not_open_the_old_values() -> None:
+    p = protector(placeholder=None)
+    old = p.seal("customer", "Registered", "c-1", {"email": "ann@example.com"})
+    p.ring.forget("c-1", "test")
+    new = p.seal("customer", "Registered", "c-1", {"email": "ann2@example.com"})
+    assert p.unseal("customer", "Registered", "c-1", old) == {"email": None}
+    assert p.unseal("customer", "Registered", "c-1", new) == {"email": "ann2@example.com"}
+
+
+def test_subject_from_a_payload_path() -> None:
+    p = protector()
+    sealed = p.seal("order", "Placed", "o-1", {"customer_id": "c-9", "email": "z@example.com"})
+    assert p.ring.lookup("c-9")[0] is not None and p.ring.lookup("o-1")[0] is None
+    p.ring.forget("c-9", "test")
+    assert p.unseal("order", "Placed", "o-1", sealed) == {"customer_id": "c-9", "email": None}
+    with pytest.raises(ValueError, match="subject"):
+        p.seal("order", "Placed", "o-2", {"email": "z@example.com"})
+
+
+def _event(p: Protector) -> tuple[bytes, Any]:
+    payload = p.seal("customer", "Registered", "c-1", {"email": "ann@example.com"})
+    _, value, headers = encode(Event.new("Registered", "customer", "c-1", 1, payload))
+    return value, headers
+
+
+class _Kernel:
+    def __init__(self, p: Protector) -> None:
+        self.unseal = p.for_aggregate("customer")
+        self.event = lambda type_name, payload, version: {"type": type_name, **payload}
+
+
+def test_the_fold_reads_protected_fields_in_clear() -> None:
+    p = protector()
+    value, _ = _event(p)
+    assert b"ann@example.com" not in value
+    assert domain_event(_Kernel(p), fields(value))["email"] == "ann@example.com"  # type: ignore[arg-type]
+
+
+def test_the_sink_intake_opens_fields_and_dead_letters_what_does_not_authenticate() -> None:
+    p = protector()
+    value, headers = _event(p)
+    intake = Intake("c", lambda t: True, "skip", decrypt=p.event)
+    got = intake.event(b"c-1", value, headers)
+    assert got is not None and got.payload["email"] == "ann@example.com"
+    wrong = Intake("c", lambda t: True, "skip", decrypt=protector(master=os.urandom(32), store=p.ring.store).event)
+    with pytest.raises(RecordError) as info:
+        wrong.event(b"c-1", value, headers, raw="the record")
+    assert info.value.reason == "decrypt-failed" and info.value.raw == "the record"
+    assert "ann@example.com" not in str(info.value)
+    assert decode(b"c-1", value, headers).payload["email"].startswith(protect.PREFIX)
+
+
+TOML = """
+[[aggregates]]
+name = "customer"
+initial = "m:initial"
+evolve = "m:evolve"
+decide = "m:decide"
+[[aggregates.protect]]
+type = "Registered"
+fields = ["email", "address.street"]
+subject = "{subject}"
+{privacy}
+"""
+
+
+def _load(subject: str = "aggregate_id", privacy: str = '[privacy]\nmaster_key_env = "KF_TEST_MASTER"',
+          env: dict[str, str] | None = None) -> Any:
+    env = {"KF_TEST_MASTER": base64.b64encode(MASTER).decode()} if env is None else env
+    return parse(TOML.format(subject=subject, privacy=privacy), Path("kafold.toml"), env).config
+
+
+def test_config_rule_without_a_master_key_reference_is_an_error() -> None:
+    with pytest.raises(ConfigError, match=r"privacy\.master_key"):
+        _load(privacy="")
+
+
+def test_config_literal_master_key_is_refused() -> None:
+    with pytest.raises(ConfigError, match="literal"):
+        _load(privacy='[privacy]\nmaster_key = "abc"')
+
+
+def test_config_bad_subject_and_encrypted_subject_are_errors() -> None:
+    with pytest.raises(ConfigError, match="subject"):
+        _load(subject="customer_id")
+    with pytest.raises(ConfigError, match="one of the encrypted fields"):
+        _load(subject="payload.email")
+
+
+def test_config_protect_with_spark_snapshots_payload_subjects_or_task_processes_is_refused() -> None:
+    key = '[privacy]\nmaster_key_env = "KF_TEST_MASTER"\n[snapshots]\nenabled = true'
+    with pytest.raises(ConfigError, match=r'snapshots\.engine.*engine = "local"'):
+        _load(privacy=key)  # engine auto may choose Spark, whose executors have no keys
+    with pytest.raises(ConfigError, match="every rule's subject is `aggregate_id`"):
+        _load(subject="payload.customer_id", privacy=key + '\nengine = "local"')
+    cfg = _load(privacy=key + '\nengine = "local"')  # in-process snapshots of an aggregate-id subject: supported
+    assert cfg.snapshots.enabled and cfg.aggregates[0].protect
+    with pytest.raises(ConfigError, match="task processes"):
+        _load(privacy='[privacy]\nmaster_key_env = "KF_TEST_MASTER"\n[daemon]\ntask_processes = true')
+
+
+def test_missing_master_key_at_load_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match="KF_TEST_MASTER is not set"):
+        _load(env={})
+
+
+def test_missing_master_key_at_start_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _load()
+    monkeypatch.delenv("KF_TEST_MASTER", raising=False)
+    with pytest.raises(ConfigError, match="KF_TEST_MASTER is not set"):
+        protect.build(cfg, MemoryKeyStore())
+
+
+def test_master_key_that_is_not_256_bits_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KF_TEST_MASTER", base64.b64encode(b"short").decode())
+    with pytest.raises(ConfigError, match="256-bit"):
+        protect.build(_load(), MemoryKeyStore())
+
+
+def test_build_from_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KF_TEST_MASTER", base64.b64encode(MASTER).decode())
+    p = protect.build(_load(), MemoryKeyStore())
+    assert p is not None and p.placeholder is None
+    sealed = p.seal("customer", "Registered", "c-1", {"email": "e", "address": {"street": "s"}})
+    assert p.unseal("customer", "Registered", "c-1", sealed) == {"email": "e", "address": {"street": "s"}}
+
+
+# ---- snapshots: a protected aggregate's state sealed whole under its id's key -------------------------------------
+
+def _snapshot_record(p: Protector, aid: str, state: Any, version: int = 2, offset: int = 5) -> tuple[bytes, bytes]:
+    from kafold.snapshot.record import Snapshot
+
+    sealed = p.seal_state("customer", aid, state)
+    key, value, _ = Snapshot("customer", aid, sealed, version, 0, offset, "fp", 1).encode()
+    return key, value
+
+
+def _selector(p: Protector | None) -> Any:
+    from kafold.snapshot.select import Identity, Selector
+
+    return Selector(Identity("customer", "fp", 1, protect.state_sealer(p, "customer")), 0, 0, 10)
+
+
+def test_state_sealing_is_only_for_aggregate_id_subjects() -> None:
+    p = protector()
+    assert p.seals_states("customer") and not p.seals_states("order") and not p.seals_states("nobody")
+    assert protect.state_sealer(p, "customer") is p and protect.state_sealer(p, "order") is None
+    assert protect.state_sealer(None, "customer") is None
+
+
+def test_a_sealed_state_opens_only_as_its_aggregates_snapshot() -> None:
+    p = protector()
+    state = {"email": "ann@example.com", "balance": 10}
+    token = p.seal_state("customer", "c-1", state)
+    assert token.startswith(protect.PREFIX) and "ann@example.com" not in token
+    assert p.open_state("customer", "c-1", token) == state
+    with pytest.raises(DecryptError):
+        p.open_state("other", "c-1", token)  # another aggregate type: another associated data
+    with pytest.raises(DecryptError, match="not sealed"):
+        p.open_state("customer", "c-1", state)  # a clear state (written before protect) is not used
+    with pytest.raises(DecryptError):  # a wrong master key: the data key does not unwrap
+        protector(master=os.urandom(32), store=p.ring.store).open_state("customer", "c-1", token)
+
+
+def test_a_forgotten_subjects_sealed_state_does_not_open() -> None:
+    p = protector()
+    token = p.seal_state("customer", "c-1", {"email": "ann@example.com"})
+    p.ring.forget("c-1", "test")
+    with pytest.raises(protect.Forgotten):
+        p.open_state("customer", "c-1", token)
+    p.seal_state("customer", "c-1", {"email": None})  # a later life's key does not open the old state either
+    with pytest.raises(protect.Forgotten):
+        p.open_state("customer", "c-1", token)
+
+
+def test_restore_selection_opens_sealed_states_and_falls_back_for_a_forgotten_subject() -> None:
+    p = protector()
+    ann, bob = _snapshot_record(p, "c-1", {"email": "ann@example.com"}), _snapshot_record(p, "c-2", {"email": "b"})
+    assert b"ann@example.com" not in ann[1]
+    selector = _selector(p)
+    for key, value in (ann, bob):
+        selector.feed(key, value, 0)
+    sel = selector.result()
+    assert sel.bases[b"c-1"].state == {"email": "ann@example.com"} and sel.bases[b"c-2"].state == {"email": "b"}
+    p.ring.forget("c-1", "test")
+    selector = _selector(p)
+    for key, value in (ann, bob):
+        selector.feed(key, value, 0)
+    sel = selector.result()
+    # like a fingerprint mismatch: not used, the aggregate replays from the partition's first offset
+    assert b"c-1" not in sel.bases and sel.orphans == {b"c-1"} and sel.rejected == {"forgotten": 1}
+    assert sel.start == 0 and sel.bases[b"c-2"].state == {"email": "b"}
+
+
+def test_restore_selection_never_uses_a_clear_state_of_a_protected_aggregate() -> None:
+    from kafold.snapshot.record import Snapshot
+
+    key, value, _ = Snapshot("customer", "c-1", {"email": "ann@example.com"}, 2, 0, 5, "fp", 1).encode()
+    selector = _selector(protector())
+    selector.feed(key, value, 0)
+    sel = selector.result()
+    assert not sel.bases and sel.rejected == {"sealed": 1}
+
+
+def test_a_spark_snapshot_run_of_a_protected_aggregate_is_refused_before_it_starts() -> None:
+    from kafold.spark_jobs import runs
+
+    cfg = _load(privacy='[privacy]\nmaster_key_env = "KF_TEST_MASTER"\n[snapshots]\nenabled = true\nengine = "local"')
+    for engine in ("spark", "auto"):  # e.g. `kafold snapshot run --engine spark`
+        with pytest.raises(ConfigError, match="in process only"):
+            runs.run(cfg.kafka, cfg.aggregates[0], [], lambda: None, engine=engine)
