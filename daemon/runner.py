@@ -376,7 +376,12 @@ class SinkRunner(LoopHandler):
             seen[tp] = offset + 1
             run += 1
             try:
-                record = intake.record(m, topic, part, offset)
+                try:
+                    record = intake.record(m, topic, part, offset)
+                except RetriableError as e:  # a service the decode needs is down (a Schema Registry)
+                    record = self._decode_later(intake, m, (topic, part, offset), e)
+                    if tp not in self.assigned:  # revoked during the back-off: the new owner reads it
+                        continue
             except RecordError as e:
                 self.reporter.report(m, e)
                 self.task.on_dead_letter(m, e)
@@ -462,6 +467,27 @@ class SinkRunner(LoopHandler):
         except RetriableError as e:
             raise _Abandoned(f"put still failing: {e}") from e
         return dead
+
+    def _decode_later(self, intake: Intake, m: Any, at: tuple[str, int, int], first: RetriableError
+                      ) -> SinkRecord | None:
+        """A record whose decode failed on a transient error, decoded again until it succeeds or fails for good
+        (RecordError: a dead letter), backing off as a failing put does: the partitions paused, the membership kept.
+        Nothing is skipped meanwhile, so the partition's order holds."""
+        got: list[SinkRecord | None] = []
+
+        def decode() -> None:
+            got[:] = [intake.record(m, *at)]
+
+        def warn(e: RetriableError, delay: float) -> None:
+            self.log.warning("connector.decode_retrying", topic=at[0], partition=at[1], offset=at[2],
+                             error=str(e), retry_in_s=round(delay, 2))
+
+        warn(first, 0.0)
+        try:
+            self._retrying(decode, warn, self._back_off)
+        except RetriableError as e:
+            raise _Abandoned(f"decode still failing: {e}") from e
+        return got[0]
 
     def _flush_dead_letters(self) -> None:
         def warn(e: RetriableError, delay: float) -> None:

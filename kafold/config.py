@@ -287,9 +287,11 @@ class RegistryConfig:
     timeout_s: float = setting(10.0, doc="Timeout of one request to the registry (seconds).", minimum=0.1)
     cache_capacity: int = setting(1000, doc="Schemas kept per process (each schema id is fetched once).",
                                   minimum=1)
-    retry_within_s: float = setting(120.0, doc="How long a record waits for a registry that is down (connection "
-                                    "refused, 5xx), retrying on the backoff, before the error goes to the runner; "
-                                    "keep it under kafka.rebalance_timeout_ms.", minimum=0)
+    retry_within_s: float = setting(5.0, doc="How long one decode waits in place for a registry that is down "
+                                    "(connection refused, 5xx) before the error goes up: the daemon's runner then "
+                                    "backs off with the partitions paused and decodes the record again until the "
+                                    "registry answers (a stop is served meanwhile); a rebuild or a replay fails.",
+                                    minimum=0)
 
 
 @dataclass(frozen=True)

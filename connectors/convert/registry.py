@@ -5,9 +5,9 @@ The deserializer fetches the writer's schema by id through `SchemaRegistryClient
 (`cache_capacity`): each id is fetched once per process, not once per record.
 
 Errors: a registry that cannot be reached or answers 5xx is retried on the one backoff (kafold.retry) for
-`retry_within_s`, blocking the batch: records are decoded before the task's `put`, where the runner's own retry does
-not reach, and waiting in place keeps the partition's order. A registry stopped for a while holds the partition back
-and nothing is dead-lettered or skipped; past `retry_within_s` the `RetriableError` goes up to the runner.
+`retry_within_s` (short: a blip), then the `RetriableError` goes up: the daemon's runner backs off with the
+partitions paused (membership kept, a stop served) and decodes the same record again until the registry answers, so
+a registry stopped for a while holds the partition back in order and nothing is dead-lettered or skipped.
 Anything that is wrong with the record itself (bad magic byte, an id the registry does not know, bytes that do not
 match the schema) is a `ConvertError` naming the topic and the schema id: a dead letter, later records flow.
 """
