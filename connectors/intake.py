@@ -33,6 +33,7 @@ class Intake:
         # process's Protector, built at start-up from the configuration.
         protector = protect.active()
         self.decrypt = decrypt if decrypt is not None else protector.event if protector is not None else None
+        self.protector = protector if decrypt is None and converter is None else None
         self.steps = upcaster.steps if not upcaster.empty else None
         self.upcaster = upcaster
 
@@ -67,6 +68,12 @@ class Intake:
         except UpcastError as e:
             raise RecordError(f"connector {self.name!r}: {e}", raw=raw, reason=e.reason) from e
         return reshaped(event, type_name, version, payload)
+
+    def prefetch(self, msgs: Sequence[Any]) -> None:
+        """Before a batch's records are opened one by one: their subjects' keys in one round trip, when protected
+        fields are read (kafold.protect); nothing otherwise."""
+        if self.protector is not None:
+            self.protector.prefetch(m.key() for m in msgs)
 
     def record(self, m: Any, topic: str, partition: int, offset: int) -> SinkRecord | None:
         """A consumed message as the SinkRecord its task sees; None when skipped."""

@@ -357,6 +357,7 @@ class SinkRunner(LoopHandler):
         skipped_at: dict[TopicPartition, int] = {}
         intake = Intake(self.connector.name, self.task.handles, self.connector.settings.on_unknown_type,
                         self.upcaster, converter=self.converter)
+        intake.prefetch(msgs)
         tp, last_topic, last_part = None, None, -1
         yield_point = self.task.yield_point
         for i, m in enumerate(msgs):

@@ -167,6 +167,10 @@ class KeyStore:
         """(key id, wrapped key), or None when the subject has none."""
         raise NotImplementedError
 
+    def get_many(self, subjects: list[str]) -> dict[str, tuple[bytes, bytes]]:
+        """The keys of those of `subjects` that have one (one round trip where the store can)."""
+        return {s: row for s in subjects if (row := self.get(s)) is not None}
+
     def create(self, subject: str, key_id: bytes, wrapped: bytes) -> tuple[bytes, bytes]:
         """Insert unless present (INSERT ... ON CONFLICT DO NOTHING); the subject's (key id, wrapped key) after."""
         raise NotImplementedError
@@ -203,6 +207,8 @@ class PgKeyStore(KeyStore):
         self.pgc = pgc
         schema = sql.Identifier(pgc.schema)
         self.q_get = sql.SQL("SELECT key_id, wrapped_key FROM {}.subject_keys WHERE subject = %s").format(schema)
+        self.q_get_many = sql.SQL("SELECT subject, key_id, wrapped_key FROM {}.subject_keys WHERE subject = ANY(%s)"
+                                  ).format(schema)
         self.q_create = sql.SQL(
             "INSERT INTO {}.subject_keys (subject, key_id, wrapped_key) VALUES (%s, %s, %s) "
             "ON CONFLICT (subject) DO NOTHING").format(schema)
@@ -248,6 +254,10 @@ class PgKeyStore(KeyStore):
     def get(self, subject: str) -> tuple[bytes, bytes] | None:
         row = self._run(lambda conn: conn.execute(self.q_get, (subject,)).fetchone())
         return None if row is None else (bytes(row[0]), bytes(row[1]))
+
+    def get_many(self, subjects: list[str]) -> dict[str, tuple[bytes, bytes]]:
+        rows = self._run(lambda conn: conn.execute(self.q_get_many, (subjects,)).fetchall())
+        return {subject: (bytes(key_id), bytes(wrapped)) for subject, key_id, wrapped in rows}
 
     def create(self, subject: str, key_id: bytes, wrapped: bytes) -> tuple[bytes, bytes]:
         def step(conn: Any) -> Any:
@@ -303,6 +313,21 @@ class KeyRing:
         self._keep(subject, key_id, key)
         return key_id, key
 
+    def prefetch(self, subjects: Iterable[str]) -> None:
+        """Look up the keys of `subjects` not cached, in one round trip (a batch's subjects before its records are
+        opened one by one)."""
+        now = time.monotonic()
+        missing = [s for s in set(subjects) if (hit := self.cache.get(s)) is None or hit[0] <= now]
+        if not missing:
+            return
+        found = self.store.get_many(missing)
+        for subject in missing:
+            row = found.get(subject)
+            if row is None:
+                self._keep(subject, None, None)
+            else:
+                self._keep(subject, row[0], self.cipher.unwrap(subject, row[0], row[1]))
+
     def for_writing(self, subject: str) -> tuple[bytes, bytes]:
         key_id, key = self.lookup(subject)
         if key_id is not None and key is not None:
@@ -345,6 +370,14 @@ class Protector:
 
     def __init__(self, rules: Mapping[tuple[str, str], Rule], ring: KeyRing, placeholder: Any = None) -> None:
         self.rules, self.ring, self.placeholder = dict(rules), ring, placeholder
+        # Some rule's subject is the aggregate id, which is a kafold record's key: a batch's keys can be looked up
+        # before its records are decoded (`prefetch`).
+        self.keyed_by_record = any(rule.subject == AGGREGATE_ID for rule in self.rules.values())
+
+    def prefetch(self, record_keys: Iterable[bytes | None]) -> None:
+        """Look up the subject keys a batch of kafold records will need, in one round trip (see keyed_by_record)."""
+        if self.keyed_by_record:
+            self.ring.prefetch(k.decode("utf-8", "replace") for k in record_keys if k)
 
     def seal(self, aggregate: str, type_name: str, aggregate_id: str, payload: dict[str, Any]) -> dict[str, Any]:
         """`payload` with its protected values sealed (a copy; unchanged when the type has no rule)."""

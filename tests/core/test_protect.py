@@ -301,3 +301,39 @@ def test_a_spark_snapshot_run_of_a_protected_aggregate_is_refused_before_it_star
     for engine in ("spark", "auto"):  # e.g. `kafold snapshot run --engine spark`
         with pytest.raises(ConfigError, match="in process only"):
             runs.run(cfg.kafka, cfg.aggregates[0], [], lambda: None, engine=engine)
+
+
+class _Counting(MemoryKeyStore):
+    """A key store that counts its round trips."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gets = self.batches = 0
+
+    def get(self, subject: str) -> tuple[bytes, bytes] | None:
+        self.gets += 1
+        return super().get(subject)
+
+    def get_many(self, subjects: list[str]) -> dict[str, tuple[bytes, bytes]]:
+        self.batches += 1
+        return {s: row for s in subjects if (row := self.keys.get(s)) is not None}
+
+
+def test_a_batch_of_records_looks_its_subjects_keys_up_in_one_round_trip() -> None:
+    store = _Counting()
+    writer = protector(store=store)
+    sealed = {aid: writer.seal("customer", "Registered", aid, {"email": f"{aid}@example.com"})
+              for aid in ("c-1", "c-2")}
+    reader = protector(store=store)  # a fresh ring: nothing cached
+    store.gets = 0
+    reader.prefetch([b"c-1", b"c-2", b"c-3", None, b"c-1"])
+    assert store.batches == 1
+    for aid, payload in sealed.items():
+        assert reader.unseal("customer", "Registered", aid, payload) == {"email": f"{aid}@example.com"}
+    assert reader.unseal("customer", "Registered", "c-3", {"email": sealed["c-1"]["email"]}) == {"email": None}
+    assert store.gets == 0  # every lookup was answered by the prefetch, the subject without a key too
+    reader.prefetch([b"c-1", b"c-2"])
+    assert store.batches == 1  # still cached: no round trip
+    order_only = Protector({("order", "Placed"): RULES[("order", "Placed")]}, KeyRing(Cipher(MASTER), store))
+    order_only.prefetch([b"o-1"])  # its subject is a payload field, not the record key: nothing to look up early
+    assert store.batches == 1
