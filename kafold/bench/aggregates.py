@@ -81,10 +81,10 @@ def window_memory(ids: int = 200_000, aggregates: int = 10_000) -> dict[str, Any
 
 
 def _setup(kafka: Any, name: str, partitions: int, batch: int, window_s: float = 86_400.0,
-           instance: str = "bench") -> tuple[Any, Any]:
+           instance: str = "bench", protector: Any = None) -> tuple[Any, Any]:
     agg = AggregateConfig(name=name, initial="bank_domain:initial", evolve="bank_domain:evolve",
                           decide="bank_domain:decide", partitions=partitions, idempotency_window_s=window_s)
-    domain = AggregateDomain.load(agg, [str(BANK)])
+    domain = AggregateDomain.load(agg, [str(BANK)]).protected(protector)  # as the daemon's build_runtime
     daemon = DaemonConfig(group_prefix="kafold-bench", batch_max_records=batch, batch_max_wait_ms=50)
     return agg, AggregateRuntime(kafka, daemon, agg, domain, instance_id=instance)
 
@@ -103,10 +103,14 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
         time.sleep(0.01)
 
 
-def _throughput(kafka: Any, args: argparse.Namespace, window_s: float = 86_400.0) -> dict[str, Any]:
+def _throughput(kafka: Any, args: argparse.Namespace, window_s: float = 86_400.0, protector: Any = None,
+                name: str | None = None) -> dict[str, Any]:
     """Commands queued first (opens, then deposits: each accepted, one event + one result), then the runtime is
-    started and timed from its first decided command to its last committed transaction."""
-    agg, rt = _setup(kafka, f"bench.cmd.{uuid.uuid4().hex[:6]}", args.partitions, args.batch, window_s)
+    started and timed from its first decided command to its last committed transaction. `protector`
+    (kafold.protect, in process only): the runtime seals and opens protected fields as the daemon's does; its
+    rules are keyed by aggregate type: `name`, a new one each run (default a fresh `bench.cmd.<hex>`)."""
+    agg, rt = _setup(kafka, name or f"bench.cmd.{uuid.uuid4().hex[:6]}", args.partitions, args.batch, window_s,
+                     protector=protector)
     topics.ensure(kafka, [TopicSpec(agg.topic(k), args.partitions, 1, {}) for k in ("events", "commands", "results")])
     ids = [f"acc-{i:06d}" for i in range(args.accounts)]
     with CommandClient(kafka, agg) as client:
