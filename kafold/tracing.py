@@ -45,9 +45,15 @@ def configure(cfg: TracingConfig) -> None:
 
     name = os.environ.get("OTEL_SERVICE_NAME") or cfg.service_name
     _provider = TracerProvider(resource=Resource.create({"service.name": name}))  # sampler: OTEL_TRACES_SAMPLER
-    _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    exporter = os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
+    if exporter == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        _provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+    elif exporter != "none":  # "none": spans are made and sampled, nothing is sent (e.g. to measure the cost)
+        _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     _tracer = _provider.get_tracer("kafold")
-    log.info("tracing.enabled", service_name=name,
+    log.info("tracing.enabled", service_name=name, exporter=exporter,
              endpoint=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "http://localhost:4318"),
              sampler=os.environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on"))
 
