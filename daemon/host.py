@@ -141,7 +141,7 @@ class DaemonHost:
                     raise FatalError(f"connector {settings.name!r}: the daemon runs sink connectors only")
                 slots = task_slots(connector, self.cfg.kafka, task_pg, task_daemon, self.base,
                                    python_path(self.cfg, self.base).paths, self.metrics.observe, self._on_exit,
-                                   self.cfg.registry, self.cfg.tracing)
+                                   self.cfg.registry, self.cfg.tracing, protect.setup(self.cfg))
                 groups.append(ConnectorGroup(connector, slots))
         return groups
 

@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from kafold import logs, tracing
+from kafold import logs, protect, tracing
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig, RegistryConfig, TracingConfig
 from kafold.connectors.api import Connector, TopicPartition
 from kafold.connectors.registry import instantiate
@@ -70,6 +70,7 @@ class TaskSpec:
     log: tuple[str, str, str | None]
     registry: RegistryConfig | None = None  # [registry], for Schema Registry formats
     tracing: TracingConfig | None = None  # [tracing]: the child makes its own spans
+    protect: protect.Setup | None = None  # protected fields: the child opens them with its own key ring
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,8 @@ def child_main(conn: Connection, spec: TaskSpec) -> None:
     task_config = connector.task_configs(spec.tasks_max)[spec.task_index].with_services(spec.kafka, spec.postgres)
     if spec.tracing is not None:
         tracing.configure(spec.tracing)
+    if spec.protect is not None:
+        protect.build_setup(spec.protect)  # before the runner: its intake takes the process's Protector
     runner = SinkRunner(connector, task_config, kafka=spec.kafka, daemon=spec.daemon, registry=spec.registry)
     batches: list[BatchStats] = []
     send_lock = threading.Lock()

@@ -37,6 +37,7 @@ from kafold.config import (
 from kafold.connectors.api import Connector, TaskConfig
 from kafold.daemon.runner import BatchStats, RunnerView, SinkRunner
 from kafold.daemon.task_process import RemoteRunner, TaskSpec
+from kafold.protect import Setup
 
 log = logs.get(__name__)
 
@@ -218,7 +219,7 @@ def task_slots(connector: Connector[Any], kafka: KafkaConfig, postgres: Postgres
                base: Path, python_paths: list[str],
                on_batch: Callable[[RunnerView, BatchStats], None] | None = None,
                on_exit: Callable[[TaskSlot], None] | None = None, registry: RegistryConfig | None = None,
-               tracing: TracingConfig | None = None) -> list[TaskSlot]:
+               tracing: TracingConfig | None = None, protected: Setup | None = None) -> list[TaskSlot]:
     """The slots of a connector's tasks (at most `tasks_max`): threads, or with `daemon.task_processes` child
     processes. Each task gets the configured services with its task config (Connect's worker config)."""
     n = connector.settings.tasks_max
@@ -227,7 +228,7 @@ def task_slots(connector: Connector[Any], kafka: KafkaConfig, postgres: Postgres
         return [TaskSlot(connector, tc, kafka, daemon, on_batch, on_exit, registry) for tc in configs]
     return [ProcessTaskSlot(connector, tc, kafka, daemon, TaskSpec(
         connector.settings, base, tuple(python_paths), i, n, kafka, postgres, daemon, logs.current(), registry,
-        tracing), on_batch, on_exit) for i, tc in enumerate(configs)]
+        tracing, protected), on_batch, on_exit) for i, tc in enumerate(configs)]
 
 
 class Control:

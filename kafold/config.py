@@ -424,9 +424,6 @@ def _check_protect(cfg: KafoldConfig, problems: Problems) -> None:
             elif cfg.snapshots.engine != "local":
                 problems.add("snapshots.engine", f"aggregate {agg.name!r} has protected fields: its snapshots run "
                              "in process only (Spark executors have no keys): set [snapshots] engine = \"local\"")
-        if agg.protect and cfg.daemon.task_processes:
-            problems.add(f"aggregates[{i}].protect", "protected fields are not decrypted in task processes yet: set "
-                         "[daemon] task_processes = false")
         if agg.protect and cfg.privacy.master_key is None and not problems.mentions("privacy.master_key"):
             problems.add("privacy.master_key", "protected fields need a master key: privacy.master_key_env or "
                          "privacy.master_key_file")

@@ -479,14 +479,33 @@ def rules(cfg: KafoldConfig) -> dict[tuple[str, str], Rule]:
 _ACTIVE: dict[str, Protector] = {}
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What a process needs to build its Protector; picklable, so a task process gets it from the daemon (the
+    master key is read where it is built, from the reference: never sent)."""
+
+    rules: dict[tuple[str, str], Rule]
+    privacy: PrivacyConfig
+    postgres: PostgresConfig
+
+
+def setup(cfg: KafoldConfig) -> Setup | None:
+    """The configuration's protection (None when it protects nothing)."""
+    found = rules(cfg)
+    return Setup(found, cfg.privacy, cfg.postgres) if found else None
+
+
 def build(cfg: KafoldConfig, store: KeyStore | None = None) -> Protector | None:
     """The Protector of a configuration (None when it protects nothing); a missing master key is a ConfigError
     naming the variable or file. One per process and configuration (kept for `active`)."""
-    found = rules(cfg)
-    if not found:
-        return None
-    ring = KeyRing(Cipher(master_key(cfg.privacy)), store or PgKeyStore(cfg.postgres))
-    protector = Protector(found, ring, cfg.privacy.placeholder)
+    found = setup(cfg)
+    return None if found is None else build_setup(found, store)
+
+
+def build_setup(found: Setup, store: KeyStore | None = None) -> Protector:
+    """`build` from a Setup (a task process's)."""
+    ring = KeyRing(Cipher(master_key(found.privacy)), store or PgKeyStore(found.postgres))
+    protector = Protector(found.rules, ring, found.privacy.placeholder)
     _ACTIVE["default"] = protector
     return protector
 
