@@ -1,18 +1,21 @@
 """Evolving events and foreign records: a projection over events that all need one upcast step, over plain JSON
-records (`converter = "json"`) and over Debezium change events (`converter = "debezium"`), each against the same
-events in kafold's envelope, alternated in one run."""
+records (`converter = "json"`), over the same records in Avro through a Schema Registry (`converter = "avro"`) and over
+Debezium change events (`converter = "debezium"`), each against the same events in kafold's envelope, alternated in
+one run."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import statistics
+import tomllib
 import uuid
+from pathlib import Path
 from typing import Any
 
 import orjson
 
-from kafold import db, logs
+from kafold import db, devstack, logs, registry_server
 from kafold.bench import short_group
 from kafold.bench.projection import COLUMNS, _produce, _project, daemon_stack, produce_records
 from kafold.envelope import Event
@@ -37,9 +40,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--config", help="kafold.toml giving [kafka] and [postgres] (default: the dev stack)")
 
 
-KINDS = ("upcast", "json", "debezium")
+KINDS = ("upcast", "json", "avro", "debezium")
 # Plain JSON records carrying the envelope's facts in their own fields (the record key is the account).
 JSON_CONVERT = {"converter": "json", "convert": {"id": "id", "type": "type", "version": "version"}}
+# The same records in Avro, framed for the registry (one schema registered once): the same convert sources.
+AVRO_CONVERT = {**JSON_CONVERT, "converter": "avro"}
+DEPOSIT_AVRO = orjson.dumps({"type": "record", "name": "Deposit", "namespace": "kafold.bench", "fields": [
+    {"name": "id", "type": "string"}, {"name": "version", "type": "long"}, {"name": "type", "type": "string"},
+    {"name": "owner", "type": ["null", "string"], "default": None},
+    {"name": "amount", "type": ["null", "long"], "default": None}]}).decode()
 # Debezium's JDBC-sink shape: the source row after each change, upserted whole; deletes remove it.
 DEBEZIUM_RULES = [
     {"type": ["create", "update", "read"], "set": {c: f"payload.{c}" for c in COLUMNS if c != "account_id"}},
@@ -58,6 +67,34 @@ def json_record(i: int, acc: str, version: int) -> tuple[bytes, bytes, None]:
     else:
         body.update(type="MoneyDeposited", amount=i % 97 + 1)
     return acc.encode(), orjson.dumps(body), None
+
+
+def avro_records(registry_url: str, topic: str) -> Any:
+    """`json_record`'s bodies as Avro records framed for the registry at `registry_url` (the schema registered
+    under `<topic>-value` on the first record)."""
+    from confluent_kafka.schema_registry import SchemaRegistryClient
+    from confluent_kafka.schema_registry.avro import AvroSerializer
+    from confluent_kafka.serialization import MessageField, SerializationContext
+
+    serialize = AvroSerializer(SchemaRegistryClient({"url": registry_url}), DEPOSIT_AVRO)
+    ctx = SerializationContext(topic, MessageField.VALUE)
+
+    def record(i: int, acc: str, version: int) -> tuple[bytes, bytes, None]:
+        key, value, _ = json_record(i, acc, version)
+        return key, serialize(orjson.loads(value), ctx), None
+    return record
+
+
+def registry_url(stack: contextlib.ExitStack, config: str | None, workdir: Path) -> str:
+    """The Schema Registry the avro kind uses: the `-c` file's [registry] url, else the dev stack's registry if it
+    runs (`kafold dev up --registry`), else one started for this run in `workdir` (stopped with `stack`)."""
+    if config and (url := tomllib.loads(Path(config).read_text()).get("registry", {}).get("url")):
+        return str(url)
+    if url := registry_server.dev_url(devstack.default_state_dir()):
+        return url
+    reg = registry_server.start(workdir / "registry")
+    stack.callback(reg.stop)
+    return reg.url
 
 
 def debezium_records(accounts: int) -> Any:
@@ -99,6 +136,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "json" in kinds:
             sizes["json"] = produce_records(kafka, topics["json"], args.events, args.partitions, accounts,
                                             json_record)
+        extra: dict[str, Any] | None = None
+        if "avro" in kinds:
+            url = registry_url(stack, args.config, daemons.workdir)
+            extra = {"registry": {"url": url}}  # given to every run: only the avro connector reads it
+            sizes["avro"] = produce_records(kafka, topics["avro"], args.events, args.partitions, accounts,
+                                            avro_records(url, topics["avro"]))
         if "debezium" in kinds:
             sizes["debezium"] = produce_records(kafka, topics["debezium"], args.events, args.partitions, accounts,
                                                 debezium_records(accounts))
@@ -109,7 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for side in (("native", kind) if r % 2 == 0 else (kind, "native")):
                     table = f"bench_{uuid.uuid4().hex[:8]}"
                     got = _project(daemons, f"{base}.{side}.{kind}.{r}", topics[side], table, args,
-                                   _extra(side, table))
+                                   _extra(side, table), extra)
                     rates[side].append(got["events"] / got["seconds"])
                     log.warning("bench.evolution_round", round=r, kind=side, events_per_s=round(rates[side][-1]))
     native = statistics.median(rates["native"])
@@ -117,6 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                "tasks": args.tasks, "value_bytes": sizes,
                                "native_events_per_s": [round(x) for x in rates["native"]]}
     ratio_key = {"upcast": "upcast_throughput_ratio", "json": "json_converter_throughput_ratio",
+                 "avro": "avro_converter_throughput_ratio",
                  "debezium": "debezium_converter_throughput_ratio"}
     for kind in kinds:
         figures[f"{kind}_events_per_s"] = [round(x) for x in rates[kind]]
@@ -130,6 +174,8 @@ def _extra(kind: str, table: str) -> dict[str, Any] | None:
         return {"upcasters": UPCASTERS}
     if kind == "json":
         return JSON_CONVERT
+    if kind == "avro":
+        return AVRO_CONVERT
     if kind == "debezium":
         return {"converter": "debezium", "config": {"table": table, "key_columns": ["account_id"],
                                                     "columns": COLUMNS, "on": DEBEZIUM_RULES}}
