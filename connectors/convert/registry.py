@@ -18,6 +18,7 @@ import base64
 import datetime
 import decimal
 import enum
+import io
 import struct
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,7 @@ log = logs.get(__name__)
 MAGIC = 0
 HEADER = struct.Struct(">bI")
 NOT_FOUND_CODES = frozenset({40401, 40402, 40403, 40408})  # subject / version / schema not found
+_UNSEEN = object()
 
 
 class RegistryKind(enum.StrEnum):
@@ -84,6 +86,11 @@ class RegistryFormat:
         self._value = self._deserializer(message_type)
         self._key: Any = None  # built on the first key that needs one
         self._message_type = message_type
+        # Avro schema id -> its parsed writer schema, read straight with fastavro; None: the schema has rules or
+        # references, so confluent's deserializer runs (it applies them). The deserializer walks the schema again
+        # for every record (~95 µs a record against ~10 µs here, docs/benchmarks.md); a schema without rules
+        # decodes the same either way.
+        self._avro: dict[int, Any] = {}
 
     def _deserializer(self, message_type: str) -> Any:
         from confluent_kafka.schema_registry.avro import AvroDeserializer
@@ -117,6 +124,14 @@ class RegistryFormat:
 
         def step() -> Any:
             try:
+                if self.kind is RegistryKind.AVRO:
+                    parsed = self._avro.get(schema_id, _UNSEEN)
+                    if parsed is _UNSEEN:
+                        parsed = self._avro[schema_id] = self._plain_avro(schema_id)
+                    if parsed is not None:
+                        from fastavro import schemaless_reader
+
+                        return schemaless_reader(io.BytesIO(data[HEADER.size:]), parsed, None)
                 return des(data, ctx)
             except Exception as e:  # sorted below: the deserializers raise many kinds for bad bytes
                 raise self._classify(e, where, schema_id) from e
@@ -133,6 +148,16 @@ class RegistryFormat:
 
             return MessageToDict(value, preserving_proto_field_name=True)
         return jsonable(value) if self.kind is RegistryKind.AVRO else value
+
+    def _plain_avro(self, schema_id: int) -> Any:
+        """The parsed writer schema of `schema_id` when it has no rules and no references, else None."""
+        import orjson
+        from fastavro import parse_schema
+
+        schema = self.client.get_schema(schema_id)  # cached by the client: one fetch per id
+        if schema.rule_set is not None or schema.references:
+            return None
+        return parse_schema(orjson.loads(schema.schema_str))
 
     def _classify(self, e: Exception, where: str, schema_id: int) -> Exception:
         """RetriableError for a registry that is down or failing; ConvertError for a record that is wrong."""
