@@ -9,6 +9,7 @@ is given the same two schemas in the same order, which gives them the same ids a
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,6 +34,7 @@ from tests.projection.projection_support import dead_letters, read_table, table_
 from tests.support import create_topic, produce, wait_for
 
 pytestmark = pytest.mark.integration
+DOWN_S = 30.0  # how long the registry stays stopped (the issue: "stopped for 30 s in the middle")
 
 V1 = """{"type": "record", "name": "Deposit", "namespace": "kafold.test", "fields": [
   {"name": "id", "type": "string"}, {"name": "account", "type": "string"}, {"name": "amount", "type": "long"}]}"""
@@ -97,9 +99,11 @@ def test_a_registry_stopped_mid_run_loses_nothing_and_dead_letters_nothing(
                 _running(kafka_config, pg_config, cfg, registry, unique) as runner:
             wait_for_offsets(pg_config, unique, topic, {0: 200}, runner)
             reg.stop()
+            stopped = time.monotonic()
             produce(kafka_config, topic, second)  # schema id ids[1]: not in the format's cache yet
             wait_for(lambda: sum(e.get("event") == "connector.decode_retrying" for e in logs) >= 5,
                      "the runner retrying while the registry is down", 120)
+            time.sleep(max(0.0, DOWN_S - (time.monotonic() - stopped)))  # the issue's outage: 30 s at least
             reg.start()
             assert _register(reg.url, topic)[2] == ids  # the same ids again, so the records still resolve
             wait_for_offsets(pg_config, unique, topic, {0: 400}, runner, timeout=120)
