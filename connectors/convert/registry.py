@@ -155,7 +155,7 @@ class RegistryFormat:
         from fastavro import parse_schema
 
         schema = self.client.get_schema(schema_id)  # cached by the client: one fetch per id
-        if schema.rule_set is not None or schema.references:
+        if schema.schema_str is None or schema.rule_set is not None or schema.references:
             return None
         return parse_schema(orjson.loads(schema.schema_str))
 
