@@ -376,8 +376,8 @@ class Protector:
 
     def prefetch(self, record_keys: Iterable[bytes | None]) -> None:
         """Look up the subject keys a batch of kafold records will need, in one round trip (see keyed_by_record)."""
-        if self.keyed_by_record:
-            self.ring.prefetch(k.decode("utf-8", "replace") for k in record_keys if k)
+        if self.keyed_by_record:  # keys PostgreSQL cannot hold (a NUL) are left to the record's own lookup
+            self.ring.prefetch(k.decode("utf-8", "replace") for k in record_keys if k and b"\0" not in k)
 
     def seal(self, aggregate: str, type_name: str, aggregate_id: str, payload: dict[str, Any]) -> dict[str, Any]:
         """`payload` with its protected values sealed (a copy; unchanged when the type has no rule)."""
@@ -499,7 +499,10 @@ def build(cfg: KafoldConfig, store: KeyStore | None = None) -> Protector | None:
     """The Protector of a configuration (None when it protects nothing); a missing master key is a ConfigError
     naming the variable or file. One per process and configuration (kept for `active`)."""
     found = setup(cfg)
-    return None if found is None else build_setup(found, store)
+    if found is None:
+        _ACTIVE.pop("default", None)  # a configuration without protection: no Protector of an earlier one stays
+        return None
+    return build_setup(found, store)
 
 
 def build_setup(found: Setup, store: KeyStore | None = None) -> Protector:

@@ -337,3 +337,19 @@ def test_a_batch_of_records_looks_its_subjects_keys_up_in_one_round_trip() -> No
     order_only = Protector({("order", "Placed"): RULES[("order", "Placed")]}, KeyRing(Cipher(MASTER), store))
     order_only.prefetch([b"o-1"])  # its subject is a payload field, not the record key: nothing to look up early
     assert store.batches == 1
+
+
+def test_a_configuration_without_protection_leaves_no_protector_of_an_earlier_one_active(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KF_TEST_MASTER", base64.b64encode(MASTER).decode())
+    protect.build(_load(), MemoryKeyStore())
+    assert protect.active() is not None
+    assert protect.build(parse("", Path("kafold.toml"), {}).config) is None
+    assert protect.active() is None  # readers built later (an intake) open nothing
+
+
+def test_a_prefetch_leaves_record_keys_postgresql_cannot_hold_to_their_own_lookup() -> None:
+    store = _Counting()
+    reader = protector(store=store)
+    reader.prefetch([b"c-\x001", b"c-2"])
+    assert store.batches == 1 and "c-2" in reader.ring.cache and "c-\x001" not in reader.ring.cache
