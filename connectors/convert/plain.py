@@ -83,6 +83,8 @@ class JsonConverter:
     def __init__(self, options: Any, fmt: ValueFormat | None = None) -> None:
         self.fmt: ValueFormat = fmt if fmt is not None else JsonFormat()
         self.sources = {name: getattr(options, name) for name in ("id", "type", "key", "version", "time")}
+        # each JSON path split once here, not once per record
+        self.paths = {src: steps(src) for src in self.sources.values() if src}
         self.aggregate_type = options.aggregate_type
 
     def source(self, name: str, src: str, body: Any, key: bytes | None, headers: Headers, topic: str,
@@ -102,7 +104,7 @@ class JsonConverter:
         elif src == "@timestamp":
             got = timestamp_ms
         else:
-            got = lookup(body, steps(src))
+            got = lookup(body, self.paths[src])
             if got is _MISSING:
                 raise ConvertError(f"{where(topic, partition, offset)}: {name} path {src!r} is missing", raw=raw)
         if got is None:
