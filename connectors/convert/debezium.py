@@ -16,14 +16,13 @@ On a compacted topic keep `delete.retention.ms` above the projection's lag so a 
 from __future__ import annotations
 
 import re
-import uuid
 from typing import Any
 
 import orjson
 
 from kafold.connectors.convert.api import ConvertError, Headers, ValueFormat, where
 from kafold.connectors.convert.plain import _MISSING, NAMESPACE, JsonFormat, lookup, steps
-from kafold.envelope import Event, format_epoch_ms, utc_now
+from kafold.envelope import Event, format_epoch_ms, utc_now, uuid5
 
 OPS = {"c": "create", "u": "update", "r": "read", "d": "delete"}
 BINLOG_NUMBER = re.compile(r"(\d+)$")
@@ -96,7 +95,7 @@ class DebeziumConverter:
         version = self.version(body, source, at, raw)
         payload = {**row, **key_body} if op == "d" else row
         ts = source.get("ts_ms") or body.get("ts_ms") or timestamp_ms
-        event_id = str(uuid.uuid5(NAMESPACE, f"debezium/{aggregate_type}/{aggregate_id}/{version}/{op}"))
+        event_id = uuid5(NAMESPACE, f"debezium/{aggregate_type}/{aggregate_id}/{version}/{op}")
         try:
             return Event(event_id=event_id, type=OPS[op], aggregate_type=aggregate_type, aggregate_id=aggregate_id,
                          version=version, occurred_at=format_epoch_ms(ts) if type(ts) is int else utc_now(),

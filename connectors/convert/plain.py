@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from kafold.connectors.convert.api import ConvertError, Headers, ValueFormat, where
-from kafold.envelope import Event, format_epoch_ms, utc_now
+from kafold.envelope import Event, format_epoch_ms, utc_now, uuid5
 
 NAMESPACE = uuid.UUID("6f1c3b0e-5b8a-4f0e-9a55-6b6166f1d000")  # kafold's uuid5 namespace for derived event ids
 COORDS = ("@key", "@topic", "@partition", "@offset", "@timestamp")
@@ -124,7 +124,7 @@ class JsonConverter:
         for name, src in self.sources.items():
             if src:
                 got[name] = self.source(name, src, body, key, headers, topic, partition, offset, timestamp_ms, raw)
-        event_id = str(got["id"]) if "id" in got else str(uuid.uuid5(NAMESPACE, f"{topic}/{partition}/{offset}"))
+        event_id = str(got["id"]) if "id" in got else uuid5(NAMESPACE, f"{topic}/{partition}/{offset}")
         aggregate_id = str(got["key"]) if "key" in got else (
             key.decode("utf-8", "replace") if key is not None else "")
         if not aggregate_id:

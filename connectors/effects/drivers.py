@@ -7,7 +7,6 @@ import email.utils
 import inspect
 import threading
 import time
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +24,7 @@ from kafold.connectors.effects.settings import (
 )
 from kafold.connectors.effects.signing import sign
 from kafold.connectors.effects.webhook_client import HttpError, WebhookClient
-from kafold.envelope import KAFOLD_NAMESPACE, Event, body_json, encode
+from kafold.envelope import KAFOLD_NAMESPACE, Event, body_json, encode, uuid5
 from kafold.refs import import_ref
 
 RETRY_STATUSES = frozenset({408, 409, 425, 429})
@@ -129,7 +128,7 @@ class Webhook(Effect):
 
 def derived_id(connector: str, source_event_id: str, index: int) -> str:
     """uuid5 of (connector, source event, index): the same source event always yields the same derived ids."""
-    return str(uuid.uuid5(KAFOLD_NAMESPACE, f"effect/{connector}/{source_event_id}/{index}"))
+    return uuid5(KAFOLD_NAMESPACE, f"effect/{connector}/{source_event_id}/{index}")
 
 
 class KafkaEffect(Effect):
