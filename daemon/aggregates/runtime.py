@@ -409,6 +409,9 @@ class AggregateRuntime(LoopHandler):
             return
         decoded = [self._decode(m) for m in live]
         self._reload_missing(live)
+        if self.domain.protector is not None:  # the batch's data keys at once, not a round trip per new subject
+            ids = {k.decode("utf-8", "replace") for m in live if (k := m.key())}
+            self.domain.protector.prepare_writing(self.agg.name, ids, [i for i in ids if self.store.get(i) is None])
         assert self.writer is not None
         undo: Undo = {}
         self.uncommitted = undo

@@ -44,8 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=2500, help="daemon.batch_max_records")
     p.add_argument("--tasks", type=int, default=2, help="tasks_max of the connector (default 2: one per core)")
     p.add_argument("--task-processes", action=argparse.BooleanOptionalAction, default=True,
-                   help="daemon.task_processes of the tracing runs (default: each task in its own process); the "
-                   "protected pair runs in threads (protected fields need task_processes = false)")
+                   help="daemon.task_processes of every run (default: each task in its own process)")
     p.add_argument("-c", "--config", help="kafold.toml giving [kafka] and [postgres] (default: the dev stack)")
 
 
@@ -54,15 +53,16 @@ def rules(aggregate: str) -> dict[tuple[str, str], Rule]:
     return {(aggregate, t): Rule(((f,),), AGGREGATE_ID) for t, f in PROTECTED.items()}
 
 
-def protect_toml(aggregate: str, topic_base: str, protect: bool) -> dict[str, Any]:
+def protect_toml(aggregate: str, topic_base: str, protect: bool, task_processes: bool) -> dict[str, Any]:
     """The daemon's extra settings of the protected projection's pair: the bank aggregate on topics of its own
     (idle: the projection reads the benchmark topic), with the protect rules (and [privacy]) or without them; both
-    in threads (the daemon refuses protected fields with task processes, not decrypted there yet)."""
+    with the same task_processes (a task process builds its own key ring from the same references)."""
     agg: dict[str, Any] = {"name": aggregate, "initial": "bank_domain:initial", "evolve": "bank_domain:evolve",
                            "decide": "bank_domain:decide", "partitions": 1,
                            **{f"{k}_topic": f"{topic_base}.{k}" for k in ("events", "commands", "results",
                                                                           "snapshot")}}
-    extra: dict[str, Any] = {"daemon": {"python_path": [str(BANK)], "task_processes": False}, "aggregates": [agg]}
+    extra: dict[str, Any] = {"daemon": {"python_path": [str(BANK)], "task_processes": task_processes},
+                             "aggregates": [agg]}
     if protect:
         agg["protect"] = [{"type": t, "fields": [f], "subject": AGGREGATE_ID} for t, f in PROTECTED.items()]
         extra["privacy"] = {"master_key_env": MASTER_VAR}
@@ -90,8 +90,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tracing_env = {**SAMPLED, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url, "OTEL_TRACES_EXPORTER": "otlp"}
         # kind -> (topic, extra settings, extra environment) of it and of its baseline
         runs: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
-            "protected": (sealed_topic, protect_toml(AGGREGATE, f"{base}.agg.p", True), env),
-            "unprotected": (plain_topic, protect_toml(AGGREGATE, f"{base}.agg.u", False), {}),
+            "protected": (sealed_topic, protect_toml(AGGREGATE, f"{base}.agg.p", True, args.task_processes), env),
+            "unprotected": (plain_topic, protect_toml(AGGREGATE, f"{base}.agg.u", False, args.task_processes), {}),
             "sampled": (plain_topic, {"tracing": {"enabled": True}}, tracing_env),
             "off": (plain_topic, {"tracing": {"enabled": False}}, {}),
             "plain": (plain_topic, {}, {}),

@@ -135,12 +135,20 @@ def produce_records(kafka: Any, topic: str, n: int, partitions: int, accounts: i
     producer = kafka_clients.producer(kafka, **{"linger.ms": 20, "enable.idempotence": True,
                                                 "batch.num.messages": 10000})
     total = 0
+    failed: list[Any] = []  # a record the broker refused is not in the topic: the run would wait for it forever
+
+    def delivered(err: Any, _msg: Any) -> None:
+        if err is not None:
+            failed.append(err)
+
     for i in range(n):
         key, value, headers = record(i, f"acc-{i % accounts}", i // accounts + 1)
         total += len(value)
-        kafka_clients.produce(producer, topic, value, key, headers)
+        kafka_clients.produce(producer, topic, value, key, headers, on_delivery=delivered)
     if producer.flush(120):
         raise RuntimeError("benchmark events not acknowledged")
+    if failed:
+        raise RuntimeError(f"{len(failed)} benchmark events not delivered to {topic}: {failed[0]}")
     return round(total / max(1, n))
 
 

@@ -27,18 +27,19 @@ def _load(tmp_path: Path, extra: dict[str, Any]) -> KafoldConfig:
     return load_file(str(path)).config
 
 
-def test_protected_side_loads_the_bench_rules_in_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_protected_side_loads_the_bench_rules_with_task_processes(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(MASTER_VAR, base64.b64encode(os.urandom(32)).decode())
-    cfg = _load(tmp_path, {**protect_toml(AGGREGATE, "bench.agg", True), "tracing": {"enabled": True}})
+    cfg = _load(tmp_path, {**protect_toml(AGGREGATE, "bench.agg", True, True), "tracing": {"enabled": True}})
     assert protect.rules(cfg) == rules(AGGREGATE)
-    assert cfg.daemon.task_processes is False
+    assert cfg.daemon.task_processes is True
     assert cfg.privacy.master_key is not None and cfg.privacy.master_key.source == f"env:{MASTER_VAR}"
     assert cfg.tracing.enabled
     assert list(cfg.connectors[0].topics) == ["bench.events"]
 
 
 def test_unprotected_side_is_the_same_daemon_without_rules(tmp_path: Path) -> None:
-    cfg = _load(tmp_path, protect_toml(AGGREGATE, "bench.agg", False))
+    cfg = _load(tmp_path, protect_toml(AGGREGATE, "bench.agg", False, False))
     assert protect.rules(cfg) == {}
     assert [a.name for a in cfg.aggregates] == [AGGREGATE]
     assert cfg.daemon.task_processes is False

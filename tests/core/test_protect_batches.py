@@ -1,0 +1,106 @@
+"""The key ring's batch paths (kafold.protect): a batch's keys fetched or created at once, entries near expiry
+fetched again by the batch rather than one round trip each."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kafold.protect import Cipher, DecryptError, KeyRing, MemoryKeyStore, Protector, Rule
+
+MASTER = os.urandom(32)
+RULES = {("customer", "Registered"): Rule((("email",),), "aggregate_id"),
+         ("order", "Placed"): Rule((("email",),), "payload.customer_id")}
+
+
+class Counting(MemoryKeyStore):
+    """A MemoryKeyStore counting single and batch round trips."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.singles = self.batches = self.creates = self.create_batches = 0
+
+    def get(self, subject: str) -> tuple[bytes, bytes] | None:
+        self.singles += 1
+        return super().get(subject)
+
+    def get_many(self, subjects: list[str]) -> dict[str, tuple[bytes, bytes]]:
+        self.batches += 1
+        return {s: row for s in subjects if (row := self.keys.get(s)) is not None}
+
+    def create(self, subject: str, key_id: bytes, wrapped: bytes) -> tuple[bytes, bytes]:
+        self.creates += 1
+        return super().create(subject, key_id, wrapped)
+
+    def create_many(self, rows: list[tuple[str, bytes, bytes]]) -> dict[str, tuple[bytes, bytes]]:
+        self.create_batches += 1
+        return {s: self.keys.setdefault(s, (i, w)) for s, i, w in rows}
+
+
+def test_a_batch_creates_its_new_subjects_keys_at_once_and_seals_without_another_round_trip() -> None:
+    store = Counting()
+    p = Protector(RULES, KeyRing(Cipher(MASTER), store))
+    p.prepare_writing("customer", ["c-1", "c-2", "c-3"], ["c-1", "c-2"])  # c-3 is not new: no key made for it
+    assert (store.batches, store.create_batches) == (1, 1) and set(store.keys) == {"c-1", "c-2"}
+    sealed = [p.seal("customer", "Registered", c, {"email": f"{c}@example.com"}) for c in ("c-1", "c-2")]
+    assert (store.singles, store.creates) == (0, 0)
+    reader = Protector(RULES, KeyRing(Cipher(MASTER), store))
+    assert [reader.unseal("customer", "Registered", c, s)["email"] for c, s in zip(("c-1", "c-2"), sealed,
+                                                                                      strict=True)] \
+        == ["c-1@example.com", "c-2@example.com"]
+
+
+def test_a_key_another_writer_created_first_is_the_one_used() -> None:
+    store = Counting()
+    first = Protector(RULES, KeyRing(Cipher(MASTER), store))
+    second = Protector(RULES, KeyRing(Cipher(MASTER), store))
+    second.ring.prefetch(["c-1"])  # second saw no key...
+    sealed = first.seal("customer", "Registered", "c-1", {"email": "ann@example.com"})  # ...first created one
+    second.prepare_writing("customer", ["c-1"], ["c-1"])  # its cached absence is fresh: it tries to create one
+    assert store.create_batches == 1
+    assert second.unseal("customer", "Registered", "c-1", sealed)["email"] == "ann@example.com"
+
+
+def test_payload_path_subjects_are_not_prepared_from_record_keys() -> None:
+    store = Counting()
+    Protector(RULES, KeyRing(Cipher(MASTER), store)).prepare_writing("order", ["o-1"], ["o-1"])
+    assert (store.batches, store.create_batches, store.keys) == (0, 0, {})
+
+
+def test_a_prefetch_renews_entries_in_the_last_half_of_their_life() -> None:
+    store = Counting()
+    ring = KeyRing(Cipher(MASTER), store, ttl_s=10.0)
+    ring.for_writing("c-1")
+    ring.prefetch(["c-1"])
+    assert store.batches == 0  # fresh: kept
+    until, key_id, key, aead = ring.cache["c-1"]
+    ring.cache["c-1"] = (until - 6.0, key_id, key, aead)  # 4 s left of 10: would expire while a batch is read
+    ring.prefetch(["c-1"])
+    assert store.batches == 1 and ring.cache["c-1"][0] > until - 6.0
+
+
+def test_a_renewed_entry_keeps_its_unwrapped_key_and_a_replaced_key_is_unwrapped_again() -> None:
+    store = Counting()
+    ring = KeyRing(Cipher(MASTER), store, ttl_s=10.0)
+    key_id, key = ring.for_writing("c-1")
+    aead = ring.cache["c-1"][3]
+    ring.cache["c-1"] = (0.0, key_id, key, aead)  # expired
+    ring.prefetch(["c-1"])
+    assert ring.cache["c-1"][3] is aead and ring.lookup("c-1") == (key_id, key)
+    ring.forget("c-1", "test")
+    newer = KeyRing(Cipher(MASTER), store).for_writing("c-1")  # another process writes for the subject again
+    ring.cache["c-1"] = (0.0, key_id, key, aead)  # this ring's stale entry of the old key
+    ring.prefetch(["c-1"])
+    assert ring.lookup("c-1") == newer and ring.cache["c-1"][3] is not aead
+
+
+def test_a_key_that_does_not_unwrap_fails_only_its_own_lookup() -> None:
+    store = Counting()
+    KeyRing(Cipher(os.urandom(32)), store).for_writing("c-1")  # under another master key
+    ring = KeyRing(Cipher(MASTER), store)
+    ring.for_writing("c-2")
+    ring.prefetch(["c-1", "c-2"])  # does not raise: c-2 is cached, c-1 left to its lookup
+    assert "c-2" in ring.cache and "c-1" not in ring.cache
+    with pytest.raises(DecryptError):
+        ring.lookup("c-1")
