@@ -400,10 +400,9 @@ class SinkRunner(LoopHandler):
         if tracer is None:
             dead += self._put(records, dead_at)
         else:
-            tracing.remember(msgs)  # an effect's delivery span continues its record's trace
-            with tracer.start_as_current_span(f"put {self.connector.name}", links=tracing.links(
-                    m.headers() for m in msgs), attributes={"kafold.connector": self.connector.name,
-                                                            "kafold.records": len(records)}):
+            with tracer.start_as_current_span(f"put {self.connector.name}", links=tracing.batch_links(
+                    msgs, remember=self.task.continues_traces), attributes={"kafold.connector": self.connector.name,
+                                                                           "kafold.records": len(records)}):
                 dead += self._put(records, dead_at)
         self._flush_dead_letters()
         self.event_times.update(last_event_times(records, msgs))

@@ -325,6 +325,7 @@ class KeyRing:
         self.cipher, self.store, self.ttl_s = cipher, store, ttl_s
         # subject -> (until, key id, key, the key's AESGCM object)
         self.cache: dict[str, tuple[float, bytes | None, bytes | None, Any]] = {}
+        self.gone: set[tuple[str, bytes]] = set()  # (subject, key id) of keys confirmed deleted
         _RINGS.add(self)
 
     def _cached(self, subject: str) -> tuple[bytes | None, bytes | None] | None:
@@ -348,13 +349,29 @@ class KeyRing:
         self._keep(subject, key_id, key)
         return key_id, key
 
-    def opener(self, subject: str) -> tuple[bytes | None, Any]:
-        """(key id, the key's AESGCM object) of the subject, (None, None) when it has none."""
+    def opener(self, subject: str, key_id: bytes) -> Any:
+        """The AESGCM object of the subject's key `key_id` (the one a sealed value names), None when that key is
+        gone (forgotten). Before a value reads as forgotten, a cached absence or another cached key id is checked
+        against the store: a key created since it was cached (by the writer of a newer event of a subject whose
+        earlier events were not protected) is found, not taken for an erasure. Key ids are random and a subject's
+        key is only ever deleted or replaced by a new id, so a key id once seen gone stays gone."""
         hit = self.cache.get(subject)
         if hit is None or hit[0] <= time.monotonic():
             self.lookup(subject)
-            hit = self.cache[subject]
-        return hit[1], hit[3]
+            hit = self.cache.get(subject)
+        if hit is not None and hit[1] == key_id:
+            return hit[3]
+        if (subject, key_id) in self.gone:
+            return None
+        row = self.store.get(subject)
+        if row is not None and row[0] == key_id:
+            key = self.cipher.unwrap(subject, row[0], row[1])
+            self._keep(subject, row[0], key)
+            return _aesgcm(key)
+        if len(self.gone) >= CACHE_MAX:
+            self.gone.clear()
+        self.gone.add((subject, key_id))
+        return None
 
     def prefetch(self, subjects: Iterable[str]) -> None:
         """Look up the keys of `subjects` not cached, in one round trip (a batch's subjects before its records are
@@ -495,8 +512,8 @@ class Protector:
                 # written before the field was protected, or by hand: refused rather than passed on as data
                 raise DecryptError(f"protected field {path!r} of {type_name!r} is not a sealed value")
             blob = Cipher.blob(value)
-            key_id, aead = ring.opener(subject)
-            if aead is None or key_id != blob[:KEY_ID_BYTES]:
+            aead = ring.opener(subject, blob[:KEY_ID_BYTES])
+            if aead is None:
                 return self.placeholder
             return Cipher.open_blob(aead, blob, aad(subject, type_name, path))
 
@@ -524,10 +541,11 @@ class Protector:
         state or does not authenticate."""
         if not isinstance(sealed, str) or not sealed.startswith(PREFIX):
             raise DecryptError("the snapshot state is not sealed (written before the aggregate had protect rules)")
-        key_id, key = self.ring.lookup(aggregate_id)
-        if key is None or key_id != Cipher.key_id(sealed):
+        blob = Cipher.blob(sealed)
+        aead = self.ring.opener(aggregate_id, blob[:KEY_ID_BYTES])
+        if aead is None:
             raise Forgotten(f"the key of {aggregate}/{aggregate_id} is gone (forgotten)")
-        return Cipher.open(key, sealed, state_aad(aggregate, aggregate_id))
+        return Cipher.open_blob(aead, blob, state_aad(aggregate, aggregate_id))
 
     def event(self, event: Event, raw: Any = None) -> Event:
         """A decoded event with its protected fields opened (the sink intake's hook); RecordError with reason

@@ -139,14 +139,20 @@ _RECORD_HEADERS: dict[tuple[str, int, int], list[tuple[str, bytes | None]]] = {}
 MAX_REMEMBERED = 100_000
 
 
-def remember(msgs: Iterable[Any]) -> None:
-    """Note the trace headers of consumed Kafka messages (tracing on) for `recall` by the effect that runs them."""
+def batch_links(msgs: Iterable[Any], *, remember: bool) -> list[Any]:
+    """`links` of a batch of consumed Kafka messages, reading each one's headers once; with `remember`, their
+    trace headers noted for `recall` by the effect that runs them (a projection has no use for them)."""
+    traced: list[HeaderList] = []
     for m in msgs:
         headers = m.headers()
         if headers and any(k == TRACEPARENT for k, _ in headers):
-            _RECORD_HEADERS[(m.topic(), m.partition(), m.offset())] = [(k, v) for k, v in headers if k in _NAMES]
-    while len(_RECORD_HEADERS) > MAX_REMEMBERED:
-        del _RECORD_HEADERS[next(iter(_RECORD_HEADERS))]
+            traced.append(headers)
+            if remember:
+                _RECORD_HEADERS[(m.topic(), m.partition(), m.offset())] = [(k, v) for k, v in headers if k in _NAMES]
+    if remember:
+        while len(_RECORD_HEADERS) > MAX_REMEMBERED:
+            del _RECORD_HEADERS[next(iter(_RECORD_HEADERS))]
+    return links(traced) if traced else []
 
 
 def recall(topic: str, partition: int, offset: int) -> list[tuple[str, bytes | None]] | None:

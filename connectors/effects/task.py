@@ -62,6 +62,8 @@ OPEN_RETRY_S = 60.0  # how long `open` waits for PostgreSQL (parked keys) before
 class EffectSinkTask(SinkTask):
     """Hands events to the ordered-per-key executor; commits per the connector's delivery mode."""
 
+    continues_traces = True  # a delivery's span continues its record's trace (tracing.recall)
+
     def start(self, task_config: TaskConfig[EffectConfig], context: SinkTaskContext) -> None:
         self.context = context
         self.config = task_config.config

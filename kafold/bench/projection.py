@@ -132,7 +132,11 @@ def produce_records(kafka: Any, topic: str, n: int, partitions: int, accounts: i
     admin = kafka_clients.admin(kafka)
     for fut in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
         fut.result(15)
-    producer = kafka_clients.producer(kafka, **{"linger.ms": 20, "enable.idempotence": True,
+    # Not idempotent: twice a fresh broker's idempotent producer (its id asked for while the coordinator was still
+    # loading) acknowledged a topic's first two records that never reached the log, and the run then waited for
+    # them. One request in flight keeps the order through retries instead.
+    producer = kafka_clients.producer(kafka, **{"linger.ms": 20, "enable.idempotence": False, "acks": "all",
+                                                "max.in.flight.requests.per.connection": 1,
                                                 "batch.num.messages": 10000})
     total = 0
     failed: list[Any] = []  # a record the broker refused is not in the topic: the run would wait for it forever
@@ -149,7 +153,20 @@ def produce_records(kafka: Any, topic: str, n: int, partitions: int, accounts: i
         raise RuntimeError("benchmark events not acknowledged")
     if failed:
         raise RuntimeError(f"{len(failed)} benchmark events not delivered to {topic}: {failed[0]}")
+    ends = sum(_end_offsets(kafka, topic, partitions))
+    if ends != n:
+        raise RuntimeError(f"{topic} holds {ends} records after {n} were acknowledged")
     return round(total / max(1, n))
+
+
+def _end_offsets(kafka: Any, topic: str, partitions: int) -> list[int]:
+    from confluent_kafka import TopicPartition
+
+    reader = kafka_clients.consumer(kafka, f"kafold-bench-count-{uuid.uuid4().hex[:8]}")
+    try:
+        return [reader.get_watermark_offsets(TopicPartition(topic, p), timeout=15)[1] for p in range(partitions)]
+    finally:
+        reader.close()
 
 
 def _project(stack: DaemonStack, name: str, topic: str, table: str, args: argparse.Namespace,

@@ -104,3 +104,27 @@ def test_a_key_that_does_not_unwrap_fails_only_its_own_lookup() -> None:
     assert "c-2" in ring.cache and "c-1" not in ring.cache
     with pytest.raises(DecryptError):
         ring.lookup("c-1")
+
+
+def test_a_cached_absence_does_not_hide_a_key_created_since() -> None:
+    """A projection saw the subject's unprotected events first (no key: cached as absent); the writer then
+    created the key for a protected event: reading that event gives the value, not the placeholder."""
+    store = Counting()
+    reader = Protector(RULES, KeyRing(Cipher(MASTER), store), placeholder="[erased]")
+    reader.prefetch([b"c-1"])
+    assert reader.ring.cache["c-1"][1] is None  # absent, cached
+    sealed = Protector(RULES, KeyRing(Cipher(MASTER), store)).seal("customer", "Registered", "c-1",
+                                                                    {"email": "ann@example.com"})
+    assert reader.unseal("customer", "Registered", "c-1", sealed)["email"] == "ann@example.com"
+
+
+def test_a_forgotten_key_reads_as_the_placeholder_and_is_asked_for_once() -> None:
+    store = Counting()
+    writer = Protector(RULES, KeyRing(Cipher(MASTER), store))
+    sealed = writer.seal("customer", "Registered", "c-1", {"email": "ann@example.com"})
+    writer.ring.forget("c-1", "dpo")
+    reader = Protector(RULES, KeyRing(Cipher(MASTER), store), placeholder="[erased]")
+    before = store.singles
+    for _ in range(3):
+        assert reader.unseal("customer", "Registered", "c-1", sealed)["email"] == "[erased]"
+    assert store.singles - before == 2  # the lookup, the check of the key id; then known gone

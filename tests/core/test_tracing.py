@@ -89,7 +89,7 @@ def test_disabled_never_imports_opentelemetry() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_remember_and_recall_by_coordinates() -> None:
+def test_batch_links_remember_and_recall_by_coordinates() -> None:
     class Msg:
         def __init__(self, offset: int, headers: list[tuple[str, bytes]] | None) -> None:
             self._offset, self._headers = offset, headers
@@ -107,7 +107,9 @@ def test_remember_and_recall_by_coordinates() -> None:
             return self._headers
 
     tp = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-    tracing.remember([Msg(1, [("traceparent", tp), ("x", b"y")]), Msg(2, None)])
+    msgs = [Msg(1, [("traceparent", tp), ("x", b"y")]), Msg(2, None)]
+    assert len(tracing.batch_links(msgs, remember=False)) == 1 and tracing.recall("t", 0, 1) is None
+    assert len(tracing.batch_links(msgs, remember=True)) == 1  # one link: the one traced record
     assert tracing.recall("t", 0, 1) == [("traceparent", tp)]
     assert tracing.recall("t", 0, 2) is None
     tracing.forget("t", 0, 1)
