@@ -17,7 +17,10 @@ intake dead-letters it (reason `decrypt-failed`).
 
 Caching: unwrapped keys (and known absences) are kept in process for `CACHE_TTL_S` seconds. `forget` through this
 process (the daemon's HTTP endpoint) drops the subject from every cache of the process at once; a `forget` by the
-CLI (another process) is seen by a running daemon within the TTL.
+CLI (another process) is seen by a running daemon within the TTL. A value whose key id the cache does not hold (a
+cached absence, another key) is checked against the store before it reads as forgotten, so a key created since it
+was cached is found. Batches look their keys up at once (`prefetch`, `prepare_writing`), renewing entries in the
+last half of their life so that none expires while its batch is read.
 """
 
 from __future__ import annotations
