@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTP
 
-from kafold import kafka_clients, logs, topics, tracing
+from kafold import kafka_clients, logs, protect, topics, tracing
 from kafold.config import SNAPSHOT_TOPIC_CONFIGS, AggregateConfig, DaemonConfig, KafkaConfig, TopicSpec
 from kafold.connectors.api import RawRecord
 from kafold.connectors.dlq import dlq_headers, fitted
@@ -65,6 +65,7 @@ RECOVERY_BATCH = 20000
 COMMITTED_TIMEOUT_S = 10.0
 ASSIGN_RETRY_S = 120.0  # well under the default rebalance timeout (max.poll.interval.ms, 300 s)
 START_RETRY_S = 120.0  # a broker's restart or a controller election, several times over
+ERASURES_CHECK_S = 2.0  # how often a runtime with protected fields looks for forgets made by other processes
 CLOCK_SKEW_MS = 60_000  # a command time further ahead of this host's clock is taken as this host's clock
 
 
@@ -118,6 +119,8 @@ class AggregateRuntime(LoopHandler):
         self.parker: Any = None  # a plain producer for parked events (on_fold_error = "dead-letter"), made on use
         self.joined = False
         self.forgotten: list[str] = []  # aggregate ids whose subject was forgotten, evicted before the next poll
+        self.erasures: protect.ErasureWatch | None = None  # forgets by other processes (the CLI), with protect rules
+        self.erasures_at = 0.0
         self.error: BaseException | None = None
         self.log = log.bind(aggregate=agg.name)
 
@@ -191,8 +194,35 @@ class AggregateRuntime(LoopHandler):
                 if entry is not None:
                     self.store.evicted.setdefault(entry.partition, set()).add(aid)
 
+    def _forget_erased(self) -> None:
+        """Evict the states of subjects another process forgot (`kafold subjects forget`): they were folded while
+        the key existed and are reloaded with placeholders. A state folded under a payload-path subject may hold
+        any subject's data, so with such rules every state is reloaded after an erasure."""
+        assert self.erasures is not None and self.domain.protector is not None
+        protector = self.domain.protector
+        try:
+            hashes = self.erasures.new()
+        except FatalError as e:  # PostgreSQL down for longer than the key store's retries: look again later
+            self.log.warning("aggregate.erasures_unreadable", error=str(e))
+            return
+        if not hashes:
+            return
+        with self.store.lock:
+            held = list(self.store.entries)
+        if protector.subjects_in_payloads(self.agg.name):
+            matched = held
+        else:
+            matched = [aid for aid in held if protector.ring.cipher.subject_hash(aid) in hashes]
+        for aid in matched:
+            protector.ring.cache.pop(aid, None)
+            self.forgotten.append(aid)
+        self.log.info("aggregate.erasures_seen", erasures=len(hashes), states_reloaded=len(matched))
+
     def before_poll(self) -> float | None:
         """Fold one fetch of events while a partition recovers; the poll then does not wait (the gates)."""
+        if self.erasures is not None and time.monotonic() >= self.erasures_at:
+            self.erasures_at = time.monotonic() + ERASURES_CHECK_S
+            self._forget_erased()
         if self.forgotten:
             self._evict_forgotten()
         if any(not g.live for g in self.gates.values()):
@@ -226,6 +256,10 @@ class AggregateRuntime(LoopHandler):
         self.consumer = kafka_clients.consumer(self.kafka, self.group_id, **extra)
         # A lost partition is released as a revoked one: its transaction's offsets were committed with it or not.
         self.loop.subscribe([self.topics["commands"]], self._on_assign, self._on_revoke, self._on_revoke)
+        protector = self.domain.protector
+        if protector is not None and protector.for_aggregate(self.agg.name) is not None:
+            self.erasures = self._retrying("aggregate.start_retrying",
+                                           lambda: protect.ErasureWatch(protector.ring.store), START_RETRY_S)
         self.log.info("aggregate.started", group=self.group_id, transactional_id=self.transactional_id,
                       fingerprint=self.domain.fingerprint)
 

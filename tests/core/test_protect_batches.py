@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from kafold.protect import Cipher, DecryptError, KeyRing, MemoryKeyStore, Protector, Rule
+from kafold.protect import Cipher, DecryptError, ErasureWatch, KeyRing, MemoryKeyStore, Protector, Rule
 
 MASTER = os.urandom(32)
 RULES = {("customer", "Registered"): Rule((("email",),), "aggregate_id"),
@@ -80,19 +80,21 @@ def test_a_prefetch_renews_entries_in_the_last_half_of_their_life() -> None:
     assert store.batches == 1 and ring.cache["c-1"][0] > until - 6.0
 
 
-def test_a_renewed_entry_keeps_its_unwrapped_key_and_a_replaced_key_is_unwrapped_again() -> None:
+def test_entries_are_renewed_without_a_fetch_until_something_is_forgotten() -> None:
     store = Counting()
     ring = KeyRing(Cipher(MASTER), store, ttl_s=10.0)
+    ring.prefetch(["c-1", "c-2"])  # neither has a key yet
     key_id, key = ring.for_writing("c-1")
-    aead = ring.cache["c-1"][3]
-    ring.cache["c-1"] = (0.0, key_id, key, aead)  # expired
+    until, _, _, aead = ring.cache["c-1"]
+    ring.cache["c-1"] = (until - 6.0, key_id, key, aead)  # due for renewal
+    batches = store.batches
     ring.prefetch(["c-1"])
-    assert ring.cache["c-1"][3] is aead and ring.lookup("c-1") == (key_id, key)
-    ring.forget("c-1", "test")
-    newer = KeyRing(Cipher(MASTER), store).for_writing("c-1")  # another process writes for the subject again
-    ring.cache["c-1"] = (0.0, key_id, key, aead)  # this ring's stale entry of the old key
+    assert store.batches == batches and ring.cache["c-1"][3] is aead and ring.cache["c-1"][0] > until - 6.0
+    KeyRing(Cipher(MASTER), store).forget("c-2", "dpo")  # another process forgets something (here: no key)
+    ring.cache["c-1"] = (0.0, key_id, key, aead)  # due again
     ring.prefetch(["c-1"])
-    assert ring.lookup("c-1") == newer and ring.cache["c-1"][3] is not aead
+    assert store.batches == batches + 1  # the erasure mark moved: the cache was dropped and fetched again
+    assert ring.lookup("c-1") == (key_id, key)
 
 
 def test_a_key_that_does_not_unwrap_fails_only_its_own_lookup() -> None:
@@ -128,3 +130,16 @@ def test_a_forgotten_key_reads_as_the_placeholder_and_is_asked_for_once() -> Non
     for _ in range(3):
         assert reader.unseal("customer", "Registered", "c-1", sealed)["email"] == "[erased]"
     assert store.singles - before == 2  # the lookup, the check of the key id; then known gone
+
+
+def test_an_erasure_watch_reports_each_forget_once_and_none_from_before_it() -> None:
+    store = Counting()
+    ring = KeyRing(Cipher(MASTER), store)
+    ring.for_writing("c-0")
+    ring.forget("c-0", "dpo")  # before the watch: not news
+    watch = ErasureWatch(store)
+    assert watch.new() == set()
+    ring.for_writing("c-1")
+    KeyRing(Cipher(MASTER), store).forget("c-1", "dpo")
+    assert watch.new() == {ring.cipher.subject_hash("c-1")}
+    assert watch.new() == set()
