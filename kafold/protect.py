@@ -406,9 +406,10 @@ class KeyRing:
 
     def prefetch(self, subjects: Iterable[str]) -> None:
         """Look up the keys of `subjects` not cached, in one round trip (a batch's subjects before its records are
-        opened one by one). Entries in the last half of their life are fetched again too: one that expired while
-        its batch was being read would cost a round trip of its own (measured: ~3 % of lookups, a fifth of a
-        protected projection's time)."""
+        opened one by one). Entries in the last half of their life are renewed too: one that expired while its
+        batch was being read would cost a round trip of its own (measured: ~3 % of lookups, a fifth of a protected
+        projection's time). Renewing costs one small query (the erasure mark) while nothing was forgotten; after
+        an erasure the whole cache is fetched again."""
         now = time.monotonic()
         soon = now + self.ttl_s / 2
         wanted = set(subjects)
@@ -435,14 +436,10 @@ class KeyRing:
         if not missing:
             return
         found = self.store.get_many(missing)
-        until = time.monotonic() + self.ttl_s
         for subject in missing:
             row = found.get(subject)
-            old = self.cache.get(subject)
             if row is None:
                 self._keep(subject, None, None)
-            elif old is not None and old[1] == row[0] and old[2] is not None:
-                self.cache[subject] = (until, old[1], old[2], old[3])  # the same key still there: no new unwrap
             else:
                 try:
                     self._keep(subject, row[0], self.cipher.unwrap(subject, row[0], row[1]))
@@ -543,11 +540,15 @@ class Protector:
         return _each(payload, rule.paths,
                      lambda path, v: Cipher.seal_with(aead, key_id, v, aad(subject, type_name, path)))
 
+    def _of(self, aggregate: str) -> list[Rule]:
+        """The rules of `aggregate`'s event types."""
+        return [r for (a, _), r in self.rules.items() if a == aggregate]
+
     def prepare_writing(self, aggregate: str, aggregate_ids: Iterable[str], new: Iterable[str]) -> None:
         """Before a batch of `aggregate`'s commands is decided: the keys of subjects that are the aggregate id
         fetched, and those of `new` aggregates (no events yet) created, for the batch at once
         (KeyRing.prepare_writing). Ids PostgreSQL cannot hold (a NUL) are left to their own lookup."""
-        if any(a == aggregate and r.subject == AGGREGATE_ID for (a, _), r in self.rules.items()):
+        if any(r.subject == AGGREGATE_ID for r in self._of(aggregate)):
             self.ring.prepare_writing((i for i in aggregate_ids if "\0" not in i), (i for i in new if "\0" not in i))
 
     def unseal(self, aggregate: str, type_name: str, aggregate_id: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -573,19 +574,19 @@ class Protector:
 
     def for_aggregate(self, aggregate: str) -> Callable[[str, str, dict[str, Any]], dict[str, Any]] | None:
         """`unseal` bound to one aggregate type (the fold's hook), or None when it protects nothing."""
-        if not any(a == aggregate for a, _ in self.rules):
+        if not self._of(aggregate):
             return None
         return lambda type_name, aid, payload: self.unseal(aggregate, type_name, aid, payload)
 
     def subjects_in_payloads(self, aggregate: str) -> bool:
         """Whether some rule of `aggregate` takes its subject from a payload path (a state may then hold several
         subjects' data)."""
-        return any(a == aggregate and r.subject != AGGREGATE_ID for (a, _), r in self.rules.items())
+        return any(r.subject != AGGREGATE_ID for r in self._of(aggregate))
 
     def seals_states(self, aggregate: str) -> bool:
         """Whether snapshots of `aggregate` are sealed whole: it has rules, and every rule's subject is the
         aggregate id (so the state holds one subject's data only; payload-path subjects are refused at load)."""
-        found = [r for (a, _), r in self.rules.items() if a == aggregate]
+        found = self._of(aggregate)
         return bool(found) and all(r.subject == AGGREGATE_ID for r in found)
 
     def seal_state(self, aggregate: str, aggregate_id: str, state: Any) -> str:
