@@ -13,6 +13,10 @@ its effect succeeded, the ledger showed it already finished, or its parking is d
 key's later events are parked behind a parked head — complete as soon as their parked rows are durable — so the
 partition offset keeps moving while the key waits for `parked retry|skip`. Completions of a partition that was
 revoked meanwhile (an older `epoch`) are ignored: the new owner re-reads them from the last commit.
+
+The same completions are the task's half of the offset accounting (`outcomes`, kafold.daemon.accounting): an effect
+that succeeded is applied, one the ledger showed finished a duplicate, one parked (head or behind it) dead-lettered;
+a record still in flight is counted by none of them yet (unaccounted), and a revoked one's completion not at all.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Any
 import orjson
 
 from kafold import logs, tracing
-from kafold.connectors.api import SinkRecord, TopicPartition
+from kafold.connectors.api import Outcomes, SinkRecord, TopicPartition
 from kafold.connectors.effects.circuit import CLOSED, Circuit
 from kafold.connectors.effects.drivers import Effect
 from kafold.connectors.effects.ledger import Ledger, Outcome, Parking, now
@@ -40,6 +44,8 @@ from kafold.connectors.effects.tracker import OffsetTracker
 from kafold.envelope import Event
 from kafold.retry import retrying_async
 
+NONE, APPLIED, DUPLICATE, DEAD_LETTERED = Outcomes(), Outcomes(applied=1), Outcomes(duplicates=1), \
+    Outcomes(dead_lettered=1)
 log = logs.get("kafold.connectors.effects")
 
 TICK_S = 0.1
@@ -95,6 +101,10 @@ class Executor:
         self.keys: dict[str, KeyState] = {}
         self.rng = random.Random()
         self.counts = {"succeeded": 0, "failed_attempts": 0, "parked": 0, "deduplicated": 0, "released": 0}
+        # Per partition, what became of the records handed over (see the module note); completions come from the
+        # loop's thread and the ledger's writer, reads from the runner's.
+        self._outcomes: dict[TopicPartition, Outcomes] = {}
+        self._outcomes_lock = threading.Lock()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=f"kafold-effects-{name}", daemon=True)
         self._ready: Future[None] = Future()
@@ -192,7 +202,7 @@ class Executor:
                     continue  # revoked while waiting
                 if item.record.event.event_id in finished:
                     self.counts["deduplicated"] += 1
-                    self._complete(item)
+                    self._complete(item, DUPLICATE)
                 else:
                     self._accept(item)
 
@@ -235,7 +245,7 @@ class Executor:
                 if result.ok:
                     self.counts["succeeded"] += 1
                     self.ledger.outcome(result.outcome)
-                    self._complete(item)
+                    self._complete(item, APPLIED)
                     continue
                 st.parked = True
                 self._park(item, head=True, error=result.outcome.error or "failed", exc=result.error,
@@ -309,10 +319,21 @@ class Executor:
             await self.effect.run(r.event)
         tracing.forget(r.topic, r.partition, r.offset)  # delivered: no later attempt needs it
 
-    def _complete(self, item: Item) -> None:
-        """Any thread: the record's offset may be committed now (unless its partition was revoked)."""
-        if self.epochs.get(item.record.tp) == item.epoch and self.tracker.done(item.record.tp, item.record.offset):
+    def _complete(self, item: Item, outcome: Outcomes) -> None:
+        """Any thread: the record's offset may be committed now, and its outcome counted (unless its partition was
+        revoked)."""
+        tp = item.record.tp
+        if self.epochs.get(tp) != item.epoch:
+            return
+        with self._outcomes_lock:
+            self._outcomes[tp] = self._outcomes.get(tp, NONE) + outcome
+        if self.tracker.done(tp, item.record.offset):
             self.on_progress()
+
+    def outcomes(self) -> dict[TopicPartition, Outcomes]:
+        """Per partition, the outcomes counted so far (a copy; any thread)."""
+        with self._outcomes_lock:
+            return dict(self._outcomes)
 
     def _park(self, item: Item, *, head: bool, error: str, exc: BaseException | None = None,
               outcome: Outcome | None = None) -> None:
@@ -320,7 +341,7 @@ class Executor:
         o = outcome or Outcome(item.record, "parked", 0, None, None, None, error)
         o.status, o.completed_at = "parked", now()
         self.ledger.outcome(o)
-        self.ledger.park(Parking(item.record, head, error, lambda: self._complete(item), exc))
+        self.ledger.park(Parking(item.record, head, error, lambda: self._complete(item, DEAD_LETTERED), exc))
 
     # ---- parked keys: load, drop, retry / skip ------------------------------------------------------------------
     def _load_parked(self, mine: list[tuple[str, TopicPartition]]) -> None:

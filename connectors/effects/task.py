@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from kafold import db, logs
@@ -28,6 +28,7 @@ from kafold.connectors.api import (
     Connector,
     Metric,
     Offsets,
+    Outcomes,
     Sample,
     SinkRecord,
     SinkTask,
@@ -171,6 +172,12 @@ class EffectSinkTask(SinkTask):
                 self.committing = ready  # released on the next call in; _tick asks for one
             return covered
         return self.tracker.committable(dict(offsets))
+
+    def outcomes(self) -> Mapping[TopicPartition, Outcomes] | None:
+        """Counted as the executor completes records: effects done applied, those the ledger had finished
+        duplicates, those parked (head or behind it) dead-lettered; a record still in flight not yet."""
+        executor = getattr(self, "executor", None)
+        return None if executor is None else executor.outcomes()
 
     def status(self) -> dict[str, Any]:
         executor = getattr(self, "executor", None)
