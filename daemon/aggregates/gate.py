@@ -38,6 +38,7 @@ class PartitionGate:
     position: int = -1                   # next events offset after the last replayed record
     eof_at: int | None = None            # latest partition EOF reported by a fetch
     events_replayed: int = 0
+    last_event: int = -1                 # offset of the last event replayed (-1: none since `start`)
     snapshot_version: int | None = None  # set by a snapshot restore (none yet: full replay)
     began: float = field(default_factory=time.monotonic)
     reached_at: float | None = None      # when the replay first reached `captured_end`
@@ -57,6 +58,8 @@ class PartitionGate:
         """Records up to `next_offset` (exclusive) were folded into state."""
         if next_offset > self.position:
             self.position = next_offset
+        if count:
+            self.last_event = max(self.last_event, next_offset - 1)
         self.events_replayed += count
         self._check_reached(now)
 

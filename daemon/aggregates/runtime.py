@@ -387,6 +387,10 @@ class AggregateRuntime(LoopHandler):
 
     def _open(self, gate: PartitionGate) -> None:
         n = gate.partition
+        assert self.writer is not None
+        # Every event of the partition decided before this assignment is at or before the last one replayed (a
+        # duplicate's token, txn.py); with none replayed since a snapshot, the snapshot's last event.
+        self.writer.known_end(self.topics["events"], n, max(gate.last_event, gate.start - 1))
         self.reader.incremental_unassign([KTP(self.topics["events"], n)])
         folder = self.folders.pop(n)
         def note_results(reader: Any) -> int:
@@ -549,7 +553,8 @@ class AggregateRuntime(LoopHandler):
                 self._dead_letter(m, out.error)
                 tally["dead_lettered"] += 1
             tally["duplicates" if result.duplicate else "accepted" if result.accepted else "rejected"] += 1
-        self.writer.produce_result(self.topics["results"], n, result, landing, t, trace)
+        self.writer.produce_result(self.topics["results"], n, result, landing, t, trace,
+                                   (self.topics["events"], n) if result.duplicate else None)
 
     def _dead_letter(self, m: Any, error: RecordError) -> None:
         assert self.writer is not None

@@ -14,7 +14,10 @@ has delivered the batch's events (their delivery reports give the offsets), stil
 the results become visible with the events or not at all, as before. The offsets of records of an open
 transaction are final: an abort leaves them unused (never reassigned), and the results naming them are aborted
 with them. A duplicate carries its first decision's token when this writer committed that decision (a bounded
-memory, checked against the duplicate's event ids), else none.
+memory, checked against the duplicate's event ids), else the token of the newest event known committed on its
+events partition (`ends`: the replay's end at assignment, `known_end`, then each committed batch's last event): its
+first decision, made before this writer's memory, lies at or before it, so a wait on it covers that decision
+(waiting perhaps a little longer than needed, never too short).
 
 One delivery report and one token per partition and transaction: the last event of each partition is held back
 until commit (produced before any later event of its partition, so the order is Kafka's as before), and every result
@@ -94,12 +97,16 @@ class TransactionalWriter:
             "transaction.timeout.ms": TXN_TIMEOUT_MS, **extra})
         self._produce = self.producer.produce
         # held back until commit
-        self._results: list[tuple[str, int, Result, Landing | None, int, Sequence[tuple[str, bytes]] | None]] = []
+        self._results: list[tuple[str, int, Result, Landing | None, int, Sequence[tuple[str, bytes]] | None,
+                                  tuple[str, int] | None]] = []
         # (topic, partition) -> its Landing and the last event queued there, held back until commit (module note)
         self._last: dict[tuple[str, int], tuple[Landing, tuple[bytes | None, bytes | None, Headers, int] | None]] = {}
         # (aggregate id, command id) -> (event ids, token): of committed decisions (oldest first), of the batch
         self._tokens: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {}
         self._committing: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {}
+        # (events topic, partition) -> offset of the newest event known committed there (module note)
+        self.ends: dict[tuple[str, int], int] = {}
+        self._landed: list[Landing] = []  # the open transaction's last events, known committed at `_remember`
         self.open = False
         self.held = False  # a librdkafka call blocked for good holds the producer: close must not touch it
         self._init()
@@ -164,10 +171,17 @@ class TransactionalWriter:
         return landings
 
     def produce_result(self, topic: str, partition: int, result: Result, events: Landing | None,
-                       timestamp: int = 0, trace: Sequence[tuple[str, bytes]] | None = None) -> None:
+                       timestamp: int = 0, trace: Sequence[tuple[str, bytes]] | None = None,
+                       events_at: tuple[str, int] | None = None) -> None:
         """Queue `result`, produced at commit with the token of `events` (its command's last event); `trace`:
-        trace-context headers to add (kafold.tracing)."""
-        self._results.append((topic, partition, result, events, timestamp, trace))
+        trace-context headers to add (kafold.tracing); `events_at`: a duplicate's events partition (its token when
+        the first decision's is not remembered, see the module note)."""
+        self._results.append((topic, partition, result, events, timestamp, trace, events_at))
+
+    def known_end(self, topic: str, partition: int, offset: int) -> None:
+        """Events up to `offset` of the partition are committed (a replay reached them)."""
+        if offset >= 0 and offset > self.ends.get((topic, partition), -1):
+            self.ends[(topic, partition)] = offset
 
     def _produce_results(self) -> bool:
         """Produce the held-back results with their tokens; False when the batch's events were not all delivered
@@ -186,7 +200,8 @@ class TransactionalWriter:
                 assert x.offset is not None
                 x.token = encode_token(x.topic, x.partition, x.offset)
         batch: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {}
-        for topic, partition, result, landing, timestamp, trace in results:
+        self._landed = landings
+        for topic, partition, result, landing, timestamp, trace, events_at in results:
             ident = (result.aggregate_id, result.command_id)
             token = None
             if landing is not None:
@@ -195,7 +210,10 @@ class TransactionalWriter:
                 batch[ident] = (result.event_ids, token)
             elif result.duplicate and result.event_ids:
                 known = batch.get(ident) or self._tokens.get(ident)
-                token = known[1] if known is not None and known[0] == result.event_ids else None
+                if known is not None and known[0] == result.event_ids:
+                    token = known[1]
+                elif events_at is not None and events_at in self.ends:
+                    token = encode_token(*events_at, self.ends[events_at])
             key, value, headers = result.encode(token)
             if trace:
                 headers = [*headers, *trace]
@@ -207,13 +225,17 @@ class TransactionalWriter:
         """The committed batch's tokens, for duplicates of its commands (the first remembered forgotten first)."""
         committing, self._committing, tokens = self._committing, {}, self._tokens
         tokens.update(committing)
+        landed, self._landed = self._landed, []
+        for x in landed:
+            assert x.offset is not None
+            self.known_end(x.topic, x.partition, x.offset)
         if len(tokens) > REMEMBERED_TOKENS:
             for ident in list(islice(tokens, len(tokens) - REMEMBERED_TOKENS)):
                 del tokens[ident]
 
     def commit(self, offsets: list[TopicPartition], group_metadata: Any) -> bool:
         """Commit the open transaction with `offsets`; False when it had to be aborted (nothing visible)."""
-        self._committing = {}
+        self._committing, self._landed = {}, []
         if (self._results or self._last) and not self._produce_results():
             log.warning("aggregate.txn_aborting", transactional_id=self.transactional_id,
                         error="events of the batch not delivered")

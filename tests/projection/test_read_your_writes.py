@@ -275,3 +275,20 @@ def test_a_duplicate_repeats_the_token_of_its_first_decision(bank: Bank) -> None
     assert first.token is not None and again.token == first.token
     bank.client.wait_visible(again, PROJECTION, timeout=60)
     assert bank.balance(account) == 3
+
+
+def test_a_duplicate_decided_before_a_restart_carries_a_token_covering_its_first_decision(bank: Bank) -> None:
+    bank.ready()
+    account = f"r{uuid.uuid4().hex[:8]}"
+    bank.send(account, "OpenAccount", {"owner": "restarted"})
+    command = bank.client.command(account, "Deposit", {"amount": 4})
+    first = bank.client.send(command, timeout=90)
+    assert first is not None and first.token is not None and not first.duplicate
+    bank.restart()  # the new writer remembers no token: the duplicate's comes from the replay's end
+    bank.ready()
+    again = bank.client.send(command, timeout=90)
+    assert again is not None and again.duplicate and again.token is not None
+    (where, offset), = tokens.parse(first.token).items()
+    assert tokens.parse(again.token).get(where, -1) >= offset  # it covers the first decision's events
+    bank.client.wait_visible(again, PROJECTION, timeout=60)
+    assert bank.balance(account) == 4
