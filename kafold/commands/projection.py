@@ -1,5 +1,5 @@
-"""`kafold projection rebuild|status|verify NAME -c FILE`: blue-green rebuilds of a postgres-projection connector, and
-the check that its live table equals a fold of its events."""
+"""`kafold projection rebuild|status|verify|refresh NAME -c FILE`: blue-green rebuilds of a postgres-projection
+connector, the check that its live table equals a fold of its events, and a forgotten subject's rows folded again."""
 
 from __future__ import annotations
 
@@ -55,6 +55,14 @@ def register(sub: Any) -> None:
     ve.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ve.add_argument("--no-progress", action="store_true", help="draw no progress bar even on a terminal")
     ve.set_defaults(handler=verify)
+    rf = psub.add_parser("refresh", help="after `kafold subjects forget S`: fold the rows S's events made again (its "
+                         "protected fields then read as the placeholder), leaving every other row alone")
+    rf.add_argument("name", help="the connector's name")
+    rf.add_argument("--subject", required=True, help="the forgotten subject (as `kafold subjects forget` took it)")
+    add_config_arg(rf)
+    rf.add_argument("--batch", type=int, default=5000, help="records per scratch transaction (default 5000)")
+    rf.add_argument("--no-progress", action="store_true", help="draw no progress bar even on a terminal")
+    rf.set_defaults(handler=refresh)
 
 
 def _plan(args: argparse.Namespace) -> Any:
@@ -196,18 +204,40 @@ def verify(args: argparse.Namespace) -> int:
     return 0 if result.clean else 1
 
 
+def refresh(args: argparse.Namespace) -> int:
+    """0 once the subject's rows were folded again (or it has none), 1 when stopped before."""
+    from kafold.connectors.projection.subject_refresh import Refresh
+
+    plan = _plan(args)
+    if plan.pgc.migrate_on_start:
+        db.upgrade(plan.pgc)
+    bar = not args.no_progress and sys.stderr.isatty()
+    with _verify_progress(bar, plan.name, "refresh") as report:
+        result = Refresh(plan, args.subject, batch=args.batch, on_progress=report).run()
+    table = f"{plan.config.schema}.{plan.config.table}"
+    if not result.completed:
+        print(f"{plan.name}: stopped before the rows were replaced ({result.events} events folded); run it again")
+        return 1
+    if not result.keys:
+        print(f"{plan.name}: no row of {table} was made by events of subject {args.subject!r}; nothing to refresh")
+    else:
+        print(f"{plan.name}: {result.rows} row(s) of {table} folded again from their events ({result.keys} made by "
+              f"events of subject {args.subject!r}; {result.events} events read)")
+    return 0
+
+
 @contextmanager
-def _verify_progress(bar: bool, name: str) -> Iterator[Callable[[Any], None]]:
+def _verify_progress(bar: bool, name: str, what: str = "verify") -> Iterator[Callable[[Any], None]]:
     """A progress bar of the offsets folded out of the live checkpoints on a TTY; a log line per batch otherwise."""
     if not bar:
         def line(p: Any) -> None:
-            log.info("verify batch", projection=name, phase=p.phase, records=p.batch, covered=p.done,
+            log.info(f"{what} batch", projection=name, phase=p.phase, records=p.batch, covered=p.done,
                      target=p.total, applied=p.events)
         yield line
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    columns = (TextColumn(f"verify {visible(name)}"), TextColumn("{task.description}"), BarColumn(),
+    columns = (TextColumn(f"{what} {visible(name)}"), TextColumn("{task.description}"), BarColumn(),
                MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True)) as progress:
         task = progress.add_task("folding", total=None)

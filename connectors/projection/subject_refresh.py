@@ -1,0 +1,184 @@
+"""`kafold projection refresh NAME --subject S`: the rows a forgotten subject's events made, folded again.
+
+After `kafold subjects forget S` a protected field of S reads as the placeholder wherever it is read again, but rows
+already projected still hold the clear values. A refresh folds the projection's topics into a scratch table (the
+rebuild's machinery and one intake: decrypted, so S's protected fields give the placeholder) and notes the row keys
+of S's events on the way (the subject of a protect rule: the aggregate id or a payload path). It then replaces
+exactly those live rows with the scratch table's — every event of those rows folded, not only S's — and leaves every
+other row alone.
+
+Note on offsets and consistency
+-------------------------------
+The replacement is the rebuild's swap transaction (rebuild.py `_converge`) with another last step: the live table
+locked (ACCESS EXCLUSIVE: the live writer's batch in flight finishes first, the next one waits), the live
+checkpoints re-read under the lock and the scratch table brought up to exactly them (the tail, applied while the
+live writer waits), then the noted rows upserted into the live table (and deleted where the scratch table has none),
+and committed. So the rows replaced hold exactly the events below the live checkpoints, as the live rows did, and no
+live write is lost or rolled back; the live connector's checkpoints, tracking and dead letters are not touched. The
+scratch table and its bookkeeping (`<name>:refresh`) are dropped at the end, whatever happened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from kafold import db, protect
+from kafold.connectors.api import SinkRecord
+from kafold.connectors.projection import sql as q
+from kafold.connectors.projection.config import VERSION_COLUMN
+from kafold.connectors.projection.mapping import MappingError
+from kafold.connectors.projection.rebuild import Plan, Progress, Rebuild
+from kafold.connectors.projection.writer import DeadLetter
+from kafold.errors import ConfigError, FatalError
+
+__all__ = ["Refresh", "RefreshPlan", "Refreshed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RefreshPlan(Plan):
+    """A rebuild's Plan pointed at the refresh's scratch table and bookkeeping key."""
+
+    @classmethod
+    def of(cls, plan: Plan) -> RefreshPlan:
+        return cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)})
+
+    @property
+    def shadow(self) -> str:
+        return f"{self.config.table[:44]}_kafold_refresh"
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}:refresh"
+
+
+@dataclasses.dataclass
+class Refreshed:
+    """The outcome: `completed` once the rows were replaced; `rows` replaced (upserted or deleted)."""
+
+    name: str
+    subject: str
+    completed: bool = False
+    events: int = 0
+    keys: int = 0
+    rows: int = 0
+
+
+class Refresh(Rebuild):
+    """Runs one refresh of one subject's rows; `stop` ends it early (nothing replaced)."""
+
+    def __init__(self, plan: Plan, subject: str, *, batch: int = 5000,
+                 on_progress: Callable[[Progress], None] | None = None, stop: threading.Event | None = None) -> None:
+        protector = protect.active()
+        if protector is None or not protector.rules:
+            raise ConfigError([f"connectors: {plan.name!r}: no aggregate has protect rules, so no row holds a "
+                               "subject's protected fields (nothing to refresh)"])
+        # One process: the keys of the subject's rows are noted as the records are read (see _record).
+        super().__init__(RefreshPlan.of(plan), batch=batch, workers=1, on_progress=on_progress, stop=stop)
+        self.subject, self.protector = subject, protector
+        self.touched: set[tuple[Any, ...]] = set()  # row keys of the subject's events
+        self.result = Refreshed(plan.name, subject)
+        self.guard: psycopg.Connection[Any] | None = None
+
+    # The rebuild's hooks: no rebuild_state (a rebuild may be in progress), a scratch table of its own.
+    def _save(self, phase: str, conn: psycopg.Connection[Any] | None = None) -> None:
+        self.phase = phase
+
+    def _begin(self) -> bool:
+        p, c = self.plan, self.plan.config
+        with db.connect(p.pgc) as conn, conn.transaction():
+            exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (q.regclass_text(c.schema, c.table),))
+            row = exists.fetchone()
+            if not row or not row[0]:
+                raise FatalError(f"projection {p.name!r}: table {c.schema}.{c.table} does not exist")
+            self._drop(conn)
+            conn.execute(q.create_table(c.schema, p.shadow, c.columns, c.key_columns, VERSION_COLUMN))
+        return False
+
+    def _drop(self, conn: psycopg.Connection[Any]) -> None:
+        c = self.plan.config
+        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(q.qualified(c.schema, self.plan.shadow)))
+        self._forget(conn)
+
+    def _lock(self) -> None:
+        """One refresh of a projection at a time (its scratch table has a fixed name): a session's advisory lock."""
+        self.guard = db.connect(self.plan.pgc)
+        got = self.guard.execute("SELECT pg_try_advisory_lock(hashtext(%s))",
+                                 (f"kafold.refresh:{self.plan.name}",)).fetchone()
+        if not got or not got[0]:
+            self.guard.close()
+            raise FatalError(f"a refresh of {self.plan.name!r} is already running")
+
+    def _record(self, m: Any, dead: list[DeadLetter], topic: str, part: int, off: int) -> SinkRecord | None:
+        record = super()._record(m, dead, topic, part, off)
+        if record is not None and self._of_subject(record):
+            try:
+                self.touched.add(self.plan.mapping.key(record.event))
+            except MappingError:
+                pass  # no row key: the fold dead-letters it, and it made no row
+        return record
+
+    def _of_subject(self, record: SinkRecord) -> bool:
+        e = record.event
+        rule = self.protector.rules.get((e.aggregate_type, e.type))
+        if rule is None:
+            return False
+        try:
+            return rule.subject_of(e.aggregate_id, e.payload) == self.subject
+        except Exception:  # a payload without the subject's path: not this subject's (the fold decides the rest)
+            return False
+
+    def run(self) -> Refreshed:  # type: ignore[override]
+        """Fold, converge under the lock, replace the subject's rows; the scratch table is dropped in every case."""
+        self._lock()
+        try:
+            progress = super().run()
+            self.result.events = progress.events
+            self.result.completed = progress.phase == "swapped"
+            self.result.keys = len(self.touched)
+            return self.result
+        finally:
+            try:
+                with db.connect(self.plan.pgc) as conn, conn.transaction():
+                    self._drop(conn)
+            finally:
+                if self.guard is not None:
+                    self.guard.close()
+
+    def finish(self, conn: psycopg.Connection[Any], live_exists: bool) -> None:
+        """Under the lock, with the scratch table equal to the live checkpoints: the subject's rows replaced."""
+        self.writer.close()
+        self._save("swapped", conn)
+        if not self.touched:
+            return
+        p, c = self.plan, self.plan.config
+        live, scratch = q.qualified(c.schema, c.table), q.qualified(c.schema, p.shadow)
+        keys = list(c.key_columns)
+        cols = [*c.columns, VERSION_COLUMN]
+        conn.execute(sql.SQL("CREATE TEMP TABLE kafold_refresh_keys ON COMMIT DROP AS SELECT {} FROM {} LIMIT 0")
+                     .format(q.ids(keys), scratch))
+        with conn.cursor().copy(sql.SQL("COPY kafold_refresh_keys ({}) FROM STDIN").format(q.ids(keys))) as copy:
+            for key in self.touched:
+                copy.write_row(key)
+        on = sql.SQL(" AND ").join(sql.SQL("t.{k} = k.{k}").format(k=sql.Identifier(k)) for k in keys)
+        in_scratch = sql.SQL(" AND ").join(sql.SQL("s.{k} = t.{k}").format(k=sql.Identifier(k)) for k in keys)
+        deleted = conn.execute(sql.SQL(
+            "DELETE FROM {live} t USING kafold_refresh_keys k WHERE {on} AND NOT EXISTS "
+            "(SELECT 1 FROM {scratch} s WHERE {in_scratch})").format(
+            live=live, on=on, scratch=scratch, in_scratch=in_scratch)).rowcount
+        updates = sql.SQL(", ").join(sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(col))
+                                     for col in cols if col not in keys)
+        on_s = sql.SQL(" AND ").join(sql.SQL("s.{k} = k.{k}").format(k=sql.Identifier(k)) for k in keys)
+        upserted = conn.execute(sql.SQL(
+            "INSERT INTO {live} ({cols}) SELECT {scols} FROM {scratch} s JOIN kafold_refresh_keys k ON {on_s} "
+            "ON CONFLICT ({keys}) DO UPDATE SET {updates}").format(
+            live=live, cols=q.ids(cols), scols=sql.SQL(", ").join(sql.SQL("s.{}").format(sql.Identifier(col))
+                                                                  for col in cols),
+            scratch=scratch, on_s=on_s, keys=q.ids(keys), updates=updates)).rowcount
+        self.result.rows = deleted + upserted
+        self.log.info("refresh replaced rows", subject_keys=len(self.touched), upserted=upserted, deleted=deleted)

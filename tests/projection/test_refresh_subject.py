@@ -1,0 +1,88 @@
+"""`kafold projection refresh NAME --subject S` beside a live daemon (Apache Kafka, real PostgreSQL): after
+`kafold subjects forget S`, S's rows hold the placeholder and the rest of their columns as folded; another subject's
+rows keep their clear values; commands decided while the refresh runs are not lost; the table then equals a fold of
+its events (`projection verify` clean); a subject without rows is reported as such."""
+
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from kafold import config, topics
+from kafold.config import KafkaConfig
+from kafold.testing import free_port
+from tests.aggregates.test_idempotency import Outside
+from tests.aggregates.test_protect_daemon import KAFOLD, MASTER_VAR, PLACEHOLDER, _config, _rows
+from tests.daemon.daemon_support import daemon_in_process
+from tests.support import child_env, wait_for
+from tests.support.receiver import Receiver
+
+pytestmark = pytest.mark.integration
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([KAFOLD, *args], capture_output=True, text=True, timeout=300, env=child_env())
+
+
+def test_refresh_folds_a_forgotten_subjects_rows_again_under_live_traffic(
+        kafka_config: KafkaConfig, pg_url: str, unique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(MASTER_VAR, base64.b64encode(os.urandom(32)).decode())
+    receiver = Receiver()
+    table = f"customers_{unique[-8:]}"
+    conf = _config(tmp_path / "kafold.toml", kafka_config, pg_url, unique, free_port(), table, receiver.start())
+    loaded = config.load_file(conf)
+    assert topics.ensure(kafka_config, config.topic_map(loaded.config).values()).ok
+    client = Outside(kafka_config, loaded.config.aggregates[0])
+    # subjects of this test only: the tests share one PostgreSQL, each with a master key of its own
+    kept, gone = f"{unique[-8:]}-kept", f"{unique[-8:]}-gone"
+    emails = {kept: "kept.secret@example.com", gone: "gone.secret@example.com"}
+    try:
+        with daemon_in_process(conf) as d:
+            wait_for(lambda: d.get("/ready")[0] == 200, "the daemon ready", 120)
+            for cid, email in emails.items():
+                client.send(f"reg-{cid}", cid, "Register", {"email": email, "name": cid.upper()})
+                client.send(f"ren-{cid}", cid, "Rename", {"name": f"{cid}-renamed"})
+            client.wait()
+            wait_for(lambda: _rows(pg_url, table).get(gone) == (emails[gone], f"{gone}-renamed"), "rows projected")
+            forget = _cli("subjects", "forget", gone, "-c", str(conf))
+            assert forget.returncode == 0, forget.stdout + forget.stderr
+            assert _rows(pg_url, table)[gone][0] == emails[gone]  # projected before: still in clear
+
+            # the refresh runs while commands of both subjects keep being decided and projected
+            running = subprocess.Popen([KAFOLD, "projection", "refresh", table, "--subject", gone, "-c", str(conf),
+                                        "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       env=child_env())
+            n = 0
+            while running.poll() is None and n < 200:
+                for cid in (kept, gone):
+                    client.send(f"live-{cid}-{n}", cid, "Rename", {"name": f"{cid}-{n}"})
+                n += 1
+                time.sleep(0.05)
+            out, err = running.communicate(timeout=300)
+            assert running.returncode == 0, out + err
+            assert "folded again" in out, out
+            client.send(f"last-{gone}", gone, "Rename", {"name": "last"})
+            client.send(f"last-{kept}", kept, "Rename", {"name": "last"})
+            client.wait()
+            assert all(client.results[c][0]["status"] == "accepted" for c in (f"last-{gone}", f"last-{kept}"))
+            wait_for(lambda: _rows(pg_url, table).get(gone, (None, None))[1] == "last"
+                     and _rows(pg_url, table).get(kept, (None, None))[1] == "last", "the last renames projected")
+            rows = _rows(pg_url, table)
+            assert rows[gone] == (PLACEHOLDER, "last")
+            assert rows[kept] == (emails[kept], "last")
+
+            verify = _cli("projection", "verify", table, "-c", str(conf), "--no-progress")
+            assert verify.returncode == 0, verify.stdout + verify.stderr  # the table equals a fold of its events
+
+            nobody = _cli("projection", "refresh", table, "--subject", f"{unique[-8:]}-nobody", "-c", str(conf),
+                          "--no-progress")
+            assert nobody.returncode == 0 and "nothing to refresh" in nobody.stdout, nobody.stdout + nobody.stderr
+            assert _rows(pg_url, table) == rows
+    finally:
+        client.close()
+        receiver.stop()
