@@ -414,16 +414,12 @@ def _check_protect(cfg: KafoldConfig, problems: Problems) -> None:
                                  f"{rule.subject!r}")
                 elif any(path == f or path.startswith(f + ".") for f in rule.fields):
                     problems.add(f"{where}.subject", f"the subject {rule.subject!r} is one of the encrypted fields")
-        if agg.protect and cfg.snapshots.enabled:
-            # a snapshot's state is sealed whole under the aggregate id's key (kafold.protect): one subject per
-            # state, and the keys reach only in-process runs
-            if any(rule.subject != "aggregate_id" for rule in agg.protect):
-                problems.add(f"aggregates[{i}].protect", "snapshots of aggregates with protected fields are supported "
-                             "only when every rule's subject is `aggregate_id` (a state would mix several subjects' "
-                             "data): set [snapshots] enabled = false")
-            elif cfg.snapshots.engine != "local":
-                problems.add("snapshots.engine", f"aggregate {agg.name!r} has protected fields: its snapshots run "
-                             "in process only (Spark executors have no keys): set [snapshots] engine = \"local\"")
+        # a snapshot's state is sealed whole under the aggregate id's key (kafold.protect): one subject per state
+        # (in process and in Spark alike: Spark tasks open their own key rings)
+        if cfg.snapshots.enabled and any(rule.subject != "aggregate_id" for rule in agg.protect):
+            problems.add(f"aggregates[{i}].protect", "snapshots of aggregates with protected fields are supported "
+                         "only when every rule's subject is `aggregate_id` (a state would mix several subjects' "
+                         "data): set [snapshots] enabled = false")
         if agg.protect and cfg.privacy.master_key is None and not problems.mentions("privacy.master_key"):
             problems.add("privacy.master_key", "protected fields need a master key: privacy.master_key_env or "
                          "privacy.master_key_file")

@@ -27,6 +27,7 @@ from typing import Any
 from kafold import kafka_clients, logs
 from kafold.config import AggregateConfig, KafkaConfig
 from kafold.errors import ConfigError, FatalError
+from kafold.protect import AGGREGATE_ID, Setup
 from kafold.snapshot import kafka_io
 from kafold.snapshot.fold import Domain
 from kafold.snapshot.partition import (
@@ -227,14 +228,27 @@ def choose(engine: str, planned: Plan | None, local_max_events: int) -> str:
     return "local" if planned is not None and planned.events <= local_max_events else "spark"
 
 
+def check_protected(agg: AggregateConfig, engine: str, protection: Setup | None) -> None:
+    """A snapshot's state is sealed whole under the aggregate id's key: refused when a rule takes its subject from
+    a payload path (the state would mix subjects' data, and would be written in clear); a Spark run needs the
+    privacy settings its tasks open their key rings with."""
+    if any(rule.subject != AGGREGATE_ID for rule in agg.protect):
+        raise ConfigError([f"aggregate {agg.name!r}: snapshots of aggregates with protected fields are supported "
+                           "only when every protect rule's subject is `aggregate_id`"])
+    if engine != "local" and protection is None:
+        raise ConfigError([f"aggregate {agg.name!r} has protected fields: a Spark run needs the configuration's "
+                           "privacy settings (runs.run(..., protection=kafold.protect.setup(cfg)))"])
+
+
 def run(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], spark: Callable[[], Any], *,
         engine: str = "auto", local_max_events: int = 200_000, refresh_lag: int = REFRESH_LAG,
-        reporter: Reporter | None = None) -> JobResult:
+        reporter: Reporter | None = None, protection: Setup | None = None) -> JobResult:
     """Snapshot one aggregate type with the engine `engine` asks for; `spark()` gives the SparkSession (started
-    only when a run needs it). The result's duration is the whole run but the SparkSession's start."""
-    if agg.protect and engine != "local":  # the keys of protected fields reach only in-process runs
-        raise ConfigError([f"aggregate {agg.name!r} has protected fields: its snapshots run in process only: "
-                           f"--engine local (or [snapshots] engine = \"local\"), not {engine!r}"])
+    only when a run needs it). The result's duration is the whole run but the SparkSession's start.
+    `protection` (kafold.protect.setup): what Spark tasks need to open their own key rings, for an aggregate with
+    protected fields (an in-process run uses this process's, kafold.protect.build)."""
+    if agg.protect:
+        check_protected(agg, engine, protection)
     began = time.monotonic()
     planned: Plan | None = None
     if engine == "spark":
@@ -265,7 +279,7 @@ def run(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], spark:
 
     before_job = time.monotonic() - began
     result = snapshot_job.run(spark(), kafka, agg, python_path, partitions=parts, refresh_lag=refresh_lag,
-                              reporter=reporter)
+                              reporter=reporter, protection=protection)
     reader = kafka_io.reader(kafka)
     try:
         kafka_io.record_progress(reader, agg.topic("events"), _ends(result))

@@ -30,13 +30,14 @@ import orjson
 from kafold import logs
 from kafold.config import AggregateConfig, KafkaConfig
 from kafold.errors import FatalError
+from kafold.protect import Setup
 from kafold.snapshot import kafka_io
 from kafold.snapshot.partition import write_marker
 from kafold.snapshot.record import H_KIND, KIND_SNAPSHOT
 from kafold.snapshot.select import Identity
 from kafold.spark_jobs import source
 from kafold.spark_jobs.progress import watch
-from kafold.spark_jobs.runs import REFRESH_LAG, JobResult, partitions_of
+from kafold.spark_jobs.runs import REFRESH_LAG, JobResult, check_protected, partitions_of
 from kafold.spark_jobs.source import HEADER, SNAPSHOT, STATS
 
 log = logs.get(__name__)
@@ -49,7 +50,7 @@ _SNAPSHOT_HEADERS = [(H_KIND, KIND_SNAPSHOT)]
 def write_partition(spec: str, progress: Any, batches: Iterator[Any]) -> Iterator[Any]:
     """mapInArrow body: the header, snapshot and stats rows of one Kafka partition in, one summary row out."""
     kafka, agg, python_path, _ = source.load_spec(spec)
-    ident = source.domain_of(agg, python_path).identity  # the fold's identity, as the snapshots carry it
+    ident = source.identity_of(agg, python_path)  # the fold's identity, as the snapshots carry it
     producer = kafka_io.writer(kafka)
     producer.poll(0)  # start the producer's handshake now, while the fold runs
     topic = agg.topic("snapshot")
@@ -100,13 +101,18 @@ def _summary_schema(pa: Any) -> Any:
 
 
 def run(spark: Any, kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], *,
-        partitions: list[int] | None = None, refresh_lag: int = REFRESH_LAG, reporter: Any = None) -> JobResult:
+        partitions: list[int] | None = None, refresh_lag: int = REFRESH_LAG, reporter: Any = None,
+        protection: Setup | None = None) -> JobResult:
     """Snapshot one aggregate type: one Spark task per events partition. `reporter(done, total, events)` is
-    called while it runs (see kafold.commands.snapshot for the progress display)."""
+    called while it runs (see kafold.commands.snapshot for the progress display). `protection`
+    (kafold.protect.setup of the configuration) is needed for an aggregate with protected fields: its tasks open
+    their own key rings from it (kafold.spark_jobs.source)."""
+    if agg.protect:  # refused here, in the driver, rather than in every task
+        check_protected(agg, "spark", protection)
     began = time.monotonic()
     parts = partitions if partitions is not None else partitions_of(kafka, agg)
     spark.dataSource.register(source.KafkaFoldSource)
-    spec = source.spec_json(kafka, agg, python_path, parts, refresh_lag)
+    spec = source.spec_json(kafka, agg, python_path, parts, refresh_lag, protection)
     counter = spark.sparkContext.accumulator(0)
     # the schema is given: no schema() round trip to a Python worker
     df = spark.read.format(source.NAME).schema(source.SCHEMA).option("spec", spec).load()

@@ -11,6 +11,13 @@ Why the fold happens inside the source: handing every event to the JVM and on to
 than the fold itself (~5.5 µs an event of ~10.5 µs, see docs/benchmarks.md). Folded this way the JVM moves one row
 per changed aggregate, and still no shuffle is needed: an aggregate's events all live in one Kafka partition.
 
+Protected fields (kafold.protect): each task builds its own key ring on PostgreSQL from the spec's privacy and
+postgres settings, which carry secrets as references only (`env:NAME` / `file:PATH`): the master key is read from
+the executor's own environment or file, never shipped in the spec or in Spark conf (the Spark UI shows both). The
+task folds with decryption and seals each state as the in-process run does (the same Domain), and closes the
+ring's connection when done. A ring per task, not per reused Python worker: a subject forgotten between two runs
+is never opened from a key an earlier task cached.
+
 Offset note: the range end is captured when the partition is read (see kafka_io); snapshots claim exactly that
 end, so a snapshot never claims events that were not folded.
 """
@@ -26,11 +33,23 @@ from typing import Any
 import orjson
 
 from kafold import logs
-from kafold.config import AggregateConfig, FoldErrorPolicy, KafkaConfig
+from kafold.config import (
+    AggregateConfig,
+    FoldErrorPolicy,
+    KafkaConfig,
+    KafoldConfig,
+    PostgresConfig,
+    PrivacyConfig,
+    ProtectConfig,
+)
+from kafold.domain import AggregateDomain
+from kafold.errors import FatalError
+from kafold.protect import PgKeyStore, Protector, Setup
 from kafold.schema import Secret
 from kafold.snapshot import kafka_io
 from kafold.snapshot.fold import Domain
 from kafold.snapshot.partition import fold_partition, progress_logger
+from kafold.snapshot.select import Identity
 from kafold.upcast import UpcasterConfig
 
 try:
@@ -49,17 +68,28 @@ _DOMAINS: dict[str, Any] = {}  # per Python worker process: import the domain on
 
 
 def spec_json(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], partitions: list[int],
-              refresh_lag: int) -> str:
-    """Everything an executor needs, as a JSON option (secrets stay references: `env:NAME` / `file:PATH`)."""
+              refresh_lag: int, protection: Setup | None = None) -> str:
+    """Everything an executor needs, as a JSON option (secrets stay references: `env:NAME` / `file:PATH`);
+    `protection` (kafold.protect.setup) for an aggregate with protected fields."""
+    keys = None
+    if agg.protect and protection is not None:
+        keys = {"privacy": dataclasses.asdict(protection.privacy), "postgres": dataclasses.asdict(protection.postgres)}
     return json.dumps({"kafka": dataclasses.asdict(kafka), "aggregate": dataclasses.asdict(agg),
-                       "python_path": python_path, "partitions": partitions, "refresh_lag": refresh_lag})
+                       "python_path": python_path, "partitions": partitions, "refresh_lag": refresh_lag,
+                       "keys": keys})
+
+
+def _secrets(settings: dict[str, Any]) -> dict[str, Any]:
+    """A settings table from JSON with its secret references (`{"source": ...}`) as Secrets again."""
+    return {k: (Secret(v["source"]) if isinstance(v, dict) else v) for k, v in settings.items()}
 
 
 def load_spec(spec: str | dict[str, Any]) -> tuple[KafkaConfig, AggregateConfig, list[str], list[int]]:
     raw = json.loads(spec) if isinstance(spec, str) else spec
-    kafka: dict[str, Any] = {k: (Secret(v["source"]) if isinstance(v, dict) else v) for k, v in raw["kafka"].items()}
+    kafka = _secrets(raw["kafka"])
     agg = dict(raw["aggregate"])  # JSON gave the nested settings back as plain values: their types again
     agg["upcasters"] = [UpcasterConfig(**u) for u in agg.get("upcasters", ())]
+    agg["protect"] = [ProtectConfig(**p) for p in agg.get("protect", ())]
     agg["on_fold_error"] = FoldErrorPolicy(agg.get("on_fold_error", FoldErrorPolicy.STOP))
     return KafkaConfig(**kafka), AggregateConfig(**agg), raw["python_path"], raw["partitions"]
 
@@ -70,6 +100,32 @@ def domain_of(agg: AggregateConfig, python_path: list[str]) -> Any:
     if key not in _DOMAINS:
         _DOMAINS[key] = Domain.load(agg, python_path)
     return _DOMAINS[key]
+
+
+def identity_of(agg: AggregateConfig, python_path: list[str]) -> Identity:
+    """The fold's identity (what markers vouch for), without the keys a protected aggregate's fold needs."""
+    if not agg.protect:
+        ident: Identity = domain_of(agg, python_path).identity
+        return ident
+    return Identity(agg.name, AggregateDomain.load(agg, tuple(python_path)).fingerprint, agg.state_schema_version)
+
+
+def protector_of(spec: str | dict[str, Any]) -> Protector | None:
+    """A new Protector (its own key ring on PostgreSQL) for the spec's aggregate, None when it protects nothing;
+    the master key is read here, from the reference (ConfigError naming it when it is not set)."""
+    from kafold import protect
+
+    raw = json.loads(spec) if isinstance(spec, str) else spec
+    _, agg, _, _ = load_spec(raw)
+    if not agg.protect:
+        return None
+    keys = raw.get("keys")
+    if keys is None:
+        raise FatalError(f"aggregate {agg.name!r} has protected fields but the job was given no privacy settings "
+                         "(snapshot_job.run(..., protection=kafold.protect.setup(cfg)))")
+    cfg = KafoldConfig(postgres=PostgresConfig(**_secrets(keys["postgres"])),
+                       privacy=PrivacyConfig(**_secrets(keys["privacy"])), aggregates=[agg])
+    return protect.build(cfg)
 
 
 class KafkaFoldSource(DataSource):
@@ -94,13 +150,23 @@ class _Reader(DataSourceReader):
         return [InputPartition(p) for p in load_spec(self.spec)[3]]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        import pyarrow as pa
-
         raw = json.loads(self.spec)
         kafka, agg, python_path, _ = load_spec(raw)
+        protector = protector_of(raw)
+        try:
+            yield from self._read(raw, kafka, agg, python_path, protector, partition.value)
+        finally:
+            if protector is not None and isinstance(protector.ring.store, PgKeyStore):
+                protector.ring.store.close()  # the task's own connection to the subject keys
+
+    def _read(self, raw: dict[str, Any], kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str],
+              protector: Protector | None, p: int) -> Iterator[Any]:
+        """One Kafka partition `p` (InputPartition(value)) folded: the header, snapshot and stats rows."""
+        import pyarrow as pa
+
         refresh_lag = int(raw["refresh_lag"])
-        domain = domain_of(agg, python_path)
-        p = partition.value  # InputPartition(value): the Kafka partition number
+        # a protected fold's domain holds this task's key ring: loaded per task, not cached in the worker
+        domain = domain_of(agg, python_path) if protector is None else Domain.load(agg, python_path, protector)
         consumer = kafka_io.reader(kafka)
         try:
             folded = fold_partition(consumer, agg, domain, p, on_batch=progress_logger(agg, p, LOG_EVERY_S))

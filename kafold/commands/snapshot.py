@@ -141,7 +141,8 @@ def handle_run(args: argparse.Namespace) -> int:
                     "kafold.aggregate": agg.name}) if tracer is not None else contextlib.nullcontext()) as span:
                 results.append(runs.run(cfg.kafka, agg, python_paths(loaded), spark, engine=engine,
                                         local_max_events=cfg.snapshots.local_max_events, reporter=report,
-                                        refresh_lag=args.refresh_lag or runs.REFRESH_LAG))
+                                        refresh_lag=args.refresh_lag or runs.REFRESH_LAG,
+                                        protection=protect.setup(cfg)))
                 if span is not None:
                     span.set_attributes({"kafold.engine": results[-1].engine,
                                          "kafold.events_folded": results[-1].events_folded,

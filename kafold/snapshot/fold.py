@@ -67,6 +67,7 @@ def _window(commands: Any) -> dict[str, list[int]]:
 # A busier aggregate's snapshot carries the newest ids and a marker ["", t, 0, 0] saying ids decided before t are
 # not carried; a restore reads them back from the events partition (daemon/aggregates/recovery.note_events).
 MAX_SNAPSHOT_COMMANDS = 8000
+SEAL_BATCH = 20_000  # sealed states: their subjects' keys looked up this many at a time (kafold.protect.prefetch)
 
 
 def _commands(window: dict[str, list[int]], window_ms: int) -> list[list[Any]]:
@@ -156,7 +157,10 @@ class Tail:
     def _due(self, end: int, refresh_lag: int | None) -> Iterator[tuple[str, Any, int, list[list[Any]]]]:
         to_json, window_ms = self.domain.to_json, self.domain.window_ms
         sealer, atype = self.domain.identity.sealer, self.domain.identity.aggregate_type
-        for aid, e in self.entries.items():
+        ids = list(self.entries) if sealer is not None else []
+        for n, (aid, e) in enumerate(self.entries.items()):
+            if sealer is not None and n % SEAL_BATCH == 0:  # the next keys in one round trip (not one each)
+                sealer.prefetch([i.encode() for i in ids[n:n + SEAL_BATCH]])
             if e.version > e.since:
                 state = to_json(e.state)
             elif refresh_lag is not None and e.base is not None and end - e.covered > refresh_lag:

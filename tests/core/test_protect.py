@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 
 from kafold import protect
-from kafold.config import parse
+from kafold.config import ProtectConfig, parse
 from kafold.connectors.intake import Intake
 from kafold.envelope import Event, decode, encode
 from kafold.errors import ConfigError, RecordError
@@ -179,14 +180,14 @@ def test_config_bad_subject_and_encrypted_subject_are_errors() -> None:
         _load(subject="payload.email")
 
 
-def test_config_protect_with_spark_snapshots_or_payload_subjects_is_refused_task_processes_are_not() -> None:
+def test_config_protect_with_payload_subject_snapshots_is_refused_spark_and_task_processes_are_not() -> None:
     key = '[privacy]\nmaster_key_env = "KF_TEST_MASTER"\n[snapshots]\nenabled = true'
-    with pytest.raises(ConfigError, match=r'snapshots\.engine.*engine = "local"'):
-        _load(privacy=key)  # engine auto may choose Spark, whose executors have no keys
-    with pytest.raises(ConfigError, match="every rule's subject is `aggregate_id`"):
-        _load(subject="payload.customer_id", privacy=key + '\nengine = "local"')
-    cfg = _load(privacy=key + '\nengine = "local"')  # in-process snapshots of an aggregate-id subject: supported
-    assert cfg.snapshots.enabled and cfg.aggregates[0].protect
+    for engine in ("auto", "spark", "local"):
+        with pytest.raises(ConfigError, match="every rule's subject is `aggregate_id`"):
+            _load(subject="payload.customer_id", privacy=key + f'\nengine = "{engine}"')
+        # snapshots of an aggregate-id subject: supported in process and in Spark (tasks open their own key rings)
+        cfg = _load(privacy=key + f'\nengine = "{engine}"')
+        assert cfg.snapshots.enabled and cfg.snapshots.engine == engine and cfg.aggregates[0].protect
     assert _load(privacy='[privacy]\nmaster_key_env = "KF_TEST_MASTER"\n[daemon]\ntask_processes = true'
                  ).daemon.task_processes  # task processes build their own key ring (daemon.task_process)
 
@@ -294,13 +295,42 @@ def test_restore_selection_never_uses_a_clear_state_of_a_protected_aggregate() -
     assert not sel.bases and sel.rejected == {"sealed": 1}
 
 
-def test_a_spark_snapshot_run_of_a_protected_aggregate_is_refused_before_it_starts() -> None:
+def test_a_spark_snapshot_run_of_a_protected_aggregate_without_its_privacy_settings_is_refused_before_it_starts(
+        ) -> None:
     from kafold.spark_jobs import runs
 
     cfg = _load(privacy='[privacy]\nmaster_key_env = "KF_TEST_MASTER"\n[snapshots]\nenabled = true\nengine = "local"')
-    for engine in ("spark", "auto"):  # e.g. `kafold snapshot run --engine spark`
-        with pytest.raises(ConfigError, match="in process only"):
+    for engine in ("spark", "auto"):  # a caller that did not pass protect.setup(cfg): its tasks would have no keys
+        with pytest.raises(ConfigError, match="privacy settings"):
             runs.run(cfg.kafka, cfg.aggregates[0], [], lambda: None, engine=engine)
+
+
+def test_a_snapshot_run_of_an_aggregate_with_a_payload_subject_is_refused_on_every_engine() -> None:
+    from kafold.spark_jobs import runs
+
+    cfg = _load(subject="payload.customer_id")  # snapshots not enabled: only `kafold snapshot run` would write one
+    for engine in ("spark", "auto", "local"):  # its states would be written in clear: refused, naming the rule
+        with pytest.raises(ConfigError, match="subject is `aggregate_id`"):
+            runs.run(cfg.kafka, cfg.aggregates[0], [], lambda: None, engine=engine, protection=protect.setup(cfg))
+
+
+def test_a_spark_snapshot_spec_carries_secret_references_never_the_master_key() -> None:
+    import json
+
+    from kafold.spark_jobs import source
+
+    cfg = _load(privacy='[privacy]\nmaster_key_env = "KF_TEST_MASTER"\n[snapshots]\nenabled = true\nengine = "spark"')
+    spec = source.spec_json(cfg.kafka, cfg.aggregates[0], [], [0], 10, protect.setup(cfg))
+    assert json.loads(spec)["keys"]["privacy"]["master_key"] == {"source": "env:KF_TEST_MASTER"}
+    for text in (base64.b64encode(MASTER).decode(), MASTER.hex()):
+        assert text not in spec
+    agg = source.load_spec(spec)[1]
+    def rules(a: Any) -> list[tuple[str, tuple[str, ...], str]]:
+        return [(r.type, tuple(r.fields), r.subject) for r in a.protect]
+
+    assert all(isinstance(r, ProtectConfig) for r in agg.protect)  # the protect rules come back as ProtectConfig
+    assert rules(agg) == rules(cfg.aggregates[0])
+    assert dataclasses.replace(agg, protect=cfg.aggregates[0].protect) == cfg.aggregates[0]
 
 
 class _Counting(MemoryKeyStore):
