@@ -14,8 +14,10 @@ locked (ACCESS EXCLUSIVE: the live writer's batch in flight finishes first, the 
 checkpoints re-read under the lock and the scratch table brought up to exactly them (the tail, applied while the
 live writer waits), then the noted rows upserted into the live table (and deleted where the scratch table has none),
 and committed. So the rows replaced hold exactly the events below the live checkpoints, as the live rows did, and no
-live write is lost or rolled back; the live connector's checkpoints, tracking and dead letters are not touched. The
-scratch table and its bookkeeping (`<name>:refresh`) are dropped at the end, whatever happened.
+live write is lost or rolled back; the live connector's checkpoints, tracking and dead letters are not touched. A row
+key held behind a dead letter (by the live connector or in the scratch table) is left alone and reported: its live
+row lacks the held events on purpose. The scratch table and its bookkeeping (`<name>:refresh`) are dropped at the
+end, whatever happened.
 """
 
 from __future__ import annotations
@@ -32,12 +34,17 @@ from kafold import db, protect
 from kafold.connectors.api import SinkRecord
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN
-from kafold.connectors.projection.mapping import MappingError
+from kafold.connectors.projection.mapping import Mapping, MappingError
 from kafold.connectors.projection.rebuild import Plan, Progress, Rebuild
-from kafold.connectors.projection.writer import DeadLetter
+from kafold.connectors.projection.writer import DeadLetter, hold_text
 from kafold.errors import ConfigError, FatalError
 
-__all__ = ["Refresh", "RefreshPlan", "Refreshed"]
+__all__ = ["Refresh", "RefreshPlan", "Refreshed", "protected_types"]
+
+
+def protected_types(mapping: Mapping, protector: protect.Protector) -> list[str]:
+    """The event types with a protect rule that the projection folds (any aggregate: its topics decide which)."""
+    return sorted({t for _, t in protector.rules if mapping.handles(t)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +66,8 @@ class RefreshPlan(Plan):
 
 @dataclasses.dataclass
 class Refreshed:
-    """The outcome: `completed` once the rows were replaced; `rows` replaced (upserted or deleted)."""
+    """The outcome: `completed` once the rows were replaced; `rows` replaced (upserted or deleted); `held` row keys
+    of the subject left alone (held behind a dead letter)."""
 
     name: str
     subject: str
@@ -67,6 +75,7 @@ class Refreshed:
     events: int = 0
     keys: int = 0
     rows: int = 0
+    held: int = 0
 
 
 class Refresh(Rebuild):
@@ -78,6 +87,10 @@ class Refresh(Rebuild):
         if protector is None or not protector.rules:
             raise ConfigError([f"connectors: {plan.name!r}: no aggregate has protect rules, so no row holds a "
                                "subject's protected fields (nothing to refresh)"])
+        if not protected_types(plan.mapping, protector):
+            raise ConfigError([f"connectors: {plan.name!r}: none of the event types it projects has protect rules "
+                               f"(protected: {', '.join(sorted({t for _, t in protector.rules}))}), so no row holds "
+                               "a subject's protected fields (nothing to refresh)"])
         # One process: the keys of the subject's rows are noted as the records are read (see _record).
         super().__init__(RefreshPlan.of(plan), batch=batch, workers=1, on_progress=on_progress, stop=stop)
         self.subject, self.protector = subject, protector
@@ -140,7 +153,7 @@ class Refresh(Rebuild):
             progress = super().run()
             self.result.events = progress.events
             self.result.completed = progress.phase == "swapped"
-            self.result.keys = len(self.touched)
+            self.result.keys = len(self.touched) + self.result.held
             return self.result
         finally:
             try:
@@ -154,9 +167,20 @@ class Refresh(Rebuild):
         """Under the lock, with the scratch table equal to the live checkpoints: the subject's rows replaced."""
         self.writer.close()
         self._save("swapped", conn)
+        p, c = self.plan, self.plan.config
+        # A key held behind a dead letter, by the live connector or by the refresh, is left alone and reported: the
+        # live row deliberately lacks the held events (replacing it would apply them behind the dead letters' back,
+        # and batches fold differently: a refused intermediate row may not be refused in the scratch table), and the
+        # scratch row of a key the refresh held is not a fold of its events. The live holds are read under the
+        # holds lock taken by the swap transaction, so no live batch changes them meanwhile.
+        held = {r[0] for r in conn.execute(sql.SQL(
+            "SELECT DISTINCT hold_key FROM {} WHERE connector IN (%s, %s) AND hold_key IS NOT NULL AND status IN "
+            "('new', 'held')").format(db.table(p.pgc, "dead_letters")), (p.key, p.name)).fetchall()}
+        skipped = {key for key in self.touched if hold_text(key) in held}
+        self.result.held = len(skipped)
+        self.touched -= skipped
         if not self.touched:
             return
-        p, c = self.plan, self.plan.config
         live, scratch = q.qualified(c.schema, c.table), q.qualified(c.schema, p.shadow)
         keys = list(c.key_columns)
         cols = [*c.columns, VERSION_COLUMN]

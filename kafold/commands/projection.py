@@ -205,7 +205,8 @@ def verify(args: argparse.Namespace) -> int:
 
 
 def refresh(args: argparse.Namespace) -> int:
-    """0 once the subject's rows were folded again (or it has none), 1 when stopped before."""
+    """0 once the subject's rows were folded again (or it has none); 1 when stopped before, or when some of its rows
+    were left alone (held behind a dead letter)."""
     from kafold.connectors.projection.subject_refresh import Refresh
 
     plan = _plan(args)
@@ -223,6 +224,10 @@ def refresh(args: argparse.Namespace) -> int:
     else:
         print(f"{plan.name}: {result.rows} row(s) of {table} folded again from their events ({result.keys} made by "
               f"events of subject {args.subject!r}; {result.events} events read)")
+    if result.held:
+        print(f"{plan.name}: {result.held} row(s) of subject {args.subject!r} left as they were: their key is held "
+              "behind a dead letter (`kafold dlq list`); replay or discard it, then run the refresh again")
+        return 1
     return 0
 
 

@@ -1,7 +1,8 @@
 """`kafold projection refresh NAME --subject S` beside a live daemon (Apache Kafka, real PostgreSQL): after
 `kafold subjects forget S`, S's rows hold the placeholder and the rest of their columns as folded; another subject's
 rows keep their clear values; commands decided while the refresh runs are not lost; the table then equals a fold of
-its events (`projection verify` clean); a subject without rows is reported as such."""
+its events (`projection verify` clean); a subject without rows is reported as such; an unknown projection and one
+of unprotected event types are refused."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import psycopg
 import pytest
+from psycopg import sql
 
-from kafold import config, topics
+from kafold import config, db, topics
 from kafold.config import KafkaConfig
 from kafold.testing import free_port
 from tests.aggregates.test_idempotency import Outside
@@ -83,6 +86,77 @@ def test_refresh_folds_a_forgotten_subjects_rows_again_under_live_traffic(
                           "--no-progress")
             assert nobody.returncode == 0 and "nothing to refresh" in nobody.stdout, nobody.stdout + nobody.stderr
             assert _rows(pg_url, table) == rows
+
+            unknown = _cli("projection", "refresh", f"{table}-nope", "--subject", gone, "-c", str(conf))
+            assert unknown.returncode == 2 and f"no connector named '{table}-nope'" in unknown.stderr, unknown.stderr
+            # a projection of event types without protect rules holds no protected field: refused, naming it
+            names = tmp_path / "names.toml"
+            names.write_text(conf.read_text() + f"""
+[[connectors]]
+name = "names-{table}"
+class = "postgres-projection"
+topics = ["{unique}.events"]
+[connectors.config]
+table = "names_{table}"
+key_columns = ["customer_id"]
+[connectors.config.columns]
+customer_id = "text"
+name = "text"
+[[connectors.config.on]]
+type = "Renamed"
+set = {{ name = "payload.name" }}
+""")
+            plain = _cli("projection", "refresh", f"names-{table}", "--subject", gone, "-c", str(names))
+            assert plain.returncode == 2, plain.stdout + plain.stderr
+            assert f"'names-{table}': none of the event types it projects has protect rules" in plain.stderr, \
+                plain.stderr
+    finally:
+        client.close()
+        receiver.stop()
+
+
+def test_refresh_leaves_a_row_held_behind_a_dead_letter_and_says_so(
+        kafka_config: KafkaConfig, pg_url: str, unique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(MASTER_VAR, base64.b64encode(os.urandom(32)).decode())
+    receiver = Receiver()
+    table = f"customers_{unique[-8:]}"
+    conf = _config(tmp_path / "kafold.toml", kafka_config, pg_url, unique, free_port(), table, receiver.start())
+    loaded = config.load_file(conf)
+    assert topics.ensure(kafka_config, config.topic_map(loaded.config).values()).ok
+    client = Outside(kafka_config, loaded.config.aggregates[0])
+    count = sql.SQL("SELECT count(*) FROM {} WHERE connector = %s AND hold_key IS NOT NULL").format(
+        db.table(loaded.config.postgres, "dead_letters"))
+    held = f"{unique[-8:]}-held"
+
+    def dead_letters(connector: str) -> int:
+        with psycopg.connect(pg_url) as conn:
+            row = conn.execute(count, (connector,)).fetchone()
+            return int(row[0]) if row else 0
+
+    try:
+        with daemon_in_process(conf) as d:
+            wait_for(lambda: d.get("/ready")[0] == 200, "the daemon ready", 120)
+            client.send(f"reg-{held}", held, "Register", {"email": "held.secret@example.com", "name": "first"})
+            client.wait()
+            wait_for(lambda: held in _rows(pg_url, table), "the row projected")
+            # each in a batch of its own (a batch folds a key's events into one row write)
+            client.send(f"bad-{held}", held, "Rename", {"name": "bad\u0000name"})  # PostgreSQL refuses the row
+            client.wait()
+            wait_for(lambda: dead_letters(table) == 1, "the refused rename dead-lettered")
+            client.send(f"after-{held}", held, "Rename", {"name": "after"})  # held behind it
+            client.wait()
+            wait_for(lambda: dead_letters(table) == 2, "the next rename held behind it")
+            before = _rows(pg_url, table)
+            assert before[held] == ("held.secret@example.com", "first")
+            forget = _cli("subjects", "forget", held, "-c", str(conf))
+            assert forget.returncode == 0, forget.stdout + forget.stderr
+
+            out = _cli("projection", "refresh", table, "--subject", held, "-c", str(conf), "--no-progress")
+            assert out.returncode == 1, out.stdout + out.stderr
+            assert "1 row(s) of subject" in out.stdout and "held behind a dead letter" in out.stdout, out.stdout
+            assert _rows(pg_url, table) == before  # left alone: the live row lacks the held rename on purpose
+            assert dead_letters(f"{table}:refresh") == 0  # the refresh's own bookkeeping is gone
+            assert dead_letters(table) == 2
     finally:
         client.close()
         receiver.stop()
