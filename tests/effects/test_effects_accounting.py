@@ -20,12 +20,14 @@ def test_effects_count_done_duplicate_and_parked_records_per_partition(
     topic = f"{unique}.events"
     create_topic(kafka_config, topic, PARTITIONS)
     create_topic(kafka_config, f"kafold.dlq.{unique}", 1)
-    keys = ["k0", "k1", "k2", "k3", "bad"]
-    partition = {k: i % PARTITIONS for i, k in enumerate(keys)}  # "bad" in partition 0
+    # keys of this test only: the session's ledger is shared, and a parked key's name must be unique to it
+    bad = f"bad-{unique[-8:]}"
+    keys = ["k0", "k1", "k2", "k3", bad]
+    partition = {k: i % PARTITIONS for i, k in enumerate(keys)}  # the bad key in partition 0
     events = [make_event(k, v) for v in (1, 2, 3) for k in keys]
 
     async def rejecting(req: Req) -> tuple[int, dict[str, str]] | None:
-        return (422, {}) if (req.key, req.version) == ("bad", 2) else None  # 422: parked at once, no retries
+        return (422, {}) if (req.key, req.version) == (bad, 2) else None  # 422: parked at once, no retries
 
     receiver.behaviour = rejecting
     poison = [(0, b"k0", b"not an envelope", None), (1, b"k1", b"\xff\xfe", None)]
@@ -43,7 +45,7 @@ def test_effects_count_done_duplicate_and_parked_records_per_partition(
 
         wait_for(lambda: settled(first), "the first records completed and accounted for")
         # The same events again (a producer's retry, a replay): the ledger has them finished.
-        again = [e for e in events if e.aggregate_id != "bad"]
+        again = [e for e in events if e.aggregate_id != bad]
         second = produce(kafka_config, topic, [(partition[e.aggregate_id], *encode(e)) for e in again])
         wait_for(lambda: settled(first + second), "the duplicates completed and accounted for")
 
@@ -58,6 +60,6 @@ def test_effects_count_done_duplicate_and_parked_records_per_partition(
                for tp, a in run.runner.accounts.items()}
         assert got == expected
         done = receiver.per_key()
-        assert done["bad"] == [1] and all(done[k] == [1, 2, 3] for k in keys if k != "bad")  # each effect once
+        assert done[bad] == [1] and all(done[k] == [1, 2, 3] for k in keys if k != bad)  # each effect once
     finally:
         run.finish()
