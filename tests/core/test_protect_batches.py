@@ -1,9 +1,11 @@
-"""The key ring's batch paths (kafold.protect): a batch's keys fetched or created at once, entries near expiry
-fetched again by the batch rather than one round trip each."""
+"""The key ring's batch paths (kafold.protect): a batch's keys fetched or created at once, and the cache trusted a
+TTL at a time on one look at the erasure mark rather than a fetch per entry."""
 
 from __future__ import annotations
 
 import os
+import time
+from typing import Any
 
 import pytest
 
@@ -19,7 +21,7 @@ class Counting(MemoryKeyStore):
 
     def __init__(self) -> None:
         super().__init__()
-        self.singles = self.batches = self.creates = self.create_batches = 0
+        self.singles = self.batches = self.creates = self.create_batches = self.marks = 0
 
     def get(self, subject: str) -> tuple[bytes, bytes] | None:
         self.singles += 1
@@ -32,6 +34,10 @@ class Counting(MemoryKeyStore):
     def create(self, subject: str, key_id: bytes, wrapped: bytes) -> tuple[bytes, bytes]:
         self.creates += 1
         return super().create(subject, key_id, wrapped)
+
+    def erasure_mark(self) -> Any:
+        self.marks += 1
+        return super().erasure_mark()
 
     def create_many(self, rows: list[tuple[str, bytes, bytes]]) -> dict[str, tuple[bytes, bytes]]:
         self.create_batches += 1
@@ -68,33 +74,41 @@ def test_payload_path_subjects_are_not_prepared_from_record_keys() -> None:
     assert (store.batches, store.create_batches, store.keys) == (0, 0, {})
 
 
-def test_a_prefetch_renews_entries_in_the_last_half_of_their_life() -> None:
-    store = Counting()
-    ring = KeyRing(Cipher(MASTER), store, ttl_s=10.0)
-    ring.for_writing("c-1")
-    ring.prefetch(["c-1"])
-    assert store.batches == 0  # fresh: kept
-    until, key_id, key, aead = ring.cache["c-1"]
-    ring.cache["c-1"] = (until - 6.0, key_id, key, aead)  # 4 s left of 10: would expire while a batch is read
-    ring.prefetch(["c-1"])
-    assert store.batches == 1 and ring.cache["c-1"][0] > until - 6.0
-
-
-def test_entries_are_renewed_without_a_fetch_until_something_is_forgotten() -> None:
+def test_the_cache_is_trusted_a_ttl_at_a_time_on_one_look_at_the_erasure_mark() -> None:
     store = Counting()
     ring = KeyRing(Cipher(MASTER), store, ttl_s=10.0)
     ring.prefetch(["c-1", "c-2"])  # neither has a key yet
+    assert (store.marks, store.batches) == (1, 1)  # the mark read before the keys it covers
+    ring.for_writing("c-1")
+    aead = ring.cache["c-1"][2]
+    ring.prefetch(["c-1", "c-2"])
+    ring.lookup("c-2")
+    assert (store.marks, store.batches, store.singles) == (1, 1, 0)  # all cached, trusted: no query at all
+    ring.trusted_until = time.monotonic() + 4.0  # 4 s of 10 left: a single lookup does not look again...
+    ring.lookup("c-1")
+    assert store.marks == 1
+    ring.prefetch(["c-1"])  # ...a batch does (its trust would lapse while it is read); nothing forgotten: kept
+    assert (store.marks, store.batches) == (2, 1) and ring.cache["c-1"][2] is aead
+    assert ring.trusted_until > time.monotonic() + 9.0
+
+
+def test_after_an_erasure_elsewhere_the_cache_is_dropped_at_the_next_look() -> None:
+    store = Counting()
+    ring = KeyRing(Cipher(MASTER), store, ttl_s=10.0)
+    ring.prefetch(["c-1", "c-2"])
     key_id, key = ring.for_writing("c-1")
-    until, _, _, aead = ring.cache["c-1"]
-    ring.cache["c-1"] = (until - 6.0, key_id, key, aead)  # due for renewal
+    KeyRing(Cipher(MASTER), store).forget("c-2", "dpo")  # another process forgets something (here: no key)
     batches = store.batches
     ring.prefetch(["c-1"])
-    assert store.batches == batches and ring.cache["c-1"][3] is aead and ring.cache["c-1"][0] > until - 6.0
-    KeyRing(Cipher(MASTER), store).forget("c-2", "dpo")  # another process forgets something (here: no key)
-    ring.cache["c-1"] = (0.0, key_id, key, aead)  # due again
+    assert store.batches == batches  # still trusted: the erasure is not seen yet (within the TTL)
+    ring.trusted_until = 0.0  # the TTL ran out
     ring.prefetch(["c-1"])
     assert store.batches == batches + 1  # the erasure mark moved: the cache was dropped and fetched again
     assert ring.lookup("c-1") == (key_id, key)
+    forgotten_elsewhere = KeyRing(Cipher(MASTER), store)
+    forgotten_elsewhere.forget("c-1", "dpo")
+    ring.trusted_until = 0.0
+    assert ring.lookup("c-1") == (None, None)  # a single lookup after the TTL looks at the mark too
 
 
 def test_a_key_that_does_not_unwrap_fails_only_its_own_lookup() -> None:
