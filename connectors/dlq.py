@@ -132,7 +132,7 @@ class DeadLetterWriter(ErrantRecordReporter):
     def report(self, record: Any, error: BaseException) -> None:
         raw = RawRecord.of(record)
         headers = dlq_headers(raw, error, self.connector, int(time.time() * 1000))
-        log.warning("record dead-lettered", connector=self.connector, topic=raw.topic,
+        log.warning("dlq.record_dead_lettered", connector=self.connector, topic=raw.topic,
                     partition=raw.partition, offset=raw.offset, error=type(error).__name__,
                     reason=getattr(error, "reason", None), dlq_topic=self.topic)
         self._send(raw.key, *fitted(raw.value, headers))
@@ -143,7 +143,7 @@ class DeadLetterWriter(ErrantRecordReporter):
             if err is None:
                 self.written += 1
             else:
-                log.warning("dead letter not delivered; will retry", connector=self.connector, error=str(err))
+                log.warning("dlq.delivery_retrying", connector=self.connector, error=str(err))
                 self._failed.append((key, value, headers))
 
         kafka_clients.produce(self._producer, self.topic, value, key, headers, on_delivery=delivered)
@@ -174,6 +174,6 @@ class DeadLetterWriter(ErrantRecordReporter):
         try:
             self.flush(timeout)
         except RetriableError as e:
-            log.error("dead letters unacknowledged at close; their offsets were not committed",
-                      connector=self.connector, error=str(e))
+            log.error("dlq.unacknowledged_at_close", connector=self.connector, error=str(e),
+                      hint="their offsets were not committed")
         kafka_clients.close_producer(self._producer, 0)

@@ -40,13 +40,13 @@ class LogSinkTask(SinkTask):
                                       "count": len(group)}
             if self.config.sample_types:
                 fields["types"] = dict(Counter(r.event.type for r in group))
-            emit("events received", **fields)
+            emit("log_sink.events_received", **fields)
 
     def open(self, partitions: Collection[TopicPartition]) -> None:
-        self.log.debug("partitions opened", partitions=sorted(str(tp) for tp in partitions))
+        self.log.debug("log_sink.partitions_opened", partitions=sorted(str(tp) for tp in partitions))
 
     def close(self, partitions: Collection[TopicPartition]) -> None:
-        self.log.debug("partitions closed", partitions=sorted(str(tp) for tp in partitions))
+        self.log.debug("log_sink.partitions_closed", partitions=sorted(str(tp) for tp in partitions))
 
     def stop(self) -> None:
         pass

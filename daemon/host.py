@@ -88,7 +88,7 @@ class _Worker(faust.Worker):
 
     def _schedule_shutdown(self, signal: Any) -> None:  # mode's hook for SIGTERM/SIGINT
         if not self._signal_stop_time:
-            log.info("stop requested", signal=getattr(signal, "name", str(signal)))
+            log.info("daemon.stop_requested", signal=getattr(signal, "name", str(signal)))
         super()._schedule_shutdown(signal)
 
 
@@ -189,11 +189,11 @@ class DaemonHost:
             return
 
         def warn(e: RetriableError, delay: float) -> None:
-            log.warning("PostgreSQL not available; retrying", step="migrate", error=str(e), retry_in_s=delay)
+            log.warning("daemon.postgres_retrying", step="migrate", error=str(e), retry_in_s=delay)
 
         revision = retrying(lambda: db.upgrade(self.cfg.postgres), within_s=MIGRATE_RETRY_S, on_retry=warn,
                             stop=self.stop_event)
-        log.info("migrations applied", schema=self.cfg.postgres.schema, revision=revision)
+        log.info("daemon.migrations_applied", schema=self.cfg.postgres.schema, revision=revision)
 
     # ---- reload (SIGHUP, POST /reload) --------------------------------------------------------------------
     def reload(self) -> dict[str, list[str]]:
@@ -231,7 +231,7 @@ class DaemonHost:
                     slot.stop()
                 for slot in [s for g in leaving for s in g.slots]:
                     if not slot.join(self.restart_timeout):
-                        log.error("task did not stop for the reload", task=slot.name)
+                        log.error("daemon.reload_task_not_stopped", task=slot.name)
                 for group in leaving:
                     if group.name in built:
                         built[group.name].adopt(group)
@@ -243,9 +243,10 @@ class DaemonHost:
                         slot.start()
             result = {"added": added, "removed": removed, "changed": changed, "unchanged": kept,
                       "needs_restart": ignored}
-            log.info("configuration reloaded", **result)
+            log.info("daemon.reloaded", **result)
             if ignored:
-                log.warning("reload: these sections changed and apply only after a restart", sections=ignored)
+                log.warning("daemon.reload_needs_restart", sections=ignored,
+                            hint="these sections changed and apply only after a restart")
             return result
 
     def reload_logged(self) -> None:
@@ -253,10 +254,11 @@ class DaemonHost:
         try:
             self.reload()
         except ConfigError as e:
-            log.error("reload refused: the configuration file is invalid; the running configuration stays",
-                      problems=e.problems)
+            log.error("daemon.reload_refused", problems=e.problems, reason="the configuration file is invalid",
+                      hint="the running configuration stays")
         except Exception as e:
-            log.error("reload failed; the running configuration stays", error_class=type(e).__name__, error=str(e))
+            log.error("daemon.reload_failed", error_class=type(e).__name__, error=str(e),
+                      hint="the running configuration stays")
 
     # ---- state ------------------------------------------------------------------------------------------
     @property
@@ -326,8 +328,8 @@ class DaemonHost:
         """A task or aggregate thread ended by itself (not through stop): fail fast."""
         if self.stopping or worker.stopping:
             return
-        log.error("a task stopped by itself; stopping the daemon (exit 1)", task=worker.name,
-                  failed=worker.failed)
+        log.error("daemon.task_stopped_by_itself", task=worker.name, failed=worker.failed,
+                  hint="stopping the daemon (exit 1)")
         self.exit_code = 1
         self.request_stop()
 
@@ -395,12 +397,13 @@ class TasksService(mode.Service):
 
     async def on_start(self) -> None:
         if signals.received() is not None:  # stopping already (daemon.signals): start no task only to stop it
-            log.info("stop requested before the tasks started; none started")
+            log.info("daemon.start_skipped", reason="stop requested before the tasks started; none started")
             return
         try:
             await self.host.call(self.host.migrate)
         except Exception as e:  # no task could work without kafold's tables: fail fast
-            log.error("migrations failed; stopping the daemon (exit 1)", error_class=type(e).__name__, error=str(e))
+            log.error("daemon.migrations_failed", error_class=type(e).__name__, error=str(e),
+                      hint="stopping the daemon (exit 1)")
             self.host.exit_code = 1
             self.host.request_stop()
             return
@@ -410,20 +413,21 @@ class TasksService(mode.Service):
             slot.start()
         for agg in self.host.aggregates.values():
             agg.start()
-        log.info("daemon started", connectors=[g.name for g in self.host.groups], tasks=len(self.host.slots),
+        log.info("daemon.started", connectors=[g.name for g in self.host.groups], tasks=len(self.host.slots),
                  aggregates=list(self.host.aggregates), http=self.host.worker_id
                  if self.host.cfg.daemon.http_port else None)
         if not self.host.slots and not self.host.aggregates:
-            log.warning("no connectors or aggregates configured; serving HTTP only")
+            log.warning("daemon.http_only", reason="no connectors or aggregates configured; serving HTTP only")
         try:  # SIGHUP reloads the connectors (systemd: ExecReload); only possible on the main thread's loop
             asyncio.get_running_loop().add_signal_handler(
                 signal.SIGHUP, lambda: self.host.background(self.host.reload_logged))
         except (RuntimeError, ValueError, NotImplementedError):
-            log.debug("SIGHUP reload not available (not the main thread); POST /reload still is")
+            log.debug("daemon.sighup_reload_unavailable", reason="not the main thread", hint="POST /reload still is")
         d = self.host.cfg.daemon
         if d.http_port and self.host.token is None and not _loopback(d.http_host):
-            log.warning("the REST API listens beyond localhost without a token: anyone who can reach it can pause, "
-                        "resume and restart connectors; set [daemon] api_token_file", http_host=d.http_host)
+            log.warning("daemon.api_unprotected", http_host=d.http_host,
+                        reason="the REST API listens beyond localhost without a token: anyone who can reach it "
+                               "can pause, resume and restart connectors", hint="set [daemon] api_token_file")
 
     @mode.Service.task
     async def _watch(self) -> None:
@@ -431,7 +435,7 @@ class TasksService(mode.Service):
         host, notified, last_ping = self.host, False, 0.0
         while not self.should_stop:
             if host.stop_event.is_set() and host.worker is not None:
-                log.info("stop requested", reason="failure" if host.exit_code else "stop event")
+                log.info("daemon.stop_requested", reason="failure" if host.exit_code else "stop event")
                 host.background_stop = asyncio.ensure_future(host.worker.stop())
                 return
             for slot in host.slots:
@@ -476,11 +480,12 @@ class TasksService(mode.Service):
             try:
                 g.connector.stop()
             except Exception as e:
-                log.error("connector stop failed", connector=g.name, error=str(e))
+                log.error("daemon.connector_stop_failed", connector=g.name, error=str(e))
         failed = [w.name for w in workers if w.failed]
         if stuck:
-            log.error("tasks did not stop within the grace period; exiting anyway", tasks=stuck)
+            log.error("daemon.stop_grace_exceeded", tasks=stuck,
+                      reason="tasks did not stop within the grace period", hint="exiting anyway")
         if failed or stuck:
             host.exit_code = 1
-        log.info("daemon stopped", failed=failed, stuck=stuck, exit_code=host.exit_code,
+        log.info("daemon.stopped", failed=failed, stuck=stuck, exit_code=host.exit_code,
                  stop_s=round(time.monotonic() - started, 2))

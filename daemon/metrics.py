@@ -133,7 +133,7 @@ class _AccountingCollector(Collector):
                 try:
                     accounts = slot.runner.accounts
                 except Exception as e:  # a view must never fail the scrape
-                    log.warning("offset accounting not read", connector=group.name, error=str(e))
+                    log.warning("metrics.offsets_unread", connector=group.name, error=str(e))
                     continue
                 for a in accounts.values():
                     key = [group.name, str(slot.task_id), a.tp.topic, str(a.tp.partition)]
@@ -163,8 +163,8 @@ class ConnectorCollector(Collector):
             for metric in connector.metrics:
                 kept = first.setdefault(metric.name, metric)
                 if (kept.kind, kept.labels) != (metric.kind, metric.labels):
-                    log.warning("connector metric declared twice, differently: the first declaration is kept",
-                                connector=group.name, metric=metric.name)
+                    log.warning("metrics.declared_twice", connector=group.name, metric=metric.name,
+                                hint="declared twice, differently: the first declaration is kept")
                     continue
                 families.setdefault(metric.name, _family(metric))
                 declared[metric.name] = metric
@@ -174,11 +174,11 @@ class ConnectorCollector(Collector):
             try:
                 samples = list(connector.sample_metrics(tasks))
             except Exception as e:  # a plugin's failing metrics must not take the scrape down
-                log.warning("connector metrics not sampled", connector=group.name, error=str(e))
+                log.warning("metrics.sample_failed", connector=group.name, error=str(e))
                 continue
             for name, labels, value in samples:
                 if name not in declared:
-                    log.warning("connector sampled an undeclared metric", connector=group.name, metric=name)
+                    log.warning("metrics.undeclared_sampled", connector=group.name, metric=name)
                     continue
                 families[name].add_metric(list(labels), value)
         yield from families.values()

@@ -254,7 +254,7 @@ class SinkRunner(LoopHandler):
     def loop_started(self) -> None:
         self.task.start(self.task_config, self.context)
         self._subscribe()
-        self.log.info("sink task started", group=self.group_id, topics=list(self.connector.settings.topics))
+        self.log.info("runner.started", group=self.group_id, topics=list(self.connector.settings.topics))
         self.last_poll = time.monotonic()  # before `started`: the start-up's own time is not a stall
         self.started = True
 
@@ -293,10 +293,11 @@ class SinkRunner(LoopHandler):
         """Every error is handled here (the run raises nothing): the task fails, the process goes on."""
         self.failed = True
         if isinstance(error, _Abandoned):
-            self.log.warning("in-flight batch abandoned at shutdown; it will be delivered again", error=str(error))
+            self.log.warning("runner.batch_abandoned", error=str(error), reason="in flight at shutdown",
+                             hint="it will be delivered again")
             return True
         self.error = error  # a task bug is as fatal as a FatalError: stop this task, not the process
-        self.log.error("sink task failed; stopping it (offsets stay at the last successful batch)",
+        self.log.error("runner.failed", hint="stopping the task (offsets stay at the last successful batch)",
                        error_class=type(error).__name__, error=str(error), exc_info=not isinstance(error, FatalError))
         return True
 
@@ -316,7 +317,7 @@ class SinkRunner(LoopHandler):
             return
         before = self.group_watch.current
         if before is None or (before.state, before.join_state) != (state.state, state.join_state):
-            self.log.info("consumer group state", group=self.group_id, group_state=state.state,
+            self.log.info("runner.group_state", group=self.group_id, group_state=state.state,
                           join_state=state.join_state, assignment_size=state.assignment_size,
                           rebalances=state.rebalances, rebalance_reason=state.rebalance_reason)
         self.group_watch.update(state)
@@ -328,18 +329,19 @@ class SinkRunner(LoopHandler):
             return
         now = time.monotonic()
         if watch.wedged(now):
-            self.log.error("group join still pending past the rebalance and session timeouts; leaving the group "
-                           "and joining again with a new consumer", group=self.group_id, **watch.fields(now))
+            self.log.error("runner.group_rejoining", group=self.group_id, **watch.fields(now),
+                           reason="group join still pending past the rebalance and session timeouts",
+                           hint="leaving the group and joining again with a new consumer")
             self._rejoin()
         elif watch.should_warn(now):
-            self.log.warning("group join pending: no partitions assigned yet", group=self.group_id,
+            self.log.warning("runner.group_join_pending", reason="no partitions assigned yet", group=self.group_id,
                              **watch.fields(now))
 
     def _rejoin(self) -> None:
         """Release what this task holds (committed as in a rebalance), close the consumer, subscribe a new one."""
         if self.assigned:
             self._on_revoke(self.consumer, [KafkaTP(tp.topic, tp.partition) for tp in self.assigned])
-        self.loop.resubscribe(self._new_consumer, lambda e: self.log.warning("closing the old consumer failed",
+        self.loop.resubscribe(self._new_consumer, lambda e: self.log.warning("runner.old_consumer_close_failed",
                                                                              error=str(e)))
         self.group_watch.reset()
         self.counts["rejoins"] += 1
@@ -366,7 +368,7 @@ class SinkRunner(LoopHandler):
             err = m.error()
             if err is not None:
                 self.loop.consumer_error(err)  # a fatal one ends the run before this batch is committed
-                self.log.warning("consumer error", error=str(err))
+                self.log.warning("runner.consumer_error", error=str(err))
                 continue
             topic, part, offset = m.topic(), m.partition(), m.offset()
             if part != last_part or topic != last_topic:  # records come in runs per partition
@@ -417,7 +419,7 @@ class SinkRunner(LoopHandler):
         self.counts["skipped"] += skipped
         self.tally.add(counted, dead_at, skipped_at)
         duration = time.monotonic() - started
-        self.log.info("batch", records=len(msgs), put=len(records), dead_lettered=dead, skipped=skipped,
+        self.log.info("runner.batch", records=len(msgs), put=len(records), dead_lettered=dead, skipped=skipped,
                       duration_ms=round(duration * 1000, 1),
                       committed={str(tp): off for tp, off in sorted(committed.items())})
         if self.on_batch is not None:
@@ -431,7 +433,7 @@ class SinkRunner(LoopHandler):
         tps = [KafkaTP(tp.topic, tp.partition) for tp in self.assigned
                if request or (tp not in self.user_paused and not self.backing_off)]
         (self.consumer.pause if request else self.consumer.resume)(tps)
-        self.log.info("paused through the API" if request else "resumed through the API",
+        self.log.info("runner.paused_by_api" if request else "runner.resumed_by_api",
                       partitions=sorted(str(tp) for tp in self.assigned))
 
     def _put(self, records: list[SinkRecord], dead_at: dict[TopicPartition, int]) -> int:
@@ -455,7 +457,7 @@ class SinkRunner(LoopHandler):
                     pending = [r for r in pending if r is not bad]  # the others again: put is idempotent
 
         def warn(e: RetriableError, delay: float) -> None:
-            self.log.warning("put failed; retrying the same batch", error=str(e), retry_in_s=delay)
+            self.log.warning("runner.put_retrying", error=str(e), retry_in_s=delay, hint="retrying the same batch")
 
         def back_off(delay: float) -> None:
             nonlocal pending
@@ -491,7 +493,7 @@ class SinkRunner(LoopHandler):
 
     def _flush_dead_letters(self) -> None:
         def warn(e: RetriableError, delay: float) -> None:
-            self.log.warning("dead-letter topic not acknowledging; retrying", error=str(e))
+            self.log.warning("runner.dlq_retrying", error=str(e), reason="dead-letter topic not acknowledging")
 
         try:
             self._retrying(lambda: self.reporter.flush(timeout=max(1.0, self.daemon.shutdown_grace_s)), warn,
@@ -547,8 +549,8 @@ class SinkRunner(LoopHandler):
                 kafka_clients.commit(self.consumer, offsets)  # a moving member epoch is sent again
                 self.committed.update(chosen)
             except KafkaException as e:  # e.g. a rebalance: the new owner re-reads from the last commit
-                self.log.warning("offset commit failed; records after the last commit will be delivered "
-                                 "again", error=str(e))
+                self.log.warning("runner.commit_failed", error=str(e),
+                                 hint="records after the last commit will be delivered again")
                 return {}
         # Clean only when every position was taken as offered; a task that held some back (work still in
         # flight) gets asked again on the next batch or request.
@@ -577,7 +579,7 @@ class SinkRunner(LoopHandler):
         if self.backing_off or self.api_paused:
             consumer.pause(partitions)
         self.progress.assigned(tps)  # `assignments` is counted by the loop once this returns
-        self.log.info("partitions assigned", partitions=sorted(str(tp) for tp in tps))
+        self.log.info("runner.partitions_assigned", partitions=sorted(str(tp) for tp in tps))
 
     def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
         tps = [tp for tp in (TopicPartition(p.topic, p.partition) for p in partitions) if tp in self.assigned]
@@ -587,12 +589,12 @@ class SinkRunner(LoopHandler):
             try:
                 self._commit(tps)
             except Exception as e:
-                self.log.warning("commit on revoke failed", error=str(e))
+                self.log.warning("runner.revoke_commit_failed", error=str(e))
         self._release(tps)
 
     def _on_lost(self, consumer: Any, partitions: list[Any]) -> None:
         tps = [tp for tp in (TopicPartition(p.topic, p.partition) for p in partitions) if tp in self.assigned]
-        self.log.warning("partitions lost; not committing", partitions=sorted(str(tp) for tp in tps))
+        self.log.warning("runner.partitions_lost", partitions=sorted(str(tp) for tp in tps), hint="not committing")
         self._release(tps)
 
     def _release(self, tps: list[TopicPartition]) -> None:
@@ -607,7 +609,7 @@ class SinkRunner(LoopHandler):
                 self.committed.pop(tp, None)
                 self.event_times.pop(tp, None)
             self.progress.released(tps)
-            self.log.info("partitions released", partitions=sorted(str(tp) for tp in tps))
+            self.log.info("runner.partitions_released", partitions=sorted(str(tp) for tp in tps))
 
     def _unpause(self, tps: list[TopicPartition]) -> None:
         """Lift this consumer's pause of partitions leaving its assignment (called while they are still assigned).
@@ -623,7 +625,7 @@ class SinkRunner(LoopHandler):
         try:
             self.consumer.resume([KafkaTP(tp.topic, tp.partition) for tp in tps])
         except KafkaException as e:  # the partitions go anyway; a later assignment would show the stall
-            self.log.warning("resuming released partitions failed", error=str(e),
+            self.log.warning("runner.released_resume_failed", error=str(e),
                              partitions=sorted(str(tp) for tp in tps))
 
     def loop_stopped(self) -> None:
@@ -632,13 +634,13 @@ class SinkRunner(LoopHandler):
             if self.assigned:
                 self._on_revoke(self.consumer, [KafkaTP(tp.topic, tp.partition) for tp in self.assigned])
         except Exception as e:
-            self.log.error("closing partitions failed", error=str(e))
+            self.log.error("runner.partitions_close_failed", error=str(e))
         for what, close in (("task", self.task.stop), ("consumer", self.consumer.close)):
             try:
                 close()
             except Exception as e:
-                self.log.error(f"stopping the {what} failed", error=str(e))
+                self.log.error(f"runner.{what}_stop_failed", error=str(e))
         if self._owns_reporter and isinstance(self.reporter, DeadLetterWriter):
             self.reporter.close()
         self.stopped = True
-        self.log.info("sink task stopped", failed=self.failed, **self.counts)
+        self.log.info("runner.stopped", failed=self.failed, **self.counts)

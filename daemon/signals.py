@@ -23,7 +23,7 @@ def catch_early() -> None:
     """Keep SIGTERM/SIGINT from now until the worker's handlers replace these (main thread only)."""
     def keep(signum: int, _frame: Any) -> None:
         if not _received:
-            log.info("stop requested", signal=signal.Signals(signum).name, phase="starting")
+            log.info("daemon.stop_requested", signal=signal.Signals(signum).name, phase="starting")
         _received.append(signal.Signals(signum))
 
     for sig in (signal.SIGTERM, signal.SIGINT):

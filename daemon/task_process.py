@@ -137,7 +137,7 @@ class RemoteRunner:
             self._send(("pause", self._pause))
         if self._stop_event.is_set():
             self._send(("stop",))
-        log.info("task process started", connector=self.connector.name, task=self.task_id, pid=self.pid)
+        log.info("task.process_started", connector=self.connector.name, task=self.task_id, pid=self.pid)
         final = False
         try:
             while True:
@@ -155,7 +155,7 @@ class RemoteRunner:
             self.failed = True
             self.error = TaskProcessError(f"task process {self.pid} exited with code {process.returncode}",
                                           f"task process exited with code {process.returncode}")
-            log.error("task process died", connector=self.connector.name, task=self.task_id, pid=self.pid,
+            log.error("task.process_died", connector=self.connector.name, task=self.task_id, pid=self.pid,
                       exitcode=process.returncode)
         self.stopped = True
 

@@ -122,7 +122,7 @@ class TaskSlot:
         if runner is self.runner and self.on_exit is not None:
             self.on_exit(self)  # the host logs it and fails fast
         else:
-            log.error("sink task runner stopped by itself", task=self.name, state=runner.state,
+            log.error("task.runner_stopped_by_itself", task=self.name, state=runner.state,
                       error=str(runner.error) if runner.error is not None else None)
 
     @property
@@ -152,7 +152,7 @@ class TaskSlot:
             return False
         if now - self._stall_logged >= POLL_STALL_WARN_S:
             self._stall_logged = now
-            log.warning("sink task not polling its consumer", task=self.name, since_s=round(now - r.last_poll, 1),
+            log.warning("task.not_polling", task=self.name, since_s=round(now - r.last_poll, 1),
                         stack=self._stack())
         return True
 
@@ -183,7 +183,7 @@ class TaskSlot:
         """Wait up to `timeout` for the runner `stop_runner` stopped, then start a fresh one (paused if `paused`);
         False, keeping the old one, when it did not end in time or the slot is stopping."""
         if not self.join(timeout):
-            log.error("task did not stop for the restart; it keeps its runner", task=self.name)
+            log.error("task.restart_not_stopped", task=self.name, hint="it keeps its runner")
             return False
         with self._lock:
             if self.stopping:  # the daemon is stopping: no fresh runner
@@ -192,7 +192,7 @@ class TaskSlot:
             if paused:
                 self.runner.request_pause(True)
         self.start()
-        log.info("task restarted", task=self.name, paused=paused)
+        log.info("task.restarted", task=self.name, paused=paused)
         return True
 
 
@@ -267,7 +267,7 @@ class Control:
                 with self.lock:
                     result = op()
             except BaseException as e:  # the caller gets it; the calls queued behind still run
-                log.error("connector control call failed", connector=self.name, call=what,
+                log.error("connector.control_failed", connector=self.name, call=what,
                           error_class=type(e).__name__, error=str(e))
                 future.set_exception(e)
             else:
@@ -319,12 +319,12 @@ class ConnectorGroup:
     def _pause(self, paused: bool) -> None:
         group = self.current()
         if group is None:
-            log.warning("connector pause or resume not applied: a reload removed the connector", connector=self.name)
+            log.warning("connector.pause_not_applied", connector=self.name, reason="a reload removed the connector")
             return
         group.paused = paused
         for s in group.slots:
             s.runner.request_pause(paused)
-        log.info("connector paused" if paused else "connector resumed", connector=group.name)
+        log.info("connector.paused" if paused else "connector.resumed", connector=group.name)
 
     def restart(self, slots: list[TaskSlot], timeout: float) -> Future[bool]:
         """Queue a restart of `slots` (each stopped, joined, started afresh); shown RESTARTING meanwhile. The
@@ -337,7 +337,7 @@ class ConnectorGroup:
         try:
             group = self.current()
             if group is not self:  # a reload restarted (or removed) the connector meanwhile: done already
-                log.info("connector restart skipped: a reload replaced its tasks", connector=self.name)
+                log.info("connector.restart_skipped", connector=self.name, reason="a reload replaced its tasks")
                 return group is not None
             for s in slots:  # all stop together: one rebalance, not one per task
                 s.stop_runner()
@@ -386,7 +386,7 @@ class AggregateSlot:
             self.runtime.run()
         except Exception as e:
             self.error = e
-            log.error("aggregate runtime failed", aggregate=self.name, error_class=type(e).__name__, error=str(e),
+            log.error("aggregate.runtime_failed", aggregate=self.name, error_class=type(e).__name__, error=str(e),
                       exc_info=True)
         if self.on_exit is not None:
             self.on_exit(self)

@@ -100,10 +100,10 @@ class Circuit:
             self.changes += 1
             fields = {"connector": self.connector, "endpoint": self.endpoint, "state": state, **extra}
             if state == OPEN:
-                log.warning("circuit opened: most requests to the endpoint fail transiently; probing",
-                            window=self.window, **fields)
+                log.warning("circuit.opened", window=self.window, **fields,
+                            reason="most requests to the endpoint fail transiently", hint="probing")
             else:
-                log.info("circuit closed: the endpoint answers again; waiting keys resume", probes=self.probes,
-                         **fields)
+                log.info("circuit.closed", probes=self.probes, **fields, reason="the endpoint answers again",
+                         hint="waiting keys resume")
             if self.on_change is not None:
                 self.on_change(state)

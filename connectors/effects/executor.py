@@ -38,7 +38,7 @@ from kafold import logs, tracing
 from kafold.connectors.api import Outcomes, SinkRecord, TopicPartition
 from kafold.connectors.effects.circuit import CLOSED, Circuit
 from kafold.connectors.effects.drivers import Effect
-from kafold.connectors.effects.ledger import Ledger, Outcome, Parking, now
+from kafold.connectors.effects.ledger import DeliveryStatus, Ledger, LedgerUpdate, Parking, now
 from kafold.connectors.effects.policy import RetriableEffectError, RetryPolicy, describe, retriable
 from kafold.connectors.effects.tracker import OffsetTracker
 from kafold.envelope import Event
@@ -64,7 +64,7 @@ class Item:
 @dataclass(slots=True)
 class Attempted:
     ok: bool
-    outcome: Outcome
+    outcome: LedgerUpdate
     error: BaseException | None = None
 
 
@@ -140,7 +140,7 @@ class Executor:
         try:
             fut.result(timeout)
         except Exception as e:
-            log.warning("effects executor did not stop cleanly", connector=self.name, error=str(e))
+            log.warning("effects.executor_stop_failed", connector=self.name, error=str(e))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
 
@@ -180,7 +180,7 @@ class Executor:
         self._tasks.discard(task)
         error = None if task.cancelled() else task.exception()
         if error is not None:
-            log.error("effects executor task failed", connector=self.name, error=describe(error))
+            log.error("effects.executor_task_failed", connector=self.name, error=describe(error))
 
     async def _shutdown(self) -> None:
         for task in list(self._tasks):
@@ -210,7 +210,7 @@ class Executor:
         """Which of `ids` the ledger has finished. PostgreSQL away (restarting): wait and ask again, however long
         it takes; nothing runs before the ledger answers."""
         def warn(e: Exception, delay: float) -> None:
-            log.warning("reading the delivery ledger failed; retrying", connector=self.name, error=describe(e),
+            log.warning("effects.ledger_read_retrying", connector=self.name, error=describe(e),
                         retry_in_s=delay)
 
         return await retrying_async(lambda: asyncio.to_thread(self.ledger.finished_ids, ids), within_s=float("inf"),
@@ -250,7 +250,7 @@ class Executor:
                 st.parked = True
                 self._park(item, head=True, error=result.outcome.error or "failed", exc=result.error,
                            outcome=result.outcome)
-                log.warning("key parked", connector=self.name, key=key, topic=item.record.topic,
+                log.warning("effects.key_parked", connector=self.name, key=key, topic=item.record.topic,
                             partition=item.record.partition, offset=item.record.offset,
                             event_id=item.record.event.event_id, attempts=item.attempts, error=result.outcome.error)
                 while st.queue:
@@ -273,8 +273,8 @@ class Executor:
                 item.first_at = item.first_at or at
                 error = (f"endpoint {self.circuit.endpoint} unavailable (circuit open) past max_age_s "
                          f"({self.policy.max_age_s:g}s)")
-                return Attempted(False, Outcome(item.record, "parked", 0, item.first_at, at, None, error),
-                                 RetriableEffectError(error))
+                return Attempted(False, LedgerUpdate(item.record, DeliveryStatus.PARKED, 0, item.first_at, at, None,
+                                                     error), RetriableEffectError(error))
             at = now()
             item.first_at = item.first_at or at
             t0 = time.perf_counter()
@@ -295,8 +295,8 @@ class Executor:
                 self.counts["failed_attempts"] += 1
                 latency = (time.perf_counter() - t0) * 1000
                 wait = self.policy.next_delay(item.attempts, time.monotonic() - item.started, e, self.rng)
-                status = "retrying" if wait is not None else "parked"
-                outcome = Outcome(item.record, status, 1, item.first_at, at, latency, describe(e))
+                status = DeliveryStatus.RETRYING if wait is not None else DeliveryStatus.PARKED
+                outcome = LedgerUpdate(item.record, status, 1, item.first_at, at, latency, describe(e))
                 if wait is None:
                     return Attempted(False, outcome, e)
                 self.ledger.outcome(outcome)
@@ -306,7 +306,8 @@ class Executor:
             self.circuit.record(False, probe=probe)
             item.attempts += 1
             latency = (time.perf_counter() - t0) * 1000
-            return Attempted(True, Outcome(item.record, "succeeded", 1, item.first_at, at, latency, None, now()))
+            return Attempted(True, LedgerUpdate(item.record, DeliveryStatus.SUCCEEDED, 1, item.first_at, at, latency,
+                                                None, now()))
 
     async def _run_traced(self, tracer: Any, item: Item) -> None:
         """The effect in a span, child of its record's trace context (noted by the runner); a webhook request
@@ -336,10 +337,10 @@ class Executor:
             return dict(self._outcomes)
 
     def _park(self, item: Item, *, head: bool, error: str, exc: BaseException | None = None,
-              outcome: Outcome | None = None) -> None:
+              outcome: LedgerUpdate | None = None) -> None:
         self.counts["parked"] += 1
-        o = outcome or Outcome(item.record, "parked", 0, None, None, None, error)
-        o.status, o.completed_at = "parked", now()
+        o = outcome or LedgerUpdate(item.record, DeliveryStatus.PARKED, 0, None, None, None, error)
+        o.status, o.completed_at = DeliveryStatus.PARKED, now()
         self.ledger.outcome(o)
         self.ledger.park(Parking(item.record, head, error, lambda: self._complete(item, DEAD_LETTERED), exc))
 
@@ -374,13 +375,13 @@ class Executor:
                 scheduled = time.monotonic()
                 keys = [k for k, st in self.keys.items() if st.parked and not st.releasing]
                 if keys:
-                    log.info("scheduled retry of parked keys", connector=self.name, keys=len(keys))
+                    log.info("effects.parked_retry_scheduled", connector=self.name, keys=len(keys))
                 for key in keys:
                     self._release_key(key, skip=False)
             try:
                 requests = await asyncio.to_thread(self.ledger.requests)
             except Exception as e:
-                log.warning("reading parked-key requests failed", connector=self.name, error=describe(e))
+                log.warning("effects.park_requests_unread", connector=self.name, error=describe(e))
                 continue
             for key, action in requests:
                 self._release_key(key, skip=action == "skip")
@@ -407,13 +408,14 @@ class Executor:
                 st.arrivals = 0
                 rows = await asyncio.to_thread(self.ledger.parked_events, key)
                 if skip and rows:
-                    await asyncio.to_thread(self.ledger.settle, key, rows[0][0], "skipped", None)
-                    log.info("parked head skipped", connector=self.name, key=key, event_id=rows[0][0])
+                    await asyncio.to_thread(self.ledger.settle, key, rows[0][0], DeliveryStatus.SKIPPED,
+                                            None)
+                    log.info("effects.parked_head_skipped", connector=self.name, key=key, event_id=rows[0][0])
                     rows, skip = rows[1:], False
                 if not rows and st.arrivals == 0:
                     st.parked = False  # from here on, new events of the key run normally
                     await asyncio.to_thread(self.ledger.unpark, key)
-                    log.info("parked key released", connector=self.name, key=key, events=released)
+                    log.info("effects.key_released", connector=self.name, key=key, events=released)
                     return
                 for event_id, topic, partition, offset, body in rows:
                     event = Event(**orjson.loads(body))
@@ -422,10 +424,11 @@ class Executor:
                     if not result.ok:
                         await asyncio.to_thread(self.ledger.repark, key, event_id, result.outcome.error or "failed",
                                                 result.outcome)
-                        log.warning("released key parked again", connector=self.name, key=key, event_id=event_id,
+                        log.warning("effects.key_parked_again", connector=self.name, key=key, event_id=event_id,
                                     error=result.outcome.error)
                         return
-                    await asyncio.to_thread(self.ledger.settle, key, event_id, "succeeded", result.outcome)
+                    await asyncio.to_thread(self.ledger.settle, key, event_id, DeliveryStatus.SUCCEEDED,
+                                            result.outcome)
                     released += 1
                     self.counts["released"] += 1
         finally:

@@ -25,6 +25,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 import orjson
@@ -56,12 +57,21 @@ def table(schema: str, name: str) -> sql.Composed:
     return sql.SQL("{}.{}").format(sql.Identifier(schema), sql.Identifier(name))
 
 
+class DeliveryStatus(StrEnum):
+    """An event's delivery state in the ledger (the values are stored in effect_ledger.status)."""
+
+    RETRYING = "retrying"
+    SUCCEEDED = "succeeded"
+    PARKED = "parked"
+    SKIPPED = "skipped"
+
+
 @dataclass(slots=True)
-class Outcome:
+class LedgerUpdate:
     """One ledger update for an event: `attempts` is how many attempts this update adds."""
 
     record: SinkRecord
-    status: str  # retrying | succeeded | parked | skipped
+    status: DeliveryStatus
     attempts: int
     first_attempt_at: datetime | None
     last_attempt_at: datetime | None
@@ -125,7 +135,7 @@ class Ledger:
         self._thread.start()
 
     # ---- writes (any thread) ------------------------------------------------------------------------------
-    def outcome(self, row: Outcome) -> None:
+    def outcome(self, row: LedgerUpdate) -> None:
         self._queue.put(row)
 
     def park(self, item: Parking) -> None:
@@ -169,7 +179,7 @@ class Ledger:
             self._write(self._conn, batch)
 
         def warn(e: Exception, delay: float) -> None:
-            log.warning("ledger write failed; retrying", connector=self.connector, error=str(e), retry_in_s=delay)
+            log.warning("ledger.write_retrying", connector=self.connector, error=str(e), retry_in_s=delay)
             self._disconnect()
 
         grace = STOP_GRACE_S if self._stop_at is None else max(0.0, self._stop_at + STOP_GRACE_S - time.monotonic())
@@ -178,7 +188,7 @@ class Ledger:
                      errors=(psycopg.Error, RetriableError))
         except (psycopg.Error, RetriableError) as e:
             self._disconnect()
-            log.error("ledger rows dropped at shutdown (their offsets were not committed)",
+            log.error("ledger.rows_dropped", hint="their offsets were not committed",
                       connector=self.connector, rows=len(batch), error=str(e))
 
     def _disconnect(self) -> None:
@@ -212,7 +222,7 @@ class Ledger:
         failures: list[tuple[Any, ...]] = []
         parkings = [i for i in batch if isinstance(i, Parking)]
         for item in batch:
-            if isinstance(item, Outcome):
+            if isinstance(item, LedgerUpdate):
                 self._merge(outcomes, item, failures)
         heads = [p for p in parkings if p.head and not p.reported]
         if heads and self.reporter is not None:
@@ -231,9 +241,9 @@ class Ledger:
             if parkings:
                 self._insert_parked(cur, parkings)
 
-    def _merge(self, out: dict[str, list[Any]], o: Outcome, failures: list[tuple[Any, ...]]) -> None:
+    def _merge(self, out: dict[str, list[Any]], o: LedgerUpdate, failures: list[tuple[Any, ...]]) -> None:
         r = o.record
-        if o.status == "retrying" or (o.status == "parked" and o.attempts):
+        if o.status == DeliveryStatus.RETRYING or (o.status == DeliveryStatus.PARKED and o.attempts):
             failures.append((self.connector, pg_text(r.event.event_id), o.last_attempt_at, o.latency_ms, "failed",
                              _text(o.error)))
         row = out.get(r.event.event_id)
@@ -323,8 +333,8 @@ class Ledger:
             return set()
         stored = {pg_text(i): i for i in event_ids}
         rows = self._read(sql.SQL(
-            "SELECT event_id FROM {} WHERE connector = %s AND event_id = ANY(%s) AND status <> 'retrying'").format(
-            table(self.schema, "effect_ledger")), (self.connector, list(stored)))
+            "SELECT event_id FROM {} WHERE connector = %s AND event_id = ANY(%s) AND status <> %s").format(
+            table(self.schema, "effect_ledger")), (self.connector, list(stored), DeliveryStatus.RETRYING))
         return {stored[r[0]] for r in rows}
 
     def parked_keys(self) -> list[tuple[str, str, int]]:
@@ -347,7 +357,7 @@ class Ledger:
             table(self.schema, "effect_parked")), (self.connector, key))
         return [(r[0], r[1], r[2], r[3], parked_body(r[4])) for r in rows]
 
-    def settle(self, key: str, event_id: str, status: str, outcome: Outcome | None) -> None:
+    def settle(self, key: str, event_id: str, status: DeliveryStatus, outcome: LedgerUpdate | None) -> None:
         """A parked event left the queue (`succeeded` or `skipped`): ledger updated, parked row deleted."""
         with self._reading(transaction=True) as cur:
             cur.execute(sql.SQL("DELETE FROM {} WHERE connector = %s AND event_id = %s").format(
@@ -360,7 +370,7 @@ class Ledger:
                 (status, o.attempts if o else 0, o.last_attempt_at if o else None, now(),
                  o.latency_ms if o else None, self.connector, event_id))
 
-    def repark(self, key: str, event_id: str, error: str, outcome: Outcome) -> None:
+    def repark(self, key: str, event_id: str, error: str, outcome: LedgerUpdate) -> None:
         """A released event failed again: it becomes the key's head again; the request is answered."""
         with self._reading(transaction=True) as cur:
             cur.execute(sql.SQL("UPDATE {} SET head = true, error = %s WHERE connector = %s AND event_id = %s").format(
@@ -368,10 +378,11 @@ class Ledger:
             cur.execute(sql.SQL("UPDATE {} SET head_event_id = %s, error = %s, requested_action = NULL, "
                                 "requested_at = NULL WHERE connector = %s AND key = %s").format(
                 table(self.schema, "effect_parked_keys")), (event_id, pg_text(error), self.connector, key))
-            cur.execute(sql.SQL("UPDATE {} SET status = 'parked', attempts = attempts + %s, last_attempt_at = %s, "
+            cur.execute(sql.SQL("UPDATE {} SET status = %s, attempts = attempts + %s, last_attempt_at = %s, "
                                 "last_error = %s WHERE connector = %s AND event_id = %s").format(
                 table(self.schema, "effect_ledger")),
-                (outcome.attempts, outcome.last_attempt_at, pg_text(error), self.connector, event_id))
+                (DeliveryStatus.PARKED, outcome.attempts, outcome.last_attempt_at, pg_text(error), self.connector,
+                 event_id))
 
     def unpark(self, key: str) -> None:
         self._read(sql.SQL("DELETE FROM {} WHERE connector = %s AND key = %s").format(

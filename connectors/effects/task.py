@@ -79,7 +79,7 @@ class EffectSinkTask(SinkTask):
             # having migrated first, which a fast group join (real Kafka: no initial rebalance delay) outruns.
             # Under the daemon the flag is cleared: the daemon migrated before starting any task.
             def warn(e: RetriableError, delay: float) -> None:
-                log.warning("PostgreSQL not available; retrying", step="migrate", connector=self.name,
+                log.warning("effects.postgres_retrying", step="migrate", connector=self.name,
                             error=str(e), retry_in_s=delay)
 
             retrying(lambda: db.upgrade(pg), within_s=OPEN_RETRY_S, on_retry=warn)
@@ -101,7 +101,7 @@ class EffectSinkTask(SinkTask):
         self._counter = itertools.count(1)
         self.completions = self.acknowledged = 0  # completions counted / seen by the latest pre_commit
         self.log = log.bind(connector=self.name, task=context.task_id, delivery=c.delivery)
-        self.log.info("effect task started", effect=type(self.config).__name__)
+        self.log.info("effects.task_started", effect=type(self.config).__name__)
 
     def _progress(self) -> None:
         """Any thread: ask the runner for a pre_commit/commit cycle (it runs on an idle poll)."""
@@ -141,7 +141,8 @@ class EffectSinkTask(SinkTask):
             if todo:
                 self.context.pause(*todo)
                 self.paused |= todo
-                self.log.info("fetching paused: too many effects in flight", in_flight=self.tracker.in_flight)
+                self.log.info("effects.fetch_paused", in_flight=self.tracker.in_flight,
+                              reason="too many effects in flight")
 
     def _release_committed(self) -> None:
         """at-most-once: records whose commit the runner has performed since the last call may now run; those
@@ -162,7 +163,7 @@ class EffectSinkTask(SinkTask):
         self._release_committed()
         if self.paused and self.tracker.in_flight < self.config.max_in_flight // 2:
             self.context.resume(*self.paused)
-            self.log.info("fetching resumed", in_flight=self.tracker.in_flight)
+            self.log.info("effects.fetch_resumed", in_flight=self.tracker.in_flight)
             self.paused.clear()
         if self.at_most_once:
             covered = {tp: off for tp, off in offsets.items()}
@@ -189,7 +190,7 @@ class EffectSinkTask(SinkTask):
     def open(self, partitions: Collection[TopicPartition]) -> None:
         # Parked keys first (their later events must queue behind them); PostgreSQL may be restarting.
         def warn(e: RetriableError, delay: float) -> None:
-            self.log.warning("reading parked keys failed; retrying", error=str(e), retry_in_s=delay)
+            self.log.warning("effects.parked_keys_retrying", error=str(e), retry_in_s=delay)
 
         parked = retrying(self.ledger.parked_keys, within_s=OPEN_RETRY_S, on_retry=warn)
         self.executor.open(list(partitions), parked)
@@ -211,7 +212,7 @@ class EffectSinkTask(SinkTask):
             if part is not None:
                 part.close()
         if executor is not None:
-            self.log.info("effect task stopped", **executor.counts)
+            self.log.info("effects.task_stopped", **executor.counts)
 
 
 def _storable_key(record: SinkRecord) -> SinkRecord:

@@ -54,7 +54,7 @@ class ProjectionConnector(Connector[ProjectionConfig]):
             progress = rebuild_state.progress(pgc, self.name)
             holding = held_keys(pgc, self.name).get(self.name, 0)
         except Exception as e:  # PostgreSQL away: the scrape still answers, without these gauges
-            log.debug("rebuild progress not readable", connector=self.name, error=str(e))
+            log.debug("projection.rebuild_progress_unread", connector=self.name, error=str(e))
             return []
         phase, covered, behind = progress if progress is not None else ("never", 0, 0)
         labels = (self.name,)

@@ -16,6 +16,7 @@ held, in order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import psycopg
@@ -37,18 +38,29 @@ from kafold.upcast import NONE, Upcaster
 COLUMNS = 'id, connector, topic, partition, "offset", key, value, headers, status, hold_key'
 
 
+class Disposition(StrEnum):
+    """What became of a dead letter that was replayed or discarded."""
+
+    APPLIED = "applied"
+    HELD = "held"  # not applied: it waits behind its row key's head
+    STALE = "stale"
+    DUPLICATE = "duplicate"
+    REFUSED = "refused"
+    DISCARDED = "discarded"
+
+
 @dataclass
-class Outcome:
+class DeadLetterAction:
     """What a replay or a discard did to one dead letter."""
 
     id: int
     where: str  # topic[partition]@offset
-    what: str  # applied | held | stale | duplicate | refused | discarded
+    what: Disposition
     detail: str
 
     @property
     def applied(self) -> bool:
-        return self.what == "applied"
+        return self.what == Disposition.APPLIED
 
     def line(self) -> str:
         return f"#{self.id} {self.where}: {self.detail}"
@@ -114,7 +126,7 @@ class Release:
             self._dead), (status, status, error, dead_id))
 
     # ---- actions ------------------------------------------------------------------------------------------
-    def replay(self, dead_id: int, value: bytes | None = None) -> list[Outcome]:
+    def replay(self, dead_id: int, value: bytes | None = None) -> list[DeadLetterAction]:
         """Apply dead letter `dead_id` (with `value` instead of its own, if given); if it held its row key back,
         then the events held behind it, in order."""
         r = self._one("id = %s", (dead_id,))
@@ -123,9 +135,9 @@ class Release:
         if r["status"] == "held":
             head = self._head(r["hold_key"])
             behind = f"dead letter #{head['id']} ({self._where(head)})" if head else "an earlier dead letter"
-            return [Outcome(dead_id, self._where(r), "held",
-                            f"held behind {behind} of row key {r['hold_key']}: replay or discard that one first "
-                            "(this one follows it)")]
+            return [DeadLetterAction(dead_id, self._where(r), Disposition.HELD,
+                                     f"held behind {behind} of row key {r['hold_key']}: replay or discard that one "
+                                     "first (this one follows it)")]
         if value is not None:
             r["value"] = value
         heads = r["status"] == "new" and r["hold_key"] is not None
@@ -135,7 +147,7 @@ class Release:
             out += self._release(r["hold_key"])
         return out
 
-    def discard(self, dead_id: int) -> list[Outcome]:
+    def discard(self, dead_id: int) -> list[DeadLetterAction]:
         """Mark dead letter `dead_id` discarded (never applied); if it held its row key back, apply the events
         held behind it, in order."""
         r = self._one("id = %s", (dead_id,))
@@ -145,16 +157,16 @@ class Release:
         with db.transaction(conn):
             self._set(conn, dead_id, "discarded")
         if r["status"] == "held":
-            return [Outcome(dead_id, self._where(r), "discarded", f"discarded: it will not be applied when row key "
-                            f"{r['hold_key']} is released")]
-        out = [Outcome(dead_id, self._where(r), "discarded", "discarded (not applied)")]
+            return [DeadLetterAction(dead_id, self._where(r), Disposition.DISCARDED,
+                                     f"discarded: it will not be applied when row key {r['hold_key']} is released")]
+        out = [DeadLetterAction(dead_id, self._where(r), Disposition.DISCARDED, "discarded (not applied)")]
         if r["status"] == "new" and r["hold_key"] is not None:
             out += self._release(r["hold_key"])
         return out
 
-    def _release(self, hold_key: str) -> list[Outcome]:
+    def _release(self, hold_key: str) -> list[DeadLetterAction]:
         """Apply the events held behind `hold_key`, oldest first, until none is left or one is refused."""
-        out: list[Outcome] = []
+        out: list[DeadLetterAction] = []
         while True:
             r = self._one("hold_key = %s AND status = 'held'", (hold_key,))
             if r is None:
@@ -163,7 +175,7 @@ class Release:
                 return out
             got = self._apply(r, mark_always=True)
             out.append(got)
-            if got.what == "refused":
+            if got.what == Disposition.REFUSED:
                 conn = self.writer.connection()
                 with db.transaction(conn):
                     self._set(conn, r["id"], "new", got.detail)
@@ -177,7 +189,7 @@ class Release:
             self._dead), (self.name, hold_key)).fetchone()
         return int(row[0]) if row else 0
 
-    def _apply(self, r: dict[str, Any], *, mark_always: bool) -> Outcome:
+    def _apply(self, r: dict[str, Any], *, mark_always: bool) -> DeadLetterAction:
         """One dead letter through the projection, in one transaction with its new status (`replayed` when
         applied; with `mark_always` also when skipped as a duplicate or stale, which ends its hold)."""
         where = self._where(r)
@@ -185,12 +197,12 @@ class Release:
             event = self.intake.event(r["key"], r["value"], stored_headers(r["headers"]), topic=r["topic"],
                                       partition=r["partition"], offset=r["offset"])
         except UnknownTypeError as e:  # "unknown event type 'X'"
-            return Outcome(r["id"], where, "refused",
-                           f"still refused: the projection does not handle {str(e).removeprefix('unknown ')}")
+            return DeadLetterAction(r["id"], where, Disposition.REFUSED,
+                                    f"still refused: the projection does not handle {str(e).removeprefix('unknown ')}")
         except RecordError as e:
-            return Outcome(r["id"], where, "refused", f"still refused: {e}")
+            return DeadLetterAction(r["id"], where, Disposition.REFUSED, f"still refused: {e}")
         if event is None:  # "dead-letter": an unhandled type raises; a converter found no event (a tombstone)
-            return Outcome(r["id"], where, "refused", "still refused: the record carries no event")
+            return DeadLetterAction(r["id"], where, Disposition.REFUSED, "still refused: the record carries no event")
         record = SinkRecord(r["topic"], r["partition"], r["offset"], event.aggregate_id, event)
 
         def refuse(bad: Any) -> None:
@@ -203,22 +215,23 @@ class Release:
         try:
             result = self.writer.write([record], advance=False, report=refuse, hold=False, then=mark)
         except _Refused as e:
-            return Outcome(r["id"], where, "refused", f"still refused: {e}")
+            return DeadLetterAction(r["id"], where, Disposition.REFUSED, f"still refused: {e}")
         return self._outcome(r["id"], where, record, result)
 
-    def _outcome(self, dead_id: int, where: str, record: SinkRecord, result: BatchResult) -> Outcome:
+    def _outcome(self, dead_id: int, where: str, record: SinkRecord, result: BatchResult) -> DeadLetterAction:
         event = record.event
         what = f"{event.type} v{event.version} of {event.aggregate_id}"
         if result.duplicates:
-            return Outcome(dead_id, where, "duplicate", f"{what}: not applied, already applied before (its event id "
-                           "is in the projection's tracking records)")
+            return DeadLetterAction(dead_id, where, Disposition.DUPLICATE, f"{what}: not applied, already applied "
+                                    "before (its event id is in the projection's tracking records)")
         key = self.mapping.key(event)
         row = self.writer.row_of(key)
         version = None if row is None else row.get(VERSION_COLUMN)
         if result.stale:
-            return Outcome(dead_id, where, "stale", f"{what}: skipped as stale: the row is at version {version}, "
-                           f"which already reflects later events; repair the row with `{self.repair}`")
+            return DeadLetterAction(dead_id, where, Disposition.STALE, f"{what}: skipped as stale: the row is at "
+                                    f"version {version}, which already reflects later events; repair the row with "
+                                    f"`{self.repair}`")
         now = "the row is deleted" if row is None else f"the row is at version {version}"
         unordered = "" if self.config.version_guard else " (version_guard = false: applied on top of the row as " \
                                                          "it is, not in version order)"
-        return Outcome(dead_id, where, "applied", f"{what}: applied; {now}{unordered}")
+        return DeadLetterAction(dead_id, where, Disposition.APPLIED, f"{what}: applied; {now}{unordered}")

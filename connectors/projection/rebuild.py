@@ -48,9 +48,11 @@ for a fetch while the live writer waits. Read-ahead messages are applied only on
 them, so the shadow still never goes past the live connector.
 
 The machinery (fold into a scratch table, converge under traffic, act under the lock) is `Rebuild`; `finish` is the
-only step that swaps, so a check that compares instead of swapping overrides it and `_begin`. The copy workers run
-`Rebuild`'s own copy loop into `plan.shadow` under `plan.key`: such a check points them elsewhere through its Plan
-(a subclass travels to the workers as itself).
+only step that swaps, so a job that acts otherwise under the lock overrides it and `_begin`. The jobs that fold into
+scratch tables of their own (verify.py, subject_refresh.py) share their lifecycle in scratch.py (`Scratch`: their
+Plan names their tables and bookkeeping key, and no rebuild_state is written). The copy workers run `Rebuild`'s own
+copy loop into `plan.shadow` under `plan.key`: a Plan subclass travels to the workers as itself. The log events are
+named for the kind of job (`kind`: `rebuild.started`, `refresh.done`).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import psycopg
 from psycopg import sql
@@ -305,6 +307,11 @@ class _CatchUp(LoopHandler):
 class Rebuild:
     """Runs one rebuild to its swap; `stop` (a threading.Event) ends it early, resumable."""
 
+    # The kind of job, naming its log events (`rebuild.started`, `verify.done`): a scratch job runs this machinery
+    # too (scratch.py). `done_event` is logged once the swap transaction committed (`rebuild.swapped`).
+    kind: ClassVar[str] = "rebuild"
+    done_event: ClassVar[str] = "swapped"
+
     def __init__(self, plan: Plan, *, keep_old: bool = False, batch: int = 5000, max_tail: int = 20000,
                  workers: int | None = None, on_progress: Callable[[Progress], None] | None = None,
                  stop: threading.Event | None = None, share: Collection[TopicPartition] | None = None) -> None:
@@ -395,7 +402,7 @@ class Rebuild:
         tune_interpreter()
         resumed = self._begin()
         self.positions = {tp: off for tp, off in self.writer.checkpoints().items()}
-        self.log.info("rebuild resumed" if resumed else "rebuild started", phase=self.phase,
+        self.log.info(f"{self.kind}.resumed" if resumed else f"{self.kind}.started", phase=self.phase,
                       covered=sum(self.positions.values()), workers=self.workers)
         consumer = self._consumer()
 
@@ -406,8 +413,9 @@ class Rebuild:
 
         def again(e: RetriableError, delay: float) -> None:
             self.swap_retries += 1
-            self.log.info("swap not possible yet; catching up and trying again", reason=str(e),
-                          retry_in_s=round(delay, 2), swap_retries=self.swap_retries, max_tail=self.max_tail)
+            # The swap transaction rolled back (see _converge): catching up, then trying again.
+            self.log.info(f"{self.kind}.retrying", reason=str(e), retry_in_s=round(delay, 2),
+                          swap_retries=self.swap_retries, max_tail=self.max_tail)
 
         try:
             for tp in self._partitions(consumer):
@@ -465,7 +473,7 @@ class Rebuild:
         procs = [ctx.Process(target=_copier, name=f"kafold-rebuild-{p.name}-{i}", daemon=True,
                              args=(p, tuple(share), self.batch, self.max_tail, logs.current(), halt, applied[i]))
                  for i, share in enumerate(shares)]
-        self.log.info("copying in worker processes", workers=n,
+        self.log.info(f"{self.kind}.workers_started", workers=n,
                       partitions={i: [str(tp) for tp in share] for i, share in enumerate(shares)})
         before, reported = self.events, self.events
         try:
@@ -514,7 +522,7 @@ class Rebuild:
         if self.phase == "copying" and self.share is None and self._near(targets):  # reads ahead from here on
             self._save("catching-up")
             self._report(0, sum(targets.values()))
-            self.log.info("within --max-tail of the live connector; in the tail phase", behind=self.behind)
+            self.log.info(f"{self.kind}.tail_phase_started", behind=self.behind)
         return targets
 
     def _partitions(self, consumer: Any) -> list[TopicPartition]:
@@ -667,8 +675,7 @@ class Rebuild:
         if consumer is not None and self.assigned:
             _unassign(consumer, self.assigned)
         self.assigned, self.ahead = set(), {}
-        self.log.warning("rebuild writes batch by batch from the stored checkpoints", reason=str(why),
-                         events_again=why.events)
+        self.log.warning(f"{self.kind}.rewound", reason=str(why), events_again=why.events)
 
     def _take(self, msgs: list[Any], targets: dict[TopicPartition, int], records: list[SinkRecord],
               dead: list[DeadLetter], advance: dict[TopicPartition, int], overrun: set[TopicPartition]) -> None:
@@ -781,7 +788,7 @@ class Rebuild:
             self._forget(conn)
         self.behind = 0
         self._report(0, sum(self.positions.values()))
-        self.log.info("rebuild swapped", table=f"{c.schema}.{c.table}", events=self.events,
+        self.log.info(f"{self.kind}.{self.done_event}", table=f"{c.schema}.{c.table}", events=self.events,
                       covered=sum(self.positions.values()), locked_ms=self.locked_ms,
                       lock_wait_ms=round((locked - started) * 1000, 1), tail_under_lock=self.tail,
                       tail_ms=self.tail_ms, finish_ms=self.finish_ms,
@@ -881,5 +888,5 @@ def _copier(plan: Plan, share: tuple[TopicPartition, ...], batch: int, max_tail:
     finally:
         rebuild.stop.set()
         rebuild._close(consumer)
-    rebuild.log.info("copy worker done", partitions=[str(tp) for tp in share], events=rebuild.events,
+    rebuild.log.info(f"{rebuild.kind}.worker_done", partitions=[str(tp) for tp in share], events=rebuild.events,
                      covered=sum(rebuild.positions.values()), stopped=halt.is_set() or os.getppid() != parent)

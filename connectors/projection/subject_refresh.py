@@ -17,7 +17,7 @@ and committed. So the rows replaced hold exactly the events below the live check
 live write is lost or rolled back; the live connector's checkpoints, tracking and dead letters are not touched. A row
 key held behind a dead letter (by the live connector or in the scratch table) is left alone and reported: its live
 row lacks the held events on purpose. The scratch table and its bookkeeping (`<name>:refresh`) are dropped at the
-end, whatever happened.
+end, whatever happened (scratch.py).
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from kafold.connectors.api import SinkRecord
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN
 from kafold.connectors.projection.mapping import Mapping, MappingError
-from kafold.connectors.projection.rebuild import Plan, Progress, Rebuild
+from kafold.connectors.projection.rebuild import Plan, Progress
+from kafold.connectors.projection.scratch import Scratch, ScratchPlan
 from kafold.connectors.projection.writer import DeadLetter, hold_text
 from kafold.errors import ConfigError, FatalError
 
@@ -48,12 +49,8 @@ def protected_types(mapping: Mapping, protector: protect.Protector) -> list[str]
 
 
 @dataclasses.dataclass(frozen=True)
-class RefreshPlan(Plan):
+class RefreshPlan(ScratchPlan):
     """A rebuild's Plan pointed at the refresh's scratch table and bookkeeping key."""
-
-    @classmethod
-    def of(cls, plan: Plan) -> RefreshPlan:
-        return cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)})
 
     @property
     def shadow(self) -> str:
@@ -78,8 +75,12 @@ class Refreshed:
     held: int = 0
 
 
-class Refresh(Rebuild):
+class Refresh(Scratch):
     """Runs one refresh of one subject's rows; `stop` ends it early (nothing replaced)."""
+
+    kind = "refresh"
+    done_event = "done"  # the swap transaction committed, with the rows replaced (`refresh.rows_replaced`)
+    plan_type = RefreshPlan
 
     def __init__(self, plan: Plan, subject: str, *, batch: int = 5000,
                  on_progress: Callable[[Progress], None] | None = None, stop: threading.Event | None = None) -> None:
@@ -91,17 +92,13 @@ class Refresh(Rebuild):
             raise ConfigError([f"connectors: {plan.name!r}: none of the event types it projects has protect rules "
                                f"(protected: {', '.join(sorted({t for _, t in protector.rules}))}), so no row holds "
                                "a subject's protected fields (nothing to refresh)"])
-        # One process: the keys of the subject's rows are noted as the records are read (see _record).
-        super().__init__(RefreshPlan.of(plan), batch=batch, workers=1, on_progress=on_progress, stop=stop)
+        # One process (see Scratch): the keys of the subject's rows are noted as the records are read (see _record).
+        super().__init__(plan, batch=batch, on_progress=on_progress, stop=stop)
         self.subject, self.protector = subject, protector
         self.touched: set[tuple[Any, ...]] = set()  # row keys of the subject's events
         self.result = Refreshed(plan.name, subject)
-        self.guard: psycopg.Connection[Any] | None = None
 
-    # The rebuild's hooks: no rebuild_state (a rebuild may be in progress), a scratch table of its own.
-    def _save(self, phase: str, conn: psycopg.Connection[Any] | None = None) -> None:
-        self.phase = phase
-
+    # The rebuild's hooks: a scratch table of its own.
     def _begin(self) -> bool:
         p, c = self.plan, self.plan.config
         with db.connect(p.pgc) as conn, conn.transaction():
@@ -112,20 +109,6 @@ class Refresh(Rebuild):
             self._drop(conn)
             conn.execute(q.create_table(c.schema, p.shadow, c.columns, c.key_columns, VERSION_COLUMN))
         return False
-
-    def _drop(self, conn: psycopg.Connection[Any]) -> None:
-        c = self.plan.config
-        conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(q.qualified(c.schema, self.plan.shadow)))
-        self._forget(conn)
-
-    def _lock(self) -> None:
-        """One refresh of a projection at a time (its scratch table has a fixed name): a session's advisory lock."""
-        self.guard = db.connect(self.plan.pgc)
-        got = self.guard.execute("SELECT pg_try_advisory_lock(hashtext(%s))",
-                                 (f"kafold.refresh:{self.plan.name}",)).fetchone()
-        if not got or not got[0]:
-            self.guard.close()
-            raise FatalError(f"a refresh of {self.plan.name!r} is already running")
 
     def _record(self, m: Any, dead: list[DeadLetter], topic: str, part: int, off: int) -> SinkRecord | None:
         record = super()._record(m, dead, topic, part, off)
@@ -148,20 +131,12 @@ class Refresh(Rebuild):
 
     def run(self) -> Refreshed:  # type: ignore[override]
         """Fold, converge under the lock, replace the subject's rows; the scratch table is dropped in every case."""
-        self._lock()
-        try:
+        with self._scratch():
             progress = super().run()
-            self.result.events = progress.events
-            self.result.completed = progress.phase == "swapped"
-            self.result.keys = len(self.touched) + self.result.held
-            return self.result
-        finally:
-            try:
-                with db.connect(self.plan.pgc) as conn, conn.transaction():
-                    self._drop(conn)
-            finally:
-                if self.guard is not None:
-                    self.guard.close()
+        self.result.events = progress.events
+        self.result.completed = progress.phase == "swapped"
+        self.result.keys = len(self.touched) + self.result.held
+        return self.result
 
     def finish(self, conn: psycopg.Connection[Any], live_exists: bool) -> None:
         """Under the lock, with the scratch table equal to the live checkpoints: the subject's rows replaced."""
@@ -205,4 +180,4 @@ class Refresh(Rebuild):
                                                                   for col in cols),
             scratch=scratch, on_s=on_s, keys=q.ids(keys), updates=updates)).rowcount
         self.result.rows = deleted + upserted
-        self.log.info("refresh replaced rows", subject_keys=len(self.touched), upserted=upserted, deleted=deleted)
+        self.log.info("refresh.rows_replaced", subject_keys=len(self.touched), upserted=upserted, deleted=deleted)

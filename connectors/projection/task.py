@@ -113,11 +113,11 @@ class ProjectionSinkTask(SinkTask):
         self.pipe = WriteAhead(self.name, self._write, self._report)
         tune_interpreter()
         self._retrying("start", lambda: (pgc.migrate_on_start and db.upgrade(pgc), self.writer.connection()))
-        self.log.info("projection task started", namespace=self.writer.namespace)
+        self.log.info("projection.task_started", namespace=self.writer.namespace)
 
     def _retrying(self, what: str, fn: Any) -> Any:
         def warn(e: RetriableError, delay: float) -> None:
-            self.log.warning("PostgreSQL not available; retrying", step=what, error=str(e), retry_in_s=delay)
+            self.log.warning("projection.postgres_retrying", step=what, error=str(e), retry_in_s=delay)
 
         try:
             return retrying(fn, within_s=START_RETRY_S, on_retry=warn)
@@ -138,7 +138,7 @@ class ProjectionSinkTask(SinkTask):
             offset = stored.get(tp)
             self.stored[tp] = offset if offset is not None else -1
             self.context.offset(tp, offset if offset is not None else OFFSET_BEGINNING)
-        self.log.info("partitions opened at stored offsets",
+        self.log.info("projection.partitions_opened",
                       offsets={str(tp): stored.get(tp, "beginning") for tp in sorted(partitions)})
 
     def close(self, partitions: Collection[TopicPartition]) -> None:
@@ -189,7 +189,8 @@ class ProjectionSinkTask(SinkTask):
             try:
                 result = self.pipe.run_here(Job([], dead, {**self.hint, **behind}))
             except RetriableError as e:  # returned offsets must be in PostgreSQL: return only those
-                self.log.warning("could not store offsets; committing what PostgreSQL holds", error=str(e))
+                self.log.warning("projection.offsets_store_failed", error=str(e),
+                                 hint="committing what PostgreSQL holds")
                 return self._stored_of(offered)
             del self.pending_dead[:len(dead)]
             self.hint = {}
@@ -213,7 +214,7 @@ class ProjectionSinkTask(SinkTask):
         if error is None:
             self._done(job.future.result(), job.started)
         elif isinstance(error, RetriableError):
-            self.log.warning("batch write failed; redoing it before the next batch", error=str(error))
+            self.log.warning("projection.batch_write_failed", error=str(error), hint="redoing it before the next batch")
             self.failed = job
         else:
             self.fatal = self.fatal or error
@@ -246,7 +247,7 @@ class ProjectionSinkTask(SinkTask):
             for tp, o in result.outcomes().items():
                 merged[tp] = merged.get(tp, Outcomes()) + o
             self._outcomes = merged
-        self.log.info("projection batch", events=result.events, duplicates=result.duplicates, stale=result.stale,
+        self.log.info("projection.batch", events=result.events, duplicates=result.duplicates, stale=result.stale,
                       upserted=result.upserted, deleted=result.deleted, unchanged=result.unchanged,
                       dead_lettered=result.dead_lettered, held=result.held, transactions=result.transactions,
                       duration_ms=elapsed_ms(started))
@@ -255,8 +256,8 @@ class ProjectionSinkTask(SinkTask):
         try:
             self._settle(STOP_WAIT_S)
             if not self.pipe.done():
-                self.log.warning("write still running at stop; cancelling it (it rolls back and is delivered "
-                                 "again)", waited_s=STOP_WAIT_S)
+                self.log.warning("projection.write_cancelled", waited_s=STOP_WAIT_S,
+                                 reason="write still running at stop", hint="it rolls back and is delivered again")
                 conn = self.writer.conn
                 if conn is not None:
                     conn.cancel()
@@ -266,7 +267,7 @@ class ProjectionSinkTask(SinkTask):
             if self.pipe.done():
                 self.writer.close()
         if self.fatal is not None:
-            self.log.error("last batch write failed", error=str(self.fatal))
-        self.log.info("projection task stopped", events=self.totals.events, duplicates=self.totals.duplicates,
+            self.log.error("projection.last_batch_failed", error=str(self.fatal))
+        self.log.info("projection.task_stopped", events=self.totals.events, duplicates=self.totals.duplicates,
                       upserted=self.totals.upserted, deleted=self.totals.deleted,
                       dead_lettered=self.totals.dead_lettered)

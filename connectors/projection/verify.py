@@ -11,7 +11,7 @@ holds) into a second scratch table under its own checkpoint key and tracking nam
 targets fixed at the checkpoints read instead of re-read: partition by partition it applies exactly the offsets
 below them, never past. It is never swapped: the two tables are compared in SQL (a full outer join on the
 projection's key, IS DISTINCT FROM per column) and both are dropped at the end with the fold's bookkeeping,
-whatever happened. Nothing is committed to Kafka; the live table and its bookkeeping are only read.
+whatever happened (scratch.py). Nothing is committed to Kafka; the live table and its bookkeeping are only read.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from kafold import db
 from kafold.connectors.api import TopicPartition
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN
-from kafold.connectors.projection.rebuild import Plan, Progress, Rebuild
+from kafold.connectors.projection.rebuild import Plan, Progress
 from kafold.connectors.projection.rebuild_state import offsets
+from kafold.connectors.projection.scratch import Scratch, ScratchPlan
 from kafold.connectors.projection.task import tune_interpreter
 from kafold.errors import FatalError
 
@@ -38,12 +39,8 @@ __all__ = ["Difference", "Report", "Verify", "VerifyPlan"]
 
 
 @dataclass(frozen=True)
-class VerifyPlan(Plan):
-    """A rebuild's Plan pointed at the verify's scratch table and bookkeeping key."""
-
-    @classmethod
-    def of(cls, plan: Plan) -> VerifyPlan:
-        return cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)})
+class VerifyPlan(ScratchPlan):
+    """A rebuild's Plan pointed at the verify's scratch tables and bookkeeping key."""
 
     @property
     def shadow(self) -> str:
@@ -57,6 +54,10 @@ class VerifyPlan(Plan):
     @property
     def key(self) -> str:
         return f"{self.name}:verify"
+
+    @property
+    def tables(self) -> tuple[str, ...]:
+        return (self.shadow, self.copy)
 
 
 @dataclass(frozen=True)
@@ -98,25 +99,23 @@ class Report:
                 "differences": [dataclasses.asdict(d) for d in self.differences]}
 
 
-class Verify(Rebuild):
+class Verify(Scratch):
     """Runs one verify: snapshot, fold up to it, compare, drop; `stop` ends it early (nothing compared)."""
+
+    kind = "verify"
+    plan_type = VerifyPlan
 
     def __init__(self, plan: Plan, *, batch: int = 5000, limit: int = 1000,
                  on_progress: Callable[[Progress], None] | None = None, stop: threading.Event | None = None) -> None:
-        # One process: the copy workers would re-read the live checkpoints as their targets (see rebuild.py).
-        super().__init__(VerifyPlan.of(plan), batch=batch, workers=1, on_progress=on_progress, stop=stop)
+        super().__init__(plan, batch=batch, on_progress=on_progress, stop=stop)
         self.limit = limit
         self.fixed: dict[TopicPartition, int] = {}  # the live checkpoints of the snapshot: the targets
         self.columns: list[str] = []  # compared: the configured ones and the version column, as the live table has
-        self.guard: psycopg.Connection[Any] | None = None
 
-    # The rebuild's hooks: fixed targets, no rebuild_state, a scratch table of its own.
+    # The rebuild's hooks: fixed targets, scratch tables of its own.
     def _targets(self) -> dict[TopicPartition, int]:
         self.behind = self._behind(self.fixed)
         return dict(self.fixed)
-
-    def _save(self, phase: str, conn: psycopg.Connection[Any] | None = None) -> None:
-        self.phase = phase
 
     def _begin(self) -> bool:
         """The scratch tables afresh, and the snapshot: the live checkpoints and the live rows, in one snapshot."""
@@ -141,31 +140,14 @@ class Verify(Rebuild):
                     q.qualified(c.schema, p.copy), q.ids(self.columns), live))
         return False
 
-    def _lock(self) -> None:
-        """One verify of a projection at a time (its scratch tables have fixed names): a session's advisory lock."""
-        self.guard = db.connect(self.plan.pgc)
-        got = self.guard.execute("SELECT pg_try_advisory_lock(hashtext(%s))",
-                                 (f"kafold.verify:{self.plan.name}",)).fetchone()
-        if not got or not got[0]:
-            self.guard.close()
-            raise FatalError(f"a verify of {self.plan.name!r} is already running")
-
-    def _drop(self, conn: psycopg.Connection[Any]) -> None:
-        p, c = self.plan, self.plan.config
-        assert isinstance(p, VerifyPlan)
-        for table in (p.shadow, p.copy):
-            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(q.qualified(c.schema, table)))
-        self._forget(conn)
-
     def run(self) -> Report:  # type: ignore[override]
         """Snapshot, fold up to it, compare; the scratch tables and bookkeeping are dropped in every case."""
         p = self.plan
         tune_interpreter()
-        self._lock()
-        try:
+        with self._scratch():
             self._begin()
             report = Report(p.name, f"{p.config.schema}.{p.config.table}", dict(self.fixed))
-            self.log.info("verify started", checkpoints={str(tp): off for tp, off in sorted(self.fixed.items())})
+            self.log.info("verify.started", checkpoints={str(tp): off for tp, off in sorted(self.fixed.items())})
             consumer = self._consumer()
             try:
                 for tp in self._partitions(consumer):
@@ -180,16 +162,9 @@ class Verify(Rebuild):
                 self._report(0, sum(self.fixed.values()))
                 self._compare(report)
                 report.completed = True
-            self.log.info("verify done", completed=report.completed, rows_differing=report.rows_differing,
+            self.log.info("verify.done", completed=report.completed, rows_differing=report.rows_differing,
                           live_rows=report.live_rows, expected_rows=report.expected_rows, events=report.events)
             return report
-        finally:
-            try:
-                with db.connect(p.pgc) as conn, conn.transaction():
-                    self._drop(conn)
-            finally:
-                if self.guard is not None:
-                    self.guard.close()
 
     def _compare(self, report: Report) -> None:
         """The full outer join of the live copy and the expected table on the key; differing rows only."""

@@ -17,7 +17,7 @@ Encoded = tuple[bytes, bytes, Headers]
 
 
 @dataclass
-class Outcome:
+class Handled:
     """What handling a command produced. `error` set = the command is also dead-lettered (a client or domain
     defect, not a business rejection). `state`/`version` are the entry's values after the command. `remember`:
     the outcome to keep in the idempotency window (None for a repeat, which keeps the first)."""
@@ -27,13 +27,13 @@ class Outcome:
     state: Any = None
     version: int = 0
     error: RecordError | None = None
-    remember: window.Outcome | None = None
+    remember: window.Remembered | None = None
     refused: str | None = None  # why the last line of defence answered instead of writing
 
 
 def _reject(cmd: Command, entry: Entry, reason: str, t: int, at: str, error: RecordError | None = None
-            ) -> Outcome:
-    return Outcome(Result(cmd.command_id, cmd.aggregate_id, REJECTED, entry.version, (), reason,
+            ) -> Handled:
+    return Handled(Result(cmd.command_id, cmd.aggregate_id, REJECTED, entry.version, (), reason,
                           cmd.correlation_id, at=at), [], entry.state, entry.version, error,
                    window.rejected(t, entry.version, reason))
 
@@ -41,17 +41,17 @@ def _reject(cmd: Command, entry: Entry, reason: str, t: int, at: str, error: Rec
 event_ids = window.event_ids
 
 
-def repeat(cmd: Command, entry: Entry, seen: window.Outcome, at: str) -> Outcome:
+def repeat(cmd: Command, entry: Entry, seen: window.Remembered, at: str) -> Handled:
     """The first outcome of `cmd.command_id` again, as a duplicate: nothing written, state unchanged."""
     _, version, n, reason = window.unpack(seen)
     ids = () if reason is not None else event_ids(cmd.command_id, version - n, n)
-    return Outcome(Result(cmd.command_id, cmd.aggregate_id, ACCEPTED if reason is None else REJECTED, version, ids,
+    return Handled(Result(cmd.command_id, cmd.aggregate_id, ACCEPTED if reason is None else REJECTED, version, ids,
                           reason, cmd.correlation_id, duplicate=True, at=at), [], entry.state, entry.version)
 
 
-def handle(domain: AggregateDomain, cmd: Command, entry: Entry, at: str, t: int, window_ms: int) -> Outcome:
+def handle(domain: AggregateDomain, cmd: Command, entry: Entry, at: str, t: int, window_ms: int) -> Handled:
     """Decide `cmd` (its command time: `at`, ISO; `t`, ms) on `entry` (not modified). Never raises on bad input:
-    it becomes a rejected Outcome. A command id decided within `window_ms` before repeats its first outcome."""
+    it becomes a rejected result. A command id decided within `window_ms` before repeats its first outcome."""
     seen = entry.recent.get(cmd.command_id)
     if seen is not None and t - window.time_of(seen) <= window_ms:
         return repeat(cmd, entry, seen, at)
@@ -67,7 +67,7 @@ def handle(domain: AggregateDomain, cmd: Command, entry: Entry, at: str, t: int,
     return out
 
 
-def _decide(domain: AggregateDomain, cmd: Command, entry: Entry, at: str, t: int) -> Outcome:
+def _decide(domain: AggregateDomain, cmd: Command, entry: Entry, at: str, t: int) -> Handled:
     if cmd.expected_version is not None and cmd.expected_version != entry.version:
         return _reject(cmd, entry, f"expected version {cmd.expected_version}, aggregate is at {entry.version}",
                        t, at)
@@ -110,5 +110,5 @@ def _decide(domain: AggregateDomain, cmd: Command, entry: Entry, at: str, t: int
         msg = f"evolve raised {type(e).__name__}: {e}"
         return _reject(cmd, entry, msg, t, at, RecordError(msg, reason="evolve-error"))
     new_version = version + len(events)
-    return Outcome(Result(cmd.command_id, cmd.aggregate_id, ACCEPTED, new_version, ids, None, cmd.correlation_id,
+    return Handled(Result(cmd.command_id, cmd.aggregate_id, ACCEPTED, new_version, ids, None, cmd.correlation_id,
                           at=at), events, state, new_version, None, window.accepted(t, new_version, len(ids)))

@@ -7,12 +7,12 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from kafold.daemon.aggregates.window import Outcome, Window
+from kafold.daemon.aggregates.window import Remembered, Window
 
 
 class Entry:
     """One aggregate's state, version and partition, the outcomes of its command ids within the idempotency
-    window (`recent`: command id -> window.Outcome) and the hashes of the event ids they wrote -> command id."""
+    window (`recent`: command id -> window.Remembered) and the hashes of the event ids they wrote -> command id."""
 
     __slots__ = ("events", "partition", "recent", "state", "version")
     covered = 0  # for the Folder: a runtime's tail starts where its base states end, so no event is covered by offset
@@ -21,7 +21,7 @@ class Entry:
         self.state = state
         self.version = version
         self.partition = partition
-        self.recent: dict[str, Outcome] = {}
+        self.recent: dict[str, Remembered] = {}
         self.events: dict[int, str] = {}
 
 

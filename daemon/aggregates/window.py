@@ -26,24 +26,24 @@ from kafold.envelope import derive_event_id
 
 log = logs.get(__name__)
 
-# An accepted outcome packed in one int: t << 64 | version after << 20 | events; a rejection (or an accepted one
-# too large to pack) is (t, version, events, reason).
-Outcome = int | tuple[int, int, int, str | None]
+# What the window remembers of a command: an acceptance packed in one int, t << 64 | version after << 20 | events;
+# a rejection (or an acceptance too large to pack) is (t, version, events, reason).
+Remembered = int | tuple[int, int, int, str | None]
 _EVENTS_BITS, _VERSION_BITS = 20, 44
 _EVENTS_MASK, _VERSION_MASK = (1 << _EVENTS_BITS) - 1, (1 << _VERSION_BITS) - 1
 
 
-def accepted(t: int, version_after: int, events: int) -> Outcome:
+def accepted(t: int, version_after: int, events: int) -> Remembered:
     if 0 <= events <= _EVENTS_MASK and 0 <= version_after <= _VERSION_MASK and t >= 0:
         return t << 64 | version_after << _EVENTS_BITS | events
     return (t, version_after, events, None)
 
 
-def rejected(t: int, version: int, reason: str) -> Outcome:
+def rejected(t: int, version: int, reason: str) -> Remembered:
     return (t, version, 0, reason)
 
 
-def unpack(outcome: Outcome) -> tuple[int, int, int, str | None]:
+def unpack(outcome: Remembered) -> tuple[int, int, int, str | None]:
     """(command time ms, version after (a rejection: the version it was rejected at), events written, rejection
     reason or None for an acceptance)."""
     if type(outcome) is int:
@@ -51,7 +51,7 @@ def unpack(outcome: Outcome) -> tuple[int, int, int, str | None]:
     return outcome  # type: ignore[return-value]
 
 
-def time_of(outcome: Outcome) -> int:
+def time_of(outcome: Remembered) -> int:
     return outcome >> 64 if type(outcome) is int else outcome[0]  # type: ignore[index]
 
 
@@ -76,7 +76,7 @@ class Window:
         self.expired = 0
         self.dropped_early = 0
 
-    def remember(self, entry: Any, aggregate_id: str, command_id: str, outcome: Outcome,
+    def remember(self, entry: Any, aggregate_id: str, command_id: str, outcome: Remembered,
                  written: Sequence[str] = ()) -> None:
         """Record the outcome of `command_id` on `entry`, with the ids of the events it wrote (a later record of
         the same id replaces it)."""

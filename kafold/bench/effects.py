@@ -115,7 +115,7 @@ def _committed(consumer: Any, topic: str, partitions: int) -> dict[int, int]:
     except KafkaException as e:
         if not kafka_clients.coordinator_changing(e.args[0]):
             raise
-        log.info("bench: committed offsets not available yet", error=str(e))
+        log.info("bench.committed_offsets_unavailable", error=str(e))
         return {}
     return {tp.partition: tp.offset for tp in got}
 
@@ -264,7 +264,7 @@ def _outage(kafka: Any, pg: Any, url: str, control: str, args: argparse.Namespac
             if not is_down and elapsed >= warm:
                 _switch(control, "down")
                 is_down = True
-                log.info("bench: receiver down", seconds=args.outage_s)
+                log.info("bench.receiver_down", seconds=args.outage_s)
             if is_down and elapsed >= next_rss:
                 rss.append(_rss_mb())
                 next_rss = elapsed + 0.5
@@ -274,7 +274,7 @@ def _outage(kafka: Any, pg: Any, url: str, control: str, args: argparse.Namespac
         producer.flush(30)
         _switch(control, "up")
         back = time.time()
-        log.info("bench: receiver back")
+        log.info("bench.receiver_back")
         while _committed(consumer, topic, args.partitions) != ends:
             time.sleep(0.1)
         recovered = time.time() - back

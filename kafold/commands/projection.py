@@ -136,7 +136,7 @@ def _reporter(bar: bool, name: str) -> Iterator[Callable[[Any], None]]:
         def line(p: Any) -> None:
             eta.update(time.monotonic(), p.events, p.behind)
             left = eta.seconds(p.behind)
-            log.info("rebuild batch", projection=name, phase=p.phase, records=p.batch, covered=p.done,
+            log.info("rebuild.batch", projection=name, phase=p.phase, records=p.batch, covered=p.done,
                      target=p.total, applied=p.events, behind=p.behind, rate=round(eta.rate),
                      eta_s=None if left is None else round(left, 1))
         yield line
@@ -236,7 +236,7 @@ def _verify_progress(bar: bool, name: str, what: str = "verify") -> Iterator[Cal
     """A progress bar of the offsets folded out of the live checkpoints on a TTY; a log line per batch otherwise."""
     if not bar:
         def line(p: Any) -> None:
-            log.info(f"{what} batch", projection=name, phase=p.phase, records=p.batch, covered=p.done,
+            log.info(f"{what}.batch", projection=name, phase=p.phase, records=p.batch, covered=p.done,
                      target=p.total, applied=p.events)
         yield line
         return

@@ -211,4 +211,4 @@ def _traffic(cfg: config.KafoldConfig, loaded: config.Loaded, ref: str, rate: fl
                 pending = []
                 if ahead > 0:
                     stop.wait(ahead)
-    log.info("traffic stopped", commands=sent, topic=agg.topic("commands"))
+    log.info("run.traffic_stopped", commands=sent, topic=agg.topic("commands"))

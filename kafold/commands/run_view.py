@@ -37,8 +37,8 @@ class DemoReceiver:
         self._thread.start()
         self._ready.wait(10)
         if self.error is not None:
-            log.warning("demo webhook receiver not started; the webhook connector will retry and park",
-                        port=self.port, error=str(self.error))
+            log.warning("run.receiver_not_started", port=self.port, error=str(self.error),
+                        hint="the demo webhook receiver is down: the webhook connector will retry and park")
             return False
         return True
 

@@ -1,23 +1,34 @@
-"""Helpers for the aggregate tests: the bank aggregate on unique topics, a runtime in a thread, topic readers."""
+"""Helpers for the aggregate tests: the bank aggregate on unique topics, a runtime in a thread, topic readers, a
+client that is not kafold's, and the customer aggregate with a protected email (crypto-shredding tests)."""
 
 from __future__ import annotations
 
+import base64
+import os
+import subprocess
+import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import orjson
-from confluent_kafka import KafkaError, TopicPartition
+import psycopg
+import pytest
+from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
-from kafold import kafka_clients, topics
-from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig, TopicSpec
+from kafold import config, kafka_clients, topics
+from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig, KafoldConfig, TopicSpec
 from kafold.daemon.aggregates import AggregateRuntime, dlq_topic
 from kafold.domain import AggregateDomain
 from kafold.envelope import Event, encode
-from tests.support import EXAMPLES, ROOT, kafka_toml
+from tests.daemon.daemon_support import Running as RunningDaemon
+from tests.daemon.daemon_support import daemon_in_process
+from tests.support import EXAMPLES, ROOT, child_env, kafka_toml, wait_for
 
 BANK = EXAMPLES / "bank"
 DAEMON = DaemonConfig(group_prefix="kt", batch_max_records=2000, batch_max_wait_ms=50)
@@ -200,3 +211,190 @@ def fold_balances(evs: list[dict[str, Any]]) -> dict[str, tuple[str, int, int]]:
         balance += amount if t == "MoneyDeposited" else -amount if t == "MoneyWithdrawn" else 0
         out[e["aggregate_id"]] = (status, balance, e["version"])
     return out
+
+
+class Outside:
+    """A client that is not kafold's: plain confluent-kafka, the command JSON written by hand, record timestamps
+    chosen by the caller, results read from the results topic by command id."""
+
+    def __init__(self, kafka: KafkaConfig, agg: AggregateConfig) -> None:
+        self.agg = agg
+        self.producer = Producer({"bootstrap.servers": kafka.bootstrap_servers, "enable.idempotence": True,
+                                  "partitioner": "murmur2_random"})
+        self.consumer = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": "outside",
+                                  "isolation.level": "read_committed", "enable.auto.commit": False,
+                                  "auto.offset.reset": "earliest"})
+        self.consumer.assign([TopicPartition(agg.topic("results"), p, 0) for p in range(agg.partitions)])
+        self.results: dict[str, list[dict[str, Any]]] = {}
+        self.sent: Counter[str] = Counter()
+
+    def send(self, cid: str, aid: str, kind: str, data: dict[str, Any], at_ms: int | None = None) -> None:
+        body = {"command_id": cid, "type": kind, "aggregate_id": aid, "data": data}
+        self.producer.produce(self.agg.topic("commands"), key=aid.encode(), value=orjson.dumps(body),
+                              headers=[("kafold-command-id", cid.encode())], timestamp=at_ms or 0)
+        self.sent[cid] += 1
+
+    def wait(self, timeout: float = 60.0) -> None:
+        """Until every command sent has its result (one per send)."""
+        assert self.producer.flush(30) == 0
+        deadline = time.monotonic() + timeout
+        while any(len(self.results.get(c, ())) < n for c, n in self.sent.items()):
+            assert time.monotonic() < deadline, "results missing"
+            for m in self.consumer.consume(5000, 0.2):
+                if m.error() is None:
+                    r = orjson.loads(m.value())
+                    self.results.setdefault(r["command_id"], []).append(r)
+                elif m.error().code() != KafkaError._PARTITION_EOF:
+                    raise AssertionError(m.error().str())
+
+    def ask(self, cid: str, aid: str, kind: str, data: dict[str, Any], at_ms: int | None = None) -> dict[str, Any]:
+        self.send(cid, aid, kind, data, at_ms)
+        self.wait()
+        return self.results[cid][-1]
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+# ---- the customer aggregate with a protected email (its domain: tests/aggregates/test_protect_daemon.py) -------
+KAFOLD = str(Path(sys.executable).parent / "kafold")
+PROTECTED = "tests.aggregates.test_protect_daemon"
+EMAILS = {"c-1": "ann.secret@example.com", "c-2": "bob.secret@example.com"}
+PLACEHOLDER = "[erased]"
+MASTER_VAR = "KAFOLD_TEST_PROTECT_MASTER"
+
+
+def master_key(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh master key in MASTER_VAR (each test its own: the tests share one PostgreSQL and its key table)."""
+    key = base64.b64encode(os.urandom(32)).decode()
+    monkeypatch.setenv(MASTER_VAR, key)
+    return key
+
+
+def protected_customer_toml(kafka: KafkaConfig, pg_url: str, prefix: str, port: int, *, table: str | None = None,
+                            hook: str | None = None, snapshots: bool = False, task_processes: bool = False) -> str:
+    """A daemon's kafold.toml hosting the `customer` aggregate whose `email` is protected (master key in
+    MASTER_VAR), on topics `<prefix>.events` etc.; with `snapshots`, local snapshot runs; with `hook`, a webhook of
+    its events to that URL; with `table`, a projection of them into that table."""
+    out = f"""
+{kafka_toml(kafka)}
+[daemon]
+task_processes = {str(task_processes).lower()}
+group_prefix = "{prefix}"
+http_port = {port}
+python_path = ["{ROOT}"]
+batch_max_wait_ms = 50
+
+[postgres]
+url = "{pg_url}"
+
+[privacy]
+master_key_env = "{MASTER_VAR}"
+placeholder = "{PLACEHOLDER}"
+"""
+    if snapshots:
+        out += """
+[snapshots]
+enabled = true
+engine = "local"
+"""
+    out += f"""
+[[aggregates]]
+name = "customer"
+initial = "{PROTECTED}:initial"
+evolve = "{PROTECTED}:evolve"
+decide = "{PROTECTED}:decide"
+partitions = 1
+events_topic = "{prefix}.events"
+commands_topic = "{prefix}.commands"
+results_topic = "{prefix}.results"
+snapshot_topic = "{prefix}.snapshots"
+
+[[aggregates.protect]]
+type = "Registered"
+fields = ["email"]
+subject = "aggregate_id"
+"""
+    if hook is not None:
+        out += f"""
+[[connectors]]
+name = "hook-{table or prefix}"
+class = "webhook"
+topics = ["{prefix}.events"]
+[connectors.config]
+url = "{hook}"
+allow_http = true
+"""
+    if table is not None:
+        out += f"""
+[[connectors]]
+name = "{table}"
+class = "postgres-projection"
+topics = ["{prefix}.events"]
+[connectors.config]
+table = "{table}"
+key_columns = ["customer_id"]
+mapper = "{PROTECTED}:customer_row"
+[connectors.config.columns]
+customer_id = "text"
+email = "text"
+name = "text"
+"""
+    return out
+
+
+def customer_client(conf: Path, kafka: KafkaConfig) -> tuple[KafoldConfig, Outside]:
+    """The configuration `conf` loaded, its topics created, and an Outside client of its (first) aggregate."""
+    loaded = config.load_file(conf)
+    assert topics.ensure(kafka, config.topic_map(loaded.config).values()).ok
+    return loaded.config, Outside(kafka, loaded.config.aggregates[0])
+
+
+@contextmanager
+def ready_daemon(conf: Path, what: str = "the daemon ready") -> Iterator[RunningDaemon]:
+    """`daemon_in_process(conf)`, once its /ready answers 200."""
+    with daemon_in_process(conf) as d:
+        wait_for(lambda: d.get("/ready")[0] == 200, what, 120)
+        yield d
+
+
+def register(client: Outside, emails: dict[str, str]) -> None:
+    """A `Register` command per customer id -> email (named as the id upper-cased), their results awaited."""
+    for cid, email in emails.items():
+        client.send(f"reg-{cid}", cid, "Register", {"email": email, "name": cid.upper()})
+    client.wait()
+
+
+def kafold_cli(*args: str, check: bool = False, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`kafold ARGS` in a child process with the tests' environment; `check`: assert it exited 0."""
+    run = subprocess.run([KAFOLD, *args], capture_output=True, text=True, timeout=timeout, env=child_env())
+    if check:
+        assert run.returncode == 0, run.stdout + run.stderr
+    return run
+
+
+def state_get(conf: Path, aid: str) -> dict[str, Any]:
+    """`kafold state get customer AID` (a restore from the snapshot and the events, another process)."""
+    out: dict[str, Any] = orjson.loads(kafold_cli("state", "get", "customer", aid, "-c", str(conf),
+                                                  check=True).stdout)
+    return out
+
+
+def customer_rows(pg_url: str, table: str) -> dict[str, tuple[Any, ...]]:
+    """The projection's rows: customer id -> (email, name); none before the table exists."""
+    try:
+        with psycopg.connect(pg_url) as conn:
+            return {r[0]: r[1:] for r in conn.execute(f'SELECT customer_id, email, name FROM "{table}"').fetchall()}
+    except psycopg.errors.UndefinedTable:
+        return {}
+
+
+def raw_bytes(kafka: KafkaConfig, *names: str) -> bytes:
+    """Every key, value and header of the topics, as bytes (read_uncommitted: aborted writes count too)."""
+    out = bytearray()
+    for name in names:
+        for m in read_all(kafka, name, committed_only=False):
+            out += (m.key() or b"") + (m.value() or b"")
+            for _, v in m.headers() or ():
+                out += v or b""
+    return bytes(out)

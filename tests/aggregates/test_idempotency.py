@@ -9,15 +9,14 @@ import uuid
 from collections import Counter
 from typing import Any
 
-import orjson
 import pytest
-from confluent_kafka import Consumer, KafkaError, Producer, TopicPartition
 
 from kafold.config import AggregateConfig, KafkaConfig
 from kafold.daemon.aggregates.restorer import SnapshotRestorer
 from kafold.snapshot.fold import Domain
 from kafold.spark_jobs.runs import run_local
 from tests.aggregates.agg_support import (
+    Outside,
     bank_config,
     bank_domain,
     create_topics,
@@ -30,50 +29,6 @@ from tests.support import wait_for
 
 # The guarantee is run again on Apache Kafka in `make test` (marker apache_kafka).
 pytestmark = pytest.mark.apache_kafka
-
-
-class Outside:
-    """A client that is not kafold's: plain confluent-kafka, the command JSON written by hand, record timestamps
-    chosen by the caller, results read from the results topic by command id."""
-
-    def __init__(self, kafka: KafkaConfig, agg: AggregateConfig) -> None:
-        self.agg = agg
-        self.producer = Producer({"bootstrap.servers": kafka.bootstrap_servers, "enable.idempotence": True,
-                                  "partitioner": "murmur2_random"})
-        self.consumer = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": "outside",
-                                  "isolation.level": "read_committed", "enable.auto.commit": False,
-                                  "auto.offset.reset": "earliest"})
-        self.consumer.assign([TopicPartition(agg.topic("results"), p, 0) for p in range(agg.partitions)])
-        self.results: dict[str, list[dict[str, Any]]] = {}
-        self.sent: Counter[str] = Counter()
-
-    def send(self, cid: str, aid: str, kind: str, data: dict[str, Any], at_ms: int | None = None) -> None:
-        body = {"command_id": cid, "type": kind, "aggregate_id": aid, "data": data}
-        self.producer.produce(self.agg.topic("commands"), key=aid.encode(), value=orjson.dumps(body),
-                              headers=[("kafold-command-id", cid.encode())], timestamp=at_ms or 0)
-        self.sent[cid] += 1
-
-    def wait(self, timeout: float = 60.0) -> None:
-        """Until every command sent has its result (one per send)."""
-        assert self.producer.flush(30) == 0
-        deadline = time.monotonic() + timeout
-        while any(len(self.results.get(c, ())) < n for c, n in self.sent.items()):
-            assert time.monotonic() < deadline, "results missing"
-            for m in self.consumer.consume(5000, 0.2):
-                if m.error() is None:
-                    r = orjson.loads(m.value())
-                    self.results.setdefault(r["command_id"], []).append(r)
-                elif m.error().code() != KafkaError._PARTITION_EOF:
-                    raise AssertionError(m.error().str())
-
-    def ask(self, cid: str, aid: str, kind: str, data: dict[str, Any], at_ms: int | None = None) -> dict[str, Any]:
-        self.send(cid, aid, kind, data, at_ms)
-        self.wait()
-        return self.results[cid][-1]
-
-    def close(self) -> None:
-        self.consumer.close()
-
 
 SAME = ("status", "version", "event_ids", "reason")
 

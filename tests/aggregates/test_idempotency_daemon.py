@@ -18,8 +18,7 @@ from kafold import config, topics
 from kafold.config import KafkaConfig
 from kafold.snapshot import kafka_io, record
 from kafold.testing import free_port
-from tests.aggregates.agg_support import accounts_projection_toml, bank_daemon_toml, events
-from tests.aggregates.test_idempotency import Outside
+from tests.aggregates.agg_support import Outside, accounts_projection_toml, bank_daemon_toml, events
 from tests.daemon.daemon_support import get_json
 from tests.support import wait_for
 

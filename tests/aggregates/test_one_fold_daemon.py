@@ -23,8 +23,7 @@ from kafold import config, kafka_clients, topics
 from kafold.config import KafkaConfig
 from kafold.envelope import Event, encode
 from kafold.testing import free_port
-from tests.aggregates.agg_support import cart_daemon_toml
-from tests.aggregates.test_idempotency import Outside
+from tests.aggregates.agg_support import Outside, cart_daemon_toml
 from tests.aggregates.test_one_fold import T0, _run
 from tests.daemon.daemon_support import daemon_in_process, get_json
 from tests.support import child_env, produce, wait_for

@@ -6,10 +6,7 @@ The domain functions below are the aggregate's (dict events, pure)."""
 
 from __future__ import annotations
 
-import base64
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,21 +14,24 @@ import orjson
 import psycopg
 import pytest
 
-from kafold import config, topics
 from kafold.config import KafkaConfig
 from kafold.envelope import Event
 from kafold.testing import free_port
-from tests.aggregates.agg_support import read_all
-from tests.aggregates.test_idempotency import Outside
-from tests.daemon.daemon_support import daemon_in_process
-from tests.support import ROOT, child_env, kafka_toml, wait_for
+from tests.aggregates.agg_support import (
+    EMAILS,
+    KAFOLD,
+    MASTER_VAR,
+    PLACEHOLDER,
+    customer_client,
+    customer_rows,
+    master_key,
+    protected_customer_toml,
+    raw_bytes,
+    ready_daemon,
+    register,
+)
+from tests.support import child_env, wait_for
 from tests.support.receiver import Receiver
-
-KAFOLD = str(Path(sys.executable).parent / "kafold")
-M = "tests.aggregates.test_protect_daemon"
-EMAILS = {"c-1": "ann.secret@example.com", "c-2": "bob.secret@example.com"}
-PLACEHOLDER = "[erased]"
-MASTER_VAR = "KAFOLD_TEST_PROTECT_MASTER"
 
 
 # ---- the aggregate (pure) ------------------------------------------------------------------------------
@@ -59,88 +59,11 @@ def customer_row(row: dict[str, Any] | None, event: Event) -> dict[str, Any] | N
 
 
 # ---- the test ----------------------------------------------------------------------------------------------
-def _config(path: Path, kafka: KafkaConfig, pg_url: str, prefix: str, port: int, table: str, hook: str,
-            task_processes: bool = False) -> Path:
-    path.write_text(f"""
-{kafka_toml(kafka)}
-[daemon]
-task_processes = {str(task_processes).lower()}
-group_prefix = "{prefix}"
-http_port = {port}
-python_path = ["{ROOT}"]
-batch_max_wait_ms = 50
-
-[postgres]
-url = "{pg_url}"
-
-[privacy]
-master_key_env = "{MASTER_VAR}"
-placeholder = "{PLACEHOLDER}"
-
-[[aggregates]]
-name = "customer"
-initial = "{M}:initial"
-evolve = "{M}:evolve"
-decide = "{M}:decide"
-partitions = 1
-events_topic = "{prefix}.events"
-commands_topic = "{prefix}.commands"
-results_topic = "{prefix}.results"
-snapshot_topic = "{prefix}.snapshots"
-
-[[aggregates.protect]]
-type = "Registered"
-fields = ["email"]
-subject = "aggregate_id"
-
-[[connectors]]
-name = "hook-{table}"
-class = "webhook"
-topics = ["{prefix}.events"]
-[connectors.config]
-url = "{hook}"
-allow_http = true
-
-[[connectors]]
-name = "{table}"
-class = "postgres-projection"
-topics = ["{prefix}.events"]
-[connectors.config]
-table = "{table}"
-key_columns = ["customer_id"]
-mapper = "{M}:customer_row"
-[connectors.config.columns]
-customer_id = "text"
-email = "text"
-name = "text"
-""")
-    return path
-
-
-def _rows(pg_url: str, table: str) -> dict[str, tuple[Any, ...]]:
-    try:
-        with psycopg.connect(pg_url) as conn:
-            return {r[0]: r[1:] for r in conn.execute(f'SELECT customer_id, email, name FROM "{table}"').fetchall()}
-    except psycopg.errors.UndefinedTable:
-        return {}
-
-
 def _bodies(receiver: Receiver) -> list[dict[str, Any]]:
     seen: dict[str, dict[str, Any]] = {}
     for r in receiver.successes():
         seen.setdefault(r.event_id, orjson.loads(r.body))
     return list(seen.values())
-
-
-def _raw_bytes(kafka: KafkaConfig, *names: str) -> bytes:
-    """Every key, value and header of the topics, as bytes (read_uncommitted: aborted writes count too)."""
-    out = bytearray()
-    for name in names:
-        for m in read_all(kafka, name, committed_only=False):
-            out += (m.key() or b"") + (m.value() or b"")
-            for _, v in m.headers() or ():
-                out += v or b""
-    return bytes(out)
 
 
 @pytest.mark.integration
@@ -149,27 +72,23 @@ def _raw_bytes(kafka: KafkaConfig, *names: str) -> bytes:
 def test_protected_email_is_encrypted_everywhere_and_forgotten(
         kafka_config: KafkaConfig, pg_url: str, unique: str, tmp_path: Path, capfd: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch, task_processes: bool) -> None:
-    monkeypatch.setenv(MASTER_VAR, base64.b64encode(os.urandom(32)).decode())
+    master_key(monkeypatch)
     prefix, table, port = unique, f"customers_{unique[-8:]}", free_port()
     with psycopg.connect(pg_url) as conn:
         started = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
     receiver = Receiver()
-    conf = _config(tmp_path / "kafold.toml", kafka_config, pg_url, prefix, port, table, receiver.start(),
-                   task_processes)
-    loaded = config.load_file(conf)
-    assert topics.ensure(kafka_config, config.topic_map(loaded.config).values()).ok
-    agg = loaded.config.aggregates[0]
-    client = Outside(kafka_config, agg)
+    conf = tmp_path / "kafold.toml"
+    conf.write_text(protected_customer_toml(kafka_config, pg_url, prefix, port, table=table, hook=receiver.start(),
+                                            task_processes=task_processes))
+    cfg, client = customer_client(conf, kafka_config)
+    agg = cfg.aggregates[0]
     try:
-        with daemon_in_process(conf) as d:
-            wait_for(lambda: d.get("/ready")[0] == 200, "the daemon ready", 120)
-            for cid, email in EMAILS.items():
-                client.send(f"reg-{cid}", cid, "Register", {"email": email, "name": cid.upper()})
-            client.wait()
+        with ready_daemon(conf) as d:
+            register(client, EMAILS)
             assert all(r[0]["status"] == "accepted" for r in client.results.values())
-            wait_for(lambda: len(_rows(pg_url, table)) == 2, "the projection's rows", 90)
+            wait_for(lambda: len(customer_rows(pg_url, table)) == 2, "the projection's rows", 90)
             wait_for(lambda: len(_bodies(receiver)) == 2, "two webhook bodies", 90)
-            assert _rows(pg_url, table) == {cid: (email, cid.upper()) for cid, email in EMAILS.items()}
+            assert customer_rows(pg_url, table) == {cid: (email, cid.upper()) for cid, email in EMAILS.items()}
             assert {b["payload"]["email"] for b in _bodies(receiver)} == set(EMAILS.values())
             assert d.get("/aggregates/customer/c-1")[1]["state"]["email"] == EMAILS["c-1"]
 
@@ -197,7 +116,7 @@ def test_protected_email_is_encrypted_everywhere_and_forgotten(
         rebuild = subprocess.run([KAFOLD, "projection", "rebuild", table, "-c", str(conf)],
                                  capture_output=True, text=True, timeout=300, env=child_env())
         assert rebuild.returncode == 0, rebuild.stdout + rebuild.stderr
-        assert _rows(pg_url, table) == {"c-1": (PLACEHOLDER, "Ann"), "c-2": (PLACEHOLDER, "Bob")}
+        assert customer_rows(pg_url, table) == {"c-1": (PLACEHOLDER, "Ann"), "c-2": (PLACEHOLDER, "Bob")}
         with psycopg.connect(pg_url) as conn:
             erasures = conn.execute("SELECT subject_hash, actor, key_existed FROM kafold.erasures "
                                     "WHERE erased_at >= %s", (started,)).fetchall()  # this run's
@@ -206,10 +125,10 @@ def test_protected_email_is_encrypted_everywhere_and_forgotten(
     finally:
         client.close()
         receiver.stop()
-    raw = _raw_bytes(kafka_config, agg.topic("events"), agg.dlq_topic, "kafold.dlq." + table,
-                     f"kafold.dlq.hook-{table}")
+    raw = raw_bytes(kafka_config, agg.topic("events"), agg.dlq_topic, "kafold.dlq." + table,
+                    f"kafold.dlq.hook-{table}")
     logged = capfd.readouterr()
-    assert "migrations applied" in logged.out + logged.err  # the daemon's log output was captured
+    assert "daemon.migrations_applied" in logged.out + logged.err  # the daemon's log output was captured
     for email in EMAILS.values():
         assert email.encode() not in raw
         assert email not in logged.out + logged.err
@@ -219,8 +138,9 @@ def test_protected_email_is_encrypted_everywhere_and_forgotten(
 @pytest.mark.integration
 def test_a_missing_master_key_is_a_clear_start_up_error(
         kafka_config: KafkaConfig, pg_url: str, unique: str, tmp_path: Path) -> None:
-    conf = _config(tmp_path / "kafold.toml", kafka_config, pg_url, unique, free_port(), "t_unused",
-                   "http://127.0.0.1:9/hook")
+    conf = tmp_path / "kafold.toml"
+    conf.write_text(protected_customer_toml(kafka_config, pg_url, unique, free_port(), table="t_unused",
+                                            hook="http://127.0.0.1:9/hook"))
     env = {k: v for k, v in child_env().items() if k != MASTER_VAR}
     run = subprocess.run([KAFOLD, "daemon", "-c", str(conf)], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode != 0

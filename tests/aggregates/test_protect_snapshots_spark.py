@@ -3,33 +3,38 @@ their own key rings (the master key from the environment they inherit, never fro
 fold with decryption and seal each state as the in-process run does. The snapshot topic's raw bytes never hold the
 email in clear; restores equal the live state; after the subject is forgotten a restore gives the placeholder, and
 a new Spark run rejects the forgotten snapshot (reason `forgotten`) and writes a new one that restores. The
-configuration and domain are tests.aggregates.test_protect_snapshots' (with `engine = "spark"`)."""
+configuration is tests.aggregates.test_protect_snapshots' (agg_support.protected_customer_toml with snapshots, here
+with `engine = "spark"`)."""
 
 from __future__ import annotations
 
-import base64
-import os
-import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
 
-from kafold import config, topics
 from kafold.config import KafkaConfig
 from kafold.testing import free_port
-from tests.aggregates.test_idempotency import Outside
-from tests.aggregates.test_protect_daemon import EMAILS, KAFOLD, MASTER_VAR, PLACEHOLDER, _raw_bytes
-from tests.aggregates.test_protect_snapshots import _config, _kafold, _state_get
-from tests.daemon.daemon_support import daemon_in_process
-from tests.support import child_env, wait_for
+from tests.aggregates.agg_support import (
+    EMAILS,
+    MASTER_VAR,
+    PLACEHOLDER,
+    customer_client,
+    kafold_cli,
+    master_key,
+    protected_customer_toml,
+    raw_bytes,
+    ready_daemon,
+    register,
+    state_get,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.spark]
 
 
 def _spark_run(conf: Path) -> str:
     """`kafold snapshot run` with the configured engine (spark): its own JVM, started with this environment."""
-    out = _kafold("snapshot", "run", "-c", str(conf), "--master", "local[2]", "--no-progress").stdout
+    out = kafold_cli("snapshot", "run", "-c", str(conf), "--master", "local[2]", "--no-progress", check=True).stdout
     rows = [line.split() for line in out.splitlines() if line.startswith("customer ")]
     assert rows and rows[0][1] == "spark", out
     return out
@@ -39,56 +44,51 @@ def _spark_run(conf: Path) -> str:
 def test_spark_snapshots_of_a_protected_aggregate_are_sealed_and_forgotten(
         kafka_config: KafkaConfig, pg_url: str, unique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("pyspark")
-    monkeypatch.setenv(MASTER_VAR, base64.b64encode(os.urandom(32)).decode())
-    conf = _config(tmp_path / "kafold.toml", kafka_config, pg_url, unique, free_port())
+    master_key(monkeypatch)
+    conf = tmp_path / "kafold.toml"
     # engine spark; a schema of its own: the session's PostgreSQL is shared, and other tests use the same
     # aggregate ids (their keys wrapped under another master key)
-    conf.write_text(conf.read_text().replace('engine = "local"', 'engine = "spark"')
+    conf.write_text(protected_customer_toml(kafka_config, pg_url, unique, free_port(), snapshots=True)
+                    .replace('engine = "local"', 'engine = "spark"')
                     .replace("[postgres]\n", f'[postgres]\nschema = "spark_{uuid.uuid4().hex[:12]}"\n'))
-    loaded = config.load_file(conf)
-    assert loaded.config.snapshots.engine == "spark"  # no longer refused with protect
-    assert loaded.config.postgres.schema.startswith("spark_")
-    assert topics.ensure(kafka_config, config.topic_map(loaded.config).values()).ok
-    agg = loaded.config.aggregates[0]
-    client = Outside(kafka_config, agg)
+    cfg, client = customer_client(conf, kafka_config)
+    assert cfg.snapshots.engine == "spark"  # no longer refused with protect
+    assert cfg.postgres.schema.startswith("spark_")
+    agg = cfg.aggregates[0]
     try:
-        with daemon_in_process(conf) as d:
-            wait_for(lambda: d.get("/ready")[0] == 200, "the daemon ready", 120)
-            for cid, email in EMAILS.items():
-                client.send(f"reg-{cid}", cid, "Register", {"email": email, "name": cid.upper()})
-            client.wait()
+        with ready_daemon(conf) as d:
+            register(client, EMAILS)
             assert all(r[0]["status"] == "accepted" for r in client.results.values())
             live = {cid: d.get(f"/aggregates/customer/{cid}")[1]["state"] for cid in EMAILS}
         assert live == {cid: {"email": email, "name": cid.upper()} for cid, email in EMAILS.items()}
 
         # a Spark run: the executors decrypted the events (the states hold the emails) and sealed the states
         _spark_run(conf)
-        raw = _raw_bytes(kafka_config, agg.topic("snapshot"))
+        raw = raw_bytes(kafka_config, agg.topic("snapshot"))
         assert b"kfenc1:" in raw and b'"aggregate_id":"c-1"' in raw and b'"aggregate_id":"c-2"' in raw
         for email in EMAILS.values():
             assert email.encode() not in raw
         for cid in EMAILS:  # the restore opens the sealed state: it equals the live one
-            got = _state_get(conf, cid)
+            got = state_get(conf, cid)
             assert got["state"] == live[cid] and got["obtained"]["snapshots_used_in_partition"] == 2
 
         # forget c-1 (the CLI, another process): its snapshot no longer opens, the restore folds its events
-        forgot = subprocess.run([KAFOLD, "subjects", "forget", "c-1", "-c", str(conf), "--json"], capture_output=True,
-                                text=True, timeout=120, env=child_env())
+        forgot = kafold_cli("subjects", "forget", "c-1", "-c", str(conf), "--json", timeout=120)
         assert forgot.returncode == 0 and '"key_deleted": true' in forgot.stdout, forgot.stdout + forgot.stderr
         forgotten = {"email": PLACEHOLDER, "name": "C-1"}
-        got = _state_get(conf, "c-1")
+        got = state_get(conf, "c-1")
         assert got["state"] == forgotten and got["obtained"]["snapshots_used_in_partition"] == 1
-        assert _state_get(conf, "c-2")["state"] == live["c-2"]
+        assert state_get(conf, "c-2")["state"] == live["c-2"]
 
         # a new Spark run after forget: its tasks reject c-1's sealed snapshot and fold c-1 from its events
         out = _spark_run(conf)
         assert "'forgotten': 1" in out, out
         for cid, want in (("c-1", forgotten), ("c-2", live["c-2"])):
-            got = _state_get(conf, cid)
+            got = state_get(conf, cid)
             assert got["state"] == want and got["obtained"]["snapshots_used_in_partition"] == 2
     finally:
         client.close()
-    raw = _raw_bytes(kafka_config, agg.topic("snapshot"), agg.topic("events"))
+    raw = raw_bytes(kafka_config, agg.topic("snapshot"), agg.topic("events"))
     for email in EMAILS.values():
         assert email.encode() not in raw
 
@@ -101,21 +101,16 @@ def test_on_a_standalone_cluster_executors_read_the_master_key_from_their_own_en
     pytest.importorskip("pyspark")
     from tests.snapshots import spark_cluster
 
-    master = base64.b64encode(os.urandom(32)).decode()
-    monkeypatch.setenv(MASTER_VAR, master)
-    conf = _config(tmp_path / "kafold.toml", kafka_config, pg_url, unique, free_port())
-    text = conf.read_text().replace("[postgres]\n", f'[postgres]\nschema = "spark_{uuid.uuid4().hex[:12]}"\n')
-    loaded = config.load_file(conf)
-    assert topics.ensure(kafka_config, config.topic_map(loaded.config).values()).ok
-    agg = loaded.config.aggregates[0]
+    master = master_key(monkeypatch)
+    conf = tmp_path / "kafold.toml"
+    text = protected_customer_toml(kafka_config, pg_url, unique, free_port(), snapshots=True).replace(
+        "[postgres]\n", f'[postgres]\nschema = "spark_{uuid.uuid4().hex[:12]}"\n')
     conf.write_text(text)
-    client = Outside(kafka_config, agg)
+    cfg, client = customer_client(conf, kafka_config)
+    agg = cfg.aggregates[0]
     try:
-        with daemon_in_process(conf) as d:
-            wait_for(lambda: d.get("/ready")[0] == 200, "the daemon ready", 120)
-            for cid, email in EMAILS.items():
-                client.send(f"reg-{cid}", cid, "Register", {"email": email, "name": cid.upper()})
-            client.wait()
+        with ready_daemon(conf) as d:
+            register(client, EMAILS)
             assert all(r[0]["status"] == "accepted" for r in client.results.values())
             live = {cid: d.get(f"/aggregates/customer/{cid}")[1]["state"] for cid in EMAILS}
     finally:
@@ -130,18 +125,17 @@ def test_on_a_standalone_cluster_executors_read_the_master_key_from_their_own_en
             conf.write_text(text.replace('engine = "local"', f'engine = "spark"\nspark_master = "{cluster.master_url}"'
                                          f'\nspark_conf = {{ "spark.executor.memory" = "{spark_cluster.WORKER_MEMORY}",'
                                          ' "spark.executor.cores" = "1", "spark.task.maxFailures" = "1" }'))
-            run = subprocess.run([KAFOLD, "snapshot", "run", "-c", str(conf), "--no-progress"], capture_output=True,
-                                 text=True, timeout=300, env=child_env())
+            run = kafold_cli("snapshot", "run", "-c", str(conf), "--no-progress")
         if not with_key:
             assert run.returncode != 0 and f"{MASTER_VAR} is not set" in run.stdout + run.stderr, \
                 run.stdout[-3000:] + run.stderr[-3000:]
             assert master not in run.stdout + run.stderr
-            assert b"kfenc1:" not in _raw_bytes(kafka_config, agg.topic("snapshot"))  # nothing written
+            assert b"kfenc1:" not in raw_bytes(kafka_config, agg.topic("snapshot"))  # nothing written
             continue
         assert run.returncode == 0, run.stdout + run.stderr
         assert any(line.split()[:2] == ["customer", "spark"] for line in run.stdout.splitlines()), run.stdout
-        raw = _raw_bytes(kafka_config, agg.topic("snapshot"))
+        raw = raw_bytes(kafka_config, agg.topic("snapshot"))
         assert b"kfenc1:" in raw and not any(email.encode() in raw for email in EMAILS.values())
         for cid in EMAILS:
-            got = _state_get(conf, cid)
+            got = state_get(conf, cid)
             assert got["state"] == live[cid] and got["obtained"]["snapshots_used_in_partition"] == 2

@@ -20,8 +20,7 @@ from kafold import config, topics
 from kafold.config import KafkaConfig
 from kafold.envelope import Event, encode
 from kafold.testing import free_port
-from tests.aggregates.agg_support import cart_daemon_toml
-from tests.aggregates.test_idempotency import Outside
+from tests.aggregates.agg_support import Outside, cart_daemon_toml
 from tests.daemon.daemon_support import Running, daemon_in_process
 from tests.support import child_env, produce, wait_for
 from tests.support.receiver import Receiver

@@ -65,7 +65,7 @@ def test_run_flows_events_and_stops_cleanly(tmp_path: Path) -> None:
             for line in list(err_lines):
                 if line.startswith("{"):
                     e = json.loads(line)
-                    if e.get("event") == "batch" and e.get("put", 0) > 0 and e.get("committed") \
+                    if e.get("event") == "runner.batch" and e.get("put", 0) > 0 and e.get("committed") \
                             and all(offset > 0 for offset in e["committed"].values()):
                         return True
             return False

@@ -171,6 +171,6 @@ def test_on_a_terminal_the_live_view_stays_in_place_and_the_logs_go_to_the_file_
     assert leak is None, f"{leak.group()!r} printed through the live view:\n{around}"
     assert "kafold run — live" in after and "snapshots written" in after
     lines = log_file.read_text().splitlines()
-    assert any('"daemon started"' in line for line in lines), lines[-20:]
+    assert any('"daemon.started"' in line for line in lines), lines[-20:]
     summary = next((line for line in lines if '"snapshot.summary"' in line), "no snapshot run's line in the log")
     assert '"events_folded"' in summary, summary

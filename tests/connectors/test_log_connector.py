@@ -21,7 +21,7 @@ def test_log_sink_logs_offsets_and_type_counts_but_never_payloads() -> None:
                            r.timestamp_ms) for r in contract.records(tp, 40, 3)]
     with capture_logs() as logs:
         task.put(records)
-    assert logs == [{"event": "events received", "log_level": "info", "connector": "contract", "task": 0,
+    assert logs == [{"event": "log_sink.events_received", "log_level": "info", "connector": "contract", "task": 0,
                      "topic": "t", "partition": 3, "first_offset": 40, "last_offset": 42, "count": 3,
                      "types": {"ThingHappened": 3}}]
     assert "SECRET-123" not in repr(logs)

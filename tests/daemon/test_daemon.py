@@ -54,7 +54,7 @@ def test_sigterm_stops_the_daemon_cleanly_after_committing(
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err
-    assert '"stop requested"' in err and '"daemon stopped"' in err
+    assert '"daemon.stop_requested"' in err and '"daemon.stopped"' in err
 
 
 def test_run_returns_zero_when_stopped_in_process(tmp_path: Path, kafka_config: KafkaConfig,

@@ -188,6 +188,7 @@ def test_an_api_reachable_beyond_localhost_without_a_token_is_warned_about(
         path = write_config(tmp_path, kafka_config, f"{unique}{int(warned)}", topic, port=free_port(),
                             daemon_extra=f'http_host = "{host}"')
         with capture_logs() as logs, daemon_in_process(path):
-            wait_for(lambda logs=logs: any(e["event"] == "daemon started" for e in logs), "the daemon to start")
-        warnings = [e for e in logs if "listens beyond localhost without a token" in e["event"]]
+            wait_for(lambda logs=logs: any(e["event"] == "daemon.started" for e in logs), "the daemon to start")
+        warnings = [e for e in logs if e["event"] == "daemon.api_unprotected"
+                    and "listens beyond localhost without a token" in e["reason"]]
         assert bool(warnings) is warned, host

@@ -36,7 +36,7 @@ def test_sigterm_finishes_the_batch_commits_and_exits_0_within_the_grace_period(
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err
-    assert '"stop requested"' in err and '"daemon stopped"' in err
+    assert '"daemon.stop_requested"' in err and '"daemon.stopped"' in err
     lines = handled.read_text().splitlines()
     offsets = [int(line.split()[1]) for line in lines]
     assert offsets == list(range(len(offsets))), "each record put once, in order"
@@ -54,7 +54,7 @@ def test_a_failing_task_stops_the_daemon_with_exit_code_1(
     proc = subprocess.run([*KAFOLD, str(path)], stderr=subprocess.PIPE, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert "this test task always fails" in proc.stderr
-    assert '"a task stopped by itself; stopping the daemon (exit 1)"' in proc.stderr
+    assert '"daemon.task_stopped_by_itself"' in proc.stderr
     assert committed(kafka_config, f"{unique}.sink", topic, 1) == {0: -1001}, "nothing committed past the failure"
 
 
@@ -87,7 +87,7 @@ def test_sigterm_while_the_daemon_is_still_starting_stops_it_gracefully_with_exi
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err  # not -15 (killed by the signal), not a KeyboardInterrupt traceback
-    assert '"stop requested"' in err and '"daemon stopped"' in err
+    assert '"daemon.stop_requested"' in err and '"daemon.stopped"' in err
     assert "Traceback" not in err
     assert '"phase": "starting"' in err or '"phase":"starting"' in err, "the start-up's handler took it"
-    assert "none started" in err  # the worker got the signal before its tasks: none started only to be stopped
+    assert '"daemon.start_skipped"' in err  # the signal came before the tasks: none started only to be stopped

@@ -50,7 +50,7 @@ def _call(port: int, method: str, path: str) -> tuple[int, Any]:
         return 0, None
 
 
-def _started(log: Path, connector: str, event: str = "sink task started") -> int:
+def _started(log: Path, connector: str, event: str = "runner.started") -> int:
     """How many times a task of `connector` started (its consumer subscribed), from the daemon's JSON log."""
     count = 0
     for line in log.read_text().splitlines():
@@ -86,7 +86,7 @@ def test_sighup_and_post_reload_apply_connector_changes_and_refuse_a_bad_file(
         status, body = _call(port, "POST", "/reload")
         assert status == 400 and any("level" in p for p in body["problems"]), body
         daemon.send_signal(signal.SIGHUP)  # the same bad file by signal: logged, refused
-        wait_for(lambda: "reload refused" in log.read_text(), "the refusal in the log", 30)
+        wait_for(lambda: "daemon.reload_refused" in log.read_text(), "the refusal in the log", 30)
         assert _call(port, "GET", "/connectors") == (200, ["a", "c"]) and daemon.poll() is None
 
         # POST /reload adding d: a and c are unchanged and keep running (not restarted).
@@ -95,7 +95,7 @@ def test_sighup_and_post_reload_apply_connector_changes_and_refuse_a_bad_file(
         assert status == 200 and body["added"] == ["d"] and body["unchanged"] == ["a", "c"], body
         # Stop only once d joined its group: a member leaving in the middle of its first join can stall the group
         # on the embedded broker (see docs/brokers.md).
-        wait_for(lambda: _started(log, "d", "partitions assigned") == 1, "d started", 60)
+        wait_for(lambda: _started(log, "d", "runner.partitions_assigned") == 1, "d started", 60)
         assert _started(log, "a") == 2 and _started(log, "c") == 1
         assert _call(port, "GET", "/connectors/a/status")[1]["connector"]["state"] == "RUNNING"
     finally:

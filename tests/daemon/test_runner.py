@@ -202,7 +202,7 @@ def test_committed_offsets_equal_the_end_of_each_partition(
 
 
 def test_one_batch_line_per_batch_with_counts_and_offsets_but_no_payload(scenario: dict[str, Any]) -> None:
-    batches = [e for e in scenario["logs"] if e["event"] == "batch"]
+    batches = [e for e in scenario["logs"] if e["event"] == "runner.batch"]
     assert batches and sum(b["records"] for b in batches) == 64
     assert sum(b["dead_lettered"] for b in batches) == 4
     required = {"connector", "records", "dead_lettered", "duration_ms", "committed"}
@@ -251,11 +251,11 @@ def test_a_put_still_failing_at_stop_is_abandoned_within_the_grace_and_nothing_i
     with capture_logs() as logs:
         run = start(kafka_config, unique, topic, retriable_failures=1_000_000)
         try:
-            wait_for(lambda: sum(e["event"] == "put failed; retrying the same batch" for e in logs) >= 2,
+            wait_for(lambda: sum(e["event"] == "runner.put_retrying" for e in logs) >= 2,
                      "the put retried")
         finally:
             finish(run)  # the grace is 5 s: the thread has ended well within finish's join
-    abandoned = [e for e in logs if e["event"] == "in-flight batch abandoned at shutdown; it will be delivered again"]
+    abandoned = [e for e in logs if e["event"] == "runner.batch_abandoned"]
     assert len(abandoned) == 1 and abandoned[0]["error"] == "put still failing: sink unavailable (test)", abandoned
     assert run.runner.failed and run.runner.error is None
     assert run.connector.received == []
@@ -348,7 +348,7 @@ def test_a_wedged_join_leaves_the_group_and_joins_again_losing_nothing(kafka_con
     assert run.runner.error is None and run.runner.counts["assignments"] >= 2
     assert sorted({(r.partition, r.offset) for r in run.connector.received}) == [
         (p, o) for p in (0, 1) for o in range(20)]
-    rejoined = [e for e in logs if e["event"].startswith("group join still pending")]
+    rejoined = [e for e in logs if e["event"] == "runner.group_rejoining"]
     assert len(rejoined) == 1 and rejoined[0]["group"] == run.runner.group_id
 
 
@@ -366,7 +366,7 @@ def test_a_task_stuck_in_put_is_logged_with_its_stack(kafka_config: KafkaConfig,
     assert not slot.check_polling()  # not started
     with capture_logs() as logs:
         def stalls() -> list[dict[str, Any]]:
-            return [e for e in logs if e["event"] == "sink task not polling its consumer"]
+            return [e for e in logs if e["event"] == "task.not_polling"]
 
         def stalled_in_put() -> bool:
             # On a loaded machine the loop may also be seen stalled elsewhere first (a slow ListOffsets call):

@@ -14,13 +14,13 @@ from structlog.testing import capture_logs
 
 from kafold.config import PostgresConfig
 from kafold.connectors.api import SinkRecord
-from kafold.connectors.effects.ledger import Ledger, Outcome, now
+from kafold.connectors.effects.ledger import DeliveryStatus, Ledger, LedgerUpdate, now
 from kafold.envelope import Event
 
 pytestmark = pytest.mark.integration
 
-RETRYING = "ledger write failed; retrying"
-DROPPED = "ledger rows dropped at shutdown (their offsets were not committed)"
+RETRYING = "ledger.write_retrying"
+DROPPED = "ledger.rows_dropped"
 
 
 def test_failing_writes_are_retried_with_backoff_until_close_then_dropped_within_the_grace(pg_url: str) -> None:
@@ -28,7 +28,7 @@ def test_failing_writes_are_retried_with_backoff_until_close_then_dropped_within
     event = Event.new("ItemSet", "item", "k", 1, {"value": 1})
     with capture_logs() as logs:
         ledger = Ledger(pg, "ledger-outage", None, 0.01)
-        ledger.outcome(Outcome(SinkRecord("orders", 0, 0, "k", event), "succeeded", 1, now(), now()))
+        ledger.outcome(LedgerUpdate(SinkRecord("orders", 0, 0, "k", event), DeliveryStatus.SUCCEEDED, 1, now(), now()))
         barrier = ledger.barrier()
         deadline = time.monotonic() + 60
         while sum(e["event"] == RETRYING for e in logs) < 3 and time.monotonic() < deadline:

@@ -59,7 +59,7 @@ def test_postgres_restarting_mid_run_loses_nothing_and_applies_nothing_twice(
         devstack._start_postgres(state_dir)
         wait_for_offsets(pgc, unique, topic, ends, runner, timeout=120)
         totals = runner.task.totals  # type: ignore[attr-defined]
-    retries = [e for e in logs if e["event"] == "put failed; retrying the same batch"]
+    retries = [e for e in logs if e["event"] == "runner.put_retrying"]
     assert len(retries) >= 2
     assert retries[1]["retry_in_s"] > retries[0]["retry_in_s"]  # backing off
     assert read_table(pgc, table) == fold(events)

@@ -138,7 +138,7 @@ def test_tasks_in_child_processes_split_partitions_and_survive_kill_9_of_a_child
         assert not alive, f"task processes left behind: {alive}"
     finally:
         _kill(daemon)
-    assert '"task process died"' in log.read_text()
+    assert '"task.process_died"' in log.read_text()
 
     # 3. Restarted: every event so far exactly once; then kill -9 of the daemon itself, mid-work.
     daemon = start()

@@ -36,6 +36,11 @@ def _verify(conf: Path, name: str, *extra: str) -> subprocess.CompletedProcess[s
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240)
 
 
+def _logged(stderr: str) -> set[str]:
+    """The events of the JSON log lines on a command's stderr."""
+    return {json.loads(line)["event"] for line in stderr.splitlines() if line.startswith("{")}
+
+
 def _scratch_left(pgc: PostgresConfig, table: str, name: str) -> list[Any]:
     """Tables and bookkeeping a verify leaves behind (none expected)."""
     with db.connect(pgc) as conn:
@@ -116,4 +121,18 @@ def test_verify_is_clean_on_a_live_table_also_under_traffic_and_names_rows_chang
     for word in ("changed", "account_id=acc-1", "balance", "999999", "missing", "account_id=acc-2", "extra",
                  "account_id=zz-extra"):
         assert word in text.stdout, text.stdout
+    assert _logged(text.stderr) >= {"verify.started", "verify.done"}, text.stderr  # named for what it does
+    assert not any(e.startswith("rebuild.") for e in _logged(text.stderr)), text.stderr
     assert _scratch_left(pg_config, table, unique) == []
+
+    # One verify of a projection at a time: while another run holds the lock, a verify refuses and leaves that
+    # run's scratch table alone.
+    theirs = f"{table[:44]}_kafold_expected"
+    with db.connect(pg_config) as other:
+        other.execute("SELECT pg_advisory_lock(hashtext(%s))", (f"kafold.verify:{unique}",))
+        other.execute(sql.SQL("CREATE TABLE public.{} (account_id text)").format(sql.Identifier(theirs)))
+        refused = _verify(conf, unique, "--no-progress")
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        assert f"a verify of {unique!r} is already running" in refused.stderr, refused.stderr
+        assert _scratch_left(pg_config, table, unique) == [(theirs,)]
+        other.execute(sql.SQL("DROP TABLE public.{}").format(sql.Identifier(theirs)))

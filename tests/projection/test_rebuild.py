@@ -249,7 +249,7 @@ def test_a_rebuild_killed_halfway_resumes_and_finishes_correctly(
     after = rebuild_state.state(pg_config, unique)
     assert after is not None and after["phase"] == "swapped"
     assert after["started_at"] == before["started_at"]  # resumed, not restarted
-    assert "rebuild resumed" in log.read_text()
+    assert "rebuild.resumed" in log.read_text()
     assert read_table(pg_config, table) == fold(events) and "acc-0" not in read_table(pg_config, table)
     assert [d[:2] for d in dead_letters(pg_config, unique)] == [(topic, 1)]  # recorded once, by the live one
     assert _count(pg_config, "SELECT count(*) FROM kafold.tombstones WHERE namespace = %s", f"{unique}:rebuild") == 0
@@ -339,7 +339,7 @@ def test_a_rebuild_killed_in_the_tail_phase_resumes_and_finishes_under_traffic(
                 with open(log, "ab") as out:
                     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
                 try:
-                    wait_for(lambda: "swap not possible yet" in log.read_text() or proc.poll() is not None,
+                    wait_for(lambda: "rebuild.retrying" in log.read_text() or proc.poll() is not None,
                              "a swap attempt to be refused the lock", 120)
                 finally:
                     proc.send_signal(signal.SIGKILL)
@@ -364,5 +364,5 @@ def test_a_rebuild_killed_in_the_tail_phase_resumes_and_finishes_under_traffic(
     after = rebuild_state.state(pg_config, unique)
     assert after is not None and after["phase"] == "swapped" and after["started_at"] == before["started_at"]
     text = log.read_text()
-    assert "rebuild resumed" in text and "rebuild swapped" in text
+    assert "rebuild.resumed" in text and "rebuild.swapped" in text
     assert read_table(pg_config, table) == fold(all_events)

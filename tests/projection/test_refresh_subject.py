@@ -6,8 +6,6 @@ of unprotected event types are refused."""
 
 from __future__ import annotations
 
-import base64
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -16,39 +14,43 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from kafold import config, db, topics
+from kafold import db
 from kafold.config import KafkaConfig
 from kafold.testing import free_port
-from tests.aggregates.test_idempotency import Outside
-from tests.aggregates.test_protect_daemon import KAFOLD, MASTER_VAR, PLACEHOLDER, _config, _rows
-from tests.daemon.daemon_support import daemon_in_process
+from tests.aggregates.agg_support import (
+    KAFOLD,
+    PLACEHOLDER,
+    customer_client,
+    master_key,
+    protected_customer_toml,
+    ready_daemon,
+    register,
+)
+from tests.aggregates.agg_support import customer_rows as _rows
+from tests.aggregates.agg_support import kafold_cli as _cli
+from tests.projection.test_projection_verify import _logged
 from tests.support import child_env, wait_for
 from tests.support.receiver import Receiver
 
 pytestmark = pytest.mark.integration
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([KAFOLD, *args], capture_output=True, text=True, timeout=300, env=child_env())
-
-
 def test_refresh_folds_a_forgotten_subjects_rows_again_under_live_traffic(
         kafka_config: KafkaConfig, pg_url: str, unique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(MASTER_VAR, base64.b64encode(os.urandom(32)).decode())
+    master_key(monkeypatch)
     receiver = Receiver()
     table = f"customers_{unique[-8:]}"
-    conf = _config(tmp_path / "kafold.toml", kafka_config, pg_url, unique, free_port(), table, receiver.start())
-    loaded = config.load_file(conf)
-    assert topics.ensure(kafka_config, config.topic_map(loaded.config).values()).ok
-    client = Outside(kafka_config, loaded.config.aggregates[0])
+    conf = tmp_path / "kafold.toml"
+    conf.write_text(protected_customer_toml(kafka_config, pg_url, unique, free_port(), table=table,
+                                            hook=receiver.start()))
+    _, client = customer_client(conf, kafka_config)
     # subjects of this test only: the tests share one PostgreSQL, each with a master key of its own
     kept, gone = f"{unique[-8:]}-kept", f"{unique[-8:]}-gone"
     emails = {kept: "kept.secret@example.com", gone: "gone.secret@example.com"}
     try:
-        with daemon_in_process(conf) as d:
-            wait_for(lambda: d.get("/ready")[0] == 200, "the daemon ready", 120)
-            for cid, email in emails.items():
-                client.send(f"reg-{cid}", cid, "Register", {"email": email, "name": cid.upper()})
+        with ready_daemon(conf):
+            register(client, emails)
+            for cid in emails:
                 client.send(f"ren-{cid}", cid, "Rename", {"name": f"{cid}-renamed"})
             client.wait()
             wait_for(lambda: _rows(pg_url, table).get(gone) == (emails[gone], f"{gone}-renamed"), "rows projected")
@@ -69,6 +71,9 @@ def test_refresh_folds_a_forgotten_subjects_rows_again_under_live_traffic(
             out, err = running.communicate(timeout=300)
             assert running.returncode == 0, out + err
             assert "folded again" in out, out
+            logged = _logged(err)  # its log events are named for what it does, not a rebuild's
+            assert logged >= {"refresh.started", "refresh.rows_replaced", "refresh.done"}, err
+            assert not any(e.startswith("rebuild.") for e in logged), err
             client.send(f"last-{gone}", gone, "Rename", {"name": "last"})
             client.send(f"last-{kept}", kept, "Rename", {"name": "last"})
             client.wait()
@@ -117,15 +122,15 @@ set = {{ name = "payload.name" }}
 
 def test_refresh_leaves_a_row_held_behind_a_dead_letter_and_says_so(
         kafka_config: KafkaConfig, pg_url: str, unique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(MASTER_VAR, base64.b64encode(os.urandom(32)).decode())
+    master_key(monkeypatch)
     receiver = Receiver()
     table = f"customers_{unique[-8:]}"
-    conf = _config(tmp_path / "kafold.toml", kafka_config, pg_url, unique, free_port(), table, receiver.start())
-    loaded = config.load_file(conf)
-    assert topics.ensure(kafka_config, config.topic_map(loaded.config).values()).ok
-    client = Outside(kafka_config, loaded.config.aggregates[0])
+    conf = tmp_path / "kafold.toml"
+    conf.write_text(protected_customer_toml(kafka_config, pg_url, unique, free_port(), table=table,
+                                            hook=receiver.start()))
+    cfg, client = customer_client(conf, kafka_config)
     count = sql.SQL("SELECT count(*) FROM {} WHERE connector = %s AND hold_key IS NOT NULL").format(
-        db.table(loaded.config.postgres, "dead_letters"))
+        db.table(cfg.postgres, "dead_letters"))
     held = f"{unique[-8:]}-held"
 
     def dead_letters(connector: str) -> int:
@@ -134,8 +139,7 @@ def test_refresh_leaves_a_row_held_behind_a_dead_letter_and_says_so(
             return int(row[0]) if row else 0
 
     try:
-        with daemon_in_process(conf) as d:
-            wait_for(lambda: d.get("/ready")[0] == 200, "the daemon ready", 120)
+        with ready_daemon(conf):
             client.send(f"reg-{held}", held, "Register", {"email": "held.secret@example.com", "name": "first"})
             client.wait()
             wait_for(lambda: held in _rows(pg_url, table), "the row projected")

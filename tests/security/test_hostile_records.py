@@ -41,7 +41,9 @@ PG_SECRET = f"pg-secret-{uuid.uuid4().hex}"
 
 
 @dataclass
-class Outcome:
+class Scenario:
+    """The module's run, done once: what went in and where each record ended."""
+
     name: str
     topic: str
     table: str
@@ -75,7 +77,7 @@ class LogLines:
 
 
 @pytest.fixture(scope="module")
-def outcome(kafka_config: KafkaConfig, pg_config: PostgresConfig) -> Outcome:
+def outcome(kafka_config: KafkaConfig, pg_config: PostgresConfig) -> Scenario:
     name = f"kt.hostile.{uuid.uuid4().hex[:8]}"
     topic, table = f"{name}.events", f"acc_{uuid.uuid4().hex[:10]}"
     cfg = settings(name, topic, table, on_unknown_type="dead-letter")
@@ -98,17 +100,17 @@ def outcome(kafka_config: KafkaConfig, pg_config: PostgresConfig) -> Outcome:
             # it, hostile or not, was applied, skipped or dead-lettered in a committed transaction.
             wait_for_offsets(pgc, name, topic, ends_of(coords), runner, timeout=180)
             assert not runner.failed, runner.error
-    return Outcome(name, topic, table, [*good, last], {h.name: h for h in corpus}, hostile_coords,
+    return Scenario(name, topic, table, [*good, last], {h.name: h for h in corpus}, hostile_coords,
                    coords[-2], logs.lines, read_all(kafka_config, cfg.dlq_topic))
 
 
-def test_every_good_event_is_projected_and_nothing_hostile_is(outcome: Outcome, pg_config: PostgresConfig) -> None:
+def test_every_good_event_is_projected_and_nothing_hostile_is(outcome: Scenario, pg_config: PostgresConfig) -> None:
     """The table equals the independent fold of the good events: no hostile row, no stale forgery, no loss."""
     assert read_table(pg_config, outcome.table) == fold(outcome.good)
 
 
 def test_each_hostile_record_is_dead_lettered_with_its_reason_and_coordinates(
-        outcome: Outcome, pg_config: PostgresConfig) -> None:
+        outcome: Scenario, pg_config: PostgresConfig) -> None:
     rows = {(p, o): (topic, reason, msg) for topic, p, o, reason, _cls, msg in dead_letters(pg_config, outcome.name)}
     problems = []
     for name, at in outcome.coords.items():
@@ -121,7 +123,7 @@ def test_each_hostile_record_is_dead_lettered_with_its_reason_and_coordinates(
     assert len(rows) == len(outcome.coords)
 
 
-def test_each_hostile_record_is_on_the_dlq_topic_with_its_coordinates(outcome: Outcome) -> None:
+def test_each_hostile_record_is_on_the_dlq_topic_with_its_coordinates(outcome: Scenario) -> None:
     seen = {}
     for m in outcome.dlq:
         h = {k: (v or b"").decode("utf-8", "replace") for k, v in m.headers()}
@@ -132,8 +134,8 @@ def test_each_hostile_record_is_on_the_dlq_topic_with_its_coordinates(outcome: O
     assert seen == {at: outcome.hostile[name].reason for name, at in outcome.coords.items()}
 
 
-def test_no_log_line_carries_a_secret_or_a_payload(outcome: Outcome) -> None:
-    dead = [line for line in outcome.log_lines if "dead-lettered" in line]
+def test_no_log_line_carries_a_secret_or_a_payload(outcome: Scenario) -> None:
+    dead = [line for line in outcome.log_lines if "dlq.record_dead_lettered" in line]
     assert len(dead) >= len(outcome.coords)  # the capture saw the runner's log lines
     leaks = [line for line in outcome.log_lines if PG_SECRET in line or CANARY in line]
     assert not leaks, leaks[:3]

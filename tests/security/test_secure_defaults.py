@@ -175,7 +175,7 @@ def test_daemon_start_logs_no_secret_and_binds_its_api_to_localhost_behind_the_t
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, err[-2000:]
-    assert '"record dead-lettered"' in err and '"daemon started"' in err  # the capture holds the daemon's log
+    assert '"dlq.record_dead_lettered"' in err and '"daemon.started"' in err  # the capture holds the daemon's log
     for secret in (token, pg_password, CANARY):
         assert secret not in out + err
 

@@ -109,7 +109,9 @@ action = "delete"
 
 
 @dataclass
-class Outcome:
+class Scenario:
+    """The module's run, done once: what went in and where each record ended."""
+
     name: str
     topic: str
     table: str
@@ -121,7 +123,7 @@ class Outcome:
 
 @pytest.fixture(scope="module")
 def outcome(kafka_config: KafkaConfig, pg_config: PostgresConfig, tmp_path_factory: pytest.TempPathFactory
-            ) -> Outcome:
+            ) -> Scenario:
     name = f"kt.untranslatable.{uuid.uuid4().hex[:8]}"
     topic, table = f"{name}.events", f"acc_{uuid.uuid4().hex[:10]}"
     create_topic(kafka_config, topic, partitions=2)
@@ -146,7 +148,7 @@ def outcome(kafka_config: KafkaConfig, pg_config: PostgresConfig, tmp_path_facto
 
         wait_for(done, f"stored offsets {ends}", 120)
         assert thread.is_alive(), "the daemon exited"
-    return Outcome(name, topic, table, path, good, hostile,
+    return Scenario(name, topic, table, path, good, hostile,
                    dict(zip((c.name for c in hostile), coords[half:half + len(hostile)], strict=True)))
 
 
@@ -158,11 +160,11 @@ def _dead(pg: PostgresConfig, name: str) -> dict[tuple[int, int], dict[str, Any]
     return {(r["partition"], r["offset"]): r for r in rows}
 
 
-def test_the_valid_events_around_them_are_projected(outcome: Outcome, pg_config: PostgresConfig) -> None:
+def test_the_valid_events_around_them_are_projected(outcome: Scenario, pg_config: PostgresConfig) -> None:
     assert read_table(pg_config, outcome.table) == fold(outcome.good)
 
 
-def test_each_record_is_a_dead_letter_holding_its_original_bytes(outcome: Outcome, pg_config: PostgresConfig
+def test_each_record_is_a_dead_letter_holding_its_original_bytes(outcome: Scenario, pg_config: PostgresConfig
                                                                  ) -> None:
     dead = _dead(pg_config, outcome.name)
     assert len(dead) == len(outcome.cases)
@@ -176,7 +178,7 @@ def test_each_record_is_a_dead_letter_holding_its_original_bytes(outcome: Outcom
             assert "\x00" not in row[column]
 
 
-def test_a_nul_bound_for_a_text_column_is_refused_with_a_clear_reason(outcome: Outcome,
+def test_a_nul_bound_for_a_text_column_is_refused_with_a_clear_reason(outcome: Scenario,
                                                                       pg_config: PostgresConfig) -> None:
     dead = _dead(pg_config, outcome.name)
     for name in ("nul-in-text-column", "nul-in-row-key"):
@@ -191,7 +193,7 @@ def _main(*argv: str) -> int:
     return int(args.handler(args))
 
 
-def test_dlq_list_shows_them_with_no_control_character(outcome: Outcome, capsys: pytest.CaptureFixture[str]) -> None:
+def test_dlq_list_shows_them_with_no_control_character(outcome: Scenario, capsys: pytest.CaptureFixture[str]) -> None:
     assert _main("dlq", "list", "-c", str(outcome.config), "--connector", outcome.name) == 0
     out = capsys.readouterr().out
     assert f"{len(outcome.cases)} dead letter(s)" in out
@@ -199,7 +201,7 @@ def test_dlq_list_shows_them_with_no_control_character(outcome: Outcome, capsys:
 
 
 def test_dlq_show_prints_each_with_its_control_characters_escaped(
-        outcome: Outcome, pg_config: PostgresConfig, capsys: pytest.CaptureFixture[str]) -> None:
+        outcome: Scenario, pg_config: PostgresConfig, capsys: pytest.CaptureFixture[str]) -> None:
     dead = _dead(pg_config, outcome.name)
     for case in outcome.cases:
         row = dead[outcome.coords[case.name]]
