@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from kafold import logs
-from kafold.envelope import Event, reshaped
+from kafold.envelope import Event, adopt_payload
 from kafold.errors import ConfigError, FatalError, KafoldError, RecordError
 
 if TYPE_CHECKING:
@@ -143,7 +143,9 @@ class Cipher:
         """`seal` under a data key's AESGCM object (the KeyRing keeps one per key)."""
         nonce = os.urandom(NONCE_BYTES)
         sealed = aead.encrypt(nonce, orjson.dumps(value), aad)
-        return PREFIX + base64.urlsafe_b64encode(key_id + nonce + sealed).decode()
+        # base64.urlsafe_b64encode without its Python-level steps
+        return PREFIX + binascii.b2a_base64(key_id + nonce + sealed, newline=False).decode().replace(
+            "+", "-").replace("/", "_")
 
     @staticmethod
     def blob(token: str) -> bytes:
@@ -545,6 +547,13 @@ class Protector:
             return payload
         subject = rule.subject_of(aggregate_id, payload)
         key_id, aead = self.ring.sealer(subject)
+        if rule.top_only:  # the common case: top-level fields, sealed without the walk or a closure
+            out = dict(payload)
+            for name in rule.top:
+                value = out.get(name)
+                if value is not None:
+                    out[name] = Cipher.seal_with(aead, key_id, value, f"{subject}\0{type_name}\0{name}".encode())
+            return out
         return _each(payload, rule.paths,
                      lambda path, v: Cipher.seal_with(aead, key_id, v, aad(subject, type_name, path)))
 
@@ -621,8 +630,9 @@ class Protector:
         return Cipher.open_blob(aead, blob, state_aad(aggregate, aggregate_id))
 
     def event(self, event: Event, raw: Any = None) -> Event:
-        """A decoded event with its protected fields opened (the sink intake's hook); RecordError with reason
-        `decrypt-failed` when one does not authenticate."""
+        """A decoded event with its protected fields opened (the sink intake's hook, on the event it has just
+        decoded: the opened payload replaces the event's own in place); RecordError with reason `decrypt-failed`
+        when one does not authenticate."""
         rule = self.rules.get((event.aggregate_type, event.type))
         if rule is None:
             return event
@@ -630,7 +640,7 @@ class Protector:
             payload = self._unsealed(rule, event.type, event.aggregate_id, event.payload)
         except (DecryptError, ValueError) as e:
             raise RecordError(f"event {event.event_id}: {e}", raw=raw, reason="decrypt-failed") from e
-        return reshaped(event, event.type, event.schema_version, payload)
+        return adopt_payload(event, payload)  # the intake's own, just decoded (see Intake.event)
 
 
 def _each(payload: dict[str, Any], paths: Iterable[tuple[str, ...]], fn: Callable[[str, Any], Any]
