@@ -10,11 +10,10 @@ from __future__ import annotations
 import base64
 import time
 from collections.abc import Sequence
+from enum import StrEnum
 from typing import Any
 
-import structlog
-
-from kafold import kafka_clients
+from kafold import kafka_clients, logs
 from kafold.config import KafkaConfig
 from kafold.connectors.api import ErrantRecordReporter, RawRecord
 from kafold.envelope import Headers
@@ -34,7 +33,20 @@ MAX_MESSAGE_CHARS = 2000
 # hostile record keeps its coordinates and error, its value stays in the source topic (and kafold.dead_letters).
 MAX_VALUE_BYTES = 900_000
 
-log = structlog.get_logger("kafold.connectors.dlq")
+log = logs.get("kafold.connectors.dlq")
+
+
+class DeadLetterStatus(StrEnum):
+    """A dead letter's state in `<schema>.dead_letters` (the values are stored there; migrations/tables.py)."""
+
+    NEW = "new"  # as it was dead-lettered (a projection's row key it carries is held behind it)
+    HELD = "held"  # a projection's event held behind an earlier dead letter of its row key, never applied yet
+    REPLAYED = "replayed"
+    DISCARDED = "discarded"
+
+
+# Not yet replayed or discarded: a row key such a dead letter carries is held back.
+OPEN_STATUSES = (DeadLetterStatus.NEW, DeadLetterStatus.HELD)
 
 
 # ---- what PostgreSQL can hold --------------------------------------------------------------------------------

@@ -7,8 +7,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
+from kafold import logs
 from kafold.connectors.api import Connector, SinkRecord, SinkTask, SinkTaskContext, TaskConfig, TopicPartition
 from kafold.schema import setting
 
@@ -26,7 +25,7 @@ class LogSinkTask(SinkTask):
 
     def start(self, task_config: TaskConfig[LogSinkConfig], context: SinkTaskContext) -> None:
         self.config = task_config.config
-        self.log = structlog.get_logger("kafold.connectors.log").bind(
+        self.log = logs.get("kafold.connectors.log").bind(
             connector=context.connector_name, task=context.task_id)
 
     def put(self, records: Sequence[SinkRecord]) -> None:

@@ -31,11 +31,10 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-import structlog
 from confluent_kafka import KafkaException
 from confluent_kafka import TopicPartition as KafkaTP
 
-from kafold import kafka_clients, tracing, upcast
+from kafold import kafka_clients, logs, tracing, upcast
 from kafold.config import DaemonConfig, KafkaConfig
 from kafold.connectors.api import (
     Connector,
@@ -55,7 +54,7 @@ from kafold.daemon.liveness import STATS_INTERVAL_MS, GroupState, GroupWatch
 from kafold.daemon.progress import BatchStats, PartitionProgress, ProgressTracker, last_event_times
 from kafold.errors import FatalError, KafoldError, RecordError, RetriableError
 
-log = structlog.get_logger("kafold.daemon.runner")
+log = logs.get("kafold.daemon.runner")
 
 MAX_BACKOFF_S = 10.0
 # librdkafka's prefetch queue per consumer (queued.max.messages.kbytes; its default is 64 MB) and how long the

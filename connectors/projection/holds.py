@@ -27,8 +27,9 @@ from kafold import db
 from kafold.config import PostgresConfig
 from kafold.connectors.api import SinkRecord
 from kafold.connectors.convert.api import Converter
-from kafold.connectors.dlq import stored_headers
+from kafold.connectors.dlq import DeadLetterStatus, stored_headers
 from kafold.connectors.intake import Intake
+from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.mapping import Mapping
 from kafold.connectors.projection.writer import BatchResult, ProjectionWriter, holds_lock
@@ -73,8 +74,9 @@ class _Refused(KafoldError):
 def held_keys(pgc: PostgresConfig, connector: str | None = None) -> dict[str, int]:
     """Row keys held back behind a dead letter, per connector (from the dead-letter table)."""
     where = sql.SQL(" AND connector = %s" if connector else "")
-    query = sql.SQL("SELECT connector, count(DISTINCT hold_key) FROM {} WHERE status IN ('new', 'held') "
-                    "AND hold_key IS NOT NULL{} GROUP BY connector").format(db.table(pgc, "dead_letters"), where)
+    query = sql.SQL("SELECT connector, count(DISTINCT hold_key) FROM {} WHERE status IN {} "
+                    "AND hold_key IS NOT NULL{} GROUP BY connector").format(db.table(pgc, "dead_letters"), q.OPEN,
+                                                                            where)
     with db.connect(pgc) as conn:
         rows = conn.execute(query, (connector,) if connector else ()).fetchall()
     return {name: int(n) for name, n in rows}
@@ -108,6 +110,7 @@ class Release:
 
     # ---- reading ------------------------------------------------------------------------------------------
     def _one(self, where: str, params: tuple[Any, ...]) -> dict[str, Any] | None:
+        """The first dead letter of this connector matching `where` (SQL with %s placeholders for `params`)."""
         conn = self.writer.connection()
         with conn.cursor(row_factory=dict_row) as cur:
             return cur.execute(sql.SQL("SELECT " + COLUMNS + " FROM {} WHERE connector = %s AND " + where +
@@ -118,12 +121,13 @@ class Release:
         return f"{r['topic']}[{r['partition']}]@{r['offset']}"
 
     def _head(self, hold_key: str) -> dict[str, Any] | None:
-        return self._one("hold_key = %s AND status = 'new'", (hold_key,))
+        return self._one("hold_key = %s AND status = %s", (hold_key, DeadLetterStatus.NEW.value))
 
-    def _set(self, conn: psycopg.Connection[Any], dead_id: int, status: str, error: str | None = None) -> None:
-        conn.execute(sql.SQL("UPDATE {} SET status = %s, replayed_at = CASE WHEN %s = 'replayed' THEN now() ELSE "
-                             "replayed_at END, error_message = coalesce(%s, error_message) WHERE id = %s").format(
-            self._dead), (status, status, error, dead_id))
+    def _set(self, conn: psycopg.Connection[Any], dead_id: int, status: DeadLetterStatus,
+             error: str | None = None) -> None:
+        conn.execute(sql.SQL("UPDATE {} SET status = %s, replayed_at = CASE WHEN %s THEN now() ELSE replayed_at END, "
+                             "error_message = coalesce(%s, error_message) WHERE id = %s").format(self._dead),
+                     (status.value, status is DeadLetterStatus.REPLAYED, error, dead_id))
 
     # ---- actions ------------------------------------------------------------------------------------------
     def replay(self, dead_id: int, value: bytes | None = None) -> list[DeadLetterAction]:
@@ -132,7 +136,7 @@ class Release:
         r = self._one("id = %s", (dead_id,))
         if r is None:
             raise KafoldError(f"no dead letter with id {dead_id} for connector {self.name!r}")
-        if r["status"] == "held":
+        if r["status"] == DeadLetterStatus.HELD:
             head = self._head(r["hold_key"])
             behind = f"dead letter #{head['id']} ({self._where(head)})" if head else "an earlier dead letter"
             return [DeadLetterAction(dead_id, self._where(r), Disposition.HELD,
@@ -140,7 +144,7 @@ class Release:
                                      "first (this one follows it)")]
         if value is not None:
             r["value"] = value
-        heads = r["status"] == "new" and r["hold_key"] is not None
+        heads = r["status"] == DeadLetterStatus.NEW and r["hold_key"] is not None
         first = self._apply(r, mark_always=False)
         out = [first]
         if heads and first.applied:
@@ -155,12 +159,12 @@ class Release:
             raise KafoldError(f"no dead letter with id {dead_id} for connector {self.name!r}")
         conn = self.writer.connection()
         with db.transaction(conn):
-            self._set(conn, dead_id, "discarded")
-        if r["status"] == "held":
+            self._set(conn, dead_id, DeadLetterStatus.DISCARDED)
+        if r["status"] == DeadLetterStatus.HELD:
             return [DeadLetterAction(dead_id, self._where(r), Disposition.DISCARDED,
                                      f"discarded: it will not be applied when row key {r['hold_key']} is released")]
         out = [DeadLetterAction(dead_id, self._where(r), Disposition.DISCARDED, "discarded (not applied)")]
-        if r["status"] == "new" and r["hold_key"] is not None:
+        if r["status"] == DeadLetterStatus.NEW and r["hold_key"] is not None:
             out += self._release(r["hold_key"])
         return out
 
@@ -168,7 +172,7 @@ class Release:
         """Apply the events held behind `hold_key`, oldest first, until none is left or one is refused."""
         out: list[DeadLetterAction] = []
         while True:
-            r = self._one("hold_key = %s AND status = 'held'", (hold_key,))
+            r = self._one("hold_key = %s AND status = %s", (hold_key, DeadLetterStatus.HELD.value))
             if r is None:
                 if out:
                     out[-1].detail += f"; row key {hold_key} released (no event held any more)"
@@ -178,15 +182,15 @@ class Release:
             if got.what == Disposition.REFUSED:
                 conn = self.writer.connection()
                 with db.transaction(conn):
-                    self._set(conn, r["id"], "new", got.detail)
+                    self._set(conn, r["id"], DeadLetterStatus.NEW, got.detail)
                 left = self._count_held(hold_key)
                 got.detail += f"; it now holds row key {hold_key} back ({left} event(s) held behind it)"
                 return out
 
     def _count_held(self, hold_key: str) -> int:
         row = self.writer.connection().execute(sql.SQL(
-            "SELECT count(*) FROM {} WHERE connector = %s AND hold_key = %s AND status = 'held'").format(
-            self._dead), (self.name, hold_key)).fetchone()
+            "SELECT count(*) FROM {} WHERE connector = %s AND hold_key = %s AND status = %s").format(
+            self._dead), (self.name, hold_key, DeadLetterStatus.HELD.value)).fetchone()
         return int(row[0]) if row else 0
 
     def _apply(self, r: dict[str, Any], *, mark_always: bool) -> DeadLetterAction:
@@ -210,7 +214,7 @@ class Release:
 
         def mark(conn: psycopg.Connection[Any], result: BatchResult) -> None:
             if mark_always or not (result.duplicates or result.stale):
-                self._set(conn, r["id"], "replayed")
+                self._set(conn, r["id"], DeadLetterStatus.REPLAYED)
 
         try:
             result = self.writer.write([record], advance=False, report=refuse, hold=False, then=mark)

@@ -78,7 +78,7 @@ from kafold import db, kafka_clients, logs, upcast
 from kafold.config import ConnectorConfig, KafkaConfig, KafoldConfig, PostgresConfig, RegistryConfig, python_path
 from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition
 from kafold.connectors.convert import converter_for
-from kafold.connectors.dlq import stored_headers
+from kafold.connectors.dlq import DeadLetterStatus, stored_headers
 from kafold.connectors.intake import Intake
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
@@ -809,15 +809,15 @@ class Rebuild:
         # dead letters count as replayed), and one the rebuild holds is held again, even if it had been repaired
         # in the old table (the repair was not in the topic the rebuild read).
         conn.execute(sql.SQL(
-            "UPDATE {} l SET status = 'replayed', replayed_at = now() WHERE l.connector = %s AND l.status IN "
-            "('new', 'held') AND l.hold_key IS NOT NULL AND NOT EXISTS (SELECT 1 FROM {} d WHERE d.connector = %s "
+            "UPDATE {} l SET status = %s, replayed_at = now() WHERE l.connector = %s AND l.status IN {} "
+            "AND l.hold_key IS NOT NULL AND NOT EXISTS (SELECT 1 FROM {} d WHERE d.connector = %s "
             "AND d.topic = l.topic AND d.partition = l.partition AND d.\"offset\" = l.\"offset\")").format(
-            dead, dead), (p.name, p.key))
+            dead, q.OPEN, dead), (DeadLetterStatus.REPLAYED.value, p.name, p.key))
         conn.execute(sql.SQL(
             "UPDATE {} l SET status = d.status, hold_key = d.hold_key, reason = d.reason, error_class = "
             "d.error_class, error_message = d.error_message, replayed_at = NULL FROM {} d WHERE d.connector = %s "
             "AND l.connector = %s AND d.topic = l.topic AND d.partition = l.partition AND d.\"offset\" = "
-            "l.\"offset\" AND d.hold_key IS NOT NULL AND d.status IN ('new', 'held')").format(dead, dead),
+            "l.\"offset\" AND d.hold_key IS NOT NULL AND d.status IN {}").format(dead, dead, q.OPEN),
             (p.key, p.name))
         # Records the new mapping refused become the live connector's dead letters (not lost); those the live
         # connector already recorded are dropped with the rest of the rebuild's bookkeeping.

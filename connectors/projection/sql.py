@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from psycopg import sql
 
+from kafold.connectors.dlq import OPEN_STATUSES, DeadLetterStatus
+
 TYPE_RE = re.compile(
     r"^[A-Za-z][A-Za-z0-9_]*( (precision|varying|with time zone|without time zone))?"
     r"(\(\s*\d{1,4}\s*(,\s*\d{1,4}\s*)?\))?"
@@ -189,7 +191,16 @@ def insert_dead_letters(dead_letters: sql.Composed) -> sql.Composed:
         "ON CONFLICT (connector, topic, partition, \"offset\") DO NOTHING").format(dead_letters)
 
 
+def statuses(*wanted: DeadLetterStatus) -> sql.Composed:
+    """`('new', 'held')`: dead-letter statuses as SQL literals, for `status IN {}` (literals, not parameters: the
+    planner then matches the partial index on the open statuses)."""
+    return sql.SQL("({})").format(sql.SQL(", ").join(sql.Literal(s.value) for s in wanted))
+
+
+OPEN = statuses(*OPEN_STATUSES)  # dead letters that hold their row key back
+
+
 def held_keys(dead_letters: sql.Composed) -> sql.Composed:
     """The row keys a connector holds back (heads and held events; a partial index covers exactly these rows)."""
-    return sql.SQL("SELECT DISTINCT hold_key FROM {} WHERE connector = %s AND status IN ('new', 'held') "
-                   "AND hold_key IS NOT NULL").format(dead_letters)
+    return sql.SQL("SELECT DISTINCT hold_key FROM {} WHERE connector = %s AND status IN {} "
+                   "AND hold_key IS NOT NULL").format(dead_letters, OPEN)

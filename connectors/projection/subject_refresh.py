@@ -150,7 +150,7 @@ class Refresh(Scratch):
         # holds lock taken by the swap transaction, so no live batch changes them meanwhile.
         held = {r[0] for r in conn.execute(sql.SQL(
             "SELECT DISTINCT hold_key FROM {} WHERE connector IN (%s, %s) AND hold_key IS NOT NULL AND status IN "
-            "('new', 'held')").format(db.table(p.pgc, "dead_letters")), (p.key, p.name)).fetchall()}
+            "{}").format(db.table(p.pgc, "dead_letters"), q.OPEN), (p.key, p.name)).fetchall()}
         skipped = {key for key in self.touched if hold_text(key) in held}
         self.result.held = len(skipped)
         self.touched -= skipped

@@ -76,7 +76,7 @@ from psycopg.types.json import Jsonb
 from kafold import db, logs
 from kafold.config import PostgresConfig
 from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition
-from kafold.connectors.dlq import headers_json, pg_text
+from kafold.connectors.dlq import DeadLetterStatus, headers_json, pg_text
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.fold import (
@@ -152,7 +152,7 @@ class _Call:
     prepared: Prepared | None = None  # `prepare` of the records, computed on the runner's thread
     hold: bool = False  # this write holds (holding, and not a release)
     then: Then | None = None  # runs in each committed transaction, last
-    hold_of: dict[int, tuple[str, str]] = field(default_factory=dict)  # id(error) -> (status, hold_key)
+    hold_of: dict[int, tuple[DeadLetterStatus, str]] = field(default_factory=dict)  # id(error) -> (status, hold_key)
 
 
 def tracking_prefix(namespace: str) -> bytes:
@@ -363,7 +363,7 @@ class ProjectionWriter:
                     report([(bad, error)])
                 head = self._head_text(call, bad)
                 if head is not None:
-                    call.hold_of[id(error)] = ("new", head)
+                    call.hold_of[id(error)] = (DeadLetterStatus.NEW, head)
                 done = self._transaction(call, [], [*dead, (RawRecord.of(bad), error)],
                                          {**offsets, bad.tp: bad.offset + 1}, None)
                 if head is not None:
@@ -421,7 +421,7 @@ class ProjectionWriter:
                 if text in self._held or text in heads:
                     continue
                 heads[text] = at[id(r)]
-                call.hold_of[id(err)] = ("new", text)
+                call.hold_of[id(err)] = (DeadLetterStatus.NEW, text)
             out.append((r, err))
         return out
 
@@ -602,7 +602,7 @@ class ProjectionWriter:
 
     def _merge_and_checkpoint(self, conn: psycopg.Connection[Any], upserts: bool, deletes: list[tuple[Any, ...]],
                               dead: list[DeadLetter], advance: dict[TopicPartition, int],
-                              buried: dict[tuple[Any, ...], int], hold_of: dict[int, tuple[str, str]]
+                              buried: dict[tuple[Any, ...], int], hold_of: dict[int, tuple[DeadLetterStatus, str]]
                               ) -> tuple[int, int]:
         """Steps (4)-(5) in ONE round trip: merge the staged rows (version-guarded), delete the removed ones (and
         record their tombstones), record the dead letters, move the checkpoints forward only (the commit follows);
@@ -645,7 +645,7 @@ class ProjectionWriter:
                 error = RecordError(f"held: an earlier event of row key {text} is dead-lettered; this one is applied "
                                     f"after it is replayed or discarded (kafold dlq list --connector "
                                     f"{self.connector} --status all)", raw=r, reason="held")
-                call.hold_of[id(error)] = ("held", text)
+                call.hold_of[id(error)] = (DeadLetterStatus.HELD, text)
                 out.append((RawRecord.of(r), error))
         return out
 
@@ -724,13 +724,14 @@ class ProjectionWriter:
             return orjson.dumps(value).decode()
         return value
 
-    def _dead_row(self, raw: RawRecord, error: BaseException, hold_of: dict[int, tuple[str, str]]
+    def _dead_row(self, raw: RawRecord, error: BaseException, hold_of: dict[int, tuple[DeadLetterStatus, str]]
                   ) -> tuple[Any, ...]:
         cls = type(error)
-        status, hold_key = hold_of.get(id(error), ("new", None))
+        status, hold_key = hold_of.get(id(error), (DeadLetterStatus.NEW, None))
         return (self.connector, raw.topic, raw.partition, raw.offset, raw.key, raw.value,
                 Jsonb(headers_json(raw.headers)), pg_text(f"{cls.__module__}.{cls.__qualname__}"),
-                pg_text(str(error)[:2000]), pg_text(str(getattr(error, "reason", "task-error"))), status, hold_key)
+                pg_text(str(error)[:2000]), pg_text(str(getattr(error, "reason", "task-error"))), status.value,
+                hold_key)
 
 
 _TEXT, _INT = (str,), (int,)

@@ -18,7 +18,7 @@ from rich.text import Text
 from kafold import config, db, devstack, kafka_clients, upcast
 from kafold.cli import add_config_arg
 from kafold.connectors.convert import converter_for
-from kafold.connectors.dlq import stored_headers
+from kafold.connectors.dlq import OPEN_STATUSES, DeadLetterStatus, stored_headers
 from kafold.connectors.projection import ProjectionConnector
 from kafold.connectors.projection.holds import Release
 from kafold.connectors.projection.mapping import Mapping, load_mapper
@@ -26,7 +26,7 @@ from kafold.connectors.registry import instantiate
 from kafold.errors import ConfigError, KafoldError
 from kafold.terminal import visible
 
-STATUSES = ("new", "held", "replayed", "discarded")
+STATUSES = tuple(s.value for s in DeadLetterStatus)
 
 
 def register(sub: Any) -> None:
@@ -35,7 +35,7 @@ def register(sub: Any) -> None:
     ls = dsub.add_parser("list", help="dead letters, newest first")
     add_config_arg(ls)
     ls.add_argument("--connector", help="only this connector's")
-    ls.add_argument("--status", choices=(*STATUSES, "all"), default="new", help="default: new")
+    ls.add_argument("--status", choices=(*STATUSES, "all"), default=DeadLetterStatus.NEW.value, help="default: new")
     ls.add_argument("--limit", type=int, default=50)
     ls.set_defaults(handler=list_)
     show = dsub.add_parser("show", help="one dead letter in full: coordinates, error, headers, key and value")
@@ -138,7 +138,7 @@ def _selected(args: argparse.Namespace, pgc: config.PostgresConfig) -> list[dict
         if missing:
             raise KafoldError(f"no dead letter with id {', '.join(map(str, missing))}")
     elif getattr(args, "all", False) and args.connector:
-        rows = _rows(pgc, "connector = %s AND status = 'new'", (args.connector,))
+        rows = _rows(pgc, "connector = %s AND status = %s", (args.connector, DeadLetterStatus.NEW.value))
     else:
         raise KafoldError("name dead-letter ids, or --connector NAME --all")
     if getattr(args, "value_file", None) is not None and len(rows) != 1:
@@ -160,14 +160,14 @@ def replay(args: argparse.Namespace) -> int:
     applied = 0
     by_topic = [r for r in rows if r["connector"] not in projections]
     if by_topic:
-        holding = [r["id"] for r in by_topic if r["hold_key"] is not None and r["status"] in ("new", "held")]
+        holding = [r["id"] for r in by_topic if r["hold_key"] is not None and r["status"] in OPEN_STATUSES]
         if holding:
             raise KafoldError(f"dead letter(s) {', '.join(map(str, holding))} hold a projection's row key back: "
                               "re-published, they would land behind the events they hold; replay them with --to "
                               "apply (the default)")
         cfg = devstack.effective(cfg, need=("postgres", "kafka"))
         _to_topic(cfg, by_topic)
-        _mark(cfg.postgres, [r["id"] for r in by_topic], "replayed")
+        _mark(cfg.postgres, [r["id"] for r in by_topic], DeadLetterStatus.REPLAYED)
         for r in by_topic:
             print(visible(f"#{r['id']} {r['topic']}[{r['partition']}]@{r['offset']}: re-published to the source "
                           "topic"))
@@ -220,26 +220,26 @@ def _to_topic(cfg: config.KafoldConfig, rows: list[dict[str, Any]]) -> None:
         raise KafoldError(f"re-publishing failed: {errors[:3] or 'not acknowledged within 30 s'}; nothing marked")
 
 
-def _mark(pgc: config.PostgresConfig, ids: list[int], status: str) -> None:
+def _mark(pgc: config.PostgresConfig, ids: list[int], status: DeadLetterStatus) -> None:
     from psycopg import sql
 
-    query = sql.SQL("UPDATE {} SET status = %s, replayed_at = CASE WHEN %s = 'replayed' THEN now() "
+    query = sql.SQL("UPDATE {} SET status = %s, replayed_at = CASE WHEN %s THEN now() "
                     "ELSE replayed_at END WHERE id = ANY(%s)").format(db.table(pgc, "dead_letters"))
     with db.connect(pgc) as conn:
-        conn.execute(query, (status, status, ids))
+        conn.execute(query, (status.value, status is DeadLetterStatus.REPLAYED, ids))
 
 
 def discard(args: argparse.Namespace) -> int:
     cfg, base = _cfg(args)
     rows = _selected(args, cfg.postgres)
-    holding = {r["connector"] for r in rows if r["hold_key"] is not None and r["status"] in ("new", "held")}
+    holding = {r["connector"] for r in rows if r["hold_key"] is not None and r["status"] in OPEN_STATUSES}
     projections = _projections(cfg, base, holding, args.config)
     missing = sorted(holding - set(projections))
     if missing:
         raise ConfigError([f"connectors: {name!r} (whose dead letters hold row keys back) is not a postgres-projection "
                            "connector in the configuration" for name in missing])
     plain = [r for r in rows if r["connector"] not in projections]
-    _mark(cfg.postgres, [r["id"] for r in plain], "discarded")
+    _mark(cfg.postgres, [r["id"] for r in plain], DeadLetterStatus.DISCARDED)
     for r in plain:
         print(visible(f"#{r['id']} {r['topic']}[{r['partition']}]@{r['offset']}: discarded (not applied)"))
     for name, release in projections.items():

@@ -3,6 +3,7 @@ equals the live result; a rebuild killed while copying or in the tail phase resu
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import signal
 import subprocess
@@ -199,7 +200,7 @@ def test_a_rebuild_killed_halfway_resumes_and_finishes_correctly(
         kafka_config: KafkaConfig, pg_config: PostgresConfig, pg_url: str, unique: str, tmp_path: Path) -> None:
     topic, table = f"{unique}.events", table_name()
     create_topic(kafka_config, topic, partitions=2)
-    events = history(accounts=400, deposits=24, close_every=9)
+    events = history(accounts=800, deposits=24, close_every=9)  # a copy of a few seconds: room to kill it halfway
     poison = (1, b"acc-1", b"not an envelope", None)  # dead-lettered by the live connector and by the rebuild
     # Late duplicates of a closed account's events (acc-0): the live connector knows them by its tracking records,
     # the rebuild (resumed, nothing of it in memory) by acc-0's tombstone.
@@ -220,10 +221,18 @@ def test_a_rebuild_killed_halfway_resumes_and_finishes_correctly(
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     workers: list[psutil.Process] = []
+
+    def under_way() -> bool:
+        # The copy workers are noted as soon as they show (multiprocessing's spawned interpreters), not only when
+        # the progress is seen: on a fast moment the copy of these events takes about a second.
+        if len(workers) < 2 and proc.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                workers[:] = [c for c in psutil.Process(proc.pid).children()
+                              if any("spawn_main" in part for part in c.cmdline())]
+        return (len(workers) >= 2 and covered() >= 1000) or proc.poll() is not None
+
     try:
-        wait_for(lambda: covered() >= 1000 or proc.poll() is not None, "the rebuild to be under way", 60)
-        workers = [c for c in psutil.Process(proc.pid).children()  # multiprocessing's spawned interpreters
-                   if any("spawn_main" in part for part in c.cmdline())]
+        wait_for(under_way, "the rebuild to be under way", 60)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
