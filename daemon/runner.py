@@ -480,7 +480,7 @@ class SinkRunner(LoopHandler):
             got[:] = [intake.record(m, *at)]
 
         def warn(e: RetriableError, delay: float) -> None:
-            self.log.warning("connector.decode_retrying", topic=at[0], partition=at[1], offset=at[2],
+            self.log.warning("runner.decode_retrying", topic=at[0], partition=at[1], offset=at[2],
                              error=str(e), retry_in_s=round(delay, 2))
 
         warn(first, 0.0)

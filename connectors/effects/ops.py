@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from enum import StrEnum
 from typing import Any
 
 import psycopg
@@ -88,19 +89,27 @@ def wait_all(pg: PostgresConfig, connector: str | None, timeout_s: float) -> tup
         time.sleep(0.2)
 
 
-def wait(pg: PostgresConfig, connector: str, key: str, timeout_s: float) -> str:
-    """`released`, `parked` (the retry failed again) or `pending` (no daemon answered within the timeout)."""
+class WaitOutcome(StrEnum):
+    """What became of a key's requested retry or skip, as `wait` saw it (the values are what the CLI reports)."""
+
+    RELEASED = "released"
+    PARKED = "parked"  # the retry failed again
+    PENDING = "pending"  # no daemon answered within the timeout
+
+
+def wait(pg: PostgresConfig, connector: str, key: str, timeout_s: float) -> WaitOutcome:
+    """Once the daemon answers a request for `key`, or at the timeout: what became of it."""
     keys = table(pg.schema, "effect_parked_keys")
     deadline = time.monotonic() + timeout_s
     while True:
         rows = _query(pg, sql.SQL("SELECT requested_action FROM {} WHERE connector = %s AND key = %s").format(keys),
                       (connector, key))
         if not rows:
-            return "released"
+            return WaitOutcome.RELEASED
         if rows[0]["requested_action"] is None:
-            return "parked"
+            return WaitOutcome.PARKED
         if time.monotonic() >= deadline:
-            return "pending"
+            return WaitOutcome.PENDING
         time.sleep(0.2)
 
 

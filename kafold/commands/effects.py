@@ -89,12 +89,13 @@ def handle_release(args: argparse.Namespace) -> int:
         print(visible(f"{args.action} of key {args.key!r} ({connector}) requested"))
         return 0
     result = ops.wait(pg, connector, args.key, args.wait)
-    print(visible({"released": f"key {args.key!r} ({connector}) released: its parked events were delivered in order",
-           "parked": f"key {args.key!r} ({connector}) is parked again: an event failed again "
-                     "(see `kafold effects parked list`)",
-           "pending": f"no daemon answered within {args.wait:g}s; the request stays and runs when the "
-                      f"connector's daemon does"}[result]))
-    return 0 if result == "released" else 1
+    print(visible({
+        ops.WaitOutcome.RELEASED: f"key {args.key!r} ({connector}) released: its parked events were delivered in order",
+        ops.WaitOutcome.PARKED: f"key {args.key!r} ({connector}) is parked again: an event failed again "
+                                "(see `kafold effects parked list`)",
+        ops.WaitOutcome.PENDING: f"no daemon answered within {args.wait:g}s; the request stays and runs when the "
+                                 f"connector's daemon does"}[result]))
+    return 0 if result is ops.WaitOutcome.RELEASED else 1
 
 
 def _release_all(args: argparse.Namespace, pg: config.PostgresConfig) -> int:

@@ -101,7 +101,7 @@ def test_a_registry_stopped_mid_run_loses_nothing_and_dead_letters_nothing(
             reg.stop()
             stopped = time.monotonic()
             produce(kafka_config, topic, second)  # schema id ids[1]: not in the format's cache yet
-            wait_for(lambda: sum(e.get("event") == "connector.decode_retrying" for e in logs) >= 5,
+            wait_for(lambda: sum(e.get("event") == "runner.decode_retrying" for e in logs) >= 5,
                      "the runner retrying while the registry is down", 120)
             time.sleep(max(0.0, DOWN_S - (time.monotonic() - stopped)))  # the outage: 30 s at least
             reg.start()

@@ -50,13 +50,13 @@ def test_failing_keys_park_in_order_others_complete_then_retry_and_skip_release_
 
         broken.clear()  # the target is fixed
         assert ops.request(effects_pg, "bad", "retry") == unique
-        assert ops.wait(effects_pg, unique, "bad", 30) == "released"
+        assert ops.wait(effects_pg, unique, "bad", 30) is ops.WaitOutcome.RELEASED
         broken.add(("worse", 4))  # skipping the head; the next one fails again and becomes the head
         ops.request(effects_pg, "worse", "skip", connector=unique)
-        assert ops.wait(effects_pg, unique, "worse", 30) == "parked"
+        assert ops.wait(effects_pg, unique, "worse", 30) is ops.WaitOutcome.PARKED
         broken.clear()
         ops.request(effects_pg, "worse", "retry")
-        assert ops.wait(effects_pg, unique, "worse", 30) == "released"
+        assert ops.wait(effects_pg, unique, "worse", 30) is ops.WaitOutcome.RELEASED
         more = [(1, *encode(make_event("bad", 6)))]  # the released key flows normally again
         produce(kafka_config, topic, more)
         wait_for(lambda: receiver.per_key().get("bad", [])[-1:] == [6], "a later event of the released key")

@@ -86,7 +86,7 @@ def test_nul_in_id_type_key_payload_and_error_parks_in_order_and_releases_exactl
     run = start_effects(kafka_config, pg, unique, topic, "python", settings)
     try:
         assert ops.request(pg, stored_key, "retry", unique) == unique
-        assert ops.wait(pg, unique, stored_key, 60) == "released"
+        assert ops.wait(pg, unique, stored_key, 60) is ops.WaitOutcome.RELEASED
     finally:
         run.finish()
     mine = [e for e in nul_effect.RAN if e.aggregate_id == KEY]
