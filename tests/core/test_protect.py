@@ -46,7 +46,7 @@ def test_a_value_moved_to_another_subject_type_or_field_fails_authentication() -
     key = p.ring.lookup("c-1")[1]
     assert key is not None
     with pytest.raises(DecryptError):
-        Cipher.open(key, sealed["email"], protect.aad("c-1", "Other", "email"))  # another type
+        Cipher.open(key, sealed["email"], b"c-1\0Other\0email")  # another type
     # another subject with the same key id cannot happen by accident; forge it: copy c-1's key under c-2
     store = MemoryKeyStore()
     q = protector(store=store)
@@ -71,6 +71,26 @@ def test_a_wrong_master_key_never_yields_plaintext() -> None:
     sealed = protector(store=store).seal("customer", "Registered", "c-1", {"email": "ann@example.com"})
     with pytest.raises(DecryptError):
         protector(master=os.urandom(32), store=store).unseal("customer", "Registered", "c-1", sealed)
+
+
+def test_a_decryption_failure_other_than_authentication_is_raised_as_it_is() -> None:
+    class Broken:
+        def decrypt(self, nonce: bytes, data: bytes, aad: bytes) -> bytes:
+            raise RuntimeError("broken cipher")
+
+    with pytest.raises(RuntimeError, match="broken cipher"):
+        Cipher.open_blob(Broken(), bytes(40), b"")
+
+
+def test_absent_and_null_values_and_parents_that_are_not_objects_are_left_as_they_are() -> None:
+    p = protector()
+    for payload in ({}, {"email": None}, {"address": None}, {"address": "1 Main St"}, {"address": {"city": "Oslo"}}):
+        sealed = p.seal("customer", "Registered", "c-1", payload)
+        assert sealed == payload and p.unseal("customer", "Registered", "c-1", sealed) == payload
+    nested = {"address": {"street": "1 Main St"}}
+    sealed = p.seal("customer", "Registered", "c-1", nested)
+    assert nested == {"address": {"street": "1 Main St"}}  # the caller's nested object is copied, not changed
+    assert p.unseal("customer", "Registered", "c-1", sealed) == nested
 
 
 def test_a_plain_value_in_a_protected_field_is_refused() -> None:
