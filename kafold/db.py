@@ -36,7 +36,7 @@ _MIGRATION_LOCK = 0x6B61_666F_6C64  # "kafold"
 def connect(pgc: PostgresConfig, *, autocommit: bool = True, **kwargs: Any) -> psycopg.Connection[Any]:
     """A psycopg 3 connection; an unreachable server is a RetriableError (the caller backs off and retries)."""
     try:
-        return psycopg.connect(pg.conninfo(pgc), autocommit=autocommit, **kwargs)
+        return pg.connect(pg.conninfo(pgc), autocommit=autocommit, **kwargs)
     except psycopg.OperationalError as e:
         raise RetriableError(f"PostgreSQL unreachable: {_first_line(e)}") from e
 

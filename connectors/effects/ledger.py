@@ -38,6 +38,7 @@ from kafold.connectors.api import ErrantRecordReporter, SinkRecord
 from kafold.connectors.dlq import pg_text
 from kafold.envelope import Event, body_json
 from kafold.errors import FatalError, RetriableError
+from kafold.pg import connect as pg_connect
 from kafold.pg import conninfo
 from kafold.retry import retrying
 
@@ -130,7 +131,7 @@ class Ledger:
         self._stop_at: float | None = None  # when close was called: the writer's last retries count from there
         self._conn: psycopg.Connection[Any] | None = None  # the writer thread's
         self._read_lock = threading.Lock()
-        self._reader: psycopg.Connection[Any] = psycopg.connect(self._dsn, autocommit=True)
+        self._reader: psycopg.Connection[Any] = pg_connect(self._dsn, autocommit=True)
         self._thread = threading.Thread(target=self._run, name=f"kafold-ledger-{connector}", daemon=True)
         self._thread.start()
 
@@ -175,7 +176,7 @@ class Ledger:
         once closing, for up to STOP_GRACE_S after `close`, then the rows are dropped (their offsets hold back)."""
         def write() -> None:
             if self._conn is None or self._conn.closed:
-                self._conn = psycopg.connect(self._dsn)
+                self._conn = pg_connect(self._dsn)
             self._write(self._conn, batch)
 
         def warn(e: Exception, delay: float) -> None:
@@ -307,7 +308,7 @@ class Ledger:
         with self._read_lock:
             try:
                 if self._reader.closed or self._reader.broken:
-                    self._reader = psycopg.connect(self._dsn, autocommit=True)
+                    self._reader = pg_connect(self._dsn, autocommit=True)
                 if transaction:
                     with self._reader.transaction(), self._reader.cursor() as cur:
                         yield cur
