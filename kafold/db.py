@@ -33,10 +33,20 @@ HEAD = "0006_subject_keys"
 _MIGRATION_LOCK = 0x6B61_666F_6C64  # "kafold"
 
 
+# Reads by a list of keys (`= ANY($1)`, a JOIN on `unnest($1)`) are executed with `prepare=False` (BY_KEYS): planned
+# for their values each time. psycopg prepares a statement server-side from its 5th execution, and PostgreSQL then
+# keeps one generic plan once that costs no more than the custom ones; planned while the table was empty (a new
+# effects ledger, subject keys, a projection's rows or tombstones), that plan is a sequential scan, kept as the table
+# grows: the effects ledger's read of a batch's event ids took 100 ms at 60k rows instead of 0.3 ms, and the webhook
+# fell seconds behind at 1,000 events/s (docs/benchmarks.md, latency). Only these: planning every statement each time
+# (`plan_cache_mode = force_custom_plan` for the session) cost protected aggregates ~15 % (a key insert per command).
+BY_KEYS = False
+
+
 def connect(pgc: PostgresConfig, *, autocommit: bool = True, **kwargs: Any) -> psycopg.Connection[Any]:
     """A psycopg 3 connection; an unreachable server is a RetriableError (the caller backs off and retries)."""
     try:
-        return pg.connect(pg.conninfo(pgc), autocommit=autocommit, **kwargs)
+        return psycopg.connect(pg.conninfo(pgc), autocommit=autocommit, **kwargs)
     except psycopg.OperationalError as e:
         raise RetriableError(f"PostgreSQL unreachable: {_first_line(e)}") from e
 

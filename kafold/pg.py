@@ -1,4 +1,4 @@
-"""PostgreSQL connections from [postgres]: a psycopg 3 conninfo, kafold's session settings, a SQLAlchemy URL."""
+"""PostgreSQL connection settings derived from [postgres]: a psycopg 3 conninfo and a SQLAlchemy URL."""
 
 from __future__ import annotations
 
@@ -41,29 +41,6 @@ def conninfo(pg: PostgresConfig) -> str:
         return make_conninfo(_libpq_url(pg.url), **_extras(pg))
     except psycopg.ProgrammingError as e:  # the URL does not parse
         raise ConfigError([f"postgres.url: not a valid PostgreSQL URL ({type(e).__name__})"]) from e
-
-
-# Each execution of a prepared statement is planned for the values it is given (PostgreSQL 12+). psycopg prepares a
-# statement server-side from its 5th execution, and PostgreSQL then keeps one generic plan when that costs no more
-# than the custom ones. Planned while a table was empty (a new effects ledger, subject keys, projection table),
-# that plan is a sequential scan, and it is kept as the table grows: the effects ledger's read of a batch's event
-# ids took 100 ms at 60k rows instead of 0.3 ms, and the webhook fell behind at 1,000 events/s
-# (docs/benchmarks.md, latency). A SET, not a startup `options` parameter, which PgBouncer refuses by default.
-CUSTOM_PLANS = "SET plan_cache_mode = force_custom_plan"
-
-
-def connect(conninfo_text: str, **kwargs: Any) -> psycopg.Connection[Any]:
-    """psycopg.connect with kafold's session settings (CUSTOM_PLANS); psycopg's errors as they are."""
-    conn = psycopg.connect(conninfo_text, **kwargs)
-    try:
-        if conn.info.server_version >= 120000:
-            conn.execute(CUSTOM_PLANS)
-            if not conn.autocommit:
-                conn.commit()  # a session setting: it outlives the transaction the SET opened
-    except BaseException:
-        conn.close()
-        raise
-    return conn
 
 
 def sqlalchemy_url(pg: PostgresConfig) -> URL:

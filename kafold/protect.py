@@ -313,7 +313,8 @@ class PgKeyStore(KeyStore):
         return None if row is None else (bytes(row[0]), bytes(row[1]))
 
     def get_many(self, subjects: list[str]) -> dict[str, tuple[bytes, bytes]]:
-        rows = self._run(lambda conn: conn.execute(self.q_get_many, (subjects,)).fetchall())
+        # planned for its values each time (kafold.db.BY_KEYS; not imported: this module loads without psycopg)
+        rows = self._run(lambda conn: conn.execute(self.q_get_many, (subjects,), prepare=False).fetchall())
         return {subject: (bytes(key_id), bytes(wrapped)) for subject, key_id, wrapped in rows}
 
     def create(self, subject: str, key_id: bytes, wrapped: bytes) -> tuple[bytes, bytes]:
@@ -336,7 +337,7 @@ class PgKeyStore(KeyStore):
 
         def step(conn: Any) -> Any:
             conn.execute(self.q_create_many, (subjects, [r[1] for r in rows], [r[2] for r in rows]))
-            return conn.execute(self.q_get_many, (subjects,)).fetchall()
+            return conn.execute(self.q_get_many, (subjects,), prepare=False).fetchall()  # see get_many
 
         return {subject: (bytes(key_id), bytes(wrapped)) for subject, key_id, wrapped in self._run(step)}
 

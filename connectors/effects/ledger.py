@@ -32,13 +32,12 @@ import orjson
 import psycopg
 from psycopg import sql
 
-from kafold import logs
+from kafold import db, logs
 from kafold.config import PostgresConfig
 from kafold.connectors.api import ErrantRecordReporter, SinkRecord
 from kafold.connectors.dlq import pg_text
 from kafold.envelope import Event, body_json
 from kafold.errors import FatalError, RetriableError
-from kafold.pg import connect as pg_connect
 from kafold.pg import conninfo
 from kafold.retry import retrying
 
@@ -131,7 +130,7 @@ class Ledger:
         self._stop_at: float | None = None  # when close was called: the writer's last retries count from there
         self._conn: psycopg.Connection[Any] | None = None  # the writer thread's
         self._read_lock = threading.Lock()
-        self._reader: psycopg.Connection[Any] = pg_connect(self._dsn, autocommit=True)
+        self._reader: psycopg.Connection[Any] = psycopg.connect(self._dsn, autocommit=True)
         self._thread = threading.Thread(target=self._run, name=f"kafold-ledger-{connector}", daemon=True)
         self._thread.start()
 
@@ -176,7 +175,7 @@ class Ledger:
         once closing, for up to STOP_GRACE_S after `close`, then the rows are dropped (their offsets hold back)."""
         def write() -> None:
             if self._conn is None or self._conn.closed:
-                self._conn = pg_connect(self._dsn)
+                self._conn = psycopg.connect(self._dsn)
             self._write(self._conn, batch)
 
         def warn(e: Exception, delay: float) -> None:
@@ -308,7 +307,7 @@ class Ledger:
         with self._read_lock:
             try:
                 if self._reader.closed or self._reader.broken:
-                    self._reader = pg_connect(self._dsn, autocommit=True)
+                    self._reader = psycopg.connect(self._dsn, autocommit=True)
                 if transaction:
                     with self._reader.transaction(), self._reader.cursor() as cur:
                         yield cur
@@ -323,9 +322,9 @@ class Ledger:
                                  f"{self.schema!r} ({str(e).splitlines()[0]}); run `kafold db upgrade` or set "
                                  "postgres.migrate_on_start = true") from e
 
-    def _read(self, query: sql.Composed, params: Iterable[Any]) -> list[tuple[Any, ...]]:
+    def _read(self, query: sql.Composed, params: Iterable[Any], prepare: bool | None = None) -> list[tuple[Any, ...]]:
         with self._reading() as cur:
-            cur.execute(query, tuple(params))
+            cur.execute(query, tuple(params), prepare=prepare)
             return cur.fetchall() if cur.description else []
 
     def finished_ids(self, event_ids: Collection[str]) -> set[str]:
@@ -335,7 +334,8 @@ class Ledger:
         stored = {pg_text(i): i for i in event_ids}
         rows = self._read(sql.SQL(
             "SELECT event_id FROM {} WHERE connector = %s AND event_id = ANY(%s) AND status <> %s").format(
-            table(self.schema, "effect_ledger")), (self.connector, list(stored), DeliveryStatus.RETRYING))
+            table(self.schema, "effect_ledger")), (self.connector, list(stored), DeliveryStatus.RETRYING),
+            prepare=db.BY_KEYS)
         return {stored[r[0]] for r in rows}
 
     def parked_keys(self) -> list[tuple[str, str, int]]:

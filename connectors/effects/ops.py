@@ -6,6 +6,7 @@ import time
 from enum import StrEnum
 from typing import Any
 
+import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
@@ -13,12 +14,11 @@ from kafold import kafka_clients
 from kafold.config import KafkaConfig, PostgresConfig
 from kafold.connectors.effects.ledger import table
 from kafold.errors import KafoldError
-from kafold.pg import connect as pg_connect
 from kafold.pg import conninfo
 
 
 def _query(pg: PostgresConfig, query: sql.Composed, params: tuple[Any, ...]) -> list[dict[str, Any]]:
-    with pg_connect(conninfo(pg), autocommit=True, row_factory=dict_row) as conn:
+    with psycopg.connect(conninfo(pg), autocommit=True, row_factory=dict_row) as conn:
         cur = conn.execute(query, params)
         return list(cur.fetchall()) if cur.description else []
 

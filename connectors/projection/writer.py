@@ -541,7 +541,8 @@ class ProjectionWriter:
         tombstones, and the keys by their text as the tombstones store them."""
         texts = {hold_text(k): k for k in keys}
         return (self._select(conn, keys),
-                conn.execute(q.select_tombstones(self._tombstones), (self.namespace, list(texts))), texts)
+                conn.execute(q.select_tombstones(self._tombstones), (self.namespace, list(texts)), prepare=db.BY_KEYS),
+                texts)
 
     @staticmethod
     def _tombstones_read(read: tuple[Any, psycopg.Cursor[Any], dict[str, tuple[Any, ...]]]
@@ -611,8 +612,8 @@ class ProjectionWriter:
         shape = self.shape
         with conn.pipeline():
             merged = conn.execute(q.merge_stage(shape, self.mapping.guard)) if upserts else None
-            removed = (conn.execute(q.delete_rows(shape), [list(c) for c in zip(*deletes, strict=True)])
-                       if deletes else None)
+            removed = (conn.execute(q.delete_rows(shape), [list(c) for c in zip(*deletes, strict=True)],
+                                    prepare=db.BY_KEYS) if deletes else None)
             if buried:
                 conn.execute(q.save_tombstones(self._tombstones),
                              (self.namespace, [hold_text(k) for k in buried], list(buried.values())))
@@ -666,7 +667,8 @@ class ProjectionWriter:
 
     def _select(self, conn: psycopg.Connection[Any], keys: list[tuple[Any, ...]]) -> psycopg.Cursor[Any]:
         assert self.shape is not None
-        return conn.execute(q.select_rows(self.shape), [list(col) for col in zip(*keys, strict=True)])
+        return conn.execute(q.select_rows(self.shape), [list(col) for col in zip(*keys, strict=True)],
+                            prepare=db.BY_KEYS)
 
     def _select_uncached(self, conn: psycopg.Connection[Any], keys: list[tuple[Any, ...]]
                          ) -> psycopg.Cursor[Any] | None:
