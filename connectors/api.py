@@ -206,6 +206,9 @@ class SinkTask(ABC):
     # The task keeps its offsets in its own store and seeks to them in `open` (see the module note): the runner
     # then commits to Kafka on a timer (`[daemon] offset_flush_interval_ms`), not after every batch.
     stores_offsets: ClassVar[bool] = False
+    # Otherwise: the least time between two commits after batches and `request_commit`s (0: after every batch). A
+    # task may set its own in `start`; revoke and stop always commit.
+    commit_interval_s: float = 0.0
     # The task continues its records' traces in spans of its own (kafold.tracing.recall): with tracing on, the
     # runner keeps each batch's trace headers for it.
     continues_traces: ClassVar[bool] = False

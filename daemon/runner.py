@@ -261,10 +261,14 @@ class SinkRunner(LoopHandler):
         self._watch_group()
         self._apply_requests()
         self._apply_seeks()
+        if self.context.commit_requested and not self.task.stores_offsets:  # a commit waiting for its interval:
+            return max(0.0, min(self.next_flush - time.monotonic(), self.loop.wait_s))  # the idle poll ends then
         return None
 
     def on_idle(self) -> None:
-        if self.context.commit_requested or (self.dirty and self.task.stores_offsets and self._flush_due()):
+        due = self._flush_due()
+        if (self.context.commit_requested and (due or self.task.stores_offsets)) or \
+                (self.dirty and self.task.stores_offsets and due):
             self._commit(self.assigned)
 
     def after_poll(self) -> None:
@@ -520,9 +524,10 @@ class SinkRunner(LoopHandler):
 
     # ---- offsets ----------------------------------------------------------------------------------------
     def _flush_due(self) -> bool:
-        """Whether to commit now: after every batch, unless the task stores its own offsets, whose commit follows
-        its store on a timer (`offset_flush_interval_ms`)."""
-        return not self.task.stores_offsets or time.monotonic() >= self.next_flush
+        """Whether to commit after a batch or on an idle poll: once the task's `commit_interval_s` (0: always)
+        has passed since the last commit, or for a task that stores its own offsets, whose commit follows its
+        store, `offset_flush_interval_ms`."""
+        return time.monotonic() >= self.next_flush
 
     def _commit(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
         """Offer the positions of `partitions` to pre_commit; commit what it returns (synchronously).
@@ -539,7 +544,8 @@ class SinkRunner(LoopHandler):
         offered = {tp: self.positions[tp] for tp in partitions if tp in self.positions}
         if not offered or not (self.dirty or requested):  # a task that completes work later asks explicitly
             return {}
-        self.next_flush = time.monotonic() + self.flush_interval_s
+        self.next_flush = time.monotonic() + (self.flush_interval_s if self.task.stores_offsets
+                                              else self.task.commit_interval_s)
         chosen = dict(self.task.pre_commit(offered))
         chosen = {tp: off for tp, off in chosen.items() if tp in self.assigned and self.committed.get(tp) != off}
         if chosen:

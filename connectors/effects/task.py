@@ -10,6 +10,10 @@ Note on offsets and commits
   released to the executor the next time the runner calls in (put, pre_commit or close) — by then the runner's
   synchronous commit of them has returned. A crash loses the released-but-unfinished effects; none runs twice.
 * Idle progress: each completion calls `context.request_commit()`, so the runner commits on an idle poll.
+* at-least-once commits at most every COMMIT_INTERVAL_S (`commit_interval_s`): a synchronous commit per batch took
+  the runner's thread ~5 ms each, 60 % of it at 1,000 events/s, while records waited to be handed over. A crash
+  re-delivers up to that much more, which the ledger shows finished (not run again). at-most-once commits after
+  every batch: its effects wait for that commit.
 * Flow control: while more than `max_in_flight` events are unfinished, `put` waits up to a second, then pauses the
   task's partitions (group membership stays alive) until half of them completed.
 """
@@ -57,6 +61,7 @@ from kafold.retry import retrying
 log = logs.get("kafold.connectors.effects")
 
 PUT_BLOCK_S = 1.0
+COMMIT_INTERVAL_S = 0.1
 OPEN_RETRY_S = 60.0  # how long `open` waits for PostgreSQL (parked keys) before failing the task
 
 
@@ -84,6 +89,7 @@ class EffectSinkTask(SinkTask):
 
             retrying(lambda: db.upgrade(pg), within_s=OPEN_RETRY_S, on_retry=warn)
         self.at_most_once = self.config.delivery == AT_MOST_ONCE
+        self.commit_interval_s = 0.0 if self.at_most_once else COMMIT_INTERVAL_S
         self.tracker = OffsetTracker()
         self.dlq = DeadLetterWriter(kafka, task_config.dlq_topic or f"kafold.dlq.{self.name}", self.name)
         self.ledger = Ledger(pg, self.name, self.dlq, self.config.ledger_flush_ms / 1000)
