@@ -266,9 +266,8 @@ class SinkRunner(LoopHandler):
         return None
 
     def on_idle(self) -> None:
-        due = self._flush_due()
-        if (self.context.commit_requested and (due or self.task.stores_offsets)) or \
-                (self.dirty and self.task.stores_offsets and due):
+        requested = self.context.commit_requested
+        if ((requested or self.dirty) and self._flush_due()) or (requested and self.task.stores_offsets):
             self._commit(self.assigned)
 
     def after_poll(self) -> None:
