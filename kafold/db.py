@@ -38,8 +38,8 @@ _MIGRATION_LOCK = 0x6B61_666F_6C64  # "kafold"
 # keeps one generic plan once that costs no more than the custom ones; planned while the table was empty (a new
 # effects ledger, subject keys, a projection's rows or tombstones), that plan is a sequential scan, kept as the table
 # grows: the effects ledger's read of a batch's event ids took 100 ms at 60k rows instead of 0.3 ms, and the webhook
-# fell seconds behind at 1,000 events/s (docs/benchmarks.md, latency). Only these: planning every statement each time
-# (`plan_cache_mode = force_custom_plan` for the session) cost protected aggregates ~15 % (a key insert per command).
+# fell seconds behind at 1,000 events/s (docs/benchmarks.md, latency). Only these: the other statements (inserts,
+# upserts, checkpoints) have one plan whatever the table holds, and re-planning them each time would be wasted work.
 BY_KEYS = False
 
 
