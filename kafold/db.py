@@ -159,5 +159,28 @@ def transaction(conn: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[An
         raise RetriableError(f"PostgreSQL: {_first_line(e)}") from e
 
 
+# A transaction whose BEGIN and COMMIT are statements of their own on an autocommit connection (`begin`, `commit`):
+# in pipeline mode they travel with the statements beside them, where psycopg's `transaction()` waits for its BEGIN
+# (a round trip) and, inside a pipeline, syncs at both ends. A projection's batch thereby costs two round trips
+# instead of seven (docs/benchmarks.md, latency). After any error the caller calls `roll_back`.
+def begin(conn: psycopg.Connection[Any]) -> None:
+    conn.execute("BEGIN", prepare=False)
+
+
+def commit(conn: psycopg.Connection[Any]) -> None:
+    conn.execute("COMMIT", prepare=False)
+
+
+def roll_back(conn: psycopg.Connection[Any]) -> None:
+    """End what `begin` opened after an error (nothing to do when it ended); a connection that cannot is closed,
+    so that its owner reconnects, and the error being handled is the one that propagates."""
+    if conn.closed or conn.broken:
+        return
+    try:
+        conn.rollback()  # also out of an aborted pipeline, and only when a transaction is open
+    except psycopg.Error:
+        conn.close()
+
+
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -16,6 +16,7 @@ resumes from the checkpoints left.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -121,17 +122,23 @@ class ShadowWriter(ProjectionWriter):
         result = BatchResult(events=ahead.events, transactions=1, dead_lettered=len(ahead.dead))
         try:
             conn = self.connection()
-            with db.transaction(conn):
-                with self._turns:
-                    with self._turns.waiting(conn.pipeline()):
-                        holds = self._read_holds(conn)
+            turns = self._turns
+            try:
+                with turns, contextlib.ExitStack() as pipeline:
+                    pipe = pipeline.enter_context(turns.waiting(conn.pipeline()))
+                    db.begin(conn)
+                    holds = self._read_holds(conn)
+                    turns.sync(pipe)
                     try:
                         self._check_holds(holds)
                     except _HoldsChanged:
                         raise Rewind("held keys", ahead.events) from None
-                    upserts, deletes = self._stage(conn, folded)
-                result.upserted, result.deleted = self._merge_and_checkpoint(
-                    conn, upserts, deletes, ahead.dead, ahead.offsets, ahead.buried, {})  # hold no key
+                    stored = self._store(conn, pipeline, pipe, folded, ahead.dead, ahead.offsets, {}, None,
+                                         result)  # hold no key
+            except BaseException:
+                db.roll_back(conn)
+                raise
+            result.upserted, result.deleted = stored.counts()
         except REJECTED as e:
             raise Rewind(f"PostgreSQL rejected a row: {str(e).splitlines()[0]}", self.drop_ahead()) from e
         except psycopg.OperationalError as e:

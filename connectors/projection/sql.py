@@ -127,6 +127,13 @@ def copy_stage(shape: TableShape) -> sql.Composed:
     return sql.SQL("COPY {} ({}) FROM STDIN").format(stage_name(shape), ids(shape.written))
 
 
+def insert_stage(shape: TableShape) -> sql.Composed:
+    """One staged row, its values as text parameters of no declared type: PostgreSQL reads each with the column
+    type's input function, as COPY's text format does."""
+    marks = sql.SQL(", ").join(sql.SQL("%s") for _ in shape.written)
+    return sql.SQL("INSERT INTO {} ({}) VALUES ({})").format(stage_name(shape), ids(shape.written), marks)
+
+
 def merge_stage(shape: TableShape, guard: bool) -> sql.Composed:
     """Upsert the staged rows; with the version guard an older row never overwrites a newer one."""
     rest = [c for c in shape.written if c not in shape.keys]

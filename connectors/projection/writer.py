@@ -10,26 +10,33 @@ Per batch, one transaction: (1) the batch's tracking keys go into the tracking t
 RETURNING the new ones — the rest are duplicates and are dropped (a tracking key is the 16-byte BLAKE2b of the
 namespace and the event id, 16 bytes: one small primary key instead of two text columns); (2) the current
 rows of the affected keys are read in one SELECT; (3) the new events are folded in order in Python, skipping any
-event whose aggregate version is <= the row's `_kafold_version`; (4) changed rows are COPYed into a staging table
+event whose aggregate version is <= the row's `_kafold_version`; (4) changed rows are staged in a temporary table
 and merged with one INSERT … ON CONFLICT DO UPDATE (guarded by version again), removed rows go with one DELETE …
 USING; (5) the next offset of every partition the batch covers is upserted into the checkpoints table,
 monotonically (`WHERE next_offset < EXCLUDED.next_offset`), so a zombie writer after a rebalance cannot move it
 back; (6) commit. The checkpoint therefore always describes exactly the rows: PostgreSQL is the source of truth for
 offsets.
 
+Round trips: the transaction is one pipeline, its BEGIN and COMMIT statements queued with the rest (`db.begin`):
+BEGIN and the reads of (1)-(2) are the first round trip; (4)-(6) are queued after the fold and sent with the
+COMMIT, the second. A batch with more changed rows than STAGE_INLINE_ROWS stages them by COPY instead, which
+leaves the pipeline for it (three round trips more, a small share of such a batch). Any error rolls back
+(`db.roll_back`), and the batch is done again or isolated as below.
+
 A concurrent writer of the same events (a zombie task after a rebalance) blocks on the tracking rows' primary
 key until the first commits, then sees them as duplicates: no event is applied twice; its row reads come after
 that wait (READ COMMITTED) and the merge's version guard covers any other overlap.
 
 The optimistic order (the usual case: the last batch had no duplicates). Steps (1)-(3) then run as: read the rows
-(one round trip), send a PLAIN insert of the tracking keys, and fold the batch in Python while the server runs
-that insert, the batch's largest statement (~7 µs a key here; a plain insert costs about a third less in the
-server than ON CONFLICT … RETURNING). If any key is already there, the insert fails with a unique violation: the
-transaction rolls back and is done again in the order above, and batches keep that order until one comes without
-duplicates (so a replay pays this once). A clean plain insert proves every event of the batch new, and the rows
-read just before it are the rows to fold onto: another writer's commit in between would have to hold some of
-this batch's events (it starts from the same stored offsets: its tracking rows would fail the insert) or only
-later events of the same aggregates (newer versions: the merge's version guard keeps its rows).
+(the first round trip), send a PLAIN insert of the tracking keys, and fold the batch in Python while the server
+runs that insert, the batch's largest statement (~7 µs a key here; a plain insert costs about a third less in the
+server than ON CONFLICT … RETURNING). If any key is already there, the insert fails with a unique violation on the
+tracking table (seen at the next sync, the statements after it not run): the transaction rolls back and is done
+again in the order above, and batches keep that order until one comes without duplicates (so a replay pays this
+once). A clean plain insert proves every event of the batch new, and the rows read just before it are the rows
+to fold onto: another writer's commit in between would have to hold some of this batch's events (it starts from
+the same stored offsets: its tracking rows would fail the insert) or only later events of the same aggregates
+(newer versions: the merge's version guard keeps its rows).
 
 Rows the database rejects (constraint violations, bad values) do not poison the batch: the transaction is rolled
 back and the batch bisected, in order, until the bad events are isolated; each is written to the dead-letter
@@ -71,6 +78,7 @@ from typing import Any, TypeVar
 
 import orjson
 import psycopg
+from psycopg.adapt import PyFormat, Transformer
 from psycopg.types.json import Jsonb
 
 from kafold import db, logs
@@ -103,6 +111,10 @@ log = logs.get(__name__)
 DeadLetter = tuple[RawRecord, BaseException]
 Report = Callable[[Sequence[tuple[Any, BaseException]]], None]  # to the DLQ topic, acknowledged on return
 REJECTED = (psycopg.errors.IntegrityError, psycopg.errors.DataError)
+# A batch's changed rows up to this many are staged by INSERTs queued with the rest of its transaction; more go by
+# COPY, whose two round trips and the pipeline it has to leave cost less than a row's INSERT each beyond this (at
+# ~20 events a batch, 1,000 events/s: docs/benchmarks.md, latency).
+STAGE_INLINE_ROWS = 64
 T = TypeVar("T")
 
 
@@ -110,8 +122,17 @@ class _HoldsChanged(Exception):
     """The connector's held keys changed since the batch was prepared; redo it with the keys read."""
 
 
-class _Duplicates(Exception):
-    """The batch holds events already applied, which the optimistic transaction did not expect; redo it."""
+@dataclass
+class _Stored:
+    """The merge's and the delete's cursors, read once the pipeline they were queued in has synced."""
+
+    merged: psycopg.Cursor[Any] | None
+    removed: psycopg.Cursor[Any] | None
+
+    def counts(self) -> tuple[int, int]:
+        """The rows upserted and deleted."""
+        return (self.merged.rowcount if self.merged is not None else 0,
+                self.removed.rowcount if self.removed is not None else 0)
 
 
 class _Bad(Exception):
@@ -383,13 +404,20 @@ class ProjectionWriter:
         while True:
             try:
                 conn = self.connection()
-                with db.transaction(conn):
+                try:
                     result, folded = self._apply(conn, call, records, excluded, dead, offsets, heads)
+                except BaseException:
+                    db.roll_back(conn)
+                    raise
                 self._held.update(heads)  # committed with their heads
                 if self.cache_rows and folded.state:  # the attempt's rows and tombstones, once committed
                     self._remember(folded.state, folded.buried)
                 return result
-            except (_Duplicates, _HoldsChanged):  # rolled back: do it again (expecting duplicates / the keys read)
+            except psycopg.errors.UniqueViolation as e:
+                if not self._tracked_already(e):  # a row the table refused: the caller isolates it
+                    raise
+                self._optimistic = False  # rolled back: do it again expecting duplicates, until a batch has none
+            except _HoldsChanged:  # rolled back: do it again with the keys read
                 continue
             except _Bad as e:  # rolled back: do it again without them, dead-lettered
                 bad = self._heads(call, records, e.bad, heads)
@@ -437,7 +465,10 @@ class ProjectionWriter:
         then merge → checkpoint in PostgreSQL's (the caller commits); what it did, and the batch folded."""
         result = BatchResult(events=len(records), transactions=1, dead_lettered=len(dead))
         skip = {id(r) for r in excluded}
-        with self._turns:
+        turns = self._turns
+        with turns, contextlib.ExitStack() as pipeline:
+            pipe = pipeline.enter_context(turns.waiting(conn.pipeline()))
+            db.begin(conn)  # with the first reads: no round trip of its own
             prep = call.prepared if call.prepared is not None else self.prepare(records)
             if call.hold and (self._held or heads):
                 held = self._held_records(call, records, prep, skip, heads)
@@ -446,11 +477,13 @@ class ProjectionWriter:
                 dead = [*dead, *held]
             todo = candidates(records, prep, skip)
             if todo.first:
-                fresh, folded = (self._track_read_fold(conn, call.hold, todo) if self.track
-                                 else self._read_fold(conn, call.hold, todo))
+                fresh, folded = (self._track_read_fold(conn, pipe, call.hold, todo) if self.track
+                                 else self._read_fold(conn, pipe, call.hold, todo))
             else:
                 if call.hold and result.held:  # nothing to apply, events to hold: under the lock, keys read
-                    self._check_holds(self._read_holds(conn))
+                    holds = self._read_holds(conn)
+                    turns.sync(pipe)
+                    self._check_holds(holds)
                 fresh, folded = [], empty()
             result.duplicates = len(records) - len(skip) - len(fresh)
             result.stale, result.unchanged = folded.stale, folded.unchanged
@@ -463,70 +496,57 @@ class ProjectionWriter:
                 result.by_partition.setdefault(k, [0, 0, 0, 0])[APPLIED] += n
             if folded.bad:
                 raise _Bad(folded.bad)
-            upserts, deletes = self._stage(conn, folded)
             advance = self._advance_to(records, offsets, call.advance)
-        result.upserted, result.deleted = self._merge_and_checkpoint(conn, upserts, deletes, dead, advance,
-                                                                     folded.buried, call.hold_of)
+            stored = self._store(conn, pipeline, pipe, folded, dead, advance, call.hold_of, call.then, result)
+        result.upserted, result.deleted = stored.counts()
         result.checkpoints = advance
-        if call.then is not None:
-            call.then(conn, result)
         return result, folded
 
-    def _track_read_fold(self, conn: psycopg.Connection[Any], hold: bool, todo: Candidates
+    def _track_read_fold(self, conn: psycopg.Connection[Any], pipe: psycopg.Pipeline, hold: bool, todo: Candidates
                          ) -> tuple[list[SinkRecord], Folded]:
         """Steps (1)-(3) of the note, in the optimistic order or the safe one: the new events, folded."""
-        optimistic = self._optimistic and bool(todo.keys)
+        if self._optimistic and todo.keys:
+            return list(todo.first.values()), self._read_track_fold(conn, pipe, hold, todo)
         first = todo.first
-        found: psycopg.Cursor[Any] | None = None
-        new_keys: list[bytes] | None = None
-        try:
-            if optimistic:
-                count, folded = self._read_track_fold(conn, hold, todo)
-            else:
-                count, new_keys, found = self._track_read(conn, hold, todo)
-        except psycopg.errors.UniqueViolation as e:
-            if not optimistic:
-                raise
-            self._optimistic = False  # until a batch comes without duplicates
-            raise _Duplicates() from e
+        count, new_keys, found = self._track_read(conn, pipe, hold, todo)
         if count == len(first):
             fresh = list(first.values())
         else:
             inserted = set(new_keys or ())
             fresh = [r for tk, r in first.items() if tk in inserted]
         self._optimistic = count == len(first)
-        if not optimistic:
-            folded = fold(self.mapping, fresh, self._loaded(todo.keys, found), todo.record_keys, todo.key_errors)
-        return fresh, folded
+        return fresh, fold(self.mapping, fresh, self._loaded(todo.keys, found), todo.record_keys, todo.key_errors)
 
-    def _read_track_fold(self, conn: psycopg.Connection[Any], hold: bool, todo: Candidates) -> tuple[int, Folded]:
+    def _read_track_fold(self, conn: psycopg.Connection[Any], pipe: psycopg.Pipeline, hold: bool, todo: Candidates
+                         ) -> Folded:
         """The optimistic order: the rows first (and the held keys); then the plain tracking insert runs in the
         server while the batch is folded here, assuming every candidate is new (see the module note). A key
-        already tracked fails the insert (UniqueViolation, on leaving the pipeline)."""
+        already tracked fails the insert: a UniqueViolation at the transaction's last sync (`_tracked_already`)."""
         held_keys = None
-        turns = self._turns
-        with turns.waiting(conn.pipeline()) as pipe:
-            if hold:
-                held_keys = self._read_holds(conn)
-            found = self._select_uncached(conn, todo.keys)
-            turns.sync(pipe)
-            if held_keys is not None:
-                self._check_holds(held_keys)
-            tracked = conn.execute(q.track_new(self._tracking), (list(todo.first), self.namespace))
-            folded = fold(self.mapping, list(todo.first.values()), self._loaded(todo.keys, found),
-                          todo.record_keys, todo.key_errors)
-        return tracked.rowcount, folded
+        if hold:
+            held_keys = self._read_holds(conn)
+        found = self._select_uncached(conn, todo.keys)
+        self._turns.sync(pipe)
+        if held_keys is not None:
+            self._check_holds(held_keys)
+        conn.execute(q.track_new(self._tracking), (list(todo.first), self.namespace))
+        return fold(self.mapping, list(todo.first.values()), self._loaded(todo.keys, found), todo.record_keys,
+                    todo.key_errors)
 
-    def _read_fold(self, conn: psycopg.Connection[Any], hold: bool, todo: Candidates
+    def _tracked_already(self, e: psycopg.errors.UniqueViolation) -> bool:
+        """Whether `e` is the optimistic tracking insert's (an event already applied), not a row the table refused."""
+        return (e.diag.schema_name, e.diag.table_name) == (self.pgc.schema, "tracking")
+
+    def _read_fold(self, conn: psycopg.Connection[Any], pipe: psycopg.Pipeline, hold: bool, todo: Candidates
                    ) -> tuple[list[SinkRecord], Folded]:
         """Deduplicating by version: the rows and tombstones of the keys not cached (and the held keys) in one
         round trip, then every candidate folded (the version guard skips what was applied)."""
         held_keys = None
-        with self._turns.waiting(conn.pipeline()):
-            if hold:
-                held_keys = self._read_holds(conn)
-            uncached = self._uncached(todo.keys)
-            read = self._read_keys(conn, uncached) if uncached else None
+        if hold:
+            held_keys = self._read_holds(conn)
+        uncached = self._uncached(todo.keys)
+        read = self._read_keys(conn, uncached) if uncached else None
+        self._turns.sync(pipe)
         if held_keys is not None:
             self._check_holds(held_keys)
         rows = self._loaded(todo.keys, read[0] if read else None)
@@ -559,39 +579,21 @@ class ProjectionWriter:
                 if type(v) is int:
                     gone[k] = v
 
-    def _track_read(self, conn: psycopg.Connection[Any], hold: bool, todo: Candidates
+    def _track_read(self, conn: psycopg.Connection[Any], pipe: psycopg.Pipeline, hold: bool, todo: Candidates
                     ) -> tuple[int, list[bytes] | None, psycopg.Cursor[Any] | None]:
         """The safe order in ONE round trip: the tracking insert (ON CONFLICT DO NOTHING, RETURNING the new keys),
         and after it (same session, in order) the rows; the number of new keys, the keys, the rows' cursor."""
         held_keys = None
         first = todo.first
-        with self._turns.waiting(conn.pipeline()):
-            if hold:
-                held_keys = self._read_holds(conn)
-            tracked = conn.execute(q.track(self._tracking), (list(first), self.namespace, len(first)))
-            found = self._select_uncached(conn, todo.keys)
+        if hold:
+            held_keys = self._read_holds(conn)
+        tracked = conn.execute(q.track(self._tracking), (list(first), self.namespace, len(first)))
+        found = self._select_uncached(conn, todo.keys)
+        self._turns.sync(pipe)
         if held_keys is not None:
             self._check_holds(held_keys)
         count, new_keys = tracked.fetchone() or (0, None)
         return count, new_keys, found
-
-    def _stage(self, conn: psycopg.Connection[Any], folded: Folded) -> tuple[bool, list[tuple[Any, ...]]]:
-        """Step (4), first half: COPY the changed rows into the staging table; whether any were, and the keys of
-        the removed rows."""
-        assert self.shape is not None
-        shape = self.shape
-        upserts, deletes = folded.changes()
-        if upserts:
-            written, special = shape.written, self._json
-            values_of = operator.itemgetter(*written) if len(written) > 1 else (lambda row: (row[written[0]],))
-            with conn.cursor().copy(q.copy_stage(shape)) as copy:
-                write_row = copy.write_row
-                for row in upserts:
-                    values = values_of(row)
-                    if special or dict in map(type, values):
-                        values = [self._value(c, v) for c, v in zip(written, values, strict=True)]
-                    write_row(values)
-        return bool(upserts), deletes
 
     def _advance_to(self, records: list[SinkRecord], offsets: dict[TopicPartition, int], advance_records: bool = True
                     ) -> dict[TopicPartition, int]:
@@ -601,32 +603,67 @@ class ProjectionWriter:
             advance[tp] = max(off, advance.get(tp, -1))
         return {tp: off for tp, off in advance.items() if off >= 0}
 
-    def _merge_and_checkpoint(self, conn: psycopg.Connection[Any], upserts: bool, deletes: list[tuple[Any, ...]],
-                              dead: list[DeadLetter], advance: dict[TopicPartition, int],
-                              buried: dict[tuple[Any, ...], int], hold_of: dict[int, tuple[DeadLetterStatus, str]]
-                              ) -> tuple[int, int]:
-        """Steps (4)-(5) in ONE round trip: merge the staged rows (version-guarded), delete the removed ones (and
-        record their tombstones), record the dead letters, move the checkpoints forward only (the commit follows);
-        the rows upserted and deleted."""
+    def _store(self, conn: psycopg.Connection[Any], pipeline: contextlib.ExitStack, pipe: psycopg.Pipeline,
+               folded: Folded,
+               dead: list[DeadLetter], advance: dict[TopicPartition, int],
+               hold_of: dict[int, tuple[DeadLetterStatus, str]], then: Then | None, result: BatchResult) -> _Stored:
+        """Steps (4)-(6), queued in the transaction's open pipeline (`pipeline`, left by the caller: the batch's
+        last round trip): stage the changed rows, merge them (version-guarded), delete the removed ones (and record
+        their tombstones), record the dead letters, move the checkpoints forward only, run `then`, COMMIT. Up to
+        STAGE_INLINE_ROWS rows are staged by INSERTs in the pipeline; more by COPY, which pipeline mode does not
+        allow: the pipeline is left for it (a round trip, and two for the COPY) and a new one opened."""
         assert self.shape is not None
         shape = self.shape
-        with conn.pipeline():
-            merged = conn.execute(q.merge_stage(shape, self.mapping.guard)) if upserts else None
-            removed = (conn.execute(q.delete_rows(shape), [list(c) for c in zip(*deletes, strict=True)],
-                                    prepare=db.BY_KEYS) if deletes else None)
-            if buried:
-                conn.execute(q.save_tombstones(self._tombstones),
-                             (self.namespace, [hold_text(k) for k in buried], list(buried.values())))
-            if dead:
-                with conn.cursor() as cur:
-                    cur.executemany(q.insert_dead_letters(self._dead),
-                                    [self._dead_row(raw, err, hold_of) for raw, err in dead])
-            if advance:
-                tps = list(advance)
-                conn.execute(q.save_checkpoints(self._checkpoints),
-                             (self.connector, [tp.topic for tp in tps], [tp.partition for tp in tps],
-                              [advance[tp] for tp in tps]))
-        return (merged.rowcount if merged is not None else 0), (removed.rowcount if removed is not None else 0)
+        upserts, deletes = folded.changes()
+        rows = self._staged(upserts)
+        if len(rows) > STAGE_INLINE_ROWS:
+            pipeline.close()
+            with conn.cursor().copy(q.copy_stage(shape)) as copy:
+                for values in rows:
+                    copy.write_row(values)
+            pipe = pipeline.enter_context(self._turns.waiting(conn.pipeline()))
+        elif rows:  # each value as COPY's text format has it (the same dumpers), read by the server as COPY does
+            texts, encoding = Transformer(conn), conn.info.encoding
+            formats = [PyFormat.TEXT] * len(shape.written)
+            with conn.cursor() as cur:
+                cur.executemany(q.insert_stage(shape), [
+                    [None if v is None else bytes(v).decode(encoding) for v in texts.dump_sequence(values, formats)]
+                    for values in rows])
+        stored = _Stored(conn.execute(q.merge_stage(shape, self.mapping.guard)) if rows else None,
+                         conn.execute(q.delete_rows(shape), [list(c) for c in zip(*deletes, strict=True)],
+                                      prepare=db.BY_KEYS) if deletes else None)
+        buried = folded.buried
+        if buried:
+            conn.execute(q.save_tombstones(self._tombstones),
+                         (self.namespace, [hold_text(k) for k in buried], list(buried.values())))
+        if dead:
+            with conn.cursor() as cur:
+                cur.executemany(q.insert_dead_letters(self._dead), [self._dead_row(raw, err, hold_of)
+                                                                   for raw, err in dead])
+        if advance:
+            tps = list(advance)
+            conn.execute(q.save_checkpoints(self._checkpoints),
+                         (self.connector, [tp.topic for tp in tps], [tp.partition for tp in tps],
+                          [advance[tp] for tp in tps]))
+        if then is not None:  # it sees what the batch did: one round trip more
+            self._turns.sync(pipe)
+            result.upserted, result.deleted = stored.counts()
+            then(conn, result)
+        db.commit(conn)
+        return stored
+
+    def _staged(self, upserts: list[Row]) -> list[Sequence[Any]]:
+        """The changed rows' values in the staging table's column order, json and dict values adapted."""
+        assert self.shape is not None
+        written, special = self.shape.written, self._json
+        values_of = operator.itemgetter(*written) if len(written) > 1 else (lambda row: (row[written[0]],))
+        out: list[Sequence[Any]] = []
+        for row in upserts:
+            values = values_of(row)
+            if special or dict in map(type, values):
+                values = [self._value(c, v) for c, v in zip(written, values, strict=True)]
+            out.append(values)
+        return out
 
     def _held_records(self, call: _Call, records: list[SinkRecord], prep: Prepared, skip: set[int],
                       heads: dict[str, int]) -> list[DeadLetter]:

@@ -3,16 +3,20 @@ same table as the ON CONFLICT order, falls back to it on duplicates and returns 
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
+from psycopg import sql
+from psycopg.rows import dict_row
 
 from kafold import db
-from kafold.config import PostgresConfig
+from kafold.config import ConnectorConfig, PostgresConfig
 from kafold.connectors.api import SinkRecord, sink_record
 from kafold.connectors.projection.mapping import Mapping
-from kafold.connectors.projection.writer import ProjectionWriter
+from kafold.connectors.projection.writer import STAGE_INLINE_ROWS, ProjectionWriter
 from kafold.connectors.registry import instantiate
 from kafold.envelope import Event
 from kafold.errors import ConfigError, RetriableError
@@ -231,3 +235,47 @@ def test_deduplicating_by_version_needs_the_version_guard(pg_config: PostgresCon
     config = instantiate(settings(unique, f"{unique}.events", table_name(), version_guard=False), Path(".")).config
     with pytest.raises(ConfigError, match="version guard"):
         ProjectionWriter(pg_config, config, Mapping(config), unique, track=False)
+
+
+def _typed_row(row: dict[str, Any] | None, event: Event) -> dict[str, Any]:
+    """A mapper with Python values PostgreSQL reads differently from their own types' text (a bool into text, a
+    datetime into text and timestamptz, a Decimal, a float, a dict, a list, a null)."""
+    i = event.payload["i"]
+    at = datetime(2026, 11, 29, 12, 30, i % 60, 123456, tzinfo=UTC)
+    return {"flag_text": i % 2 == 0, "at_text": at, "at": at, "amount": Decimal(f"{i}.10"), "ratio": i / 3,
+            "doc": {"i": i, "nested": [1, "two", None]}, "tags": [f"t{i}", "x,y", 'q"uote'], "note": None}
+
+
+def test_rows_staged_in_the_pipeline_and_by_copy_are_stored_alike(pg_config: PostgresConfig, unique: str) -> None:
+    """A small batch's rows go by INSERTs in the transaction's pipeline, a large one's by COPY: PostgreSQL must read
+    each value the same way both times (as COPY's text format has it)."""
+    topic, table = f"{unique}.events", table_name()
+    db.upgrade(pg_config)
+    columns = {"k": "text", "flag_text": "text", "at_text": "text", "at": "timestamptz", "amount": "numeric",
+               "ratio": "double precision", "doc": "jsonb", "tags": "text[]", "note": "text"}
+    config = instantiate(ConnectorConfig(name=unique, connector_class="postgres-projection", topics=[topic],
+                                         config={"table": table, "key_columns": ["k"], "columns": columns,
+                                                 "key": {"k": "aggregate_id"},
+                                                 "mapper": f"{__name__}:_typed_row"}), Path(".")).config
+    writer = ProjectionWriter(pg_config, config, Mapping(config, _typed_row), unique)
+    n = STAGE_INLINE_ROWS + 6
+
+    def batch(prefix: str, count: int, start: int) -> list[SinkRecord]:
+        return _records(topic, 0, [Event.new("Typed", "typed", f"{prefix}{i}", 1, {"i": i}) for i in range(count)],
+                        start)
+
+    try:
+        small, large = writer.write(batch("inline-", 6, 0)), writer.write(batch("copied-", n, 6))
+        assert (small.upserted, large.upserted) == (6, n)
+    finally:
+        writer.close()
+    with db.connect(pg_config, row_factory=dict_row) as conn:
+        rows = {r.pop("k"): r for r in conn.execute(
+            sql.SQL("SELECT * FROM public.{}").format(sql.Identifier(table))).fetchall()}
+    for i in range(6):
+        inline, copied = rows[f"inline-{i}"], rows[f"copied-{i}"]
+        assert inline == copied
+        assert inline["flag_text"] == ("t" if i % 2 == 0 else "f")  # the text of a bool, as COPY stores it
+        assert inline["at"] == datetime(2026, 11, 29, 12, 30, i, 123456, tzinfo=UTC)
+        assert inline["tags"] == [f"t{i}", "x,y", 'q"uote'] and inline["doc"] == {"i": i, "nested": [1, "two", None]}
+        assert inline["amount"] == Decimal(f"{i}.10") and inline["note"] is None
