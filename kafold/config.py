@@ -107,7 +107,8 @@ class DaemonConfig:
                                             minimum=0)
     shutdown_grace_s: float = setting(10.0, doc="Time SIGTERM gives in-flight batches to finish.", minimum=0)
     task_processes: bool = setting(False, doc="Run each sink task in its own child process (one interpreter "
-                                   "each), so a connector with tasks_max > 1 uses several cores.")
+                                   "each), so a connector with tasks_max > 1 uses several cores and connectors do "
+                                   "not wait for each other's work (fresher read models: docs/operations.md).")
     log_level: str = setting("info", doc="Log level.", choices=("debug", "info", "warning", "error"))
     python_path: list[str] = setting(
         factory=list, doc="Folders (relative to the config file) added to sys.path for user modules.")
