@@ -7,7 +7,9 @@ the rows (see writer.py). `open` seeks each newly assigned partition to its stor
 there is none), so whatever Kafka's consumer group says, no event is skipped and none is applied twice.
 
 Pipelining (see pipeline.py): `put` waits for the previous batch's write, then hands its batch to the writer
-thread and returns, so the runner decodes batch N+1 while batch N's transaction runs.
+thread and returns, so the runner decodes batch N+1 while batch N's transaction runs. A small batch (at most
+INLINE_WRITE_RECORDS) is written by `put` itself, in the runner's thread, and its errors raised from there (a
+RetriableError: the runner offers the same batch again).
 
 Kafka's commit only follows PostgreSQL (`stores_offsets`): the runner calls `pre_commit` on a timer
 (`[daemon] offset_flush_interval_ms`, as Kafka Connect's `offset.flush.interval.ms`) and on revoke and stop, not
@@ -72,6 +74,12 @@ GC_GEN0_THRESHOLD = 50_000
 # alternates between the two threads and stretches the writer's Python (kafold bench projection: +6-13 %,
 # docs/benchmarks.md).
 YIELD_WAIT_S = 0.004
+# A batch of at most this many records is written in the runner's thread before `put` returns, instead of by the
+# writer thread while the runner decodes the next: handing a few records over costs more than it saves (the thread
+# switch, the yield wait, the two threads taking turns at the GIL through the write's round trips), and the next
+# batch is at most a few records the fetch brings meanwhile. This is the light-traffic case, where latency is
+# what matters: events -> row p50 at 1,000/s (docs/benchmarks.md). Larger batches, under load, are pipelined.
+INLINE_WRITE_RECORDS = 64
 
 
 def tune_interpreter() -> None:
@@ -163,7 +171,16 @@ class ProjectionSinkTask(SinkTask):
         hint, self.hint = self.hint, {}
         if not records and not dead and not hint:
             return
-        self.pipe.submit(Job(list(records), dead, hint, prepared))
+        job = Job(list(records), dead, hint, prepared)
+        if len(records) > INLINE_WRITE_RECORDS:
+            self.pipe.submit(job)
+            return
+        try:  # a small batch: written here, now (see INLINE_WRITE_RECORDS)
+            self._done(self.pipe.run_here(job), job.started)
+        except RetriableError:  # the runner offers the same records again; these go with them
+            self.pending_dead[:0] = dead
+            self.hint = {**hint, **self.hint}
+            raise
 
     def flush(self, offsets: Offsets) -> None:
         """Wait until every batch handed to `put` is in PostgreSQL (redoing a failed one)."""
