@@ -233,7 +233,10 @@ def test_a_member_assigned_nothing_is_steady_for_the_stuck_join_guard(protocol: 
             watches[n].reset()
             m.subscribe([topic], on_assign=lambda c, ps: kafka_clients.rebalance_assign(kafka, c, ps))
         deadline = time.monotonic() + 60
-        while not (all(w.current is not None and w.pending_s() == 0 for w in watches.values())
+        # A report is up to 500 ms old: the first member's last one may still show the partition it held (steady)
+        # before the second joined, so wait until each watch's report agrees with its member's assignment.
+        while not (all(w.current is not None and w.pending_s() == 0
+                       and w.current.assignment_size == len(members[n].assignment()) for n, w in watches.items())
                    and sum(len(m.assignment()) for m in members) == 1):
             assert time.monotonic() < deadline, {n: w.fields() for n, w in watches.items()}
             for m in members:
