@@ -187,6 +187,7 @@ class Executor:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.effect.close()
+        await self.ledger.close_async()
 
     async def _intake_loop(self) -> None:
         """Natural batching: one ledger read for everything handed over since the last one (the runner's batches
@@ -213,7 +214,7 @@ class Executor:
             log.warning("effects.ledger_read_retrying", connector=self.name, error=describe(e),
                         retry_in_s=delay)
 
-        return await retrying_async(lambda: asyncio.to_thread(self.ledger.finished_ids, ids), within_s=float("inf"),
+        return await retrying_async(lambda: self.ledger.finished_ids(ids), within_s=float("inf"),
                                     on_retry=warn, first_delay=0.1, errors=(Exception,))
 
     def _accept(self, item: Item) -> None:

@@ -37,7 +37,7 @@ from kafold.config import PostgresConfig
 from kafold.connectors.api import ErrantRecordReporter, SinkRecord
 from kafold.connectors.dlq import pg_text
 from kafold.envelope import Event, body_json
-from kafold.errors import FatalError, RetriableError
+from kafold.errors import FatalError, KafoldError, RetriableError
 from kafold.pg import conninfo
 from kafold.retry import retrying
 
@@ -114,7 +114,8 @@ def parked_body(stored: str) -> bytes:
 
 
 class Ledger:
-    """Batched writer (own thread) plus the few reads the executor needs (serialized on a second connection)."""
+    """Batched writer (own thread) plus the few reads the executor needs: the intake's check on a connection of the
+    executor's loop, the rest serialized on a second connection."""
 
     def __init__(self, pg: PostgresConfig, connector: str, reporter: ErrantRecordReporter | None,
                  flush_s: float = 0.0) -> None:
@@ -131,6 +132,7 @@ class Ledger:
         self._conn: psycopg.Connection[Any] | None = None  # the writer thread's
         self._read_lock = threading.Lock()
         self._reader: psycopg.Connection[Any] = psycopg.connect(self._dsn, autocommit=True)
+        self._aread: psycopg.AsyncConnection[Any] | None = None  # the executor loop's (finished_ids)
         self._thread = threading.Thread(target=self._run, name=f"kafold-ledger-{connector}", daemon=True)
         self._thread.start()
 
@@ -316,27 +318,53 @@ class Ledger:
                         yield cur
             except psycopg.OperationalError as e:
                 self._reader.close()
-                raise RetriableError(f"PostgreSQL: {e}") from e
+                raise self._read_failed(e) from e
             except psycopg.errors.UndefinedTable as e:
-                raise FatalError(f"effect connector {self.connector!r}: kafold's tables are missing in schema "
-                                 f"{self.schema!r} ({str(e).splitlines()[0]}); run `kafold db upgrade` or set "
-                                 "postgres.migrate_on_start = true") from e
+                raise self._read_failed(e) from e
+
+    def _read_failed(self, e: psycopg.Error) -> KafoldError:
+        """What a failed read raises: RetriableError when PostgreSQL is away (the caller's next try reconnects),
+        FatalError when kafold's tables are missing."""
+        if isinstance(e, psycopg.errors.UndefinedTable):
+            return FatalError(f"effect connector {self.connector!r}: kafold's tables are missing in schema "
+                              f"{self.schema!r} ({str(e).splitlines()[0]}); run `kafold db upgrade` or set "
+                              "postgres.migrate_on_start = true")
+        return RetriableError(f"PostgreSQL: {e}")
 
     def _read(self, query: sql.Composed, params: Iterable[Any], prepare: bool | None = None) -> list[tuple[Any, ...]]:
         with self._reading() as cur:
             cur.execute(query, tuple(params), prepare=prepare)
             return cur.fetchall() if cur.description else []
 
-    def finished_ids(self, event_ids: Collection[str]) -> set[str]:
-        """Ids among `event_ids` this connector already finished (succeeded, parked or skipped)."""
+    async def finished_ids(self, event_ids: Collection[str]) -> set[str]:
+        """Ids among `event_ids` this connector already finished (succeeded, parked or skipped). Read on the effect
+        executor's asyncio loop, on a connection only that loop uses: it waits for PostgreSQL without blocking the
+        loop and without a hop to a worker thread and back (two turns at the interpreter lock per intake, beside
+        the connectors' other threads). PostgreSQL away: RetriableError (the next call reconnects)."""
         if not event_ids:
             return set()
         stored = {pg_text(i): i for i in event_ids}
-        rows = self._read(sql.SQL(
-            "SELECT event_id FROM {} WHERE connector = %s AND event_id = ANY(%s) AND status <> %s").format(
-            table(self.schema, "effect_ledger")), (self.connector, list(stored), DeliveryStatus.RETRYING),
-            prepare=db.BY_KEYS)
+        query = sql.SQL("SELECT event_id FROM {} WHERE connector = %s AND event_id = ANY(%s) AND status <> %s").format(
+            table(self.schema, "effect_ledger"))
+        params = (self.connector, list(stored), DeliveryStatus.RETRYING)
+        try:
+            if self._aread is None or self._aread.closed or self._aread.broken:
+                self._aread = await psycopg.AsyncConnection.connect(self._dsn, autocommit=True)
+            async with self._aread.cursor() as cur:
+                await cur.execute(query, params, prepare=db.BY_KEYS)
+                rows = await cur.fetchall()
+        except psycopg.OperationalError as e:
+            await self.close_async()
+            raise self._read_failed(e) from e
+        except psycopg.errors.UndefinedTable as e:
+            raise self._read_failed(e) from e
         return {stored[r[0]] for r in rows}
+
+    async def close_async(self) -> None:
+        """Close the executor loop's connection (on that loop)."""
+        if self._aread is not None:
+            await self._aread.close()
+            self._aread = None
 
     def parked_keys(self) -> list[tuple[str, str, int]]:
         """(key, topic, partition) of this connector's parked keys."""
