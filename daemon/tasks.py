@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from kafold import logs
 from kafold.config import (
     AggregateConfig,
+    ConnectorConfig,
     DaemonConfig,
     KafkaConfig,
     KafoldConfig,
@@ -215,16 +216,21 @@ class ProcessTaskSlot(TaskSlot):
         return f"(in task process {pid}: py-spy dump --pid {pid} shows where)"
 
 
+def in_processes(settings: ConnectorConfig, daemon: DaemonConfig) -> bool:
+    """Whether the connector's tasks run as child processes: its own `task_processes`, else the daemon's."""
+    return daemon.task_processes if settings.task_processes is None else settings.task_processes
+
+
 def task_slots(connector: Connector[Any], kafka: KafkaConfig, postgres: PostgresConfig, daemon: DaemonConfig,
                base: Path, python_paths: list[str],
                on_batch: Callable[[RunnerView, BatchStats], None] | None = None,
                on_exit: Callable[[TaskSlot], None] | None = None, registry: RegistryConfig | None = None,
                tracing: TracingConfig | None = None, protected: Setup | None = None) -> list[TaskSlot]:
-    """The slots of a connector's tasks (at most `tasks_max`): threads, or with `daemon.task_processes` child
-    processes. Each task gets the configured services with its task config (Connect's worker config)."""
+    """The slots of a connector's tasks (at most `tasks_max`): threads, or child processes (`in_processes`). Each
+    task gets the configured services with its task config (Connect's worker config)."""
     n = connector.settings.tasks_max
     configs = [tc.with_services(kafka, postgres) for tc in connector.task_configs(n)[:n]]
-    if not daemon.task_processes:
+    if not in_processes(connector.settings, daemon):
         return [TaskSlot(connector, tc, kafka, daemon, on_batch, on_exit, registry) for tc in configs]
     return [ProcessTaskSlot(connector, tc, kafka, daemon, TaskSpec(
         connector.settings, base, tuple(python_paths), i, n, kafka, postgres, daemon, logs.current(), registry,

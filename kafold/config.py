@@ -108,7 +108,8 @@ class DaemonConfig:
     shutdown_grace_s: float = setting(10.0, doc="Time SIGTERM gives in-flight batches to finish.", minimum=0)
     task_processes: bool = setting(False, doc="Run each sink task in its own child process (one interpreter "
                                    "each), so a connector with tasks_max > 1 uses several cores and connectors do "
-                                   "not wait for each other's work (fresher read models: docs/operations.md).")
+                                   "not wait for each other's work (fresher read models: docs/operations.md); a "
+                                   "connector's own `task_processes` overrides it.")
     log_level: str = setting("info", doc="Log level.", choices=("debug", "info", "warning", "error"))
     python_path: list[str] = setting(
         factory=list, doc="Folders (relative to the config file) added to sys.path for user modules.")
@@ -243,6 +244,10 @@ class ConnectorConfig:
     connector_class: str = setting(doc="Entry point name in group `kafold.connectors` (e.g. `log`) or `module:Class`.")
     topics: list[str] = setting(doc="Source topics.")
     tasks_max: int = setting(1, doc="Largest number of tasks the connector may split into.", minimum=1)
+    task_processes: bool | None = setting(None, doc="This connector's tasks as child processes (true) or as threads "
+                                          "of the daemon (false); unset: `daemon.task_processes`. A process keeps a "
+                                          "latency-sensitive connector (a projection its service reads back) from "
+                                          "waiting behind the others' work (docs/operations.md).")
     dead_letter_topic: str = setting("", doc="Topic for records that cannot be processed; default `kafold.dlq.<name>`.")
     on_unknown_type: str = setting("skip", doc="What an unknown event type does.",
                                    choices=("skip", "dead-letter", "fail"))

@@ -62,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task-processes", action=argparse.BooleanOptionalAction, default=False,
                    help="daemon.task_processes: each connector task in its own process (default: off, the "
                    "daemon's default)")
+    p.add_argument("--process-projections", action="store_true",
+                   help="the two projections' own task_processes = true: each in a process, the webhook connector "
+                   "as the daemon has it")
     p.add_argument("-c", "--config", help="kafold.toml giving [kafka] and [postgres] (default: the dev stack)")
 
 
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with daemon_process(daemons, conf) as proc:
             _wait_ready(proc, port, conf)
             figures = {"rate": args.rate, "duration_s": args.duration, "partitions": args.partitions,
-                       "task_processes": args.task_processes}
+                       "task_processes": args.task_processes, "process_projections": args.process_projections}
             figures.update(_events_phase(kafka, daemons, names, args, control))
             figures.update(_commands_phase(kafka, daemons, names, args, DaemonClient(f"http://127.0.0.1:{port}")))
     figures["notes"] = [
@@ -114,12 +117,13 @@ def _daemon_toml(stack: DaemonStack, names: _Names, args: argparse.Namespace, po
     aggregate = {"name": "account", "initial": "bank_domain:initial", "evolve": "bank_domain:evolve",
                  "decide": "bank_domain:decide", "partitions": args.partitions,
                  **{f"{k}_topic": t for k, t in names.agg_topics.items()}}
+    own: dict[str, Any] = {"task_processes": True} if args.process_projections else {}
     connectors = [
-        {"name": names.feed_rows, "class": "postgres-projection", "topics": [names.feed],
+        {"name": names.feed_rows, "class": "postgres-projection", "topics": [names.feed], **own,
          "config": {"table": names.feed_table, "key_columns": ["account_id"], "columns": COLUMNS, "on": RULES}},
         {"name": names.feed_hooks, "class": "webhook", "topics": [names.feed],
          "config": {"url": f"{url}/hook", "allow_http": True}},
-        {"name": names.accounts, "class": "postgres-projection", "topics": [names.agg_topics["events"]],
+        {"name": names.accounts, "class": "postgres-projection", "topics": [names.agg_topics["events"]], **own,
          "config": {"table": names.accounts_table, "key_columns": ["account_id"],
                     "mapper": "bank_projection:account_row", "columns": BANK_COLUMNS}},
     ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kafold.connectors.api import TopicPartition
@@ -74,3 +76,26 @@ def test_faust_agents_get_kafkas_security_settings(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ConfigError, match="OAUTHBEARER"):
         broker_credentials(KafkaConfig(bootstrap_servers="b:1", security_protocol="SASL_PLAINTEXT",
                                        sasl_mechanism="OAUTHBEARER"))
+
+
+@pytest.mark.parametrize(("daemon_setting", "own", "expected"), [
+    (False, None, False), (True, None, True), (False, "true", True), (True, "false", False)])
+def test_a_connector_runs_as_processes_by_its_own_task_processes_else_the_daemons(
+        tmp_path: Path, daemon_setting: bool, own: str | None, expected: bool) -> None:
+    from kafold.config import parse
+    from kafold.daemon.tasks import in_processes
+
+    line = f"task_processes = {own}\n" if own is not None else ""
+    loaded = parse(f'[daemon]\ntask_processes = {str(daemon_setting).lower()}\n\n[[connectors]]\nname = "a"\n'
+                   f'class = "log"\ntopics = ["t"]\n{line}', tmp_path / "kafold.toml", environ={})
+    (connector,) = loaded.config.connectors
+    assert in_processes(connector, loaded.config.daemon) is expected
+
+
+def test_a_connectors_task_processes_must_be_a_boolean(tmp_path: Path) -> None:
+    from kafold.config import parse
+    from kafold.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="task_processes"):
+        parse('[[connectors]]\nname = "a"\nclass = "log"\ntopics = ["t"]\ntask_processes = 3\n',
+              tmp_path / "kafold.toml", environ={})

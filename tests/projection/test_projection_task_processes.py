@@ -179,3 +179,38 @@ def test_tasks_in_child_processes_split_partitions_and_survive_kill_9_of_a_child
     with db.connect(pg_config) as conn:
         tracked = conn.execute("SELECT count(*) FROM kafold.tracking WHERE projection = %s", (unique,)).fetchone()
     assert tracked == (len(events),)
+
+
+@pytest.mark.timeout(180)
+def test_a_connectors_own_task_processes_overrides_the_daemons(
+        kafka_config: KafkaConfig, pg_config: PostgresConfig, pg_url: str, unique: str, tmp_path: Path) -> None:
+    """`daemon.task_processes = true` with a second connector that sets `task_processes = false`: the projection
+    runs in the one child process, the other connector as a thread of the daemon, and both run."""
+    topic, table = f"{unique}.events", table_name()
+    create_topic(kafka_config, topic, partitions=PARTITIONS)
+    events = history(accounts=50, deposits=9, close_every=7)
+    port = free_port()
+    conf = write_config(tmp_path / "kafold.toml", kafka_config, pg_url, unique, topic, table)
+    conf.write_text(conf.read_text().replace("http_port = 0", f"http_port = {port}\ntask_processes = true") + f"""
+[[connectors]]
+name = "{unique}-log"
+class = "log"
+topics = ["{topic}"]
+task_processes = false
+""")
+    coords = produce(kafka_config, topic, encoded(events, PARTITIONS))
+    daemon = start_daemon(conf, pg_url, tmp_path / "daemon.log")
+    try:
+        wait_for(lambda: len(_task_partitions(port)) == 1 or daemon.poll() is not None, "the daemon up", 60)
+        wait_for(lambda: stored_offsets(pg_config, unique, topic) == ends_of(coords) or daemon.poll() is not None,
+                 "the projection to reach the end offsets", 120)
+        assert daemon.poll() is None, f"the daemon exited early; see {tmp_path / 'daemon.log'}"
+        wait_for(lambda: _get(port, f"/connectors/{unique}-log/status")["tasks"][0]["state"] == "RUNNING",
+                 "the log connector running", 30)
+        children = _children(daemon)
+        assert len(children) == 1, [c.cmdline() for c in children]  # the projection's task; the log's is a thread
+        assert _get(port, f"/connectors/{unique}/status")["tasks"][0]["state"] == "RUNNING"
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(30) == 0
+    assert read_table(pg_config, table) == fold(events)
