@@ -5,13 +5,15 @@ Guarantee (at-least-once into the task)
 For each batch: decode every record; records that are not valid envelopes are reported to the dead-letter
 topic and never reach `put`; `put` gets the rest (retried on RetriableError with the partitions paused, so the
 group membership stays alive); then the dead-letter writer is flushed (every dead letter acknowledged,
-acks=all); only then are the offsets after the batch offered to `pre_commit`, and what it returns is committed
-synchronously. So a committed offset never passes a record that was neither put successfully nor durably
-dead-lettered. A task that stores its own offsets (`SinkTask.stores_offsets`, the projection) is offered them on a
-timer instead (`offset_flush_interval_ms`; see `_commit`): its store decides where it resumes, Kafka's commit
-follows. After a crash, a FatalError or a rebalance, the records after the last commit are delivered again: `put`
-must be idempotent. On revoke, the offsets of everything already put are offered to `pre_commit`
-and committed before `close`. On stop, fetching stops, the in-flight batch finishes (within
+acks=all); only then are the offsets after the batch offered to `pre_commit`, and what it returns is committed.
+So a committed offset never passes a record that was neither put successfully nor durably dead-lettered. These
+commits are sent asynchronously, as Kafka Connect's sink tasks do (see `_commit`): the loop keeps polling while one
+is answered, so a slow or lost answer stalls neither fetching nor the group's rebalance callbacks. A task that
+stores its own offsets (`SinkTask.stores_offsets`, the projection) is offered them on a timer instead
+(`offset_flush_interval_ms`; see `_commit`): its store decides where it resumes, Kafka's commit follows. After a
+crash, a FatalError or a rebalance, the records after the last commit are delivered again: `put` must be
+idempotent. On revoke, the offsets of everything already put are offered to `pre_commit`
+and committed synchronously before `close`. On stop, fetching stops, the in-flight batch finishes (within
 `shutdown_grace_s`), offsets are committed, the partitions are closed and the task stopped.
 
 Pause/resume from outside (the REST API) are requests applied by the loop between polls: the consumer's
@@ -29,6 +31,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from confluent_kafka import KafkaException
@@ -67,6 +70,22 @@ MAX_BACKOFF_S = 10.0
 PREFETCH_KBYTES = 2048
 FETCH_QUEUE_BACKOFF_MS = 10
 YIELD_EVERY_MASK = 255  # the decode loop offers the task a yield point every 256 records (SinkTask.yield_point)
+# An asynchronous commit not answered within this long is given up (logged) and the next one is sent: Kafka
+# Connect's offset.flush.timeout.ms (5 s by default) plays this part. A commit's request times out in librdkafka
+# only after socket.timeout.ms (60 s), and a sync commit can wait forever (confluent-kafka-python#1801; seen here
+# once a paused broker came back: the runner sat in `commit` until the process ended).
+COMMIT_TIMEOUT_S = 10.0
+# While a commit is awaited the loop polls in slices this short: its answer is served inside the poll, which does
+# not return for it, and a task waiting on the commit (at-most-once effects) is offered the next one right away.
+COMMIT_AWAIT_POLL_S = 0.005
+
+
+@dataclass(frozen=True)
+class _CommitInFlight:
+    """An asynchronous commit sent and not yet answered: its offsets and when it was sent (CLOCK_MONOTONIC)."""
+
+    offsets: dict[TopicPartition, int]
+    sent_at: float
 
 
 class _Abandoned(KafoldError):
@@ -105,7 +124,7 @@ class _Context(SinkTaskContext):
         return self.runner.reporter
 
     def committed_offsets(self) -> Mapping[TopicPartition, int]:
-        return dict(self.runner.committed)  # updated only after consumer.commit returned without error
+        return dict(self.runner.committed)  # updated only once the broker answered a commit without error
 
 
 class ProgressView(Protocol):
@@ -192,7 +211,8 @@ class SinkRunner(LoopHandler):
                        "rejoins": 0}
         self.on_batch: Callable[[BatchStats], None] | None = None  # called in this thread after each batch
         self.progress = ProgressTracker(str(self.consumer_extra.get("auto.offset.reset", "earliest")))
-        self.committed: dict[TopicPartition, int] = {}
+        self.committed: dict[TopicPartition, int] = {}  # what the broker confirmed
+        self.in_flight: _CommitInFlight | None = None  # the asynchronous commit awaiting its answer
         self.event_times: dict[TopicPartition, int] = {}  # event time (ms) of the last handled record
         self.tally = Tally()  # the runner's half of the offset accounting (daemon/accounting.py)
         self.api_paused = False  # paused through the REST API (applied between polls)
@@ -261,6 +281,8 @@ class SinkRunner(LoopHandler):
         self._watch_group()
         self._apply_requests()
         self._apply_seeks()
+        if self.in_flight is not None:  # its answer is served inside the poll (see COMMIT_AWAIT_POLL_S)
+            return COMMIT_AWAIT_POLL_S
         if self.context.commit_requested and not self.task.stores_offsets:  # a commit waiting for its interval:
             return max(0.0, min(self.next_flush - time.monotonic(), self.loop.wait_s))  # the idle poll ends then
         return None
@@ -306,7 +328,8 @@ class SinkRunner(LoopHandler):
     def _new_consumer(self) -> Any:
         extra = {"isolation.level": "read_committed", "enable.auto.offset.store": False,
                  "queued.max.messages.kbytes": PREFETCH_KBYTES, "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
-                 "statistics.interval.ms": STATS_INTERVAL_MS, "stats_cb": self._on_stats, **self.consumer_extra}
+                 "statistics.interval.ms": STATS_INTERVAL_MS, "stats_cb": self._on_stats,
+                 "on_commit": self._on_commit, **self.consumer_extra}
         return kafka_clients.consumer(self.kafka, self.group_id, **extra)
 
     def _subscribe(self) -> None:
@@ -528,17 +551,32 @@ class SinkRunner(LoopHandler):
         store, `offset_flush_interval_ms`."""
         return time.monotonic() >= self.next_flush
 
-    def _commit(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
-        """Offer the positions of `partitions` to pre_commit; commit what it returns (synchronously).
+    def _commit(self, partitions: Iterable[TopicPartition], *, wait: bool = False) -> dict[TopicPartition, int]:
+        """Offer the positions of `partitions` to pre_commit; commit what it returns: asynchronously (the answer
+        comes to `_on_commit` inside a later poll), or with `wait` synchronously (on revoke and stop, where the
+        partitions are handed over next). Returns the offsets sent.
 
-        Commit note for a task that stores its own offsets (`SinkTask.stores_offsets`: a projection, whose
-        checkpoints are written in the same PostgreSQL transaction as its rows): this is called after a batch or on
-        an idle poll only once `offset_flush_interval_ms` has passed since the last call, and always on revoke and
-        stop. What it commits is what `pre_commit` returned — offsets already stored in the task's store, never
-        those of a write still in flight — so the group's offset never passes the store; and the store, not the
-        group, decides where a restart resumes (the task's `open` seeks every assigned partition to its stored
-        offset). A group offset behind the store (up to one interval) only means a new owner's first fetch starts
-        a little earlier, before that seek."""
+        Commit note: one asynchronous commit is in flight at a time. While it is, a flush is put off (the task is
+        asked again once the answer is in), unless it went unanswered for COMMIT_TIMEOUT_S: then it is given up
+        and the next one is sent (a commit is idempotent; the broker applies them in order). `committed`, and so
+        the task's `committed_offsets`, holds only what the broker confirmed; a failed commit leaves it as it was
+        and marks the runner dirty, so the same offsets are offered again at the next flush.
+
+        For a task that stores its own offsets (`SinkTask.stores_offsets`: a projection, whose checkpoints are
+        written in the same PostgreSQL transaction as its rows): this is called after a batch or on an idle poll
+        only once `offset_flush_interval_ms` has passed since the last call, and always on revoke and stop. What
+        it commits is what `pre_commit` returned — offsets already stored in the task's store, never those of a
+        write still in flight — so the group's offset never passes the store; and the store, not the group,
+        decides where a restart resumes (the task's `open` seeks every assigned partition to its stored offset).
+        A group offset behind the store (up to one interval) only means a new owner's first fetch starts a little
+        earlier, before that seek."""
+        if not wait and self.in_flight is not None:
+            waited = time.monotonic() - self.in_flight.sent_at
+            if waited < COMMIT_TIMEOUT_S:
+                return {}
+            self.log.warning("runner.commit_timed_out", waited_s=round(waited, 1),
+                             hint="given up; the next commit carries the same offsets or later ones")
+            self.in_flight = None
         requested, self.context.commit_requested = self.context.commit_requested, False
         offered = {tp: self.positions[tp] for tp in partitions if tp in self.positions}
         if not offered or not (self.dirty or requested):  # a task that completes work later asks explicitly
@@ -548,19 +586,40 @@ class SinkRunner(LoopHandler):
         chosen = dict(self.task.pre_commit(offered))
         chosen = {tp: off for tp, off in chosen.items() if tp in self.assigned and self.committed.get(tp) != off}
         if chosen:
+            offsets = [KafkaTP(tp.topic, tp.partition, off) for tp, off in chosen.items()]
             try:
-                offsets = [KafkaTP(tp.topic, tp.partition, off) for tp, off in chosen.items()]
-                kafka_clients.commit(self.consumer, offsets)  # a moving member epoch is sent again
-                self.committed.update(chosen)
+                if wait:
+                    kafka_clients.commit(self.consumer, offsets)  # a moving member epoch is sent again
+                    self.committed.update(chosen)
+                else:
+                    self.consumer.commit(offsets=offsets, asynchronous=True)
+                    self.in_flight = _CommitInFlight(chosen, time.monotonic())
             except KafkaException as e:  # e.g. a rebalance: the new owner re-reads from the last commit
                 self.log.warning("runner.commit_failed", error=str(e),
                                  hint="records after the last commit will be delivered again")
                 return {}
         # Clean only when every position was taken as offered; a task that held some back (work still in
         # flight) gets asked again on the next batch or request.
-        if set(offered) >= set(self.positions) and all(self.committed.get(tp) == off for tp, off in offered.items()):
+        if set(offered) >= set(self.positions) and all(chosen.get(tp, self.committed.get(tp)) == off
+                                                       for tp, off in offered.items()):
             self.dirty = False
         return chosen
+
+    def _on_commit(self, err: Any, partitions: list[Any]) -> None:
+        """An asynchronous commit's answer (served inside consume(), in this thread): what succeeded is
+        `committed`; a failure is logged and its offsets are offered again. The answer to a commit given up
+        (COMMIT_TIMEOUT_S) or whose partitions were released meanwhile is not this runner's to apply."""
+        answered = {TopicPartition(p.topic, p.partition): p.offset for p in partitions or ()}
+        if self.in_flight is None or answered != self.in_flight.offsets:
+            return
+        self.in_flight = None
+        failed = [p for p in partitions if p.error is not None]
+        if err is not None or failed:
+            self.dirty = True
+            self.log.warning("runner.commit_failed", error=str(err if err is not None else failed[0].error),
+                             hint="offered again at the next flush; a crash meanwhile delivers them again")
+            return
+        self.committed.update(answered)  # a flush put off meanwhile is still due: it goes at the next poll
 
     def _apply_seeks(self) -> None:
         seeks, self.context.seeks = self.context.seeks, {}
@@ -591,7 +650,7 @@ class SinkRunner(LoopHandler):
             return
         if not self.failed:
             try:
-                self._commit(tps)
+                self._commit(tps, wait=True)
             except Exception as e:
                 self.log.warning("runner.revoke_commit_failed", error=str(e))
         self._release(tps)
@@ -612,6 +671,8 @@ class SinkRunner(LoopHandler):
                 self.positions.pop(tp, None)
                 self.committed.pop(tp, None)
                 self.event_times.pop(tp, None)
+            if self.in_flight is not None and not self.in_flight.offsets.keys().isdisjoint(tps):
+                self.in_flight = None  # its answer no longer concerns this runner (see `_on_commit`)
             self.progress.released(tps)
             self.log.info("runner.partitions_released", partitions=sorted(str(tp) for tp in tps))
 

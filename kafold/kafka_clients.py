@@ -79,13 +79,17 @@ def commit(consumer: Consumer, offsets: list[Any], within_s: float = COMMIT_RETR
     up to `within_s`); any other error, or the last retriable one, is raised (KafkaException).
 
     Offsets: the same offsets are committed on every try (a commit is idempotent); the caller records them as
-    committed only once this returns."""
+    committed only once this returns. A partition the broker refused (the answer holds an error per partition)
+    fails the call like a refused request."""
     from confluent_kafka import KafkaException
 
     deadline, attempt = time.monotonic() + within_s, 0
     while True:
         try:
-            consumer.commit(offsets=offsets, asynchronous=False)
+            answered = consumer.commit(offsets=offsets, asynchronous=False)
+            refused = [p.error for p in answered or () if p.error is not None]
+            if refused:
+                raise KafkaException(refused[0])
             return
         except KafkaException as e:
             attempt += 1

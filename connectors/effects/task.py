@@ -7,11 +7,13 @@ Note on offsets and commits
   already in the ledger, or durably parked). A crash re-delivers everything after that prefix; effects the ledger
   shows as finished are not run again, the rest run again with the same idempotency key.
 * at-most-once: `put` only holds the records; `pre_commit` returns everything handed over, and the held records are
-  released to the executor the next time the runner calls in (put, pre_commit or close) — by then the runner's
-  synchronous commit of them has returned. A crash loses the released-but-unfinished effects; none runs twice.
+  released to the executor the next time the runner calls in (put, pre_commit or close) once the broker has
+  confirmed their commit (`committed_offsets`); those whose commit is not confirmed yet, or failed, go back to be
+  held and offered again. A crash loses the released-but-unfinished effects; none runs twice.
 * Idle progress: each completion calls `context.request_commit()`, so the runner commits on an idle poll.
-* at-least-once commits at most every COMMIT_INTERVAL_S (`commit_interval_s`): a synchronous commit per batch took
-  the runner's thread ~5 ms each, 60 % of it at 1,000 events/s, while records waited to be handed over. A crash
+* at-least-once commits at most every COMMIT_INTERVAL_S (`commit_interval_s`): a commit per batch (synchronous
+  then) took the runner's thread ~5 ms each, 60 % of it at 1,000 events/s, while records waited to be handed over;
+  sent asynchronously now, each is still a request to the group coordinator. A crash
   re-delivers up to that much more, which the ledger shows finished (not run again). at-most-once commits after
   every batch: its effects wait for that commit.
 * Flow control: while more than `max_in_flight` events are unfinished, `put` waits up to a second, then pauses the

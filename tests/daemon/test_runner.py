@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import uuid
@@ -17,7 +19,7 @@ from structlog.testing import capture_logs
 from kafold import kafka_clients
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig
 from kafold.connectors import registry
-from kafold.connectors.api import Connector, SinkRecord, SinkTask, SinkTaskContext, TaskConfig
+from kafold.connectors.api import Connector, SinkRecord, SinkTask, SinkTaskContext, TaskConfig, TopicPartition
 from kafold.daemon import tasks
 from kafold.daemon.liveness import GroupWatch
 from kafold.daemon.runner import SinkRunner
@@ -43,6 +45,7 @@ class Recording:
     settings: RecordingConfig
     received: list[SinkRecord]
     yield_points: list[int]
+    puts_started: list[float]  # CLOCK_MONOTONIC at the start of every put
 
 
 class RecordingTask(SinkTask):
@@ -52,6 +55,7 @@ class RecordingTask(SinkTask):
         self.config = task_config.config.settings
         self.received = task_config.config.received
         self.yield_points = task_config.config.yield_points
+        self.puts_started = task_config.config.puts_started
         self.failures = 0
         self.context = context
         self.paused: set[Any] = set()
@@ -60,6 +64,7 @@ class RecordingTask(SinkTask):
         self.yield_points.append(len(self.received))
 
     def put(self, records: Any) -> None:
+        self.puts_started.append(time.monotonic())
         if self.config.put_delay_s:
             time.sleep(self.config.put_delay_s)
         if self.config.pause_and_block_s and not self.received:
@@ -88,9 +93,10 @@ class RecordingConnector(Connector[RecordingConfig]):
         super().__init__(settings, config)
         self.received: list[SinkRecord] = []
         self.yield_points: list[int] = []
+        self.puts_started: list[float] = []
 
     def task_configs(self, max_tasks: int) -> list[TaskConfig[Any]]:
-        return [TaskConfig(0, Recording(self.config, self.received, self.yield_points))]
+        return [TaskConfig(0, Recording(self.config, self.received, self.yield_points, self.puts_started))]
 
 
 RECORDING = "tests.daemon.test_runner:RecordingConnector"  # as a configuration names it: its module and class
@@ -227,6 +233,44 @@ def test_a_fatal_put_leaves_the_committed_offset_before_its_batch(kafka_config: 
     assert isinstance(run.runner.error, FatalError)
     assert committed(kafka_config, run.runner.group_id, topic, 1) == {0: 10}
     assert [r.offset for r in run.connector.received] == list(range(10))
+
+
+def test_the_loop_keeps_polling_while_a_commit_awaits_its_answer(
+        request: pytest.FixtureRequest, kafka_config: KafkaConfig, unique: str) -> None:
+    """A batch's commit is sent asynchronously: while the broker (paused) does not answer it, the runner goes on
+    polling (heartbeats, rebalance callbacks, fetching); what the runner records as committed is the answer, once
+    the broker is back. A synchronous commit held the runner's thread for as long as the answer took (forever,
+    once, in CI: confluent-kafka-python#1801)."""
+    if os.environ.get("KAFOLD_TEST_BOOTSTRAP"):
+        pytest.skip("pauses the dev stack's broker; an external broker is not ours to pause")
+    broker = request.getfixturevalue("dev_stack").broker
+    topic = f"{unique}.events"
+    create_topic(kafka_config, topic, 1)
+    produce(kafka_config, topic, [(0, *valid("a", v)) for v in range(1, 11)])
+    run = start(kafka_config, unique, topic, put_delay_s=1.5)  # the 10 records are one batch (batch_max_records)
+    tp = TopicPartition(topic, 0)
+    try:
+        deadline = time.monotonic() + 60
+        while not run.connector.puts_started:
+            assert time.monotonic() < deadline, "no put started"
+            time.sleep(0.01)
+        os.kill(broker.pid, signal.SIGSTOP)  # for less than the session timeout: no rebalance
+        try:
+            deadline = time.monotonic() + 10
+            while not run.connector.received:  # the put ends; its batch's commit goes to the paused broker
+                assert time.monotonic() < deadline, "the put never ended"
+                time.sleep(0.01)
+            polls = run.runner.counts["polls"]
+            time.sleep(2.0)
+            assert run.runner.counts["polls"] > polls + 10, "the loop stopped polling while its commit was unanswered"
+            assert run.runner.committed.get(tp) is None, "a commit the broker has not answered counts as committed"
+        finally:
+            os.kill(broker.pid, signal.SIGCONT)
+        wait_for(lambda: run.runner.committed.get(tp) == 10, "the commit's answer")
+        assert committed(kafka_config, run.runner.group_id, topic, 1) == {0: 10}
+        assert [r.offset for r in run.connector.received] == list(range(10))
+    finally:
+        finish(run)
 
 
 def test_a_retriable_put_is_retried_until_it_succeeds(kafka_config: KafkaConfig, unique: str) -> None:
