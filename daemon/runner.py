@@ -610,13 +610,14 @@ class SinkRunner(LoopHandler):
         `committed`; a failure is logged and its offsets are offered again. The answer to a commit given up
         (COMMIT_TIMEOUT_S) or whose partitions were released meanwhile is not this runner's to apply."""
         answered = {TopicPartition(p.topic, p.partition): p.offset for p in partitions or ()}
-        if self.in_flight is None or answered != self.in_flight.offsets:
-            return
+        if self.in_flight is None or (answered and answered != self.in_flight.offsets):
+            return  # an error answered without its partitions can only be the one in flight's
         self.in_flight = None
-        failed = [p for p in partitions if p.error is not None]
-        if err is not None or failed:
+        failed = [p.error for p in partitions or () if p.error is not None]
+        if err is not None or failed or not answered:
             self.dirty = True
-            self.log.warning("runner.commit_failed", error=str(err if err is not None else failed[0].error),
+            self.log.warning("runner.commit_failed", error=str(err if err is not None else
+                                                               failed[0] if failed else "no partitions answered"),
                              hint="offered again at the next flush; a crash meanwhile delivers them again")
             return
         self.committed.update(answered)  # a flush put off meanwhile is still due: it goes at the next poll
