@@ -613,11 +613,11 @@ class SinkRunner(LoopHandler):
         if self.in_flight is None or (answered and answered != self.in_flight.offsets):
             return  # an error answered without its partitions can only be the one in flight's
         self.in_flight = None
-        failed = [p.error for p in partitions or () if p.error is not None]
-        if err is not None or failed or not answered:
+        error = err if err is not None else kafka_clients.refusal(partitions)
+        if error is not None or not answered:
             self.dirty = True
-            self.log.warning("runner.commit_failed", error=str(err if err is not None else
-                                                               failed[0] if failed else "no partitions answered"),
+            reason = "no partitions answered" if error is None else str(error)
+            self.log.warning("runner.commit_failed", error=reason,
                              hint="offered again at the next flush; a crash meanwhile delivers them again")
             return
         self.committed.update(answered)  # a flush put off meanwhile is still due: it goes at the next poll

@@ -74,6 +74,11 @@ def commit_retriable(err: Any) -> bool:
     return err.code() in {getattr(KafkaError, name) for name in MEMBER_EPOCH_MOVING}
 
 
+def refusal(answered: list[Any] | None) -> Any:
+    """The first per-partition error (a KafkaError) in a commit's answer; None when every partition was taken."""
+    return next((p.error for p in answered or () if p.error is not None), None)
+
+
 def commit(consumer: Consumer, offsets: list[Any], within_s: float = COMMIT_RETRY_S) -> None:
     """`consumer.commit(offsets, asynchronous=False)`, sent again on a `commit_retriable` error (with backoff, for
     up to `within_s`); any other error, or the last retriable one, is raised (KafkaException).
@@ -86,10 +91,9 @@ def commit(consumer: Consumer, offsets: list[Any], within_s: float = COMMIT_RETR
     deadline, attempt = time.monotonic() + within_s, 0
     while True:
         try:
-            answered = consumer.commit(offsets=offsets, asynchronous=False)
-            refused = [p.error for p in answered or () if p.error is not None]
-            if refused:
-                raise KafkaException(refused[0])
+            refused = refusal(consumer.commit(offsets=offsets, asynchronous=False))
+            if refused is not None:
+                raise KafkaException(refused)
             return
         except KafkaException as e:
             attempt += 1

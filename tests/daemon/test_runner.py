@@ -250,16 +250,11 @@ def test_the_loop_keeps_polling_while_a_commit_awaits_its_answer(
     run = start(kafka_config, unique, topic, put_delay_s=1.5)  # the 10 records are one batch (batch_max_records)
     tp = TopicPartition(topic, 0)
     try:
-        deadline = time.monotonic() + 60
-        while not run.connector.puts_started:
-            assert time.monotonic() < deadline, "no put started"
-            time.sleep(0.01)
+        wait_for(lambda: bool(run.connector.puts_started), "a put to start")
         os.kill(broker.pid, signal.SIGSTOP)  # for less than the session timeout: no rebalance
         try:
-            deadline = time.monotonic() + 10
-            while not run.connector.received:  # the put ends; its batch's commit goes to the paused broker
-                assert time.monotonic() < deadline, "the put never ended"
-                time.sleep(0.01)
+            # the put ends; its batch's commit goes to the paused broker
+            wait_for(lambda: bool(run.connector.received), "the put to end", timeout=10)
             polls = run.runner.counts["polls"]
             time.sleep(2.0)
             assert run.runner.counts["polls"] > polls + 10, "the loop stopped polling while its commit was unanswered"
