@@ -368,9 +368,12 @@ class KeyRing:
         self.gone: set[tuple[str, bytes]] = set()  # (subject, key id) of keys confirmed deleted
         self.mark: Any = None  # the store's erasure mark at the last look
         self.trusted_until = 0.0  # CLOCK_MONOTONIC: until then the cache is used without another look at the mark
+        # Bumped whenever cached keys are dropped: a holder of "these subjects are cached" (Protector.prefetch's
+        # record keys) starts over when it moves.
+        self.generation = 0
         _RINGS.add(self)
 
-    def _trust(self, margin: float = 0.0) -> None:
+    def trust(self, margin: float = 0.0) -> None:
         """Look at the store's erasure mark when the cache's trust lapses within `margin` seconds: unchanged, what is
         cached is trusted for another TTL; moved, the cache is dropped (every key is fetched again). The mark is
         read before any key it covers is fetched, so an erasure after that read shows at the next look."""
@@ -380,17 +383,26 @@ class KeyRing:
         mark = self.store.erasure_mark()
         if mark != self.mark:
             self.mark = mark
-            self.cache.clear()
+            self.drop()
         self.trusted_until = now + self.ttl_s
+
+    def drop(self, subjects: Iterable[str] | None = None) -> None:
+        """Drop the cached keys of `subjects` (default: all): they are fetched again when next needed."""
+        if subjects is None:
+            self.cache.clear()
+        else:
+            for subject in subjects:
+                self.cache.pop(subject, None)
+        self.generation += 1
 
     def _keep(self, subject: str, key_id: bytes | None, key: bytes | None) -> _Entry:
         if len(self.cache) >= CACHE_MAX:
-            self.cache.clear()
+            self.drop()
         entry = self.cache[subject] = (key_id, key, None if key is None else _aesgcm(key))
         return entry
 
     def _fetch(self, subject: str) -> _Entry:
-        """The subject's entry read from the store, and cached (the caller has called `_trust`)."""
+        """The subject's entry read from the store, and cached (the caller has called `trust`)."""
         row = self.store.get(subject)
         if row is None:
             return self._keep(subject, None, None)
@@ -398,7 +410,7 @@ class KeyRing:
 
     def lookup(self, subject: str) -> tuple[bytes | None, bytes | None]:
         """(key id, key) of the subject, (None, None) when it has none (forgotten or never written)."""
-        self._trust()
+        self.trust()
         key_id, key, _ = self.cache.get(subject) or self._fetch(subject)
         return key_id, key
 
@@ -408,7 +420,7 @@ class KeyRing:
         against the store: a key created since it was cached (by the writer of a newer event of a subject whose
         earlier events were not protected) is found, not taken for an erasure. Key ids are random and a subject's
         key is only ever deleted or replaced by a new id, so a key id once seen gone stays gone."""
-        self._trust()
+        self.trust()
         hit = self.cache.get(subject) or self._fetch(subject)
         if hit[0] == key_id:
             return hit[2]
@@ -427,7 +439,7 @@ class KeyRing:
         opened one by one); the erasure mark first if the cache's trust would lapse while the batch is read (an
         expiry per entry once cost a round trip per subject: ~3 % of lookups, a fifth of a protected projection's
         time)."""
-        self._trust(self.ttl_s / 2)
+        self.trust(self.ttl_s / 2)
         cache = self.cache
         missing = {s for s in subjects if s not in cache}
         if not missing:
@@ -470,7 +482,7 @@ class KeyRing:
 
     def sealer(self, subject: str) -> tuple[bytes, Any]:
         """(key id, the key's AESGCM object) to seal the subject's values with (its key created on first use)."""
-        self._trust()
+        self.trust()
         hit = self.cache.get(subject)
         if hit is not None and hit[0] is not None:  # the common case, without `_writable`'s calls
             return hit[0], hit[2]
@@ -478,12 +490,12 @@ class KeyRing:
         return key_id, aead
 
     def for_writing(self, subject: str) -> tuple[bytes, bytes]:
-        self._trust()
+        self.trust()
         key_id, key, _ = self._writable(subject)
         return key_id, key
 
     def _writable(self, subject: str) -> tuple[bytes, bytes, Any]:
-        """The subject's cache entry, its key created when it has none (the caller has called `_trust`)."""
+        """The subject's cache entry, its key created when it has none (the caller has called `trust`)."""
         key_id, key, aead = self.cache.get(subject) or self._fetch(subject)
         if key_id is not None and key is not None:
             return key_id, key, aead
@@ -496,7 +508,7 @@ class KeyRing:
         """Delete the subject's key, record the erasure, and drop it from every ring of this process."""
         existed = self.store.forget(subject, self.cipher.subject_hash(subject), actor)
         for ring in list(_RINGS):
-            ring.cache.pop(subject, None)
+            ring.drop([subject])
         return existed
 
 
@@ -532,11 +544,35 @@ class Protector:
         # Some rule's subject is the aggregate id, which is a kafold record's key: a batch's keys can be looked up
         # before its records are decoded (`prefetch`).
         self.keyed_by_record = any(rule.subject == AGGREGATE_ID for rule in self.rules.values())
+        # Record keys whose subjects the ring has cached since its generation `_cached_at` (prefetch skips them)
+        self._cached: set[bytes | None] = set()
+        self._cached_at = ring.generation
+        # Types whose protected fields are all top-level and whose subject is the aggregate id (the common case):
+        # (field, the tail of its associated data after the subject) each, for `event`'s fast path.
+        self._flat = {(a, t): tuple((p[0], f"\0{t}\0{p[0]}".encode()) for p in rule.paths)
+                      for (a, t), rule in self.rules.items()
+                      if rule.subject == AGGREGATE_ID and all(len(p) == 1 for p in rule.paths)}
 
     def prefetch(self, record_keys: Iterable[bytes | None]) -> None:
-        """Look up the subject keys a batch of kafold records will need, in one round trip (see keyed_by_record)."""
-        if self.keyed_by_record:  # keys PostgreSQL cannot hold (a NUL) are left to the record's own lookup
-            self.ring.prefetch(k.decode("utf-8", "replace") for k in set(record_keys) if k and b"\0" not in k)
+        """Look up the subject keys a batch of kafold records will need, in one round trip (see keyed_by_record).
+        Record keys already looked up since the ring last dropped keys are skipped by a set difference, not
+        decoded and checked one by one (docs/benchmarks.md, privacy). Shared by the runner threads of a process:
+        a race can only leave a key marked looked up that is not cached, which its record's own lookup fetches."""
+        if not self.keyed_by_record:
+            return
+        ring = self.ring
+        ring.trust(ring.ttl_s / 2)  # the trust first: it may drop the cache, and with it what `_cached` says
+        if self._cached_at != ring.generation or len(self._cached) >= CACHE_MAX:
+            self._cached, self._cached_at = set(), ring.generation
+        keys = set(record_keys)
+        keys -= self._cached
+        if not keys:
+            return
+        generation = ring.generation
+        # keys PostgreSQL cannot hold (a NUL) are left to the record's own lookup
+        ring.prefetch(k.decode("utf-8", "replace") for k in keys if k and b"\0" not in k)
+        if ring.generation == generation:
+            self._cached |= keys
 
     def seal(self, aggregate: str, type_name: str, aggregate_id: str, payload: dict[str, Any]) -> dict[str, Any]:
         """`payload` with its protected values sealed (a copy; unchanged when the type has no rule)."""
@@ -635,7 +671,11 @@ class Protector:
         """A decoded event with its protected fields opened (the sink intake's hook, on the event it has just
         decoded: the opened payload replaces the event's own in place); RecordError with reason `decrypt-failed`
         when one does not authenticate."""
-        rule = self.rules.get((event.aggregate_type, event.type))
+        at = (event.aggregate_type, event.type)
+        flat = self._flat.get(at)
+        if flat is not None and self._opened_in_place(event.payload, event.aggregate_id, flat):
+            return event
+        rule = self.rules.get(at)
         if rule is None:
             return event
         try:
@@ -644,6 +684,38 @@ class Protector:
         except (DecryptError, ValueError) as e:
             raise RecordError(f"event {event.event_id}: {e}", raw=raw, reason="decrypt-failed") from e
         return adopt_payload(event, payload)  # the intake's own, just decoded (see Intake.event)
+
+    def _opened_in_place(self, payload: dict[str, Any], subject: str, fields: tuple[tuple[str, bytes], ...]) -> bool:
+        """`event`'s fast path: the protected top-level `fields` of `payload` (the intake's own, just decoded)
+        opened in place when the subject's key is cached and trusted and every value is sealed under it. False,
+        the payload untouched, for anything else (a key not cached or gone, a value not sealed or not
+        authentic): the general path (`_each`, `_open`) then reads it and names any failure. The general path's
+        steps (Cipher.blob, KeyRing.opener, Cipher.open_blob) are inlined here: their calls cost as much as the
+        decryption (docs/benchmarks.md, privacy)."""
+        ring = self.ring
+        hit = ring.cache.get(subject)
+        if hit is None or hit[2] is None or time.monotonic() >= ring.trusted_until:
+            return False
+        key_id, _, aead = hit
+        head = subject.encode()
+        opened = []
+        try:
+            for name, tail in fields:
+                value = payload.get(name)
+                if value is None:
+                    continue
+                if type(value) is not str or not value.startswith(PREFIX):
+                    return False
+                blob = binascii.a2b_base64(value[len(PREFIX):].replace("-", "+").replace("_", "/"), strict_mode=True)
+                if blob[:KEY_ID_BYTES] != key_id:
+                    return False
+                opened.append((name, orjson.loads(aead.decrypt(blob[KEY_ID_BYTES:KEY_ID_BYTES + NONCE_BYTES],
+                                                               blob[KEY_ID_BYTES + NONCE_BYTES:], head + tail))))
+        except Exception:
+            return False
+        for name, value in opened:
+            payload[name] = value
+        return True
 
 
 class ErasureWatch:

@@ -213,9 +213,8 @@ class AggregateRuntime(LoopHandler):
             matched = held
         else:
             matched = [aid for aid in held if protector.ring.cipher.subject_hash(aid) in hashes]
-        for aid in matched:
-            protector.ring.cache.pop(aid, None)
-            self.forgotten.append(aid)
+        protector.ring.drop(matched)
+        self.forgotten.extend(matched)
         self.log.info("aggregate.erasures_seen", erasures=len(hashes), states_reloaded=len(matched))
 
     def before_poll(self) -> float | None:
