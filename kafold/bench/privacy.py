@@ -98,6 +98,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         baseline = {"protected": "unprotected", "sampled": "plain", "off": "plain"}
         rates: dict[str, list[float]] = {k: [] for k in runs}
+        # the daemon's CPU (its process tree) per event: what a side costs, less moved by a shared machine's
+        # scheduling than its rate
+        cpu: dict[str, list[float]] = {k: [] for k in runs}
         left_sealed = 0
         for r in range(args.rounds):
             for kind in KINDS:
@@ -107,12 +110,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     got = _project(dataclasses.replace(daemons, env={**daemons.env, **side_env}),
                                    f"{base}.{side}.{kind}.{r}", topic, table, args, None, extra)
                     rates[side].append(got["events"] / got["seconds"])
+                    cpu[side].append(got["cpu_us_per_event"]["kafold"])
                     if side == "protected":
                         left_sealed += sealed_rows(daemons.postgres, table)
                     log.warning("bench.privacy_round", round=r, kind=side, events_per_s=round(rates[side][-1]))
         figures: dict[str, Any] = {"events": args.events, "rounds": args.rounds, "partitions": args.partitions,
                                    "tasks": args.tasks, "task_processes": args.task_processes, "value_bytes": sizes,
                                    **{f"{k}_events_per_s": [round(x) for x in v] for k, v in rates.items()},
+                                   **{f"{k}_kafold_cpu_us_per_event": v for k, v in cpu.items()},
                                    "protected_rows_left_sealed": left_sealed,
                                    "tracing_export": "OTLP/HTTP to a local sink that accepts and discards",
                                    "otlp_requests": sink.requests, "otlp_bytes": sink.bytes}
@@ -120,6 +125,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ratio = statistics.median(rates[kind]) / statistics.median(rates[baseline[kind]])
             figures[{"protected": "protected_projection_ratio", "sampled": "tracing_sampled_ratio",
                      "off": "tracing_off_ratio"}[kind]] = round(ratio, 3)
+        # unprotected CPU per event over protected: the share of the protected side's cost that is the same work
+        figures["protected_cpu_ratio"] = round(statistics.median(cpu["unprotected"])
+                                               / statistics.median(cpu["protected"]), 3)
         if not args.no_aggregates:
             figures.update(_aggregates(kafka, args, master, store))
     return figures
