@@ -185,6 +185,11 @@ def _not_authentic(e: Exception, what: str) -> DecryptError:
     return DecryptError(what)
 
 
+def _aad_tail(type_name: str, path: str) -> bytes:
+    """A protected field's associated data after its subject: `\\0 event type \\0 path` (the one definition)."""
+    return f"\0{type_name}\0{path}".encode()
+
+
 def state_aad(aggregate: str, aggregate_id: str) -> bytes:
     """A sealed snapshot state's associated data: it opens only as the snapshot of that aggregate."""
     return f"kafold snapshot\0{aggregate}\0{aggregate_id}".encode()
@@ -549,7 +554,7 @@ class Protector:
         self._cached_at = ring.generation
         # Types whose protected fields are all top-level and whose subject is the aggregate id (the common case):
         # (field, the tail of its associated data after the subject) each, for `event`'s fast path.
-        self._flat = {(a, t): tuple((p[0], f"\0{t}\0{p[0]}".encode()) for p in rule.paths)
+        self._flat = {(a, t): tuple((p[0], _aad_tail(t, p[0])) for p in rule.paths)
                       for (a, t), rule in self.rules.items()
                       if rule.subject == AGGREGATE_ID and all(len(p) == 1 for p in rule.paths)}
 
@@ -605,8 +610,8 @@ class Protector:
               sealer: tuple[bytes, Any] | None) -> dict[str, Any]:
         """A copy of `payload` (and of the dicts on the way) with each present, non-null value at the rule's paths
         sealed with `sealer` (`KeyRing.sealer`), or opened when there is none, under its associated data
-        (`subject \\0 event type \\0 path`, built here only). Sealing and opening share this walk and pick their step
-        here, not in a closure: making and calling one per payload cost ~10 % of either."""
+        (`subject \\0 event type \\0 path`, its tail from `_aad_tail`). Sealing and opening share this walk and pick
+        their step here, not in a closure: making and calling one per payload cost ~10 % of either."""
         out = dict(payload)
         for parents, name, path in rule.steps:
             node = out
@@ -618,7 +623,7 @@ class Protector:
             else:
                 value = node.get(name)
                 if value is not None:
-                    aad = f"{subject}\0{type_name}\0{path}".encode()
+                    aad = subject.encode() + _aad_tail(type_name, path)
                     node[name] = (self._open(subject, type_name, path, value, aad) if sealer is None else
                                   Cipher.seal_with(sealer[1], sealer[0], value, aad))
         return out
