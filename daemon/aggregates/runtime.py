@@ -102,6 +102,8 @@ class AggregateRuntime(LoopHandler):
         self.store = StateStore(agg.cache_max_aggregates, Window(self.window_ms, agg.idempotency_max_ids))
         self.gates: dict[int, PartitionGate] = {}
         self.folders: dict[int, Folder[recovery.Recovering]] = {}
+        # Per partition, the commands offset the last committed transaction of this assignment sent: what came
+        # before it is decided, so a record below it fetched again is skipped (see handle_batch).
         self.positions: dict[int, int] = {}
         # The open transaction's undo log: the committed (state, version) of every aggregate it changed. State reads
         # (another thread) answer from it, so they never show a decision that may yet abort; replaced by an empty
@@ -109,7 +111,7 @@ class AggregateRuntime(LoopHandler):
         self.uncommitted: Undo = {}
         self.counts = dict.fromkeys(("batches", "commands", "accepted", "rejected", "dead_lettered", "duplicates",
                                      "events", "aborts", "assignments", "reloads", "producers_renewed",
-                                     "fold_errors", "events_parked"), 0)
+                                     "fold_errors", "events_parked", "refetched"), 0)
         self.renewed = False  # a producer was renewed and no batch has committed since: a second break stops
         self.loop = ConsumerLoop(self, stop=self.stop_event, max_records=daemon.batch_max_records,
                                  wait_s=daemon.batch_max_wait_ms / 1000, counts=self.counts,
@@ -397,26 +399,38 @@ class AggregateRuntime(LoopHandler):
                 return recovery.note_results(reader, self.topics["results"], self.domain, self.store, n, probe=probe)
 
         results = self._read_back("aggregate.results_retrying", n, note_results)
-        tp = KTP(self.topics["commands"], n)
-        self.consumer.resume([tp])
-        # Start from the group's committed offset now: nothing of this partition was decided in this assignment,
-        # and an explicit seek makes librdkafka fetch at once (a plain resume waits for its next ~1 s tick).
-        # The seek only saves that tick: if the lookup fails (a paused or overloaded broker), the resumed partition
-        # still starts at the committed offset, which librdkafka fetches itself (retrying) before its first fetch.
-        try:
-            committed = self.consumer.committed([tp], timeout=COMMITTED_TIMEOUT_S)[0].offset
-        except KafkaException as e:
-            self.log.warning("aggregate.committed_offset_unavailable", partition=n, error=str(e),
-                             fallback="the consumer looks the committed offset up itself")
-        else:
-            if committed >= 0 or self.consumer_extra.get("auto.offset.reset", "earliest") == "earliest":
-                try:
-                    self.consumer.seek(KTP(tp.topic, n, committed if committed >= 0 else OFFSET_BEGINNING))
-                except KafkaException as e:  # _STATE: not fetching yet (seen with the consumer group protocol)
-                    self.log.info("aggregate.seek_skipped", partition=n, error=str(e),
-                                  fallback="the consumer starts at the committed offset itself")
+        self._resume_commands(n)
         self.log.info("aggregate.caught_up", **gate.describe(), folded=folder.folded, duplicates=folder.skipped,
                       events_parked=folder.bad or None, results_read=results)
+
+    def _resume_commands(self, n: int) -> None:
+        """Let partition `n`'s commands be fetched again, from the first one not decided.
+
+        Where that is: the offset this instance's last committed transaction sent for it when there is one in this
+        assignment (kept across a producer's renewal), else the group's committed offset. An explicit seek makes
+        librdkafka fetch at once (a plain resume waits for its next ~1 s tick); it only saves that tick: when the
+        lookup fails (a paused or overloaded broker), the resumed partition still starts at the committed offset,
+        which librdkafka fetches itself (retrying) before its first fetch."""
+        tp = KTP(self.topics["commands"], n)
+        self.consumer.resume([tp])
+        start = self.positions.get(n)
+        if start is None:
+            try:
+                found = self.consumer.committed([tp], timeout=COMMITTED_TIMEOUT_S)[0]
+                if found.error is not None:  # a partition's own error comes back in its entry, not raised
+                    raise KafkaException(found.error)
+            except KafkaException as e:
+                self.log.warning("aggregate.committed_offset_unavailable", partition=n, error=str(e),
+                                 fallback="the consumer looks the committed offset up itself")
+                return
+            if found.offset < 0 and self.consumer_extra.get("auto.offset.reset", "earliest") != "earliest":
+                return
+            start = found.offset if found.offset >= 0 else OFFSET_BEGINNING
+        try:
+            self.consumer.seek(KTP(tp.topic, n, start))
+        except KafkaException as e:  # _STATE: not fetching yet (seen with the consumer group protocol)
+            self.log.info("aggregate.seek_skipped", partition=n, error=str(e),
+                          fallback="the consumer starts at the committed offset itself")
 
     def _note_events(self, n: int, ids: set[str], until: int) -> None:
         """The window's older ids of aggregates whose snapshots carried only their newest (recovery.note_events)."""
@@ -430,18 +444,28 @@ class AggregateRuntime(LoopHandler):
         started = time.monotonic()
         live: list[Any] = []
         rewind: dict[int, int] = {}
+        refetched: dict[int, list[int]] = {}
         for m in msgs:
             if m.error() is not None:
                 self.loop.consumer_error(m.error())  # a fatal one ends the run before anything is decided
                 continue
-            gate = self.gates.get(m.partition())
+            n = m.partition()
+            gate = self.gates.get(n)
             if gate is None or not gate.may_decide():
-                rewind.setdefault(m.partition(), m.offset())  # fetched before the pause: read it again later
+                rewind.setdefault(n, m.offset())  # fetched before the pause: read it again later
+            elif m.offset() < self.positions.get(n, 0):
+                refetched.setdefault(n, []).append(m.offset())
             else:
                 live.append(m)
         for n, off in rewind.items():
             if n in self.gates:
                 self.consumer.seek(KTP(self.topics["commands"], n, off))
+        for n, skipped in refetched.items():
+            # Decided and committed in this assignment (their results are out): deciding them again would only
+            # answer them twice. Not expected of a consumer; counted and logged so that it shows.
+            self.counts["refetched"] += len(skipped)
+            self.log.warning("aggregate.refetched_skipped", partition=n, first=skipped[0], last=skipped[-1],
+                             records=len(skipped), position=self.positions[n])
         if not live:
             return
         decoded = [self._decode(m) for m in live]
@@ -605,7 +629,9 @@ class AggregateRuntime(LoopHandler):
         self.counts["producers_renewed"] += 1
         partitions = [KTP(self.topics["commands"], n) for n in sorted(self.gates)]
         self.log.warning("aggregate.producer_renewing", error=str(error), partitions=[p.partition for p in partitions])
+        decided = dict(self.positions)  # still this assignment's: each partition resumes after what it committed
         self._on_revoke(self.consumer, partitions)
+        self.positions.update(decided)
         broken, self.writer = self.writer, None
         broken.open = False  # nothing to abort on a broken producer: the new one's init_transactions ends it
         broken.close()

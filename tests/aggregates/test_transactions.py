@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 import pytest
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from kafold.client import CommandClient
 from kafold.config import KafkaConfig
@@ -135,6 +135,38 @@ def test_a_broken_producer_is_replaced_and_its_batch_decided_again_exactly_once(
     assert versions == sorted((a, v) for a in ids for v in (1, 2))
     # The broken producer's deposits did reach the broker, in the transaction its successor's fencing aborted.
     assert len(read_all(kafka_config, agg.topic("events"), committed_only=False)) > 16
+
+
+def test_commands_fetched_again_after_their_commit_are_neither_decided_nor_answered_again(
+        kafka_config: KafkaConfig, unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer that fetches commands again that this assignment already decided and committed (its position
+    moved back: seen once, after a producer's renewal) skips them and counts them: no second result, and the
+    commands after them are decided as usual."""
+    agg = bank_config(unique, partitions=1)
+    create_topics(kafka_config, agg)
+    ids = [f"acc-{i}" for i in range(4)]
+    rt = runtime(kafka_config, agg)
+    with CommandClient(kafka_config, agg) as client, running(rt) as r:
+        wait_for(lambda: rt.ready, what="runtime live")
+        opened = client.send_many([client.command(a, "OpenAccount", {"owner": a}) for a in ids])
+        assert all(res.accepted for res in opened.values())
+        polling, moved = rt.before_poll, threading.Event()
+
+        def moved_back() -> Any:  # in the loop's thread, as the consumer wants
+            if not moved.is_set():
+                rt.consumer.seek(TopicPartition(agg.topic("commands"), 0, 0))
+                moved.set()
+            return polling()
+
+        monkeypatch.setattr(rt, "before_poll", moved_back)
+        wait_for(lambda: rt.counts["refetched"] == 4, what="the decided commands fetched again and skipped")
+        decided = client.send_many([client.command(a, "Deposit", {"amount": 5}) for a in ids])
+        assert all(res.accepted and res.version == 2 for res in decided.values()), decided
+        assert rt.counts["duplicates"] == 0 and r.error == []
+    per_command: dict[str, list[dict]] = {}
+    for res in results(kafka_config, agg):
+        per_command.setdefault(res["command_id"], []).append(res)
+    assert len(per_command) == 8 and all(len(v) == 1 for v in per_command.values())
 
 
 def test_a_producer_broken_again_before_any_commit_stops_the_runtime(
