@@ -157,6 +157,10 @@ class PrivacyConfig:
                                         "keys; required when any aggregate has `protect` rules.", secret=True)
     placeholder: str | None = setting(None, doc="What a protected field of a forgotten subject reads as; unset: "
                                       "null.")
+    key_cache_max: int = setting(100000, doc="Subjects' data keys kept in memory per process, each with its cipher "
+                                 "(~2.5 KB: 100,000 is ~250 MB); past it the oldest tenth is dropped and read again "
+                                 "from PostgreSQL when needed. Lower it when many task processes read protected "
+                                 "events.", minimum=10)
 
 
 @dataclass(frozen=True)

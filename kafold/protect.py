@@ -23,6 +23,8 @@ at once; a `forget` by the CLI (another process) is seen by a running daemon wit
 the cache does not hold (a cached absence, another key) is checked against the store before it reads as forgotten,
 so a key created since it was cached is found. Batches look their keys up at once (`prefetch`, `prepare_writing`),
 and look at the mark first when less than half a TTL is left, so that it does not lapse while the batch is read.
+A ring holds at most `[privacy] key_cache_max` subjects (each key's AES-GCM object is ~2.5 KB); a full ring drops
+its oldest tenth.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -367,8 +370,9 @@ _Entry = tuple[bytes | None, bytes | None, Any]  # a KeyRing's (key id, key, the
 class KeyRing:
     """Unwrapped data keys by subject, trusted a TTL at a time (see the module docstring)."""
 
-    def __init__(self, cipher: Cipher, store: KeyStore, ttl_s: float = CACHE_TTL_S) -> None:
-        self.cipher, self.store, self.ttl_s = cipher, store, ttl_s
+    def __init__(self, cipher: Cipher, store: KeyStore, ttl_s: float = CACHE_TTL_S,
+                 cache_max: int = CACHE_MAX) -> None:
+        self.cipher, self.store, self.ttl_s, self.cache_max = cipher, store, ttl_s, cache_max
         self.cache: dict[str, _Entry] = {}  # by subject; (None, None, None): the subject has no key
         self.gone: set[tuple[str, bytes]] = set()  # (subject, key id) of keys confirmed deleted
         self.mark: Any = None  # the store's erasure mark at the last look
@@ -401,8 +405,8 @@ class KeyRing:
         self.generation += 1
 
     def _keep(self, subject: str, key_id: bytes | None, key: bytes | None) -> _Entry:
-        if len(self.cache) >= CACHE_MAX:
-            self.drop()
+        if len(self.cache) >= self.cache_max:  # the oldest cached tenth, not all: no cliff of lookups after it
+            self.drop(list(islice(self.cache, max(1, self.cache_max // 10))))
         entry = self.cache[subject] = (key_id, key, None if key is None else _aesgcm(key))
         return entry
 
@@ -786,7 +790,8 @@ def build(cfg: KafoldConfig, store: KeyStore | None = None) -> Protector | None:
 
 def build_setup(found: Setup, store: KeyStore | None = None) -> Protector:
     """`build` from a Setup (a task process's)."""
-    ring = KeyRing(Cipher(master_key(found.privacy)), store or PgKeyStore(found.postgres))
+    ring = KeyRing(Cipher(master_key(found.privacy)), store or PgKeyStore(found.postgres),
+                   cache_max=found.privacy.key_cache_max)
     protector = Protector(found.rules, ring, found.privacy.placeholder)
     _ACTIVE["default"] = protector
     return protector

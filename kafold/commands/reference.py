@@ -24,6 +24,8 @@ def render() -> str:
         ("registry", config.RegistryConfig, "Schema Registry (Confluent-compatible API) for the avro, jsonschema "
          "and protobuf converters."),
         ("tracing", config.TracingConfig, "OpenTelemetry traces from command to read model (docs/operations.md)."),
+        ("privacy", config.PrivacyConfig, "Crypto-shredding of protected event fields (docs/security.md, "
+         "\"Personal data\")."),
         ("topics", config.TopicConfig, "`[[topics]]`: extra topics to create or override."),
         ("aggregates", config.AggregateConfig, "`[[aggregates]]`: event-sourced aggregates."),
         ("connectors", config.ConnectorConfig, "`[[connectors]]`: connectors run by the daemon "

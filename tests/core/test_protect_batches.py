@@ -157,3 +157,23 @@ def test_an_erasure_watch_reports_each_forget_once_and_none_from_before_it() -> 
     KeyRing(Cipher(MASTER), store).forget("c-1", "dpo")
     assert watch.new() == {ring.cipher.subject_hash("c-1")}
     assert watch.new() == set()
+
+
+def test_a_full_cache_drops_its_oldest_tenth_and_reads_those_keys_again_when_needed() -> None:
+    """At `key_cache_max` the ring drops the oldest tenth of its subjects (not everything at once); a dropped
+    subject's key is read again on use and still opens its values."""
+    store = Counting()
+    writer = Protector(RULES, KeyRing(Cipher(MASTER), store))
+    subjects = [f"c-{i}" for i in range(25)]
+    sealed = {c: writer.seal("customer", "Registered", c, {"email": f"{c}@example.com"}) for c in subjects}
+    ring = KeyRing(Cipher(MASTER), store, cache_max=20)
+    reader = Protector(RULES, ring)
+    for c in subjects[:20]:  # one at a time: the cache's order is theirs
+        ring.lookup(c)
+    assert list(ring.cache) == subjects[:20]
+    generation, batches = ring.generation, store.batches
+    ring.prefetch(subjects[20:21])  # full: c-0 and c-1 (the oldest tenth) make room
+    assert list(ring.cache) == subjects[2:21] and ring.generation > generation
+    assert store.batches == batches + 1
+    assert reader.unseal("customer", "Registered", "c-0", sealed["c-0"])["email"] == "c-0@example.com"
+    assert "c-0" in ring.cache and len(ring.cache) <= 20
