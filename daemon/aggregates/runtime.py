@@ -102,8 +102,9 @@ class AggregateRuntime(LoopHandler):
         self.store = StateStore(agg.cache_max_aggregates, Window(self.window_ms, agg.idempotency_max_ids))
         self.gates: dict[int, PartitionGate] = {}
         self.folders: dict[int, Folder[recovery.Recovering]] = {}
-        # Per partition, the commands offset the last committed transaction of this assignment sent: what came
-        # before it is decided, so a record below it fetched again is skipped (see handle_batch).
+        # Per partition, the commands offset below which everything is decided and committed (the group's
+        # committed offset when the gate opened, then each committed transaction's): a record below it fetched
+        # again is skipped (handle_batch).
         self.positions: dict[int, int] = {}
         # The open transaction's undo log: the committed (state, version) of every aggregate it changed. State reads
         # (another thread) answer from it, so they never show a decision that may yet abort; replaced by an empty
@@ -404,30 +405,34 @@ class AggregateRuntime(LoopHandler):
                       events_parked=folder.bad or None, results_read=results)
 
     def _resume_commands(self, n: int) -> None:
-        """Let partition `n`'s commands be fetched again, from the first one not decided.
+        """Let partition `n`'s commands be fetched again, from the first one not decided: the group's committed
+        offset, or where this assignment's last committed transaction left it when that is further (kept across
+        a producer's renewal; also what a failed lookup falls back to). It becomes the partition's position
+        (handle_batch skips anything below it fetched again).
 
-        Where that is: the offset this instance's last committed transaction sent for it when there is one in this
-        assignment (kept across a producer's renewal), else the group's committed offset. An explicit seek makes
-        librdkafka fetch at once (a plain resume waits for its next ~1 s tick); it only saves that tick: when the
-        lookup fails (a paused or overloaded broker), the resumed partition still starts at the committed offset,
-        which librdkafka fetches itself (retrying) before its first fetch."""
+        An explicit seek makes librdkafka fetch at once (a plain resume waits for its next ~1 s tick); it only saves
+        that tick: when the lookup fails (a paused or overloaded broker) with nothing known, the resumed partition
+        still starts at the committed offset, which librdkafka fetches itself (retrying) before its first fetch."""
         tp = KTP(self.topics["commands"], n)
         self.consumer.resume([tp])
-        start = self.positions.get(n)
-        if start is None:
-            try:
-                found = self.consumer.committed([tp], timeout=COMMITTED_TIMEOUT_S)[0]
-                if found.error is not None:  # a partition's own error comes back in its entry, not raised
-                    raise KafkaException(found.error)
-            except KafkaException as e:
+        known = self.positions.get(n, -1)
+        try:
+            found = self.consumer.committed([tp], timeout=COMMITTED_TIMEOUT_S)[0]
+            if found.error is not None:  # a partition's own error comes back in its entry, not raised
+                raise KafkaException(found.error)
+            start = max(found.offset, known)
+        except KafkaException as e:
+            if known < 0:
                 self.log.warning("aggregate.committed_offset_unavailable", partition=n, error=str(e),
                                  fallback="the consumer looks the committed offset up itself")
                 return
-            if found.offset < 0 and self.consumer_extra.get("auto.offset.reset", "earliest") != "earliest":
-                return
-            start = found.offset if found.offset >= 0 else OFFSET_BEGINNING
+            start = known
+        if start >= 0:
+            self.positions[n] = start
+        elif self.consumer_extra.get("auto.offset.reset", "earliest") != "earliest":
+            return
         try:
-            self.consumer.seek(KTP(tp.topic, n, start))
+            self.consumer.seek(KTP(tp.topic, n, start if start >= 0 else OFFSET_BEGINNING))
         except KafkaException as e:  # _STATE: not fetching yet (seen with the consumer group protocol)
             self.log.info("aggregate.seek_skipped", partition=n, error=str(e),
                           fallback="the consumer starts at the committed offset itself")
@@ -461,8 +466,8 @@ class AggregateRuntime(LoopHandler):
             if n in self.gates:
                 self.consumer.seek(KTP(self.topics["commands"], n, off))
         for n, skipped in refetched.items():
-            # Decided and committed in this assignment (their results are out): deciding them again would only
-            # answer them twice. Not expected of a consumer; counted and logged so that it shows.
+            # Decided and committed (their results are out): deciding them again would only answer them twice.
+            # Not expected of a consumer; counted and logged so that it shows.
             self.counts["refetched"] += len(skipped)
             self.log.warning("aggregate.refetched_skipped", partition=n, first=skipped[0], last=skipped[-1],
                              records=len(skipped), position=self.positions[n])
@@ -629,7 +634,7 @@ class AggregateRuntime(LoopHandler):
         self.counts["producers_renewed"] += 1
         partitions = [KTP(self.topics["commands"], n) for n in sorted(self.gates)]
         self.log.warning("aggregate.producer_renewing", error=str(error), partitions=[p.partition for p in partitions])
-        decided = dict(self.positions)  # still this assignment's: each partition resumes after what it committed
+        decided = dict(self.positions)  # still this assignment's: each partition resumes at least there
         self._on_revoke(self.consumer, partitions)
         self.positions.update(decided)
         broken, self.writer = self.writer, None
