@@ -155,7 +155,9 @@ class ProgressTracker:
         # each of those took ~0.4 s against the embedded broker, inside the hot loop.
         tps = [tp for tp in self._pending if tp in self.snapshot]
         try:
-            found = consumer.committed([KafkaTP(tp.topic, tp.partition) for tp in tps], timeout=QUERY_TIMEOUT_S)
+            # A partition's own error comes back in its entry (offset -1001, "none committed"): it stays pending.
+            found = [k for k in consumer.committed([KafkaTP(tp.topic, tp.partition) for tp in tps],
+                                                   timeout=QUERY_TIMEOUT_S) if k.error is None]
             ends = self._list(consumer, tps, LATEST)
             unstarted = [tp for tp in tps if self.reset == "earliest" and not any(
                 k.offset >= 0 for k in found if (k.topic, k.partition) == (tp.topic, tp.partition))]

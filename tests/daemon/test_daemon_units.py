@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from kafold.connectors.api import TopicPartition
 from kafold.daemon.connect_api import offsets_body
 from kafold.daemon.http import authorized
-from kafold.daemon.progress import PartitionProgress
+from kafold.daemon.progress import PartitionProgress, ProgressTracker
 
 TP = TopicPartition("t", 0)
 
@@ -99,3 +101,30 @@ def test_a_connectors_task_processes_must_be_a_boolean(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="task_processes"):
         parse('[[connectors]]\nname = "a"\nclass = "log"\ntopics = ["t"]\ntask_processes = 3\n',
               tmp_path / "kafold.toml", environ={})
+
+
+def test_a_partition_whose_committed_offset_lookup_failed_stays_pending_and_is_not_read_as_unstarted() -> None:
+    """committed() reports a partition's own error in its entry (offset -1001, as for "none committed"): that
+    partition is queried again at the next refresh instead of being taken as starting from the earliest offset."""
+    tp = TopicPartition("t", 0)
+
+    class Consumer:
+        error: object = "COORDINATOR_NOT_AVAILABLE"
+
+        def committed(self, tps: list[Any], timeout: float) -> list[Any]:
+            return [SimpleNamespace(topic="t", partition=0, offset=-1001 if self.error else 5, error=self.error)]
+
+        def offsets_for_times(self, tps: list[Any], timeout: float) -> list[Any]:
+            return [SimpleNamespace(topic="t", partition=0, offset=0 if k.offset == -2 else 10, error=None)
+                    for k in tps]
+
+        def get_watermark_offsets(self, tp: Any, cached: bool) -> tuple[int, int]:
+            return 0, 10
+
+    tracker, consumer = ProgressTracker(), Consumer()
+    tracker.assigned([tp])
+    tracker.refresh(consumer, {}, set(), {}, {})
+    assert tracker.snapshot[tp].position is None and tracker.snapshot[tp].committed is None
+    consumer.error = None
+    tracker.refresh(consumer, {}, set(), {}, {})
+    assert (tracker.snapshot[tp].position, tracker.snapshot[tp].committed) == (5, 5)
