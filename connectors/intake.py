@@ -50,17 +50,26 @@ class Intake:
             if converted is None:
                 return None
             event = converted
+        upcasts = self.steps is not None and (event.type, event.schema_version) in self.steps
+        if not upcasts and not self.handles(event.type):  # decided before opening: never decrypted for nothing
+            self.unknown(event, raw)
+            return None
         if self.decrypt is not None:
             event = self.decrypt(event, raw)
-        if self.steps is not None and (event.type, event.schema_version) in self.steps:
+        if upcasts:
             event = self.upcast(event, raw)
-        if not self.handles(event.type):
-            if self.on_unknown == "fail":
-                raise FatalError(f"connector {self.name!r}: unknown event type {event.type!r}")
-            if self.on_unknown == "skip":
+            if not self.handles(event.type):
+                self.unknown(event, raw)
                 return None
-            raise UnknownTypeError(f"unknown event type {event.type!r}", raw=raw, reason="unknown-type")
         return event
+
+    def unknown(self, event: Event, raw: Any) -> None:
+        """A type the connector does not handle, as `on_unknown` says: skipped (returns), dead-lettered (raises
+        UnknownTypeError) or fatal."""
+        if self.on_unknown == "fail":
+            raise FatalError(f"connector {self.name!r}: unknown event type {event.type!r}")
+        if self.on_unknown != "skip":
+            raise UnknownTypeError(f"unknown event type {event.type!r}", raw=raw, reason="unknown-type")
 
     def upcast(self, event: Event, raw: Any) -> Event:
         try:

@@ -63,3 +63,24 @@ def test_the_unknown_type_policy_applies_to_the_upcast_type() -> None:
         _intake("dead-letter").record(Msg(moved), "t", 0, 1)
     with pytest.raises(FatalError, match="'HomeMoved'"):
         _intake("fail").record(Msg(moved), "t", 0, 1)
+
+
+def test_an_event_the_connector_does_not_handle_is_never_decrypted_but_an_upcast_one_is_before_its_steps() -> None:
+    """Protected fields are opened only for events the connector takes: a type it skips (with no upcaster step
+    that could make it one it handles) is decided before any decryption; a type upcast to a handled one is
+    opened first, its steps reading the clear payload."""
+    opened: list[str] = []
+
+    def decrypt(event: Event, _raw: object) -> Event:
+        opened.append(event.type)
+        return event
+
+    intake = Intake("accounts", {"MoneyDeposited"}.__contains__, "skip", UP, decrypt=decrypt)
+    assert intake.record(Msg(Event.new("CustomerRegistered", "account", "a1", 1, {"email": "x"})), "t", 0, 1) is None
+    assert intake.record(Msg(Event.new("FundsAdded", "account", "a1", 2, {"amt": 5})), "t", 0, 2) is not None
+    assert intake.record(Msg(Event.new("Moved", "account", "a1", 3, {"kind": "home"})), "t", 0, 3) is None
+    assert opened == ["FundsAdded", "Moved"]  # Moved has a step (to HomeMoved, not handled): opened, then skipped
+    dead = Intake("accounts", {"MoneyDeposited"}.__contains__, "dead-letter", UP, decrypt=decrypt)
+    with pytest.raises(UnknownTypeError):
+        dead.record(Msg(Event.new("CustomerRegistered", "account", "a1", 4, {"email": "x"})), "t", 0, 4)
+    assert opened == ["FundsAdded", "Moved"]
