@@ -43,7 +43,7 @@ class DaemonMetrics:
         self.registry.register(ConnectorCollector(groups))
         self.registry.register(_SnapshotCollector())
         if aggregates is not None:
-            self.registry.register(_IdempotencyCollector(aggregates))
+            self.registry.register(_AggregateCollector(aggregates))
 
     def observe(self, runner: RunnerView, stats: BatchStats) -> None:
         """The runners' on_batch hook (runs in the task's thread; prometheus_client is thread-safe)."""
@@ -204,8 +204,14 @@ class _SnapshotCollector(Collector):
         yield family
 
 
-class _IdempotencyCollector(Collector):
-    """The aggregates' idempotency windows: ids tracked, and ids forgotten (expired, or early: the bound)."""
+# The aggregate runtime's counts (AggregateRuntime.counts) by the outcome label they are exported under.
+COMMAND_OUTCOMES = {"accepted": "accepted", "rejected": "rejected", "duplicates": "duplicate",
+                    "refetched": "refetched"}
+
+
+class _AggregateCollector(Collector):
+    """The aggregates' figures: commands by outcome, producers renewed, and the idempotency windows (ids tracked,
+    and ids forgotten: expired, or early for the bound)."""
 
     def __init__(self, aggregates: Callable[[], dict[str, Any]]) -> None:
         self.aggregates = aggregates
@@ -214,6 +220,12 @@ class _IdempotencyCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Any]:
+        commands = CounterMetricFamily("kafold_aggregate_commands", "Commands handled by this process's runtime, "
+                                       "by outcome (accepted, rejected, duplicate: answered with its first "
+                                       "decision; refetched: fetched again after its commit, skipped).",
+                                       labels=("aggregate", "outcome"))
+        renewed = CounterMetricFamily("kafold_aggregate_producers_renewed", "Transactional producers replaced "
+                                      "after a fatal error that was not a fence.", labels=("aggregate",))
         held = GaugeMetricFamily("kafold_aggregate_idempotency_ids", "Command ids the idempotency window tracks "
                                  "(at most idempotency_max_ids).", labels=("aggregate",))
         expired = CounterMetricFamily("kafold_aggregate_idempotency_expired", "Command ids forgotten once older "
@@ -221,6 +233,11 @@ class _IdempotencyCollector(Collector):
         early = CounterMetricFamily("kafold_aggregate_idempotency_dropped_early", "Command ids forgotten before "
                                     "the window passed, to stay within idempotency_max_ids.", labels=("aggregate",))
         for name, slot in sorted(self.aggregates().items()):
+            counts = getattr(slot.runtime, "counts", None)
+            if counts is not None:
+                for key, outcome in COMMAND_OUTCOMES.items():
+                    commands.add_metric([name, outcome], float(counts.get(key, 0)))
+                renewed.add_metric([name], float(counts.get("producers_renewed", 0)))
             store = getattr(slot.runtime, "store", None)  # a runtime that keeps no window has no figures
             if store is None:
                 continue
@@ -228,4 +245,4 @@ class _IdempotencyCollector(Collector):
             held.add_metric([name], float(len(w.times)))
             expired.add_metric([name], float(w.expired))
             early.add_metric([name], float(w.dropped_early))
-        yield from (held, expired, early)
+        yield from (commands, renewed, held, expired, early)

@@ -31,3 +31,5 @@ def test_aggregate_state_is_served_once_the_runtime_is_live(
         assert body["state"]["owner"] == "ada" and body["version"] == 1 and body["read_from"] == "memory"
         status, metrics = d.get("/metrics")
         assert status == 200 and 'kafold_aggregate_idempotency_ids{aggregate="account"} 1.0' in metrics
+        assert 'kafold_aggregate_commands_total{aggregate="account",outcome="accepted"} 1.0' in metrics
+        assert 'kafold_aggregate_commands_total{aggregate="account",outcome="refetched"} 0.0' in metrics
