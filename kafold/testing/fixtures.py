@@ -32,7 +32,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # Stops the stack when its pipe closes, i.e. when the pytest process ends in any way (also SIGKILL,
 # pytest-timeout's os._exit or a `timeout` wrapper's SIGTERM, none of which run fixture teardown).
 _REAPER = "import os, sys; from pathlib import Path; from kafold import devstack; " \
-          "os.read(0, 1); devstack.down(Path(sys.argv[1]))"
+          "os.read(0, 1); devstack.down(Path(sys.argv[1]), graceful=False)"
 
 
 @pytest.fixture(scope="session")
@@ -51,9 +51,11 @@ def dev_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[devstack.Dev
     try:
         yield devstack.up(state_dir, broker=broker)
     finally:
-        devstack.down(state_dir)
-        os.close(write_end)
-        reaper.wait(30)
+        try:  # its data goes with the session: no clean shutdown (a broker's grows with the session's partitions)
+            devstack.down(state_dir, graceful=False)
+        finally:
+            os.close(write_end)
+            reaper.wait(devstack.KILL_TIMEOUT_S + 30)  # the reaper stops again what `down` could not
 
 
 @pytest.fixture(scope="session")

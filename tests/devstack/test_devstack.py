@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +77,25 @@ def test_up_is_idempotent_and_down_leaves_no_process(tmp_path: Path) -> None:
     assert _processes(tmp_path) == []
     assert devstack.status(tmp_path) is None
     assert devstack.down(tmp_path) is False  # nothing left to stop
+
+
+@pytest.mark.integration
+@pytest.mark.tansu  # the default dev stack (tansu)
+def test_an_ungraceful_down_kills_the_whole_stack_at_once(tmp_path: Path) -> None:
+    family = _family(devstack.up(tmp_path))
+    assert devstack.down(tmp_path, graceful=False) is True
+    assert _gone(family)
+    assert _processes(tmp_path) == []
+    assert devstack.status(tmp_path) is None
+
+
+def test_a_process_that_ignores_sigterm_is_killed_after_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(devstack, "STOP_TIMEOUT_S", 0.5)
+    code = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline()  # its handler is in place
+    devstack._stop(devstack.Proc.of(proc.pid), signal.SIGTERM)  # reaps it: our child
+    assert not psutil.pid_exists(proc.pid)
 
 
 @pytest.mark.integration
