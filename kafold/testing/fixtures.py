@@ -53,9 +53,12 @@ def dev_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[devstack.Dev
     finally:
         try:  # its data goes with the session: no clean shutdown (a broker's grows with the session's partitions)
             devstack.down(state_dir, graceful=False)
-        finally:
-            os.close(write_end)
-            reaper.wait(devstack.KILL_TIMEOUT_S + 30)  # the reaper stops again what `down` could not
+        except BaseException:
+            os.close(write_end)  # the reaper tries again, on its own, and the error is the session's
+            raise
+        reaper.kill()  # nothing left for it to stop
+        reaper.wait()
+        os.close(write_end)
 
 
 @pytest.fixture(scope="session")
