@@ -204,9 +204,9 @@ class _SnapshotCollector(Collector):
         yield family
 
 
-# The aggregate runtime's counts (AggregateRuntime.counts) by the outcome label they are exported under.
-COMMAND_OUTCOMES = {"accepted": "accepted", "rejected": "rejected", "duplicates": "duplicate",
-                    "refetched": "refetched"}
+# The aggregate runtime's counts (AggregateRuntime.counts) exported as outcomes, under their own names (as the
+# projections' are: `duplicates`, `dead_lettered`).
+COMMAND_OUTCOMES = ("accepted", "rejected", "duplicates", "dead_lettered", "refetched")
 
 
 class _AggregateCollector(Collector):
@@ -221,8 +221,9 @@ class _AggregateCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         commands = CounterMetricFamily("kafold_aggregate_commands", "Commands handled by this process's runtime, "
-                                       "by outcome (accepted, rejected, duplicate: answered with its first "
-                                       "decision; refetched: fetched again after its commit, skipped).",
+                                       "by outcome (accepted, rejected, duplicates: answered with their first "
+                                       "decision, dead_lettered: not a command, refetched: fetched again after "
+                                       "their commit, skipped).",
                                        labels=("aggregate", "outcome"))
         renewed = CounterMetricFamily("kafold_aggregate_producers_renewed", "Transactional producers replaced "
                                       "after a fatal error that was not a fence.", labels=("aggregate",))
@@ -235,8 +236,8 @@ class _AggregateCollector(Collector):
         for name, slot in sorted(self.aggregates().items()):
             counts = getattr(slot.runtime, "counts", None)
             if counts is not None:
-                for key, outcome in COMMAND_OUTCOMES.items():
-                    commands.add_metric([name, outcome], float(counts.get(key, 0)))
+                for outcome in COMMAND_OUTCOMES:
+                    commands.add_metric([name, outcome], float(counts.get(outcome, 0)))
                 renewed.add_metric([name], float(counts.get("producers_renewed", 0)))
             store = getattr(slot.runtime, "store", None)  # a runtime that keeps no window has no figures
             if store is None:

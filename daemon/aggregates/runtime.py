@@ -315,12 +315,15 @@ class AggregateRuntime(LoopHandler):
 
         return self._retrying(event, step, partition=n)
 
-    def _on_revoke(self, consumer: Any, partitions: list[Any]) -> None:
+    def _on_revoke(self, consumer: Any, partitions: list[Any], *, renewing: bool = False) -> None:
+        """Release `partitions` (the consumer's revoke callback). `renewing`: the assignment stays (a producer's
+        renewal), so each partition keeps its position: it resumes at least there."""
         mine = [p.partition for p in partitions if p.partition in self.gates]
         for n in mine:
             gate = self.gates.pop(n)
             self.folders.pop(n, None)
-            self.positions.pop(n, None)
+            if not renewing:
+                self.positions.pop(n, None)
             self.store.drop_partition(n)
             if not gate.live and not gate.stopped:  # a stopped gate's events were unassigned when it stopped
                 self.reader.incremental_unassign([KTP(self.topics["events"], n)])
@@ -634,9 +637,7 @@ class AggregateRuntime(LoopHandler):
         self.counts["producers_renewed"] += 1
         partitions = [KTP(self.topics["commands"], n) for n in sorted(self.gates)]
         self.log.warning("aggregate.producer_renewing", error=str(error), partitions=[p.partition for p in partitions])
-        decided = dict(self.positions)  # still this assignment's: each partition resumes at least there
-        self._on_revoke(self.consumer, partitions)
-        self.positions.update(decided)
+        self._on_revoke(self.consumer, partitions, renewing=True)
         broken, self.writer = self.writer, None
         broken.open = False  # nothing to abort on a broken producer: the new one's init_transactions ends it
         broken.close()

@@ -106,19 +106,35 @@ def _broken(writer: TransactionalWriter) -> Any:
     return commit
 
 
+def _bank(kafka_config: KafkaConfig, unique: str, partitions: int, accounts: int) -> tuple[Any, list[str], Any]:
+    """The bank aggregate on topics of its own, `accounts` account ids, and a runtime for it (not started)."""
+    agg = bank_config(unique, partitions=partitions)
+    create_topics(kafka_config, agg)
+    return agg, [f"acc-{i}" for i in range(accounts)], runtime(kafka_config, agg)
+
+
+def _live_with_accounts(rt: Any, client: CommandClient, ids: list[str]) -> None:
+    wait_for(lambda: rt.ready, what="runtime live")
+    opened = client.send_many([client.command(a, "OpenAccount", {"owner": a}) for a in ids])
+    assert all(res.accepted for res in opened.values())
+
+
+def _answered_once(kafka_config: KafkaConfig, agg: Any, commands: int) -> None:
+    """Every one of `commands` commands has exactly one result on the results topic."""
+    per_command: dict[str, list[dict]] = {}
+    for res in results(kafka_config, agg):
+        per_command.setdefault(res["command_id"], []).append(res)
+    assert len(per_command) == commands and all(len(v) == 1 for v in per_command.values()), per_command
+
+
 def test_a_broken_producer_is_replaced_and_its_batch_decided_again_exactly_once(
         kafka_config: KafkaConfig, unique: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fatal transactional error that is not a fence replaces the producer instead of stopping the runtime: the
     new producer (same transactional id) fences the broken one, whose open transaction is aborted; the partitions
     are recovered again and the batch is decided again, each command once, at the versions it would have had."""
-    agg = bank_config(unique, partitions=2)
-    create_topics(kafka_config, agg)
-    ids = [f"acc-{i}" for i in range(8)]
-    rt = runtime(kafka_config, agg)
+    agg, ids, rt = _bank(kafka_config, unique, partitions=2, accounts=8)
     with CommandClient(kafka_config, agg) as client, running(rt) as r:
-        wait_for(lambda: rt.ready, what="runtime live")
-        opened = client.send_many([client.command(a, "OpenAccount", {"owner": a}) for a in ids])
-        assert all(res.accepted for res in opened.values())
+        _live_with_accounts(rt, client, ids)
         broken = rt.writer
         assert broken is not None
         monkeypatch.setattr(broken, "commit", _broken(broken))
@@ -127,10 +143,7 @@ def test_a_broken_producer_is_replaced_and_its_batch_decided_again_exactly_once(
         assert all(res.accepted and res.version == 2 for res in decided.values()), decided
         assert rt.counts["producers_renewed"] == 1 and rt.writer is not broken and r.error == []
         assert r.thread.is_alive() and rt.ready and rt.get_state(ids[0]).balance == 5
-    per_command: dict[str, list[dict]] = {}
-    for res in results(kafka_config, agg):
-        per_command.setdefault(res["command_id"], []).append(res)
-    assert len(per_command) == 16 and all(len(v) == 1 for v in per_command.values())
+    _answered_once(kafka_config, agg, 16)
     versions = sorted((e["aggregate_id"], e["version"]) for e in events(kafka_config, agg))
     assert versions == sorted((a, v) for a in ids for v in (1, 2))
     # The broken producer's deposits did reach the broker, in the transaction its successor's fencing aborted.
@@ -142,14 +155,9 @@ def test_commands_fetched_again_after_their_commit_are_neither_decided_nor_answe
     """A consumer that fetches commands again that this assignment already decided and committed (its position
     moved back: seen once, after a producer's renewal) skips them and counts them: no second result, and the
     commands after them are decided as usual."""
-    agg = bank_config(unique, partitions=1)
-    create_topics(kafka_config, agg)
-    ids = [f"acc-{i}" for i in range(4)]
-    rt = runtime(kafka_config, agg)
+    agg, ids, rt = _bank(kafka_config, unique, partitions=1, accounts=4)
     with CommandClient(kafka_config, agg) as client, running(rt) as r:
-        wait_for(lambda: rt.ready, what="runtime live")
-        opened = client.send_many([client.command(a, "OpenAccount", {"owner": a}) for a in ids])
-        assert all(res.accepted for res in opened.values())
+        _live_with_accounts(rt, client, ids)
         polling, moved = rt.before_poll, threading.Event()
 
         def moved_back() -> Any:  # in the loop's thread, as the consumer wants
@@ -163,10 +171,7 @@ def test_commands_fetched_again_after_their_commit_are_neither_decided_nor_answe
         decided = client.send_many([client.command(a, "Deposit", {"amount": 5}) for a in ids])
         assert all(res.accepted and res.version == 2 for res in decided.values()), decided
         assert rt.counts["duplicates"] == 0 and r.error == []
-    per_command: dict[str, list[dict]] = {}
-    for res in results(kafka_config, agg):
-        per_command.setdefault(res["command_id"], []).append(res)
-    assert len(per_command) == 8 and all(len(v) == 1 for v in per_command.values())
+    _answered_once(kafka_config, agg, 8)
 
 
 def test_a_producer_broken_again_before_any_commit_stops_the_runtime(

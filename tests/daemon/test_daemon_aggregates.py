@@ -24,12 +24,16 @@ def test_aggregate_state_is_served_once_the_runtime_is_live(
         assert d.get("/aggregates/account/acc-1")[0] == 404
         assert d.get("/aggregates/nope/acc-1") == (404, {"error_code": 404, "message": "Aggregate nope not found"})
         with CommandClient(kafka_config, loaded.config.aggregates[0]) as client:
-            result = client.send(client.command("acc-1", "OpenAccount", {"owner": "ada"}))
+            opening = client.command("acc-1", "OpenAccount", {"owner": "ada"})
+            result = client.send(opening)
             assert result is not None and result.status == "accepted", result
+            again = client.send(opening)  # a retry: answered with its first decision
+            assert again is not None and again.duplicate and again.version == 1, again
         status, body = d.get("/aggregates/account/acc-1")
         assert status == 200 and body["aggregate"] == "account" and body["id"] == "acc-1"
         assert body["state"]["owner"] == "ada" and body["version"] == 1 and body["read_from"] == "memory"
         status, metrics = d.get("/metrics")
         assert status == 200 and 'kafold_aggregate_idempotency_ids{aggregate="account"} 1.0' in metrics
         assert 'kafold_aggregate_commands_total{aggregate="account",outcome="accepted"} 1.0' in metrics
+        assert 'kafold_aggregate_commands_total{aggregate="account",outcome="duplicates"} 1.0' in metrics
         assert 'kafold_aggregate_commands_total{aggregate="account",outcome="refetched"} 0.0' in metrics
