@@ -384,7 +384,7 @@ def _stop(proc: Proc | None, first: signal.Signals | None) -> None:
         if first is not None:
             handle.send_signal(first)
             # A postmaster's children exit with it; anything still there after the wait is killed.
-            _, procs = psutil.wait_procs(procs, timeout=STOP_TIMEOUT_S)
+            procs = _wait_gone(procs, STOP_TIMEOUT_S)
             if procs:
                 log.warning("dev.stop.kill", pids=[p.pid for p in procs])
         _kill(procs)
@@ -396,9 +396,32 @@ def _kill(procs: list[psutil.Process]) -> None:
     for p in procs:
         with contextlib.suppress(psutil.Error):
             p.kill()
-    _, alive = psutil.wait_procs(procs, timeout=KILL_TIMEOUT_S)
+    alive = _wait_gone(procs, KILL_TIMEOUT_S)
     if alive:
         raise DevStackError(f"processes {[p.pid for p in alive]} still running {KILL_TIMEOUT_S:.0f}s after SIGKILL")
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until each process has exited (a zombie counts: psutil's own wait polls a process that is not our
+    child until its pid is gone, which a zombie's never is where nothing reaps orphans); those still running."""
+    deadline = time.monotonic() + timeout
+    alive = list(procs)
+    while True:
+        alive = [p for p in alive if not _exited(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def _exited(p: psutil.Process) -> bool:
+    try:
+        if p.status() != psutil.STATUS_ZOMBIE:
+            return False
+    except psutil.NoSuchProcess:
+        return True
+    with contextlib.suppress(psutil.Error):
+        p.wait(0)  # reaps it when it is our child
+    return True
 
 
 def _stop_all(procs: Collection[Proc], first: signal.Signals | None) -> None:

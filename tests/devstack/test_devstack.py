@@ -19,7 +19,7 @@ from kafold.commands import dev as dev_cmd
 from kafold.config import KafkaConfig, KafoldConfig, PostgresConfig
 from kafold.daemon.aggregates.recovery import bounds
 from kafold.retry import retrying
-from kafold.testing import free_port
+from kafold.testing import free_port, wait_for
 
 NO_BROKER = ("no broker configured and no `kafold dev` stack running — run `kafold dev up` or set "
              "[kafka].bootstrap_servers")
@@ -96,6 +96,20 @@ def test_a_process_that_ignores_sigterm_is_killed_after_the_wait(monkeypatch: py
     assert proc.stdout is not None and proc.stdout.readline()  # its handler is in place
     devstack._stop(devstack.Proc.of(proc.pid), signal.SIGTERM)  # reaps it: our child
     assert not psutil.pid_exists(proc.pid)
+
+
+def test_a_zombie_that_nothing_reaps_counts_as_stopped() -> None:
+    # a grandchild whose parent never waits for it: a zombie, as a killed postmaster is where pid 1 does not reap
+    code = "import subprocess, sys, time; p = subprocess.Popen(['true']); print(p.pid, flush=True); time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        zombie = psutil.Process(int(parent.stdout.readline()))
+        wait_for(lambda: zombie.status() == psutil.STATUS_ZOMBIE, "the grandchild to exit")
+        assert devstack._wait_gone([zombie], devstack.KILL_TIMEOUT_S) == []
+    finally:
+        parent.kill()
+        parent.wait()
 
 
 @pytest.mark.integration
