@@ -288,7 +288,7 @@ def encode(event: Event, *, max_bytes: int = MAX_BYTES,
         raise FatalError(f"event {event.event_id}: payload is not JSON-serializable: {e}") from e
     if len(value) > max_bytes:
         raise FatalError(f"event {event.event_id}: encoded size {len(value)} exceeds {max_bytes} bytes")
-    if _too_deep(value, event.payload, max_depth):
+    if _nesting(event.payload, 1, max_depth)[0] > max_depth:
         raise FatalError(f"event {event.event_id}: payload nests deeper than {max_depth} levels")
     headers: Headers = [
         (H_TYPE, event.type.encode()), (H_ID, event.event_id.encode()),
@@ -303,24 +303,28 @@ def body_json(event: Event) -> bytes:
     return orjson.dumps(_as_dict(event))
 
 
-def _too_deep(value: bytes, payload: Any, max_depth: int) -> bool:
-    # Cheap pre-check: fewer brackets in the whole body than the limit means the payload cannot be too deep.
-    if value.count(b"{") + value.count(b"[") <= max_depth:
-        return False
-    return _depth(payload, 1, max_depth) > max_depth
-
-
-def _depth(node: Any, level: int, limit: int) -> int:
-    if level > limit:
-        return level
-    deepest = level
-    children = node.values() if type(node) is dict else node
-    for child in children:
-        if type(child) is dict or type(child) is list:
-            deepest = max(deepest, _depth(child, level + 1, limit))
-            if deepest > limit:
-                break
-    return deepest
+def _nesting(node: Any, level: int, limit: int) -> tuple[int, list[str | int] | None]:
+    """(How deep `node` (a dict or list at `level`) nests, counted no further than limit + 1; the keys leading to its
+    first integer beyond 64 bits, outside what orjson (and so kafold's encode) writes exactly, or None). One walk
+    for both record checks: a payload is usually flat, and a second pass over it (or over the value's bytes)
+    cost a decode as much as msgspec's own parse (docs/benchmarks.md, envelope decode)."""
+    deepest, wide = level, None
+    for k, child in node.items() if type(node) is dict else enumerate(node):
+        kind = type(child)
+        if kind is int:
+            if wide is None and not INT_MIN <= child <= INT_MAX:
+                wide = [k]
+        elif kind is dict or kind is list:
+            if level >= limit:
+                return limit + 1, wide
+            depth, found = _nesting(child, level + 1, limit)
+            if wide is None and found is not None:
+                wide = [k, *found]
+            if depth > deepest:
+                deepest = depth
+                if depth > limit:
+                    return depth, wide
+    return deepest, wide
 
 
 def _fail(raw: Any, field_name: str, message: str, reason: str) -> DecodeError:
@@ -460,26 +464,12 @@ def _strict_body(value: bytes | None, raw: Any, max_bytes: int) -> Event:
     return event
 
 
-def _wide_int(node: Any) -> list[str | int] | None:
-    """The keys leading to an integer in `node` (dict or list) beyond 64 bits, outside what orjson (and so kafold's
-    encode) writes exactly; None when there is none."""
-    for k, child in node.items() if type(node) is dict else enumerate(node):
-        kind = type(child)
-        if kind is int and not INT_MIN <= child <= INT_MAX:
-            return [k]
-        if kind is dict or kind is list:
-            found = _wide_int(child)
-            if found is not None:
-                return [k, *found]
-    return None
-
-
 def _check_record(event: Event, key: bytes | None, value: bytes, headers: Sequence[tuple[str, bytes | None]] | None,
                   raw: Any, max_depth: int) -> Event:
     """The record-level rules around a valid body: nesting depth, key, routing headers."""
-    if _too_deep(value, event.payload, max_depth):
+    depth, wide = _nesting(event.payload, 1, max_depth)
+    if depth > max_depth:
         raise _fail(raw, "payload", f"nests deeper than {max_depth} levels", "too-deep")
-    wide = _wide_int(event.payload)
     if wide is not None:  # JSON decoders (orjson among them) would round it to a float: refused, never rounded
         where = "payload" + "".join(f"[{k}]" if type(k) is int else f".{str(k)[:40]}" for k in wide)
         raise _fail(raw, where, "integer beyond 64 bits (send it as a string)", "int-range")
