@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,50 @@ def test_round_trip_seals_only_the_protected_paths() -> None:
     assert "ann@example.com" not in str(sealed) and "Main St" not in str(sealed)
     assert payload["email"] == "ann@example.com"  # the caller's payload is not changed
     assert p.unseal("customer", "Registered", "c-1", sealed) == payload
+
+
+def test_nonces_are_never_handed_out_twice_across_threads_and_blocks() -> None:
+    """Nonces come from a block of os.urandom (kafold.protect._nonce); each must be used once, whatever the threads
+    drawing them and the blocks refilled meanwhile: a nonce repeated under one key breaks AES-GCM."""
+    drawn: list[list[bytes]] = [[] for _ in range(8)]
+
+    def draw(out: list[bytes]) -> None:
+        for _ in range(3 * protect.NONCE_BLOCK):
+            out.append(protect._nonce())
+
+    threads = [threading.Thread(target=draw, args=(out,)) for out in drawn]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    every = [n for out in drawn for n in out]
+    assert len(every) == 24 * protect.NONCE_BLOCK and len(set(every)) == len(every)
+    assert {len(n) for n in every} == {protect.NONCE_BYTES}
+    sealed = {protector().seal("customer", "Registered", "c-1", {"email": "a@b"})["email"] for _ in range(50)}
+    assert len(sealed) == 50  # the same value sealed again is never the same bytes
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_never_reuses_the_parents_pooled_nonces() -> None:
+    protect._nonce()  # the parent's pool holds a block
+    ahead = list(protect._NONCES)
+    assert ahead
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: what it has pooled at once, then what it draws
+        try:
+            os.write(write, len(protect._NONCES).to_bytes(4, "big") + b"".join(protect._nonce() for _ in range(64)))
+        finally:
+            os._exit(0)
+    os.close(write)
+    got = b""
+    while chunk := os.read(read, 1 << 16):
+        got += chunk
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert int.from_bytes(got[:4], "big") == 0
+    child = {got[i:i + protect.NONCE_BYTES] for i in range(4, len(got), protect.NONCE_BYTES)}
+    assert len(child) == 64 and not child & set(ahead)
 
 
 def test_a_value_moved_to_another_subject_type_or_field_fails_authentication() -> None:
