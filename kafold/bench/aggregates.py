@@ -104,15 +104,16 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
 
 
 def _throughput(kafka: Any, args: argparse.Namespace, window_s: float = 86_400.0, protector: Any = None,
-                name: str | None = None) -> dict[str, Any]:
+                name: str | None = None, prefix: str = "acc-") -> dict[str, Any]:
     """Commands queued first (opens, then deposits: each accepted, one event + one result), then the runtime is
     started and timed from its first decided command to its last committed transaction. `protector`
     (kafold.protect, in process only): the runtime seals and opens protected fields as the daemon's does; its
-    rules are keyed by aggregate type: `name`, a new one each run (default a fresh `bench.cmd.<hex>`)."""
+    rules are keyed by aggregate type: `name`, a new one each run (default a fresh `bench.cmd.<hex>`); the aggregate
+    ids are `prefix` and a number."""
     agg, rt = _setup(kafka, name or f"bench.cmd.{uuid.uuid4().hex[:6]}", args.partitions, args.batch, window_s,
                      protector=protector)
     topics.ensure(kafka, [TopicSpec(agg.topic(k), args.partitions, 1, {}) for k in ("events", "commands", "results")])
-    ids = [f"acc-{i:06d}" for i in range(args.accounts)]
+    ids = [f"{prefix}{i:06d}" for i in range(args.accounts)]
     with CommandClient(kafka, agg) as client:
         cmds = [client.command(a, "OpenAccount", {"owner": a}) for a in ids]
         cmds += [client.command(ids[i % len(ids)], "Deposit", {"amount": 1 + i % 97})

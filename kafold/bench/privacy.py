@@ -80,12 +80,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         store = PgKeyStore(daemons.postgres)
         stack.callback(store.close)
         protector = Protector(rules(AGGREGATE), KeyRing(Cipher(master), store))
-        base = f"kafold.bench.privacy.{uuid.uuid4().hex[:8]}"
+        run_id = uuid.uuid4().hex[:8]
+        base = f"kafold.bench.privacy.{run_id}"
         accounts = max(1, args.events // 10)
         plain_topic, sealed_topic = f"{base}.plain", f"{base}.protected"
-        sizes = {"plain": _produce(kafka, plain_topic, args.events, args.partitions, accounts),
+        # The subjects (account ids) are this run's own: the data keys are in the stack's subject_keys, wrapped by
+        # this run's random master key, which an earlier run's keys of the same subjects do not unwrap under.
+        prefix = f"acc-{run_id}-"
+        sizes = {"plain": _produce(kafka, plain_topic, args.events, args.partitions, accounts, prefix=prefix),
                  "protected": produce_records(kafka, sealed_topic, args.events, args.partitions, accounts,
-                                              sealed_record(protector))}
+                                              sealed_record(protector), prefix)}
         env = {MASTER_VAR: base64.b64encode(master).decode()}
         tracing_env = {**SAMPLED, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url, "OTEL_TRACES_EXPORTER": "otlp"}
         # kind -> (topic, extra settings, extra environment) of it and of its baseline
@@ -142,9 +146,10 @@ def _aggregates(kafka: Any, args: argparse.Namespace, master: bytes, store: PgKe
     rates: dict[str, list[float]] = {"protected": [], "unprotected": []}
     for r in range(args.rounds):
         for side in (("unprotected", "protected") if r % 2 == 0 else ("protected", "unprotected")):
-            name = f"bench.privacy.{uuid.uuid4().hex[:6]}"
+            run_id = uuid.uuid4().hex[:6]
+            name = f"bench.privacy.{run_id}"
             protector = Protector(rules(name), KeyRing(Cipher(master), store)) if side == "protected" else None
-            got = _throughput(kafka, agg_args, protector=protector, name=name)
+            got = _throughput(kafka, agg_args, protector=protector, name=name, prefix=f"acc-{run_id}-")
             rates[side].append(got["commands_per_s"])
             log.warning("bench.privacy_aggregates_round", round=r, kind=side, commands_per_s=got["commands_per_s"])
     return {"aggregate_commands": commands,

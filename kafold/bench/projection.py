@@ -113,20 +113,20 @@ def deposited(account: str, version: int, amount: int) -> Event:
 
 
 def _produce(kafka: Any, topic: str, n: int, partitions: int, accounts: int,
-             deposit: Callable[[str, int, int], Event] = deposited) -> int:
+             deposit: Callable[[str, int, int], Event] = deposited, prefix: str = "acc-") -> int:
     """n events of ~300 bytes: each account opened, then deposits (`deposit(account, version, amount)`); returns
     the mean value size."""
     def record(i: int, acc: str, version: int) -> tuple[bytes | None, bytes, Any]:
         if version == 1:
             return encode(Event.new("AccountOpened", "account", acc, 1, {"owner": f"owner-{i}"}))
         return encode(deposit(acc, version, i % 97 + 1))
-    return produce_records(kafka, topic, n, partitions, accounts, record)
+    return produce_records(kafka, topic, n, partitions, accounts, record, prefix)
 
 
 def produce_records(kafka: Any, topic: str, n: int, partitions: int, accounts: int,
-                    record: Callable[[int, str, int], tuple[bytes | None, bytes, Any]]) -> int:
-    """n records `record(i, account, version)` (key, value, headers) to a new topic, the accounts in turn; returns
-    the mean value size."""
+                    record: Callable[[int, str, int], tuple[bytes | None, bytes, Any]], prefix: str = "acc-") -> int:
+    """n records `record(i, account, version)` (key, value, headers) to a new topic, the accounts (`prefix` and a
+    number) in turn; returns the mean value size."""
     from confluent_kafka.admin import NewTopic
 
     admin = kafka_clients.admin(kafka)
@@ -146,7 +146,7 @@ def produce_records(kafka: Any, topic: str, n: int, partitions: int, accounts: i
             failed.append(err)
 
     for i in range(n):
-        key, value, headers = record(i, f"acc-{i % accounts}", i // accounts + 1)
+        key, value, headers = record(i, f"{prefix}{i % accounts}", i // accounts + 1)
         total += len(value)
         kafka_clients.produce(producer, topic, value, key, headers, on_delivery=delivered)
     if producer.flush(120):
