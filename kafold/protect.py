@@ -74,10 +74,9 @@ class Forgotten(KafoldError):
 
 
 # Nonces are drawn from os.urandom a block at a time: os.urandom gives up the interpreter lock, and taking it back
-# beside a busy thread waits out a switch interval, which made a seal in the aggregate runtime ~40 µs instead of
-# ~5 (docs/benchmarks.md, privacy). A nonce need only be unique, not secret (it is written beside the ciphertext);
-# each is handed out once (deque.popleft is atomic), and a forked child drops the parent's block, which the parent
-# goes on using.
+# beside a busy thread (the daemon's connectors) waits out a switch interval (docs/benchmarks.md, privacy). A nonce
+# need only be unique, not secret (it is written beside the ciphertext); each is handed out once (deque.popleft is
+# atomic), and a forked child drops the parent's block, which the parent goes on using.
 NONCE_BLOCK = 1024
 _NONCES: deque[bytes] = deque()
 os.register_at_fork(after_in_child=_NONCES.clear)
