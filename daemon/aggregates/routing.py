@@ -14,7 +14,10 @@ KIP-848 group assigns a partition only once its previous owner released it, and 
 its gate opens. What keeps an answer right is not the description (it can be stale) but the runtime: only an
 instance whose gate of the key's partition is LIVE answers with a state; a stale lookup costs a 503. A read sent on
 carries FORWARDED_HEADER and is never sent on again: an instance that finds it does not own the key after all
-answers 503 with NOT_OWNER_HEADER, and the sender asks the group once more.
+answers 503 with NOT_OWNER_HEADER, and the sender asks the group once more. Likewise a redirect's Location carries
+REDIRECTED_PARAM, and an instance that is sent a redirected read for a key it does not own answers 503 instead of
+redirecting again: two instances whose stale descriptions name each other would otherwise send a client back and
+forth until it gives up.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ log = logs.get(__name__)
 
 FORWARDED_HEADER = "Kafold-Forwarded-By"  # set on a read sent on to the owner: it is never sent on again
 NOT_OWNER_HEADER = "Kafold-Not-Owner"     # on a 503 from an instance a read was sent on to that no longer owns it
+REDIRECTED_PARAM = "kafold_redirected"     # in a redirect's Location: the read is not redirected again
 OWNERS_TTL_S = 2.0          # how long a group description answers for owners (refreshed sooner on a miss)
 MIN_REFRESH_S = 0.2         # but asked at most this often (reads of a moving partition would ask on each)
 DESCRIBE_TIMEOUT_S = 5.0
@@ -215,6 +219,8 @@ class StateRouter:
         if request.headers.get(FORWARDED_HEADER):
             return Answer.moving(f"partition {partition} of {slot.name} is not owned here (it is moving)",
                                  **{NOT_OWNER_HEADER: "1"})
+        if REDIRECTED_PARAM in request.query:
+            return Answer.moving(f"partition {partition} of {slot.name} is not owned here (it is moving)")
         directory = self.directory(slot)
         owner = await self.host.call(directory.owner, partition)
         tried: set[str] = set()
@@ -228,6 +234,7 @@ class StateRouter:
                 return Answer.moving(f"partition {partition} of {slot.name} is being assigned here")
             target = owner.url + request.raw_path
             if self.mode is StateRouting.REDIRECT:
+                target += f"{'&' if request.query_string else '?'}{REDIRECTED_PARAM}=1"
                 return Answer(307, {"location": target, "owner": owner.url}, {"Location": target})
             if owner.url in tried:  # the group still names the instance that just failed: it is moving
                 return Answer.moving(f"partition {partition} of {slot.name} is moving ({owner.url} did not answer "
