@@ -155,6 +155,15 @@ def running(rt: AggregateRuntime) -> Iterator[Running]:
         t.join(30)
 
 
+def committed_state(rt: AggregateRuntime, aggregate_id: str, version: int) -> Any:
+    """The runtime's state of `aggregate_id` once it has reached `version` (bounded wait). The runtime serves
+    committed state only, and a client sees a result the moment its transaction commits on the broker, a moment
+    before the runtime's thread has marked it committed (CI saw None read straight after a result)."""
+    wait_for(lambda: (got := rt.get(aggregate_id)) is not None and got[1] >= version, timeout=10,
+             what=f"{aggregate_id} committed at version {version}")
+    return rt.get_state(aggregate_id)
+
+
 def read_all(kafka: KafkaConfig, topic: str, committed_only: bool = True) -> list[Any]:
     """Every record of `topic` (all partitions) up to partition EOF, read_committed by default."""
     c = kafka_clients.consumer(kafka, "kt.reader", **{

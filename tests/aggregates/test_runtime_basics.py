@@ -18,6 +18,7 @@ from tests.aggregates.agg_support import (
     Running,
     bank_config,
     bank_domain,
+    committed_state,
     create_topics,
     events,
     read_all,
@@ -42,7 +43,7 @@ def test_commands_yield_events_and_results_with_consecutive_versions(kafka_confi
         assert (deposit.status, deposit.version, len(deposit.event_ids)) == ("accepted", 2, 1)
         assert too_much.status == "rejected" and "insufficient funds" in (too_much.reason or "")
         assert too_much.version == 2 and too_much.event_ids == ()
-        state = r.runtime.get_state("acc-1")
+        state = committed_state(r.runtime, "acc-1", 2)
         assert (state.status, state.balance) == ("open", 500)
     evs = events(kafka_config, agg)
     assert [(e["version"], e["type"]) for e in evs] == [(1, "AccountOpened"), (2, "MoneyDeposited")]

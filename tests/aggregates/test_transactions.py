@@ -16,7 +16,16 @@ from kafold.daemon.aggregates.txn import TransactionalWriter
 from kafold.envelope import Event, encode
 from kafold.errors import FatalError
 from kafold.messages import Command, Result
-from tests.aggregates.agg_support import bank_config, create_topics, events, read_all, results, running, runtime
+from tests.aggregates.agg_support import (
+    bank_config,
+    committed_state,
+    create_topics,
+    events,
+    read_all,
+    results,
+    running,
+    runtime,
+)
 from tests.support import wait_for
 
 pytestmark = pytest.mark.apache_kafka  # `make test` proves these on Apache Kafka too
@@ -88,7 +97,7 @@ def test_aborted_transaction_leaves_nothing_visible(kafka_config: KafkaConfig, u
         wait_for(lambda: r.runtime.ready, what="runtime live")
         opened = client.send(Command.new(agg.name, "acc", "OpenAccount", {"owner": "real"}))
         assert opened is not None and opened.accepted and opened.version == 1
-        state = r.runtime.get_state("acc")
+        state = committed_state(r.runtime, "acc", 1)
         assert (state.owner, state.balance) == ("real", 0)
     assert [(e["version"], e["payload"]) for e in events(kafka_config, agg)] == [(1, {"owner": "real",
                                                                                       "currency": "EUR"})]
@@ -142,7 +151,7 @@ def test_a_broken_producer_is_replaced_and_its_batch_decided_again_exactly_once(
         decided = client.send_many(deposits, timeout=90)
         assert all(res.accepted and res.version == 2 for res in decided.values()), decided
         assert rt.counts["producers_renewed"] == 1 and rt.writer is not broken and r.error == []
-        assert r.thread.is_alive() and rt.ready and rt.get_state(ids[0]).balance == 5
+        assert r.thread.is_alive() and rt.ready and committed_state(rt, ids[0], 2).balance == 5
     _answered_once(kafka_config, agg, 16)
     versions = sorted((e["aggregate_id"], e["version"]) for e in events(kafka_config, agg))
     assert versions == sorted((a, v) for a in ids for v in (1, 2))
