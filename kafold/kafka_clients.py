@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from kafold import logs
 from kafold.config import GroupProtocol, KafkaConfig
+from kafold.errors import ConfigError
 from kafold.retry import backoff
 
 if TYPE_CHECKING:
@@ -120,8 +121,14 @@ def rebalance_assign(kafka: KafkaConfig, consumer: Consumer, partitions: list[An
 def librdkafka(kafka: KafkaConfig, **extra: Any) -> dict[str, Any]:
     """A confluent-kafka config dict; `extra` keys are librdkafka's own: `**{"enable.idempotence": True}`.
 
-    The result holds revealed secrets: hand it to a client, never log it.
+    The result holds revealed secrets: hand it to a client, never log it. An empty `bootstrap_servers` is a
+    ConfigError here: librdkafka would take it and fail every request with "Broker transport failure".
     """
+    if not kafka.bootstrap_servers.strip():
+        raise ConfigError([
+            "[kafka] bootstrap_servers is empty: set it (or KAFOLD_KAFKA__BOOTSTRAP_SERVERS). kafold's commands take "
+            "a running `kafold dev` stack's address by themselves; in your own code, "
+            "kafold.devstack.effective(cfg) does the same"])
     conf: dict[str, Any] = {
         "bootstrap.servers": kafka.bootstrap_servers,
         "client.id": kafka.client_id,

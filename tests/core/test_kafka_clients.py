@@ -12,6 +12,7 @@ from confluent_kafka import KafkaError, Producer
 
 from kafold import logs
 from kafold.config import KafkaConfig
+from kafold.errors import ConfigError
 from kafold.kafka_clients import (
     LIBRDKAFKA_LOG,
     METADATA_REFRESH_MS,
@@ -39,6 +40,14 @@ def test_plaintext_has_only_the_basics() -> None:
     assert conf == {"bootstrap.servers": "b1:9092,b2:9092", "client.id": "svc",
                     "security.protocol": "PLAINTEXT", "reconnect.backoff.ms": RECONNECT_BACKOFF_MS,
                     "topic.metadata.refresh.interval.ms": METADATA_REFRESH_MS, "logger": LIBRDKAFKA_LOG}
+
+
+def test_an_empty_broker_list_is_named_before_any_client_is_made() -> None:
+    """A service's own code with `[kafka]` left empty (the dev stack's default) gets a ConfigError naming the key
+    and the ways to fill it, not librdkafka's "Broker transport failure" on its first request."""
+    for empty in ("", "  "):
+        with pytest.raises(ConfigError, match=r"\[kafka\] bootstrap_servers is empty.*KAFOLD_KAFKA__BOOTSTRAP_SERVERS"):
+            librdkafka(KafkaConfig(bootstrap_servers=empty))
 
 
 def test_librdkafkas_own_log_lines_come_out_as_structured_lines(tmp_path: Path,
