@@ -248,7 +248,7 @@ class CommandClient:
         if meta.error is not None:
             raise RetriableError(f"results topic {self.results!r}: {meta.error.str()}")
         # Every partition's end in one ListOffsets request per leader (timestamp -1: the latest offset), not a
-        # round trip per partition: it was a fifth of an idle `send` at 4 partitions (docs/benchmarks.md).
+        # round trip per partition, which an idle `send` waited for in turn (docs/benchmarks.md, aggregates).
         try:
             found = reader.offsets_for_times([TopicPartition(self.results, p, -1) for p in meta.partitions],
                                              timeout=10)
