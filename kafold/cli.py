@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -19,6 +20,27 @@ COMMANDS = {"config": "config", "dev": "dev", "topics": "topics", "daemon": "dae
             "events": "events", "subjects": "subjects"}
 COMMAND_MODULES = tuple(dict.fromkeys(COMMANDS.values()))
 GLOBAL_OPTIONS_WITH_VALUE = ("--log-format",)
+GLOBAL_FLAGS = ("--debug",)
+CONFIG_ENV = "KAFOLD_CONFIG"
+
+
+def hoist_global_options(argv: Sequence[str]) -> list[str]:
+    """`argv` with the global options (`--debug`, `--log-format X`) moved before the command, wherever they were
+    written (`kafold dlq list --debug` as `kafold --debug dlq list`); nothing after a `--` moves."""
+    front: list[str] = []
+    rest: list[str] = []
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--":
+            rest += [token, *tokens]
+            break
+        if token in GLOBAL_FLAGS or any(token.startswith(f"{o}=") for o in GLOBAL_OPTIONS_WITH_VALUE):
+            front.append(token)
+        elif token in GLOBAL_OPTIONS_WITH_VALUE:
+            front += [token, *(next(tokens, ""),)]
+        else:
+            rest.append(token)
+    return front + rest
 
 
 def command_modules(argv: Sequence[str] | None) -> tuple[str, ...]:
@@ -46,7 +68,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = hoist_global_options(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     logs.configure("debug" if args.debug else "info", args.log_format)
     try:
@@ -64,7 +86,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def add_config_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-c", "--config", required=True, metavar="FILE", help="path to kafold.toml")
+    """`-c FILE`, or the file `KAFOLD_CONFIG` names (read when the parser is built, as the command runs)."""
+    default = os.environ.get(CONFIG_ENV) or None
+    p.add_argument("-c", "--config", required=default is None, default=default, metavar="FILE",
+                   help=f"path to kafold.toml (default ${CONFIG_ENV}{f': {default}' if default else ''})")
 
 
 if __name__ == "__main__":

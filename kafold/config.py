@@ -9,6 +9,7 @@ import os
 import re
 import sys
 import tomllib
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from kafold.errors import ConfigError
 from kafold.refs import import_ref
-from kafold.schema import Problems, Secret, is_missing, load, setting
+from kafold.schema import Problems, Secret, is_missing, keys_of, load, setting
 from kafold.sqlnames import check_identifier
 from kafold.upcast import UpcasterConfig, build
 
@@ -351,14 +352,41 @@ class TopicSpec:
     purpose: str = "topic"
 
 
-def _apply_env(raw: dict[str, Any], environ: dict[str, str]) -> None:
-    """`KAFOLD_<SECTION>__<KEY>=value` overrides `[section] key` (tables only, not arrays of tables)."""
-    for name, value in environ.items():
+def env_sections() -> dict[str, type]:
+    """The tables `KAFOLD_<SECTION>__<KEY>` can reach: every section of KafoldConfig that is a table (the arrays of
+    tables, `aggregates`, `connectors` and `topics`, are not), derived from the schema so a new section is reached."""
+    hints = typing.get_type_hints(KafoldConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(KafoldConfig) if dataclasses.is_dataclass(hints[f.name])}
+
+
+def _apply_env(raw: dict[str, Any], environ: dict[str, str], problems: Problems) -> None:
+    """`KAFOLD_<SECTION>__<KEY>=value` overrides `[section] key`; a variable naming no section or no key is a problem
+    like an unknown key in the file (a misspelt override silently ignored would leave the file's value in force)."""
+    sections = env_sections()
+    for name, value in sorted(environ.items()):
         if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue
         section, _, key = name[len(ENV_PREFIX):].lower().partition("__")
-        if section in ("kafka", "postgres", "daemon", "snapshots") and key:
-            raw.setdefault(section, {})[key] = value
+        if section not in sections:
+            hint = difflib.get_close_matches(section, list(sections), n=1, cutoff=0.6)
+            more = f"did you mean {ENV_PREFIX}{hint[0].upper()}__…?" if hint else \
+                f"sections: {', '.join(s.upper() for s in sections)}"
+            problems.add(f"environment {name}", f"no section {section!r}; {more}")
+            continue
+        cls = sections[section]
+        allowed = keys_of(cls)
+        if any(f.name == key and f.metadata.get("secret") for f in dataclasses.fields(cls)):
+            # the variable holds the secret itself: read it from there, as `<key>_env` would, never copied
+            key, value = f"{key}_env", name
+        if key not in allowed:
+            hint = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+            more = f"did you mean {ENV_PREFIX}{section.upper()}__{hint[0].upper()}?" if hint else \
+                f"[{section}] keys: {', '.join(sorted(allowed))}"
+            problems.add(f"environment {name}", f"no key {key!r} in [{section}]; {more}")
+            continue
+        table = raw.setdefault(section, {})
+        if isinstance(table, dict):
+            table[key] = value
 
 
 def _check_refs(cfg: KafoldConfig, problems: Problems) -> None:
@@ -559,7 +587,7 @@ def parse(text: str, path: Path, environ: dict[str, str] | None = None) -> Loade
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([f"{path}: not valid TOML: {e}"]) from e
-    _apply_env(raw, env)
+    _apply_env(raw, env, problems)
     # `class` reads better in TOML; the field is connector_class because `class` is a keyword.
     for con in raw.get("connectors", []) if isinstance(raw.get("connectors"), list) else []:
         if isinstance(con, dict) and "class" in con:

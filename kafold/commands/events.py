@@ -17,6 +17,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaException
 
 from kafold import config, devstack, logs, protect
+from kafold.cli import add_config_arg
 from kafold.commands.snapshot import python_paths, selected_aggregates
 from kafold.config import AggregateConfig, FoldErrorPolicy, KafkaConfig
 from kafold.errors import ConfigError, FatalError, RetriableError
@@ -39,7 +40,7 @@ def register(sub: Any) -> None:
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     audit = actions.add_parser(
         "audit", help="count events per type and schema version; report which do not decode, upcast or fold")
-    audit.add_argument("-c", "--config", required=True, metavar="FILE", help="path to kafold.toml")
+    add_config_arg(audit)
     audit.add_argument("--aggregate", metavar="NAME", help="only this aggregate type (default: all)")
     audit.add_argument("--topic", metavar="T",
                        help="audit this topic instead of the aggregate's events topic (needs one aggregate)")

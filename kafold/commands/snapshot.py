@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kafold import config, devstack, logs, protect, tracing
+from kafold.cli import add_config_arg
 from kafold.errors import ConfigError
 from kafold.snapshot.fold import Domain
 from kafold.snapshot.verify import verify
@@ -34,14 +35,14 @@ def register(sub: Any) -> None:
     add_run_arguments(run)
     run.set_defaults(handler=handle_run)
     ver = actions.add_parser("verify", help="recompute state from scratch and compare with snapshot + tail")
-    ver.add_argument("-c", "--config", required=True, metavar="FILE", help="path to kafold.toml")
+    add_config_arg(ver)
     ver.add_argument("--aggregate", metavar="NAME", help="only this aggregate type (default: all)")
     ver.add_argument("--sample", type=int, metavar="N", help="check N random aggregates per partition (default: all)")
     ver.set_defaults(handler=handle_verify)
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-c", "--config", required=True, metavar="FILE", help="path to kafold.toml")
+    add_config_arg(p)
     p.add_argument("--aggregate", metavar="NAME", help="only this aggregate type (default: all)")
     p.add_argument("--master", metavar="URL",
                    help="Spark master (default [snapshots].spark_master, local[*]; under spark-submit: its --master)")
