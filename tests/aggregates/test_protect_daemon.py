@@ -109,7 +109,8 @@ def test_protected_email_is_encrypted_everywhere_and_forgotten(
             wait_for(lambda: len(_bodies(receiver)) == 4, "four webhook bodies", 90)
             assert d.get("/aggregates/customer/c-1")[1]["state"] == {"email": PLACEHOLDER, "name": "Ann"}
         # the CLI path, for the other subject
-        forget = subprocess.run([KAFOLD, "subjects", "forget", "c-2", "-c", str(conf), "--actor", "dpo", "--json"],
+        forget = subprocess.run([KAFOLD, "subjects", "forget", "c-2", "-c", str(conf), "--actor", "dpo", "--json",
+                                 "--yes"],
                                 capture_output=True, text=True, timeout=120, env=child_env())
         assert forget.returncode == 0, forget.stdout + forget.stderr
         assert orjson.loads(forget.stdout)["key_deleted"] is True

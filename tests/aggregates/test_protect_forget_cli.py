@@ -4,6 +4,7 @@ subject's state is unchanged."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import orjson
@@ -41,7 +42,7 @@ def test_a_forget_from_the_cli_reloads_the_running_daemons_state(
         with ready_daemon(conf) as d:
             register(client, emails)
             assert d.get(f"/aggregates/customer/{gone}")[1]["state"]["email"] == emails[gone]
-            forget = kafold_cli("subjects", "forget", gone, "-c", str(conf), "--json", timeout=120)
+            forget = kafold_cli("subjects", "forget", gone, "-c", str(conf), "--json", "--yes", timeout=120)
             assert forget.returncode == 0, forget.stdout + forget.stderr
             assert orjson.loads(forget.stdout)["key_deleted"] is True
             wait_for(lambda: d.get(f"/aggregates/customer/{gone}")[1]["state"].get("email") == PLACEHOLDER,
@@ -56,3 +57,30 @@ def test_a_forget_from_the_cli_reloads_the_running_daemons_state(
     finally:
         client.close()
         receiver.stop()
+
+
+def test_a_forget_without_a_terminal_needs_yes_and_a_dry_run_changes_nothing(
+        kafka_config: KafkaConfig, pg_url: str, unique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kafold import cli, config, db, protect
+
+    master_key(monkeypatch)
+    conf = tmp_path / "kafold.toml"
+    conf.write_text(protected_customer_toml(kafka_config, pg_url, unique, free_port()))
+    subject = f"{unique[-8:]}-held"
+    cfg = config.load_file(conf).config
+    db.upgrade(cfg.postgres)
+    ring = protect.build(cfg).ring  # type: ignore[union-attr]
+    ring.for_writing(subject)  # a key is held, as after a first protected event
+    monkeypatch.setattr("sys.stdin", io.StringIO(subject))  # a script, no terminal: its input is not a confirmation
+
+    assert cli.main(["subjects", "forget", subject, "-c", str(conf), "--dry-run", "--json"]) == 0
+    assert orjson.loads(capsys.readouterr().out.splitlines()[-1])["key_held"] is True
+    assert cli.main(["subjects", "forget", subject, "-c", str(conf), "--json"]) == 2
+    assert "pass --yes" in capsys.readouterr().err
+    ring.drop()
+    assert ring.lookup(subject)[1] is not None  # neither the dry run nor the refused forget deleted the key
+    assert cli.main(["subjects", "forget", subject, "-c", str(conf), "--json", "--yes"]) == 0
+    assert orjson.loads(capsys.readouterr().out.splitlines()[-1])["key_deleted"] is True
+    ring.drop()
+    assert ring.lookup(subject)[1] is None

@@ -73,7 +73,7 @@ def test_spark_snapshots_of_a_protected_aggregate_are_sealed_and_forgotten(
             assert got["state"] == live[cid] and got["obtained"]["snapshots_used_in_partition"] == 2
 
         # forget c-1 (the CLI, another process): its snapshot no longer opens, the restore folds its events
-        forgot = kafold_cli("subjects", "forget", "c-1", "-c", str(conf), "--json", timeout=120)
+        forgot = kafold_cli("subjects", "forget", "c-1", "-c", str(conf), "--json", "--yes", timeout=120)
         assert forgot.returncode == 0 and '"key_deleted": true' in forgot.stdout, forgot.stdout + forgot.stderr
         forgotten = {"email": PLACEHOLDER, "name": "C-1"}
         got = state_get(conf, "c-1")

@@ -54,7 +54,7 @@ def test_refresh_folds_a_forgotten_subjects_rows_again_under_live_traffic(
                 client.send(f"ren-{cid}", cid, "Rename", {"name": f"{cid}-renamed"})
             client.wait()
             wait_for(lambda: _rows(pg_url, table).get(gone) == (emails[gone], f"{gone}-renamed"), "rows projected")
-            forget = _cli("subjects", "forget", gone, "-c", str(conf))
+            forget = _cli("subjects", "forget", gone, "-c", str(conf), "--yes")
             assert forget.returncode == 0, forget.stdout + forget.stderr
             assert _rows(pg_url, table)[gone][0] == emails[gone]  # projected before: still in clear
 
@@ -152,7 +152,7 @@ def test_refresh_leaves_a_row_held_behind_a_dead_letter_and_says_so(
             wait_for(lambda: dead_letters(table) == 2, "the next rename held behind it")
             before = _rows(pg_url, table)
             assert before[held] == ("held.secret@example.com", "first")
-            forget = _cli("subjects", "forget", held, "-c", str(conf))
+            forget = _cli("subjects", "forget", held, "-c", str(conf), "--yes")
             assert forget.returncode == 0, forget.stdout + forget.stderr
 
             out = _cli("projection", "refresh", table, "--subject", held, "-c", str(conf), "--no-progress")
