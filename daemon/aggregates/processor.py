@@ -5,15 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kafold import decision
 from kafold.daemon.aggregates import window
 from kafold.daemon.aggregates.store import Entry
-from kafold.domain import AggregateDomain, InvalidCommand, InvalidEvent, UnreadableEvent
-from kafold.envelope import Event, Headers, encode
-from kafold.errors import FatalError, RecordError
-from kafold.fold import domain_event, fields
+from kafold.decision import Encoded
+from kafold.domain import AggregateDomain
+from kafold.errors import RecordError
 from kafold.messages import ACCEPTED, REJECTED, Command, Result
-
-Encoded = tuple[bytes, bytes, Headers]
 
 
 @dataclass
@@ -71,44 +69,10 @@ def _decide(domain: AggregateDomain, cmd: Command, entry: Entry, at: str, t: int
     if cmd.expected_version is not None and cmd.expected_version != entry.version:
         return _reject(cmd, entry, f"expected version {cmd.expected_version}, aggregate is at {entry.version}",
                        t, at)
-    try:
-        command = domain.command(cmd.type, cmd.data)
-    except InvalidCommand as e:
-        return _reject(cmd, entry, str(e), t, at, RecordError(str(e), reason=e.reason))
-    try:
-        decided = domain.decide(command, entry.state)
-    except domain.rejections as e:
-        return _reject(cmd, entry, str(e) or type(e).__name__, t, at)
-    except Exception as e:  # a bug in decide must not stop the runtime: dead-letter the command
-        msg = f"decide raised {type(e).__name__}: {e}"
-        return _reject(cmd, entry, msg, t, at, RecordError(msg, reason="decide-error"))
-    if not isinstance(decided, list | tuple):
-        msg = f"decide returned {type(decided).__name__}, expected a list of events"
-        return _reject(cmd, entry, msg, t, at, RecordError(msg, reason="decide-error"))
-    state, version = entry.state, entry.version
-    events: list[Encoded] = []
-    ids = event_ids(cmd.command_id, version, len(decided))
-    codec = domain.codec
-    newest = codec.upcaster.version_of  # decide writes every type at its newest schema version
-    try:
-        for i, ev in enumerate(decided):
-            type_name, payload, as_is = codec.written(ev)
-            if domain.protector is not None:  # personal data leaves only encrypted (kafold.protect)
-                payload = domain.protector.seal(domain.name, type_name, cmd.aggregate_id, payload)
-            written = encode(Event(ids[i], type_name, domain.name, cmd.aggregate_id, version + i + 1, at,
-                                   cmd.correlation_id or cmd.command_id, payload, newest(type_name), cmd.command_id))
-            # Live = replay: evolve the event as every reader will read it back from these bytes, not the object
-            # decide returned (a tuple would stay a tuple here and come back a list from JSON), unless the codec
-            # proves them equal (flat scalar fields of exactly their types: the common case, without a decode).
-            read_back = ev if as_is else domain_event(domain, fields(written[1]))
-            state = domain.evolve(state, read_back)
-            events.append(written)
-    except (InvalidEvent, UnreadableEvent, FatalError, ValueError) as e:
-        msg = f"cannot store the decided events: {e}"
-        return _reject(cmd, entry, msg, t, at, RecordError(msg, reason="bad-event"))
-    except Exception as e:
-        msg = f"evolve raised {type(e).__name__}: {e}"
-        return _reject(cmd, entry, msg, t, at, RecordError(msg, reason="evolve-error"))
-    new_version = version + len(events)
-    return Handled(Result(cmd.command_id, cmd.aggregate_id, ACCEPTED, new_version, ids, None, cmd.correlation_id,
-                          at=at), events, state, new_version, None, window.accepted(t, new_version, len(ids)))
+    out = decision.decide(domain, cmd.type, cmd.data, cmd.aggregate_id, entry.state, entry.version,
+                          command_id=cmd.command_id, correlation_id=cmd.correlation_id, at=at)
+    if out.reason is not None:
+        return _reject(cmd, entry, out.reason, t, at, out.error)
+    return Handled(Result(cmd.command_id, cmd.aggregate_id, ACCEPTED, out.version, out.event_ids, None,
+                          cmd.correlation_id, at=at), list(out.events), out.state, out.version, None,
+                   window.accepted(t, out.version, len(out.event_ids)))

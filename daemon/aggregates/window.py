@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kafold import logs
-from kafold.envelope import derive_event_id
+from kafold.decision import event_ids
 
 log = logs.get(__name__)
 
@@ -53,13 +53,6 @@ def unpack(outcome: Remembered) -> tuple[int, int, int, str | None]:
 
 def time_of(outcome: Remembered) -> int:
     return outcome >> 64 if type(outcome) is int else outcome[0]  # type: ignore[index]
-
-
-def event_ids(command_id: str, version_before: int, n: int) -> tuple[str, ...]:
-    """The ids of the `n` events a command decided at `version_before` writes: `derive_event_id(command_id, v)`
-    with v = each event's version - 1. Deterministic for a re-decision after a crash (same state, same version),
-    and distinct for a retry decided again after the window (a later version), so no id is ever written twice."""
-    return tuple(derive_event_id(command_id, version_before + i) for i in range(n))
 
 
 class Window:
