@@ -10,7 +10,7 @@ CONFIG ?= examples/bank/kafold.toml
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,embedded,spark]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,daemon,registry,tracing,embedded,spark]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from kafold import __version__, logs
 from kafold.errors import ConfigError, KafoldError
+from kafold.extras import missing_extra
 
 # Each module exposes register(subparsers); its handlers take the parsed args and return an exit code. Keyed by the
 # top-level commands a module registers: a run imports only its own command's module (which imports what it needs at
@@ -68,7 +69,17 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = hoist_global_options(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(hoist_global_options(sys.argv[1:] if argv is None else argv))
+    except ImportError as e:
+        why = missing_extra(e)
+        if why is None:
+            raise
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str]) -> int:
     args = build_parser(argv).parse_args(argv)
     logs.configure("debug" if args.debug else "info", args.log_format)
     try:

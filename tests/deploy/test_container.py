@@ -71,7 +71,7 @@ def image(podman: Podman) -> str:
     """kafold's image from the repository's source, FROM the local Debian base: lean (no Spark, no Java)."""
     base = podman.base_image()
     return podman.build(ROOT, CONTAINER / "Containerfile", IMAGE,
-                        {"BASE_IMAGE": base, "EXTRAS": "", "WITH_JAVA": "0"})
+                        {"BASE_IMAGE": base, "EXTRAS": "daemon,registry,tracing", "WITH_JAVA": "0"})
 
 
 @pytest.mark.timeout(900)
