@@ -19,8 +19,8 @@ from urllib.parse import quote
 
 import pytest
 from confluent_kafka import KafkaException
-from confluent_kafka.admin import AdminClient, ConsumerGroupDescription, MemberAssignment, MemberDescription
 from confluent_kafka import TopicPartition as KafkaTP
+from confluent_kafka.admin import AdminClient, ConsumerGroupDescription, MemberAssignment, MemberDescription
 
 from kafold import cli, config, kafka_clients, topics
 from kafold.client import CommandClient, http_get
@@ -133,7 +133,7 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
     seen: list[tuple[str, str | None]]
     routes: dict[str, tuple[int, dict[str, str], bytes]]
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:
         self.seen.append((self.path, self.headers.get("Authorization")))
         status, headers, body = self.routes.get(self.path.split("?")[0], (200, {}, b'{"state": "forged"}'))
         self.send_response(status)
