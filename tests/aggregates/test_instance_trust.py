@@ -6,18 +6,24 @@ aggregate's group, with a chosen client id and a real HTTP server at the address
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import json
+import ssl
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 from urllib.parse import quote
 
+import aiohttp
 import pytest
+import trustme
+from aiohttp import web
 from confluent_kafka import KafkaException
 from confluent_kafka import TopicPartition as KafkaTP
 from confluent_kafka.admin import AdminClient, ConsumerGroupDescription, MemberAssignment, MemberDescription
@@ -123,6 +129,59 @@ def test_a_signed_read_is_accepted_for_that_read_only_and_only_for_a_while() -> 
     # a MAC made for one use does not pass for the other
     mac = header[trust.AUTH_HEADER].split("mac=")[1]
     assert not trust.instance_read(key, "GET", f"{path}&kafold_t={int(now)}&kafold_mac={mac}", {}, now)
+
+
+# ---- the forward itself (https, its credential, its size) ---------------------------------------------------
+def test_a_forward_goes_over_verified_https_with_the_instance_credential_and_a_bounded_answer(
+        tmp_path: Path) -> None:
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    key = InstanceKey([SECRET])
+    seen: list[tuple[str, dict[str, str]]] = []
+
+    async def state(request: web.Request) -> web.Response:
+        seen.append((request.raw_path, dict(request.headers)))
+        if not trust.instance_read(key, request.method, request.raw_path, request.headers):
+            return web.json_response({"message": "no"}, status=401)
+        if request.match_info["id"] == "big":
+            return web.json_response({"state": "x" * 4096})
+        return web.json_response({"id": request.match_info["id"], "served_by": "owner"})
+
+    def router(ca: str | None) -> routing.StateRouter:
+        daemon = DaemonConfig(peer_ca_file=ca, forward_max_bytes=2048)
+        return routing.StateRouter(cast(Any, SimpleNamespace(cfg=SimpleNamespace(daemon=daemon), instance_key=key)))
+
+    async def main() -> None:
+        app = web.Application()
+        app.router.add_get("/kafold/aggregates/{name}/{id}", state)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=server_ctx)
+        await site.start()
+        port = runner.addresses[0][1]
+        peer = Peer.parse(f"https://127.0.0.1:{port}/kafold")
+        wait = routing.Wait(2, 100)
+        try:
+            async with aiohttp.ClientSession() as session:
+                got = await router(str(ca_file)).forward(session, peer, peer.state_path("account", "a b", [
+                    ("min_version", "2"), ("timeout_ms", "100")]), wait)
+                assert got is not None and (got.status, got.body) == (200, {"id": "a b", "served_by": "owner"})
+                path, headers = seen[-1]
+                assert path == "/kafold/aggregates/account/a%20b?min_version=2&timeout_ms=100"
+                assert "Authorization" not in headers and trust.AUTH_HEADER in headers
+                got = await router(str(ca_file)).forward(session, peer, peer.state_path("account", "big"), wait)
+                assert got is not None and got.status == 502 and "forward_max_bytes" in got.body["message"]
+                # the system's trust store does not know this CA: nothing is read, the read answers 503 upstream
+                before = len(seen)
+                assert await router(None).forward(session, peer, peer.state_path("account", "a"), wait) is None
+                assert len(seen) == before
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
 
 
 # ---- the CLI's redirects -------------------------------------------------------------------------------------
