@@ -131,6 +131,52 @@ def test_a_signed_read_is_accepted_for_that_read_only_and_only_for_a_while() -> 
     assert not trust.instance_read(key, "GET", f"{path}&kafold_t={int(now)}&kafold_mac={mac}", {}, now)
 
 
+# ---- the router's decisions ---------------------------------------------------------------------------------
+def _router(key: InstanceKey | None, owner: routing.Owner | None, mode: str = "forward") -> routing.StateRouter:
+    """A router on a stub host whose group names `owner` for every partition (no Kafka)."""
+    async def call(fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+    daemon = DaemonConfig(http_port=8083, state_routing=routing.StateRouting(mode))
+    r = routing.StateRouter(cast(Any, SimpleNamespace(cfg=SimpleNamespace(daemon=daemon), instance_key=key,
+                                                      call=call)))
+    r.directory = lambda slot: cast(Any, SimpleNamespace(owner=lambda partition, fresh=False: owner))  # type: ignore[method-assign]
+    return r
+
+
+def _read(router: routing.StateRouter, **headers: str) -> routing.Answer:
+    slot = SimpleNamespace(name="account", failed=False, thread=SimpleNamespace(is_alive=lambda: True),
+                           runtime=SimpleNamespace(gates={}), config=SimpleNamespace(partitions=4))
+    request = SimpleNamespace(headers=headers, query={})
+    return asyncio.run(router.read(cast(Any, slot), "acc-1", routing.Wait(), cast(Any, request), cast(Any, None)))
+
+
+def test_without_an_instance_secret_nothing_is_sent_on_and_the_answer_says_why() -> None:
+    owner = routing._owner(routing.member_client_id("kafold", "http://10.0.0.9:8083", "g", InstanceKey([SECRET])),
+                           "g", InstanceKey([SECRET]))
+    for mode in ("forward", "redirect"):
+        got = _read(_router(None, owner, mode))
+        assert got.status == 503 and "instance_secret_env" in got.body["message"] and not got.headers
+
+
+def test_a_member_that_does_not_verify_gets_neither_a_read_nor_a_redirect() -> None:
+    key = InstanceKey([SECRET])
+    unsigned = routing._owner(f"kafold@{quote('http://10.0.0.9:8083/x#', safe='')}", "g", key)
+    for mode in ("forward", "redirect"):
+        got = _read(_router(key, unsigned, mode))
+        assert got.status == 503 and "does not verify" in got.body["message"] and not got.headers, got
+    # a verified owner: the redirect names the URL built from its address, with a credential for that read
+    owner = routing._owner(routing.member_client_id("kafold", "http://10.0.0.9:8083/p", "g", key), "g", key)
+    got = _read(_router(key, owner, "redirect"))
+    location = got.headers["Location"]
+    assert got.status == 307 and location.startswith(
+        "http://10.0.0.9:8083/p/aggregates/account/acc-1?kafold_redirected=1&kafold_t="), location
+    assert trust.instance_read(key, "GET", location.removeprefix("http://10.0.0.9:8083"), {})
+    # a read that came from an instance is never sent on (nor is anything that only claims to)
+    got = _read(_router(key, owner), **{trust.AUTH_HEADER: "t=1,mac=x"})
+    assert got.status == 503 and got.headers[routing.NOT_OWNER_HEADER]
+
+
 # ---- the forward itself (https, its credential, its size) ---------------------------------------------------
 def test_a_forward_goes_over_verified_https_with_the_instance_credential_and_a_bounded_answer(
         tmp_path: Path) -> None:
