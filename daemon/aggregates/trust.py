@@ -21,8 +21,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import quote, unquote, urlencode, urlsplit
 
-import orjson
-
 from kafold.config import DaemonConfig, advertised_url_problem
 from kafold.errors import ConfigError
 
@@ -69,8 +67,11 @@ class InstanceKey:
 
 
 def _mac(key: bytes, parts: Sequence[str]) -> str:
-    # a JSON list: parts never run into each other, whatever they hold
-    digest = hmac.new(key, orjson.dumps(list(parts)), hashlib.sha256).digest()
+    # each part length-prefixed, so parts never run into each other; surrogatepass: a request's path may carry
+    # undecodable bytes (as lone surrogates), and checking it must not raise
+    encoded = [p.encode("utf-8", "surrogatepass") for p in parts]
+    message = b"".join(len(e).to_bytes(4, "big") + e for e in encoded)
+    digest = hmac.new(key, message, hashlib.sha256).digest()
     return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 

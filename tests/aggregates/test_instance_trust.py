@@ -119,8 +119,9 @@ def test_a_signed_read_is_accepted_for_that_read_only_and_only_for_a_while() -> 
     assert not trust.instance_read(key, "GET", path, header, now + trust.MAX_SKEW_S + 1)
     assert not trust.instance_read(InstanceKey([OTHER]), "GET", path, header, now)
     assert not trust.instance_read(None, "GET", path, header, now)
-    for bad in ("", "t=x,mac=y", "t=1,mac=" + "A" * 500, "garbage", "t=,", "\udcff"):
+    for bad in ("", "t=x,mac=y", "t=1,mac=" + "A" * 500, "garbage", "t=,", "\udcff", f"t={int(now)},mac=\udcff"):
         assert not trust.instance_read(key, "GET", path, {trust.AUTH_HEADER: bad}, now)
+    assert not trust.instance_read(key, "GET", path + "\udcff", header, now)  # undecodable bytes: no exception
     # a redirect's Location: the credential in its query covers everything before it
     signed = trust.signed_redirect(key, f"{path}&kafold_redirected=1", now)
     assert trust.instance_read(key, "GET", signed, {}, now + 1)
