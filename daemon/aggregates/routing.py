@@ -3,11 +3,11 @@
 Ownership is the aggregate's consumer group assignment and nothing else: partition p of the commands topic (the
 key's partition, kafold.partitioning, as the command client picks it) belongs to the member the group assigned it
 to, and that member's runtime serves p's keys once p's gate is LIVE. Each daemon's aggregate consumer carries its
-advertised HTTP address in its `client.id` (`<kafka.client_id>@<url, percent-encoded>`, `member_client_id`);
-DescribeConsumerGroups reports every member's client id with its assignment (classic and KIP-848 groups alike:
-checked on Apache Kafka 4.3 with confluent-kafka 2.16). So any instance finds a key's owner from one group
-description: no second registry that could disagree with the group, nothing stored. A description is cached for
-OWNERS_TTL_S and asked again on a miss or when a forward fails.
+advertised HTTP address in its `client.id` (`<kafka.client_id>@<url, percent-encoded>@k1.<signature>`,
+`member_client_id`); DescribeConsumerGroups reports every member's client id with its assignment (classic and
+KIP-848 groups alike: checked on Apache Kafka 4.3 with confluent-kafka 2.16). So any instance finds a key's owner
+from one group description: no second registry that could disagree with the group, nothing stored. A description
+is cached for OWNERS_TTL_S and asked again on a miss or when a forward fails.
 
 While a partition moves nobody answers for it: a classic group describes no assignments while it rebalances, a
 KIP-848 group assigns a partition only once its previous owner released it, and a new owner answers 503 itself until
