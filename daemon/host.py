@@ -38,6 +38,7 @@ from kafold.config import KafoldConfig, Loaded, python_path
 from kafold.connectors.api import TopicPartition
 from kafold.connectors.registry import instantiate, resolve
 from kafold.daemon import connect_api, extensions, http, offsets, signals, visibility
+from kafold.daemon.aggregates import trust
 from kafold.daemon.metrics import DaemonMetrics
 from kafold.daemon.tasks import (
     AggregateSlot,
@@ -102,6 +103,8 @@ class DaemonHost:
         d = cfg.daemon
         self.worker_id = f"{d.http_host}:{d.http_port}"
         self.token = d.api_token.reveal() if d.api_token is not None else None
+        # signs and verifies what instances tell each other (state reads sent on, redirects): docs/security.md
+        self.instance_key = trust.InstanceKey.of(d)
         self.restart_timeout = d.shutdown_grace_s + 5.0
         self.exit_code = 0
         self.stopping = False

@@ -11,7 +11,7 @@ from aiohttp.typedefs import Handler, Middleware
 from faust.web import Request, Response, View
 from faust.web.drivers.aiohttp import Web as AiohttpWeb
 
-from kafold.daemon.aggregates import routing
+from kafold.daemon.aggregates import routing, trust
 from kafold.daemon.aggregates.gate import STATUS_FIELDS
 from kafold.daemon.metrics import CONTENT_TYPE
 from kafold.errors import ConfigError, KafoldError
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 # The only routes answered without the bearer token (docs/security.md): orchestrator probes (kubelet, systemd)
 # cannot carry a secret, and these show only liveness and the connectors' readiness.
 OPEN_PATHS = frozenset({"/health", "/ready"})
+STATE_PATH = "/aggregates/{name}/{id}"  # also answers other instances' signed reads (_instance_read)
 
 
 def token_guard(host: DaemonHost) -> Middleware:
@@ -32,7 +33,8 @@ def token_guard(host: DaemonHost) -> Middleware:
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not _open(request) and not authorized(host.token, request.headers.get("Authorization", "")):
+        if not _open(request) and not authorized(host.token, request.headers.get("Authorization", "")) \
+                and not _instance_read(host, request):
             return web.json_response({"error_code": 401, "message": "missing or wrong bearer token"}, status=401,
                                      headers={"WWW-Authenticate": 'Bearer realm="kafold"'})
         return await handler(request)
@@ -53,6 +55,15 @@ def _open(request: web.Request) -> bool:
     info = request.match_info
     resource = info.route.resource if info.http_exception is None else None
     return resource is not None and resource.canonical in OPEN_PATHS
+
+
+def _instance_read(host: DaemonHost, request: web.Request) -> bool:
+    """True for a state read another instance sent on (or redirected here) with a valid instance credential: the
+    one request accepted without the API token, because the sending instance checked it (routing.py, trust.py)."""
+    info = request.match_info
+    resource = info.route.resource if info.http_exception is None else None
+    return resource is not None and resource.canonical == STATE_PATH and trust.instance_read(
+        host.instance_key, request.method, request.raw_path, request.headers)
 
 
 class HostView(View):
@@ -173,7 +184,7 @@ ROUTES: dict[str, type[HostView]] = {
     "/ready": Ready,
     "/metrics": Metrics,
     "/status": Status,
-    "/aggregates/{name}/{id}": AggregateState,
+    STATE_PATH: AggregateState,
     "/reload": Reload,
     "/subjects/{subject}/forget": ForgetSubject,
 }

@@ -65,6 +65,60 @@ HTTP_SLACK_S = 5.0  # beyond the wait itself, for the request and its answer
 UNREACHABLE_RETRY_S = 0.2
 
 
+REDIRECTS_MAX = 5
+ANSWER_MAX_BYTES = 64 * 1024 * 1024  # far above any state; a daemon (or whatever answers) cannot fill the memory
+REDIRECT_CODES = frozenset({301, 302, 303, 307, 308})
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """urllib follows redirects with every header of the request, the bearer token included, to any host:
+    `http_get` follows them itself."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
+def origin(url: str) -> tuple[str, str, int | None]:
+    """(scheme, host, port) of `url`, the default port made explicit: what a credential is sent to."""
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme, (parts.hostname or ""), parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+
+
+def http_get(url: str, token: str | None, timeout: float) -> tuple[int, bytes, Any, str]:
+    """GET `url` (status, body, headers, the URL that answered), following up to REDIRECTS_MAX redirects to
+    http(s) URLs; `token` goes as a bearer token only to `url`'s origin (scheme, host and port), never to a host
+    a redirect names (a kafold daemon's redirect carries its own short-lived credential). OSError when nothing
+    answers; KafoldError for a redirect elsewhere than http(s), too many of them, or an answer over
+    ANSWER_MAX_BYTES."""
+    home = origin(url)
+    for _ in range(REDIRECTS_MAX + 1):
+        req = urllib.request.Request(url)
+        if token is not None and origin(url) == home:
+            req.add_header("Authorization", f"Bearer {token}")
+        try:
+            with _OPENER.open(req, timeout=timeout) as resp:
+                return resp.status, _capped(resp, url), resp.headers, url
+        except urllib.error.HTTPError as e:
+            with e:
+                location = e.headers.get("Location") if e.code in REDIRECT_CODES else None
+                if location is None:
+                    return e.code, _capped(e, url), e.headers, url
+            url = urllib.parse.urljoin(url, location)
+            if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+                raise KafoldError(f"redirected to {url!r}: not an http(s) URL") from None
+    raise KafoldError(f"{url}: more than {REDIRECTS_MAX} redirects")
+
+
+def _capped(resp: Any, url: str) -> bytes:
+    raw: bytes = resp.read(ANSWER_MAX_BYTES + 1)
+    if len(raw) > ANSWER_MAX_BYTES:
+        raise KafoldError(f"{url}: the answer is larger than {ANSWER_MAX_BYTES} bytes")
+    return raw
+
+
 class DaemonClient:
     """The daemon's HTTP API as a service needs it: `wait` until a connector covers a token.
 
@@ -114,20 +168,16 @@ class DaemonClient:
                                  f"(behind: {json.dumps(behind)})")
 
     def _get(self, path: str, query: dict[str, str], timeout: float) -> tuple[int, Any]:
-        req = urllib.request.Request(f"{self.url}{path}?{urllib.parse.urlencode(query)}")
-        if self.token is not None:
-            req.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as e:
-            raw = e.read()
-            try:
-                return e.code, json.loads(raw or b"null")
-            except ValueError:
-                return e.code, raw.decode("utf-8", "replace")[:200]
-        except (OSError, ValueError) as e:
+            status, raw, _, _ = http_get(f"{self.url}{path}?{urllib.parse.urlencode(query)}", self.token, timeout)
+        except OSError as e:
             raise _Unreachable() from e
+        try:
+            return status, json.loads(raw or b"null")
+        except ValueError as e:
+            if status == 200:  # the wait endpoint answers JSON: something else answered
+                raise _Unreachable() from e
+            return status, raw.decode("utf-8", "replace")[:200]
 
 
 class _Unreachable(Exception):

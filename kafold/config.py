@@ -125,6 +125,18 @@ class DaemonConfig:
         StateRouting.FORWARD, doc="A state read for a key another instance owns: `forward` asks the owner and "
         "answers its reply; `redirect` answers 307 with the owner's URL (docs/aggregates.md#state-queries-on-any-"
         "instance).")
+    instance_secret: Secret | None = setting(
+        doc="The deployment's instance secret (at least 32 characters, e.g. `openssl rand -base64 32`), the same on "
+        "every instance: each signs the address it advertises to its aggregate groups and the state reads it sends "
+        "on with it, and sends reads (or redirects) only to group members whose address verifies. Unset: a state "
+        "read for a key another instance owns answers 503 (docs/security.md#trust-between-instances).", secret=True)
+    instance_secret_previous: Secret | None = setting(
+        doc="A second instance secret also accepted (never signed with) while the secret is rotated "
+        "(docs/security.md#trust-between-instances).", secret=True)
+    peer_ca_file: str | None = setting(None, doc="CA bundle (PEM) that signs the other instances' certificates when "
+                                       "they advertise https:// addresses; unset: the system's trust store.")
+    forward_max_bytes: int = setting(8 * 1024 * 1024, doc="Largest answer a state read sent on to the owning "
+                                     "instance may bring back; a larger one is refused (502).", minimum=1024)
 
 
 @dataclass(frozen=True)
@@ -415,6 +427,7 @@ def _check_refs(cfg: KafoldConfig, problems: Problems) -> None:
     _check_kafka_security(cfg.kafka, problems)
     _check_group_protocol(cfg.kafka, problems)
     _check_advertised_url(cfg.daemon.advertised_url, problems)
+    _check_instance_trust(cfg.daemon, problems)
     for name, spec in topic_map(cfg).items():
         if not NAME_RE.match(name):
             problems.add("topics", f"invalid topic name {name!r}")
@@ -499,13 +512,39 @@ def _check_registry(reg: RegistryConfig, problems: Problems) -> None:
         _check_file(reg.ssl_ca_location, "registry.ssl_ca_location", problems)
 
 
-def _check_advertised_url(url: str, problems: Problems) -> None:
-    """An http(s) URL naming a host, without query or fragment (state reads append their own path to it)."""
-    if not url:
-        return
+# What an instance may advertise: scheme, host, port and a plain path prefix, nothing else (no userinfo, query,
+# fragment, percent-escape or white space); the other instances check each advertised address against it again.
+ADVERTISED_URL_RE = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)(:[0-9]{1,5})?(/[A-Za-z0-9._~-]+)*/?")
+
+
+def advertised_url_problem(url: str) -> str | None:
+    """What is wrong with `url` as an instance's advertised address, or None: http(s)://host[:port][/prefix]."""
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-        problems.add("daemon.advertised_url", f"expected http(s)://host[:port][/prefix], got {url!r}")
+    try:
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:  # out of range
+        port_ok = False
+    if not ADVERTISED_URL_RE.fullmatch(url) or not parts.hostname or not port_ok \
+            or any(s in (".", "..") for s in parts.path.split("/")):
+        return f"expected http(s)://host[:port][/prefix], got {url!r}"
+    return None
+
+
+def _check_advertised_url(url: str, problems: Problems) -> None:
+    """The other instances build the state path after it (kafold.daemon.aggregates.trust.Peer)."""
+    if url and (problem := advertised_url_problem(url)) is not None:
+        problems.add("daemon.advertised_url", problem)
+
+
+def _check_instance_trust(daemon: DaemonConfig, problems: Problems) -> None:
+    """A previous secret only beside a current one; the CA file exists (the secret's length is checked when it is
+    read, at start: kafold.daemon.aggregates.trust.InstanceKey)."""
+    if daemon.instance_secret_previous is not None and daemon.instance_secret is None \
+            and not problems.mentions("daemon.instance_secret"):
+        problems.add("daemon.instance_secret", "instance_secret_previous is set without instance_secret (the one "
+                     "this instance signs with)")
+    if daemon.peer_ca_file:
+        _check_file(daemon.peer_ca_file, "daemon.peer_ca_file", problems)
 
 
 def _check_group_protocol(kafka: KafkaConfig, problems: Problems) -> None:

@@ -253,7 +253,9 @@ class AggregateRuntime(LoopHandler):
         extra = {"isolation.level": "read_committed", "enable.auto.offset.store": False,
                  "fetch.wait.max.ms": 50, "max.partition.fetch.bytes": 8 * 1024 * 1024,
                  # the group's description then tells every instance where this one serves state (routing.py)
-                 "client.id": routing.member_client_id(self.kafka.client_id, routing.advertised_url(self.daemon)),
+                 # (signed with the instance secret: the others send reads only to an address that verifies)
+                 "client.id": routing.member_client_id(self.kafka.client_id, routing.advertised_url(self.daemon),
+                                                       self.group_id, routing.InstanceKey.of(self.daemon)),
                  **self.consumer_extra}
         self.consumer = kafka_clients.consumer(self.kafka, self.group_id, **extra)
         # A lost partition is released as a revoked one: its transaction's offsets were committed with it or not.

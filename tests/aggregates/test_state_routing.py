@@ -31,6 +31,7 @@ from tests.support import child_env, wait_for
 
 KAFOLD = str(Path(sys.executable).parent / "kafold")
 TOKEN = "s3cret-token-for-state-reads"
+SECRET_VAR, INSTANCE_SECRET = "KAFOLD_TEST_INSTANCE_SECRET", "the-instance-secret-of-this-test-deployment"
 KEYS = [f"acc-{i}" for i in range(24)]
 
 
@@ -222,7 +223,7 @@ def check(body: Any, key: str, expected: dict[str, tuple[int, int]]) -> None:
                                                 ("forward", "consumer")])
 def test_every_instance_answers_every_key_the_same_also_while_one_restarts(
         kafka_config: KafkaConfig, unique: str, tmp_path: Path, broker_kind: str, mode: str, protocol: str,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     if broker_kind != "kafka":
         pytest.skip("tansu stalls a consumer group's rebalance once it has two members (docs/brokers.md): "
                     "several instances in one group run on Apache Kafka only")
@@ -230,8 +231,11 @@ def test_every_instance_answers_every_key_the_same_also_while_one_restarts(
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
     conf = tmp_path / "kafold.toml"
+    # the instances prove to each other that they belong to the deployment (docs/security.md#trust-between-instances)
+    monkeypatch.setenv(SECRET_VAR, INSTANCE_SECRET)
     toml = bank_daemon_toml(kafka_config, unique, 0, partitions=6, daemon_extra=(
-        f'api_token_file = "{token_file}"\nstate_routing = "{mode}"\nshutdown_grace_s = 5.0'))
+        f'api_token_file = "{token_file}"\nstate_routing = "{mode}"\nshutdown_grace_s = 5.0\n'
+        f'instance_secret_env = "{SECRET_VAR}"'))
     # the group's description names the owners under either group protocol (KIP-848's "consumer" included)
     conf.write_text(toml.replace("[kafka]\n", f'[kafka]\ngroup_protocol = "{protocol}"\n', 1))
     loaded = config.load_file(conf)
@@ -267,13 +271,17 @@ def test_every_instance_answers_every_key_the_same_also_while_one_restarts(
         path = f"/aggregates/account/{key}"
         if mode == "redirect":
             status, body, headers = call(group.url(away) + path)
-            assert status == 307 and headers["Location"] == owner[key] + path + "?kafold_redirected=1", (status, body)
+            assert status == 307 and headers["Location"].startswith(
+                owner[key] + path + "?kafold_redirected=1&kafold_t="), (status, body)
+            # it carries a credential for that read: followed without the token (as the CLI does across hosts)
+            assert call(headers["Location"], token=None)[0] == 200
             # a redirected read that reaches an instance which does not own the key is not redirected again (two
             # stale views of the group would send the client back and forth): 503, ask again
             status, body, headers = call(group.url(away) + path + "?kafold_redirected=1")
             assert status == 503 and headers.get("Retry-After") and "moving" in body["message"], (status, body)
         else:
-            # the forwarded read carried the token: the owner refuses a read without it, and answered this one
+            # the forwarded read carried the instance credential, not the token: the owner refuses a read without
+            # either, and answered this one
             assert call(owner[key] + path, token=None)[0] == 401
             assert call(group.url(away) + path, token=None)[0] == 401  # refused before anything is sent on
             status, body, _ = call(group.url(away) + path)
