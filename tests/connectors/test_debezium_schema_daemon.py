@@ -1,19 +1,29 @@
 """Integration (Apache Kafka, PostgreSQL): Debezium change events as its JsonConverter writes them by default (the
 Connect schema beside each payload) projected by `converter = "debezium"` into columns of every common type, row by
 row; an update carrying the unavailable-value placeholder keeps the stored values; a truncate empties the table in
-order with the changes around it, once."""
+order with the changes around it, once; a rebuild of the projection (folding ahead) gives the same table."""
 
 from __future__ import annotations
 
 import datetime
 import uuid
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kafold import db
-from kafold.config import ConnectorConfig, ConvertConfig, ConverterKind, KafkaConfig, PostgresConfig, RegistryConfig
+from kafold.config import (
+    ConnectorConfig,
+    ConvertConfig,
+    ConverterKind,
+    KafkaConfig,
+    KafoldConfig,
+    PostgresConfig,
+    RegistryConfig,
+)
+from kafold.connectors.projection import rebuild as rb
 from tests.connectors.test_debezium_avro import _running
 from tests.connectors.test_debezium_schema import COLUMNS as FIELDS
 from tests.connectors.test_debezium_schema import PLACEHOLDER, ROW, b64, opt, record
@@ -81,6 +91,10 @@ def test_default_debezium_records_land_column_by_column(
     final = projected(pg_config, dst)
     assert sorted(final) == [4]  # 1, 2 and 3 went with the truncate; 4 came after it
     assert (final[4]["name"], final[4]["note"]) == ("after2", NOTE)
+
+    plan = rb.plan(KafoldConfig(kafka=kafka_config, postgres=pg_config, connectors=[cfg]), Path("."), unique)
+    assert rb.Rebuild(plan, batch=3, max_tail=5, workers=1).run().phase == "swapped"
+    assert projected(pg_config, dst) == final
 
 
 def projected(pgc: PostgresConfig, table: str) -> dict[int, dict[str, Any]]:
