@@ -85,9 +85,9 @@ class DebeziumConverter:
         """`body` decoded by the schema it carries; a bare body as it is (refused for a value where schemas are
         declared: its numbers and dates could not be told apart)."""
         if wrapped(body):
-            decode = self.schemas.decoder(body["schema"])
             payload = body["payload"]
             try:
+                decode = self.schemas.decoder(body["schema"])
                 return decode(payload) if decode is not None and payload is not None else payload
             except SchemaError as e:
                 raise ConvertError(f"{at}: {'key ' if is_key else ''}{e}", raw=raw) from None

@@ -182,6 +182,10 @@ def test_a_bad_value_is_a_convert_error_naming_the_field_and_the_record():
     assert got.value.reason == "convert-failed"
     with pytest.raises(ConvertError, match=r"path 'after\.price'"):
         run(conv(), *record("c", None, {"id": 1, "price": "%%%"}, 10))
+    bad_scale = [COLUMNS[0], opt("price", "bytes", "org.apache.kafka.connect.data.Decimal", scale="two")]
+    # a schema that does not compile (first seen at `before`, the same Value schema as `after`)
+    with pytest.raises(ConvertError, match=r"path 'before\.price': Decimal scale 'two'"):
+        run(conv(), *record("c", None, {"id": 1, "price": "MDk="}, 10, bad_scale))
 
 
 def test_a_bare_value_is_refused_where_schemas_are_declared():
