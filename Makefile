@@ -33,10 +33,12 @@ lint: install
 
 ## the unit tests; the integration tests on Apache Kafka (one broker for the session, fetched once with Maven: needs
 ## Java 17+ and mvn); then what concerns the embedded default (its dev stack, `make run`) on tansu
+## Each stage prints its ten slowest tests and its time (what to make faster when CI grows).
+STAGE = start=$$(date +%s); $(2) || exit $$?; echo "stage $(1): $$(( $$(date +%s) - start )) s"
 test: lint
-	$(BIN)/python -m pytest -m "not integration and not tansu"
-	KAFOLD_TEST_BROKER=kafka $(BIN)/python -m pytest -m "integration and not tansu"
-	KAFOLD_TEST_BROKER=tansu $(BIN)/python -m pytest -m tansu
+	@$(call STAGE,unit,$(BIN)/python -m pytest --durations=10 -m "not integration and not tansu")
+	@$(call STAGE,apache-kafka,KAFOLD_TEST_BROKER=kafka $(BIN)/python -m pytest --durations=10 -m "integration and not tansu")
+	@$(call STAGE,tansu,KAFOLD_TEST_BROKER=tansu $(BIN)/python -m pytest --durations=10 -m tansu)
 
 ## the long chaos soak (30 minutes, >= 200 faults, >= 1M events; figures in docs/reliability.md); BROKER=kafka runs
 ## it on a three-node Apache Kafka cluster with broker faults besides
