@@ -3,7 +3,8 @@ and `zip` protected, go to a projection (one row PostgreSQL refuses, quoting the
 behind it) and a webhook whose receiver fails (the key parks). Then the subject is forgotten: the dead letters (table
 and topic), the held event, the parked events and the error texts hold no clear value of it; `dlq discard` applies
 the held event with the placeholder, `dlq replay --to topic` re-publishes sealed bytes, and `effects parked retry`
-sends the placeholder. A value whose key id was altered is dead-lettered `decrypt-failed`."""
+sends the placeholder. A value whose key id was altered is dead-lettered `decrypt-failed`. A fold error whose message
+quotes an opened value shows on /status (behind the token), not on /ready (open)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ from kafold.connectors.registry import instantiate
 from kafold.daemon.runner import SinkRunner
 from kafold.envelope import Event, encode
 from kafold.protect import Protector
+from kafold.testing import free_port
 from tests.aggregates.agg_support import PLACEHOLDER, PROTECTED, kafold_cli, raw_bytes
+from tests.daemon.daemon_support import daemon_in_process
 from tests.security.test_privacy_at_rest_units import _with_key_id
-from tests.support import kafka_toml, wait_for
+from tests.support import ROOT, kafka_toml, wait_for
 from tests.support.receiver import Receiver, Req
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -278,3 +281,72 @@ def test_a_parked_retry_after_a_forget_sends_the_placeholder(world: World) -> No
     assert sorted(b["version"] for b in sent) == [1, 2, 3]
     assert all(_clear_in(r.body) == [] for r in world.receiver.requests if r.key == world.ann and r.status == 200)
     assert {b["payload"].get("email") for b in sent if b["type"] != "Moved"} == {PLACEHOLDER}
+
+
+# ---- /ready without the token ----------------------------------------------------------------------------------
+# The aggregate of the /ready test (dict events, pure): a `zip` that is no number stops the fold, and the error's
+# message quotes it (the opened value).
+def initial() -> dict[str, Any]:
+    return {}
+
+
+def evolve(state: dict[str, Any], event: dict[str, Any]) -> dict[str, Any]:
+    return {**state, "zip": int(event["zip"])}
+
+
+def decide(command: dict[str, Any], state: dict[str, Any]) -> list[dict[str, Any]]:
+    return []
+
+
+def test_ready_without_the_token_shows_no_fold_error_message(
+        kafka_config: KafkaConfig, pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    u = uuid.uuid4().hex[:8]
+    prefix, token = f"kt.privacy-ready.{u}", f"token-{u}"
+    monkeypatch.setenv(MASTER_VAR, base64.b64encode(os.urandom(32)).decode())
+    monkeypatch.setenv("KAFOLD_TEST_PRIVACY_TOKEN", token)
+    conf = tmp_path / "kafold.toml"
+    conf.write_text(f"""
+{kafka_toml(kafka_config)}
+[daemon]
+group_prefix = "{prefix}"
+http_port = {free_port()}
+api_token_env = "KAFOLD_TEST_PRIVACY_TOKEN"
+python_path = ["{ROOT}"]
+
+[postgres]
+url = "{pg_url}"
+
+[privacy]
+master_key_env = "{MASTER_VAR}"
+
+[[aggregates]]
+name = "customer"
+initial = "{__name__}:initial"
+evolve = "{__name__}:evolve"
+decide = "{__name__}:decide"
+partitions = 1
+events_topic = "{prefix}.events"
+commands_topic = "{prefix}.commands"
+results_topic = "{prefix}.results"
+snapshot_topic = "{prefix}.snapshots"
+
+[[aggregates.protect]]
+type = "Moved"
+fields = ["zip"]
+""")
+    cfg = config.load_file(conf).config
+    assert topics.ensure(kafka_config, config.topic_map(cfg).values()).ok
+    db.upgrade(cfg.postgres)
+    protector = protect.build(cfg)
+    assert protector is not None
+    key, value, headers = encode(_sealed(protector, "Moved", f"{u}-ann", 1, {"zip": STREET_ZIP}))
+    producer = Producer({"bootstrap.servers": kafka_config.bootstrap_servers})
+    producer.produce(f"{prefix}.events", value=value, key=key, headers=headers)
+    assert producer.flush(30) == 0
+    with daemon_in_process(conf, token) as d:
+        wait_for(lambda: STREET_ZIP in orjson.dumps(d.get("/status")[1]).decode(),
+                 "the fold error on /status (behind the token)", 60)
+        status, body = d.get("/ready", token=None)
+    assert status == 503 and body["not_ready"] == [{"aggregate": "customer", "reason": "fold error",
+                                                    "partitions": [0]}]
+    assert STREET_ZIP not in orjson.dumps(body).decode()
