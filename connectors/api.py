@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
+from kafold import protect
 from kafold.envelope import Event, encode
 
 if TYPE_CHECKING:
@@ -54,6 +55,10 @@ class SinkRecord:
     key: str
     event: Event
     timestamp_ms: int | None = None
+    # The record as it came from Kafka (a confluent-kafka Message or a RawRecord), when the intake made this one:
+    # the event may hold protected fields the intake opened, so a copy kept of it (a dead letter) is made from
+    # these bytes, sealed as they came, never from the opened event (see RawRecord.of).
+    source: Any = field(default=None, compare=False, repr=False)
 
     @property
     def tp(self) -> TopicPartition:
@@ -62,11 +67,11 @@ class SinkRecord:
 
 _new = object.__new__
 _SINK_SET = tuple(SinkRecord.__dict__[name].__set__
-                  for name in ("topic", "partition", "offset", "key", "event", "timestamp_ms"))
+                  for name in ("topic", "partition", "offset", "key", "event", "timestamp_ms", "source"))
 
 
 def sink_record(topic: str, partition: int, offset: int, key: str, event: Event,
-                timestamp_ms: int | None) -> SinkRecord:
+                timestamp_ms: int | None, source: Any = None) -> SinkRecord:
     """SinkRecord(...) for the runner's per-record loop: fills the slots directly (the frozen dataclass's
     __init__ calls object.__setattr__ per field, ~0.6 µs a record more); the result is the same immutable record."""
     r = _new(SinkRecord)
@@ -77,6 +82,7 @@ def sink_record(topic: str, partition: int, offset: int, key: str, event: Event,
     s[3](r, key)
     s[4](r, event)
     s[5](r, timestamp_ms)
+    s[6](r, source)
     return r
 
 
@@ -94,11 +100,16 @@ class RawRecord:
 
     @classmethod
     def of(cls, record: Any) -> RawRecord:
-        """A RawRecord from a confluent-kafka Message, a SinkRecord (re-encoded) or a RawRecord."""
+        """A RawRecord from a confluent-kafka Message, a SinkRecord or a RawRecord. A SinkRecord gives the record
+        it was decoded from (its `source`: protected fields sealed as they came); one made without a source is
+        re-encoded, its protected fields sealed again (kafold.protect): never a clear protected value."""
         if isinstance(record, RawRecord):
             return record
         if isinstance(record, SinkRecord):
-            key, value, headers = encode(record.event)
+            if record.source is not None:
+                return cls.of(record.source)
+            protector = protect.active()
+            key, value, headers = encode(record.event if protector is None else protector.resealed(record.event))
             return cls(record.topic, record.partition, record.offset, key, value, tuple(headers),
                        record.timestamp_ms)
         kind, ts = record.timestamp()

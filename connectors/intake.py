@@ -92,4 +92,6 @@ class Intake:
                             timestamp_ms=ts if ts_kind else None))
         if event is None:
             return None
-        return sink_record(topic, partition, offset, event.aggregate_id, event, ts if ts_kind else None)
+        # `m` kept as the record's source: a copy of it kafold keeps (a dead letter, a held event) is made from the
+        # bytes as they came, protected fields sealed, not from the event opened here (SinkRecord.source)
+        return sink_record(topic, partition, offset, event.aggregate_id, event, ts if ts_kind else None, m)

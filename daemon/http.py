@@ -93,11 +93,28 @@ class Health(HostView):
                          status=200 if not self.host.failed else 503)
 
 
+# What /ready shows of each part that is not ready: where and why in a word, nothing a value could be quoted in
+# (a fold error's message may quote an event's data: it stays behind the token, on /status).
+READY_FIELDS = frozenset({"connector", "task", "state", "aggregate", "reason"})
+
+
+def readiness(report: dict[str, Any]) -> dict[str, Any]:
+    """The host's ready report as /ready shows it: the verdict, and per part not ready only READY_FIELDS (and the
+    numbers of the partitions it waits on)."""
+    waiting = []
+    for part in report.get("not_ready", ()):
+        shown = {k: v for k, v in part.items() if k in READY_FIELDS}
+        partitions = [p.get("partition") for p in part.get("partitions", ())]
+        waiting.append({**shown, **({"partitions": partitions} if partitions else {})})
+    return {**{k: v for k, v in report.items() if k != "not_ready"}, "not_ready": waiting}
+
+
 class Ready(HostView):
-    # In OPEN_PATHS like /health: it shows only the connectors' readiness, no offsets, data or configuration.
+    # In OPEN_PATHS like /health: it shows only the connectors' readiness (`readiness`), no offsets, data,
+    # error messages or configuration.
     async def get(self, request: Request, **kwargs: Any) -> Response:
         ready, report = self.host.ready_report()
-        return self.json(report, status=200 if ready else 503)
+        return self.json(readiness(report), status=200 if ready else 503)
 
 
 class Metrics(HostView):

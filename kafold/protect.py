@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from kafold import logs
-from kafold.envelope import Event, adopt_payload
+from kafold.envelope import Event, adopt_payload, reshaped
 from kafold.errors import ConfigError, FatalError, KafoldError, RecordError
 
 if TYPE_CHECKING:
@@ -464,6 +464,11 @@ class KeyRing:
         self.gone.add((subject, key_id))
         return None
 
+    def current(self, subject: str) -> Any:
+        """The AESGCM object of the subject's current key, None when it has none (forgotten or never written)."""
+        self.trust()
+        return (self.cache.get(subject) or self._fetch(subject))[2]
+
     def prefetch(self, subjects: Iterable[str]) -> None:
         """Look up the keys of `subjects` not cached, in one round trip (a batch's subjects before its records are
         opened one by one); the erasure mark first if the cache's trust would lapse while the batch is read (an
@@ -612,6 +617,17 @@ class Protector:
         subject = rule.subject_of(aggregate_id, payload)
         return self._each(payload, rule, subject, type_name, self.ring.sealer(subject))
 
+    def resealed(self, event: Event) -> Event:
+        """`event` (as a reader opened it) with its protected values sealed again under the subject's key: what
+        kafold keeps of an opened event (a parked effect) or writes on (a `kafka` effect's derived events) holds
+        no clear value. A forgotten subject's values are the placeholder by then; sealing them creates a new key
+        of the subject, as any new write of it does, which opens none of the old values."""
+        rule = self.rules.get((event.aggregate_type, event.type))
+        if rule is None:
+            return event
+        return reshaped(event, event.type, event.schema_version,
+                        self.seal(event.aggregate_type, event.type, event.aggregate_id, event.payload))
+
     def _of(self, aggregate: str) -> list[Rule]:
         """The rules of `aggregate`'s event types."""
         return [r for (a, _), r in self.rules.items() if a == aggregate]
@@ -661,8 +677,23 @@ class Protector:
         blob = Cipher.blob(value)
         aead = self.ring.opener(subject, blob[:KEY_ID_BYTES])
         if aead is None:
+            self._not_relabelled(subject, blob, aad, f"protected field {path!r} of {type_name!r}")
             return self.placeholder
         return Cipher.open_blob(aead, blob, aad)
+
+    def _not_relabelled(self, subject: str, blob: bytes, aad: bytes, what: str) -> None:
+        """Before a value whose key id names no key of the subject reads as forgotten: DecryptError when it opens
+        under the subject's current key. The key id is not authenticated (it is not in the associated data), so a
+        value of a live subject with its key id altered would otherwise read as an erasure, silently; a value of
+        an earlier life of the subject (forgotten, then written again) does not open under the new key."""
+        current = self.ring.current(subject)
+        if current is None:
+            return
+        try:
+            Cipher.open_blob(current, blob, aad)
+        except DecryptError:
+            return
+        raise DecryptError(f"{what}: the key id it names was altered (it opens under the subject's current key)")
 
     def for_aggregate(self, aggregate: str) -> Callable[[str, str, dict[str, Any]], dict[str, Any]] | None:
         """`unseal` bound to one aggregate type (the fold's hook), or None when it protects nothing."""
@@ -694,6 +725,7 @@ class Protector:
         blob = Cipher.blob(sealed)
         aead = self.ring.opener(aggregate_id, blob[:KEY_ID_BYTES])
         if aead is None:
+            self._not_relabelled(aggregate_id, blob, state_aad(aggregate, aggregate_id), "the snapshot state")
             raise Forgotten(f"the key of {aggregate}/{aggregate_id} is gone (forgotten)")
         return Cipher.open_blob(aead, blob, state_aad(aggregate, aggregate_id))
 

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from kafold import kafka_clients, tracing
+from kafold import kafka_clients, protect, tracing
 from kafold.config import KafkaConfig
 from kafold.connectors.effects.policy import EffectError, PermanentEffectError, RetriableEffectError
 from kafold.connectors.effects.settings import (
@@ -139,6 +139,10 @@ class KafkaEffect(Effect):
         self.connector = connector
         self.endpoint = f"kafka:{config.topic}"
         self.function: Callable[[Event], Any] | None = import_ref(config.function) if config.function else None
+        # The events it derives come from events whose protected fields the intake opened: each is sealed again
+        # under the rules of its own aggregate and type (kafold.protect) before it is written, as the aggregate
+        # runtime seals what `decide` returns. A derived type without rules is written as it is (docs/security.md).
+        self.protector = protect.active()
         self.producer = kafka_clients.producer(kafka, **{"enable.idempotence": True, "acks": "all",
                                                          "linger.ms": 5})
         self._stop = threading.Event()
@@ -171,6 +175,8 @@ class KafkaEffect(Effect):
     async def run(self, event: Event) -> None:
         try:
             derived = self.derive(event)
+            if self.protector is not None:  # the subject's key is cached: the intake has just opened the event
+                derived = [self.protector.resealed(d) for d in derived]
         except EffectError:
             raise
         except Exception as e:

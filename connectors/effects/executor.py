@@ -38,10 +38,11 @@ from kafold import logs, tracing
 from kafold.connectors.api import Outcomes, SinkRecord, TopicPartition
 from kafold.connectors.effects.circuit import CLOSED, Circuit
 from kafold.connectors.effects.drivers import Effect
-from kafold.connectors.effects.ledger import DeliveryStatus, Ledger, LedgerUpdate, Parking, now
+from kafold.connectors.effects.ledger import DeliveryStatus, Ledger, LedgerUpdate, Parking, now, parked_event
 from kafold.connectors.effects.policy import RetriableEffectError, RetryPolicy, describe, retriable
 from kafold.connectors.effects.tracker import OffsetTracker
 from kafold.envelope import Event
+from kafold.errors import RecordError
 from kafold.retry import retrying_async
 
 NONE, APPLIED, DUPLICATE, DEAD_LETTERED = Outcomes(), Outcomes(applied=1), Outcomes(duplicates=1), \
@@ -419,7 +420,16 @@ class Executor:
                     log.info("effects.key_released", connector=self.name, key=key, events=released)
                     return
                 for event_id, topic, partition, offset, body in rows:
-                    event = Event(**orjson.loads(body))
+                    try:
+                        event = parked_event(body)
+                    except RecordError as e:  # a stored value that does not open: parked again, never sent
+                        at = now()
+                        record = SinkRecord(topic, partition, offset, key, Event(**orjson.loads(body)))
+                        await asyncio.to_thread(self.ledger.repark, key, event_id, describe(e), LedgerUpdate(
+                            record, DeliveryStatus.PARKED, 0, at, at, None, describe(e)))
+                        log.warning("effects.key_parked_again", connector=self.name, key=key, event_id=event_id,
+                                    error=describe(e))
+                        return
                     item = Item(SinkRecord(topic, partition, offset, key, event), epoch=-1)
                     result = await self._attempt(item)
                     if not result.ok:

@@ -32,7 +32,7 @@ import orjson
 import psycopg
 from psycopg import sql
 
-from kafold import db, logs
+from kafold import db, logs, protect
 from kafold.config import PostgresConfig
 from kafold.connectors.api import ErrantRecordReporter, SinkRecord
 from kafold.connectors.dlq import pg_text
@@ -99,11 +99,21 @@ def _text(value: str | None) -> str | None:
 
 def parked_json(event: Event) -> str:
     """A parked event as its jsonb column holds it exactly: its JSON, or {"base64": its JSON} when that holds a NUL
-    (jsonb refuses \\u0000)."""
-    body = body_json(event)
+    (jsonb refuses \\u0000). Its protected fields, which the intake opened, are sealed again (kafold.protect): the
+    row outlives a forget of the subject and must not keep a clear value (`parked_event` opens them)."""
+    protector = protect.active()
+    body = body_json(event if protector is None else protector.resealed(event))
     if b"\\u0000" in body:
         return orjson.dumps({"base64": base64.b64encode(body).decode()}).decode()
     return body.decode()
+
+
+def parked_event(body: bytes) -> Event:
+    """The event `parked_json` stored (its JSON), its protected fields opened as the intake opens them: the
+    placeholder once the subject is forgotten; RecordError `decrypt-failed` when one does not open."""
+    event = Event(**orjson.loads(body))
+    protector = protect.active()
+    return event if protector is None else protector.event(event)
 
 
 def parked_body(stored: str) -> bytes:

@@ -92,7 +92,9 @@ class WebhookConfig(EffectConfig):
 class KafkaEffectConfig(EffectConfig):
     topic: str = setting(doc="Topic the derived event or command is produced to.")
     type: str = setting("", doc="Type of the derived event; empty = the source event's type.")
-    aggregate_type: str = setting("", doc="Aggregate type of the derived event; empty = the source's.")
+    aggregate_type: str = setting("", doc="Aggregate type of the derived event; empty = the source's. Its "
+                                  "protected fields are sealed under that aggregate's and type's `protect` rules "
+                                  "(none: written as derived; docs/security.md#where-personal-data-may-stay).")
     function: str = setting("", doc="Optional `module:function(event)` returning the derived payload (a dict), "
                             "an Event, a list of them, or None for nothing.")
 

@@ -25,7 +25,7 @@ from psycopg.rows import dict_row
 
 from kafold import db
 from kafold.config import PostgresConfig
-from kafold.connectors.api import SinkRecord
+from kafold.connectors.api import RawRecord, SinkRecord
 from kafold.connectors.convert.api import Converter
 from kafold.connectors.dlq import DeadLetterStatus, stored_headers
 from kafold.connectors.intake import Intake
@@ -198,7 +198,8 @@ class Release:
         applied; with `mark_always` also when skipped as a duplicate or stale, which ends its hold)."""
         where = self._where(r)
         try:
-            event = self.intake.event(r["key"], r["value"], stored_headers(r["headers"]), topic=r["topic"],
+            headers = stored_headers(r["headers"])
+            event = self.intake.event(r["key"], r["value"], headers, topic=r["topic"],
                                       partition=r["partition"], offset=r["offset"])
         except UnknownTypeError as e:  # "unknown event type 'X'"
             return DeadLetterAction(r["id"], where, Disposition.REFUSED,
@@ -207,7 +208,10 @@ class Release:
             return DeadLetterAction(r["id"], where, Disposition.REFUSED, f"still refused: {e}")
         if event is None:  # "dead-letter": an unhandled type raises; a converter found no event (a tombstone)
             return DeadLetterAction(r["id"], where, Disposition.REFUSED, "still refused: the record carries no event")
-        record = SinkRecord(r["topic"], r["partition"], r["offset"], event.aggregate_id, event)
+        # its stored bytes as its source: refused again, what is kept of it is those bytes (sealed), never the event
+        # opened here (SinkRecord.source)
+        source = RawRecord(r["topic"], r["partition"], r["offset"], r["key"], r["value"], tuple(headers))
+        record = SinkRecord(r["topic"], r["partition"], r["offset"], event.aggregate_id, event, source=source)
 
         def refuse(bad: Any) -> None:
             raise _Refused("; ".join(str(e) for _, e in bad))

@@ -75,6 +75,7 @@ import contextlib
 import hashlib
 import itertools
 import operator
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -148,10 +149,23 @@ class _Bad(Exception):
         self.bad = bad
 
 
+# A literal PostgreSQL quotes in an error message: `invalid input syntax for type uuid: "<the value>"`.
+QUOTED = re.compile(r'"(?:[^"]|"")*"')
+
+
 def _rejection(e: BaseException) -> str:
-    """Why PostgreSQL refused a row, in one line; a NUL character (which its text and jsonb cannot store) named."""
+    """Why PostgreSQL refused a row, in one line; a NUL character (which its text and jsonb cannot store) named.
+    Every quoted literal but the names the error's diagnostics give (schema, table, column, type, constraint) is
+    redacted: the text is kept with the dead letter (its table and topic) and may quote a value of the row, which
+    may be a protected field the intake opened. Always, not only for protected rows: a mapper can put a protected
+    value into any column, and the record itself keeps the value."""
     full = str(e)
-    text = f"{type(e).__name__}: {full.splitlines()[0] if full else ''}"
+    diag = getattr(e, "diag", None)
+    names = {n for n in (getattr(diag, a, None) for a in ("schema_name", "table_name", "column_name",
+                                                          "datatype_name", "constraint_name")) if n}
+    first = QUOTED.sub(lambda m: m.group() if m.group()[1:-1] in names else '"…"',
+                       full.splitlines()[0] if full else "")
+    text = f"{type(e).__name__}: {first}"
     nul = "0x00" in full or "\\u0000" in full  # the server's words (text, jsonb) and psycopg's (a text parameter)
     return f"a value holds a NUL character, which PostgreSQL text and jsonb cannot store ({text})" if nul else text
 

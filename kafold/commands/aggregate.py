@@ -8,7 +8,7 @@ import time
 from typing import Any
 from urllib.parse import quote, urlencode
 
-from kafold import config, devstack, protect
+from kafold import commands, config, devstack, protect
 from kafold.cli import add_config_arg
 from kafold.client import CommandClient, DaemonClient, http_get
 from kafold.errors import ConfigError, KafoldError
@@ -90,7 +90,7 @@ def get_state(args: argparse.Namespace) -> int:
         print(json.dumps(state_from_daemon(loaded.config.daemon, args.url, agg.name, args.id, args.min_version,
                                            args.timeout), indent=2))
         return 0
-    cfg = devstack.effective(loaded.config, need=("kafka",))
+    cfg = commands.effective(loaded.config, ("kafka",))
     paths = [str((loaded.base / p).resolve()) for p in cfg.daemon.python_path]
     protect.build(cfg)  # protected fields read in clear, or as the placeholder once forgotten (kafold.protect)
     domain = Domain.load(agg, paths)

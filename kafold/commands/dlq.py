@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kafold import config, db, devstack, kafka_clients, upcast
+from kafold import config, db, devstack, kafka_clients, protect, upcast
 from kafold.cli import add_config_arg
 from kafold.connectors.convert import converter_for
 from kafold.connectors.dlq import OPEN_STATUSES, DeadLetterStatus, stored_headers
@@ -192,6 +192,9 @@ def _projections(cfg: config.KafoldConfig, base: Path, names: set[str], path: Pa
     """A holds.Release per postgres-projection connector among `names` (the others are not in the result)."""
     by_name = {c.name: c for c in cfg.connectors}
     out: dict[str, Any] = {}
+    # Dead letters keep protected fields sealed as they came: their replay opens them as the live intake does
+    # (the placeholder once the subject is forgotten), never applies a stored clear value.
+    protect.build(cfg)
     for name in sorted(names):
         settings = by_name.get(name)
         if settings is None or settings.connector_class != "postgres-projection":

@@ -16,7 +16,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaException
 
-from kafold import config, devstack, logs, protect
+from kafold import commands, config, logs, protect
 from kafold.cli import add_config_arg
 from kafold.commands.snapshot import python_paths, selected_aggregates
 from kafold.config import AggregateConfig, FoldErrorPolicy, KafkaConfig
@@ -408,7 +408,7 @@ def audit_one(cfg: config.KafoldConfig, agg: AggregateConfig, domain: Domain, py
 def handle_audit(args: argparse.Namespace) -> int:
     loaded = config.load_file(args.config)
     aggs = _aggregates(loaded.config, args.aggregate, args.topic, args.config)
-    cfg = devstack.effective(loaded.config, need=("kafka",))
+    cfg = commands.effective(loaded.config, ("kafka",))
     path = python_paths(loaded)
     protect.build(cfg)  # protected fields opened as every fold opens them (kafold.protect)
     domains = [(agg, Domain.load(agg, path)) for agg in aggs]  # every reference resolves before any read

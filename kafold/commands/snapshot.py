@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kafold import config, devstack, logs, protect, tracing
+from kafold import commands, config, logs, protect, tracing
 from kafold.cli import add_config_arg
 from kafold.errors import ConfigError
 from kafold.snapshot.fold import Domain
@@ -113,7 +113,7 @@ def _reporter(name: str, wanted: bool = True) -> tuple[Any, Any]:
 
 def handle_run(args: argparse.Namespace) -> int:
     loaded = config.load_file(args.config)
-    cfg = devstack.effective(loaded.config, need=("kafka",))
+    cfg = commands.effective(loaded.config, ("kafka",))
     aggs = selected_aggregates(cfg, args.aggregate, args.config)
     protect.build(cfg)  # protected fields: events opened, snapshot states sealed (kafold.protect)
     tracing.configure(cfg.tracing)  # one span per aggregate's run when [tracing].enabled
@@ -168,7 +168,7 @@ def handle_run(args: argparse.Namespace) -> int:
 
 def handle_verify(args: argparse.Namespace) -> int:
     loaded = config.load_file(args.config)
-    cfg = devstack.effective(loaded.config, need=("kafka",))
+    cfg = commands.effective(loaded.config, ("kafka",))
     protect.build(cfg)  # protected fields: events and sealed snapshot states opened (kafold.protect)
     if args.sample is not None and args.sample < 1:
         raise ConfigError(["--sample: must be >= 1"])
