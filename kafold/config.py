@@ -150,7 +150,7 @@ class TopicConfig:
 class FoldErrorPolicy(enum.StrEnum):
     """What a fold does with a stored event it cannot apply (kafold.fold)."""
 
-    STOP = "stop"                # the partition stops there: not ready, the event named in the log and /ready
+    STOP = "stop"                # the partition stops there: not ready, the event named in the log and /status
     DEAD_LETTER = "dead-letter"  # the event is dead-lettered, left out of every state, and the fold goes on
 
 

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Collection
 from typing import Any
+
+# A quoted literal in an error's text: 'single' (Python's own messages) or "double" (PostgreSQL's), doubled quotes
+# inside allowed.
+QUOTED = re.compile(r"'(?:[^']|'')*'|\"(?:[^\"]|\"\")*\"")
+
+
+def redact_quoted(text: str, keep: Collection[str] = ()) -> str:
+    """`text` with every quoted literal replaced by `"…"` but the names in `keep`: an error's message may quote the
+    value it refused, which may be personal data (a protected field opened for the fold or the row)."""
+    return QUOTED.sub(lambda m: m.group() if m.group()[1:-1] in keep else '"…"', text)
 
 
 class KafoldError(Exception):

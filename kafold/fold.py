@@ -30,7 +30,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from kafold.config import FoldErrorPolicy
 from kafold.envelope import lenient_body, peek_body
-from kafold.errors import KafoldError
+from kafold.errors import KafoldError, redact_quoted
 
 UNSET: Any = object()  # an entry's state not built yet (a snapshot run builds it from its base on first use)
 
@@ -47,20 +47,26 @@ class FoldError(KafoldError):
     """An event a fold cannot apply: where it is and why (`partition` is filled by callers that know it)."""
 
     def __init__(self, offset: int, aggregate_id: str | None, event_type: str | None, error: BaseException,
-                 partition: int | None = None) -> None:
+                 partition: int | None = None, *, protected: bool = False) -> None:
         self.offset, self.aggregate_id, self.event_type, self.error = offset, aggregate_id, event_type, error
-        self.partition = partition
+        self.partition, self.protected = partition, protected
         super().__init__(self.describe())
+
+    @property
+    def message(self) -> str:
+        """The error's own text; for an aggregate with protected fields its quoted literals are redacted (evolve
+        and the upcasters saw the opened values, and this text goes to logs, /status and dead-letter headers)."""
+        return redact_quoted(str(self.error)) if self.protected else str(self.error)
 
     def describe(self) -> str:
         where = f"partition {self.partition} " if self.partition is not None else ""
         return (f"cannot fold the event at {where}offset {self.offset} (aggregate {self.aggregate_id!r}, "
-                f"type {self.event_type!r}): {type(self.error).__name__}: {self.error}")
+                f"type {self.event_type!r}): {type(self.error).__name__}: {self.message}")
 
     def fields(self) -> dict[str, Any]:
         """For a log line."""
         return {"partition": self.partition, "offset": self.offset, "aggregate_id": self.aggregate_id,
-                "event_type": self.event_type, "error_class": type(self.error).__name__, "error": str(self.error)}
+                "event_type": self.event_type, "error_class": type(self.error).__name__, "error": self.message}
 
 
 def domain_event(kernel: Kernel, body: Any) -> Any:
@@ -166,7 +172,8 @@ class Folder(Generic[H]):
                 if cause:
                     note(entry, aid, cause, body.occurred_at, version, body.event_id)
             except Exception as e:
-                error = FoldError(offset, aid, getattr(body, "type", None), e, self.partition)
+                error = FoldError(offset, aid, getattr(body, "type", None), e, self.partition,
+                                  protected=unseal is not None)
                 if self.on_error is not FoldErrorPolicy.DEAD_LETTER:
                     self._count(len(offsets), folded, skipped)
                     raise error from e

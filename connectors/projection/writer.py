@@ -75,7 +75,6 @@ import contextlib
 import hashlib
 import itertools
 import operator
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -110,7 +109,7 @@ from kafold.connectors.projection.fold import (
     tally,
 )
 from kafold.connectors.projection.mapping import Mapping, MappingError, Row
-from kafold.errors import ConfigError, FatalError, RecordError, RetriableError
+from kafold.errors import ConfigError, FatalError, RecordError, RetriableError, redact_quoted
 
 log = logs.get(__name__)
 
@@ -150,9 +149,6 @@ class _Bad(Exception):
 
 
 # A literal PostgreSQL quotes in an error message: `invalid input syntax for type uuid: "<the value>"`.
-QUOTED = re.compile(r'"(?:[^"]|"")*"')
-
-
 def _rejection(e: BaseException) -> str:
     """Why PostgreSQL refused a row, in one line; a NUL character (which its text and jsonb cannot store) named.
     Every quoted literal but the names the error's diagnostics give (schema, table, column, type, constraint) is
@@ -163,8 +159,7 @@ def _rejection(e: BaseException) -> str:
     diag = getattr(e, "diag", None)
     names = {n for n in (getattr(diag, a, None) for a in ("schema_name", "table_name", "column_name",
                                                           "datatype_name", "constraint_name")) if n}
-    first = QUOTED.sub(lambda m: m.group() if m.group()[1:-1] in names else '"…"',
-                       full.splitlines()[0] if full else "")
+    first = redact_quoted(full.splitlines()[0] if full else "", names)
     text = f"{type(e).__name__}: {first}"
     nul = "0x00" in full or "\\u0000" in full  # the server's words (text, jsonb) and psycopg's (a text parameter)
     return f"a value holds a NUL character, which PostgreSQL text and jsonb cannot store ({text})" if nul else text

@@ -309,7 +309,7 @@ class StateRouter:
                 return Answer.moving(f"partition {partition} of {slot.name} is leaving this instance")
             if gate.stopped:  # no Retry-After: it stays so until the fold is fixed and the daemon restarted
                 return Answer.problem(503, f"partition {partition} of {slot.name} stopped at an event its fold "
-                                      "cannot apply (see /ready); no state is served from it")
+                                      "cannot apply (see /status); no state is served from it")
             if not gate.live:
                 return Answer.moving(f"partition {partition} of {slot.name} is catching up")
             got = await self.host.call(runtime.get, aggregate_id)
