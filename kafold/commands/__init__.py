@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
+import sys
+from typing import Any
+
+import orjson
+
 from kafold import devstack, protect
 from kafold.config import KafoldConfig
+
+
+def add_json_arg(p: argparse.ArgumentParser) -> None:
+    """`--json` on a listing command: one JSON document on stdout instead of a table."""
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+
+
+def print_json(value: Any) -> None:
+    """`value` as one JSON document (datetimes as ISO 8601, bytes never: callers pass text)."""
+    sys.stdout.write(orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode() + "\n")
 
 
 def effective(cfg: KafoldConfig, need: tuple[str, ...]) -> KafoldConfig:

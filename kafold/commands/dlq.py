@@ -17,6 +17,7 @@ from rich.text import Text
 
 from kafold import config, db, devstack, kafka_clients, protect, upcast
 from kafold.cli import add_config_arg
+from kafold.commands import add_json_arg, print_json
 from kafold.connectors.convert import converter_for
 from kafold.connectors.dlq import OPEN_STATUSES, DeadLetterStatus, stored_headers
 from kafold.connectors.projection import ProjectionConnector
@@ -37,6 +38,7 @@ def register(sub: Any) -> None:
     ls.add_argument("--connector", help="only this connector's")
     ls.add_argument("--status", choices=(*STATUSES, "all"), default=DeadLetterStatus.NEW.value, help="default: new")
     ls.add_argument("--limit", type=int, default=50)
+    add_json_arg(ls)
     ls.set_defaults(handler=list_)
     show = dsub.add_parser("show", help="one dead letter in full: coordinates, error, headers, key and value")
     add_config_arg(show)
@@ -92,6 +94,11 @@ def list_(args: argparse.Namespace) -> int:
         where.append("status = %s")
         params.append(args.status)
     rows = _rows(cfg.postgres, " AND ".join(where), tuple(params), args.limit)
+    if args.json:
+        print_json([{k: r[k] for k in ("id", "connector", "topic", "partition", "offset", "reason", "error_class",
+                                       "error_message", "status", "hold_key", "created_at", "replayed_at")}
+                    for r in rows])
+        return 0
     table = Table("id", "connector", "record", "reason", "error", "status", "holds key", "created")
     for r in rows:
         # Text, not markup: a record's content is shown as it is, escaped, never interpreted by rich.

@@ -7,6 +7,7 @@ from typing import Any
 
 from kafold import config, devstack
 from kafold.cli import add_config_arg
+from kafold.commands import add_json_arg, print_json
 from kafold.connectors.effects import ops
 from kafold.errors import KafoldError
 from kafold.terminal import visible
@@ -24,6 +25,7 @@ def register(sub: Any) -> None:
     ls = actions.add_parser("list", help="list parked keys")
     add_config_arg(ls)
     ls.add_argument("--connector", help="only this connector")
+    add_json_arg(ls)
     ls.set_defaults(handler=handle_list)
     for name, text in (("retry", "re-run the key's parked events in order"),
                        ("skip", "drop the key's head event (recorded as skipped), then re-run the rest")):
@@ -70,6 +72,9 @@ def handle_show(args: argparse.Namespace) -> int:
 
 def handle_list(args: argparse.Namespace) -> int:
     rows = ops.parked(_cfg(args, ("postgres",)).postgres, args.connector)
+    if args.json:
+        print_json(rows)
+        return 0
     if not rows:
         print("no parked keys")
     for r in rows:

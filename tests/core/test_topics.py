@@ -7,6 +7,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
+import orjson
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
@@ -148,6 +149,12 @@ partitions = 2
     assert _cli(["topics", "ensure", "-c", str(cfg)]) == 1
     out = capsys.readouterr().out
     assert "ERROR" in out and "cleanup.policy: expected compact, broker has delete" in out
+    assert _cli(["topics", "list", "-c", str(cfg), "--json"]) == 1
+    listed = orjson.loads(capsys.readouterr().out)
+    assert listed["ok"] is False
+    bad = next(t for t in listed["topics"] if t["name"] == snapshots)
+    assert bad["drift"] == [{"what": "cleanup.policy", "expected": "compact", "actual": "delete", "severity": "error"}]
+    assert {t["state"] for t in listed["topics"]} == {"exists"}
 
 
 def test_table_lists_every_topic_and_each_drift() -> None:

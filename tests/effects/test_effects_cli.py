@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 import pytest
 
 from kafold import cli
@@ -114,6 +115,10 @@ def test_parked_retry_all_releases_every_parked_key_in_order(
     try:
         wait_for(lambda: cli.main(["effects", "parked", "list", "--connector", unique, "-c", str(cfg)]) == 0
                  and capsys.readouterr().out.count("key=") == 2, "two parked keys")
+        assert cli.main(["effects", "parked", "list", "--connector", unique, "-c", str(cfg), "--json"]) == 0
+        parked = orjson.loads(capsys.readouterr().out)
+        assert len(parked) == 2 and {p["connector"] for p in parked} == {unique} and all(p["events"] >= 1
+                                                                                       for p in parked)
         assert cli.main(["effects", "parked", "retry", "-c", str(cfg)]) == 1  # neither a key nor --all
         assert "--all" in capsys.readouterr().err
         broken.clear()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from confluent_kafka import Consumer
 from psycopg import sql
@@ -141,6 +142,10 @@ set = {{last_amount = "payload.amount"}}
 
     assert main("dlq", "list", "-c", str(conf), "--connector", scenario.name) == 0
     assert "4 dead letter(s)" in capsys.readouterr().out
+    assert main("dlq", "list", "-c", str(conf), "--connector", scenario.name, "--json") == 0
+    listed = orjson.loads(capsys.readouterr().out)
+    assert len(listed) == 4 and {d["connector"] for d in listed} == {scenario.name}
+    assert "db-rejected" in {d["reason"] for d in listed} and all(d["status"] == "new" for d in listed)
     with db.connect(pg_config) as conn:
         (dead_id,) = conn.execute("SELECT id FROM kafold.dead_letters WHERE connector = %s AND reason = "
                                   "'db-rejected'", (scenario.name,)).fetchone() or (None,)
