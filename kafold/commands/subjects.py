@@ -32,7 +32,11 @@ def forget(args: argparse.Namespace) -> int:
     if cfg.postgres.migrate_on_start:
         db.upgrade(cfg.postgres)  # the keys table exists before the first daemon wrote a protected event
     actor = args.actor or f"cli:{getpass.getuser()}"
-    existed = protector.ring.forget(args.subject, actor)
+    try:
+        existed = protector.ring.forget(args.subject, actor)
+    finally:
+        if protector.ring.erasure_log is not None:
+            protector.ring.erasure_log.close()
     digest = protector.ring.cipher.subject_hash(args.subject)
     out = {"subject_hash": digest, "key_deleted": existed, "actor": actor}
     if args.json:
