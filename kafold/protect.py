@@ -569,6 +569,9 @@ class PgKeyStore(KeyStore):
         free but leaves its bytes in the page until a new row overwrites them. The table is locked while it is
         copied (key lookups wait: ~1 s per 100,000 keys); a purge that cannot get the lock within 5 s (a long
         transaction holds it) gives up and is tried again at the next interval."""
+        # psycopg is imported where it is used: this module loads without it (Spark's driver, pure tools)
+        from psycopg.errors import LockNotAvailable
+
         def step(conn: Any) -> bool:
             changes = int(conn.execute(self.q_changed).fetchone()[0])
             if not force and changes == int(conn.execute(self.q_purged).fetchone()[0]):
@@ -576,6 +579,9 @@ class PgKeyStore(KeyStore):
             conn.execute("SET lock_timeout = '5s'")
             try:
                 conn.execute(self.q_vacuum)
+            except LockNotAvailable:  # an OperationalError, which `_run` would take for PostgreSQL unreachable
+                log.info("protect.keys_purge_deferred", reason="the keys table is locked by another transaction")
+                return False
             finally:
                 conn.execute("RESET lock_timeout")
             conn.execute(self.q_mark_purged, (changes,))
