@@ -2,9 +2,12 @@
 
 A protected field's value is written as `kfenc1:` + base64url(key id (8) | nonce (12) | ciphertext+tag), under its
 subject's data key (256 bits, AES-GCM), with associated data `subject \\0 event type \\0 path`: a value copied to
-another field, type or subject fails authentication. The data keys live in `<schema>.subject_keys`, wrapped by
-the master key (AES-GCM, associated data = the subject); `forget` deletes a subject's key and records the erasure in
-`<schema>.erasures` as a keyed hash of the subject (who, when; never the subject itself).
+another field, type or subject fails authentication. The data keys live in a key store (`[privacy] key_store`, a
+`kafold.key_stores` entry point: `<schema>.subject_keys` by default, kafold.keystore_dir for files), wrapped by the
+master key (AES-GCM, associated data = the subject; each wrapped key names the id of the master key that wrapped
+it, for kafold.key_rotation); `forget` records the key's id on the erasure topic (kafold.erasure_log: a restored
+backup gets the forget back), then deletes the key and records the erasure in `<schema>.erasures` as a keyed hash
+of the subject (who, when; never the subject itself).
 
 Snapshots: when every rule of an aggregate names the aggregate id as subject, a snapshot's whole state is sealed
 under that key (associated data: aggregate type and id); a restore that cannot open it (Forgotten) does not use it
@@ -199,15 +202,14 @@ class Cipher:
                                    "configured (privacy.master_key, or privacy.previous_master_key during a "
                                    "rotation)")
             candidates, body = [found], wrapped[len(WRAP_V2) + MASTER_ID_BYTES:]
-        for i, master in enumerate(candidates):
+        failed: Exception = KeyError("no master key")
+        for master in candidates:  # one, but every configured one for a key wrapped before ids were recorded
             try:
                 return bytes(master.decrypt(body[:NONCE_BYTES], body[NONCE_BYTES:], aad))
             except Exception as e:
-                failed = _not_authentic(e, "a subject's data key does not unwrap: wrong master key, or a tampered "
-                                           "key store entry")
-                if i == len(candidates) - 1:
-                    raise failed from None
-        raise AssertionError("unreachable: at least one master key")
+                failed = e
+        raise _not_authentic(failed, "a subject's data key does not unwrap: wrong master key, or a tampered key "
+                                     "store entry") from None
 
     def subject_hash(self, subject: str) -> str:
         """The keyed hash recorded for an erasure: proves a given subject was forgotten, names none."""
@@ -444,6 +446,8 @@ class PgKeyStore(KeyStore):
         self.q_mark_purged = sql.SQL("UPDATE {}.key_store_state SET value = %s WHERE name = 'purged_at_change'"
                                      ).format(schema)
         self.q_vacuum = sql.SQL("VACUUM FULL {}.subject_keys").format(schema)
+        self.q_owner = sql.SQL("SELECT pg_has_role(c.relowner, 'USAGE') FROM pg_class c JOIN pg_namespace n ON "
+                               "n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = 'subject_keys'")
         self.conn: Any = None
         self.lock = threading.Lock()
 
@@ -576,6 +580,10 @@ class PgKeyStore(KeyStore):
             changes = int(conn.execute(self.q_changed).fetchone()[0])
             if not force and changes == int(conn.execute(self.q_purged).fetchone()[0]):
                 return False
+            if not conn.execute(self.q_owner, (self.pgc.schema,)).fetchone()[0]:
+                # VACUUM skips a table its role does not own with a mere warning: the bytes would stay, unsaid
+                raise FatalError(f"cannot purge deleted keys: this role does not own {self.pgc.schema}.subject_keys "
+                                 "(the role that ran kafold's migrations does; run `kafold keys purge` as it)")
             conn.execute("SET lock_timeout = '5s'")
             try:
                 conn.execute(self.q_vacuum)
