@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from kafold import kafka_clients, logs
-from kafold.errors import FatalError, RetriableError
+from kafold.errors import FatalError
 
 if TYPE_CHECKING:
     from kafold.config import KafkaConfig
@@ -78,19 +78,24 @@ class ErasureLog:
 
         with self.lock:
             if self.producer is None:
-                # idempotent, acks=all: an acknowledged record is on every in-sync replica
-                self.producer = kafka_clients.producer(self.kafka, **{"enable.idempotence": True, "acks": "all"})
+                # idempotent, acks=all: an acknowledged record is on every in-sync replica; a record not delivered
+                # within the timeout gets its delivery report (with librdkafka's reason) before the flush gives up
+                self.producer = kafka_clients.producer(self.kafka, **{
+                    "enable.idempotence": True, "acks": "all", "message.timeout.ms": int(FLUSH_TIMEOUT_S * 1000)})
             kafka_clients.produce(self.producer, self.topic, value, key, on_delivery=delivered)
-            left = self.producer.flush(FLUSH_TIMEOUT_S)
+            left = self.producer.flush(FLUSH_TIMEOUT_S + 5)
         if left or failed:
             reason = failed[0] if failed else f"not acknowledged within {FLUSH_TIMEOUT_S:.0f} s"
             raise FatalError(f"the erasure could not be recorded on topic {self.topic!r} ({reason}); the key was "
-                             "not deleted: try again when Kafka is reachable")
+                             "not deleted: try again once Kafka is reachable and the topic exists (`kafold topics "
+                             "ensure`)")
         log.info("protect.erasure_logged", topic=self.topic, subject_hash=subject_hash[:16])
 
     def read(self) -> list[Erasure]:
         """Every erasure on the topic (each partition read to its end); a record that is not one is skipped and
-        logged. RetriableError when the topic does not exist or cannot be read."""
+        logged. A topic that does not exist holds none: no forget completes without its record on the topic (a
+        deployment upgraded to a kafold with the topic has not run `kafold topics ensure` yet), which a warning
+        says. RetriableError when the topic cannot be read."""
         # kafka_io imports confluent_kafka at its top: only processes that re-apply pay for it (a task process
         # builds a ring with a log it never reads)
         from kafold.snapshot import kafka_io
@@ -99,7 +104,9 @@ class ErasureLog:
         found: dict[bytes, Erasure] = {}
         try:
             if not kafka_io.exists(reader, self.topic):
-                raise RetriableError(f"the erasure topic {self.topic!r} does not exist; run `kafold topics ensure`")
+                log.warning("protect.erasure_topic_missing", topic=self.topic, hint="run `kafold topics ensure`; "
+                            "forgets fail until it exists")
+                return []
             partitions = sorted(reader.list_topics(self.topic, timeout=10).topics[self.topic].partitions)
             for partition in partitions:
                 for _offsets, _keys, values in kafka_io.read_range(reader, self.topic, partition, 0, None):

@@ -192,3 +192,13 @@ def test_an_interrupted_rotation_resumes_from_the_cli_and_every_key_reads_under_
     assert os.environ[MASTER_VAR] not in rerun.stdout + rerun.stderr
     new_only = Protector(old.rules, KeyRing(Cipher(base64.b64decode(os.environ[MASTER_VAR])), store))
     assert all(_read(new_only, s, v) == f"{int(s[2:])}@example.com" for s, v in sealed.items())
+
+
+def test_db_upgrade_before_the_erasure_topic_exists_migrates_and_says_so(
+        setup: tuple[Path, KafoldConfig, str], unique: str) -> None:
+    """A deployment upgraded to a kafold with the erasure topic, before `kafold topics ensure` created it."""
+    conf, _, _ = setup
+    conf.write_text(conf.read_text().replace(f'erasure_topic = "{unique}.erasures"',
+                                             f'erasure_topic = "{unique}.not-yet"'))
+    upgrade = kafold_cli("db", "upgrade", "-c", str(conf), check=True, timeout=120)
+    assert "protect.erasure_topic_missing" in upgrade.stdout + upgrade.stderr
