@@ -124,6 +124,10 @@ def test_a_daemon_started_on_a_restored_database_reapplies_the_forget_before_it_
             assert d.get("/aggregates/customer/gone")[1]["state"]["email"] == PLACEHOLDER
             assert d.get("/aggregates/customer/kept")[1]["state"]["email"] == emails["kept"]
         assert PgKeyStore(cfg.postgres).get("gone") is None
+        with psycopg.connect(pg_url) as conn:  # and purged at that start: no purge due
+            state = dict(conn.execute(sql.SQL("SELECT name, value FROM {}").format(
+                sql.Identifier(schema, "key_store_state"))).fetchall())
+        assert state["changes"] == state["purged_at_change"]
     finally:
         client.close()
 
