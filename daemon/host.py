@@ -33,7 +33,7 @@ import mode
 from faust.app.base import BootStrategy
 
 from kafold import config as kconfig
-from kafold import db, devstack, logs, protect, sdnotify, tracing
+from kafold import db, devstack, erasure_log, logs, protect, sdnotify, tracing
 from kafold.config import KafoldConfig, Loaded, python_path
 from kafold.connectors.api import TopicPartition
 from kafold.connectors.registry import instantiate, resolve
@@ -197,6 +197,33 @@ class DaemonHost:
         revision = retrying(lambda: db.upgrade(self.cfg.postgres), within_s=MIGRATE_RETRY_S, on_retry=warn,
                             stop=self.stop_event)
         log.info("daemon.migrations_applied", schema=self.cfg.postgres.schema, revision=revision)
+
+    def reapply_erasures(self) -> None:
+        """With protected fields: re-apply the erasure log before any reader starts (kafold.erasure_log), so a
+        database restored from a backup serves no subject forgotten since; retried while Kafka or PostgreSQL is
+        unreachable (up to MIGRATE_RETRY_S), then raises: the daemon does not start on a store it cannot check."""
+        ring = None if self.protector is None else self.protector.ring
+        if ring is None or ring.erasure_log is None:
+            return
+        found = ring.erasure_log
+
+        def warn(e: RetriableError, delay: float) -> None:
+            log.warning("daemon.erasures_retrying", error=str(e), retry_in_s=delay)
+
+        retrying(lambda: erasure_log.reapply(ring, found), within_s=MIGRATE_RETRY_S, on_retry=warn,
+                 stop=self.stop_event)
+        self.purge_keys()
+
+    def purge_keys(self) -> None:
+        """Remove deleted keys' bytes from the key store's files when keys were deleted since the last purge
+        (KeyStore.purge); a failure is logged and left to the next interval."""
+        if self.protector is None:
+            return
+        try:
+            if self.protector.ring.store.purge():
+                log.info("protect.keys_purged", store=self.cfg.privacy.key_store)
+        except Exception as e:  # psycopg's errors too (PostgreSQL busy, a schema not migrated yet): not fatal
+            log.warning("protect.keys_purge_failed", error=str(e), retry_in_s=self.cfg.privacy.key_purge_interval_s)
 
     # ---- reload (SIGHUP, POST /reload) --------------------------------------------------------------------
     def reload(self) -> dict[str, list[str]]:
@@ -404,6 +431,7 @@ class TasksService(mode.Service):
             return
         try:
             await self.host.call(self.host.migrate)
+            await self.host.call(self.host.reapply_erasures)
         except Exception as e:  # no task could work without kafold's tables: fail fast
             log.error("daemon.migrations_failed", error_class=type(e).__name__, error=str(e),
                       hint="stopping the daemon (exit 1)")
@@ -452,6 +480,17 @@ class TasksService(mode.Service):
             await self.sleep(WATCH_INTERVAL_S)
 
     @mode.Service.task
+    async def _key_purge_timer(self) -> None:
+        """With protected fields: deleted keys' bytes removed from the key store's files every
+        `[privacy] key_purge_interval_s` when keys were deleted meanwhile (docs/security.md)."""
+        if self.host.protector is None:
+            return
+        async for _ in self.itertimer(self.host.cfg.privacy.key_purge_interval_s, name="kafold.keys.purge"):
+            if self.host.stop_event.is_set():
+                return
+            await self.host.call(self.host.purge_keys)
+
+    @mode.Service.task
     async def _snapshot_timer(self) -> None:
         """[snapshots]: the scheduler's triggers, checked every `poll_s` off the loop (the new-events count asks
         the broker); a due run starts in its own thread, never while one is in progress (SnapshotScheduler)."""
@@ -484,6 +523,8 @@ class TasksService(mode.Service):
                 g.connector.stop()
             except Exception as e:
                 log.error("daemon.connector_stop_failed", connector=g.name, error=str(e))
+        if host.protector is not None and host.protector.ring.erasure_log is not None:
+            host.protector.ring.erasure_log.close()  # its producer's threads end with the daemon, not at exit
         failed = [w.name for w in workers if w.failed]
         if stuck:
             log.error("daemon.stop_grace_exceeded", tasks=stuck,

@@ -18,7 +18,7 @@ from kafold.extras import missing_extra
 COMMANDS = {"config": "config", "dev": "dev", "topics": "topics", "daemon": "daemon", "run": "run",
             "command": "aggregate", "state": "aggregate", "status": "status", "db": "db", "dlq": "dlq",
             "effects": "effects", "snapshot": "snapshot", "bench": "bench", "projection": "projection",
-            "events": "events", "subjects": "subjects"}
+            "events": "events", "subjects": "subjects", "keys": "keys"}
 COMMAND_MODULES = tuple(dict.fromkeys(COMMANDS.values()))
 GLOBAL_OPTIONS_WITH_VALUE = ("--log-format",)
 GLOBAL_FLAGS = ("--debug",)

@@ -174,6 +174,22 @@ class PrivacyConfig:
                                  "(~2.5 KB: 100,000 is ~250 MB); past it the oldest tenth is dropped and read again "
                                  "from PostgreSQL when needed. Lower it when many task processes read protected "
                                  "events.", minimum=10)
+    previous_master_key: Secret | None = setting(doc="The master key being rotated away from (`kafold keys "
+                                                 "rotate`): data keys still wrapped under it are read with it until "
+                                                 "the rotation is done, and a restored backup older than the rotation "
+                                                 "needs it.", secret=True)
+    key_store: str = setting("postgres", doc="Where the subjects' wrapped data keys live: a `kafold.key_stores` "
+                             "entry point (`postgres`: `<schema>.subject_keys`; `directory`: one fsync'd file per "
+                             "subject under `key_store_dir`, outside the database and its backups).")
+    key_store_dir: str = setting("", doc="The directory of the `directory` key store (a path on a local file "
+                                 "system; relative: to the working directory); required with it.")
+    erasure_topic: str = setting("kafold.erasures", doc="Compacted topic recording each deleted data key (its key "
+                                 "id and the subject's keyed hash, never the subject), written before the key is "
+                                 "deleted; re-applied on daemon start and `kafold db upgrade`, so a forget survives a "
+                                 "database restore (docs/operations.md#backup-and-restore).")
+    key_purge_interval_s: float = setting(300.0, doc="How often a daemon removes deleted keys' bytes from the key "
+                                          "store's files after erasures (`VACUUM FULL` of the keys table); also "
+                                          "`kafold keys purge`.", minimum=10.0)
 
 
 @dataclass(frozen=True)
@@ -554,6 +570,19 @@ def _check_protect(cfg: KafoldConfig, problems: Problems) -> None:
         if agg.protect and cfg.privacy.master_key is None and not problems.mentions("privacy.master_key"):
             problems.add("privacy.master_key", "protected fields need a master key: privacy.master_key_env or "
                          "privacy.master_key_file")
+    if any(agg.protect for agg in cfg.aggregates):
+        _check_key_store(cfg.privacy, problems)
+
+
+def _check_key_store(privacy: PrivacyConfig, problems: Problems) -> None:
+    """The key store names an installed `kafold.key_stores` entry point, with the settings it needs."""
+    from importlib.metadata import entry_points
+
+    names = sorted(ep.name for ep in entry_points(group="kafold.key_stores"))
+    if privacy.key_store not in names:
+        problems.add("privacy.key_store", f"unknown key store {privacy.key_store!r} (installed: {', '.join(names)})")
+    if privacy.key_store == "directory" and not privacy.key_store_dir:
+        problems.add("privacy.key_store_dir", "the `directory` key store needs a directory")
 
 
 def _check_postgres(pg: PostgresConfig, problems: Problems) -> None:
@@ -675,6 +704,9 @@ def _check_file(path: str, where: str, problems: Problems) -> None:
 # closes.
 SNAPSHOT_TOPIC_CONFIGS = {"cleanup.policy": "compact", "segment.ms": "3600000", "min.cleanable.dirty.ratio": "0.1"}
 
+# The erasure topic keeps one record per deleted data key for ever (compaction never deletes a keyed record that
+# has no tombstone): it is the list a restored database is checked against (kafold.erasure_log).
+ERASURE_TOPIC_CONFIGS = {"cleanup.policy": "compact", "retention.ms": "-1"}
 
 def topic_map(cfg: KafoldConfig) -> dict[str, TopicSpec]:
     """Every topic the configuration implies, by name; explicit [[topics]] entries override implied settings."""
@@ -688,6 +720,9 @@ def topic_map(cfg: KafoldConfig) -> dict[str, TopicSpec]:
         snap = agg.topic("snapshot")
         out[snap] = TopicSpec(snap, agg.partitions, rf, dict(SNAPSHOT_TOPIC_CONFIGS), events, "snapshots")
         out[agg.dlq_topic] = TopicSpec(agg.dlq_topic, 1, rf, {}, purpose="dead-letter")
+    if any(agg.protect for agg in cfg.aggregates):
+        name = cfg.privacy.erasure_topic
+        out[name] = TopicSpec(name, 1, rf, dict(ERASURE_TOPIC_CONFIGS), purpose="erasures")
     for con in cfg.connectors:
         out.setdefault(con.dlq_topic, TopicSpec(con.dlq_topic, 1, rf, {}, purpose="dead-letter"))
     for t in cfg.topics:

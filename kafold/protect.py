@@ -2,9 +2,12 @@
 
 A protected field's value is written as `kfenc1:` + base64url(key id (8) | nonce (12) | ciphertext+tag), under its
 subject's data key (256 bits, AES-GCM), with associated data `subject \\0 event type \\0 path`: a value copied to
-another field, type or subject fails authentication. The data keys live in `<schema>.subject_keys`, wrapped by
-the master key (AES-GCM, associated data = the subject); `forget` deletes a subject's key and records the erasure in
-`<schema>.erasures` as a keyed hash of the subject (who, when; never the subject itself).
+another field, type or subject fails authentication. The data keys live in a key store (`[privacy] key_store`, a
+`kafold.key_stores` entry point: `<schema>.subject_keys` by default, kafold.keystore_dir for files), wrapped by the
+master key (AES-GCM, associated data = the subject; each wrapped key names the id of the master key that wrapped
+it, for kafold.key_rotation); `forget` records the key's id on the erasure topic (kafold.erasure_log: a restored
+backup gets the forget back), then deletes the key and records the erasure in `<schema>.erasures` as a keyed hash
+of the subject (who, when; never the subject itself).
 
 Snapshots: when every rule of an aggregate names the aggregate id as subject, a snapshot's whole state is sealed
 under that key (associated data: aggregate type and id); a restore that cannot open it (Forgotten) does not use it
@@ -48,18 +51,28 @@ import orjson
 
 from kafold import logs
 from kafold.envelope import Event, adopt_payload, reshaped
+from kafold.erasure_log import ErasureLog
 from kafold.errors import ConfigError, FatalError, KafoldError, RecordError
 
 if TYPE_CHECKING:
-    from kafold.config import KafoldConfig, PostgresConfig, PrivacyConfig
+    from kafold.config import KafkaConfig, KafoldConfig, PostgresConfig, PrivacyConfig
+    from kafold.schema import Secret
 
 PREFIX = "kfenc1:"
 KEY_ID_BYTES = 8
 NONCE_BYTES = 12
+MASTER_ID_BYTES = 8
+# A wrapped data key: WRAP_V2 | master key id (8) | nonce (12) | ciphertext+tag (48), so that each key records which
+# master key wrapped it (`kafold keys rotate` resumes by it). Keys wrapped before it are nonce | ciphertext+tag
+# (60 bytes) and open under any configured master key.
+WRAP_V2 = b"\x02"
+LEGACY_WRAPPED_BYTES = NONCE_BYTES + 32 + 16
 CACHE_TTL_S = 5.0
 CACHE_MAX = 100_000
 STORE_RETRY_S = 30.0
 AGGREGATE_ID = "aggregate_id"
+REAPPLY_BATCH = 10_000  # key ids per statement when erasures are re-applied after a restore
+KEY_STORES = "kafold.key_stores"  # the entry point group of KeyStore implementations ([privacy] key_store)
 RECENT_ERASURES_S = 600  # how far back an ErasureWatch looks for erasures it has not seen (out-of-order commits)
 log = logs.get(__name__)
 _AESGCM: Any = None  # cryptography's AESGCM class, once imported (_aesgcm)
@@ -104,33 +117,56 @@ def _aesgcm(key: bytes) -> Any:
 def master_key(privacy: PrivacyConfig) -> bytes:
     """The master key (32 bytes, given base64 or hex) the [privacy] reference names; ConfigError naming the
     variable or file when it is missing or not a 256-bit key."""
-    secret = privacy.master_key
-    if secret is None:
+    if privacy.master_key is None:
         raise ConfigError(["privacy.master_key: protected fields need privacy.master_key_env or "
                            "privacy.master_key_file"])
+    return _read_key(privacy.master_key, "privacy.master_key")
+
+
+def previous_master_key(privacy: PrivacyConfig) -> bytes | None:
+    """The master key being rotated away from ([privacy] previous_master_key), None when none is named."""
+    if privacy.previous_master_key is None:
+        return None
+    return _read_key(privacy.previous_master_key, "privacy.previous_master_key")
+
+
+def _read_key(secret: Secret, key: str) -> bytes:
+    """A 256-bit key from its reference; ConfigError naming the variable or file, never the value."""
     where = secret.source.replace("env:", "environment variable ", 1).replace("file:", "file ", 1)
     try:
         text = secret.reveal().strip()
     except KeyError:
-        raise ConfigError([f"privacy.master_key: {where} is not set (the master key of protected fields)"]) from None
+        raise ConfigError([f"{key}: {where} is not set (a master key of protected fields)"]) from None
     except OSError as e:
-        raise ConfigError([f"privacy.master_key: cannot read {where}: {e.strerror}"]) from None
+        raise ConfigError([f"{key}: cannot read {where}: {e.strerror}"]) from None
     raw: bytes | None = None
     try:
         raw = bytes.fromhex(text) if len(text) == 64 else base64.b64decode(text, validate=True)
     except (ValueError, binascii.Error):
         raw = None
     if raw is None or len(raw) != 32:
-        raise ConfigError([f"privacy.master_key: {where} does not hold a 256-bit key (32 bytes, base64 or hex; "
+        raise ConfigError([f"{key}: {where} does not hold a 256-bit key (32 bytes, base64 or hex; "
                            "e.g. `openssl rand -base64 32`)"])
     return raw
 
 
-class Cipher:
-    """Seals and opens single values under data keys; wraps data keys under the master key. Pure (no I/O)."""
+def master_key_id(master: bytes) -> bytes:
+    """A master key's id: a keyed digest that names it (in wrapped keys, logs, `kafold keys status`) and reveals
+    nothing of it."""
+    return hmac.new(master, b"kafold master key id", hashlib.sha256).digest()[:MASTER_ID_BYTES]
 
-    def __init__(self, master: bytes) -> None:
+
+class Cipher:
+    """Seals and opens single values under data keys; wraps data keys under the master key (and opens those a
+    previous master key wrapped, during a rotation). Pure (no I/O)."""
+
+    def __init__(self, master: bytes, previous: bytes | None = None) -> None:
         self.master = _aesgcm(master)
+        self.master_id = master_key_id(master)
+        # every master key that can open a wrapped key, by id; the current one first
+        self.masters = {self.master_id: self.master}
+        if previous is not None and master_key_id(previous) != self.master_id:
+            self.masters[master_key_id(previous)] = _aesgcm(previous)
         self.hash_key = hashlib.sha256(b"kafold erasure hash\0" + master).digest()
 
     def new_key(self) -> tuple[bytes, bytes]:
@@ -140,15 +176,40 @@ class Cipher:
 
     def wrap(self, subject: str, key_id: bytes, key: bytes) -> bytes:
         nonce = _nonce()
-        return nonce + self.master.encrypt(nonce, key, b"kafold key\0" + subject.encode() + b"\0" + key_id)
+        return (WRAP_V2 + self.master_id + nonce
+                + self.master.encrypt(nonce, key, b"kafold key\0" + subject.encode() + b"\0" + key_id))
+
+    @staticmethod
+    def wrapped_by(wrapped: bytes) -> bytes | None:
+        """The id of the master key that wrapped `wrapped`; None for a key wrapped before ids were recorded."""
+        if len(wrapped) == LEGACY_WRAPPED_BYTES:
+            return None
+        return wrapped[len(WRAP_V2):len(WRAP_V2) + MASTER_ID_BYTES]
+
+    def current(self, wrapped: bytes) -> bool:
+        """Whether `wrapped` is wrapped under the current master key (`kafold keys rotate` skips it)."""
+        return self.wrapped_by(wrapped) == self.master_id
 
     def unwrap(self, subject: str, key_id: bytes, wrapped: bytes) -> bytes:
-        try:
-            return bytes(self.master.decrypt(wrapped[:NONCE_BYTES], wrapped[NONCE_BYTES:],
-                                             b"kafold key\0" + subject.encode() + b"\0" + key_id))
-        except Exception as e:
-            raise _not_authentic(e, "a subject's data key does not unwrap: wrong master key, or a tampered "
-                                    "subject_keys row") from None
+        aad = b"kafold key\0" + subject.encode() + b"\0" + key_id
+        by = self.wrapped_by(wrapped)
+        if by is None:
+            candidates, body = list(self.masters.values()), wrapped
+        else:
+            found = self.masters.get(by)
+            if found is None or not wrapped.startswith(WRAP_V2):
+                raise DecryptError(f"a subject's data key is wrapped under master key {by.hex()}, which is not "
+                                   "configured (privacy.master_key, or privacy.previous_master_key during a "
+                                   "rotation)")
+            candidates, body = [found], wrapped[len(WRAP_V2) + MASTER_ID_BYTES:]
+        failed: Exception = KeyError("no master key")
+        for master in candidates:  # one, but every configured one for a key wrapped before ids were recorded
+            try:
+                return bytes(master.decrypt(body[:NONCE_BYTES], body[NONCE_BYTES:], aad))
+            except Exception as e:
+                failed = e
+        raise _not_authentic(failed, "a subject's data key does not unwrap: wrong master key, or a tampered key "
+                                     "store entry") from None
 
     def subject_hash(self, subject: str) -> str:
         """The keyed hash recorded for an erasure: proves a given subject was forgotten, names none."""
@@ -220,7 +281,14 @@ def state_aad(aggregate: str, aggregate_id: str) -> bytes:
 
 
 class KeyStore:
-    """Where data keys live (`<schema>.subject_keys`): get, create on first use, forget."""
+    """Where wrapped data keys live: get, create on first use, forget; a `kafold.key_stores` entry point
+    (`[privacy] key_store`), built by `open`. PostgreSQL's (`<schema>.subject_keys`, PgKeyStore) is the default;
+    kafold.keystore_dir keeps them in files outside the database."""
+
+    @classmethod
+    def open(cls, setup: Setup) -> KeyStore:
+        """The store a configuration's protection names (its [privacy] and [postgres] settings)."""
+        raise NotImplementedError
 
     def get(self, subject: str) -> tuple[bytes, bytes] | None:
         """(key id, wrapped key), or None when the subject has none."""
@@ -238,8 +306,14 @@ class KeyStore:
         """`create` for each (subject, key id, wrapped key) (one round trip where the store can)."""
         return {subject: self.create(subject, key_id, wrapped) for subject, key_id, wrapped in rows}
 
-    def forget(self, subject: str, subject_hash: str, actor: str) -> bool:
-        """Delete the key and record the erasure; True when a key was deleted."""
+    def forget(self, subject: str, subject_hash: str, actor: str, key_id: bytes | None) -> bool:
+        """Delete the subject's key `key_id` (the one the erasure log recorded; None: delete none) and record the
+        erasure; True when a key was deleted."""
+        raise NotImplementedError
+
+    def reapply(self, erasures: list[tuple[bytes, str, str]]) -> list[str]:
+        """Delete the keys whose ids are among (key id, subject hash, actor) `erasures` (the erasure log's, after a
+        restore), each recorded as an erasure again; the subjects whose keys were deleted."""
         raise NotImplementedError
 
     def erasure_mark(self) -> Any:
@@ -251,6 +325,29 @@ class KeyStore:
         """(id, subject hash) of the erasures of the last RECENT_ERASURES_S seconds."""
         raise NotImplementedError
 
+    def scan(self, after: str, limit: int) -> list[tuple[str, bytes, bytes]]:
+        """Up to `limit` (subject, key id, wrapped key) after subject `after` ("": from the start) in the store's
+        own order (PostgreSQL: subject order): a rotation's walk."""
+        raise NotImplementedError
+
+    def rewrap(self, rows: list[tuple[str, bytes, bytes, bytes]]) -> int:
+        """Replace each (subject, key id, old wrapped, new wrapped) unless the entry changed meanwhile (forgotten,
+        or rewrapped by another run); how many were replaced."""
+        raise NotImplementedError
+
+    def count(self) -> int:
+        """How many subjects hold a key."""
+        raise NotImplementedError
+
+    def purge(self, force: bool = False) -> bool:
+        """Remove the bytes of deleted (and replaced) wrapped keys from the store's files, when erasures or rewraps
+        happened since the last purge (or `force`); True when it purged. Nothing to do where deletion already
+        removes them."""
+        return False
+
+    def close(self) -> None:
+        """Release connections and files."""
+
 
 class MemoryKeyStore(KeyStore):
     """Keys in a dict: for tests and tools that never share keys."""
@@ -258,6 +355,10 @@ class MemoryKeyStore(KeyStore):
     def __init__(self) -> None:
         self.keys: dict[str, tuple[bytes, bytes]] = {}
         self.erasures: list[tuple[str, str]] = []
+
+    @classmethod
+    def open(cls, setup: Setup) -> KeyStore:
+        return cls()
 
     def get(self, subject: str) -> tuple[bytes, bytes] | None:
         return self.keys.get(subject)
@@ -271,9 +372,34 @@ class MemoryKeyStore(KeyStore):
     def recent_erasures(self) -> list[tuple[int, str]]:
         return [(i, h) for i, (h, _) in enumerate(self.erasures)]
 
-    def forget(self, subject: str, subject_hash: str, actor: str) -> bool:
+    def forget(self, subject: str, subject_hash: str, actor: str, key_id: bytes | None) -> bool:
         self.erasures.append((subject_hash, actor))
-        return self.keys.pop(subject, None) is not None
+        row = self.keys.get(subject)
+        if row is None or row[0] != key_id:
+            return False
+        del self.keys[subject]
+        return True
+
+    def reapply(self, erasures: list[tuple[bytes, str, str]]) -> list[str]:
+        by_id = {key_id: (h, actor) for key_id, h, actor in erasures}
+        gone = [s for s, (key_id, _) in self.keys.items() if key_id in by_id]
+        for subject in gone:
+            self.erasures.append(by_id[self.keys.pop(subject)[0]])
+        return gone
+
+    def scan(self, after: str, limit: int) -> list[tuple[str, bytes, bytes]]:
+        return [(s, *self.keys[s]) for s in sorted(s for s in self.keys if s > after)[:limit]]
+
+    def rewrap(self, rows: list[tuple[str, bytes, bytes, bytes]]) -> int:
+        done = 0
+        for subject, key_id, old, new in rows:
+            if self.keys.get(subject) == (key_id, old):
+                self.keys[subject] = (key_id, new)
+                done += 1
+        return done
+
+    def count(self) -> int:
+        return len(self.keys)
 
 
 class PgKeyStore(KeyStore):
@@ -298,11 +424,36 @@ class PgKeyStore(KeyStore):
         self.q_mark = sql.SQL("SELECT count(*), coalesce(max(id), 0) FROM {}.erasures").format(schema)
         self.q_recent = sql.SQL("SELECT id, subject_hash FROM {}.erasures WHERE erased_at > now() - %s * interval "
                                 "'1 second'").format(schema)
-        self.q_delete = sql.SQL("DELETE FROM {}.subject_keys WHERE subject = %s").format(schema)
+        self.q_delete = sql.SQL("DELETE FROM {}.subject_keys WHERE subject = %s AND key_id = %s").format(schema)
         self.q_record = sql.SQL("INSERT INTO {}.erasures (subject_hash, actor, key_existed) VALUES (%s, %s, %s)"
                                 ).format(schema)
+        self.q_reapply = sql.SQL("DELETE FROM {}.subject_keys WHERE key_id = ANY(%s) RETURNING subject, key_id"
+                                 ).format(schema)
+        self.q_record_many = sql.SQL("INSERT INTO {}.erasures (subject_hash, actor, key_existed) "
+                                     "SELECT h, a, true FROM unnest(%s::text[], %s::text[]) AS t(h, a)"
+                                     ).format(schema)
+        self.q_scan = sql.SQL("SELECT subject, key_id, wrapped_key FROM {}.subject_keys WHERE subject > %s "
+                              "ORDER BY subject LIMIT %s").format(schema)
+        self.q_rewrap = sql.SQL(
+            "UPDATE {0}.subject_keys AS k SET wrapped_key = t.new FROM unnest(%s::text[], %s::bytea[], %s::bytea[], "
+            "%s::bytea[]) AS t(subject, key_id, old, new) WHERE k.subject = t.subject AND k.key_id = t.key_id "
+            "AND k.wrapped_key = t.old").format(schema)
+        self.q_count = sql.SQL("SELECT count(*) FROM {}.subject_keys").format(schema)
+        self.q_purged = sql.SQL("SELECT value FROM {}.key_store_state WHERE name = 'purged_at_change'").format(schema)
+        self.q_changed = sql.SQL("SELECT value FROM {}.key_store_state WHERE name = 'changes'").format(schema)
+        self.q_bump = sql.SQL("UPDATE {}.key_store_state SET value = value + %s WHERE name = 'changes'"
+                              ).format(schema)
+        self.q_mark_purged = sql.SQL("UPDATE {}.key_store_state SET value = %s WHERE name = 'purged_at_change'"
+                                     ).format(schema)
+        self.q_vacuum = sql.SQL("VACUUM FULL {}.subject_keys").format(schema)
+        self.q_owner = sql.SQL("SELECT pg_has_role(c.relowner, 'USAGE') FROM pg_class c JOIN pg_namespace n ON "
+                               "n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = 'subject_keys'")
         self.conn: Any = None
         self.lock = threading.Lock()
+
+    @classmethod
+    def open(cls, setup: Setup) -> KeyStore:
+        return cls(setup.postgres)
 
     def _conn(self) -> Any:
         if self.conn is None or self.conn.closed:
@@ -370,18 +521,86 @@ class PgKeyStore(KeyStore):
 
         return {subject: (bytes(key_id), bytes(wrapped)) for subject, key_id, wrapped in self._run(step)}
 
-    def forget(self, subject: str, subject_hash: str, actor: str) -> bool:
+    def forget(self, subject: str, subject_hash: str, actor: str, key_id: bytes | None) -> bool:
         def step(conn: Any) -> bool:
             with conn.transaction():
-                deleted: bool = conn.execute(self.q_delete, (subject,)).rowcount > 0
+                deleted = key_id is not None and conn.execute(self.q_delete, (subject, key_id)).rowcount > 0
                 conn.execute(self.q_record, (subject_hash, actor, deleted))
+                if deleted:
+                    conn.execute(self.q_bump, (1,))
             return deleted
+
+        return bool(self._run(step))
+
+    def reapply(self, erasures: list[tuple[bytes, str, str]]) -> list[str]:
+        by_id = {key_id: (h, actor) for key_id, h, actor in erasures}
+        ids = list(by_id)
+        gone: list[str] = []
+        for i in range(0, len(ids), REAPPLY_BATCH):  # a bounded statement per batch; the index on key_id finds them
+            batch = {k: by_id[k] for k in ids[i:i + REAPPLY_BATCH]}
+            gone += self._run(functools.partial(self._reapply_batch, by_id=batch))
+        return gone
+
+    def _reapply_batch(self, conn: Any, by_id: dict[bytes, tuple[str, str]]) -> list[str]:
+        """One batch of `reapply`, in one transaction: the keys deleted and their erasures recorded again."""
+        with conn.transaction():
+            rows = conn.execute(self.q_reapply, (list(by_id),), prepare=False).fetchall()
+            if rows:
+                found = [by_id[bytes(key_id)] for _, key_id in rows]
+                conn.execute(self.q_record_many, ([h for h, _ in found], [a for _, a in found]))
+                conn.execute(self.q_bump, (len(rows),))
+        return [str(subject) for subject, _ in rows]
+
+    def scan(self, after: str, limit: int) -> list[tuple[str, bytes, bytes]]:
+        rows = self._run(lambda conn: conn.execute(self.q_scan, (after, limit)).fetchall())
+        return [(str(s), bytes(k), bytes(w)) for s, k, w in rows]
+
+    def rewrap(self, rows: list[tuple[str, bytes, bytes, bytes]]) -> int:
+        def step(conn: Any) -> int:
+            with conn.transaction():
+                done = int(conn.execute(self.q_rewrap, tuple(list(c) for c in zip(*rows, strict=True))).rowcount)
+                conn.execute(self.q_bump, (done,))  # the old wrapped keys stay in dead row versions: purge them
+            return done
+
+        return int(self._run(step)) if rows else 0
+
+    def count(self) -> int:
+        return int(self._run(lambda conn: conn.execute(self.q_count).fetchone()[0]))
+
+    def purge(self, force: bool = False) -> bool:
+        """`VACUUM FULL` of the keys table when keys were deleted or rewrapped since the last purge: it writes the
+        live rows to a new file and unlinks the old one. A plain VACUUM would not do: it marks a dead row's space
+        free but leaves its bytes in the page until a new row overwrites them. The table is locked while it is
+        copied (key lookups wait: ~1 s per 100,000 keys); a purge that cannot get the lock within 5 s (a long
+        transaction holds it) gives up and is tried again at the next interval."""
+        # psycopg is imported where it is used: this module loads without it (Spark's driver, pure tools)
+        from psycopg.errors import LockNotAvailable
+
+        def step(conn: Any) -> bool:
+            changes = int(conn.execute(self.q_changed).fetchone()[0])
+            if not force and changes == int(conn.execute(self.q_purged).fetchone()[0]):
+                return False
+            if not conn.execute(self.q_owner, (self.pgc.schema,)).fetchone()[0]:
+                # VACUUM skips a table its role does not own with a mere warning: the bytes would stay, unsaid
+                raise FatalError(f"cannot purge deleted keys: this role does not own {self.pgc.schema}.subject_keys "
+                                 "(the role that ran kafold's migrations does; run `kafold keys purge` as it)")
+            conn.execute("SET lock_timeout = '5s'")
+            try:
+                conn.execute(self.q_vacuum)
+            except LockNotAvailable:  # an OperationalError, which `_run` would take for PostgreSQL unreachable
+                log.info("protect.keys_purge_deferred", reason="the keys table is locked by another transaction")
+                return False
+            finally:
+                conn.execute("RESET lock_timeout")
+            conn.execute(self.q_mark_purged, (changes,))
+            return True
 
         return bool(self._run(step))
 
     def close(self) -> None:
         if self.conn is not None:
             self.conn.close()
+
 
 
 _RINGS: weakref.WeakSet[KeyRing] = weakref.WeakSet()  # every ring of this process: forget drops from all
@@ -392,8 +611,9 @@ class KeyRing:
     """Unwrapped data keys by subject, trusted a TTL at a time (see the module docstring)."""
 
     def __init__(self, cipher: Cipher, store: KeyStore, ttl_s: float = CACHE_TTL_S,
-                 cache_max: int = CACHE_MAX) -> None:
+                 cache_max: int = CACHE_MAX, erasure_log: ErasureLog | None = None) -> None:
         self.cipher, self.store, self.ttl_s, self.cache_max = cipher, store, ttl_s, cache_max
+        self.erasure_log = erasure_log  # where deleted keys are recorded outside the store (kafold.erasure_log)
         self.cache: dict[str, _Entry] = {}  # by subject; (None, None, None): the subject has no key
         self.gone: set[tuple[str, bytes]] = set()  # (subject, key id) of keys confirmed deleted
         self.mark: Any = None  # the store's erasure mark at the last look
@@ -540,11 +760,34 @@ class KeyRing:
         return key_id, key, self._keep(subject, key_id, key)[2]
 
     def forget(self, subject: str, actor: str) -> bool:
-        """Delete the subject's key, record the erasure, and drop it from every ring of this process."""
-        existed = self.store.forget(subject, self.cipher.subject_hash(subject), actor)
-        for ring in list(_RINGS):
-            ring.drop([subject])
+        """Delete the subject's key, record the erasure, and drop it from every ring of this process.
+
+        Ordering: the key's id goes to the erasure log (acknowledged by the brokers) before the key is deleted. A
+        crash between the two leaves a key that the log names, which the next re-apply (daemon start, `kafold db
+        upgrade`, `kafold keys reapply`) deletes; the other order could leave a deleted key that no log names, and
+        a restored backup would bring it back unnoticed. A key created after the lookup below (a write racing the
+        forget) is not deleted: it is that of a new life of the subject, as if written just after the forget."""
+        row = self.store.get(subject)
+        digest = self.cipher.subject_hash(subject)
+        if row is not None and self.erasure_log is not None:
+            self.erasure_log.record(row[0], digest, actor)
+        existed = self.store.forget(subject, digest, actor, None if row is None else row[0])
+        _drop_everywhere([subject])
         return existed
+
+    def reapply(self, erasures: list[tuple[bytes, str, str]]) -> list[str]:
+        """Delete the keys the erasure log names that the store still holds (a restored backup's), and drop their
+        subjects from every ring of this process; the subjects whose keys were deleted. Other processes see the
+        erasures within their TTL (the store's erasure mark moves)."""
+        gone = self.store.reapply(erasures) if erasures else []
+        if gone:
+            _drop_everywhere(gone)
+        return gone
+
+
+def _drop_everywhere(subjects: list[str]) -> None:
+    for ring in list(_RINGS):
+        ring.drop(subjects)
 
 
 @dataclass(frozen=True)
@@ -823,12 +1066,13 @@ class Setup:
     rules: dict[tuple[str, str], Rule]
     privacy: PrivacyConfig
     postgres: PostgresConfig
+    kafka: KafkaConfig | None = None  # where the erasure log is; None: forgets are not logged (tests, tools)
 
 
 def setup(cfg: KafoldConfig) -> Setup | None:
     """The configuration's protection (None when it protects nothing)."""
     found = rules(cfg)
-    return Setup(found, cfg.privacy, cfg.postgres) if found else None
+    return Setup(found, cfg.privacy, cfg.postgres, cfg.kafka) if found else None
 
 
 def build(cfg: KafoldConfig, store: KeyStore | None = None) -> Protector | None:
@@ -843,11 +1087,37 @@ def build(cfg: KafoldConfig, store: KeyStore | None = None) -> Protector | None:
 
 def build_setup(found: Setup, store: KeyStore | None = None) -> Protector:
     """`build` from a Setup (a task process's)."""
-    ring = KeyRing(Cipher(master_key(found.privacy)), store or PgKeyStore(found.postgres),
-                   cache_max=found.privacy.key_cache_max)
+    ring = KeyRing(cipher(found.privacy), store or open_store(found), cache_max=found.privacy.key_cache_max,
+                   erasure_log=erasure_log(found))
     protector = Protector(found.rules, ring, found.privacy.placeholder)
     _ACTIVE["default"] = protector
     return protector
+
+
+def cipher(privacy: PrivacyConfig) -> Cipher:
+    """The Cipher of the configured master key (and the previous one, during a rotation)."""
+    return Cipher(master_key(privacy), previous_master_key(privacy))
+
+
+def erasure_log(found: Setup) -> ErasureLog | None:
+    """The erasure log of a Setup (opened on first use), None without Kafka settings."""
+    if found.kafka is None:
+        return None
+    return ErasureLog(found.kafka, found.privacy.erasure_topic)
+
+
+def open_store(found: Setup) -> KeyStore:
+    """The `[privacy] key_store` named by a Setup, from the `kafold.key_stores` entry points."""
+    from importlib.metadata import entry_points
+
+    matches = entry_points(group=KEY_STORES, name=found.privacy.key_store)
+    if not matches:
+        raise ConfigError([f"privacy.key_store: no key store {found.privacy.key_store!r} is installed "
+                           f"(entry point group {KEY_STORES})"])
+    cls = next(iter(matches)).load()
+    if not (isinstance(cls, type) and issubclass(cls, KeyStore)):
+        raise ConfigError([f"privacy.key_store: {found.privacy.key_store!r} is not a kafold.protect.KeyStore"])
+    return cls.open(found)
 
 
 def active() -> Protector | None:

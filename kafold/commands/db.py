@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kafold import config, db, devstack
+from kafold import config, db, devstack, erasure_log, protect
 from kafold.cli import add_config_arg
 from kafold.commands import grants
 
@@ -31,9 +31,20 @@ def _pg(args: argparse.Namespace) -> config.PostgresConfig:
 
 
 def upgrade(args: argparse.Namespace) -> int:
-    pgc = _pg(args)
-    revision = db.upgrade(pgc, args.revision)
-    print(f"schema {pgc.schema!r} at revision {revision}")
+    """Apply the migrations; with protected fields, then re-apply the erasure log: a database restored from a
+    backup gets back the forgets made after the backup (kafold.erasure_log)."""
+    loaded = config.load_file(args.config)
+    protected = any(a.protect for a in loaded.config.aggregates)
+    cfg = devstack.effective(loaded.config, need=("kafka", "postgres") if protected else ("postgres",))
+    revision = db.upgrade(cfg.postgres, args.revision)
+    print(f"schema {cfg.postgres.schema!r} at revision {revision}")
+    protector = protect.build(cfg) if protected and args.revision == "head" else None
+    if protector is not None and protector.ring.erasure_log is not None:
+        gone = erasure_log.reapply(protector.ring, protector.ring.erasure_log)
+        if gone:
+            print(f"erasure log re-applied: {len(gone)} keys of forgotten subjects deleted again (the database "
+                  "was behind the log: restored from a backup?)")
+            protector.ring.store.purge()
     return 0
 
 

@@ -48,7 +48,11 @@ def forget(args: argparse.Namespace) -> int:
     if not args.yes and not confirmed(args.subject):
         print("not forgotten: a forget cannot be undone; confirm on a terminal or pass --yes", file=sys.stderr)
         return 2
-    existed = protector.ring.forget(args.subject, actor)
+    try:
+        existed = protector.ring.forget(args.subject, actor)
+    finally:
+        if protector.ring.erasure_log is not None:
+            protector.ring.erasure_log.close()
     out = {"subject_hash": digest, "key_deleted": existed, "actor": actor}
     if args.json:
         print(json.dumps(out))

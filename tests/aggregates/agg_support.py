@@ -300,6 +300,7 @@ url = "{pg_url}"
 [privacy]
 master_key_env = "{MASTER_VAR}"
 placeholder = "{PLACEHOLDER}"
+erasure_topic = "{prefix}.erasures"
 """
     if snapshots:
         out += """

@@ -75,7 +75,8 @@ def test_a_cache_whose_trust_lapsed_is_not_read_before_the_erasure_mark_is_looke
     store, writer, reader = _pair(placeholder="[erased]")
     record = _record(writer, PAYLOAD)
     reader.prefetch([b"c-1"])
-    writer.ring.store.forget("c-1", "h", "dpo")  # forgotten by another process: this one's cache still holds it
+    # forgotten by another process: this one's cache still holds it
+    store.forget("c-1", "h", "dpo", store.get("c-1")[0])
     assert reader.event(decode(*record)).payload == PAYLOAD  # within the trust: as documented (seen within a TTL)
     marks = store.marks
     reader.ring.trusted_until = 0.0  # the TTL has passed
