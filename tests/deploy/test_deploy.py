@@ -32,6 +32,73 @@ def test_systemd_unit_verifies(unit: Path, tmp_path: Path) -> None:
     assert res.returncode == 0 and not problems, res.stderr
 
 
+SERVICES = [u for u in UNITS if u.suffix == ".service"]
+EXPOSURE_LIMIT = 2.0
+
+
+def _systemd_version() -> int | None:
+    """systemd-analyze's major version (`systemd 252 (252.38-1~deb12u1)`), None when it is not installed."""
+    if shutil.which("systemd-analyze") is None:
+        return None
+    out = subprocess.run(["systemd-analyze", "--version"], capture_output=True, text=True, check=False).stdout
+    return int(out.split()[1]) if out.startswith("systemd ") else None
+
+
+@pytest.mark.skipif((_systemd_version() or 0) < 252,
+                    reason="needs systemd-analyze >= 252 for `security --offline=true` (apt-get install systemd)")
+@pytest.mark.parametrize("unit", SERVICES, ids=lambda p: p.name)
+def test_systemd_unit_exposure_is_at_most_two(unit: Path) -> None:
+    """`systemd-analyze security --offline=true` rates each service's sandbox at <= 2.0 (0 = fully locked down,
+    10 = none; the units shipped at 5.8 and 6.5 before issue 54)."""
+    import re
+
+    res = subprocess.run(["systemd-analyze", "security", "--offline=true", "--no-pager", str(unit)],
+                         capture_output=True, text=True, check=False)
+    found = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", res.stdout)
+    assert found, res.stdout + res.stderr
+    assert float(found.group(1)) <= EXPOSURE_LIMIT, res.stdout
+
+
+def _directives(unit: Path) -> dict[str, list[str]]:
+    """A unit's [Service] settings: each key with its values in order (a key may repeat)."""
+    settings: dict[str, list[str]] = {}
+    section = ""
+    for line in unit.read_text().splitlines():
+        line = line.strip()
+        if line.startswith("[") and line.endswith("]"):
+            section = line
+        elif section == "[Service]" and line and not line.startswith("#") and "=" in line:
+            key, value = line.split("=", 1)
+            settings.setdefault(key, []).append(value)
+    return settings
+
+
+@pytest.mark.parametrize("unit", SERVICES, ids=lambda p: p.name)
+def test_systemd_units_carry_the_hardening_the_operator_asked_for(unit: Path) -> None:
+    """The settings issue 54 names, on every service (the exposure score alone would let some trade for others),
+    and never MemoryDenyWriteExecute=yes: each of these units may start a JVM (the timer's job, or the daemon's
+    [snapshots] scheduler), whose JIT needs writable and executable memory."""
+    settings = _directives(unit)
+    expected = {"SystemCallArchitectures": "native", "CapabilityBoundingSet": "", "ProtectClock": "yes",
+                "ProtectKernelLogs": "yes", "ProtectHostname": "yes", "RestrictSUIDSGID": "yes",
+                "RestrictRealtime": "yes", "ProtectProc": "invisible", "UMask": "0077", "NoNewPrivileges": "yes",
+                "DynamicUser": "yes", "ProtectSystem": "strict"}
+    wrong = {k: settings.get(k) for k, v in expected.items() if settings.get(k, [None])[-1] != v}
+    assert not wrong, wrong
+    assert settings["SystemCallFilter"][0] == "@system-service", settings["SystemCallFilter"]
+    assert settings.get("MemoryDenyWriteExecute", ["no"])[-1] == "no"
+    assert any(v.startswith("kafka-password:") for v in settings["LoadCredential"])
+    state = settings["StateDirectory"][-1]
+    assert settings["WorkingDirectory"][-1] == f"%S/{state}"
+
+
+def test_systemd_state_directories_are_not_shared() -> None:
+    """Each unit's StateDirectory= is its own: two dynamic users on one directory would take its ownership from
+    each other at every start."""
+    dirs = [_directives(u)["StateDirectory"][-1] for u in SERVICES]
+    assert len(set(dirs)) == len(dirs), dirs
+
+
 CONTAINER = ROOT / "deploy" / "container"
 K8S = ROOT / "deploy" / "k8s"
 
