@@ -181,6 +181,19 @@ def test_containerfile_base_image_is_a_build_argument() -> None:
     assert froms == ["${BASE_IMAGE}", "${BASE_IMAGE}"], froms
 
 
+def test_containerfile_runs_kafold_under_tini() -> None:
+    """The runtime stage installs Debian's tini and the ENTRYPOINT starts kafold through it (PID 1 reaps the orphans
+    of task processes and JVMs); tini runs without -g, so SIGTERM reaches kafold alone, which stops its children."""
+    import json
+    import re
+
+    runtime = (CONTAINER / "Containerfile").read_text().rsplit("\nFROM ", 1)[1]
+    installs = re.findall(r"apt-get install -y --no-install-recommends ([^\\&\n;]+)", runtime)
+    assert any("tini" in line.split() for line in installs), installs
+    (entrypoint,) = re.findall(r"^ENTRYPOINT (.+)$", runtime, flags=re.MULTILINE)
+    assert json.loads(entrypoint)[:3] == ["/usr/bin/tini", "--", "kafold"], entrypoint
+
+
 @pytest.mark.parametrize("manifest", sorted(K8S.glob("*.yaml")), ids=lambda p: p.name)
 def test_kubernetes_manifests_validate(manifest: Path) -> None:
     """Each manifest validates against the Kubernetes OpenAPI schemas bundled by kubernetes-validate."""
