@@ -1,4 +1,5 @@
-"""Deployment files that can be checked offline: the systemd units pass systemd-analyze verify."""
+"""Deployment files that can be checked offline: the systemd units (systemd-analyze verify and security), compose,
+the Containerfile, the Grafana dashboard. Kubernetes: test_k8s.py."""
 
 from __future__ import annotations
 
@@ -100,7 +101,6 @@ def test_systemd_state_directories_are_not_shared() -> None:
 
 
 CONTAINER = ROOT / "deploy" / "container"
-K8S = ROOT / "deploy" / "k8s"
 
 
 def test_compose_file_matches_the_compose_spec() -> None:
@@ -194,43 +194,6 @@ def test_containerfile_runs_kafold_under_tini() -> None:
     assert json.loads(entrypoint)[:3] == ["/usr/bin/tini", "--", "kafold"], entrypoint
 
 
-@pytest.mark.parametrize("manifest", sorted(K8S.glob("*.yaml")), ids=lambda p: p.name)
-def test_kubernetes_manifests_validate(manifest: Path) -> None:
-    """Each manifest validates against the Kubernetes OpenAPI schemas bundled by kubernetes-validate."""
-    import kubernetes_validate
-    import yaml
-
-    for doc in yaml.safe_load_all(manifest.read_text()):
-        kubernetes_validate.validate(doc, "1.30.0", strict=True)
-
-
-def test_sidecar_probes_and_credentials() -> None:
-    """Readiness on /ready, liveness on /health, credentials from the Secret as read-only files."""
-    import yaml
-
-    spec = yaml.safe_load((K8S / "deployment.yaml").read_text())["spec"]["template"]["spec"]
-    sidecar = next(c for c in spec["containers"] if c["name"] == "kafold")
-    assert sidecar["readinessProbe"]["httpGet"]["path"] == "/ready"
-    assert sidecar["livenessProbe"]["httpGet"]["path"] == "/health"
-    secret_volume = next(v for v in spec["volumes"] if "secret" in v)
-    assert secret_volume["secret"]["defaultMode"] == 0o400
-    assert spec["securityContext"]["runAsNonRoot"] is True
-
-
-def test_configmap_config_is_valid_apart_from_its_mounted_secrets(tmp_path: Path) -> None:
-    """The kafold.toml in the ConfigMap validates; the only problems are the secret files not mounted here."""
-    import yaml
-
-    from kafold import config
-    from kafold.errors import ConfigError
-
-    text = yaml.safe_load((K8S / "configmap.yaml").read_text())["data"]["kafold.toml"]
-    with pytest.raises(ConfigError) as info:
-        config.parse(text, tmp_path / "kafold.toml", {})
-    assert info.value.problems
-    assert all("secret file '/run/secrets/kafold/" in p for p in info.value.problems), info.value.problems
-
-
 @pytest.mark.slow
 def test_containerfile_install_steps_produce_a_working_kafold(tmp_path: Path) -> None:
     """The Containerfile's build (a wheel of the tree, installed into a venv) yields every kafold package."""
@@ -283,3 +246,67 @@ def test_grafana_dashboard_uses_only_metrics_the_daemon_exports() -> None:
     dashboard = json.loads((ROOT / "deploy" / "grafana" / "kafold-dashboard.json").read_text())
     queried = {m for p in dashboard["panels"] for t in p["targets"] for m in re.findall(r"\bkafold_[a-z_]+", t["expr"])}
     assert queried and queried <= exported, queried - exported
+
+
+PROMETHEUS_CONFIGS = [CONTAINER / "prometheus.yml", ROOT / "deploy" / "k8s" / "prometheus" / "scrape-config.yaml"]
+
+
+def _promtool_knows_kubernetes_sd(tmp_path: Path) -> bool:
+    probe = tmp_path / "probe.yml"
+    probe.write_text("scrape_configs:\n  - job_name: probe\n    kubernetes_sd_configs: [{role: pod}]\n")
+    res = subprocess.run(["promtool", "check", "config", str(probe)], capture_output=True, text=True, check=False)
+    return "kubernetes_sd_configs not found" not in res.stdout + res.stderr
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing: apt-get install prometheus")
+@pytest.mark.parametrize("path", PROMETHEUS_CONFIGS, ids=lambda p: p.parent.name)
+def test_prometheus_scrape_configs_pass_promtool(path: Path, tmp_path: Path) -> None:
+    """Each scrape example is a valid Prometheus configuration (`promtool check config`), its credentials file
+    pointed at a real file here (promtool checks that the file exists). Debian's promtool is built without
+    Kubernetes service discovery: there the kubernetes_sd_configs block becomes a static target, and the rest (the
+    authorization, the relabelling) is checked all the same."""
+    import yaml
+
+    conf = yaml.safe_load(path.read_text())
+    token = tmp_path / "api-token"
+    token.write_text("t0ken")
+    with_k8s_sd = _promtool_knows_kubernetes_sd(tmp_path)
+    for job in conf["scrape_configs"]:
+        job["authorization"]["credentials_file"] = str(token)
+        if "kubernetes_sd_configs" in job and not with_k8s_sd:
+            del job["kubernetes_sd_configs"]
+            job["static_configs"] = [{"targets": ["kafold.example:8083"]}]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(conf))
+    res = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")],
+                         capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("path", PROMETHEUS_CONFIGS, ids=lambda p: p.parent.name)
+def test_prometheus_scrape_configs_send_the_api_token(path: Path) -> None:
+    """/metrics is behind the API token (daemon/http.py), so every scrape job of the examples sends it."""
+    import yaml
+
+    from kafold.daemon import http
+
+    assert "/metrics" not in http.OPEN_PATHS
+    for job in yaml.safe_load(path.read_text())["scrape_configs"]:
+        assert job["authorization"]["type"] == "Bearer" and job["authorization"]["credentials_file"], job
+        assert job.get("metrics_path", "/metrics") == "/metrics"
+
+
+def test_compose_prometheus_reads_the_token_the_sidecar_checks() -> None:
+    """The sidecar's API token file and Prometheus's credentials file are the same compose secret, and Prometheus
+    scrapes the sidecar's service and port."""
+    import yaml
+
+    services = yaml.safe_load((CONTAINER / "compose.yaml").read_text())["services"]
+    token_file = services["kafold"]["environment"]["KAFOLD_DAEMON__API_TOKEN_FILE"]
+    assert token_file == "/run/secrets/api-token" and "api-token" in services["kafold"]["secrets"]
+    assert "api-token" in services["prometheus"]["secrets"]
+    (job,) = yaml.safe_load((CONTAINER / "prometheus.yml").read_text())["scrape_configs"]
+    assert job["authorization"]["credentials_file"] == token_file
+    (target,) = job["static_configs"][0]["targets"]
+    assert target == f"kafold:{services['kafold']['ports'][0].rsplit(':', 1)[1]}"
+    mounted = {v.split(":")[1] for v in services["prometheus"]["volumes"]}
+    assert "/etc/prometheus/prometheus.yml" in mounted
