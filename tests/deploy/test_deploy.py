@@ -310,3 +310,103 @@ def test_compose_prometheus_reads_the_token_the_sidecar_checks() -> None:
     assert target == f"kafold:{services['kafold']['ports'][0].rsplit(':', 1)[1]}"
     mounted = {v.split(":")[1] for v in services["prometheus"]["volumes"]}
     assert "/etc/prometheus/prometheus.yml" in mounted
+
+
+# The units' sandbox, tried on what runs inside it (no systemd needed): the system-call filter, loaded by
+# seccomp_exec.py with Debian's python3-seccomp, around a JVM and around kafold's Python spawning a child.
+SYSTEM_PYTHON = Path("/usr/bin/python3")
+SECCOMP_EXEC = Path(__file__).with_name("seccomp_exec.py")
+
+
+def _seccomp_missing() -> str | None:
+    if shutil.which("systemd-analyze") is None:
+        return "systemd-analyze missing: apt-get install systemd"
+    res = subprocess.run([str(SYSTEM_PYTHON), "-c", "import seccomp"], capture_output=True, check=False) \
+        if SYSTEM_PYTHON.exists() else None
+    if res is None or res.returncode != 0:
+        return "Debian's python3-seccomp missing: apt-get install python3-seccomp"
+    return None
+
+
+def _syscall_set(group: str) -> set[str]:
+    """The system calls of a systemd group (`@system-service`), its nested groups expanded, or a single call."""
+    if not group.startswith("@"):
+        return {group}
+    out = subprocess.run(["systemd-analyze", "syscall-filter", "--no-pager", group], capture_output=True,
+                         text=True, check=True).stdout
+    calls: set[str] = set()
+    for line in out.splitlines()[1:]:
+        name = line.strip()
+        if name and not name.startswith("#"):
+            calls |= _syscall_set(name)
+    return calls
+
+
+def _unit_filter(unit: Path) -> list[str]:
+    """The allow list a unit's SystemCallFilter= lines add up to: the first (an allow list), minus each `~` line."""
+    allowed: set[str] = set()
+    for value in _directives(unit)["SystemCallFilter"]:
+        names = value.removeprefix("~").split()
+        calls = set().union(*(_syscall_set(n) for n in names))
+        allowed = allowed - calls if value.startswith("~") else allowed | calls
+    return sorted(allowed)
+
+
+def _sandboxed(spec: dict[str, Any], command: list[str]) -> subprocess.CompletedProcess[str]:
+    """`command` under `spec` (seccomp_exec.py), in a scratch directory: a JVM that fails writes hs_err_pid*.log
+    into its working directory."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        return subprocess.run([str(SYSTEM_PYTHON), str(SECCOMP_EXEC), json.dumps(spec), "--", *command],
+                              capture_output=True, text=True, timeout=300, check=False, cwd=scratch)
+
+
+@pytest.mark.skipif(_seccomp_missing() is not None, reason=str(_seccomp_missing()))
+@pytest.mark.skipif(shutil.which("java") is None, reason="no java: apt-get install openjdk-17-jre-headless")
+def test_the_jvm_runs_under_the_snapshot_units_system_call_filter() -> None:
+    """Java starts and JIT-compiles every method it runs (-Xcomp) inside kafold-snapshot.service's filter; and the
+    filter is not a no-op: without `@process` (clone, fork) the same JVM cannot start its threads."""
+    unit = ROOT / "deploy" / "systemd" / "kafold-snapshot.service"
+    allowed = _unit_filter(unit)
+    res = _sandboxed({"allow": allowed}, ["java", "-Xcomp", "-version"])
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "openjdk version" in res.stderr.lower() or "java version" in res.stderr.lower(), res.stderr
+    crippled = sorted(set(allowed) - _syscall_set("@process"))
+    assert _sandboxed({"allow": crippled}, ["java", "-version"]).returncode != 0
+
+
+@pytest.mark.skipif(_seccomp_missing() is not None, reason=str(_seccomp_missing()))
+@pytest.mark.parametrize("unit", [u for u in SERVICES if "snapshot" not in u.name], ids=lambda p: p.name)
+def test_kafold_spawns_and_talks_under_the_daemon_units_system_call_filter(unit: Path) -> None:
+    """kafold's Python inside the daemon unit's filter: its daemon modules import, it spawns a Python child the way
+    task processes start (subprocess, a pipe), and asyncio serves and connects over TCP."""
+    script = (
+        "import asyncio, subprocess, sys\n"
+        "import kafold.cli, kafold.daemon.runner, kafold.daemon.task_process\n"
+        "child = subprocess.run([sys.executable, '-c', 'print(6 * 7)'], capture_output=True, text=True, check=True)\n"
+        "assert child.stdout.strip() == '42', child\n"
+        "async def main():\n"
+        "    async def echo(r, w):\n"
+        "        w.write(await r.readline()); await w.drain(); w.close()\n"
+        "    server = await asyncio.start_server(echo, '127.0.0.1', 0)\n"
+        "    r, w = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])\n"
+        "    w.write(b'ping\\n'); await w.drain()\n"
+        "    assert await r.readline() == b'ping\\n'\n"
+        "    server.close()\n"
+        "asyncio.run(main())\n"
+        "print('ok')\n")
+    res = _sandboxed({"allow": _unit_filter(unit)}, [sys.executable, "-c", script])
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+@pytest.mark.skipif(_seccomp_missing() is not None, reason=str(_seccomp_missing()))
+@pytest.mark.skipif(shutil.which("java") is None, reason="no java: apt-get install openjdk-17-jre-headless")
+def test_the_jvm_fails_without_write_execute_memory() -> None:
+    """Why no unit sets MemoryDenyWriteExecute=yes: the JVM refuses to start when memory cannot become writable and
+    executable (here the kernel's PR_SET_MDWE, the same refusal)."""
+    res = _sandboxed({"mdwe": True}, ["java", "-version"])
+    if res.returncode == 77:
+        pytest.skip("the kernel has no PR_SET_MDWE (Linux >= 6.3)")
+    assert res.returncode != 0 and "executable" in res.stdout + res.stderr, res.stdout + res.stderr
