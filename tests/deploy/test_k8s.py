@@ -98,6 +98,14 @@ def test_every_pod_meets_the_restricted_pod_security_standard(overlay: Path) -> 
     assert not any(problems.values()), problems
 
 
+def test_every_pod_of_the_base_meets_the_restricted_pod_security_standard() -> None:
+    """The same over the base's files as written, where no kustomize renders the overlays."""
+    pods = _pods(tuple(d for f in _files() for d in yaml.safe_load_all(f.read_text())))
+    assert len(pods) == 3, pods
+    problems = {name: pod_security.violations(spec) for name, spec in pods}
+    assert not any(problems.values()), problems
+
+
 def test_the_pod_security_check_catches_what_the_manifests_used_to_do() -> None:
     """The check is not vacuous: the Deployment as it was before issue 54 (no seccompProfile, a container without a
     securityContext) fails it, and so do a hostPath volume, a root user and an added capability."""
