@@ -104,6 +104,9 @@ def test_sidecar_container_projects_delivers_reports_ready_and_stops_cleanly(
     try:
         ready = f"http://127.0.0.1:{http_port}/ready"
         wait_for(lambda: _status(ready) == 200, f"{ready} to answer 200", timeout=120)
+        # The image's init: tini is PID 1 (it reaps the orphans of task processes and JVMs), kafold its child.
+        init = podman("exec", name, "cat", "/proc/1/comm").stdout.strip()
+        assert init == "tini", init
 
         host_cfg = config.parse(cfg_file.read_text(), cfg_file, {"KAFOLD_KAFKA__BOOTSTRAP_SERVERS": kafka_bootstrap})
         with CommandClient(host_cfg.config.kafka, host_cfg.config.aggregates[0]) as client:
