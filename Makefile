@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kafold-installed
 CONFIG ?= examples/bank/kafold.toml
 
-.PHONY: install run test lint unit integration bench chaos clean
+.PHONY: install run test test-tools lint unit integration bench chaos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,16 @@ lint: install
 ## Java 17+ and mvn); then what concerns the embedded default (its dev stack, `make run`) on tansu
 ## Each stage prints its ten slowest tests and its time (what to make faster when CI grows).
 STAGE = start=$$(date +%s); $(2) || exit $$?; echo "stage $(1): $$(( $$(date +%s) - start )) s"
-test: lint
+## Debian tools the deploy tests check with (systemd-analyze, promtool, python3-seccomp): installed when missing where
+## we are root with apt-get (a fresh machine), else those tests skip and say so
+DEB_TEST_TOOLS := systemd prometheus python3-seccomp
+test-tools:
+	@missing=$$(for p in $(DEB_TEST_TOOLS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing) \
+	  >/dev/null || echo "could not install $$missing: their deploy tests skip"; fi
+
+test: lint test-tools
 	@$(call STAGE,unit,$(BIN)/python -m pytest --durations=10 -m "not integration and not tansu")
 	@$(call STAGE,apache-kafka,KAFOLD_TEST_BROKER=kafka $(BIN)/python -m pytest --durations=10 -m "integration and not tansu")
 	@$(call STAGE,tansu,KAFOLD_TEST_BROKER=tansu $(BIN)/python -m pytest --durations=10 -m tansu)
