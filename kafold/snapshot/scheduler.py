@@ -75,6 +75,7 @@ class SnapshotScheduler:
         self.events_at_last_run: int | None = None
         self.runs = 0
         self.failures = 0
+        self.last_success_at: float | None = None  # Unix time the last good run ended (/metrics: snapshot age)
 
     @classmethod
     def from_config(cls, config_path: Path, snapshots: SnapshotConfig, kafka: KafkaConfig,
@@ -121,6 +122,7 @@ class SnapshotScheduler:
                 self.failures += 1
                 log.warning("snapshot.schedule.failed", reason=reason, result=code)
             else:
+                self.last_success_at = time.time()
                 log.info("snapshot.schedule.done", reason=reason, duration_s=round(time.monotonic() - began, 2))
             return True
         finally:
