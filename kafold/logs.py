@@ -8,6 +8,9 @@ What a client sends never reaches the log: aiohttp's server logs a request it ca
 message quotes the offending header line (an `Authorization: Bearer <token>` included), so the exceptions it logs
 keep their type and stack but not their message (`WithholdMessages`); and a traceback never shows the frames' local
 variables (the console renderer's default would, request bytes and secrets included).
+
+A line logged while an OpenTelemetry span is current carries its `trace_id` and `span_id` (`add_trace_context`),
+so a log search finds the trace and a trace the lines.
 """
 
 from __future__ import annotations
@@ -106,6 +109,22 @@ def withhold_request_bytes() -> None:
             logger.addFilter(WithholdMessages())
 
 
+def add_trace_context(logger: Any, method: str, event_dict: Any) -> Any:
+    """structlog processor: the current span's `trace_id` and `span_id` (W3C hex), when a valid one is current.
+
+    OpenTelemetry is the optional extra `tracing`; it is looked up in sys.modules, never imported here: if nothing
+    imported it, no span can be current, and a process that does not trace pays one dict lookup per line."""
+    trace = sys.modules.get("opentelemetry.trace")
+    current = getattr(trace, "get_current_span", None)  # None also while another thread is importing the module
+    if current is None:
+        return event_dict
+    ctx = current().get_span_context()
+    if ctx.is_valid:
+        event_dict.setdefault("trace_id", format(ctx.trace_id, "032x"))
+        event_dict.setdefault("span_id", format(ctx.span_id, "016x"))
+    return event_dict
+
+
 def tolerate_closed_output() -> None:
     """Wrap sys.stdout and sys.stderr in `Tolerant` (once)."""
     if not isinstance(sys.stdout, Tolerant):
@@ -130,6 +149,7 @@ def configure(level: str = "info", fmt: str = "auto", path: str | None = None) -
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
+        add_trace_context,
     ]
     renderer: structlog.types.Processor = (  # a plain traceback: the default shows each frame's local variables
         structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback) if pretty
