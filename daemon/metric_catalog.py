@@ -16,7 +16,8 @@ from typing import Literal
 Kind = Literal["counter", "gauge", "histogram", "info"]
 
 # Dashboard rows and the catalog's grouping, in the order a reader goes through them.
-AREAS = ("build", "sink tasks", "offset accounting", "projections & rebuilds", "effects", "aggregates", "snapshots")
+AREAS = ("build", "sink tasks", "offset accounting", "projections & rebuilds", "consistency waits", "effects",
+         "aggregates", "snapshots")
 # Families the daemon's registry carries that prometheus_client defines (process and platform collectors).
 STANDARD_PREFIXES = ("process_", "python_")
 
@@ -81,6 +82,12 @@ DAEMON: tuple[Family, ...] = (
            (*_ACCOUNT, "outcome"), "offset accounting"),
     Family("kafold_records_unaccounted", "gauge", "Records seen whose outcome is not known: a write in flight, 0 "
            "once done; a value that stays above 0 is a record lost on the way.", _ACCOUNT, "offset accounting"),
+    # consistency waits (GET /connectors/{name}/wait, daemon/visibility.py)
+    Family("kafold_consistency_waits", "counter", "Waits for a consistency token answered, by result: covered (200), "
+           "timeout (408: the connector did not cover the token in time), unreadable (503: its committed positions "
+           "could not be read).", ("connector", "result"), "consistency waits"),
+    Family("kafold_consistency_wait_duration_seconds", "histogram", "Time a wait for a consistency token took until "
+           "its answer (covered or not).", ("connector",), "consistency waits"),
     # aggregates
     Family("kafold_aggregate_commands", "counter", "Commands handled by this process's runtime, by outcome "
            "(accepted, rejected, duplicates: answered with their first decision, dead_lettered: not a command, "

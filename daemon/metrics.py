@@ -45,6 +45,8 @@ log = logs.get(__name__)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TASK_STATES = ("UNASSIGNED", "RUNNING", "PAUSED", "FAILED", "RESTARTING", "STOPPED")
 BATCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# a wait answers within visibility.MAX_TIMEOUT_MS (60 s); most are covered within a batch or two
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class DaemonMetrics:
@@ -66,6 +68,9 @@ class DaemonMetrics:
         self.dead = _declared(Counter, "kafold_dead_letters", self.registry)
         self.skipped = _declared(Counter, "kafold_events_skipped", self.registry)
         self.batches = _declared(Histogram, "kafold_batch_duration_seconds", self.registry, buckets=BATCH_BUCKETS)
+        self.waits = _declared(Counter, "kafold_consistency_waits", self.registry)
+        self.wait_time = _declared(Histogram, "kafold_consistency_wait_duration_seconds", self.registry,
+                                   buckets=WAIT_BUCKETS)
         self.registry.register(_TaskCollector(groups))
         self.registry.register(_AccountingCollector(groups))
         self.registry.register(ConnectorCollector(groups))
@@ -83,6 +88,11 @@ class DaemonMetrics:
         if stats.skipped:
             self.skipped.labels(*key).inc(stats.skipped)
         self.batches.labels(*key).observe(stats.duration_s)
+
+    def waited(self, connector: str, result: str, seconds: float) -> None:
+        """One answered wait for a consistency token (daemon/visibility.py): covered, timeout or unreadable."""
+        self.waits.labels(connector, result).inc()
+        self.wait_time.labels(connector).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -66,9 +66,12 @@ class Wait(HostView):
                                 f"(it reads {', '.join(group.connector.settings.topics)})")
         watch = watches(self.host).get(name, group)
         started = time.monotonic()
-        if await watch.wait(wanted, timeout_ms / 1000):
-            return self.json({"covered": True, "connector": name,
-                              "waited_ms": round((time.monotonic() - started) * 1000, 1)})
+        covered = await watch.wait(wanted, timeout_ms / 1000)
+        waited_s = time.monotonic() - started
+        result = "covered" if covered else "unreadable" if watch.error is not None else "timeout"
+        self.host.metrics.waited(name, result, waited_s)
+        if covered:
+            return self.json({"covered": True, "connector": name, "waited_ms": round(waited_s * 1000, 1)})
         if watch.error is not None:
             return self.problem(503, f"Connector {name}: committed positions not readable: {watch.error}")
         behind = tokens.missing(wanted, watch.seen)

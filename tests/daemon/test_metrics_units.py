@@ -63,3 +63,15 @@ def test_build_info_and_the_process_collectors_are_exported() -> None:
     assert len(build) == 1 and dict(build[0])["version"] and dict(build[0])["librdkafka"]
     assert got[("process_cpu_seconds_total", ())] >= 0
     assert any(name == "python_info" for name, _ in got)
+
+
+def test_consistency_waits_are_counted_by_result_and_timed() -> None:
+    metrics = DaemonMetrics(lambda: [])
+    metrics.waited("accounts", "covered", 0.004)
+    metrics.waited("accounts", "timeout", 0.3)
+    metrics.waited("accounts", "timeout", 0.3)
+    got = _samples(metrics)
+    assert got[("kafold_consistency_waits_total", (("connector", "accounts"), ("result", "covered")))] == 1
+    assert got[("kafold_consistency_waits_total", (("connector", "accounts"), ("result", "timeout")))] == 2
+    assert got[("kafold_consistency_wait_duration_seconds_count", (("connector", "accounts"),))] == 3
+    assert got[("kafold_consistency_wait_duration_seconds_bucket", (("connector", "accounts"), ("le", "0.005")))] == 1
