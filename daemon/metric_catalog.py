@@ -74,6 +74,11 @@ DAEMON: tuple[Family, ...] = (
     Family("kafold_task_runners_stopped", "counter", "Runners of a task that ended (a restart's old one, a failure); "
            "started = stopped + running.", _TASK, "sink tasks"),
     Family("kafold_task_runners_running", "gauge", "1 while the task's runner runs.", _TASK, "sink tasks"),
+    # a task in a child process (task_processes = true) is not in the daemon's process_* families: its own
+    Family("kafold_task_process_cpu_seconds", "counter", "CPU time (user and system) of a sink task's child process "
+           "(task_processes = true; absent for tasks run as threads of the daemon).", _TASK, "sink tasks"),
+    Family("kafold_task_process_resident_memory_bytes", "gauge", "Resident memory of a sink task's child process "
+           "(task_processes = true; absent for tasks run as threads of the daemon).", _TASK, "sink tasks"),
     # offset accounting (daemon/accounting.py)
     Family("kafold_records_seen", "counter", "Records a sink task's runner consumed, per partition (since the runner "
            "started).", _ACCOUNT, "offset accounting"),

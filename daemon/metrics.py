@@ -2,19 +2,22 @@
 
 Every family is declared in daemon.metric_catalog; the collectors here build theirs from it. The registry also
 carries prometheus_client's process and platform collectors (`process_*`, `python_*`): they describe the daemon's
-own process. Sink tasks in child processes (`task_processes`) report their batches to the daemon, which counts them
-here, but their CPU and memory are not in `process_*` (each child is a process of its own; see docs/operations.md).
+own process. Sink tasks in child processes (`task_processes`) keep no registry: they report their batches to the
+daemon, which counts them here, and their CPU and memory are read from the OS per task
+(`kafold_task_process_*`), not in `process_*`.
 """
 
 from __future__ import annotations
 
 import collections
+import os
 import platform
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import confluent_kafka
+import psutil
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -72,6 +75,7 @@ class DaemonMetrics:
         self.wait_time = _declared(Histogram, "kafold_consistency_wait_duration_seconds", self.registry,
                                    buckets=WAIT_BUCKETS)
         self.registry.register(_TaskCollector(groups))
+        self.registry.register(_TaskProcessCollector(groups))
         self.registry.register(_AccountingCollector(groups))
         self.registry.register(ConnectorCollector(groups))
         self.registry.register(_SnapshotCollector(scheduler or (lambda: None)))
@@ -160,6 +164,35 @@ class _TaskCollector(_Declared):
                         position.add_metric(labels, float(p.position))
                     caught.add_metric(labels, 1.0 if p.caught_up else 0.0)
         yield from (lag, lag_s, position, caught, state, started, stopped, running)
+
+
+class _TaskProcessCollector(_Declared):
+    """CPU and memory of the sink tasks run as child processes (daemon/task_process.py), which the daemon's own
+    process_* families do not include; read from the operating system at scrape time."""
+
+    FAMILIES = ("kafold_task_process_cpu_seconds", "kafold_task_process_resident_memory_bytes")
+
+    def __init__(self, groups: Callable[[], list[ConnectorGroup]]) -> None:
+        self.groups = groups
+
+    def collect(self) -> Iterator[Any]:
+        cpu, rss = (_new(name) for name in self.FAMILIES)
+        for group in self.groups():
+            for slot in group.slots:
+                pid = getattr(slot.runner, "pid", None)  # only a RemoteRunner has a process of its own
+                if pid is None or slot.runner.stopped:
+                    continue
+                try:
+                    with (proc := psutil.Process(pid)).oneshot():
+                        if proc.ppid() != os.getpid():  # the child ended and its pid went to another process
+                            continue
+                        times, memory = proc.cpu_times(), proc.memory_info()
+                except psutil.Error:  # the child just ended: the daemon notices and reports it elsewhere
+                    continue
+                key = [group.name, str(slot.task_id)]
+                cpu.add_metric(key, times.user + times.system)
+                rss.add_metric(key, float(memory.rss))
+        yield from (cpu, rss)
 
 
 class _AccountingCollector(_Declared):

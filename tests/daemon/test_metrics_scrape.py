@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kafold
@@ -35,9 +36,11 @@ class SkippingConnector(PluginConnector):
     task_class = SkippingTask
 
 
+@pytest.mark.parametrize("in_processes", [False, True], ids=["threads", "task-processes"])
 def test_scraped_metrics_show_the_process_the_build_and_each_record_counted_once(
-        tmp_path: Path, kafka_config: KafkaConfig, unique: str) -> None:
-    """6 events put, 3 of a type the task skips and 2 malformed records: processed 6, skipped 3, dead letters 2."""
+        tmp_path: Path, kafka_config: KafkaConfig, unique: str, in_processes: bool) -> None:
+    """6 events put, 3 of a type the task skips and 2 malformed records: processed 6, skipped 3, dead letters 2 (also
+    counted by the daemon when the task runs in a child process, whose CPU and memory then show per task)."""
     topic, dlq = f"{unique}.events", f"{unique}.dlq"
     create_topic(kafka_config, topic)
     create_topic(kafka_config, dlq)
@@ -55,7 +58,7 @@ def test_scraped_metrics_show_the_process_the_build_and_each_record_counted_once
     secret.chmod(0o600)
     path = write_config(tmp_path, kafka_config, unique, topic, port=free_port(),
                         connector="tests.daemon.test_metrics_scrape:SkippingConnector",
-                        daemon_extra=f'api_token_file = "{secret}"')
+                        daemon_extra=f'api_token_file = "{secret}"\ntask_processes = {str(in_processes).lower()}')
     path.write_text(path.read_text() + f'dead_letter_topic = "{dlq}"\n')  # still in the [[connectors]] table
     with daemon_in_process(path, token=token) as d:
         wait_for(lambda: committed(kafka_config, f"{unique}.sink", topic, 1) == {0: len(items)}, "the commit")
@@ -73,3 +76,8 @@ def test_scraped_metrics_show_the_process_the_build_and_each_record_counted_once
     assert samples[("kafold_events_processed_total", task)] == 6
     assert samples[("kafold_events_skipped_total", task)] == 3
     assert samples[("kafold_dead_letters_total", task)] == 2
+    child = ("kafold_task_process_resident_memory_bytes", task)
+    if in_processes:
+        assert samples[child] > 10 * 2**20 and samples[("kafold_task_process_cpu_seconds_total", task)] > 0
+    else:
+        assert child not in samples  # a thread of the daemon: its process is the daemon's (process_*)
