@@ -108,7 +108,8 @@ class DaemonHost:
         self.restart_timeout = d.shutdown_grace_s + 5.0
         self.exit_code = 0
         self.stopping = False
-        self.metrics = DaemonMetrics(lambda: self.groups, lambda: self.aggregates, lambda: self.scheduler)
+        self.metrics = DaemonMetrics(lambda: self.groups, lambda: self.aggregates, lambda: self.scheduler,
+                                     lambda: self.protector)
         self.notifier = sdnotify.Notifier()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.worker: _Worker | None = None

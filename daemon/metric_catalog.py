@@ -17,7 +17,7 @@ Kind = Literal["counter", "gauge", "histogram", "info"]
 
 # Dashboard rows and the catalog's grouping, in the order a reader goes through them.
 AREAS = ("build", "sink tasks", "offset accounting", "projections & rebuilds", "consistency waits", "effects",
-         "aggregates", "snapshots")
+         "aggregates", "snapshots", "protected data")
 # Families the daemon's registry carries that prometheus_client defines (process and platform collectors).
 STANDARD_PREFIXES = ("process_", "python_")
 
@@ -120,6 +120,14 @@ DAEMON: tuple[Family, ...] = (
            "(ok, failed).", ("result",), "snapshots"),
     Family("kafold_snapshot_last_success_timestamp_seconds", "gauge", "Unix time the daemon's last scheduled "
            "snapshot run ended well (absent until one did).", (), "snapshots"),
+    # protected data ([privacy], kafold.protect): the daemon process's key ring (its aggregates and the sink tasks
+    # run as its threads; a task process has a ring of its own)
+    Family("kafold_privacy_keys_cached", "gauge", "Subjects whose data key (or its absence) the daemon process has "
+           "cached (at most [privacy] key_cache_max).", (), "protected data"),
+    Family("kafold_privacy_key_store_reads", "counter", "Reads of the key store for data keys: cache misses and "
+           "batch prefetches (a steady rise with a full cache: raise key_cache_max).", (), "protected data"),
+    Family("kafold_privacy_key_cache_drops", "counter", "Times cached data keys were dropped: an erasure seen (the "
+           "store's erasure mark moved) or the cache full.", (), "protected data"),
 )
 
 # Built-in connectors' metrics (declared on their classes) by name prefix, for the area they belong to.

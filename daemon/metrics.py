@@ -41,6 +41,7 @@ from kafold.daemon.tasks import ConnectorGroup
 from kafold.snapshot.select import REJECTED
 
 if TYPE_CHECKING:
+    from kafold.protect import Protector
     from kafold.snapshot.scheduler import SnapshotScheduler
 
 log = logs.get(__name__)
@@ -57,7 +58,8 @@ class DaemonMetrics:
 
     def __init__(self, groups: Callable[[], list[ConnectorGroup]],
                  aggregates: Callable[[], dict[str, Any]] | None = None,
-                 scheduler: Callable[[], SnapshotScheduler | None] | None = None) -> None:
+                 scheduler: Callable[[], SnapshotScheduler | None] | None = None,
+                 protector: Callable[[], Protector | None] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         # prometheus_client's defaults, which a private registry does not get by itself
         ProcessCollector(registry=self.registry)
@@ -79,6 +81,7 @@ class DaemonMetrics:
         self.registry.register(_AccountingCollector(groups))
         self.registry.register(ConnectorCollector(groups))
         self.registry.register(_SnapshotCollector(scheduler or (lambda: None)))
+        self.registry.register(_PrivacyCollector(protector or (lambda: None)))
         if aggregates is not None:
             self.registry.register(_AggregateCollector(aggregates))
 
@@ -290,6 +293,25 @@ class _SnapshotCollector(_Declared):
             if sched.last_success_at is not None:
                 last.add_metric([], sched.last_success_at)
         yield from (rejected, runs, last)
+
+
+class _PrivacyCollector(_Declared):
+    """The daemon process's key ring ([privacy]): keys cached, store reads, cache drops; absent without rules."""
+
+    FAMILIES = ("kafold_privacy_keys_cached", "kafold_privacy_key_store_reads", "kafold_privacy_key_cache_drops")
+
+    def __init__(self, protector: Callable[[], Protector | None]) -> None:
+        self.protector = protector
+
+    def collect(self) -> Iterator[Any]:
+        cached, reads, drops = (_new(name) for name in self.FAMILIES)
+        protector = self.protector()
+        if protector is not None:
+            ring = protector.ring
+            cached.add_metric([], float(len(ring.cache)))
+            reads.add_metric([], float(ring.store_reads))
+            drops.add_metric([], float(ring.generation))
+        yield from (cached, reads, drops)
 
 
 # The aggregate runtime's counts (AggregateRuntime.counts) exported as outcomes, under their own names (as the

@@ -621,6 +621,7 @@ class KeyRing:
         # Bumped whenever cached keys are dropped: a holder of "these subjects are cached" (Protector.prefetch's
         # record keys) starts over when it moves.
         self.generation = 0
+        self.store_reads = 0  # key lookups that went to the store (cache misses, batch prefetches): /metrics
         _RINGS.add(self)
 
     def trust(self, margin: float = 0.0) -> None:
@@ -653,6 +654,7 @@ class KeyRing:
 
     def _fetch(self, subject: str) -> _Entry:
         """The subject's entry read from the store, and cached (the caller has called `trust`)."""
+        self.store_reads += 1
         row = self.store.get(subject)
         if row is None:
             return self._keep(subject, None, None)
@@ -676,6 +678,7 @@ class KeyRing:
             return hit[2]
         if (subject, key_id) in self.gone:
             return None
+        self.store_reads += 1
         row = self.store.get(subject)
         if row is not None and row[0] == key_id:
             return self._keep(subject, row[0], self.cipher.unwrap(subject, row[0], row[1]))[2]
@@ -699,6 +702,7 @@ class KeyRing:
         missing = {s for s in subjects if s not in cache}
         if not missing:
             return
+        self.store_reads += 1
         found = self.store.get_many(list(missing))
         for subject in missing:
             row = found.get(subject)

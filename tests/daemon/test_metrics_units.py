@@ -1,13 +1,15 @@
 """The daemon's metrics without a broker: counters that count what their names say, the aggregates' gate phases and
-fold errors, the snapshot schedule's runs."""
+fold errors, the snapshot schedule's runs, consistency waits and the key ring of protected data."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kafold import protect
 from kafold.daemon.aggregates.gate import LIVE, RECOVERING, STOPPED
 from kafold.daemon.metrics import DaemonMetrics
 from kafold.daemon.progress import BatchStats
@@ -75,3 +77,23 @@ def test_consistency_waits_are_counted_by_result_and_timed() -> None:
     assert got[("kafold_consistency_waits_total", (("connector", "accounts"), ("result", "timeout")))] == 2
     assert got[("kafold_consistency_wait_duration_seconds_count", (("connector", "accounts"),))] == 3
     assert got[("kafold_consistency_wait_duration_seconds_bucket", (("connector", "accounts"), ("le", "0.005")))] == 1
+
+
+def test_the_key_ring_shows_keys_cached_store_reads_and_drops() -> None:
+    """A miss reads the store once, a hit does not; an erasure seen drops the cache."""
+    ring = protect.KeyRing(protect.Cipher(os.urandom(32)), protect.MemoryKeyStore())
+    holder: dict[str, Any] = {"p": None}
+    metrics = DaemonMetrics(lambda: [], protector=lambda: holder["p"])
+    assert not any(name.startswith("kafold_privacy_") for name, _ in _samples(metrics))  # no [privacy] rules
+    holder["p"] = protect.Protector({}, ring)
+    ring.lookup("alice")
+    ring.lookup("alice")
+    ring.lookup("bob")
+    got = _samples(metrics)
+    assert got[("kafold_privacy_keys_cached", ())] == 2
+    assert got[("kafold_privacy_key_store_reads_total", ())] == 2
+    drops = got[("kafold_privacy_key_cache_drops_total", ())]  # the first look at the erasure mark counts as one
+    ring.drop()
+    got = _samples(metrics)
+    assert got[("kafold_privacy_keys_cached", ())] == 0
+    assert got[("kafold_privacy_key_cache_drops_total", ())] == drops + 1
