@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
+from kafold.connectors import registry
+
 Kind = Literal["counter", "gauge", "histogram", "info"]
 
 # Dashboard rows and the catalog's grouping, in the order a reader goes through them.
@@ -141,13 +143,14 @@ def daemon_family(name: str) -> Family:
 
 
 def connector_families() -> list[Family]:
-    """The metrics the built-in connectors declare (`Connector.metrics`), as families, once each."""
-    # imported here: the registry resolves entry points, which the daemon's collectors never need at import time
-    from kafold.connectors import registry
-
+    """The metrics the built-in connectors declare (`Connector.metrics`), as families, once each (a third-party
+    plugin's are its own to document and chart)."""
     seen: dict[str, Family] = {}
     for plugin in registry.available():
-        for m in registry.resolve(plugin).metrics:
+        connector = registry.resolve(plugin)
+        if not connector.__module__.startswith("kafold."):
+            continue
+        for m in connector.metrics:
             area = next((a for prefix, a in _CONNECTOR_AREAS if m.name.startswith(prefix)), "connectors")
             seen.setdefault(m.name, Family(m.name, m.kind, m.help, m.labels, area))
     return list(seen.values())
