@@ -81,7 +81,7 @@ class Wait(HostView):
 def _timeout_ms(raw: str | None) -> int | None:
     if raw is None:
         return DEFAULT_TIMEOUT_MS
-    if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_TIMEOUT_MS:
+    if not tokens.digits(raw, MAX_TIMEOUT_MS):
         return None
     return int(raw)
 

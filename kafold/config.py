@@ -302,6 +302,14 @@ class RegistryConfig:
                                     "backs off with the partitions paused and decodes the record again until the "
                                     "registry answers (a stop is served meanwhile); a rebuild or a replay fails.",
                                     minimum=0)
+    max_decoded_items: int = setting(100_000, doc="Most array elements plus map entries (object members) one record "
+                                     "may decode to; a record past it is dead-lettered (`too-large`) naming the "
+                                     "field (docs/security.md#bounds-on-hostile-input).", minimum=1)
+    unknown_id_ttl_s: float = setting(60.0, doc="How long a schema id the registry does not know is remembered as "
+                                      "unknown: its records are dead-lettered without asking the registry again.",
+                                      minimum=0)
+    unknown_id_max: int = setting(1000, doc="Unknown schema ids remembered per process (the oldest forgotten first).",
+                                  minimum=1)
 
 
 @dataclass(frozen=True)
