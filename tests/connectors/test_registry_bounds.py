@@ -42,7 +42,8 @@ def _framed(schema_id: int, body: bytes) -> bytes:
 def _format(kind: str = "avro", *, schema: bytes = EMPTY_ITEMS, fail: Exception | None = None,
             **cfg: Any) -> tuple[Any, list[int]]:
     """A registry format whose client answers `schema` (or raises `fail`) for any id; the ids it was asked for."""
-    fmt = registry_format(kind, RegistryConfig(url="http://127.0.0.1:9", retry_within_s=0, **cfg))
+    known = {k: v for k, v in cfg.items() if k in RegistryConfig.__dataclass_fields__}  # also runs on older trees
+    fmt = registry_format(kind, RegistryConfig(url="http://127.0.0.1:9", retry_within_s=0, **known))
     asked: list[int] = []
 
     def get_schema(schema_id: int, *a: Any, **kw: Any) -> Schema:
@@ -124,12 +125,14 @@ def test_a_registry_refusing_the_credentials_holds_the_partition(status: int) ->
 def test_a_flood_of_one_unknown_schema_id_asks_the_registry_once_per_ttl() -> None:
     fmt, asked = _format(fail=SchemaRegistryError(404, 40403, "Schema not found"), unknown_id_ttl_s=0.3)
     conv = _converter(fmt)
+    reasons = set()
     for offset in range(500):
         with pytest.raises(ConvertError, match="schema id 99 is unknown") as e:
             conv.event(b"k", _framed(99, b"\x00"), None, topic="orders", partition=0, offset=offset,
                        timestamp_ms=0, raw=None)
-        assert e.value.reason == "unknown-schema"
+        reasons.add(e.value.reason)
     assert asked == [99]
+    assert reasons == {"unknown-schema"}
     time.sleep(0.35)
     with pytest.raises(ConvertError):
         fmt.load("orders", _framed(99, b"\x00"), is_key=False)
