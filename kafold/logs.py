@@ -22,7 +22,7 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
@@ -60,7 +60,7 @@ def printable(value: object, limit: int = MAX_HEADER_CHARS) -> str:
     return f"{text}...(+{cut} chars)" if cut > 0 else text
 
 
-def escape_controls(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+def escape_controls(logger: Any, method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """structlog processor: control characters escaped in every string field (not the traceback's)."""
     for key, value in event.items():
         if type(value) is str and key not in _MULTILINE and _CONTROLS.search(value):
@@ -68,7 +68,7 @@ def escape_controls(logger: Any, method: str, event: dict[str, Any]) -> dict[str
     return event
 
 
-def _bound_foreign(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+def _bound_foreign(logger: Any, method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     """A third-party record's message cut at MAX_FOREIGN_CHARS: it may quote what a client sent."""
     text = event.get("event")
     if type(text) is str and len(text) > MAX_FOREIGN_CHARS:
@@ -190,7 +190,8 @@ def configure(level: str = "info", fmt: str = "auto", path: str | None = None) -
     handler = logging.StreamHandler(out)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(processors=[
         structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
-        foreign_pre_chain=[_bound_foreign, *shared, structlog.stdlib.add_logger_name]))  # whose line: faust, kafold.librdkafka
+        foreign_pre_chain=[_bound_foreign, *shared,
+                           structlog.stdlib.add_logger_name]))  # whose line: faust, kafold.librdkafka
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(max(_LEVELS[level], logging.WARNING))  # third-party chatter only from warnings up

@@ -55,7 +55,6 @@ MAGIC = 0
 HEADER = struct.Struct(">bI")
 NOT_FOUND_CODES = frozenset({40401, 40402, 40403, 40408})  # subject / version / schema not found
 AUTH_STATUSES = (401, 403)
-_UNSEEN = object()
 
 
 class RegistryKind(enum.StrEnum):
@@ -137,9 +136,9 @@ class RegistryFormat:
         def step() -> Any:
             try:
                 if self.kind is RegistryKind.AVRO:
-                    parsed = self._avro.get(schema_id, _UNSEEN)
-                    if parsed is _UNSEEN:
-                        parsed = self._avro[schema_id] = self._plain_avro(schema_id)
+                    if schema_id not in self._avro:
+                        self._avro[schema_id] = self._plain_avro(schema_id)
+                    parsed = self._avro[schema_id]
                     if parsed is not None:
                         from fastavro import schemaless_reader
 

@@ -140,7 +140,7 @@ def test_a_flood_of_one_unknown_schema_id_asks_the_registry_once_per_ttl() -> No
 
 
 def test_the_unknown_ids_remembered_are_bounded() -> None:
-    fmt, asked = _format(fail=SchemaRegistryError(404, 40403, "Schema not found"), unknown_id_max=10)
+    fmt, _ = _format(fail=SchemaRegistryError(404, 40403, "Schema not found"), unknown_id_max=10)
     for schema_id in range(100):
         with pytest.raises(ConvertError):
             fmt.load("orders", _framed(schema_id, b"\x00"), is_key=False)
