@@ -120,6 +120,9 @@ class DaemonConfig:
         "", doc="This daemon's HTTP address as the other instances of its group reach it (state reads sent on, "
         "redirects), e.g. `http://orders-2.orders:8083` in a container; empty: `http://<http_host>:<http_port>`, "
         "the host name when http_host binds every address.")
+    max_waits: int = setting(2000, doc="Most `GET /connectors/{name}/wait` long polls in progress at once, over "
+                             "all connectors; one more is answered 503 with `Retry-After` (each holds a connection).",
+                             minimum=1)
     state_routing: StateRouting = setting(
         StateRouting.FORWARD, doc="A state read for a key another instance owns: `forward` asks the owner and "
         "answers its reply; `redirect` answers 307 with the owner's URL (docs/aggregates.md#state-queries-on-any-"
