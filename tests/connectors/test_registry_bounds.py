@@ -13,6 +13,7 @@ import orjson
 import pytest
 from confluent_kafka.schema_registry import Schema
 from confluent_kafka.schema_registry.error import SchemaRegistryError
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from structlog.testing import capture_logs
 
 from kafold.config import RegistryConfig
@@ -23,6 +24,20 @@ from kafold.errors import RetriableError
 EMPTY_ITEMS = orjson.dumps({"type": "record", "name": "Hostile", "fields": [
     {"name": "id", "type": "string"},
     {"name": "marks", "type": {"type": "array", "items": {"type": "record", "name": "Mark", "fields": []}}}]})
+
+
+def _rows_class() -> Any:
+    """A protobuf message `Rows { repeated int64 n = 1; }` built from a descriptor (no protoc needed)."""
+    fd = descriptor_pb2.FileDescriptorProto(name="kafold_test_rows.proto", package="kafold.bounds", syntax="proto3")
+    msg = fd.message_type.add(name="Rows")
+    msg.field.add(name="n", number=1, type=descriptor_pb2.FieldDescriptorProto.TYPE_INT64,
+                  label=descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fd)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("kafold.bounds.Rows"))
+
+
+Rows = _rows_class()  # referenced by the protobuf format as "tests.connectors.test_registry_bounds:Rows"
 
 
 def _varint(n: int) -> bytes:
@@ -40,10 +55,10 @@ def _framed(schema_id: int, body: bytes) -> bytes:
 
 
 def _format(kind: str = "avro", *, schema: bytes = EMPTY_ITEMS, fail: Exception | None = None,
-            **cfg: Any) -> tuple[Any, list[int]]:
+            message_type: str = "", **cfg: Any) -> tuple[Any, list[int]]:
     """A registry format whose client answers `schema` (or raises `fail`) for any id; the ids it was asked for."""
     known = {k: v for k, v in cfg.items() if k in RegistryConfig.__dataclass_fields__}  # also runs on older trees
-    fmt = registry_format(kind, RegistryConfig(url="http://127.0.0.1:9", retry_within_s=0, **known))
+    fmt = registry_format(kind, RegistryConfig(url="http://127.0.0.1:9", retry_within_s=0, **known), message_type)
     asked: list[int] = []
 
     def get_schema(schema_id: int, *a: Any, **kw: Any) -> Schema:
@@ -110,6 +125,14 @@ def test_a_long_jsonschema_value_past_the_item_limit_is_dead_lettered() -> None:
     fmt, _ = _format("jsonschema", max_decoded_items=50)
     fmt._value = lambda data, ctx: {"rows": list(range(200))}  # the deserializer's result for a long record
     with pytest.raises(ConvertError, match="'rows'") as e:
+        fmt.load("orders", _framed(1, b" " * 300), is_key=False)
+    assert e.value.reason == "too-large"
+
+
+def test_a_long_protobuf_value_past_the_item_limit_is_dead_lettered() -> None:
+    fmt, _ = _format("protobuf", message_type="tests.connectors.test_registry_bounds:Rows", max_decoded_items=50)
+    fmt._value = lambda data, ctx: Rows(n=list(range(200)))  # the deserializer's result for a long record
+    with pytest.raises(ConvertError, match="'n'") as e:
         fmt.load("orders", _framed(1, b" " * 300), is_key=False)
     assert e.value.reason == "too-large"
 
