@@ -57,16 +57,20 @@ class AvroWalk:
     """Walks Avro binary against its writer schema (JSON form), counting array and map items without building
     them. `needed` is True when the schema has an array whose items can take no bytes."""
 
-    def __init__(self, schema: Any) -> None:
+    def __init__(self, schema: Any, referenced: tuple[Any, ...] = ()) -> None:
+        """`referenced`: the schemas `schema` refers to by name (its registry references), compiled first."""
         self.names: dict[str, Any] = {}
+        for named in referenced:
+            self._compile(named, "")
         self.root = self._compile(schema, "")
         self.needed = self._has_empty_items(self.root, set())
 
     def check(self, data: bytes, limit: int) -> None:
-        """TooMany when `data` declares more than `limit` items; returns quietly on bytes the decoder will refuse."""
-        self.data, self.pos, self.left, self.limit = data, 0, limit, limit
+        """TooMany when `data` declares more than `limit` items; returns quietly on bytes the decoder will refuse.
+        Safe to call from several threads at once: the walk's position lives in a cursor of its own."""
+        cursor = _Cursor(self, data, limit)
         try:
-            self._skip(self.root, "")
+            cursor.skip(self.root, "")
         except (_Stop, IndexError, RecursionError):
             return
 
@@ -102,13 +106,13 @@ class AvroWalk:
             return ("map", self._compile(t.get("values"), ns))
         return self._compile(kind, ns)
 
-    def _resolve(self, t: Any) -> Any:
+    def resolve(self, t: Any) -> Any:
         while t[0] == "ref":
             t = self.names.get(t[1]) or self.names.get(t[2]) or ("null",)
         return t
 
     def _has_empty_items(self, t: Any, seen: set[int]) -> bool:
-        t = self._resolve(t)
+        t = self.resolve(t)
         if id(t) in seen:
             return False
         seen.add(id(t))
@@ -124,7 +128,7 @@ class AvroWalk:
 
     def _empty(self, t: Any, seen: set[int]) -> bool:
         """True when a value of `t` can take no bytes."""
-        t = self._resolve(t)
+        t = self.resolve(t)
         if t[0] == "null":
             return True
         if t[0] == "fixed":
@@ -134,7 +138,15 @@ class AvroWalk:
             return all(self._empty(ft, seen) for _, ft in t[1])
         return False
 
-    def _long(self) -> int:
+
+class _Cursor:
+    """One walk of one record's bytes."""
+
+    def __init__(self, walk: AvroWalk, data: bytes, limit: int) -> None:
+        self.resolve = walk.resolve
+        self.data, self.pos, self.left, self.limit = data, 0, limit, limit
+
+    def long(self) -> int:
         data, shift, out = self.data, 0, 0
         while True:
             b = data[self.pos]
@@ -146,17 +158,17 @@ class AvroWalk:
             if shift > 63:
                 raise _Stop
 
-    def _skip(self, t: Any, path: str) -> None:
-        t = self._resolve(t)
+    def skip(self, t: Any, path: str) -> None:
+        t = self.resolve(t)
         kind = t[0]
         if kind == "null":
             return
         if kind in FIXED_WIDTH:
             self.pos += FIXED_WIDTH[kind]
         elif kind in VARINT:
-            self._long()
+            self.long()
         elif kind in SIZED:
-            size = self._long()
+            size = self.long()
             if size < 0:
                 raise _Stop
             self.pos += size
@@ -164,27 +176,27 @@ class AvroWalk:
             self.pos += t[1]
         elif kind in ("record", "error"):
             for name, ft in t[1]:
-                self._skip(ft, f"{path}.{name}" if path else name)
+                self.skip(ft, f"{path}.{name}" if path else name)
         elif kind == "union":
-            branch = self._long()
+            branch = self.long()
             if not 0 <= branch < len(t[1]):
                 raise _Stop
-            self._skip(t[1][branch], path)
+            self.skip(t[1][branch], path)
         else:  # array or map: blocks of items, a count of 0 ends them
             while True:
-                count = self._long()
+                count = self.long()
                 if count == 0:
                     return
                 if count < 0:  # a negative count is followed by the block's size in bytes
                     count = -count
-                    self._long()
+                    self.long()
                 self.left -= count
                 if self.left < 0:
                     raise TooMany(path, self.limit)
                 for _ in range(count):
                     if kind == "map":
-                        self._skip(("string",), path)
-                    self._skip(t[1], path)
+                        self.skip(("string",), path)
+                    self.skip(t[1], path)
                     if self.pos > len(self.data):
                         raise _Stop
         if self.pos > len(self.data):

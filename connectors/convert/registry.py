@@ -99,8 +99,8 @@ class RegistryFormat:
         # Avro schema id -> its parsed writer schema, read straight with fastavro; None: the schema has rules or
         # references, so confluent's deserializer runs (it applies them). The deserializer walks the schema again
         # for every record (~95 µs a record against ~10 µs here, docs/benchmarks.md); a schema without rules
-        # decodes the same either way. With it, the schema's item walk (bounds.AvroWalk).
-        self._avro: dict[int, tuple[Any, AvroWalk] | None] = {}
+        # decodes the same either way. With it, either way, the schema's item walk (bounds.AvroWalk).
+        self._avro: dict[int, tuple[Any, AvroWalk]] = {}
 
     def _deserializer(self, message_type: str) -> Any:
         from confluent_kafka.schema_registry.avro import AvroDeserializer
@@ -137,15 +137,14 @@ class RegistryFormat:
             try:
                 if self.kind is RegistryKind.AVRO:
                     if schema_id not in self._avro:
-                        self._avro[schema_id] = self._plain_avro(schema_id)
-                    parsed = self._avro[schema_id]
+                        self._avro[schema_id] = self._avro_schema(schema_id)
+                    parsed, walk = self._avro[schema_id]
+                    if walk.needed or len(data) - HEADER.size > self.max_items:
+                        walk.check(data[HEADER.size:], self.max_items)
                     if parsed is not None:
                         from fastavro import schemaless_reader
 
-                        schema, walk = parsed
-                        if walk.needed or len(data) - HEADER.size > self.max_items:
-                            walk.check(data[HEADER.size:], self.max_items)
-                        return schemaless_reader(io.BytesIO(data[HEADER.size:]), schema, None)
+                        return schemaless_reader(io.BytesIO(data[HEADER.size:]), parsed, None)
                 return des(data, ctx)
             except Exception as e:  # sorted below: the deserializers raise many kinds for bad bytes
                 raise self._classify(e, where, schema_id) from e
@@ -189,17 +188,32 @@ class RegistryFormat:
         while len(self._unknown) > self.unknown_max:
             del self._unknown[next(iter(self._unknown))]
 
-    def _plain_avro(self, schema_id: int) -> tuple[Any, AvroWalk] | None:
-        """The parsed writer schema of `schema_id` and its item walk when it has no rules and no references, else
-        None."""
+    def _avro_schema(self, schema_id: int) -> tuple[Any, AvroWalk]:
+        """The parsed writer schema of `schema_id` (None when it has rules or references: confluent's deserializer
+        reads it) and its item walk (over the referenced schemas too)."""
         import orjson
         from fastavro import parse_schema
 
         schema = self.client.get_schema(schema_id)  # cached by the client: one fetch per id
+        raw = orjson.loads(schema.schema_str or "null")
+        walk = AvroWalk(raw, tuple(orjson.loads(s) for s in self._referenced(schema, set())))
         if schema.schema_str is None or schema.rule_set is not None or schema.references:
-            return None
-        raw = orjson.loads(schema.schema_str)
-        return parse_schema(raw), AvroWalk(raw)
+            return None, walk
+        return parse_schema(raw), walk
+
+    def _referenced(self, schema: Any, seen: set[tuple[str, int]]) -> list[str]:
+        """The texts of the schemas `schema` references, theirs first (once each)."""
+        out: list[str] = []
+        for ref in schema.references or ():
+            key = (ref.subject, ref.version)
+            if key in seen:
+                continue
+            seen.add(key)
+            found = self.client.get_version(ref.subject, ref.version).schema  # cached by the client
+            out += self._referenced(found, seen)
+            if found.schema_str:
+                out.append(found.schema_str)
+        return out
 
     def _classify(self, e: Exception, where: str, schema_id: int) -> Exception:
         """RetriableError for a registry that is down or failing; ConvertError for a record that is wrong."""

@@ -92,6 +92,25 @@ def test_an_avro_record_declaring_endless_empty_items_is_dead_lettered_naming_th
         assert "orders[3]@41" in str(e.value) and "'marks'" in str(e.value) and "1000" in str(e.value)
 
 
+def test_an_avro_schema_with_references_is_walked_before_confluents_deserializer_runs() -> None:
+    from confluent_kafka.schema_registry import RegisteredSchema, SchemaReference
+
+    mark = '{"type": "record", "name": "Mark", "namespace": "kafold.test", "fields": []}'
+    root = ('{"type": "record", "name": "Marks", "namespace": "kafold.test", "fields": [{"name": "marks", '
+            '"type": {"type": "array", "items": "kafold.test.Mark"}}]}')
+    fmt, _ = _format(max_decoded_items=1000)
+    fmt.client.get_schema = lambda schema_id, *a, **kw: Schema(root, "AVRO", [SchemaReference(
+        "kafold.test.Mark", "mark-value", 1)])
+    fmt.client.get_version = lambda subject, version, *a, **kw: RegisteredSchema(subject, version, 3, None,
+                                                                                 Schema(mark, "AVRO"))
+    decoded: list[bytes] = []
+    fmt._value = lambda data, ctx: decoded.append(data) or {"marks": []}
+    with pytest.raises(ConvertError, match="'marks'") as e:
+        fmt.load("orders", _framed(8, _varint(2**60)), is_key=False)
+    assert e.value.reason == "too-large" and decoded == []
+    assert fmt.load("orders", _framed(8, _varint(2) + b"\x00"), is_key=False) == {"marks": []}  # the deserializer's
+
+
 def test_avro_records_within_the_limit_still_decode() -> None:
     fmt, _ = _format(max_decoded_items=1000)
     good = _framed(7, b"\x04ab" + _varint(3) + b"\x00")
