@@ -63,6 +63,7 @@ class NoToken(KafoldError):
 REQUEST_MAX_MS = 60_000  # the daemon's longest single wait; a longer timeout is several requests
 HTTP_SLACK_S = 5.0  # beyond the wait itself, for the request and its answer
 UNREACHABLE_RETRY_S = 0.2
+BUSY_RETRY_S = 1.0  # the daemon's Retry-After for a wait past daemon.max_waits
 
 
 REDIRECTS_MAX = 5
@@ -142,7 +143,7 @@ class DaemonClient:
         """Return once `connector`'s committed checkpoint covers `token`. NotVisible after `timeout` seconds;
         BadToken when the token is refused (checked here, then by the daemon against the connector's topics);
         KafoldError for an unknown connector, or a daemon that did not answer within `timeout` (a daemon
-        restarting is asked again until then)."""
+        restarting, or holding `daemon.max_waits` waits already, is asked again until then)."""
         tokens.parse(token)
         deadline = time.monotonic() + timeout
         while True:
@@ -160,6 +161,9 @@ class DaemonClient:
             message = str(body.get("message", "")) if isinstance(body, dict) else str(body)
             if status == 400 and message.startswith("token:"):
                 raise BadToken(message.removeprefix("token:").strip())
+            if status == 503 and "max_waits" in message and time.monotonic() + BUSY_RETRY_S < deadline:
+                time.sleep(BUSY_RETRY_S)  # the daemon holds its most waits at once; one ends soon
+                continue
             if status != 408:
                 raise KafoldError(f"{self.url}: waiting on connector {connector!r}: HTTP {status}: {message}")
             if time.monotonic() >= deadline:
