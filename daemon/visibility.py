@@ -27,7 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from confluent_kafka import ConsumerGroupTopicPartitions
 from confluent_kafka import TopicPartition as KafkaTP
 from faust.web import Request, Response
 from psycopg import sql
@@ -35,6 +34,7 @@ from psycopg import sql
 from kafold import db, kafka_clients, logs, tokens
 from kafold.config import PostgresConfig
 from kafold.connectors.projection.connector import ProjectionConnector
+from kafold.daemon import offsets
 from kafold.daemon.http import HostView
 from kafold.daemon.tasks import ConnectorGroup
 from kafold.tokens import BadToken, Positions
@@ -288,7 +288,7 @@ class GroupCommitted:
 
     def __init__(self, host: DaemonHost, connector: str) -> None:
         self.host, self.connector = host, connector
-        self.admin: Any = None
+        self.reader: Any = None
         self.remote: dict[tuple[str, int], int] = {}
         self.asked_at = float("-inf")
         self.partitions: list[KafkaTP] = []
@@ -312,21 +312,19 @@ class GroupCommitted:
         return found
 
     def _group_offsets(self, group_id: str, topics: list[str]) -> dict[tuple[str, int], int]:
-        if self.admin is None:
-            self.admin = kafka_clients.admin(self.host.cfg.kafka)
+        if self.reader is None:  # of the sink's group, never subscribed: it reads the group's offsets, never joins
+            self.reader = kafka_clients.consumer(self.host.cfg.kafka, group_id)
         if time.monotonic() - self.listed_at >= LIST_S:  # partitions are added rarely: listed now and then
-            meta = self.admin.list_topics(timeout=ADMIN_TIMEOUT_S)
+            meta = self.reader.list_topics(timeout=ADMIN_TIMEOUT_S)
             self.partitions = [KafkaTP(t, p) for t in topics if t in meta.topics
                                for p in sorted(meta.topics[t].partitions)]
             self.listed_at = time.monotonic()
-        if not self.partitions:
-            return {}
-        futures = self.admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group_id, self.partitions)])
-        result = futures[group_id].result(ADMIN_TIMEOUT_S)
-        return {(p.topic, p.partition): p.offset for p in result.topic_partitions if p.offset >= 0 and p.error is None}
+        return offsets.committed(self.reader, self.partitions, ADMIN_TIMEOUT_S)
 
     def close(self) -> None:
-        self.admin = None  # AdminClient has no close; dropping it ends its threads
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
 
 
 ROUTES: dict[str, type[HostView]] = {"/connectors/{name}/wait": Wait}
