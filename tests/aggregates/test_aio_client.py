@@ -1,7 +1,8 @@
 """kafold.aio's command client and event producer against a real broker, with this test answering as the aggregate
 runtime would (a result record carrying the command id): results are matched by command id, a cancelled send or
 a send whose result never comes leaves nothing behind, and closing the client stops its thread and fails whoever
-still waits with ClientClosed."""
+still waits with ClientClosed. Its DaemonClient follows the shared redirect rule (the token to its own origin
+only) against local HTTP servers."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ from typing import Any
 import pytest
 
 from kafold import kafka_clients, tokens
-from kafold.aio import ClientClosed, CommandClient, EventProducer
+from kafold.aio import ClientClosed, CommandClient, DaemonClient, EventProducer
 from kafold.client import ResultTimeout
 from kafold.config import AggregateConfig, KafkaConfig
 from kafold.envelope import Event
+from kafold.errors import KafoldError
 from kafold.messages import Command, Result
 from tests.aggregates.agg_support import bank_config, create_topics, read_all
+from tests.aggregates.test_instance_trust import TOKEN, recording_server
 
 
 def _answer(kafka: KafkaConfig, agg: AggregateConfig, commands: list[Command], version: int = 1) -> None:
@@ -114,3 +117,25 @@ def test_an_event_is_produced_and_its_token_names_where_it_landed(kafka_config: 
     positions = tokens.parse(tokens.merge(*landed) or "")
     assert positions == {(agg.topic("events"), 0): 9}
     assert len(read_all(kafka_config, agg.topic("events"))) == 10
+
+
+def test_the_async_daemon_client_sends_its_token_to_its_own_origin_only_and_asks_again_on_503() -> None:
+    with recording_server() as (elsewhere, far):
+        hops = {"/aggregates/account/a1": (307, {"Location": "/aggregates/account/moved"}, b""),
+                "/aggregates/account/moved": (302, {"Location": f"http://localhost:{elsewhere}/state"}, b""),
+                "/aggregates/account/file": (307, {"Location": "file:///etc/passwd"}, b""),
+                "/aggregates/account/busy": (503, {"Retry-After": "0.1"}, b'{"message": "the partition moves"}')}
+        with recording_server(hops) as (port, near):
+            async def main() -> None:
+                async with DaemonClient(f"http://127.0.0.1:{port}", TOKEN) as daemon:
+                    assert await daemon.state("account", "a1") == {"state": "forged"}
+                    with pytest.raises(KafoldError, match="not an http"):
+                        await daemon.state("account", "file")
+                    with pytest.raises(KafoldError, match="503 the partition moves"):
+                        await daemon.state("account", "busy", timeout=0.5)
+
+            asyncio.run(main())
+            assert near[:2] == [("/aggregates/account/a1", f"Bearer {TOKEN}"),
+                                ("/aggregates/account/moved", f"Bearer {TOKEN}")]  # same origin: kept
+            assert far == [("/state", None)]  # another host: no token
+            assert sum(1 for path, _ in near if path == "/aggregates/account/busy") >= 3  # asked again meanwhile
