@@ -118,7 +118,9 @@ class _Pump:
         except BaseException as e:
             log.error("aio.client_failed", error=str(e), error_type=type(e).__name__)
             self.failure = e
+            self.stopping.set()  # a send from now on is refused at once (ClientClosed), not queued for nobody
             kafka_clients.close_producer(self.producer, 0)
+            self._post(self._fail_waiters)  # without waiting for their timeouts or for aclose()
         finally:
             self._hand_over([])
             if reader is not None:
@@ -170,8 +172,14 @@ class _Pump:
         # `stopped` is posted by the thread's last statement: the join returns at once, and after it the thread is
         # gone from threading.enumerate() (what a caller counting threads sees)
         self.thread.join(1.0)
-        closed = ClientClosed("the client was closed" if self.failure is None else
-                              f"the client stopped: {self.failure}")
+        self._fail_waiters()
+
+    def closed(self) -> ClientClosed:
+        return ClientClosed("the client was closed" if self.failure is None else
+                            f"the client stopped on an error: {self.failure}")
+
+    def _fail_waiters(self) -> None:
+        closed = self.closed()
         for futures in self.waiters.values():
             for future in futures:
                 _settle(future, None, closed)
@@ -181,7 +189,7 @@ class _Pump:
                       ) -> asyncio.Future[Any]:
         """Hand a record to librdkafka (non-blocking); the future resolves to its delivered Message."""
         if self.stopping.is_set():
-            raise ClientClosed("the client was closed")
+            raise self.closed()
         future: asyncio.Future[Any] = self.loop.create_future()
         while True:
             try:

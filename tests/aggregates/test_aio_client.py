@@ -10,6 +10,7 @@ import asyncio
 import threading
 from typing import Any
 
+import anyio
 import pytest
 
 from kafold import kafka_clients, tokens
@@ -103,7 +104,8 @@ def test_closing_fails_pending_sends_with_client_closed_and_stops_the_thread(kaf
     asyncio.run(main())
 
 
-def test_an_event_is_produced_and_its_token_names_where_it_landed(kafka_config: KafkaConfig, unique: str) -> None:
+def test_an_event_is_produced_under_anyio_and_its_token_names_where_it_landed(kafka_config: KafkaConfig,
+                                                                              unique: str) -> None:
     agg = bank_config(unique)
     create_topics(kafka_config, agg)
 
@@ -113,7 +115,7 @@ def test_an_event_is_produced_and_its_token_names_where_it_landed(kafka_config: 
                 producer.produce(agg.topic("events"), Event.new("AccountOpened", agg.name, f"acc-{i}", 1,
                                                                 {"owner": "o"})) for i in range(10))))
 
-    landed: Any = asyncio.run(main())
+    landed: Any = anyio.run(main)  # an anyio application (its asyncio backend, the default)
     positions = tokens.parse(tokens.merge(*landed) or "")
     assert positions == {(agg.topic("events"), 0): 9}
     assert len(read_all(kafka_config, agg.topic("events"))) == 10
