@@ -18,7 +18,7 @@ import urllib.request
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
-from kafold import daemon_api, kafka_clients, logs, tokens
+from kafold import daemon_api, kafka_clients, tokens
 from kafold.config import AggregateConfig, KafkaConfig
 from kafold.consumer_loop import take
 from kafold.daemon_api import ANSWER_MAX_BYTES, REDIRECT_CODES, NotVisible, Pause, Reply, Unreachable, origin
@@ -36,9 +36,8 @@ from kafold.request_reply import (
 from kafold.tokens import BadToken
 
 __all__ = ["PARTITIONER", "BadToken", "CommandClient", "DaemonClient", "Landed", "NoToken", "NotVisible",
-           "ResultTimeout", "http_get", "origin", "run"]
+           "ResultTimeout", "http_get", "origin", "run_flow"]
 
-log = logs.get(__name__)
 T = TypeVar("T")
 
 
@@ -68,7 +67,7 @@ def _hop(hop: daemon_api.Hop) -> Reply | Unreachable:
         return Unreachable.of(e)
 
 
-def run(flow: daemon_api.Flow[T]) -> T:
+def run_flow(flow: daemon_api.Flow[T]) -> T:
     """Drive a kafold.daemon_api flow with urllib (blocking)."""
     outcome: Reply | Unreachable | None = None
     while True:
@@ -87,7 +86,7 @@ def http_get(url: str, token: str | None, timeout: float) -> tuple[int, bytes, A
     (kafold.daemon_api.get: `token` only to `url`'s origin, at most REDIRECTS_MAX, http(s) only, an answer of at
     most ANSWER_MAX_BYTES; KafoldError otherwise). OSError when nothing answers."""
     try:
-        reply = run(daemon_api.get(url, token, timeout))
+        reply = run_flow(daemon_api.get(url, token, timeout))
     except Unreachable as e:
         assert e.__cause__ is not None
         raise e.__cause__ from None
@@ -106,12 +105,12 @@ class DaemonClient(daemon_api.Endpoint):
         BadToken when the token is refused (checked here, then by the daemon against the connector's topics);
         KafoldError for an unknown connector, or a daemon that did not answer within `timeout` (a daemon
         restarting is asked again until then)."""
-        run(self.wait_flow(connector, token, timeout))
+        run_flow(self.wait_flow(connector, token, timeout))
 
     def state(self, aggregate: str, aggregate_id: str, min_version: int | None = None,
               timeout: float = 10.0) -> dict[str, Any]:
         """The daemon's answer to `GET /aggregates/{aggregate}/{id}` (kafold.daemon_api.Endpoint.state_flow)."""
-        return run(self.state_flow(aggregate, aggregate_id, min_version, timeout))
+        return run_flow(self.state_flow(aggregate, aggregate_id, min_version, timeout))
 
 
 class Landed:
