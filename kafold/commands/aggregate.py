@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from typing import Any
-from urllib.parse import quote, urlencode
 
 from kafold import commands, config, devstack, protect
 from kafold.cli import add_config_arg
-from kafold.client import CommandClient, DaemonClient, http_get
+from kafold.client import CommandClient, DaemonClient
 from kafold.errors import ConfigError, KafoldError
 from kafold.partitioning import partition_for
 from kafold.snapshot.fold import Domain
@@ -111,43 +109,7 @@ def get_state(args: argparse.Namespace) -> int:
 def state_from_daemon(daemon: config.DaemonConfig, url: str, aggregate: str, aggregate_id: str,
                       min_version: int | None, timeout: float) -> dict[str, Any]:
     """GET /aggregates/{aggregate}/{id} from the daemon at `url` (any instance: it forwards or redirects to the
-    owner; the token goes to `url`'s host only, kafold.client.http_get), asked again while the key's partition
-    moves (503, Retry-After) until `timeout` s. KafoldError for anything but the state."""
-    # the daemon waits at most 60 s per read (daemon/aggregates/routing.py WAIT_MAX_MS)
-    query = {} if min_version is None else {"min_version": min_version, "timeout_ms": min(int(timeout * 1000),
-                                                                                          60_000)}
-    target = f"{url.rstrip('/')}/aggregates/{quote(aggregate, safe='')}/{quote(aggregate_id, safe='')}"
-    if query:
-        target += "?" + urlencode(query)
-    deadline = time.monotonic() + timeout
+    owner; the token goes to `url`'s host only), asked again while the key's partition moves (503, Retry-After)
+    until `timeout` s (kafold.daemon_api). KafoldError for anything but the state."""
     token = daemon.api_token.reveal() if daemon.api_token is not None else None
-    while True:
-        try:
-            status, raw, headers, answered = http_get(target, token, timeout + 10)
-            if status == 200:
-                body: dict[str, Any] = json.loads(raw)
-                return body
-        except (OSError, ValueError) as e:
-            raise KafoldError(f"{target}: {e}") from None
-        pause = _retry_after(headers) if status == 503 else None
-        if pause is None or time.monotonic() + pause > deadline:
-            where = target if answered == target else f"{target} (redirected to {answered.split('?')[0]})"
-            raise KafoldError(f"{where}: {status} {_message(raw)}") from None
-        time.sleep(pause)
-
-
-def _message(raw: bytes) -> str:
-    try:
-        return str(json.loads(raw).get("message", ""))
-    except (ValueError, AttributeError):
-        return raw[:200].decode("utf-8", "replace")
-
-
-def _retry_after(headers: Any) -> float | None:
-    """The pause a 503 asks for; None without Retry-After (not a partition moving: asking again will not help)."""
-    if headers.get("Retry-After") is None:
-        return None
-    try:
-        return max(0.1, float(headers["Retry-After"]))
-    except ValueError:
-        return 1.0
+    return DaemonClient(url, token).state(aggregate, aggregate_id, min_version, timeout)
