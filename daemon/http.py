@@ -11,8 +11,8 @@ from aiohttp.typedefs import Handler, Middleware
 from faust.web import Request, Response, View
 from faust.web.drivers.aiohttp import Web as AiohttpWeb
 
+from kafold.daemon import status
 from kafold.daemon.aggregates import routing, trust
-from kafold.daemon.aggregates.gate import STATUS_FIELDS
 from kafold.daemon.metrics import CONTENT_TYPE
 from kafold.errors import ConfigError, KafoldError
 
@@ -123,29 +123,11 @@ class Metrics(HostView):
 
 
 class Status(HostView):
-    """kafold's own status (not a Connect path): one row per assigned partition, for `kafold status`."""
+    """kafold's own status (not a Connect path): one row per assigned partition, for `kafold status` (daemon/status.py
+    builds it, for the status page too)."""
 
     async def get(self, request: Request, **kwargs: Any) -> Response:
-        rows = []
-        for slot in self.host.slots:
-            base = {"connector": slot.connector.name, "task": slot.task_id, "state": slot.state}
-            snapshot = sorted(slot.runner.progress.snapshot.values(), key=lambda p: p.tp)
-            if not snapshot:
-                rows.append({**base, "topic": None, "partition": None})
-            for p in snapshot:
-                rows.append({**base, "topic": p.tp.topic, "partition": p.tp.partition, "committed": p.committed,
-                             "position": p.position, "end_offset": p.high_watermark if p.high_watermark is not None
-                             else p.listed_end, "lag": p.lag, "lag_seconds": round(p.lag_seconds(), 3),
-                             "caught_up": p.caught_up})
-        effects = [{"connector": slot.connector.name, "task": slot.task_id, **st} for slot in self.host.slots
-                   if "circuit" in (st := slot.runner.task_status)]
-        # The offset accounting (daemon/accounting.py): every partition a task's runner has seen records of.
-        accounting = [{"connector": slot.connector.name, "task": slot.task_id, **a.as_dict()}
-                      for slot in self.host.slots for a in slot.runner.accounts.values()]
-        aggregates = [{"aggregate": name, **{k: p.get(k) for k in STATUS_FIELDS}}
-                      for name, slot in self.host.aggregates.items() for p in slot.runtime.partitions()]
-        return self.json({"source": "daemon", "worker_id": self.host.worker_id, "partitions": rows,
-                          "effects": effects, "aggregates": aggregates, "accounting": accounting})
+        return self.json(await status.report(self.host))
 
 
 class AggregateState(HostView):
