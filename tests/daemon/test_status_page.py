@@ -23,7 +23,6 @@ from tests.support import browser, wait_for
 
 PERSONAL = "Jane Q. Example, 1 High Street"  # in a malformed record's bytes: must not reach the page
 WIDTH, HEIGHT = 1280, 1100
-SCREENSHOT = Path("/tmp/kafold-status-page.png")  # kept for a human to look at (the test's own copy is under tmp)
 
 
 def basic(token: str) -> str:
@@ -128,7 +127,6 @@ topics = ["{unique}.events"]
     assert token not in logged
 
     data = shot.read_bytes()
-    SCREENSHOT.write_bytes(data)
     width, height, pixels = browser.png_pixels(data)
     assert (width, height) == (WIDTH, HEIGHT)
     drawn, colours = browser.ink(pixels)

@@ -1,14 +1,19 @@
-"""The status page's rendering (daemon/status_page.py) and its HTTP Basic check (daemon/http.py). Pure."""
+"""The status page's rendering (daemon/status_page.py), its HTTP Basic check (daemon/http.py), and the dead-letter
+section when PostgreSQL is away (daemon/status.py). Pure but for one refused connection on loopback."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
 import re
+import time
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
+from kafold.config import PostgresConfig
+from kafold.daemon import status
 from kafold.daemon.http import basic_authorized
 from kafold.daemon.status_page import HEADERS, render
 
@@ -126,3 +131,15 @@ def test_basic_authorized(header: str, ok: bool) -> None:
 def test_basic_never_passes_without_a_token() -> None:
     """With no token configured every request passes the bearer check already: Basic adds nothing."""
     assert basic_authorized(None, basic(b"kafold:")) is False
+
+
+def test_dead_letters_unreadable_say_so_without_the_message() -> None:
+    """PostgreSQL away: the section names the error's class (its message may name hosts), logged under a dotted
+    event, within the short timeout instead of holding /status up."""
+    pgc = PostgresConfig(url="postgresql://kafold@127.0.0.1:1/kafold")  # nothing listens on port 1
+    started = time.monotonic()
+    with capture_logs() as logged:
+        got = status.dead_letters(pgc)
+    assert got == {"error": "RetriableError"}
+    assert time.monotonic() - started < status.PG_TIMEOUT_S + 2
+    assert [e["event"] for e in logged] == ["status.dead_letters_unavailable"]
