@@ -30,10 +30,11 @@ PG_TIMEOUT_S = 1
 
 async def report(host: DaemonHost) -> dict[str, Any]:
     """The daemon's status: its partitions, effects, aggregates and offset accounting from memory, and the open dead
-    letters from PostgreSQL (read in the executor) when the daemon has a database."""
+    letters from PostgreSQL (read in the executor) when a connector of the daemon uses it (else kafold's tables
+    may not exist there: a daemon of log sinks keeps its dead letters in their DLQ topics only)."""
     body = from_memory(host)
     pgc = host.cfg.postgres
-    if pgc is not None and pgc.url:
+    if pgc.url and any(g.connector.uses_postgres for g in host.groups):
         body["dead_letters"] = await host.call(dead_letters, pgc)
     return body
 

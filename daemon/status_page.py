@@ -115,7 +115,8 @@ def _aggregates(rows: list[dict[str, Any]]) -> str:
 
 def _dead_letters(section: dict[str, Any] | None) -> str:
     if section is None:
-        return '<p class="empty">no database: dead letters are not kept</p>'
+        return '<p class="empty">no connector of this daemon uses PostgreSQL, where dead letters are listed ' \
+               '(each connector\'s DLQ topic holds its own)</p>'
     if "error" in section:
         return f'<p class="bad">PostgreSQL could not be read ({_e(section["error"])})</p>'
     opened = section.get("open", {})

@@ -64,10 +64,10 @@ def test_escaped_values_in_attributes_too() -> None:
 
 
 def test_empty_states_say_so() -> None:
-    """A daemon with nothing running shows each section's empty state, and no database means no dead-letter table."""
+    """A daemon with nothing running shows each section's empty state; without PostgreSQL, where dead letters are."""
     page = render(report())
     for said in ("no connector runs in this daemon", "no records seen yet", "no effect connector",
-                 "no aggregate runs in this daemon", "no database: dead letters are not kept"):
+                 "no aggregate runs in this daemon", "no connector of this daemon uses PostgreSQL"):
         assert said in page
     assert "<table>" not in page
     assert "no open dead letters" in render(report(dead_letters={"open": {}, "newest": []}))
