@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from confluent_kafka import KafkaError, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from kafold import kafka_clients, logs
 from kafold.config import AggregateConfig, KafkaConfig, PostgresConfig
@@ -37,6 +38,14 @@ DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000  # events per page: a page's memory and time stay bounded whatever a caller asks
 RUN_GAP = 500  # offsets this close are read through instead of sought (see the offset note)
 FETCH_TIMEOUT_S = 10.0
+# Point readers per aggregate type, fetching a page's runs side by side: a seek costs a fetch round trip (~1 ms on
+# a local Apache Kafka), and one reader can have one fetch of a partition in flight; 4 brought a page of 50 spread
+# events from ~50 ms to ~15 ms (docs/benchmarks.md, history).
+READERS = 4
+# How long the broker holds a fetch at the partition's end. A seek waits for the fetch in flight, which at the end
+# of a run is often the one past it: 25 ms (the range readers') cost each seek up to that; Apache Kafka answers
+# a fetch with data at once whatever this is.
+POINT_FETCH_WAIT_MS = 5
 
 
 class NotFound(KafoldError):
@@ -78,13 +87,13 @@ def row_of(domain: Domain, event: Stored) -> dict[str, Any]:
             "offset": event.offset, "data": jsonable(domain_event(domain, b))}
 
 
-def point_reader(kafka: KafkaConfig, name: str) -> Any:
+def point_reader(kafka: KafkaConfig, name: str, fetch_wait_ms: int = POINT_FETCH_WAIT_MS) -> Any:
     """A group-less read_committed reader for a few offsets at a time: small fetches (a seek fetches from the
     offset on, and a history read wants a few records, not a replay's 16 MB), partition EOF reported."""
     return kafka_clients.consumer(kafka, f"kafold.history.{name}", **{
         "enable.partition.eof": True, "isolation.level": "read_committed",
         "fetch.max.bytes": 1024 * 1024, "max.partition.fetch.bytes": 256 * 1024,
-        "fetch.wait.max.ms": kafka_clients.RANGE_FETCH_WAIT_MS})
+        "fetch.wait.max.ms": fetch_wait_ms})
 
 
 def runs(offsets: Sequence[int], gap: int = RUN_GAP) -> list[list[int]]:
@@ -103,10 +112,19 @@ def fetch(consumer: Any, topic: str, partition: int, offsets: Sequence[int],
     """The committed records at `offsets` (offset -> (key, value)); an offset without one (aborted, deleted, past
     the end) is absent. One seek per run of close offsets (`runs`)."""
     got: dict[int, tuple[bytes | None, bytes | None]] = {}
+    assigned = False
     try:
         for run in runs(offsets):
             wanted, last = set(run), run[-1]
-            consumer.assign([TopicPartition(topic, partition, run[0])])
+            at = TopicPartition(topic, partition, run[0])
+            if assigned:
+                try:
+                    consumer.seek(at)  # cheaper than a new assignment (no fetch state rebuilt)
+                except KafkaException:
+                    consumer.assign([at])
+            else:
+                consumer.assign([at])
+                assigned = True
             deadline = time.monotonic() + timeout_s
             while True:
                 m = consumer.poll(max(0.0, min(1.0, deadline - time.monotonic())))
@@ -136,17 +154,34 @@ class History:
     """Reads the histories of one aggregate type; keeps its Kafka readers and index connection (one caller at a
     time: the daemon holds one per aggregate behind a lock)."""
 
-    def __init__(self, kafka: KafkaConfig, pgc: PostgresConfig, agg: AggregateConfig, domain: Domain) -> None:
+    def __init__(self, kafka: KafkaConfig, pgc: PostgresConfig, agg: AggregateConfig, domain: Domain, *,
+                 readers: int = READERS, fetch_wait_ms: int = POINT_FETCH_WAIT_MS) -> None:
+        """`readers`, `fetch_wait_ms`: see READERS and POINT_FETCH_WAIT_MS (other values for the bench)."""
         self.agg, self.domain = agg, domain
         self.topic = agg.topic("events")
         self.index = EventIndex(pgc)
         self.scanner = kafka_io.reader(kafka)  # catch-ups read partitions through: large fetches
-        self.points = point_reader(kafka, agg.name)
+        self.points = [point_reader(kafka, agg.name, fetch_wait_ms) for _ in range(readers)]
+        self.pool = ThreadPoolExecutor(readers, thread_name_prefix=f"kafold-history-{agg.name}")
 
     def close(self) -> None:
+        self.pool.shutdown()
         self.index.close()
         self.scanner.close()
-        self.points.close()
+        for reader in self.points:
+            reader.close()
+
+    def fetch(self, partition: int, offsets: Sequence[int]) -> dict[int, tuple[bytes | None, bytes | None]]:
+        """`fetch` with the point readers side by side, each given every n-th run of the offsets."""
+        split, n = runs(offsets), len(self.points)
+        if len(split) <= 1 or n == 1:
+            return fetch(self.points[0], self.topic, partition, offsets)
+        shares = [[o for run in split[i::n] for o in run] for i in range(min(n, len(split)))]
+        got: dict[int, tuple[bytes | None, bytes | None]] = {}
+        for part in self.pool.map(lambda i: fetch(self.points[i], self.topic, partition, shares[i]),
+                                  range(len(shares))):
+            got.update(part)
+        return got
 
     def partition_of(self, aggregate_id: str) -> int:
         return partition_for(aggregate_id.encode(), self.agg.partitions)
@@ -161,7 +196,7 @@ class History:
         partition = self.partition_of(aggregate_id)
         self.catch_up(partition)
         rows = self.index.rows(self.topic, aggregate_id, from_version, upto, limit)
-        records = fetch(self.points, self.topic, partition, [r.offset for r in rows if r.partition == partition])
+        records = self.fetch(partition, [r.offset for r in rows if r.partition == partition])
         out: list[Stored] = []
         for row in rows:
             found = records.get(row.offset) if row.partition == partition else None
