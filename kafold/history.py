@@ -36,7 +36,10 @@ from kafold.snapshot.fold import Domain, folder
 log = logs.get(__name__)
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000  # events per page: a page's memory and time stay bounded whatever a caller asks
-RUN_GAP = 500  # offsets this close are read through instead of sought (see the offset note)
+# Offsets this close are read through instead of sought (see the offset note): a record read through costs a poll
+# (~30 µs), a seek a fetch round trip (1-2 ms on a local Apache Kafka); 50 and 500 gave the same pages, 5000 pages
+# 7x slower (docs/benchmarks.md, history).
+RUN_GAP = 64
 FETCH_TIMEOUT_S = 10.0
 # Point readers per aggregate type, fetching a page's runs side by side: a seek costs a fetch round trip (~1 ms on
 # a local Apache Kafka), and one reader can have one fetch of a partition in flight; 4 brought a page of 50 spread
@@ -160,13 +163,17 @@ class History:
         self.agg, self.domain = agg, domain
         self.topic = agg.topic("events")
         self.index = EventIndex(pgc)
+        self.indexer = EventIndex(pgc)  # catch-ups run beside the reads, on a connection of their own
+        self.catching_up = ThreadPoolExecutor(1, thread_name_prefix=f"kafold-history-{agg.name}-index")
         self.scanner = kafka_io.reader(kafka)  # catch-ups read partitions through: large fetches
         self.points = [point_reader(kafka, agg.name, fetch_wait_ms) for _ in range(readers)]
         self.pool = ThreadPoolExecutor(readers, thread_name_prefix=f"kafold-history-{agg.name}")
 
     def close(self) -> None:
         self.pool.shutdown()
+        self.catching_up.shutdown()
         self.index.close()
+        self.indexer.close()
         self.scanner.close()
         for reader in self.points:
             reader.close()
@@ -187,16 +194,26 @@ class History:
         return partition_for(aggregate_id.encode(), self.agg.partitions)
 
     def catch_up(self, partition: int) -> CaughtUp:
-        return self.index.catch_up(self.scanner, self.topic, partition)
+        return self.indexer.catch_up(self.scanner, self.topic, partition)
 
     def stored(self, aggregate_id: str, from_version: int = 1, upto: int | None = None,
                limit: int | None = None) -> list[Stored]:
         """The aggregate's events from `from_version` (to `upto`; at most `limit`), in version order, each checked
         against its index row (see the module's offset note)."""
         partition = self.partition_of(aggregate_id)
-        self.catch_up(partition)
+        if self.index.mark(self.topic, partition) is None:
+            self.catch_up(partition)  # never indexed (or dropped): the backfill first
+        # The catch-up (a ListOffsets round trip, then what was written since) runs while the rows already indexed
+        # are fetched: those are a prefix of the history, since a catch-up only adds events past the mark, and an
+        # aggregate's later versions lie at later offsets; what it adds is fetched after.
+        pending = self.catching_up.submit(self.catch_up, partition)
         rows = self.index.rows(self.topic, aggregate_id, from_version, upto, limit)
         records = self.fetch(partition, [r.offset for r in rows if r.partition == partition])
+        if pending.result().indexed and (limit is None or len(rows) < limit):
+            more = self.index.rows(self.topic, aggregate_id, rows[-1].version + 1 if rows else from_version, upto,
+                                   None if limit is None else limit - len(rows))
+            records.update(self.fetch(partition, [r.offset for r in more if r.partition == partition]))
+            rows += more
         out: list[Stored] = []
         for row in rows:
             found = records.get(row.offset) if row.partition == partition else None
