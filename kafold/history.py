@@ -91,11 +91,13 @@ def row_of(domain: Domain, event: Stored) -> dict[str, Any]:
 
 
 def point_reader(kafka: KafkaConfig, name: str, fetch_wait_ms: int = POINT_FETCH_WAIT_MS) -> Any:
-    """A group-less read_committed reader for a few offsets at a time: small fetches (a seek fetches from the
-    offset on, and a history read wants a few records, not a replay's 16 MB), partition EOF reported."""
+    """A group-less read_committed reader for a few offsets at a time, partition EOF reported. Small fetches: a
+    seek fetches from the offset on and a history read wants one record there, not a replay's 16 MB; the broker
+    still sends the whole first record batch, however large, so no event is too big for it. 8 KB instead of 256 KB
+    took a page of ~50 spread events from 26 to 18 ms (p50; docs/benchmarks.md, history)."""
     return kafka_clients.consumer(kafka, f"kafold.history.{name}", **{
         "enable.partition.eof": True, "isolation.level": "read_committed",
-        "fetch.max.bytes": 1024 * 1024, "max.partition.fetch.bytes": 256 * 1024,
+        "fetch.max.bytes": 1024 * 1024, "max.partition.fetch.bytes": 8 * 1024,
         "fetch.wait.max.ms": fetch_wait_ms})
 
 
