@@ -221,13 +221,13 @@ class History:
             found = records.get(row.offset) if row.partition == partition else None
             body = _matching(found, aggregate_id, row)
             if body is None:
-                self._drop(aggregate_id, row, partition)
+                self._drop(aggregate_id, row)
                 continue
             assert found is not None and found[0] is not None and found[1] is not None
             out.append(Stored(partition, row.offset, found[0], found[1], body))
         return out
 
-    def _drop(self, aggregate_id: str, row: Row, partition: int) -> None:
+    def _drop(self, aggregate_id: str, row: Row) -> None:
         log.warning("history.index_row_dropped", topic=self.topic, partition=row.partition, offset=row.offset,
                     aggregate=self.agg.name, version=row.version,
                     reason="no committed record of this event there (an aborted transaction's, deleted, or the "
