@@ -60,6 +60,12 @@ class Histories:
         self.made: dict[str, tuple[History, threading.Lock]] = {}
         self.lock = threading.Lock()
 
+    def close(self) -> None:
+        with self.lock:
+            for made, _ in self.made.values():
+                made.close()
+            self.made.clear()
+
     def _history(self, slot: AggregateSlot) -> tuple[History, threading.Lock]:
         with self.lock:
             got = self.made.get(slot.name)
@@ -119,3 +125,10 @@ def histories(host: DaemonHost) -> Histories:
     if found is None:
         found = _HISTORIES[host] = Histories(host)
     return found
+
+
+def close(host: DaemonHost) -> None:
+    """Close the host's history readers (when it stops); nothing when no history was read."""
+    found = _HISTORIES.pop(host, None)
+    if found is not None:
+        found.close()
