@@ -38,7 +38,7 @@ from kafold.config import KafoldConfig, Loaded, python_path
 from kafold.connectors.api import TopicPartition
 from kafold.connectors.registry import instantiate, resolve
 from kafold.daemon import connect_api, extensions, http, offsets, signals, status_page, visibility
-from kafold.daemon.aggregates import trust
+from kafold.daemon.aggregates import history, trust
 from kafold.daemon.metrics import DaemonMetrics
 from kafold.daemon.tasks import (
     AggregateSlot,
@@ -383,6 +383,7 @@ class DaemonHost:
                     self.exit_code = 1
             finally:
                 _close_idle_consumer_loop(app)
+                history.close(self)  # the history readers' consumers and connections, if a read made them
                 tracing.shutdown()  # export the spans still buffered
         return self.exit_code
 

@@ -14,7 +14,7 @@ from faust.web import Request, Response, View
 from faust.web.drivers.aiohttp import Web as AiohttpWeb
 
 from kafold.daemon import status
-from kafold.daemon.aggregates import routing, trust
+from kafold.daemon.aggregates import history, routing, trust
 from kafold.daemon.metrics import CONTENT_TYPE
 from kafold.errors import ConfigError, KafoldError
 
@@ -30,6 +30,7 @@ STATE_PATH = "/aggregates/{name}/{id}"  # also answers other instances' signed r
 # password of HTTP Basic, on GET and HEAD only, since a browser sends cached Basic credentials with any request to
 # the origin, a cross-site form's POST included (docs/security.md#the-status-page).
 PAGE_PATH = "/ui"
+EVENTS_PATH = "/aggregates/{name}/{id}/events"
 
 
 def token_guard(host: DaemonHost) -> Middleware:
@@ -170,10 +171,30 @@ class AggregateState(HostView):
             return self.problem(404, f"Aggregate {name} not found")
         try:
             wait = routing.Wait.parse(request.query)
+            version = history.version_query(request.query)
         except ValueError as e:
             return self.problem(400, str(e))
+        if version is not None:  # an earlier state: from the history (any instance), not the owner's runtime
+            got = await self.host.call(history.histories(self.host).state, slot, id, version)
+            return self.json(got.body, status=got.status, headers=got.headers)
         # Faust's aiohttp driver hands over aiohttp's own request (guard_web insists on that driver)
         got = await routing.router(self.host).read(slot, id, wait, cast(web.Request, request), self.app.http_client)
+        return self.json(got.body, status=got.status, headers=got.headers)
+
+
+class AggregateEvents(HostView):
+    """GET /aggregates/{name}/{id}/events[?from_version=N&limit=L]: a page of the aggregate's events and the link to
+    the next (daemon/aggregates/history.py); any instance answers it."""
+
+    async def get(self, request: Request, name: str = "", id: str = "", **kwargs: Any) -> Response:
+        slot = self.host.aggregates.get(name)
+        if slot is None:
+            return self.problem(404, f"Aggregate {name} not found")
+        try:
+            from_version, limit = history.page_query(request.query)
+        except ValueError as e:
+            return self.problem(400, str(e))
+        got = await self.host.call(history.histories(self.host).page, slot, id, from_version, limit)
         return self.json(got.body, status=got.status, headers=got.headers)
 
 
@@ -214,6 +235,7 @@ ROUTES: dict[str, type[HostView]] = {
     "/metrics": Metrics,
     "/status": Status,
     STATE_PATH: AggregateState,
+    EVENTS_PATH: AggregateEvents,
     "/reload": Reload,
     "/subjects/{subject}/forget": ForgetSubject,
 }

@@ -348,9 +348,9 @@ class DaemonClient(daemon_api.Endpoint):
         await self._run(self.wait_flow(connector, token, timeout))
 
     async def state(self, aggregate: str, aggregate_id: str, min_version: int | None = None,
-                    timeout: float = 10.0) -> dict[str, Any]:
+                    timeout: float = 10.0, version: int | None = None) -> dict[str, Any]:
         """The daemon's answer to `GET /aggregates/{aggregate}/{id}` (kafold.daemon_api.Endpoint.state_flow)."""
-        return await self._run(self.state_flow(aggregate, aggregate_id, min_version, timeout))
+        return await self._run(self.state_flow(aggregate, aggregate_id, min_version, timeout, version))
 
     async def _run(self, flow: daemon_api.Flow[T]) -> T:
         outcome: Reply | Unreachable | None = None

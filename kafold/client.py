@@ -108,9 +108,9 @@ class DaemonClient(daemon_api.Endpoint):
         run_flow(self.wait_flow(connector, token, timeout))
 
     def state(self, aggregate: str, aggregate_id: str, min_version: int | None = None,
-              timeout: float = 10.0) -> dict[str, Any]:
+              timeout: float = 10.0, version: int | None = None) -> dict[str, Any]:
         """The daemon's answer to `GET /aggregates/{aggregate}/{id}` (kafold.daemon_api.Endpoint.state_flow)."""
-        return run_flow(self.state_flow(aggregate, aggregate_id, min_version, timeout))
+        return run_flow(self.state_flow(aggregate, aggregate_id, min_version, timeout, version))
 
 
 class Landed:

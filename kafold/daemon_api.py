@@ -164,16 +164,19 @@ class Endpoint:
                                  f"(behind: {json.dumps(behind)})")
 
     def state_flow(self, aggregate: str, aggregate_id: str, min_version: int | None = None,
-                   timeout: float = 10.0) -> Flow[dict[str, Any]]:
+                   timeout: float = 10.0, version: int | None = None) -> Flow[dict[str, Any]]:
         """`GET /aggregates/{aggregate}/{id}` (any instance: it forwards or redirects to the owner), asked again
         while the key's partition moves (503 with Retry-After) until `timeout` s; with `min_version`, the daemon
-        waits until the state has reached it. The answer's JSON; KafoldError for anything but the state."""
+        waits until the state has reached it; with `version`, the state after the aggregate's first `version`
+        events (from its history). The answer's JSON; KafoldError for anything but the state."""
         # the daemon waits at most 60 s per read (daemon/aggregates/routing.py WAIT_MAX_MS)
         target = f"{self.url}/aggregates/{urllib.parse.quote(aggregate, safe='')}/" \
                  f"{urllib.parse.quote(aggregate_id, safe='')}"
+        query: dict[str, int] = {} if version is None else {"version": version}
         if min_version is not None:
-            target += "?" + urllib.parse.urlencode({"min_version": min_version,
-                                                    "timeout_ms": min(int(timeout * 1000), REQUEST_MAX_MS)})
+            query.update(min_version=min_version, timeout_ms=min(int(timeout * 1000), REQUEST_MAX_MS))
+        if query:
+            target += "?" + urllib.parse.urlencode(query)
         deadline = time.monotonic() + timeout
         while True:
             try:
