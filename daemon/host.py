@@ -37,8 +37,8 @@ from kafold import db, devstack, erasure_log, logs, protect, sdnotify, tracing
 from kafold.config import KafoldConfig, Loaded, python_path
 from kafold.connectors.api import TopicPartition
 from kafold.connectors.registry import instantiate, resolve
-from kafold.daemon import connect_api, extensions, http, offsets, signals, visibility
-from kafold.daemon.aggregates import trust
+from kafold.daemon import connect_api, extensions, http, offsets, signals, status_page, visibility
+from kafold.daemon.aggregates import history, trust
 from kafold.daemon.metrics import DaemonMetrics
 from kafold.daemon.tasks import (
     AggregateSlot,
@@ -166,7 +166,7 @@ class DaemonHost:
                    topic_replication_factor=self.cfg.kafka.replication_factor)
         http.guard_web(app, self)  # the token in front of Faust's own routes too (docs/security.md)
         logs.withhold_request_bytes()  # aiohttp logs a request it cannot parse quoting its header lines
-        for path, view in {**http.ROUTES, **connect_api.ROUTES, **visibility.ROUTES}.items():
+        for path, view in {**http.ROUTES, **connect_api.ROUTES, **visibility.ROUTES, **status_page.ROUTES}.items():
             app.page(path, name=view.__name__)(type(view.__name__, (view,), {"host": self}))
         app.service(type("KafoldTasks", (TasksService,), {"host": self}))
         installed = extensions.install(app, self.extensions)
@@ -384,6 +384,7 @@ class DaemonHost:
                     self.exit_code = 1
             finally:
                 _close_idle_consumer_loop(app)
+                history.close(self)  # the history readers' consumers and connections, if a read made them
                 tracing.shutdown()  # export the spans still buffered
         return self.exit_code
 

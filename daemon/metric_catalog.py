@@ -92,7 +92,8 @@ DAEMON: tuple[Family, ...] = (
     # consistency waits (GET /connectors/{name}/wait, daemon/visibility.py)
     Family("kafold_consistency_waits", "counter", "Waits for a consistency token answered, by result: covered (200), "
            "timeout (408: the connector did not cover the token in time), unreadable (503: its committed positions "
-           "could not be read).", ("connector", "result"), "consistency waits"),
+           "could not be read), refused (503: daemon.max_waits waits at once).", ("connector", "result"),
+           "consistency waits"),
     Family("kafold_consistency_wait_duration_seconds", "histogram", "Time a wait for a consistency token took until "
            "its answer (covered or not).", ("connector",), "consistency waits"),
     # aggregates

@@ -96,10 +96,12 @@ class DaemonMetrics:
             self.skipped.labels(*key).inc(stats.skipped)
         self.batches.labels(*key).observe(stats.duration_s)
 
-    def waited(self, connector: str, result: str, seconds: float) -> None:
-        """One answered wait for a consistency token (daemon/visibility.py): covered, timeout or unreadable."""
+    def waited(self, connector: str, result: str, seconds: float | None = None) -> None:
+        """One answered wait for a consistency token (daemon/visibility.py): covered, timeout or unreadable after
+        `seconds`; refused (too many at once) without a wait."""
         self.waits.labels(connector, result).inc()
-        self.wait_time.labels(connector).observe(seconds)
+        if seconds is not None:
+            self.wait_time.labels(connector).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

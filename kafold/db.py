@@ -28,7 +28,7 @@ assert _SPEC is not None and _SPEC.submodule_search_locations is not None
 MIGRATIONS_DIR = Path(next(iter(_SPEC.submodule_search_locations))).resolve()
 # The newest of migrations/versions (a test checks it is Alembic's single head): a database already at it is
 # recognised with one psycopg query, so a daemon's start loads SQLAlchemy and Alembic (~21 MB) only to migrate.
-HEAD = "0007_key_store_purge"
+HEAD = "0008_event_index"
 # Serialises concurrent `upgrade` calls (several daemons or tasks starting at once) on one database.
 _MIGRATION_LOCK = 0x6B61_666F_6C64  # "kafold"
 

@@ -9,6 +9,7 @@ hot paths check `tracer()` once per batch and touch no header when it is None. O
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -20,6 +21,8 @@ log = logs.get(__name__)
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 _NAMES = (TRACEPARENT, TRACESTATE)
+MAX_TRACESTATE_CHARS = 512  # the W3C limit the SDK applies too
+_W3C_TRACESTATE = re.compile(f"[\\x20-\\x7e]{{0,{MAX_TRACESTATE_CHARS}}}")
 MAX_LINKS = 128  # the SDK's default link limit per span: a batch links at most this many distinct contexts
 
 HeaderList = Sequence[tuple[str, bytes | None]]
@@ -84,6 +87,11 @@ def extract(headers: HeaderList | None) -> Any:
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     carrier = {k: v.decode("latin-1") for k, v in headers or () if k in _NAMES and v is not None}
+    state = carrier.get(TRACESTATE)
+    if state is not None and not _W3C_TRACESTATE.fullmatch(state):
+        # W3C allows printable ASCII only, up to MAX_TRACESTATE_CHARS; anything else is dropped here, before the
+        # SDK's parser warns about it quoting the whole member (a producer's bytes, CR/LF included).
+        del carrier[TRACESTATE]
     return TraceContextTextMapPropagator().extract(carrier)
 
 

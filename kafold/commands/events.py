@@ -18,6 +18,7 @@ from confluent_kafka import Consumer, KafkaException
 
 from kafold import commands, config, logs, protect
 from kafold.cli import add_config_arg
+from kafold.commands import history
 from kafold.commands.snapshot import python_paths, selected_aggregates
 from kafold.config import AggregateConfig, FoldErrorPolicy, KafkaConfig
 from kafold.errors import ConfigError, FatalError, RetriableError
@@ -36,7 +37,8 @@ Reporter = Callable[[int, int], None]  # (offsets read, offsets in the captured 
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("events", help="check an aggregate's stored events against the current code")
+    p = sub.add_parser("events", help="an aggregate's stored events: list one aggregate's history, index it, "
+                       "check them all against the current code")
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     audit = actions.add_parser(
         "audit", help="count events per type and schema version; report which do not decode, upcast or fold")
@@ -52,6 +54,7 @@ def register(sub: Any) -> None:
                        help="Spark master (default [snapshots].spark_master; under spark-submit: its --master)")
     audit.add_argument("--no-progress", action="store_true", help="draw no progress bar even on a terminal")
     audit.set_defaults(handler=handle_audit)
+    history.register_actions(actions)
 
 
 # ---- the report ------------------------------------------------------------------------------------------------
