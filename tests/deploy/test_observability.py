@@ -202,10 +202,10 @@ def test_operations_guide_points_at_each_alert_and_the_files() -> None:
 
 
 def test_metrics_doc_lists_every_exported_metric_as_declared() -> None:
-    """docs/metrics.md has one row per family, with its kind and labels as the catalog declares them."""
+    """docs/metrics.md has one row per family, with its kind, labels and help as the catalog declares them."""
     doc = METRICS_DOC.read_text()
     for f in metric_catalog.exported():
-        row = f"| `{f.series()[0]}` | {f.kind} | {', '.join(f.labels) or '—'} |"
+        row = f"| `{f.series()[0]}` | {f.kind} | {', '.join(f.labels) or '—'} | {f.help} |"
         assert row in doc, f"docs/metrics.md: no row {row}"
     listed = set(re.findall(r"^\| `(kafold_[a-z0-9_]+)`", doc, re.M))
     assert listed <= exported_series(), listed - exported_series()
