@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -138,6 +139,16 @@ def test_dashboard_queries_only_exported_metrics() -> None:
         names = metric_names(expr)
         assert names, f"{title}: {expr} selects no metric"
         assert names <= exported_series(), f"{title}: {sorted(names - exported_series())} not exported"
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing: make test-tools (Debian's prometheus)")
+def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
+    """Each panel's expression parses: promtool checks them as recording rules."""
+    rules = [{"record": f"kafold:panel_{i}", "expr": expr} for i, (_, expr) in enumerate(_queries(_dashboard()))]
+    path = tmp_path / "panels.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
+    res = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_every_exported_metric_is_on_the_dashboard() -> None:
