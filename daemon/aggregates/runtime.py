@@ -56,7 +56,7 @@ from kafold.envelope import format_epoch_ms
 from kafold.errors import DecodeError, FatalError, RecordError, RetriableError
 from kafold.fold import Folder, FoldError, Parked
 from kafold.messages import REJECTED, Command, Result, decode_command, header
-from kafold.upcast import UpcastError
+from kafold.stages import folding_reason
 
 log = logs.get(__name__)
 T = TypeVar("T")
@@ -383,8 +383,7 @@ class AggregateRuntime(LoopHandler):
             self.parker = kafka_clients.producer(self.kafka, **{"enable.idempotence": True, "acks": "all"})
         for p in parked:
             raw = RawRecord.of(by_offset[p.offset])
-            reason = UpcastError.reason if isinstance(p.error.error, UpcastError) else "fold-error"
-            headers = dlq_headers(raw, RecordError(p.error.describe(), reason=reason),
+            headers = dlq_headers(raw, RecordError(p.error.describe(), reason=folding_reason(p.error.stage)),
                                   f"aggregate.{self.agg.name}", int(time.time() * 1000))
             value, headers = fitted(raw.value, headers)
             self.parker.produce(self.dlq, value=value, key=raw.key, headers=headers, partition=0)

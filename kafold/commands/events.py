@@ -24,11 +24,10 @@ from kafold.errors import ConfigError, FatalError, RetriableError
 from kafold.fold import Parked, fields
 from kafold.snapshot import kafka_io
 from kafold.snapshot.fold import Domain, folder
+from kafold.stages import FOLD_STAGES, Stage
 from kafold.terminal import visible
-from kafold.upcast import UpcastError
 
 log = logs.get("kafold.events")
-STAGES = ("decode", "upcast", "read", "fold")  # the order an event goes through them
 UNKNOWN = "?"  # type and schema version of a record that is no event body
 FIRST = 3  # failing events named per (type, schema version)
 ERROR_CHARS = 400  # an error's text is cut there (a payload quoted in an exception stays out of the report)
@@ -59,7 +58,7 @@ def register(sub: Any) -> None:
 class Failure:
     partition: int
     offset: int
-    stage: str
+    stage: Stage
     error: str
 
     def to_json(self) -> dict[str, Any]:
@@ -74,7 +73,7 @@ class Row:
     schema_version: Any
     events: int = 0
     ok: int = 0
-    failed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STAGES, 0))
+    failed: dict[str, int] = field(default_factory=lambda: {s.value: 0 for s in FOLD_STAGES})
     first: list[Failure] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -125,8 +124,8 @@ class Audit:
             row.ok += r["ok"]
             for stage, n in r["failed"].items():
                 row.failed[stage] += n
-            row.first = sorted([*row.first, *(Failure(**f) for f in r["first_failures"])],
-                               key=lambda f: (f.partition, f.offset))[:FIRST]
+            theirs = [Failure(**{**f, "stage": Stage(f["stage"])}) for f in r["first_failures"]]
+            row.first = sorted([*row.first, *theirs], key=lambda f: (f.partition, f.offset))[:FIRST]
 
     def to_json(self) -> dict[str, Any]:
         return {"aggregate": self.aggregate, "topic": self.topic, "partitions": self.partitions, "engine": self.engine,
@@ -139,53 +138,19 @@ def _version_order(version: Any) -> tuple[int, int, str]:
 
 
 # ---- classifying what the fold parked --------------------------------------------------------------------------
-class StageFailed(Exception):
-    """What the code raised (`error`) in one stage of reading or folding an event (`stage`)."""
-
-    def __init__(self, stage: str, error: Exception) -> None:
-        super().__init__(f"{stage}: {error}")
-        self.stage, self.error = stage, error
-
-
-def _reading(event: Callable[..., Any]) -> Callable[..., Any]:
-    """The domain's event reader, its failures tagged: "upcast" (an upcaster step) or "read" (the payload does not
-    fit today's class, an unknown type)."""
-    def read(*args: Any) -> Any:
-        try:
-            return event(*args)
-        except Exception as e:
-            raise StageFailed("upcast" if isinstance(e, UpcastError) else "read", e) from e
-    return read
-
-
-def _folding(evolve: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """The domain's evolve, its failures tagged "fold"."""
-    def fold(state: Any, event: Any) -> Any:
-        try:
-            return evolve(state, event)
-        except Exception as e:
-            raise StageFailed("fold", e) from e
-    return fold
-
-
 def auditing(domain: Domain) -> Domain:
-    """The snapshot runs' domain with every failure tagged by its stage and collected, never raised (the fold
-    goes on past it, as under `on_fold_error = "dead-letter"`)."""
-    return dataclasses.replace(domain, event=_reading(domain.event), evolve=_folding(domain.evolve),
-                               on_fold_error=FoldErrorPolicy.DEAD_LETTER)
+    """The snapshot runs' domain with every failure collected, never raised (the fold goes on past it, as under
+    `on_fold_error = "dead-letter"`); the fold names each failure's stage."""
+    return dataclasses.replace(domain, on_fold_error=FoldErrorPolicy.DEAD_LETTER)
 
 
 def _described(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:ERROR_CHARS]
 
 
-def classify(parked: Parked) -> tuple[str, str]:
-    """(stage, error text) of an event the fold parked. What failed before the domain read it (no key, no event
-    body, a key other than its aggregate id, a version or time that is no version or time) is "decode"."""
-    error = parked.error.error
-    if isinstance(error, StageFailed):
-        return error.stage, _described(error.error)
-    return "decode", _described(error)
+def classify(parked: Parked) -> tuple[Stage, str]:
+    """(stage, error text) of an event the fold parked: the stage the fold set (kafold.stages)."""
+    return parked.error.stage, _described(parked.error.error)
 
 
 def identify(value: bytes | None) -> tuple[Any, Any]:
@@ -359,10 +324,11 @@ def _table(audit: Audit) -> list[str]:
     out = [f"{visible(audit.topic)} (aggregate {audit.aggregate}): {audit.events:,} events in {audit.partitions} "
            f"partitions, {audit.failed:,} not readable or foldable under the current code ({audit.engine}, "
            f"{audit.duration_s:.2f}s)",
-           f"{'TYPE':<28} {'VERSION':>7} {'EVENTS':>10} {'OK':>10} " + " ".join(f"{s.upper():>7}" for s in STAGES)]
+           f"{'TYPE':<28} {'VERSION':>7} {'EVENTS':>10} {'OK':>10} "
+           + " ".join(f"{s.upper():>7}" for s in FOLD_STAGES)]
     for r in audit.sorted_rows():
         out.append(f"{visible(r.type):<28} {visible(r.schema_version):>7} {r.events:>10,} {r.ok:>10,} "
-                   + " ".join(f"{r.failed[s]:>7,}" for s in STAGES))
+                   + " ".join(f"{r.failed[s]:>7,}" for s in FOLD_STAGES))
     for r in audit.sorted_rows():
         for f in r.first:
             out.append(f"  FAILED {visible(r.type)} v{visible(r.schema_version)} at {f.partition}:{f.offset} "
