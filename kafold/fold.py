@@ -31,6 +31,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from kafold.config import FoldErrorPolicy
 from kafold.envelope import lenient_body, peek_body
 from kafold.errors import KafoldError, redact_quoted
+from kafold.kafka_message import Message
 from kafold.stages import Stage
 from kafold.upcast import UpcastError
 
@@ -207,6 +208,6 @@ class Folder(Generic[H]):
         for offsets, keys, values in batches:
             self.fold(offsets, keys, values)
 
-    def fold_records(self, msgs: Sequence[Any]) -> None:
+    def fold_records(self, msgs: Sequence[Message]) -> None:
         """Fold consumed records (errors and EOFs filtered out by the caller)."""
         self.fold([m.offset() for m in msgs], [m.key() for m in msgs], [m.value() for m in msgs])

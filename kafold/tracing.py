@@ -15,6 +15,7 @@ from typing import Any
 
 from kafold import logs
 from kafold.config import TracingConfig
+from kafold.kafka_message import Message
 
 log = logs.get(__name__)
 
@@ -147,7 +148,7 @@ _RECORD_HEADERS: dict[tuple[str, int, int], list[tuple[str, bytes | None]]] = {}
 MAX_REMEMBERED = 100_000
 
 
-def batch_links(msgs: Iterable[Any], *, remember: bool) -> list[Any]:
+def batch_links(msgs: Iterable[Message], *, remember: bool) -> list[Any]:
     """`links` of a batch of consumed Kafka messages, reading each one's headers once; with `remember`, their
     trace headers noted for `recall` by the effect that runs them (a projection has no use for them)."""
     traced: list[HeaderList] = []

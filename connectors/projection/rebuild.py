@@ -98,6 +98,7 @@ from kafold.connectors.registry import instantiate
 from kafold.consumer_loop import SKIP_POLL, ConsumerLoop, LoopHandler, SkipPoll
 from kafold.envelope import decode
 from kafold.errors import ConfigError, DecodeError, FatalError, RecordError, RetriableError
+from kafold.kafka_message import Message
 from kafold.retry import retrying
 from kafold.upcast import UpcasterConfig
 
@@ -287,7 +288,7 @@ class _CatchUp(LoopHandler):
         # In the tail phase a short poll: what is left is small, and every wait lets the tail grow.
         return TAIL_POLL_S if r.phase != "copying" else None
 
-    def handle_batch(self, msgs: list[Any]) -> None:
+    def handle_batch(self, msgs: list[Message]) -> None:
         assert self.batch is not None
         self.rebuild._add(self.batch, msgs)
 
@@ -599,7 +600,7 @@ class Rebuild:
             self._add(batch, msgs)
         return batch
 
-    def _add(self, batch: _Batch, msgs: list[Any]) -> None:
+    def _add(self, batch: _Batch, msgs: list[Message]) -> None:
         batch.count += len(msgs)
         self._take(msgs, batch.targets, batch.records, batch.dead, batch.advance, batch.overrun)
 
@@ -677,7 +678,7 @@ class Rebuild:
         self.assigned, self.ahead = set(), {}
         self.log.warning(f"{self.kind}.rewound", reason=str(why), events_again=why.events)
 
-    def _take(self, msgs: list[Any], targets: dict[TopicPartition, int], records: list[SinkRecord],
+    def _take(self, msgs: list[Message], targets: dict[TopicPartition, int], records: list[SinkRecord],
               dead: list[DeadLetter], advance: dict[TopicPartition, int], overrun: set[TopicPartition]) -> None:
         """Each message into the batch when below its target; else kept to read ahead (in the tail phase, up to
         `max_tail` a partition), so that the tail under the lock is mostly in memory already. The copy's

@@ -55,6 +55,7 @@ from kafold.domain import AggregateDomain
 from kafold.envelope import format_epoch_ms
 from kafold.errors import DecodeError, FatalError, RecordError, RetriableError
 from kafold.fold import Folder, FoldError, Parked
+from kafold.kafka_message import Message
 from kafold.messages import REJECTED, Command, Result, decode_command, header
 from kafold.stages import folding_reason
 
@@ -356,7 +357,7 @@ class AggregateRuntime(LoopHandler):
                 self._fold(n, batch)
         self.store.trim()
 
-    def _fold(self, n: int, batch: list[Any]) -> None:
+    def _fold(self, n: int, batch: list[Message]) -> None:
         if not batch:
             return
         folder, gate = self.folders[n], self.gates[n]
@@ -375,7 +376,7 @@ class AggregateRuntime(LoopHandler):
             folder.parked.clear()
         gate.replayed(batch[-1].offset() + 1, len(batch))
 
-    def _park(self, batch: list[Any], parked: list[Parked]) -> None:
+    def _park(self, batch: list[Message], parked: list[Parked]) -> None:
         """on_fold_error = "dead-letter": the events the fold left out, to the aggregate's dead-letter topic (not
         in a transaction: the replay writes nothing else; a later replay parks them again)."""
         by_offset = {m.offset(): m for m in batch}
@@ -448,7 +449,7 @@ class AggregateRuntime(LoopHandler):
         self.log.info("aggregate.window_read_back", partition=n, aggregates=len(ids), events_read=read)
 
     # ---- commands ---------------------------------------------------------------------------------------
-    def handle_batch(self, msgs: list[Any]) -> None:
+    def handle_batch(self, msgs: list[Message]) -> None:
         """One batch of commands as one transaction."""
         started = time.monotonic()
         live: list[Any] = []
@@ -596,7 +597,7 @@ class AggregateRuntime(LoopHandler):
         self.log.warning("aggregate.dead_lettered", partition=raw.partition, offset=raw.offset,
                          reason=error.reason, error=str(error)[:200])
 
-    def _reload_missing(self, msgs: list[Any]) -> None:
+    def _reload_missing(self, msgs: list[Message]) -> None:
         """Rebuild evicted aggregates of this batch from Kafka before deciding on them."""
         wanted: dict[int, set[str]] = {}
         for m in msgs:
