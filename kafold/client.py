@@ -38,11 +38,13 @@ PARTITIONER = "murmur2_random"
 
 
 def _producer_kind() -> Any:
+    # opentelemetry: kafold[tracing], imported only when [tracing] is on
     from opentelemetry.trace import SpanKind
     return SpanKind.PRODUCER
 
 
 def _in_span(span: Any) -> Any:
+    # opentelemetry: kafold[tracing], imported only when [tracing] is on
     from opentelemetry import trace
     return trace.set_span_in_context(span)
 

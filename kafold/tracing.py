@@ -42,6 +42,7 @@ def configure(cfg: TracingConfig) -> None:
     global _tracer, _provider
     if not cfg.enabled or _tracer is not None:
         return
+    # opentelemetry: kafold[tracing], imported only when [tracing] is on
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -51,6 +52,7 @@ def configure(cfg: TracingConfig) -> None:
     _provider = TracerProvider(resource=Resource.create({"service.name": name}))  # sampler: OTEL_TRACES_SAMPLER
     exporter = os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
     if exporter == "console":
+        # opentelemetry: kafold[tracing], imported only when [tracing] is on
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
         _provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
@@ -76,6 +78,7 @@ def provider() -> Any:
 
 def inject(context: Any = None) -> list[tuple[str, bytes]]:
     """The W3C headers of `context` (default: the current one) as Kafka headers; [] when it has no valid span."""
+    # opentelemetry: kafold[tracing], imported only when [tracing] is on
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     carrier: dict[str, str] = {}
@@ -85,6 +88,7 @@ def inject(context: Any = None) -> list[tuple[str, bytes]]:
 
 def extract(headers: HeaderList | None) -> Any:
     """The OpenTelemetry Context carried by Kafka headers (an empty one when they carry none)."""
+    # opentelemetry: kafold[tracing], imported only when [tracing] is on
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     carrier = {k: v.decode("latin-1") for k, v in headers or () if k in _NAMES and v is not None}
@@ -98,6 +102,7 @@ def extract(headers: HeaderList | None) -> Any:
 
 def span_context(headers: HeaderList | None) -> Any:
     """The remote SpanContext in Kafka headers, or None."""
+    # opentelemetry: kafold[tracing], imported only when [tracing] is on
     from opentelemetry import trace
 
     sc = trace.get_current_span(extract(headers)).get_span_context()
@@ -106,6 +111,7 @@ def span_context(headers: HeaderList | None) -> Any:
 
 def links(all_headers: Iterable[HeaderList | None]) -> list[Any]:
     """Links to the distinct contexts of records' headers (for a batch span), at most MAX_LINKS."""
+    # opentelemetry: kafold[tracing], imported only when [tracing] is on
     from opentelemetry.trace import Link
 
     seen: dict[tuple[int, int], Any] = {}
@@ -133,6 +139,7 @@ def application_tracer(tracer_provider: Any = None) -> Any:
     if _provider is not None:
         return _provider.get_tracer("kafold.client")
     try:
+        # opentelemetry: kafold[tracing], imported only when [tracing] is on
         from opentelemetry import trace
     except ImportError:  # pragma: no cover - a dependency; kept harmless for slim installs
         return None

@@ -72,6 +72,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import psycopg
+from confluent_kafka import TopicPartition as KafkaTP
 from psycopg import sql
 
 from kafold import db, kafka_clients, logs, upcast
@@ -132,8 +133,6 @@ def _fatal(err: Any) -> str:
 
 
 def _unassign(consumer: Any, partitions: Collection[TopicPartition]) -> None:
-    from confluent_kafka import TopicPartition as KafkaTP
-
     consumer.incremental_unassign([KafkaTP(tp.topic, tp.partition) for tp in partitions])
 
 
@@ -545,8 +544,6 @@ class Rebuild:
         checkpoint steps past it (daemon/runner.py `_past_markers`). A partition whose records end in a marker is
         therefore never reached by the records' offsets: where nothing was read ahead, the consumer's position (past
         the markers) moves the batch's advance up to it, at most to the target."""
-        from confluent_kafka import TopicPartition as KafkaTP
-
         tps = [tp for tp in batch.targets if tp in self.assigned and tp not in self.ahead and tp not in batch.overrun]
         for kafka_tp in consumer.position([KafkaTP(tp.topic, tp.partition) for tp in tps]) if tps else ():
             tp = TopicPartition(kafka_tp.topic, kafka_tp.partition)
@@ -567,8 +564,6 @@ class Rebuild:
     def _assign(self, consumer: Any, targets: dict[TopicPartition, int]) -> None:
         """Fetch the partitions that are behind their target (in the tail phase: every partition, reading ahead),
         from the shadow's checkpoint."""
-        from confluent_kafka import TopicPartition as KafkaTP
-
         ahead = self.phase != "copying"
         want = {tp for tp, off in targets.items() if ahead or self.positions.get(tp, 0) < off}
         gone, new = self.assigned - want, want - self.assigned

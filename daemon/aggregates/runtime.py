@@ -533,6 +533,7 @@ class AggregateRuntime(LoopHandler):
     def _one_traced(self, tracer: Any, m: Any, cmd: Command | DecodeError, n: int, t: int, undo: Undo,
                     tally: dict[str, int]) -> None:
         """`_one` in a span, child of the command record's trace context; its events and result carry the span's."""
+        # opentelemetry: kafold[tracing], imported only when [tracing] is on
         from opentelemetry import trace
 
         name = f"handle {self.agg.name} {cmd.type}" if isinstance(cmd, Command) else f"handle {self.agg.name}"

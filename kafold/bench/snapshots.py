@@ -88,6 +88,7 @@ def _pass_through(batches: Iterator[Any]) -> Iterator[Any]:
 def _job_floor(spark: Any, partitions: int, runs: int = 3) -> float:
     """The fixed cost of a Spark job of the snapshot job's shape doing nothing: a Python data source with
     `partitions` input partitions, one row each, through a mapInArrow stage (best of `runs`)."""
+    # pyspark: kafold[spark], only where a Spark job runs
     from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
     class _Reader(DataSourceReader):
@@ -98,6 +99,7 @@ def _job_floor(spark: Any, partitions: int, runs: int = 3) -> float:
             return [InputPartition(i) for i in range(self.n)]
 
         def read(self, partition: InputPartition) -> Iterator[Any]:
+            # pyarrow: kafold[spark], only where a Spark job runs
             import pyarrow as pa
 
             yield pa.RecordBatch.from_pylist([{"x": partition.value}], schema=pa.schema([("x", pa.int64())]))

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kafold import commands, config, logs, protect
 from kafold.cli import add_config_arg
@@ -24,6 +26,9 @@ from kafold.errors import ConfigError, FatalError, RetriableError
 from kafold.fold import Parked, fields
 from kafold.snapshot import kafka_io
 from kafold.snapshot.fold import Domain, folder
+from kafold.spark_jobs import runs, source
+from kafold.spark_jobs.progress import watch
+from kafold.spark_jobs.session import session
 from kafold.stages import FOLD_STAGES, Stage
 from kafold.terminal import visible
 
@@ -244,8 +249,6 @@ def _spark_task(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str]
                 item: tuple[int, int, int]) -> dict[str, Any]:
     """One Spark task: audit one partition's range on an executor, hand back its rows (`Audit.absorb`). The
     configurations travel pickled (secrets as their references, `env:` / `file:`), nested settings included."""
-    from kafold.spark_jobs import source
-
     p, low, end = item
     part = Audit(agg.name, topic)
     consumer = kafka_io.reader(kafka)
@@ -260,8 +263,6 @@ def _spark_task(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str]
 def audit_spark(spark: Any, kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], result: Audit,
                 bounds: Bounds, report: Reporter | None = None) -> None:
     """One Spark task per partition (its range captured here, on the driver), as a snapshot run's job folds."""
-    from kafold.spark_jobs.progress import watch
-
     items = [(p, low, end) for p, (low, end) in sorted(bounds.items()) if end > low]
     if not items:
         return
@@ -278,8 +279,6 @@ def audit_spark(spark: Any, kafka: KafkaConfig, agg: AggregateConfig, python_pat
 def choose(engine: str, bounds: Bounds, local_max_events: int) -> str:
     """The snapshot runs' rule (`kafold.spark_jobs.runs.choose`): with auto, local when the offsets to read are at
     most `local_max_events`."""
-    from kafold.spark_jobs import runs
-
     planned = runs.Plan(pending={p: end - low for p, (low, end) in bounds.items()})
     return runs.choose(engine, planned, local_max_events)
 
@@ -305,9 +304,6 @@ def _progress(name: str, bar: bool) -> Iterator[Reporter]:
                 log.info("events.audit_progress", aggregate=name, offsets=done, of=total)
         yield line
         return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     progress = Progress(TextColumn(f"audit {visible(name)}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("offsets · {task.fields[rate]:,.0f}/s"), TimeElapsedColumn(),
                         console=Console(stderr=True), transient=True)
@@ -384,8 +380,6 @@ def handle_audit(args: argparse.Namespace) -> int:
 
     def spark() -> Any:  # started on first use: an audit read in this process never starts a JVM
         if "session" not in started:
-            from kafold.spark_jobs.session import session
-
             started["session"] = session(master, cfg.snapshots.spark_conf, app="kafold-events-audit")
         return started["session"]
 
