@@ -279,7 +279,7 @@ def audit_spark(spark: Any, kafka: KafkaConfig, agg: AggregateConfig, python_pat
 def choose(engine: str, bounds: Bounds, local_max_events: int) -> str:
     """The snapshot runs' rule (`kafold.spark_jobs.runs.choose`): with auto, local when the offsets to read are at
     most `local_max_events`."""
-    planned = runs.Plan(pending={p: end - low for p, (low, end) in bounds.items()})
+    planned = runs.RunPlan(pending={p: end - low for p, (low, end) in bounds.items()})
     return runs.choose(engine, planned, local_max_events)
 
 
