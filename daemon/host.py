@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import signal
 import tempfile
 import threading
@@ -412,8 +413,6 @@ def _close_idle_consumer_loop(app: Any) -> None:
 
 def _loopback(host: str) -> bool:
     """True for a host name or address that only this machine can reach."""
-    import ipaddress
-
     if host == "localhost":
         return True
     try:

@@ -54,7 +54,7 @@ ADMIN_TIMEOUT_S = 5.0
 LIST_S = 30.0
 
 
-class Wait(HostView):
+class WaitView(HostView):
     """200 {"covered": true} once covered; 408 on timeout; 400 for a bad token; 404 for an unknown connector."""
 
     async def get(self, request: Request, name: str = "", **kwargs: Any) -> Response:
@@ -330,4 +330,4 @@ class GroupCommitted:
             self.reader = None
 
 
-ROUTES: dict[str, type[HostView]] = {"/connectors/{name}/wait": Wait}
+ROUTES: dict[str, type[HostView]] = {"/connectors/{name}/wait": WaitView}

@@ -30,7 +30,7 @@ from typing import Any, Self, TypeVar
 from kafold import daemon_api, kafka_clients, logs, tokens
 from kafold.config import AggregateConfig, KafkaConfig
 from kafold.consumer_loop import take
-from kafold.daemon_api import ANSWER_MAX_BYTES, NotVisible, Pause, Reply, Unreachable
+from kafold.daemon_api import ANSWER_MAX_BYTES, Backoff, NotVisible, Reply, Unreachable
 from kafold.envelope import Event, encode
 from kafold.errors import KafoldError, RetriableError
 from kafold.extras import missing_extra
@@ -359,7 +359,7 @@ class DaemonClient(daemon_api.Endpoint):
                 done, step = daemon_api.resume(flow, outcome)
                 if done:
                     return step
-                if isinstance(step, Pause):
+                if isinstance(step, Backoff):
                     await asyncio.sleep(step.seconds)
                     outcome = None
                 else:

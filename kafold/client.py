@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from kafold import daemon_api, kafka_clients, tokens
 from kafold.config import AggregateConfig, KafkaConfig
 from kafold.consumer_loop import take
-from kafold.daemon_api import ANSWER_MAX_BYTES, REDIRECT_CODES, NotVisible, Pause, Reply, Unreachable, origin
+from kafold.daemon_api import ANSWER_MAX_BYTES, REDIRECT_CODES, Backoff, NotVisible, Reply, Unreachable, origin
 from kafold.errors import KafoldError, RetriableError
 from kafold.messages import Command, Result
 from kafold.request_reply import (
@@ -74,7 +74,7 @@ def run_flow(flow: daemon_api.Flow[T]) -> T:
         done, step = daemon_api.resume(flow, outcome)
         if done:
             return step
-        if isinstance(step, Pause):
+        if isinstance(step, Backoff):
             time.sleep(step.seconds)
             outcome = None
         else:

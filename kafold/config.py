@@ -11,6 +11,7 @@ import sys
 import tomllib
 import typing
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -587,8 +588,6 @@ def _check_protect(cfg: KafoldConfig, problems: Problems) -> None:
 
 def _check_key_store(privacy: PrivacyConfig, problems: Problems) -> None:
     """The key store names an installed `kafold.key_stores` entry point, with the settings it needs."""
-    from importlib.metadata import entry_points
-
     names = sorted(ep.name for ep in entry_points(group="kafold.key_stores"))
     if privacy.key_store not in names:
         problems.add("privacy.key_store", f"unknown key store {privacy.key_store!r} (installed: {', '.join(names)})")

@@ -2,7 +2,7 @@
 redirect rule and the retry loops, as flows that kafold.client (urllib, blocking) and kafold.aio (aiohttp) drive.
 
 A flow is a generator: it yields what to do next, a `Hop` (one GET; redirects are the flow's business) or a
-`Pause`, and is sent the `Reply` to each hop; a driver that got no HTTP answer throws `Unreachable` (caused by
+`Backoff`, and is sent the `Reply` to each hop; a driver that got no HTTP answer throws `Unreachable` (caused by
 its transport's error) into the flow instead. The same split as h11 or httpx's `Auth.auth_flow`: the protocol
 has one implementation and each transport is a loop of a few lines (`resume` is the step they share).
 """
@@ -43,7 +43,7 @@ class Hop:
 
 
 @dataclass(frozen=True)
-class Pause:
+class Backoff:
     seconds: float
 
 
@@ -55,7 +55,7 @@ class Reply:
     url: str
 
 
-Step = Hop | Pause
+Step = Hop | Backoff
 Flow = Generator[Step, Reply | None, T]
 
 
@@ -145,7 +145,7 @@ class Endpoint:
             except Unreachable as e:
                 if time.monotonic() + UNREACHABLE_RETRY_S >= deadline:
                     raise KafoldError(f"{self.url}: the daemon did not answer: {e.__cause__}") from e
-                yield Pause(UNREACHABLE_RETRY_S)
+                yield Backoff(UNREACHABLE_RETRY_S)
                 continue
             if reply.status == 200:
                 return
@@ -154,7 +154,7 @@ class Endpoint:
                 raise BadToken(message.removeprefix("token:").strip())
             busy = retry_after(reply.headers) if reply.status == 503 else None
             if busy is not None and time.monotonic() + busy < deadline:
-                yield Pause(busy)  # the daemon holds `daemon.max_waits` waits already; one ends soon
+                yield Backoff(busy)  # the daemon holds `daemon.max_waits` waits already; one ends soon
                 continue
             if reply.status != 408:
                 raise KafoldError(f"{self.url}: waiting on connector {connector!r}: HTTP {reply.status}: {message}")
@@ -193,7 +193,7 @@ class Endpoint:
             if pause is None or time.monotonic() + pause > deadline:
                 where = target if reply.url == target else f"{target} (redirected to {reply.url.split('?')[0]})"
                 raise KafoldError(f"{where}: {reply.status} {_message(reply.body)}")
-            yield Pause(pause)
+            yield Backoff(pause)
 
 
 def _json(reply: Reply) -> Any:

@@ -42,7 +42,7 @@ class IndexUnavailable(KafoldError):
 
 
 @dataclass(frozen=True)
-class Row:
+class IndexRow:
     """One indexed event: its version, where it lies, and the event id the record there must carry."""
 
     version: int
@@ -92,13 +92,13 @@ class EventIndex:
 
     # ---- reading -----------------------------------------------------------------------------------------
     def rows(self, topic: str, aggregate_id: str, from_version: int = 1, upto: int | None = None,
-             limit: int | None = None) -> list[Row]:
+             limit: int | None = None) -> list[IndexRow]:
         """The indexed events of one aggregate from `from_version` (up to `upto`), in version order."""
         q = sql.SQL('SELECT version, partition, "offset", event_id FROM {} WHERE topic = %s AND aggregate_id = %s '
                     "AND version >= %s AND version <= %s ORDER BY version LIMIT %s").format(self.rows_table)
         params = (topic, aggregate_id, from_version, upto if upto is not None else 2**62,
                   limit if limit is not None else 2**62)
-        return [Row(*r) for r in self._run(lambda c: c.execute(q, params).fetchall())]
+        return [IndexRow(*r) for r in self._run(lambda c: c.execute(q, params).fetchall())]
 
     def mark(self, topic: str, partition: int) -> int | None:
         q = sql.SQL("SELECT indexed_to FROM {} WHERE topic = %s AND partition = %s").format(self.marks_table)

@@ -27,7 +27,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from kafold import kafka_clients, logs
 from kafold.config import AggregateConfig, KafkaConfig, PostgresConfig
 from kafold.errors import KafoldError, RetriableError
-from kafold.event_index import CaughtUp, EventIndex, Row
+from kafold.event_index import CaughtUp, EventIndex, IndexRow
 from kafold.fold import domain_event, fields
 from kafold.partitioning import partition_for
 from kafold.snapshot import kafka_io
@@ -56,7 +56,7 @@ class NotFound(KafoldError):
 
 
 @dataclass(frozen=True)
-class Stored:
+class StoredEvent:
     """One event of the history as stored: where it lies, its record's key and value, and its body's fields."""
 
     partition: int
@@ -81,7 +81,7 @@ def jsonable(value: Any) -> Any:
     return orjson.loads(orjson.dumps(value, default=str, option=orjson.OPT_NON_STR_KEYS))
 
 
-def row_of(domain: Domain, event: Stored) -> dict[str, Any]:
+def row_of(domain: Domain, event: StoredEvent) -> dict[str, Any]:
     """One event as `kafold events list` and `GET /aggregates/{name}/{id}/events` show it; `data` is its payload
     as the fold reads it (protected fields opened, or the placeholder once forgotten; upcast to today's shape)."""
     b = event.body
@@ -199,7 +199,7 @@ class History:
         return self.indexer.catch_up(self.scanner, self.topic, partition)
 
     def stored(self, aggregate_id: str, from_version: int = 1, upto: int | None = None,
-               limit: int | None = None) -> list[Stored]:
+               limit: int | None = None) -> list[StoredEvent]:
         """The aggregate's events from `from_version` (to `upto`; at most `limit`), in version order, each checked
         against its index row (see the module's offset note)."""
         partition = self.partition_of(aggregate_id)
@@ -216,7 +216,7 @@ class History:
                                    None if limit is None else limit - len(rows))
             records.update(self.fetch(partition, [r.offset for r in more if r.partition == partition]))
             rows += more
-        out: list[Stored] = []
+        out: list[StoredEvent] = []
         for row in rows:
             found = records.get(row.offset) if row.partition == partition else None
             body = _matching(found, aggregate_id, row)
@@ -224,10 +224,10 @@ class History:
                 self._drop(aggregate_id, row)
                 continue
             assert found is not None and found[0] is not None and found[1] is not None
-            out.append(Stored(partition, row.offset, found[0], found[1], body))
+            out.append(StoredEvent(partition, row.offset, found[0], found[1], body))
         return out
 
-    def _drop(self, aggregate_id: str, row: Row) -> None:
+    def _drop(self, aggregate_id: str, row: IndexRow) -> None:
         log.warning("history.index_row_dropped", topic=self.topic, partition=row.partition, offset=row.offset,
                     aggregate=self.agg.name, version=row.version,
                     reason="no committed record of this event there (an aborted transaction's, deleted, or the "
@@ -262,7 +262,7 @@ class History:
         return folds.held.state(aggregate_id), folds.held.entries[aggregate_id].version
 
 
-def _matching(found: tuple[bytes | None, bytes | None] | None, aggregate_id: str, row: Row) -> Any:
+def _matching(found: tuple[bytes | None, bytes | None] | None, aggregate_id: str, row: IndexRow) -> Any:
     """The record's body when it is the event the row names (key, aggregate id, version, event id), else None."""
     if found is None or found[0] is None:
         return None

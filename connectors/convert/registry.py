@@ -27,6 +27,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from kafold import logs
@@ -82,6 +83,7 @@ class RegistryFormat:
     """One registry-framed value format: `load` turns the record's bytes into a dict (or list / scalar)."""
 
     def __init__(self, kind: RegistryKind, registry: RegistryConfig, message_type: str = "") -> None:
+        # the registry's serdes: kafold[registry], only for a registry converter
         from confluent_kafka.schema_registry import SchemaRegistryClient
 
         self.kind = kind
@@ -103,6 +105,7 @@ class RegistryFormat:
         self._avro: dict[int, tuple[Any, AvroWalk]] = {}
 
     def _deserializer(self, message_type: str) -> Any:
+        # the registry's serdes: kafold[registry], only for a registry converter
         from confluent_kafka.schema_registry.avro import AvroDeserializer
         from confluent_kafka.schema_registry.json_schema import JSONDeserializer
         from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer
@@ -142,6 +145,7 @@ class RegistryFormat:
                     if walk.needed or len(data) - HEADER.size > self.max_items:
                         walk.check(data[HEADER.size:], self.max_items)
                     if parsed is not None:
+                        # fastavro: kafold[registry], only for an avro registry converter
                         from fastavro import schemaless_reader
 
                         return schemaless_reader(io.BytesIO(data[HEADER.size:]), parsed, None)
@@ -160,6 +164,7 @@ class RegistryFormat:
             self._auth_failing = False
             log.info("registry.authentication_restored", url=self.url, topic=topic)
         if self.kind is RegistryKind.PROTOBUF:
+            # protobuf: kafold[registry], only for a protobuf registry converter
             from google.protobuf.json_format import MessageToDict
 
             value = MessageToDict(value, preserving_proto_field_name=True)
@@ -191,7 +196,7 @@ class RegistryFormat:
     def _avro_schema(self, schema_id: int) -> tuple[Any, AvroWalk]:
         """The parsed writer schema of `schema_id` (None when it has rules or references: confluent's deserializer
         reads it) and its item walk (over the referenced schemas too)."""
-        import orjson
+        # fastavro: kafold[registry], only for an avro registry converter
         from fastavro import parse_schema
 
         schema = self.client.get_schema(schema_id)  # cached by the client: one fetch per id
@@ -217,6 +222,7 @@ class RegistryFormat:
 
     def _classify(self, e: Exception, where: str, schema_id: int) -> Exception:
         """RetriableError for a registry that is down or failing; ConvertError for a record that is wrong."""
+        # the registry's serdes: kafold[registry], only for a registry converter
         from confluent_kafka.schema_registry.error import SchemaRegistryError
 
         if isinstance(e, TooMany):

@@ -35,6 +35,7 @@ BROKER_USAGE: dict[str, Any] = {}
 
 def cpu_s(procs: list[Any]) -> float:
     """User + system CPU seconds of `procs` (psutil processes) so far (a process gone since is left out)."""
+    # psutil: kafold[daemon], not in the core install
     import psutil
 
     total = 0.0

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from confluent_kafka import TopicPartition
+
 from kafold import kafka_clients, logs
 from kafold.config import AggregateConfig, KafkaConfig, SnapshotConfig
 
@@ -19,8 +21,6 @@ log = logs.get(__name__)
 
 def events_end_total(kafka: KafkaConfig, aggregates: Sequence[AggregateConfig]) -> int:
     """The sum of the end offsets (ListOffsets) of the aggregates' events topics: grows with every event."""
-    from confluent_kafka import TopicPartition
-
     consumer = kafka_clients.consumer(kafka, "kafold.snapshot.scheduler")
     try:
         meta = consumer.list_topics(timeout=10)

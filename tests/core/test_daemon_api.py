@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kafold import daemon_api, tokens
-from kafold.daemon_api import ANSWER_MAX_BYTES, Endpoint, Hop, NotVisible, Pause, Reply, Unreachable
+from kafold.daemon_api import ANSWER_MAX_BYTES, Backoff, Endpoint, Hop, NotVisible, Reply, Unreachable
 from kafold.errors import KafoldError
 from kafold.tokens import BadToken
 
@@ -33,7 +33,7 @@ def test_a_wait_asks_again_on_408_and_after_no_answer_until_covered() -> None:
     assert hop.url.startswith("http://d:8083/connectors/accounts/wait?token=kf1.") and "timeout_ms=" in hop.url
     assert isinstance(daemon_api.resume(flow, reply(408, {"covered": False, "behind": []}))[1], Hop)
     assert daemon_api.resume(flow, Unreachable.of(ConnectionRefusedError("refused")))[1] == \
-        Pause(daemon_api.UNREACHABLE_RETRY_S)
+        Backoff(daemon_api.UNREACHABLE_RETRY_S)
     assert isinstance(daemon_api.resume(flow, None)[1], Hop)
     assert daemon_api.resume(flow, reply(200, {"covered": True})) == (True, None)
 
@@ -59,7 +59,7 @@ def test_a_state_read_waits_out_a_moving_partition_and_names_a_redirected_failur
     flow = Endpoint("http://a:1").state_flow("account", "acc/1", min_version=4, timeout=30)
     hop = first(flow)
     assert hop.url == "http://a:1/aggregates/account/acc%2F1?min_version=4&timeout_ms=30000"
-    assert daemon_api.resume(flow, reply(503, {"message": "moving"}, {"Retry-After": "1"}, hop.url))[1] == Pause(1.0)
+    assert daemon_api.resume(flow, reply(503, {"message": "moving"}, {"Retry-After": "1"}, hop.url))[1] == Backoff(1.0)
     hop = daemon_api.resume(flow, None)[1]
     moved = daemon_api.resume(flow, reply(307, b"", {"Location": "http://b:1/aggregates/account/acc%2F1"}))[1]
     assert moved.url == "http://b:1/aggregates/account/acc%2F1" and moved.bearer is None
