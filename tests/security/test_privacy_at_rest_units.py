@@ -202,7 +202,8 @@ def test_a_command_reading_protected_events_takes_postgresql_from_the_dev_stack(
         raise _Stop()  # what the command does with the keys is not this test's
 
     monkeypatch.setattr(protect, "build", build)
-    args = argparse.Namespace(config=str(conf), aggregate="customer", id="c-1", url=None, master=None, sample=None)
+    args = argparse.Namespace(config=str(conf), aggregate="customer", id="c-1", url=None, master=None, sample=None,
+                              version=None)
     handler = {"state get": aggregate.get_state, "snapshot run": snapshot.handle_run,
                "snapshot verify": snapshot.handle_verify}[command]
     with pytest.raises(_Stop):
