@@ -10,8 +10,9 @@ Per batch, one transaction: (1) the batch's tracking keys go into the tracking t
 RETURNING the new ones — the rest are duplicates and are dropped (a tracking key is the 16-byte BLAKE2b of the
 namespace and the event id, 16 bytes: one small primary key instead of two text columns); (2) the current
 rows of the affected keys are read in one SELECT; (3) the new events are folded in order in Python, skipping any
-event whose aggregate version is <= the row's `_kafold_version`; (4) changed rows are staged in a temporary table
-and merged with one INSERT … ON CONFLICT DO UPDATE (guarded by version again), removed rows go with one DELETE …
+event whose aggregate version is <= the row's `_kafold_version`; (4) changed rows are upserted by one INSERT …
+SELECT FROM unnest(one array per column) ON CONFLICT DO UPDATE (guarded by version again; no staging table),
+removed rows go with one DELETE …
 USING; (5) the next offset of every partition the batch covers is upserted into the checkpoints table,
 monotonically (`WHERE next_offset < EXCLUDED.next_offset`), so a zombie writer after a rebalance cannot move it
 back; (6) commit. The checkpoint therefore always describes exactly the rows: PostgreSQL is the source of truth for
@@ -24,8 +25,8 @@ the changes: a crash before the commit redoes the whole batch; its tracking key 
 
 Round trips: the transaction is one pipeline, its BEGIN and COMMIT statements queued with the rest (`db.begin`):
 BEGIN and the reads of (1)-(2) are the first round trip; (4)-(6) are queued after the fold and sent with the
-COMMIT, the second. A batch with more changed rows than STAGE_INLINE_ROWS stages them by COPY instead, which
-leaves the pipeline for it (three round trips more, a small share of such a batch). Any error rolls back
+COMMIT, the second, whatever the number of changed rows (the upsert's arrays go as parameters of its one statement:
+no COPY, which would leave the pipeline). Any error rolls back
 (`db.roll_back`), and the batch is done again or isolated as below.
 
 A concurrent writer of the same events (a zombie task after a rebalance) blocks on the tracking rows' primary
@@ -116,10 +117,6 @@ log = logs.get(__name__)
 DeadLetter = tuple[RawRecord, BaseException]
 Report = Callable[[Sequence[tuple[Any, BaseException]]], None]  # to the DLQ topic, acknowledged on return
 REJECTED = (psycopg.errors.IntegrityError, psycopg.errors.DataError)
-# A batch's changed rows up to this many are staged by INSERTs queued with the rest of its transaction; more go by
-# COPY, whose two round trips and the pipeline it has to leave cost less than a row's INSERT each beyond this (at
-# ~20 events a batch, 1,000 events/s: docs/benchmarks.md, latency).
-STAGE_INLINE_ROWS = 64
 T = TypeVar("T")
 
 
@@ -298,7 +295,6 @@ class ProjectionWriter:
                     conn.execute("SET synchronous_commit = off")
                 with db.transaction(conn):
                     self.shape = self._prepare(conn)
-                    conn.execute(q.create_stage(self.shape))
             except BaseException:
                 conn.close()
                 raise
@@ -477,13 +473,12 @@ class ProjectionWriter:
     def _apply(self, conn: psycopg.Connection[Any], call: _Call, records: list[SinkRecord],
                excluded: list[SinkRecord], dead: list[DeadLetter], offsets: dict[TopicPartition, int],
                heads: dict[str, int]) -> tuple[BatchResult, Folded]:
-        """One transaction of the protocol in the module note: hold → track → read → fold → stage in Python's turn,
-        then merge → checkpoint in PostgreSQL's (the caller commits); what it did, and the batch folded."""
+        """One transaction of the protocol in the module note: hold → track → read → fold in Python's turn,
+        then upsert → checkpoint in PostgreSQL's (the caller commits); what it did, and the batch folded."""
         result = BatchResult(events=len(records), transactions=1, dead_lettered=len(dead))
         skip = {id(r) for r in excluded}
         turns = self._turns
-        with turns, contextlib.ExitStack() as pipeline:
-            pipe = pipeline.enter_context(turns.waiting(conn.pipeline()))
+        with turns, turns.waiting(conn.pipeline()) as pipe:
             db.begin(conn)  # with the first reads: no round trip of its own
             prep = call.prepared if call.prepared is not None else self.prepare(records)
             if call.hold and (self._held or heads):
@@ -513,7 +508,7 @@ class ProjectionWriter:
             if folded.bad:
                 raise _Bad(folded.bad)
             advance = self._advance_to(records, offsets, call.advance)
-            stored = self._store(conn, pipeline, pipe, folded, dead, advance, call.hold_of, call.then, result)
+            stored = self._store(conn, pipe, folded, dead, advance, call.hold_of, call.then, result)
         result.upserted, result.deleted = stored.counts()
         result.checkpoints = advance
         return result, folded
@@ -619,35 +614,27 @@ class ProjectionWriter:
             advance[tp] = max(off, advance.get(tp, -1))
         return {tp: off for tp, off in advance.items() if off >= 0}
 
-    def _store(self, conn: psycopg.Connection[Any], pipeline: contextlib.ExitStack, pipe: psycopg.Pipeline,
-               folded: Folded,
+    def _store(self, conn: psycopg.Connection[Any], pipe: psycopg.Pipeline, folded: Folded,
                dead: list[DeadLetter], advance: dict[TopicPartition, int],
                hold_of: dict[int, tuple[DeadLetterStatus, str]], then: Then | None, result: BatchResult) -> _Stored:
-        """Steps (4)-(6), queued in the transaction's open pipeline (`pipeline`, left by the caller: the batch's
-        last round trip): stage the changed rows, merge them (version-guarded), delete the removed ones (and record
-        their tombstones), record the dead letters, move the checkpoints forward only, run `then`, COMMIT. Up to
-        STAGE_INLINE_ROWS rows are staged by INSERTs in the pipeline; more by COPY, which pipeline mode does not
-        allow: the pipeline is left for it (a round trip, and two for the COPY) and a new one opened."""
+        """Steps (4)-(6), queued in the transaction's open pipeline (the batch's last round trip): upsert the
+        changed rows in one statement (version-guarded), delete the removed ones (and record their tombstones),
+        record the dead letters, move the checkpoints forward only, run `then`, COMMIT."""
         assert self.shape is not None
         shape = self.shape
         upserts, deletes = folded.changes()
-        rows = self._staged(upserts)
-        if len(rows) > STAGE_INLINE_ROWS:
-            pipeline.close()
-            with conn.cursor().copy(q.copy_stage(shape)) as copy:
-                for values in rows:
-                    copy.write_row(values)
-            pipe = pipeline.enter_context(self._turns.waiting(conn.pipeline()))
-        elif rows:  # each value as COPY's text format has it (the same dumpers), read by the server as COPY does
+        if folded.truncated:  # before the upsert: the rows the batch made after the truncate are written after it
+            conn.execute(q.delete_all(shape))
+        merged = None
+        if upserts:  # each value as COPY's text format has it (the same dumpers), one text array per column
             texts, encoding = Transformer(conn), conn.info.encoding
             formats = [PyFormat.TEXT] * len(shape.written)
-            with conn.cursor() as cur:
-                cur.executemany(q.insert_stage(shape), [
-                    [None if v is None else bytes(v).decode(encoding) for v in texts.dump_sequence(values, formats)]
-                    for values in rows])
-        if folded.truncated:  # before the merge: the rows the batch made after the truncate are written after it
-            conn.execute(q.delete_all(shape))
-        stored = _Stored(conn.execute(q.merge_stage(shape, self.mapping.guard)) if rows else None,
+            columns: list[list[str | None]] = [[] for _ in shape.written]
+            for values in self._staged(upserts):
+                for column, v in zip(columns, texts.dump_sequence(values, formats), strict=True):
+                    column.append(None if v is None else bytes(v).decode(encoding))
+            merged = conn.execute(q.upsert_rows(shape, self.mapping.guard), columns)
+        stored = _Stored(merged,
                          conn.execute(q.delete_rows(shape), [list(c) for c in zip(*deletes, strict=True)],
                                       prepare=db.BY_KEYS) if deletes else None)
         buried = folded.buried
