@@ -182,6 +182,20 @@ def save_checkpoints(checkpoints: sql.Composed) -> sql.Composed:
         "updated_at = now() WHERE c.next_offset < EXCLUDED.next_offset").format(checkpoints)
 
 
+def fence_checkpoints(checkpoints: sql.Composed) -> sql.Composed:
+    """Move each checkpoint from the offset the writer last stored (-1: none stored) to its next offset; the count
+    of those moved. A checkpoint another writer moved is not moved (a row another transaction holds is waited for,
+    then its committed offset compared: READ COMMITTED rechecks the WHERE), nor one inserted meanwhile; the caller
+    fails the transaction when the count falls short."""
+    return sql.SQL(
+        "WITH x AS (SELECT * FROM unnest(%b::text[], %b::int[], %b::bigint[], %b::bigint[]) AS x(t, p, was, o)), "
+        "moved AS (UPDATE {} AS c SET next_offset = x.o, updated_at = now() FROM x WHERE c.connector = %s "
+        "AND c.topic = x.t AND c.partition = x.p AND c.next_offset = x.was RETURNING 1), "
+        "added AS (INSERT INTO {} (connector, topic, partition, next_offset, updated_at) "
+        "SELECT %s, t, p, o, now() FROM x WHERE x.was < 0 ON CONFLICT DO NOTHING RETURNING 1) "
+        "SELECT (SELECT count(*) FROM moved) + (SELECT count(*) FROM added)").format(checkpoints, checkpoints)
+
+
 def load_checkpoints(checkpoints: sql.Composed) -> sql.Composed:
     return sql.SQL("SELECT topic, partition, next_offset FROM {} WHERE connector = %s").format(checkpoints)
 
