@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,14 @@ ENVELOPE_FIELDS = ("event_id", "type", "aggregate_type", "aggregate_id", "versio
                    "correlation_id", "causation_id", "schema_version")
 VERSION_COLUMN = "_kafold_version"
 _REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class Dedup(enum.StrEnum):
+    """How the live writer knows an event it applied already (docs/projections.md, "Deduplication")."""
+
+    AUTO = "auto"  # VERSION when the version guard is on and the source gives versions, else TRACKING
+    VERSION = "version"  # the row's version and tombstones; the checkpoint update fences other writers
+    TRACKING = "tracking"  # a tracking record per event id: for a stream whose versions are offsets (none given)
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,11 @@ class ProjectionConfig:
                                         "status `held`) until `kafold dlq replay` or `dlq discard` of it; other "
                                         "keys keep flowing.")
     create_table: bool = setting(True, doc="Create the table when it does not exist.")
+    dedup: Dedup = setting(Dedup.TRACKING, doc="How an event applied already is skipped: `tracking` by a tracking "
+                           "record per event id; `version` by the row's version and a fenced checkpoint (no record "
+                           "per event, ~1/3 of PostgreSQL's CPU an event less: docs/benchmarks.md; needs "
+                           "version_guard); `auto`: version when the guard is on and the converter gives versions "
+                           "(kafold, debezium, or a `version` source), else tracking.")
 
     def __post_init__(self) -> None:
         bad = [f"on[{i}].type: expected an event type or a non-empty list of them, got {r.type!r}"
@@ -97,6 +111,8 @@ def _problems(c: ProjectionConfig) -> list[str]:
             out.append(f"columns.{col}: {msg if isinstance(tp, str) else 'expected an SQL type string'}")
     if not c.key_columns:
         out.append("key_columns: at least one key column is required")
+    if c.dedup is Dedup.VERSION and not c.version_guard:
+        out.append("dedup: `version` needs version_guard = true (a row folding several aggregates is tracked)")
     for col in c.key_columns:
         if col not in c.columns:
             out.append(f"key_columns: {col!r} is not in `columns`")
@@ -147,3 +163,11 @@ def check_source(src: Any, *, literal_ok: bool = True) -> str | None:
         return None if literal_ok else "a literal cannot be incremented"
     return (f"{src!r} is neither a payload path (\"payload.x.y\"), an envelope field "
             f"({', '.join(ENVELOPE_FIELDS)}) nor a quoted literal (\"'text'\")")
+
+
+def resolved_dedup(config: ProjectionConfig, source_versions: bool) -> Dedup:
+    """`config.dedup` with AUTO decided: by version only when the guard is on and the events' versions come from
+    their source (a version derived from the offset makes a record produced twice a new version)."""
+    if config.dedup is not Dedup.AUTO:
+        return config.dedup
+    return Dedup.VERSION if config.version_guard and source_versions else Dedup.TRACKING

@@ -3,14 +3,15 @@ its metrics (rebuild progress and held keys, read from PostgreSQL)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 
 from kafold import logs
-from kafold.config import ConnectorConfig
+from kafold.config import ConnectorConfig, ConverterKind
 from kafold.connectors.api import Connector, Metric, Sample, TaskConfig, TaskView
 from kafold.connectors.projection import rebuild_state
-from kafold.connectors.projection.config import ProjectionConfig
+from kafold.connectors.projection.config import ProjectionConfig, resolved_dedup
 from kafold.connectors.projection.holds import held_keys
 from kafold.connectors.projection.task import ProjectionSinkTask
 
@@ -19,6 +20,13 @@ log = logs.get(__name__)
 CACHE_S = 10.0  # a scrape reads PostgreSQL at most this often
 # rebuild_state's phases (its check constraint) and "never" for a projection never rebuilt
 REBUILD_PHASES = ("never", "copying", "catching-up", "swapped", "abandoned")
+
+
+def source_versions(settings: ConnectorConfig) -> bool:
+    """Whether the events' versions come from their source: kafold's envelope (an aggregate's version), Debezium's
+    (the change's log position), or a configured `version` source; not the json converter's default, offset + 1,
+    which gives a record produced twice a new version."""
+    return settings.converter in (ConverterKind.KAFOLD, ConverterKind.DEBEZIUM) or bool(settings.convert.version)
 
 
 class ProjectionConnector(Connector[ProjectionConfig]):
@@ -45,7 +53,8 @@ class ProjectionConnector(Connector[ProjectionConfig]):
 
     def task_configs(self, max_tasks: int) -> list[TaskConfig[ProjectionConfig]]:
         # Tasks share the consumer group and split the partitions; each row key lives in one partition.
-        return [TaskConfig(i, self.config, self.settings.dlq_topic) for i in range(max_tasks)]
+        config = dataclasses.replace(self.config, dedup=resolved_dedup(self.config, source_versions(self.settings)))
+        return [TaskConfig(i, config, self.settings.dlq_topic) for i in range(max_tasks)]
 
     def sample_metrics(self, tasks: Sequence[TaskView]) -> Iterable[Sample]:
         at, samples = self._sampled

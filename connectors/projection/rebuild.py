@@ -801,6 +801,14 @@ class Rebuild:
         # The events the rebuild dead-lettered or held are not in the new table: the live writer's tracking must not
         # claim them (a `dlq replay` in the old table tracked them there), or their replay would be a duplicate.
         self._untrack(conn, dead)
+        # The new table's deleted rows keep their versions for the live writer deduplicating by version
+        # (`dedup = "version"`, writer.py): without them a record of such a key produced twice would open the row
+        # again. Both tables folded the same events, so a tombstone of either holds for the new one: the higher wins.
+        tombstones = db.table(p.pgc, "tombstones")
+        conn.execute(sql.SQL(
+            "INSERT INTO {} AS g (namespace, row_key, version) SELECT %s, row_key, version FROM {} "
+            "WHERE namespace = %s ON CONFLICT (namespace, row_key) DO UPDATE SET version = EXCLUDED.version "
+            "WHERE g.version < EXCLUDED.version").format(tombstones, tombstones), (p.name, p.key))
         # Held keys follow the new table: a key the live connector held that the rebuild applied is released (its
         # dead letters count as replayed), and one the rebuild holds is held again, even if it had been repaired
         # in the old table (the repair was not in the topic the rebuild read).

@@ -16,7 +16,6 @@ resumes from the checkpoints left.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -131,8 +130,7 @@ class ShadowWriter(ProjectionWriter):
             conn = self.connection()
             turns = self._turns
             try:
-                with turns, contextlib.ExitStack() as pipeline:
-                    pipe = pipeline.enter_context(turns.waiting(conn.pipeline()))
+                with turns, turns.waiting(conn.pipeline()) as pipe:
                     db.begin(conn)
                     holds = self._read_holds(conn)
                     turns.sync(pipe)
@@ -140,7 +138,7 @@ class ShadowWriter(ProjectionWriter):
                         self._check_holds(holds)
                     except _HoldsChanged:
                         raise Rewind("held keys", ahead.events) from None
-                    stored = self._store(conn, pipeline, pipe, folded, ahead.dead, ahead.offsets, {}, None,
+                    stored = self._store(conn, pipe, folded, ahead.dead, ahead.offsets, {}, None,
                                          result)  # hold no key
             except BaseException:
                 db.roll_back(conn)

@@ -119,29 +119,16 @@ def delete_all(shape: TableShape) -> sql.Composed:
     return sql.SQL("DELETE FROM {}").format(shape.name)
 
 
-def stage_name(shape: TableShape) -> sql.Identifier:
-    return sql.Identifier(f"_kafold_stage_{shape.schema}_{shape.table}"[:63])
+# A type's modifier (`character varying(3)`, `numeric(12,2)`, `timestamp(3) with time zone`): dropped from the cast
+# in `upsert_rows`, so the column's own assignment applies it as an INSERT or COPY does (an explicit cast to
+# `varchar(3)` would cut a longer value silently instead of refusing the row).
+_TYPMOD = re.compile(r"\(\s*\d+\s*(,\s*\d+\s*)?\)")
 
 
-def create_stage(shape: TableShape) -> sql.Composed:
-    """A session-local staging table with the written columns and no constraints (the target checks them)."""
-    cols = sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(c), shape.cast(c)) for c in shape.written)
-    return sql.SQL("CREATE TEMP TABLE IF NOT EXISTS {} ({}) ON COMMIT DELETE ROWS").format(stage_name(shape), cols)
-
-
-def copy_stage(shape: TableShape) -> sql.Composed:
-    return sql.SQL("COPY {} ({}) FROM STDIN").format(stage_name(shape), ids(shape.written))
-
-
-def insert_stage(shape: TableShape) -> sql.Composed:
-    """One staged row, its values as text parameters of no declared type: PostgreSQL reads each with the column
-    type's input function, as COPY's text format does."""
-    marks = sql.SQL(", ").join(sql.SQL("%s") for _ in shape.written)
-    return sql.SQL("INSERT INTO {} ({}) VALUES ({})").format(stage_name(shape), ids(shape.written), marks)
-
-
-def merge_stage(shape: TableShape, guard: bool) -> sql.Composed:
-    """Upsert the staged rows; with the version guard an older row never overwrites a newer one."""
+def upsert_rows(shape: TableShape, guard: bool) -> sql.Composed:
+    """Upsert rows given as one text array per written column (each value as COPY's text format has it, read by
+    the column type's input function through the cast): one statement, no staging table, so it stays in the
+    transaction's pipeline. With the version guard an older row never overwrites a newer one."""
     rest = [c for c in shape.written if c not in shape.keys]
     if rest:
         sets = sql.SQL(", ").join(sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(c), sql.Identifier(c))
@@ -152,8 +139,11 @@ def merge_stage(shape: TableShape, guard: bool) -> sql.Composed:
             action = sql.SQL("{} WHERE {}.{} < EXCLUDED.{}").format(action, shape.name, v, v)
     else:
         action = sql.SQL("DO NOTHING")
-    return sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {} ON CONFLICT ({}) {}").format(
-        shape.name, ids(shape.written), ids(shape.written), stage_name(shape), ids(shape.keys), action)
+    arrays = sql.SQL(", ").join(sql.SQL("%b::text[]") for _ in shape.written)
+    base = {c: sql.SQL(_TYPMOD.sub("", t)) for c, t in shape.types.items()}  # from the catalog, as `cast`
+    values = sql.SQL(", ").join(sql.SQL("x.{}::{}").format(sql.Identifier(c), base[c]) for c in shape.written)
+    return sql.SQL("INSERT INTO {} ({}) SELECT {} FROM unnest({}) AS x({}) ON CONFLICT ({}) {}").format(
+        shape.name, ids(shape.written), values, arrays, ids(shape.written), ids(shape.keys), action)
 
 
 def track(tracking: sql.Composed) -> sql.Composed:
@@ -190,6 +180,20 @@ def save_checkpoints(checkpoints: sql.Composed) -> sql.Composed:
         "SELECT %s, t, p, o, now() FROM unnest(%b::text[], %b::int[], %b::bigint[]) AS x(t, p, o) "
         "ON CONFLICT (connector, topic, partition) DO UPDATE SET next_offset = EXCLUDED.next_offset, "
         "updated_at = now() WHERE c.next_offset < EXCLUDED.next_offset").format(checkpoints)
+
+
+def fence_checkpoints(checkpoints: sql.Composed) -> sql.Composed:
+    """Move each checkpoint from the offset the writer last stored (-1: none stored) to its next offset; the count
+    of those moved. A checkpoint another writer moved is not moved (a row another transaction holds is waited for,
+    then its committed offset compared: READ COMMITTED rechecks the WHERE), nor one inserted meanwhile; the caller
+    fails the transaction when the count falls short."""
+    return sql.SQL(
+        "WITH x AS (SELECT * FROM unnest(%b::text[], %b::int[], %b::bigint[], %b::bigint[]) AS x(t, p, was, o)), "
+        "moved AS (UPDATE {} AS c SET next_offset = x.o, updated_at = now() FROM x WHERE c.connector = %s "
+        "AND c.topic = x.t AND c.partition = x.p AND c.next_offset = x.was RETURNING 1), "
+        "added AS (INSERT INTO {} (connector, topic, partition, next_offset, updated_at) "
+        "SELECT %s, t, p, o, now() FROM x WHERE x.was < 0 ON CONFLICT DO NOTHING RETURNING 1) "
+        "SELECT (SELECT count(*) FROM moved) + (SELECT count(*) FROM added)").format(checkpoints, checkpoints)
 
 
 def load_checkpoints(checkpoints: sql.Composed) -> sql.Composed:

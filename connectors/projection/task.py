@@ -47,7 +47,7 @@ from kafold.connectors.api import (
     TaskConfig,
     TopicPartition,
 )
-from kafold.connectors.projection.config import ProjectionConfig
+from kafold.connectors.projection.config import Dedup, ProjectionConfig
 from kafold.connectors.projection.fold import BatchResult
 from kafold.connectors.projection.mapping import Mapping as EventMapping
 from kafold.connectors.projection.mapping import load_mapper
@@ -105,7 +105,11 @@ class ProjectionSinkTask(SinkTask):
         self.name = context.connector_name
         mapper = load_mapper(self.config.mapper) if self.config.mapper else None
         self.mapping = EventMapping(self.config, mapper)
-        self.writer = ProjectionWriter(pgc, self.config, self.mapping, self.name)
+        # By version only when the connector decided so (task_configs); a task driven outside it keeps tracking.
+        self.dedup = self.config.dedup if self.config.dedup is Dedup.VERSION else Dedup.TRACKING
+        versioned = self.dedup is Dedup.VERSION
+        self.writer = ProjectionWriter(pgc, self.config, self.mapping, self.name, track=not versioned,
+                                       fence=versioned)
         self.stored: dict[TopicPartition, int] = {}
         self.totals = BatchResult()
         # Per partition, what became of the events put (SinkTask.outcomes): replaced whole, read from other threads.
@@ -121,7 +125,7 @@ class ProjectionSinkTask(SinkTask):
         self.pipe = WriteAhead(self.name, self._write, self._report)
         tune_interpreter()
         self._retrying("start", lambda: (pgc.migrate_on_start and db.upgrade(pgc), self.writer.connection()))
-        self.log.info("projection.task_started", namespace=self.writer.namespace)
+        self.log.info("projection.task_started", namespace=self.writer.namespace, dedup=self.dedup.value)
 
     def _retrying(self, what: str, fn: Any) -> Any:
         def warn(e: RetriableError, delay: float) -> None:

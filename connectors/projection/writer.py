@@ -10,8 +10,9 @@ Per batch, one transaction: (1) the batch's tracking keys go into the tracking t
 RETURNING the new ones — the rest are duplicates and are dropped (a tracking key is the 16-byte BLAKE2b of the
 namespace and the event id, 16 bytes: one small primary key instead of two text columns); (2) the current
 rows of the affected keys are read in one SELECT; (3) the new events are folded in order in Python, skipping any
-event whose aggregate version is <= the row's `_kafold_version`; (4) changed rows are staged in a temporary table
-and merged with one INSERT … ON CONFLICT DO UPDATE (guarded by version again), removed rows go with one DELETE …
+event whose aggregate version is <= the row's `_kafold_version`; (4) changed rows are upserted by one INSERT …
+SELECT FROM unnest(one array per column) ON CONFLICT DO UPDATE (guarded by version again; no staging table),
+removed rows go with one DELETE …
 USING; (5) the next offset of every partition the batch covers is upserted into the checkpoints table,
 monotonically (`WHERE next_offset < EXCLUDED.next_offset`), so a zombie writer after a rebalance cannot move it
 back; (6) commit. The checkpoint therefore always describes exactly the rows: PostgreSQL is the source of truth for
@@ -24,8 +25,8 @@ the changes: a crash before the commit redoes the whole batch; its tracking key 
 
 Round trips: the transaction is one pipeline, its BEGIN and COMMIT statements queued with the rest (`db.begin`):
 BEGIN and the reads of (1)-(2) are the first round trip; (4)-(6) are queued after the fold and sent with the
-COMMIT, the second. A batch with more changed rows than STAGE_INLINE_ROWS stages them by COPY instead, which
-leaves the pipeline for it (three round trips more, a small share of such a batch). Any error rolls back
+COMMIT, the second, whatever the number of changed rows (the upsert's arrays go as parameters of its one statement:
+no COPY, which would leave the pipeline). Any error rolls back
 (`db.roll_back`), and the batch is done again or isolated as below.
 
 A concurrent writer of the same events (a zombie task after a rebalance) blocks on the tracking rows' primary
@@ -59,7 +60,8 @@ its first statements; a set different from the one the batch was prepared with (
 `kafold dlq replay|discard`, which takes that lock exclusively, or a swap) rolls the transaction back and redoes it
 with the set read. See holds.py for the release.
 
-Deduplicating by version (`track=False`, a rebuild's writer when the projection has its version guard). Tracking
+Deduplicating by version (`track=False`: a rebuild's writer when the projection has its version guard, and the live
+writer with `dedup = "version"`, below). Tracking
 records cost a key per event in the server; a writer that is its table's only writer can drop them and let the
 version guard alone skip what was already applied: a row at version V has seen every event of its aggregate up to V,
 a duplicate carries its original's version, so it is stale. What a row forgets when it is deleted is kept as a
@@ -67,6 +69,26 @@ tombstone (namespace, row key, the highest version the row had reached; `tombsto
 transaction as the delete): an event of a key with no row is stale when its version is at most the tombstone's.
 This equals tracking wherever an aggregate's versions rise along its partition (what kafold's aggregates write and
 what the version guard already assumes); where they go back, the version guard decides as it does live.
+
+The live writer deduplicating by version (`dedup = "version"`, `fence=True`): the checkpoint is the fence. A live
+table has other writers at times — the zombie of a task that lost its partitions, still finishing a batch, and the
+new owner, both starting from the same stored offsets — so "its table's only writer" is made true per partition by
+the checkpoint row instead of by tracking rows. The writer keeps the offsets it last knew stored (`_stored`: read
+at `open`, updated by each commit). Each transaction moves the checkpoints of the partitions it
+covers from exactly those offsets to the batch's next ones (`UPDATE … WHERE next_offset = <last known>`, an insert
+where none was stored), sent with BEGIN and the reads in the first round trip, after them (the table's lock first,
+as a rebuild's swap takes them). Its row locks serialize the writers of a
+partition: a second writer waits for the first's commit, then (READ COMMITTED rechecks the WHERE against the
+committed row) moves nothing; a count short of the partitions is `_Moved`: that transaction rolls back having
+written nothing, the writer reads the stored checkpoints and redoes the batch, skipping every record below them
+(the transaction that moved them applied those records) — a zombie thus writes nothing, and a new owner that lost
+the race applies just what follows. So the committed transactions of a partition form one chain, each starting at
+the offset the previous left: a record is applied by at most one committed transaction, which also moves the
+checkpoint past it (exactly once for the offsets). A record *produced* twice (same event id, at a later offset)
+carries its original's aggregate and version: the version guard finds it stale, a deleted row's tombstone too. A
+different event at a version its row already has (a producer's bug) is stale as well, as it is with tracking, where
+the version guard skips it after the tracking insert; both count it under `stale`. Kafka's own committed offsets
+follow the checkpoints as before (task.py): only what is stored here is trusted at `open`.
 """
 
 from __future__ import annotations
@@ -116,11 +138,12 @@ log = logs.get(__name__)
 DeadLetter = tuple[RawRecord, BaseException]
 Report = Callable[[Sequence[tuple[Any, BaseException]]], None]  # to the DLQ topic, acknowledged on return
 REJECTED = (psycopg.errors.IntegrityError, psycopg.errors.DataError)
-# A batch's changed rows up to this many are staged by INSERTs queued with the rest of its transaction; more go by
-# COPY, whose two round trips and the pipeline it has to leave cost less than a row's INSERT each beyond this (at
-# ~20 events a batch, 1,000 events/s: docs/benchmarks.md, latency).
-STAGE_INLINE_ROWS = 64
 T = TypeVar("T")
+
+
+class _Moved(Exception):
+    """A checkpoint this batch moves is not where this writer last stored it: another writer of the partition (the
+    new owner after a rebalance, or this writer's zombie) committed since; redo from the stored checkpoints."""
 
 
 class _HoldsChanged(Exception):
@@ -248,7 +271,7 @@ class ProjectionWriter:
 
     def __init__(self, pgc: PostgresConfig, config: ProjectionConfig, mapping: Mapping, connector: str,
                  namespace: str | None = None, table: str | None = None, cache_rows: int = 0, track: bool = True,
-                 durable: bool = True) -> None:
+                 durable: bool = True, fence: bool = False) -> None:
         self.pgc, self.config, self.mapping = pgc, config, mapping
         self.connector = connector  # key of checkpoints and dead letters
         self.namespace = namespace or connector  # key of tracking records (a rebuild uses its own)
@@ -260,6 +283,12 @@ class ProjectionWriter:
         if not track and not mapping.guard:
             raise ConfigError([f"projection {connector}: deduplicating by version needs the version guard"])
         self.track = track
+        # fence=True (a live writer deduplicating by version): each transaction moves its checkpoints from the
+        # offsets last stored (`_stored`, read by `checkpoints` and kept by each commit), or fails (see the note).
+        if fence and track:
+            raise ConfigError([f"projection {connector}: the checkpoint fence is for a writer without tracking"])
+        self.fence = fence
+        self._stored: dict[TopicPartition, int] = {}
         self._tombstones = db.table(pgc, "tombstones")
         # durable=False: commits do not wait for the WAL flush (synchronous_commit off). For a writer whose
         # transactions may be lost together with their checkpoints on a PostgreSQL crash (it then resumes from
@@ -298,7 +327,6 @@ class ProjectionWriter:
                     conn.execute("SET synchronous_commit = off")
                 with db.transaction(conn):
                     self.shape = self._prepare(conn)
-                    conn.execute(q.create_stage(self.shape))
             except BaseException:
                 conn.close()
                 raise
@@ -352,7 +380,9 @@ class ProjectionWriter:
         except psycopg.OperationalError as e:
             self.close()
             raise RetriableError(f"PostgreSQL: {e}") from e
-        return {TopicPartition(t, p): o for t, p, o in rows}
+        stored = {TopicPartition(t, p): o for t, p, o in rows}
+        self._stored = dict(stored)
+        return stored
 
     # ---- the batch --------------------------------------------------------------------------------------
     def write(self, records: Sequence[SinkRecord], dead: Sequence[DeadLetter] = (),
@@ -424,6 +454,8 @@ class ProjectionWriter:
                     db.roll_back(conn)
                     raise
                 self._held.update(heads)  # committed with their heads
+                if self.fence:
+                    self._stored.update(result.checkpoints)
                 if self.cache_rows and (folded.state or folded.truncated):  # the rows committed, tombstones
                     if folded.truncated:  # the rows kept are gone with the rest
                         self._cache.clear()
@@ -435,6 +467,11 @@ class ProjectionWriter:
                 self._optimistic = False  # rolled back: do it again expecting duplicates, until a batch has none
             except _HoldsChanged:  # rolled back: do it again with the keys read
                 continue
+            except _Moved:  # rolled back: another writer moved a checkpoint; redo from the stored ones
+                was = dict(self._stored)
+                now = self.checkpoints()
+                log.info("projection.checkpoint_moved", connector=self.connector,
+                         moved={str(tp): [was.get(tp), off] for tp, off in now.items() if was.get(tp) != off})
             except _Bad as e:  # rolled back: do it again without them, dead-lettered
                 bad = self._heads(call, records, e.bad, heads)
                 if report is not None and bad:
@@ -477,14 +514,21 @@ class ProjectionWriter:
     def _apply(self, conn: psycopg.Connection[Any], call: _Call, records: list[SinkRecord],
                excluded: list[SinkRecord], dead: list[DeadLetter], offsets: dict[TopicPartition, int],
                heads: dict[str, int]) -> tuple[BatchResult, Folded]:
-        """One transaction of the protocol in the module note: hold → track → read → fold → stage in Python's turn,
-        then merge → checkpoint in PostgreSQL's (the caller commits); what it did, and the batch folded."""
+        """One transaction of the protocol in the module note: hold → track → read → fold in Python's turn,
+        then upsert → checkpoint in PostgreSQL's (the caller commits); what it did, and the batch folded."""
         result = BatchResult(events=len(records), transactions=1, dead_lettered=len(dead))
         skip = {id(r) for r in excluded}
         turns = self._turns
-        with turns, contextlib.ExitStack() as pipeline:
-            pipe = pipeline.enter_context(turns.waiting(conn.pipeline()))
+        advance = self._advance_to(records, offsets, call.advance)
+        behind: list[SinkRecord] = []
+        if self.fence:  # what the stored checkpoints passed was applied by the transaction that moved them
+            stored_at = self._stored
+            behind = [r for r in records if r.offset < stored_at.get(r.tp, -1) and id(r) not in skip]
+            skip.update(id(r) for r in behind)
+            advance = {tp: o for tp, o in advance.items() if o > stored_at.get(tp, -1)}
+        with turns, turns.waiting(conn.pipeline()) as pipe:
             db.begin(conn)  # with the first reads: no round trip of its own
+            fence = advance if self.fence and advance else None
             prep = call.prepared if call.prepared is not None else self.prepare(records)
             if call.hold and (self._held or heads):
                 held = self._held_records(call, records, prep, skip, heads)
@@ -494,29 +538,50 @@ class ProjectionWriter:
             todo = candidates(records, prep, skip)
             if todo.first:
                 fresh, folded = (self._track_read_fold(conn, pipe, call.hold, todo) if self.track
-                                 else self._read_fold(conn, pipe, call.hold, todo))
+                                 else self._read_fold(conn, pipe, call.hold, todo, fence))
             else:
-                if call.hold and result.held:  # nothing to apply, events to hold: under the lock, keys read
-                    holds = self._read_holds(conn)
+                holding = call.hold and result.held  # nothing to apply, events to hold: under the lock, keys read
+                holds = self._read_holds(conn) if holding else None
+                fenced = self._fence_checkpoints(conn, fence) if fence else None
+                if holds is not None or fenced is not None:
                     turns.sync(pipe)
+                if holds is not None:
                     self._check_holds(holds)
+                if fenced is not None and fence:
+                    self._check_fence(fenced, fence)
                 fresh, folded = [], empty()
-            result.duplicates = len(records) - len(skip) - len(fresh)
+            result.duplicates = len(records) - len(skip) - len(fresh) + len(behind)
             result.stale, result.unchanged = folded.stale, folded.unchanged
             if result.duplicates:
                 handled = skip | {id(r) for r in fresh}
                 tally(result.by_partition, (r for r in records if id(r) not in handled), DUPLICATE)
+                tally(result.by_partition, behind, DUPLICATE)
             tally(result.by_partition, folded.stale_records, STALE)
             tally(result.by_partition, excluded, DEAD)
             for k, n in folded.applied.items():
                 result.by_partition.setdefault(k, [0, 0, 0, 0])[APPLIED] += n
             if folded.bad:
                 raise _Bad(folded.bad)
-            advance = self._advance_to(records, offsets, call.advance)
-            stored = self._store(conn, pipeline, pipe, folded, dead, advance, call.hold_of, call.then, result)
+            stored = self._store(conn, pipe, folded, dead, {} if self.fence else advance, call.hold_of, call.then,
+                                 result)
         result.upserted, result.deleted = stored.counts()
         result.checkpoints = advance
         return result, folded
+
+    def _fence_checkpoints(self, conn: psycopg.Connection[Any], advance: dict[TopicPartition, int]
+                           ) -> psycopg.Cursor[Any]:
+        """Move the checkpoints of `advance` from the offsets this writer last knew to be stored (pipelined, in the
+        transaction's first round trip: it takes their row locks); the cursor gives how many moved."""
+        tps, stored_at = list(advance), self._stored
+        return conn.execute(q.fence_checkpoints(self._checkpoints),
+                            ([tp.topic for tp in tps], [tp.partition for tp in tps],
+                             [stored_at.get(tp, -1) for tp in tps], [advance[tp] for tp in tps],
+                             self.connector, self.connector))
+
+    def _check_fence(self, cur: psycopg.Cursor[Any], advance: dict[TopicPartition, int]) -> None:
+        row = cur.fetchone()
+        if row is None or row[0] != len(advance):
+            raise _Moved()
 
     def _track_read_fold(self, conn: psycopg.Connection[Any], pipe: psycopg.Pipeline, hold: bool, todo: Candidates
                          ) -> tuple[list[SinkRecord], Folded]:
@@ -553,18 +618,24 @@ class ProjectionWriter:
         """Whether `e` is the optimistic tracking insert's (an event already applied), not a row the table refused."""
         return (e.diag.schema_name, e.diag.table_name) == (self.pgc.schema, "tracking")
 
-    def _read_fold(self, conn: psycopg.Connection[Any], pipe: psycopg.Pipeline, hold: bool, todo: Candidates
-                   ) -> tuple[list[SinkRecord], Folded]:
+    def _read_fold(self, conn: psycopg.Connection[Any], pipe: psycopg.Pipeline, hold: bool, todo: Candidates,
+                   fence: dict[TopicPartition, int] | None = None) -> tuple[list[SinkRecord], Folded]:
         """Deduplicating by version: the rows and tombstones of the keys not cached (and the held keys) in one
-        round trip, then every candidate folded (the version guard skips what was applied)."""
+        round trip, with the checkpoints' fence (`fence`: the offsets to move them to) last in it, then every
+        candidate folded (the version guard skips what was applied)."""
         held_keys = None
         if hold:
             held_keys = self._read_holds(conn)
         uncached = self._uncached(todo.keys)
         read = self._read_keys(conn, uncached) if uncached else None
+        # After the reads: the table's lock before the checkpoints' rows, the order of a rebuild's swap (which
+        # locks the table, then the live checkpoints), so the two never wait for each other in a circle.
+        fenced = self._fence_checkpoints(conn, fence) if fence else None
         self._turns.sync(pipe)
         if held_keys is not None:
             self._check_holds(held_keys)
+        if fenced is not None and fence:
+            self._check_fence(fenced, fence)
         rows = self._loaded(todo.keys, read[0] if read else None)
         gone = self._tombstones_read(read) if read else {}
         self._cached_tombstones(todo.keys, gone)
@@ -619,35 +690,27 @@ class ProjectionWriter:
             advance[tp] = max(off, advance.get(tp, -1))
         return {tp: off for tp, off in advance.items() if off >= 0}
 
-    def _store(self, conn: psycopg.Connection[Any], pipeline: contextlib.ExitStack, pipe: psycopg.Pipeline,
-               folded: Folded,
+    def _store(self, conn: psycopg.Connection[Any], pipe: psycopg.Pipeline, folded: Folded,
                dead: list[DeadLetter], advance: dict[TopicPartition, int],
                hold_of: dict[int, tuple[DeadLetterStatus, str]], then: Then | None, result: BatchResult) -> _Stored:
-        """Steps (4)-(6), queued in the transaction's open pipeline (`pipeline`, left by the caller: the batch's
-        last round trip): stage the changed rows, merge them (version-guarded), delete the removed ones (and record
-        their tombstones), record the dead letters, move the checkpoints forward only, run `then`, COMMIT. Up to
-        STAGE_INLINE_ROWS rows are staged by INSERTs in the pipeline; more by COPY, which pipeline mode does not
-        allow: the pipeline is left for it (a round trip, and two for the COPY) and a new one opened."""
+        """Steps (4)-(6), queued in the transaction's open pipeline (the batch's last round trip): upsert the
+        changed rows in one statement (version-guarded), delete the removed ones (and record their tombstones),
+        record the dead letters, move the checkpoints forward only, run `then`, COMMIT."""
         assert self.shape is not None
         shape = self.shape
         upserts, deletes = folded.changes()
-        rows = self._staged(upserts)
-        if len(rows) > STAGE_INLINE_ROWS:
-            pipeline.close()
-            with conn.cursor().copy(q.copy_stage(shape)) as copy:
-                for values in rows:
-                    copy.write_row(values)
-            pipe = pipeline.enter_context(self._turns.waiting(conn.pipeline()))
-        elif rows:  # each value as COPY's text format has it (the same dumpers), read by the server as COPY does
+        if folded.truncated:  # before the upsert: the rows the batch made after the truncate are written after it
+            conn.execute(q.delete_all(shape))
+        merged = None
+        if upserts:  # each value as COPY's text format has it (the same dumpers), one text array per column
             texts, encoding = Transformer(conn), conn.info.encoding
             formats = [PyFormat.TEXT] * len(shape.written)
-            with conn.cursor() as cur:
-                cur.executemany(q.insert_stage(shape), [
-                    [None if v is None else bytes(v).decode(encoding) for v in texts.dump_sequence(values, formats)]
-                    for values in rows])
-        if folded.truncated:  # before the merge: the rows the batch made after the truncate are written after it
-            conn.execute(q.delete_all(shape))
-        stored = _Stored(conn.execute(q.merge_stage(shape, self.mapping.guard)) if rows else None,
+            columns: list[list[str | None]] = [[] for _ in shape.written]
+            for values in self._staged(upserts):
+                for column, v in zip(columns, texts.dump_sequence(values, formats), strict=True):
+                    column.append(None if v is None else bytes(v).decode(encoding))
+            merged = conn.execute(q.upsert_rows(shape, self.mapping.guard), columns)
+        stored = _Stored(merged,
                          conn.execute(q.delete_rows(shape), [list(c) for c in zip(*deletes, strict=True)],
                                       prepare=db.BY_KEYS) if deletes else None)
         buried = folded.buried

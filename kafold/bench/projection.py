@@ -22,6 +22,7 @@ from confluent_kafka.admin import NewTopic
 
 from kafold import db, kafka_clients, logs
 from kafold.bench import SHORT_GROUP_TIMEOUTS, cpu_s, services, short_group
+from kafold.connectors.projection.config import Dedup
 from kafold.envelope import Event, decode, encode
 from kafold.schema import toml_value
 
@@ -47,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task-processes", action=argparse.BooleanOptionalAction, default=True,
                    help="daemon.task_processes: each task in its own process (default) or --no-task-processes: "
                    "threads of the daemon's one process")
+    p.add_argument("--dedup", choices=[d.value for d in Dedup], default=Dedup.TRACKING.value,
+                   help="the connector's `dedup` (default tracking, the connector's default; version: no tracking "
+                   "record per event, docs/benchmarks.md)")
     p.add_argument("--baseline-events", type=int, default=5000, help="sample size of the naive baseline")
     p.add_argument("-c", "--config", help="kafold.toml giving [kafka] and [postgres] (default: the dev stack, "
                    "started if needed)")
@@ -100,7 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "baseline_sample": args.baseline_events, "ratio": round(rate / baseline, 1),
             "replay_events_per_s": round(replay["events"] / replay["seconds"]),
             "rows_changed_on_replay": replay["rows_changed"], "rows_written_first_pass": first["rows_changed"],
-            "tasks": args.tasks, "task_processes": args.task_processes,
+            "tasks": args.tasks, "task_processes": args.task_processes, "dedup": args.dedup,
             # The daemon's memory: RSS of its processes added up (the daemon, and its task processes), at the end,
             # at 20 % of the events and the largest sampled; PSS added up (shared library pages counted once).
             "daemon_processes": first["processes"], "rss_mb": first["rss_mb"],
@@ -265,7 +269,8 @@ def _daemon_toml(stack: DaemonStack, name: str, topic: str, table: str, args: ar
     daemon = {"group_prefix": f"{name}.{uuid.uuid4().hex[:4]}", "http_port": 0, "batch_max_records": args.batch,
               "task_processes": args.task_processes}
     connector = {"name": name, "class": "postgres-projection", "topics": [topic], "tasks_max": args.tasks,
-                 "config": {"table": table, "key_columns": ["account_id"], "columns": COLUMNS, "on": RULES},
+                 "config": {"table": table, "key_columns": ["account_id"], "columns": COLUMNS, "on": RULES,
+                            "dedup": getattr(args, "dedup", Dedup.TRACKING.value)},
                  **(connector_extra or {})}
     extra = dict(extra or {})
     daemon.update(extra.pop("daemon", {}))
