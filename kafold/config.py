@@ -135,6 +135,13 @@ class DaemonConfig:
         "(docs/security.md#trust-between-instances).", secret=True)
     peer_ca_file: str | None = setting(None, doc="CA bundle (PEM) that signs the other instances' certificates when "
                                        "they advertise https:// addresses; unset: the system's trust store.")
+    state_dir: str = setting("", doc="Directory of the aggregates' local state stores (LMDB, one folder per "
+                             "aggregate and partition): states, versions and idempotency window outcomes written "
+                             "after each committed transaction, so an aggregate evicted from the cache "
+                             "(`cache_max_aggregates`) is read back from disk, a restart replays only the events "
+                             "since, and the window is kept for `idempotency_window_s` on disk. Empty: no local "
+                             "store (evicted aggregates are rebuilt from their events partition). Relative: to the "
+                             "working directory (docs/operations.md#local-state-stores).")
     forward_max_bytes: int = setting(8 * 1024 * 1024, doc="Largest answer a state read sent on to the owning "
                                      "instance may bring back; a larger one is refused (502).", minimum=1024)
 

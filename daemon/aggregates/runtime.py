@@ -24,6 +24,11 @@ snapshot that seeds a partition (snapshots carry it), from the replayed events' 
 results partition of the same number (rejections, acceptances without events) before a partition opens; an
 evicted aggregate gets it back with its state; a rebalance rebuilds it on the instance taking the partition over.
 
+With a local state store (`daemon.state_dir`, local.py) the LRU is its hot cache: an evicted aggregate and an id
+whose outcome left memory are read back from it, never by scanning Kafka. It is written after each committed
+transaction (so it can only lag the committed events) and trusted on assignment up to the events offset it records;
+the tail past it is replayed as after a snapshot (local.py's note).
+
 The poll loop (the consumer, the poll, the subscription, fatal consumer errors, the shutdown call) is
 `kafold.consumer_loop`'s; this runtime is its batch handler. The loop commits nothing: the offsets are committed
 only in a batch's transaction, as above; a revoked or lost partition is dropped without a commit.
@@ -37,6 +42,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
 
+import lmdb
 from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTP
 
@@ -47,6 +53,7 @@ from kafold.connectors.dlq import dlq_headers, fitted
 from kafold.consumer_loop import ConsumerLoop, LoopHandler
 from kafold.daemon.aggregates import recovery, routing
 from kafold.daemon.aggregates.gate import PartitionGate
+from kafold.daemon.aggregates.local import LocalStates, local_states, window_of
 from kafold.daemon.aggregates.processor import handle
 from kafold.daemon.aggregates.store import Entry, StateStore
 from kafold.daemon.aggregates.txn import ProducerBroken, TransactionalWriter
@@ -56,6 +63,7 @@ from kafold.envelope import format_epoch_ms
 from kafold.errors import DecodeError, FatalError, RecordError, RetriableError
 from kafold.fold import Folder, FoldError, Parked
 from kafold.messages import REJECTED, Command, Result, decode_command, header
+from kafold.partitioning import partition_for
 from kafold.upcast import UpcastError
 
 log = logs.get(__name__)
@@ -99,7 +107,8 @@ class AggregateRuntime(LoopHandler):
         self.dlq = dlq_topic(agg)
         self.consumer_extra = dict(consumer_extra or {})
         self.window_ms = int(agg.idempotency_window_s * 1000)
-        self.store = StateStore(agg.cache_max_aggregates, Window(self.window_ms, agg.idempotency_max_ids))
+        self.local: LocalStates | None = local_states(daemon, agg, domain, self.window_ms)  # None: no state_dir
+        self.store = StateStore(agg.cache_max_aggregates, Window(self.window_ms, agg.idempotency_max_ids), self.local)
         self.gates: dict[int, PartitionGate] = {}
         self.folders: dict[int, Folder[recovery.Recovering]] = {}
         # Per partition, the commands offset below which everything is decided and committed (the group's
@@ -153,6 +162,8 @@ class AggregateRuntime(LoopHandler):
                 state, version = pending[0]
             live = gate is not None and gate.live and version > 0
             return (state, version, "memory") if live else None
+        if self.local is not None:
+            return self._get_local(aggregate_id)
         if partition is None:
             return None
         private = StateStore(1)
@@ -163,6 +174,19 @@ class AggregateRuntime(LoopHandler):
             reader.close()
         found, _ = private.locate(aggregate_id)
         return (found.state, found.version, "events") if found is not None and found.version else None
+
+    def _get_local(self, aggregate_id: str) -> tuple[Any, int, str] | None:
+        """An aggregate not cached, read from the local store of its LIVE partition (committed states only)."""
+        assert self.local is not None
+        n = partition_for(aggregate_id.encode(), self.agg.partitions)
+        gate = self.gates.get(n)
+        if gate is None or not gate.live:
+            return None
+        try:
+            found = self.local.load(n, aggregate_id)
+        except lmdb.Error:  # the partition was released meanwhile (its store closed)
+            return None
+        return (found.state, found.version, "store") if found is not None else None
 
     def idempotency(self) -> dict[str, int]:
         """The idempotency window's figures: ids held, expired, dropped early (beyond idempotency_max_ids)."""
@@ -295,6 +319,10 @@ class AggregateRuntime(LoopHandler):
         low, stable = recovery.bounds(self.reader, events, n)
         with recovery.probing(self.kafka, self.agg.name) as probe:
             _, high = recovery.bounds(probe, events, n)
+        if self.local is not None:  # a store trusted up to an offset: no snapshot read, the tail from there
+            trusted = self.local.open(n, low, stable)
+            if trusted is not None:
+                return low, max(stable, high), recovery.Base(start=trusted)
         return low, max(stable, high), self.restorer.restore(n, low, stable)
 
     def _retrying(self, event: str, step: Callable[[], T], within_s: float = ASSIGN_RETRY_S, **fields: Any) -> T:
@@ -327,6 +355,8 @@ class AggregateRuntime(LoopHandler):
             if not renewing:
                 self.positions.pop(n, None)
             self.store.drop_partition(n)
+            if self.local is not None:
+                self.local.close(n)
             if not gate.live and not gate.stopped:  # a stopped gate's events were unassigned when it stopped
                 self.reader.incremental_unassign([KTP(self.topics["events"], n)])
         if mine:
@@ -405,6 +435,10 @@ class AggregateRuntime(LoopHandler):
                 return recovery.note_results(reader, self.topics["results"], self.domain, self.store, n, probe=probe)
 
         results = self._read_back("aggregate.results_retrying", n, note_results)
+        if self.local is not None:  # what the restore and the replay built, trusted from now on up to here
+            with self.store.lock:
+                held = [(aid, e) for aid, e in self.store.entries.items() if e.partition == n]
+            self.local.seal(n, held, gate.position)
         self._resume_commands(n)
         self.log.info("aggregate.caught_up", **gate.describe(), folded=folder.folded, duplicates=folder.skipped,
                       events_parked=folder.bad or None, results_read=results)
@@ -479,7 +513,10 @@ class AggregateRuntime(LoopHandler):
         if not live:
             return
         decoded = [self._decode(m) for m in live]
-        self._reload_missing(live)
+        if self.local is not None:
+            self._from_local(live, decoded)
+        else:
+            self._reload_missing(live)
         if self.domain.protector is not None:  # the batch's data keys at once, not a round trip per new subject
             ids = {k.decode("utf-8", "replace") for m in live if (k := m.key())}
             self.domain.protector.prepare_writing(self.agg.name, ids, [i for i in ids if self.store.get(i) is None])
@@ -515,6 +552,8 @@ class AggregateRuntime(LoopHandler):
         self.uncommitted = {}
         self.renewed = False
         self.positions.update(last)
+        if self.local is not None:
+            self._write_local(undo)
         self.store.trim()
         self.counts["batches"] += 1
         self.counts["commands"] += len(live)
@@ -597,6 +636,41 @@ class AggregateRuntime(LoopHandler):
         self.log.warning("aggregate.dead_lettered", partition=raw.partition, offset=raw.offset,
                          reason=error.reason, error=str(error)[:200])
 
+    def _write_local(self, undo: Undo) -> None:
+        """The committed batch's aggregates and outcomes into the local store, with each partition's events end.
+
+        Commit note: this runs after the transaction committed; a crash before it leaves the store behind the
+        committed events (never ahead), and the next assignment replays the tail past its recorded offset."""
+        assert self.local is not None and self.writer is not None
+        touched: dict[int, list[tuple[str, Entry, list[str]]]] = {}
+        with self.store.lock:
+            for aid, (_, cids) in undo.items():
+                entry = self.store.entries.get(aid)  # touched in this batch: still cached (trim runs after)
+                if entry is not None:
+                    touched.setdefault(entry.partition, []).append((aid, entry, cids))
+        events = self.topics["events"]
+        ends = {n: off + 1 for (topic, n), off in self.writer.ends.items() if topic == events}
+        self.local.committed(touched, ends, self.store.window.high - self.window_ms)
+
+    def _from_local(self, msgs: list[Any], decoded: list[Command | DecodeError]) -> None:
+        """Read this batch's aggregates that are not cached, and the window outcomes of its command ids that are not
+        in memory, back from the local store before deciding on them."""
+        assert self.local is not None
+        for m, cmd in zip(msgs, decoded, strict=True):
+            if not isinstance(cmd, Command):
+                continue
+            n, aid = m.partition(), cmd.aggregate_id
+            entry = self.store.fetch(n, aid)
+            if entry is not None and cmd.command_id in entry.recent:
+                continue
+            seen = self.local.outcome(n, aid, cmd.command_id)
+            if seen is None:
+                continue
+            if entry is None:  # a key known only from rejections
+                entry = Entry(self.domain.initial(), 0, n)
+                self.store.put(aid, entry)
+            window_of(entry, aid, cmd.command_id, seen, self.store.window)
+
     def _reload_missing(self, msgs: list[Any]) -> None:
         """Rebuild evicted aggregates of this batch from Kafka before deciding on them."""
         wanted: dict[int, set[str]] = {}
@@ -650,7 +724,8 @@ class AggregateRuntime(LoopHandler):
     def loop_stopped(self) -> None:
         for what, close in (("writer", self.writer.close if self.writer else None),
                             ("consumer", self.consumer.close if self.consumer else None),
-                            ("reader", self.reader.close if self.reader else None)):
+                            ("reader", self.reader.close if self.reader else None),
+                            ("local state store", self.local.close_all if self.local else None)):
             if close is None:
                 continue
             try:
