@@ -233,7 +233,15 @@ class _AggregateCollector(Collector):
                                       "than the window.", labels=("aggregate",))
         early = CounterMetricFamily("kafold_aggregate_idempotency_dropped_early", "Command ids forgotten before "
                                     "the window passed, to stay within idempotency_max_ids.", labels=("aggregate",))
+        disk = GaugeMetricFamily("kafold_aggregate_local_store_bytes", "Bytes on disk of the local state stores "
+                                 "of the partitions this process holds (daemon.state_dir).", labels=("aggregate",))
+        disk_reads = CounterMetricFamily("kafold_aggregate_local_store_reads", "Aggregates read back from the local "
+                                         "state store (not cached).", labels=("aggregate",))
         for name, slot in sorted(self.aggregates().items()):
+            local = getattr(slot.runtime, "local", None)  # None: no state_dir
+            if local is not None:
+                disk.add_metric([name], float(local.disk_bytes()))
+                disk_reads.add_metric([name], float(local.reads))
             counts = getattr(slot.runtime, "counts", None)
             if counts is not None:
                 for outcome in COMMAND_OUTCOMES:
@@ -246,4 +254,4 @@ class _AggregateCollector(Collector):
             held.add_metric([name], float(len(w.times)))
             expired.add_metric([name], float(w.expired))
             early.add_metric([name], float(w.dropped_early))
-        yield from (commands, renewed, held, expired, early)
+        yield from (commands, renewed, held, expired, early, disk, disk_reads)

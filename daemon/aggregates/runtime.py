@@ -146,8 +146,9 @@ class AggregateRuntime(LoopHandler):
         return [g.describe() for g in sorted(list(self.gates.values()), key=lambda g: g.partition)]
 
     def get(self, aggregate_id: str) -> tuple[Any, int, str] | None:
-        """(state, version, where it was read from) of an aggregate of a LIVE partition: "memory" (the cache) or
-        "events" (evicted, rebuilt from its events partition). None = unknown here (not assigned to this
+        """(state, version, where it was read from) of an aggregate of a LIVE partition: "memory" (the cache),
+        "store" (not cached: the local state store) or "events" (evicted, no local store: rebuilt from its events
+        partition). None = unknown here (not assigned to this
         instance, still recovering, or no events yet)."""
         entry, partition = self.store.locate(aggregate_id)
         if entry is not None:
