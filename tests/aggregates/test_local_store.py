@@ -16,21 +16,38 @@ import pytest
 
 from kafold.client import CommandClient
 from kafold.config import KafkaConfig
-from kafold.daemon.aggregates import local, recovery
-from tests.aggregates.agg_support import DAEMON, bank_config, create_topics, events, fold_balances, running, runtime
+from kafold.daemon.aggregates import AggregateRuntime, local, recovery
+from kafold.daemon.aggregates.restorer import SnapshotRestorer
+from kafold.snapshot.fold import Domain
+from kafold.spark_jobs.runs import run_local
+from tests.aggregates.agg_support import (
+    BANK,
+    DAEMON,
+    bank_config,
+    bank_domain,
+    create_topics,
+    events,
+    fold_balances,
+    running,
+)
 from tests.support import wait_for
 
 ACCOUNTS, CACHE, COMMANDS = 500, 10, 2000
 
 
-def _runtime(kafka: KafkaConfig, agg: Any, state_dir: Path, instance: str = "i1") -> Any:
-    rt = runtime(kafka, agg, instance)
-    return _with_state_dir(rt, kafka, agg, state_dir, instance)
-
-
-def _with_state_dir(rt: Any, kafka: KafkaConfig, agg: Any, state_dir: Path, instance: str) -> Any:
+def _runtime(kafka: KafkaConfig, agg: Any, state_dir: Path, instance: str = "i1", restorer: Any = None) -> Any:
     daemon = dataclasses.replace(DAEMON, state_dir=str(state_dir), batch_max_records=200)
-    return type(rt)(kafka, daemon, agg, rt.domain, instance_id=instance)
+    return AggregateRuntime(kafka, daemon, agg, bank_domain(agg), instance_id=instance, restorer=restorer)
+
+
+class CountingRestorer(SnapshotRestorer):
+    """The snapshot restorer, counting its restores (each one reads the snapshot topic)."""
+
+    calls = 0
+
+    def restore(self, partition: int, low: int, end: int) -> recovery.Base:
+        self.calls += 1
+        return super().restore(partition, low, end)
 
 
 @pytest.fixture
@@ -163,4 +180,36 @@ def test_restart_trusts_an_intact_store_and_rebuilds_a_damaged_one(kafka_config:
         assert replayed == 0 and gate.start > 0
     else:
         assert gate.start == 0 and replayed > len(accounts)
+    assert scans == []
+
+
+def test_a_new_host_fills_its_store_from_snapshots_and_a_restart_skips_them(
+        kafka_config: KafkaConfig, unique: str, tmp_path: Path, scans: list[set[str]]) -> None:
+    """An empty store (a new host) restores from the snapshot topic + tail and fills the store from it; the next
+    restart on that host trusts the store and reads no snapshot."""
+    agg = dataclasses.replace(bank_config(unique), cache_max_aggregates=5)
+    create_topics(kafka_config, agg)
+    accounts = [f"acc-{i:03d}" for i in range(40)]
+    plan = _plan(random.Random(9), accounts, 200)
+    more = _plan(random.Random(10), accounts, 100)[len(accounts):]  # no OpenAccount
+    balance, _ = _model(plan + more)
+    with running(_runtime(kafka_config, agg, tmp_path / "old-host")) as r, CommandClient(kafka_config, agg) as c:
+        wait_for(lambda: r.runtime.ready, what="runtime live")
+        _send(c, plan)
+        run_local(kafka_config, agg, Domain.load(agg, [str(BANK)]), [0])  # a snapshot, then a tail after it
+        _send(c, more)
+    new_host = tmp_path / "new-host"
+    first = CountingRestorer(kafka_config, agg, bank_domain(agg))
+    with running(_runtime(kafka_config, agg, new_host, "i2", first)) as r:
+        wait_for(lambda: r.runtime.ready, what="runtime live on the new host", timeout=45)
+        gate = r.runtime.gates[0]
+        assert first.calls == 1 and gate.snapshot_version is not None and gate.start > 0
+    again = CountingRestorer(kafka_config, agg, bank_domain(agg))
+    with running(_runtime(kafka_config, agg, new_host, "i2", again)) as r:
+        wait_for(lambda: r.runtime.ready, what="runtime live after a restart", timeout=45)
+        got = {a: r.runtime.get(a) for a in accounts}
+        gate = r.runtime.gates[0]
+    assert again.calls == 0 and gate.snapshot_version is None and gate.events_replayed == 0
+    assert {a: g[0].balance for a, g in got.items() if g is not None} == balance
+    assert all(g is not None and g[2] in ("store", "memory") for g in got.values())
     assert scans == []
