@@ -507,6 +507,7 @@ def _check_refs(cfg: KafoldConfig, problems: Problems) -> None:
     _check_group_protocol(cfg.kafka, problems)
     _check_advertised_url(cfg.daemon.advertised_url, problems)
     _check_instance_trust(cfg.daemon, problems)
+    _check_state_dir(cfg.daemon.state_dir, problems)
     for name, spec in topic_map(cfg).items():
         if not NAME_RE.match(name):
             problems.add("topics", f"invalid topic name {name!r}")
@@ -650,6 +651,12 @@ def _check_advertised_url(url: str, problems: Problems) -> None:
     """The other instances build the state path after it (kafold.daemon.aggregates.trust.Peer)."""
     if url and (problem := advertised_url_problem(url)) is not None:
         problems.add("daemon.advertised_url", problem)
+
+
+def _check_state_dir(state_dir: str, problems: Problems) -> None:
+    """The local state stores' directory is a directory (created at start when missing), not a file."""
+    if state_dir and Path(state_dir).exists() and not Path(state_dir).is_dir():
+        problems.add("daemon.state_dir", f"{state_dir!r} exists and is not a directory")
 
 
 def _check_instance_trust(daemon: DaemonConfig, problems: Problems) -> None:
