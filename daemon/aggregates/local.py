@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import shutil
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ import orjson
 
 from kafold import logs
 from kafold.config import AggregateConfig, DaemonConfig
-from kafold.daemon.aggregates.store import Entry
+from kafold.daemon.aggregates.store import Entry, StateStore
 from kafold.daemon.aggregates.window import Remembered, accepted, event_ids, rejected, unpack
 from kafold.domain import AggregateDomain
 from kafold.errors import FatalError
@@ -111,13 +111,16 @@ class LocalStates:
                 why = "ahead of the committed events" if meta["offset"] > stable else "before the first event"
             else:
                 offset = int(meta["offset"])
-        except (lmdb.Error, ValueError, KeyError, TypeError, orjson.JSONDecodeError) as e:
+        except (lmdb.Error, OSError, ValueError, KeyError, TypeError, orjson.JSONDecodeError) as e:
             why, env = f"unreadable: {type(e).__name__}: {e}", None
         if offset is None:
             if env is not None:
                 env.close()
             shutil.rmtree(path, ignore_errors=True)
-            env = self._env(path)
+            try:
+                env = self._env(path)
+            except (lmdb.Error, OSError) as e:  # not writable, no space: no assignment can be served from here
+                raise FatalError(f"local state store {path}: cannot create it: {e}") from e
             log.warning("aggregate.local_store_rebuilding", partition=partition, path=str(path), reason=why,
                         low=low, committed_end=stable)
         else:
@@ -198,7 +201,42 @@ class LocalStates:
                     continue
         return total
 
+    def read_back(self, store: StateStore, commands: Iterable[tuple[int, str, str]]) -> None:
+        """Before a batch is decided: its aggregates that are not cached, and the outcomes of its command ids that are
+        not in memory (evicted with their aggregate, or dropped early from the window), read back into `store`.
+        `commands`: (partition, aggregate id, command id) of each command of the batch."""
+        for n, aid, cid in commands:
+            entry = store.fetch(n, aid)
+            if entry is not None and cid in entry.recent:
+                continue
+            seen = self.outcome(n, aid, cid)
+            if seen is None:
+                continue
+            if entry is None:  # a key known only from rejections
+                entry = Entry(self.domain.initial(), 0, n)
+                store.put(aid, entry)
+            _, after, count, reason = unpack(seen)
+            store.window.remember(entry, aid, cid, seen,
+                                  event_ids(cid, after - count, count) if reason is None and count else ())
+
     # ---- writes -------------------------------------------------------------------------------------------------
+    def write_batch(self, store: StateStore, decided: Mapping[str, list[str]], ends: Mapping[tuple[str, int], int],
+                    events_topic: str) -> None:
+        """After a batch's transaction committed: the aggregates it changed (id -> the command ids decided on it),
+        from `store`, with the offset after each partition's newest committed event (`ends`: (topic, partition) ->
+        offset, TransactionalWriter.ends).
+
+        Commit note: called after the commit returned, never before; a crash in between leaves the store behind
+        the committed events (never ahead), and the next assignment replays the tail past its recorded offset."""
+        touched: dict[int, list[tuple[str, Entry, list[str]]]] = {}
+        with store.lock:
+            for aid, cids in decided.items():
+                entry = store.entries.get(aid)  # changed in this batch: still cached (trim runs after)
+                if entry is not None:
+                    touched.setdefault(entry.partition, []).append((aid, entry, cids))
+        after = {n: off + 1 for (topic, n), off in ends.items() if topic == events_topic}
+        self.committed(touched, after, store.window.high - self.window_ms)
+
     def committed(self, entries: dict[int, list[tuple[str, Entry, list[str]]]], ends: dict[int, int],
                   cutoff: int) -> None:
         """After a batch's transaction committed: per partition the touched aggregates (entry, command ids decided)
@@ -270,10 +308,3 @@ class LocalStates:
                 break
             n += 1
 
-
-def window_of(entry: Entry, aggregate_id: str, command_id: str, outcome: Remembered, window: Any) -> None:
-    """Put an outcome read back from the store into the in-memory window of `entry` (with the event ids it wrote,
-    the window's last line of defence)."""
-    _, after, n, reason = unpack(outcome)
-    window.remember(entry, aggregate_id, command_id, outcome,
-                    event_ids(command_id, after - n, n) if reason is None and n else ())

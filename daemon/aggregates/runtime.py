@@ -53,7 +53,7 @@ from kafold.connectors.dlq import dlq_headers, fitted
 from kafold.consumer_loop import ConsumerLoop, LoopHandler
 from kafold.daemon.aggregates import recovery, routing
 from kafold.daemon.aggregates.gate import PartitionGate
-from kafold.daemon.aggregates.local import LocalStates, local_states, window_of
+from kafold.daemon.aggregates.local import LocalStates, local_states
 from kafold.daemon.aggregates.processor import handle
 from kafold.daemon.aggregates.store import Entry, StateStore
 from kafold.daemon.aggregates.txn import ProducerBroken, TransactionalWriter
@@ -514,8 +514,9 @@ class AggregateRuntime(LoopHandler):
         if not live:
             return
         decoded = [self._decode(m) for m in live]
-        if self.local is not None:
-            self._from_local(live, decoded)
+        if self.local is not None:  # not cached: read back from the local store, never by a partition scan
+            self.local.read_back(self.store, [(m.partition(), c.aggregate_id, c.command_id)
+                                              for m, c in zip(live, decoded, strict=True) if isinstance(c, Command)])
         else:
             self._reload_missing(live)
         if self.domain.protector is not None:  # the batch's data keys at once, not a round trip per new subject
@@ -553,8 +554,9 @@ class AggregateRuntime(LoopHandler):
         self.uncommitted = {}
         self.renewed = False
         self.positions.update(last)
-        if self.local is not None:
-            self._write_local(undo)
+        if self.local is not None:  # after the commit, never before: the store can only lag (local.py's note)
+            self.local.write_batch(self.store, {aid: cids for aid, (_, cids) in undo.items()}, self.writer.ends,
+                                   self.topics["events"])
         self.store.trim()
         self.counts["batches"] += 1
         self.counts["commands"] += len(live)
@@ -636,41 +638,6 @@ class AggregateRuntime(LoopHandler):
         self.writer.produce(self.dlq, 0, raw.key, *fitted(raw.value, headers))  # an oversized value is dropped
         self.log.warning("aggregate.dead_lettered", partition=raw.partition, offset=raw.offset,
                          reason=error.reason, error=str(error)[:200])
-
-    def _write_local(self, undo: Undo) -> None:
-        """The committed batch's aggregates and outcomes into the local store, with each partition's events end.
-
-        Commit note: this runs after the transaction committed; a crash before it leaves the store behind the
-        committed events (never ahead), and the next assignment replays the tail past its recorded offset."""
-        assert self.local is not None and self.writer is not None
-        touched: dict[int, list[tuple[str, Entry, list[str]]]] = {}
-        with self.store.lock:
-            for aid, (_, cids) in undo.items():
-                entry = self.store.entries.get(aid)  # touched in this batch: still cached (trim runs after)
-                if entry is not None:
-                    touched.setdefault(entry.partition, []).append((aid, entry, cids))
-        events = self.topics["events"]
-        ends = {n: off + 1 for (topic, n), off in self.writer.ends.items() if topic == events}
-        self.local.committed(touched, ends, self.store.window.high - self.window_ms)
-
-    def _from_local(self, msgs: list[Any], decoded: list[Command | DecodeError]) -> None:
-        """Read this batch's aggregates that are not cached, and the window outcomes of its command ids that are not
-        in memory, back from the local store before deciding on them."""
-        assert self.local is not None
-        for m, cmd in zip(msgs, decoded, strict=True):
-            if not isinstance(cmd, Command):
-                continue
-            n, aid = m.partition(), cmd.aggregate_id
-            entry = self.store.fetch(n, aid)
-            if entry is not None and cmd.command_id in entry.recent:
-                continue
-            seen = self.local.outcome(n, aid, cmd.command_id)
-            if seen is None:
-                continue
-            if entry is None:  # a key known only from rejections
-                entry = Entry(self.domain.initial(), 0, n)
-                self.store.put(aid, entry)
-            window_of(entry, aid, cmd.command_id, seen, self.store.window)
 
     def _reload_missing(self, msgs: list[Any]) -> None:
         """Rebuild evicted aggregates of this batch from Kafka before deciding on them."""
