@@ -221,7 +221,10 @@ class AggregateConfig:
         FoldErrorPolicy.STOP, doc="A stored event the fold cannot apply: `stop` keeps its partition not ready, "
         "naming it; `dead-letter` parks it (aggregate dead-letter topic), leaves it out of the state and goes on.")
     state_schema_version: int = setting(1, doc="Version of the state's shape stored in snapshots.", minimum=1)
-    cache_max_aggregates: int = setting(100000, doc="Aggregates kept in memory per process (LRU).", minimum=1)
+    cache_max_aggregates: int = setting(100000, doc="Aggregates kept in memory per process (LRU): with "
+                                        "`daemon.state_dir`, the hot cache in front of the local state store; "
+                                        "without, an evicted aggregate is rebuilt from its events partition.",
+                                        minimum=1)
     idempotency_window_s: float = setting(86400.0, doc="A command id retried within this many seconds (by command "
                                           "time) gets its first outcome back, nothing written.", minimum=0)
     idempotency_max_ids: int = setting(1_000_000, doc="Most command ids the window holds per process (memory "
