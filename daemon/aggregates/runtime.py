@@ -109,6 +109,7 @@ class AggregateRuntime(LoopHandler):
         self.window_ms = int(agg.idempotency_window_s * 1000)
         self.local: LocalStates | None = local_states(daemon, agg, domain, self.window_ms)  # None: no state_dir
         self.store = StateStore(agg.cache_max_aggregates, Window(self.window_ms, agg.idempotency_max_ids), self.local)
+        self.store.window.on_disk = self.local is not None
         self.gates: dict[int, PartitionGate] = {}
         self.folders: dict[int, Folder[recovery.Recovering]] = {}
         # Per partition, the commands offset below which everything is decided and committed (the group's

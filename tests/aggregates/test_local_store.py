@@ -13,6 +13,7 @@ from typing import Any
 import lmdb
 import orjson
 import pytest
+from structlog.testing import capture_logs
 
 from kafold.client import CommandClient
 from kafold.config import KafkaConfig
@@ -118,7 +119,8 @@ def test_retry_after_eviction_gets_first_outcome_from_the_store(kafka_config: Ka
     with its first outcome, nothing written."""
     agg = dataclasses.replace(bank_config(unique), cache_max_aggregates=2, idempotency_max_ids=1)
     create_topics(kafka_config, agg)
-    with running(_runtime(kafka_config, agg, tmp_path / "state")) as r, CommandClient(kafka_config, agg) as c:
+    with capture_logs() as logged, running(_runtime(kafka_config, agg, tmp_path / "state")) as r, \
+            CommandClient(kafka_config, agg) as c:
         wait_for(lambda: r.runtime.ready, what="runtime live")
         c.send(c.command("a", "OpenAccount", {"owner": "a"}))
         first = c.send(c.command("a", "Deposit", {"amount": 5}, command_id="dep-a"))
@@ -132,6 +134,8 @@ def test_retry_after_eviction_gets_first_outcome_from_the_store(kafka_config: Ka
     assert refused_again.duplicate and not refused_again.accepted and refused_again.reason == refused.reason
     assert [e["version"] for e in events(kafka_config, agg) if e["aggregate_id"] == "a"] == [1, 2]
     assert scans == []
+    names = {x["event"] for x in logged}
+    assert "aggregate.idempotency_window_memory_full" in names and "aggregate.idempotency_window_full" not in names
 
 
 @pytest.mark.parametrize("damage", ["trusted", "deleted", "garbage", "bad_record", "ahead"])
