@@ -35,9 +35,9 @@ lint: install
 ## Java 17+ and mvn); then what concerns the embedded default (its dev stack, `make run`) on tansu
 ## Each stage prints its ten slowest tests and its time (what to make faster when CI grows).
 STAGE = start=$$(date +%s); $(2) || exit $$?; echo "stage $(1): $$(( $$(date +%s) - start )) s"
-## Debian tools the deploy tests check with (systemd-analyze, promtool, python3-seccomp): installed when missing where
-## we are root with apt-get (a fresh machine), else those tests skip and say so
-DEB_TEST_TOOLS := systemd prometheus python3-seccomp
+## Debian tools the deploy and status-page tests check with (systemd-analyze, promtool, python3-seccomp, headless
+## chromium): installed when missing where we are root with apt-get (a fresh machine), else those tests skip and say so
+DEB_TEST_TOOLS := systemd prometheus python3-seccomp chromium
 test-tools:
 	@missing=$$(for p in $(DEB_TEST_TOOLS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \

@@ -17,6 +17,7 @@ from kafold.connectors.api import SinkRecord, sink_record
 from kafold.connectors.convert.api import Converter
 from kafold.envelope import Event, decode, reshaped
 from kafold.errors import FatalError, RecordError, UnknownTypeError
+from kafold.kafka_message import Message
 from kafold.upcast import NONE, Upcaster, UpcastError
 
 
@@ -78,13 +79,13 @@ class Intake:
             raise RecordError(f"connector {self.name!r}: {e}", raw=raw, reason=e.reason) from e
         return reshaped(event, type_name, version, payload)
 
-    def prefetch(self, msgs: Sequence[Any]) -> None:
+    def prefetch(self, msgs: Sequence[Message]) -> None:
         """Before a batch's records are opened one by one: their subjects' keys in one round trip, when protected
         fields are read (kafold.protect); nothing otherwise."""
         if self.protector is not None:
             self.protector.prefetch(m.key() for m in msgs)
 
-    def record(self, m: Any, topic: str, partition: int, offset: int) -> SinkRecord | None:
+    def record(self, m: Message, topic: str, partition: int, offset: int) -> SinkRecord | None:
         """A consumed message as the SinkRecord its task sees; None when skipped."""
         ts_kind, ts = m.timestamp()
         event = (self.event(m.key(), m.value(), m.headers(), raw=m) if self.converter is None else

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import signal
 import tempfile
 import threading
@@ -37,8 +38,8 @@ from kafold import db, devstack, erasure_log, logs, protect, sdnotify, tracing
 from kafold.config import KafoldConfig, Loaded, python_path
 from kafold.connectors.api import TopicPartition
 from kafold.connectors.registry import instantiate, resolve
-from kafold.daemon import connect_api, extensions, http, offsets, signals, visibility
-from kafold.daemon.aggregates import trust
+from kafold.daemon import connect_api, extensions, http, offsets, signals, status_page, visibility
+from kafold.daemon.aggregates import history, trust
 from kafold.daemon.metrics import DaemonMetrics
 from kafold.daemon.tasks import (
     AggregateSlot,
@@ -108,7 +109,8 @@ class DaemonHost:
         self.restart_timeout = d.shutdown_grace_s + 5.0
         self.exit_code = 0
         self.stopping = False
-        self.metrics = DaemonMetrics(lambda: self.groups, lambda: self.aggregates)
+        self.metrics = DaemonMetrics(lambda: self.groups, lambda: self.aggregates, lambda: self.scheduler,
+                                     lambda: self.protector)
         self.notifier = sdnotify.Notifier()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.worker: _Worker | None = None
@@ -165,7 +167,7 @@ class DaemonHost:
                    topic_replication_factor=self.cfg.kafka.replication_factor)
         http.guard_web(app, self)  # the token in front of Faust's own routes too (docs/security.md)
         logs.withhold_request_bytes()  # aiohttp logs a request it cannot parse quoting its header lines
-        for path, view in {**http.ROUTES, **connect_api.ROUTES, **visibility.ROUTES}.items():
+        for path, view in {**http.ROUTES, **connect_api.ROUTES, **visibility.ROUTES, **status_page.ROUTES}.items():
             app.page(path, name=view.__name__)(type(view.__name__, (view,), {"host": self}))
         app.service(type("KafoldTasks", (TasksService,), {"host": self}))
         installed = extensions.install(app, self.extensions)
@@ -383,6 +385,7 @@ class DaemonHost:
                     self.exit_code = 1
             finally:
                 _close_idle_consumer_loop(app)
+                history.close(self)  # the history readers' consumers and connections, if a read made them
                 tracing.shutdown()  # export the spans still buffered
         return self.exit_code
 
@@ -410,8 +413,6 @@ def _close_idle_consumer_loop(app: Any) -> None:
 
 def _loopback(host: str) -> bool:
     """True for a host name or address that only this machine can reach."""
-    import ipaddress
-
     if host == "localhost":
         return True
     try:

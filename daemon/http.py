@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 from typing import TYPE_CHECKING, Any, cast
 
@@ -11,8 +13,8 @@ from aiohttp.typedefs import Handler, Middleware
 from faust.web import Request, Response, View
 from faust.web.drivers.aiohttp import Web as AiohttpWeb
 
-from kafold.daemon.aggregates import routing, trust
-from kafold.daemon.aggregates.gate import STATUS_FIELDS
+from kafold.daemon import status
+from kafold.daemon.aggregates import history, routing, trust
 from kafold.daemon.metrics import CONTENT_TYPE
 from kafold.errors import ConfigError, KafoldError
 
@@ -24,6 +26,11 @@ if TYPE_CHECKING:
 # cannot carry a secret, and these show only liveness and the connectors' readiness.
 OPEN_PATHS = frozenset({"/health", "/ready"})
 STATE_PATH = "/aggregates/{name}/{id}"  # also answers other instances' signed reads (_instance_read)
+# The status page (status_page.py) for a browser, which cannot send a bearer header: it also takes the token as the
+# password of HTTP Basic, on GET and HEAD only, since a browser sends cached Basic credentials with any request to
+# the origin, a cross-site form's POST included (docs/security.md#the-status-page).
+PAGE_PATH = "/ui"
+EVENTS_PATH = "/aggregates/{name}/{id}/events"
 
 
 def token_guard(host: DaemonHost) -> Middleware:
@@ -33,10 +40,13 @@ def token_guard(host: DaemonHost) -> Middleware:
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not _open(request) and not authorized(host.token, request.headers.get("Authorization", "")) \
-                and not _instance_read(host, request):
+        header = request.headers.get("Authorization", "")
+        page = _route(request) == PAGE_PATH and request.method in ("GET", "HEAD")
+        if not _open(request) and not authorized(host.token, header) and not _instance_read(host, request) \
+                and not (page and basic_authorized(host.token, header)):
+            challenge = 'Basic realm="kafold", charset="UTF-8"' if page else 'Bearer realm="kafold"'
             return web.json_response({"error_code": 401, "message": "missing or wrong bearer token"}, status=401,
-                                     headers={"WWW-Authenticate": 'Bearer realm="kafold"'})
+                                     headers={"WWW-Authenticate": challenge})
         return await handler(request)
 
     return guard
@@ -55,6 +65,13 @@ def _open(request: web.Request) -> bool:
     info = request.match_info
     resource = info.route.resource if info.http_exception is None else None
     return resource is not None and resource.canonical in OPEN_PATHS
+
+
+def _route(request: web.Request) -> str | None:
+    """The path pattern of the route the request was routed to (None: no route matched)."""
+    info = request.match_info
+    resource = info.route.resource if info.http_exception is None else None
+    return None if resource is None else resource.canonical
 
 
 def _instance_read(host: DaemonHost, request: web.Request) -> bool:
@@ -85,6 +102,20 @@ def authorized(token: str | None, header: str) -> bool:
     scheme, _, given = header.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "surrogatepass"),
                                                               token.encode())
+
+
+def basic_authorized(token: str | None, header: str) -> bool:
+    """True when the header is `Basic base64(<any user>:<token>)` (the password compared in constant time). Never
+    raises, whatever the header holds (as `authorized`)."""
+    scheme, _, given = header.partition(" ")
+    if token is None or scheme.lower() != "basic":
+        return False
+    try:
+        decoded = base64.b64decode(given.strip().encode("ascii"), validate=True)
+    except (UnicodeEncodeError, binascii.Error):
+        return False
+    _, colon, password = decoded.partition(b":")
+    return bool(colon) and hmac.compare_digest(password, token.encode())
 
 
 class Health(HostView):
@@ -123,29 +154,11 @@ class Metrics(HostView):
 
 
 class Status(HostView):
-    """kafold's own status (not a Connect path): one row per assigned partition, for `kafold status`."""
+    """kafold's own status (not a Connect path): one row per assigned partition, for `kafold status` (daemon/status.py
+    builds it, for the status page too)."""
 
     async def get(self, request: Request, **kwargs: Any) -> Response:
-        rows = []
-        for slot in self.host.slots:
-            base = {"connector": slot.connector.name, "task": slot.task_id, "state": slot.state}
-            snapshot = sorted(slot.runner.progress.snapshot.values(), key=lambda p: p.tp)
-            if not snapshot:
-                rows.append({**base, "topic": None, "partition": None})
-            for p in snapshot:
-                rows.append({**base, "topic": p.tp.topic, "partition": p.tp.partition, "committed": p.committed,
-                             "position": p.position, "end_offset": p.high_watermark if p.high_watermark is not None
-                             else p.listed_end, "lag": p.lag, "lag_seconds": round(p.lag_seconds(), 3),
-                             "caught_up": p.caught_up})
-        effects = [{"connector": slot.connector.name, "task": slot.task_id, **st} for slot in self.host.slots
-                   if "circuit" in (st := slot.runner.task_status)]
-        # The offset accounting (daemon/accounting.py): every partition a task's runner has seen records of.
-        accounting = [{"connector": slot.connector.name, "task": slot.task_id, **a.as_dict()}
-                      for slot in self.host.slots for a in slot.runner.accounts.values()]
-        aggregates = [{"aggregate": name, **{k: p.get(k) for k in STATUS_FIELDS}}
-                      for name, slot in self.host.aggregates.items() for p in slot.runtime.partitions()]
-        return self.json({"source": "daemon", "worker_id": self.host.worker_id, "partitions": rows,
-                          "effects": effects, "aggregates": aggregates, "accounting": accounting})
+        return self.json(await status.report(self.host))
 
 
 class AggregateState(HostView):
@@ -158,10 +171,30 @@ class AggregateState(HostView):
             return self.problem(404, f"Aggregate {name} not found")
         try:
             wait = routing.Wait.parse(request.query)
+            version = history.version_query(request.query)
         except ValueError as e:
             return self.problem(400, str(e))
+        if version is not None:  # an earlier state: from the history (any instance), not the owner's runtime
+            got = await self.host.call(history.histories(self.host).state, slot, id, version)
+            return self.json(got.body, status=got.status, headers=got.headers)
         # Faust's aiohttp driver hands over aiohttp's own request (guard_web insists on that driver)
         got = await routing.router(self.host).read(slot, id, wait, cast(web.Request, request), self.app.http_client)
+        return self.json(got.body, status=got.status, headers=got.headers)
+
+
+class AggregateEvents(HostView):
+    """GET /aggregates/{name}/{id}/events[?from_version=N&limit=L]: a page of the aggregate's events and the link to
+    the next (daemon/aggregates/history.py); any instance answers it."""
+
+    async def get(self, request: Request, name: str = "", id: str = "", **kwargs: Any) -> Response:
+        slot = self.host.aggregates.get(name)
+        if slot is None:
+            return self.problem(404, f"Aggregate {name} not found")
+        try:
+            from_version, limit = history.page_query(request.query)
+        except ValueError as e:
+            return self.problem(400, str(e))
+        got = await self.host.call(history.histories(self.host).page, slot, id, from_version, limit)
         return self.json(got.body, status=got.status, headers=got.headers)
 
 
@@ -202,6 +235,7 @@ ROUTES: dict[str, type[HostView]] = {
     "/metrics": Metrics,
     "/status": Status,
     STATE_PATH: AggregateState,
+    EVENTS_PATH: AggregateEvents,
     "/reload": Reload,
     "/subjects/{subject}/forget": ForgetSubject,
 }

@@ -1,90 +1,155 @@
-"""Prometheus metrics of the daemon: counters fed per batch, lag and states read from the tasks at scrape time."""
+"""Prometheus metrics of the daemon: counters fed per batch, lag and states read from the tasks at scrape time.
+
+Every family is declared in daemon.metric_catalog; the collectors here build theirs from it. The registry also
+carries prometheus_client's process and platform collectors (`process_*`, `python_*`): they describe the daemon's
+own process. Sink tasks in child processes (`task_processes`) keep no registry: they report their batches to the
+daemon, which counts them here, and their CPU and memory are read from the OS per task
+(`kafold_task_process_*`), not in `process_*`.
+"""
 
 from __future__ import annotations
 
+import collections
+import os
+import platform
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+import confluent_kafka
+import psutil
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+import kafold
 from kafold import logs
 from kafold.connectors.api import Metric, TaskView
+from kafold.daemon.aggregates.gate import LIVE, RECOVERING, STOPPED
+from kafold.daemon.metric_catalog import daemon_family
 from kafold.daemon.runner import BatchStats, RunnerView
 from kafold.daemon.tasks import ConnectorGroup
 from kafold.snapshot.select import REJECTED
+
+if TYPE_CHECKING:
+    from kafold.protect import Protector
+    from kafold.snapshot.scheduler import SnapshotScheduler
 
 log = logs.get(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TASK_STATES = ("UNASSIGNED", "RUNNING", "PAUSED", "FAILED", "RESTARTING", "STOPPED")
 BATCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# a wait answers within visibility.MAX_TIMEOUT_MS (60 s); most are covered within a batch or two
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class DaemonMetrics:
     """One registry per daemon (so several can live in one process, e.g. in tests)."""
 
     def __init__(self, groups: Callable[[], list[ConnectorGroup]],
-                 aggregates: Callable[[], dict[str, Any]] | None = None) -> None:
+                 aggregates: Callable[[], dict[str, Any]] | None = None,
+                 scheduler: Callable[[], SnapshotScheduler | None] | None = None,
+                 protector: Callable[[], Protector | None] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = ("connector", "task")
-        self.events = Counter("kafold_events_processed", "Records handled by sink tasks (put, dead-lettered or "
-                              "skipped).", labels, registry=self.registry)
-        self.dead = Counter("kafold_dead_letters", "Records sent to a dead-letter topic.", labels,
-                            registry=self.registry)
-        self.skipped = Counter("kafold_events_skipped", "Records of event types the task does not handle, skipped "
-                               "by rule.", labels, registry=self.registry)
-        self.batches = Histogram("kafold_batch_duration_seconds", "Time to decode, put and commit one batch.",
-                                 labels, buckets=BATCH_BUCKETS, registry=self.registry)
+        # prometheus_client's defaults, which a private registry does not get by itself
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        build = _declared(Info, "kafold_build", self.registry)
+        build.info(dict(zip(daemon_family("kafold_build").labels, (
+            kafold.__version__, platform.python_version(), platform.python_implementation(),
+            confluent_kafka.libversion()[0]), strict=True)))
+        self.events = _declared(Counter, "kafold_events_processed", self.registry)
+        self.dead = _declared(Counter, "kafold_dead_letters", self.registry)
+        self.skipped = _declared(Counter, "kafold_events_skipped", self.registry)
+        self.batches = _declared(Histogram, "kafold_batch_duration_seconds", self.registry, buckets=BATCH_BUCKETS)
+        self.waits = _declared(Counter, "kafold_consistency_waits", self.registry)
+        self.wait_time = _declared(Histogram, "kafold_consistency_wait_duration_seconds", self.registry,
+                                   buckets=WAIT_BUCKETS)
         self.registry.register(_TaskCollector(groups))
+        self.registry.register(_TaskProcessCollector(groups))
         self.registry.register(_AccountingCollector(groups))
         self.registry.register(ConnectorCollector(groups))
-        self.registry.register(_SnapshotCollector())
+        self.registry.register(_SnapshotCollector(scheduler or (lambda: None)))
+        self.registry.register(_PrivacyCollector(protector or (lambda: None)))
         if aggregates is not None:
             self.registry.register(_AggregateCollector(aggregates))
 
     def observe(self, runner: RunnerView, stats: BatchStats) -> None:
         """The runners' on_batch hook (runs in the task's thread; prometheus_client is thread-safe)."""
         key = (runner.connector.name, str(runner.task_id))
-        self.events.labels(*key).inc(stats.records)
+        # a batch's records are processed, dead-lettered (at decode or by the sink) or skipped: one counter each
+        self.events.labels(*key).inc(stats.records - stats.dead_lettered - stats.skipped)
         if stats.dead_lettered:
             self.dead.labels(*key).inc(stats.dead_lettered)
         if stats.skipped:
             self.skipped.labels(*key).inc(stats.skipped)
         self.batches.labels(*key).observe(stats.duration_s)
 
+    def waited(self, connector: str, result: str, seconds: float | None = None) -> None:
+        """One answered wait for a consistency token (daemon/visibility.py): covered, timeout or unreadable after
+        `seconds`; refused (too many at once) without a wait."""
+        self.waits.labels(connector, result).inc()
+        if seconds is not None:
+            self.wait_time.labels(connector).observe(seconds)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _TaskCollector(Collector):
+def _declared(kind: Any, name: str, registry: CollectorRegistry, **kwargs: Any) -> Any:
+    """A prometheus_client metric (Counter, Histogram, Info) made as daemon.metric_catalog declares `name`."""
+    f = daemon_family(name)
+    labels = () if kind is Info else f.labels  # an Info's declared labels are its keys, given to `.info()`
+    return kind(f.name, f.help, labels, registry=registry, **kwargs)
+
+
+def _new(name: str) -> Any:
+    """An empty family of a collector, as daemon.metric_catalog declares `name`."""
+    f = daemon_family(name)
+    kind = CounterMetricFamily if f.kind == "counter" else GaugeMetricFamily
+    return kind(f.name, f.help, labels=list(f.labels))
+
+
+class _Declared(Collector):
+    """A collector whose families are known before any scrape: the registry learns their names from `describe`
+    (and refuses a second collector with one of them)."""
+
+    FAMILIES: tuple[str, ...] = ()
+
+    def describe(self) -> list[Any]:
+        return [_new(name) for name in self.FAMILIES]
+
+
+class _TaskCollector(_Declared):
     """Per-partition lag (records and event-time seconds), caught-up flags and task states, at scrape time."""
+
+    FAMILIES = ("kafold_consumer_lag_records", "kafold_consumer_lag_seconds", "kafold_consumer_position",
+                "kafold_partition_caught_up", "kafold_task_state", "kafold_task_runners_started",
+                "kafold_task_runners_stopped", "kafold_task_runners_running")
 
     def __init__(self, groups: Callable[[], list[ConnectorGroup]]) -> None:
         self.groups = groups
 
-    def describe(self) -> list[Any]:
-        return []  # dynamic: collected on each scrape
-
     def collect(self) -> Iterator[Any]:
-        part = ("connector", "topic", "partition")
-        lag = GaugeMetricFamily("kafold_consumer_lag_records", "Records between a task's position and the "
-                                "partition's end offset.", labels=part)
-        lag_s = GaugeMetricFamily("kafold_consumer_lag_seconds", "Age (event time) of the last handled event of a "
-                                  "partition while records remain behind it; 0 when caught up.", labels=part)
-        position = GaugeMetricFamily("kafold_consumer_position", "Next offset a task will handle.", labels=part)
-        caught = GaugeMetricFamily("kafold_partition_caught_up", "1 once a partition reached the end offsets seen "
-                                   "at its assignment.", labels=part)
-        state = GaugeMetricFamily("kafold_task_state", "1 for the task's current state (Kafka Connect states).",
-                                  labels=("connector", "task", "state"))
-        task = ("connector", "task")
-        started = CounterMetricFamily("kafold_task_runners_started", "Runners started for a task (its first start "
-                                      "and each restart; since the task's last reload).", labels=task)
-        stopped = CounterMetricFamily("kafold_task_runners_stopped", "Runners of a task that ended (a restart's old "
-                                      "one, a failure); started = stopped + running.", labels=task)
-        running = GaugeMetricFamily("kafold_task_runners_running", "1 while the task's runner runs.", labels=task)
+        lag = _new("kafold_consumer_lag_records")
+        lag_s = _new("kafold_consumer_lag_seconds")
+        position = _new("kafold_consumer_position")
+        caught = _new("kafold_partition_caught_up")
+        state = _new("kafold_task_state")
+        started = _new("kafold_task_runners_started")
+        stopped = _new("kafold_task_runners_stopped")
+        running = _new("kafold_task_runners_running")
         now_ms = int(time.time() * 1000)
         for group in self.groups():
             for slot in group.slots:
@@ -106,28 +171,49 @@ class _TaskCollector(Collector):
         yield from (lag, lag_s, position, caught, state, started, stopped, running)
 
 
-class _AccountingCollector(Collector):
-    """The offset accounting (daemon/accounting.py) per connector, task and partition: records seen, what became
-    of them by outcome, and the records unaccounted for (seen minus the outcomes: a write in flight, else lost)."""
+class _TaskProcessCollector(_Declared):
+    """CPU and memory of the sink tasks run as child processes (daemon/task_process.py), which the daemon's own
+    process_* families do not include; read from the operating system at scrape time."""
 
-    OUTCOMES = ("applied", "duplicates", "stale", "dead_lettered", "skipped")
+    FAMILIES = ("kafold_task_process_cpu_seconds", "kafold_task_process_resident_memory_bytes")
 
     def __init__(self, groups: Callable[[], list[ConnectorGroup]]) -> None:
         self.groups = groups
 
-    def describe(self) -> list[Any]:
-        return []  # dynamic: collected on each scrape
+    def collect(self) -> Iterator[Any]:
+        cpu, rss = (_new(name) for name in self.FAMILIES)
+        for group in self.groups():
+            for slot in group.slots:
+                pid = getattr(slot.runner, "pid", None)  # only a RemoteRunner has a process of its own
+                if pid is None or slot.runner.stopped:
+                    continue
+                try:
+                    with (proc := psutil.Process(pid)).oneshot():
+                        if proc.ppid() != os.getpid():  # the child ended and its pid went to another process
+                            continue
+                        times, memory = proc.cpu_times(), proc.memory_info()
+                except psutil.Error:  # the child just ended: the daemon notices and reports it elsewhere
+                    continue
+                key = [group.name, str(slot.task_id)]
+                cpu.add_metric(key, times.user + times.system)
+                rss.add_metric(key, float(memory.rss))
+        yield from (cpu, rss)
+
+
+class _AccountingCollector(_Declared):
+    """The offset accounting (daemon/accounting.py) per connector, task and partition: records seen, what became
+    of them by outcome, and the records unaccounted for (seen minus the outcomes: a write in flight, else lost)."""
+
+    OUTCOMES = ("applied", "duplicates", "stale", "dead_lettered", "skipped")
+    FAMILIES = ("kafold_records_seen", "kafold_records_outcome", "kafold_records_unaccounted")
+
+    def __init__(self, groups: Callable[[], list[ConnectorGroup]]) -> None:
+        self.groups = groups
 
     def collect(self) -> Iterator[Any]:
-        labels = ("connector", "task", "topic", "partition")
-        seen = CounterMetricFamily("kafold_records_seen", "Records a sink task's runner consumed, per partition "
-                                   "(since the runner started).", labels=labels)
-        outcome = CounterMetricFamily("kafold_records_outcome", "What became of the records seen: applied, "
-                                      "duplicates, stale, dead_lettered or skipped; their sum plus "
-                                      "kafold_records_unaccounted is kafold_records_seen.", labels=(*labels, "outcome"))
-        gap = GaugeMetricFamily("kafold_records_unaccounted", "Records seen whose outcome is not known: a write in "
-                                "flight, 0 once done; a value that stays above 0 is a record lost on the way.",
-                                labels=labels)
+        seen = _new("kafold_records_seen")
+        outcome = _new("kafold_records_outcome")
+        gap = _new("kafold_records_unaccounted")
         for group in self.groups():
             for slot in group.slots:
                 try:
@@ -152,7 +238,7 @@ class ConnectorCollector(Collector):
         self.groups = groups
 
     def describe(self) -> list[Any]:
-        return []  # dynamic: collected on each scrape
+        return []  # the plugins' families: known once the connectors are built
 
     def collect(self) -> Iterator[Any]:
         families: dict[str, Any] = {}
@@ -166,7 +252,7 @@ class ConnectorCollector(Collector):
                     log.warning("metrics.declared_twice", connector=group.name, metric=metric.name,
                                 hint="declared twice, differently: the first declaration is kept")
                     continue
-                families.setdefault(metric.name, _family(metric))
+                families.setdefault(metric.name, _connector_family(metric))
                 declared[metric.name] = metric
             if not declared:
                 continue
@@ -184,59 +270,73 @@ class ConnectorCollector(Collector):
         yield from families.values()
 
 
-def _family(metric: Metric) -> Any:
+def _connector_family(metric: Metric) -> Any:
     kind = CounterMetricFamily if metric.kind == "counter" else GaugeMetricFamily
     return kind(metric.name, metric.help, labels=list(metric.labels))
 
 
-class _SnapshotCollector(Collector):
-    """Snapshot records restore refused to use (checksum, fingerprint, schema, ahead of the events, ...)."""
+class _SnapshotCollector(_Declared):
+    """Snapshot records restore refused to use (checksum, fingerprint, schema, ahead of the events, ...), and the
+    runs of the daemon's [snapshots] schedule when it has one."""
 
-    def describe(self) -> list[Any]:
-        return []
+    FAMILIES = ("kafold_snapshots_rejected", "kafold_snapshot_runs", "kafold_snapshot_last_success_timestamp_seconds")
+
+    def __init__(self, scheduler: Callable[[], SnapshotScheduler | None]) -> None:
+        self.scheduler = scheduler
 
     def collect(self) -> Iterator[Any]:
-        family = CounterMetricFamily("kafold_snapshots_rejected", "Snapshot records never used by a restore, by "
-                                     "aggregate type and reason (restore fell back to an older one or a full "
-                                     "replay).", labels=("aggregate", "reason"))
+        rejected, runs, last = (_new(name) for name in self.FAMILIES)
         for (aggregate, reason), n in sorted(REJECTED.items()):
-            family.add_metric([aggregate, reason], n)
-        yield family
+            rejected.add_metric([aggregate, reason], n)
+        sched = self.scheduler()
+        if sched is not None:
+            runs.add_metric(["ok"], float(sched.runs - sched.failures))
+            runs.add_metric(["failed"], float(sched.failures))
+            if sched.last_success_at is not None:
+                last.add_metric([], sched.last_success_at)
+        yield from (rejected, runs, last)
+
+
+class _PrivacyCollector(_Declared):
+    """The daemon process's key ring ([privacy]): keys cached, store reads, cache drops; absent without rules."""
+
+    FAMILIES = ("kafold_privacy_keys_cached", "kafold_privacy_key_store_reads", "kafold_privacy_key_cache_drops")
+
+    def __init__(self, protector: Callable[[], Protector | None]) -> None:
+        self.protector = protector
+
+    def collect(self) -> Iterator[Any]:
+        cached, reads, drops = (_new(name) for name in self.FAMILIES)
+        protector = self.protector()
+        if protector is not None:
+            ring = protector.ring
+            cached.add_metric([], float(len(ring.cache)))
+            reads.add_metric([], float(ring.store_reads))
+            drops.add_metric([], float(ring.generation))
+        yield from (cached, reads, drops)
 
 
 # The aggregate runtime's counts (AggregateRuntime.counts) exported as outcomes, under their own names (as the
 # projections' are: `duplicates`, `dead_lettered`).
 COMMAND_OUTCOMES = ("accepted", "rejected", "duplicates", "dead_lettered", "refetched")
+GATE_PHASES = (RECOVERING, LIVE, STOPPED)
 
 
-class _AggregateCollector(Collector):
-    """The aggregates' figures: commands by outcome, producers renewed, and the idempotency windows (ids tracked,
-    and ids forgotten: expired, or early for the bound)."""
+class _AggregateCollector(_Declared):
+    """The aggregates' figures: commands by outcome, producers renewed, fold errors and parked events, partitions by
+    gate phase, and the idempotency windows (ids tracked, and ids forgotten: expired, or early for the bound)."""
+
+    FAMILIES = ("kafold_aggregate_commands", "kafold_aggregate_producers_renewed", "kafold_aggregate_fold_errors",
+                "kafold_aggregate_events_parked", "kafold_aggregate_partitions", "kafold_aggregate_idempotency_ids",
+                "kafold_aggregate_idempotency_expired", "kafold_aggregate_idempotency_dropped_early",
+                "kafold_aggregate_local_store_bytes", "kafold_aggregate_local_store_reads")
 
     def __init__(self, aggregates: Callable[[], dict[str, Any]]) -> None:
         self.aggregates = aggregates
 
-    def describe(self) -> list[Any]:
-        return []
-
     def collect(self) -> Iterator[Any]:
-        commands = CounterMetricFamily("kafold_aggregate_commands", "Commands handled by this process's runtime, "
-                                       "by outcome (accepted, rejected, duplicates: answered with their first "
-                                       "decision, dead_lettered: not a command, refetched: fetched again after "
-                                       "their commit, skipped).",
-                                       labels=("aggregate", "outcome"))
-        renewed = CounterMetricFamily("kafold_aggregate_producers_renewed", "Transactional producers replaced "
-                                      "after a fatal error that was not a fence.", labels=("aggregate",))
-        held = GaugeMetricFamily("kafold_aggregate_idempotency_ids", "Command ids the idempotency window tracks "
-                                 "(at most idempotency_max_ids).", labels=("aggregate",))
-        expired = CounterMetricFamily("kafold_aggregate_idempotency_expired", "Command ids forgotten once older "
-                                      "than the window.", labels=("aggregate",))
-        early = CounterMetricFamily("kafold_aggregate_idempotency_dropped_early", "Command ids forgotten before "
-                                    "the window passed, to stay within idempotency_max_ids.", labels=("aggregate",))
-        disk = GaugeMetricFamily("kafold_aggregate_local_store_bytes", "Bytes on disk of the local state stores "
-                                 "of the partitions this process holds (daemon.state_dir).", labels=("aggregate",))
-        disk_reads = CounterMetricFamily("kafold_aggregate_local_store_reads", "Aggregates read back from the local "
-                                         "state store (not cached).", labels=("aggregate",))
+        (commands, renewed, fold_errors, parked, phases, held, expired, early, disk,
+         disk_reads) = (_new(n) for n in self.FAMILIES)
         for name, slot in sorted(self.aggregates().items()):
             local = getattr(slot.runtime, "local", None)  # None: no state_dir
             if local is not None:
@@ -247,6 +347,14 @@ class _AggregateCollector(Collector):
                 for outcome in COMMAND_OUTCOMES:
                     commands.add_metric([name, outcome], float(counts.get(outcome, 0)))
                 renewed.add_metric([name], float(counts.get("producers_renewed", 0)))
+                fold_errors.add_metric([name], float(counts.get("fold_errors", 0)))
+                parked.add_metric([name], float(counts.get("events_parked", 0)))
+            gates = getattr(slot.runtime, "gates", None)
+            if gates is not None:
+                # a copy first: the runtime's thread adds and removes gates on assignments
+                by_phase = collections.Counter(g.phase for g in list(gates.values()))
+                for phase in GATE_PHASES:
+                    phases.add_metric([name, phase], float(by_phase[phase]))
             store = getattr(slot.runtime, "store", None)  # a runtime that keeps no window has no figures
             if store is None:
                 continue
@@ -254,4 +362,4 @@ class _AggregateCollector(Collector):
             held.add_metric([name], float(len(w.times)))
             expired.add_metric([name], float(w.expired))
             early.add_metric([name], float(w.dropped_early))
-        yield from (commands, renewed, held, expired, early, disk, disk_reads)
+        yield from (commands, renewed, fold_errors, parked, phases, held, expired, early, disk, disk_reads)

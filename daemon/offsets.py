@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from confluent_kafka import ConsumerGroupTopicPartitions
+from confluent_kafka import Consumer
 from confluent_kafka import TopicPartition as KafkaTP
 
 from kafold import kafka_clients
@@ -34,14 +34,24 @@ def partitions(kafka: KafkaConfig, topics: Iterable[str]) -> list[TopicPartition
 
 def group_offsets(kafka: KafkaConfig, group: str, tps: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
     """The group's committed offset (next to read) of each partition that has one."""
+    reader = kafka_clients.consumer(kafka, group)
+    try:
+        return {TopicPartition(*tp): off for tp, off in committed(reader, tps).items()}
+    finally:
+        reader.close()
+
+
+def committed(reader: Consumer, tps: Iterable[TopicPartition | KafkaTP], timeout: float = TIMEOUT_S
+              ) -> dict[tuple[str, int], int]:
+    """The committed offsets of `reader`'s group (a consumer of that group that never subscribes, so never joins
+    it) for `tps`, those that have one. Not AdminClient.list_consumer_group_offsets: librdkafka's admin path
+    dereferences the group handle an admin client does not have when the coordinator answers NOT_COORDINATOR
+    (librdkafka issue 5040), and the process dies of a segmentation fault; a consumer's OffsetFetch retries."""
     wanted = [KafkaTP(tp.topic, tp.partition) for tp in tps]
     if not wanted:
         return {}
-    admin = kafka_clients.admin(kafka)
-    futures = admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group, wanted)])
-    result = futures[group].result(TIMEOUT_S)
-    return {TopicPartition(p.topic, p.partition): p.offset for p in result.topic_partitions
-            if p.offset >= 0 and p.error is None}
+    return {(k.topic, k.partition): k.offset for k in reader.committed(wanted, timeout=timeout)
+            if k.offset >= 0 and k.error is None}
 
 
 def end_offsets(kafka: KafkaConfig, tps: Iterable[TopicPartition]) -> dict[TopicPartition, int]:

@@ -26,6 +26,7 @@ from typing import Any
 from confluent_kafka import TopicPartition as KafkaTP
 
 from kafold.connectors.api import SinkRecord, TopicPartition
+from kafold.kafka_message import Message
 
 OFFSET_INVALID = -1001
 QUERY_TIMEOUT_S = 5.0
@@ -193,7 +194,7 @@ class ProgressTracker:
         return bool(self.snapshot) and all(p.caught_up for p in self.snapshot.values())
 
 
-def last_event_times(records: Sequence[SinkRecord], msgs: Sequence[Any]) -> dict[TopicPartition, int]:
+def last_event_times(records: Sequence[SinkRecord], msgs: Sequence[Message]) -> dict[TopicPartition, int]:
     """Event time (ms) of the last record per partition: the envelope's occurred_at, else the record timestamp."""
     last: dict[tuple[str, int], SinkRecord] = {}
     for r in records:  # keyed by a plain tuple: hashing TopicPartition per record cost ~30 ms per 5,000

@@ -56,6 +56,7 @@ from kafold.daemon.accounting import Account, Tally, accounts
 from kafold.daemon.liveness import STATS_INTERVAL_MS, GroupState, GroupWatch
 from kafold.daemon.progress import BatchStats, PartitionProgress, ProgressTracker, last_event_times
 from kafold.errors import FatalError, KafoldError, RecordError, RetriableError
+from kafold.kafka_message import Message
 
 log = logs.get("kafold.daemon.runner")
 
@@ -371,7 +372,7 @@ class SinkRunner(LoopHandler):
         self.group_watch.reset()
         self.counts["rejoins"] += 1
 
-    def handle_batch(self, msgs: list[Any]) -> None:
+    def handle_batch(self, msgs: list[Message]) -> None:
         """One batch: decode, dead-letter, put, commit."""
         started = time.monotonic()
         records: list[SinkRecord] = []

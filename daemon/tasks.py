@@ -45,8 +45,9 @@ log = logs.get(__name__)
 POLL_STALL_WARN_S = 60.0  # a running task whose loop has not served its consumer this long is logged, with its stack
 
 
-class AggregateRuntime(Protocol):
-    """What the daemon needs from an aggregate runtime (kafold.daemon.aggregates): a thread-friendly loop."""
+class AggregateRuntimeView(Protocol):
+    """What the daemon needs from an aggregate runtime (kafold.daemon.aggregates.AggregateRuntime, or a test's
+    stand-in): a thread-friendly loop."""
 
     def run(self) -> None: ...
 
@@ -366,7 +367,7 @@ class ConnectorGroup:
 class AggregateSlot:
     """One aggregate runtime in its own thread."""
 
-    def __init__(self, config: AggregateConfig, runtime: AggregateRuntime,
+    def __init__(self, config: AggregateConfig, runtime: AggregateRuntimeView,
                  on_exit: Callable[[AggregateSlot], None] | None = None) -> None:
         self.config = config
         self.runtime = runtime
@@ -409,7 +410,7 @@ class AggregateSlot:
         return not self.thread.is_alive()
 
 
-def aggregate_factory() -> Callable[[KafoldConfig, AggregateConfig, Path], AggregateRuntime]:
+def aggregate_factory() -> Callable[[KafoldConfig, AggregateConfig, Path], AggregateRuntimeView]:
     """`kafold.daemon.aggregates.build_runtime(cfg, aggregate, base)`, imported only when aggregates are hosted."""
     from kafold.daemon.aggregates import build_runtime  # lazy: a daemon without aggregates never loads them
 

@@ -9,18 +9,24 @@ broker has them, for partitions another instance holds). Both only grow, so an a
 One `Watch` per connector polls while someone waits on it — one query per interval however many wait — without
 blocking the event loop (the reads run in the executor), and wakes each waiter its read covers. It lingers for
 IDLE_S after the last waiter, so a steady trickle of waits keeps its connection and a new wait is answered at once.
+
+Waiting is cheap however many wait: each waiter is filed under the first partition its token needs, in a heap by
+offset, so a read that moves a partition on looks only at the waiters it releases (or files them under their next
+partition), and a read that moves nothing looks at none; a timeout is one timer, not a task. Waits beyond
+`daemon.max_waits` at once are answered 503 with `Retry-After`: each one holds a connection and a file descriptor.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from confluent_kafka import ConsumerGroupTopicPartitions
 from confluent_kafka import TopicPartition as KafkaTP
 from faust.web import Request, Response
 from psycopg import sql
@@ -28,6 +34,7 @@ from psycopg import sql
 from kafold import db, kafka_clients, logs, tokens
 from kafold.config import PostgresConfig
 from kafold.connectors.projection.connector import ProjectionConnector
+from kafold.daemon import offsets
 from kafold.daemon.http import HostView
 from kafold.daemon.tasks import ConnectorGroup
 from kafold.tokens import BadToken, Positions
@@ -42,11 +49,12 @@ MAX_TIMEOUT_MS = 60_000  # a longer wait is a client's loop of requests (kafold.
 PG_POLL_S = 0.005  # one small primary-key read per interval while someone waits: ~2.5 ms added on average
 KAFKA_POLL_S = 0.05  # an OffsetFetch to the group coordinator, only for partitions no local runner has committed
 IDLE_S = 30.0
+RETRY_AFTER_S = 1  # what a client refused for too many waits is told to wait before it asks again
 ADMIN_TIMEOUT_S = 5.0
 LIST_S = 30.0
 
 
-class Wait(HostView):
+class WaitView(HostView):
     """200 {"covered": true} once covered; 408 on timeout; 400 for a bad token; 404 for an unknown connector."""
 
     async def get(self, request: Request, name: str = "", **kwargs: Any) -> Response:
@@ -64,11 +72,24 @@ class Wait(HostView):
         if foreign:
             return self.problem(400, f"token: names topic {foreign[0]!r}, which connector {name} does not read "
                                 f"(it reads {', '.join(group.connector.settings.topics)})")
-        watch = watches(self.host).get(name, group)
+        all_watches = watches(self.host)
+        if all_watches.active >= self.host.cfg.daemon.max_waits:
+            self.host.metrics.waited(name, "refused")
+            return self.json({"error_code": 503, "message": f"too many waits at once (daemon.max_waits = "
+                              f"{self.host.cfg.daemon.max_waits}); retry later"}, status=503,
+                             headers={"Retry-After": str(RETRY_AFTER_S)})
+        watch = all_watches.get(name, group)
         started = time.monotonic()
-        if await watch.wait(wanted, timeout_ms / 1000):
-            return self.json({"covered": True, "connector": name,
-                              "waited_ms": round((time.monotonic() - started) * 1000, 1)})
+        all_watches.active += 1
+        try:
+            covered = await watch.wait(wanted, timeout_ms / 1000)
+        finally:
+            all_watches.active -= 1
+        waited_s = time.monotonic() - started
+        result = "covered" if covered else "unreadable" if watch.error is not None else "timeout"
+        self.host.metrics.waited(name, result, waited_s)
+        if covered:
+            return self.json({"covered": True, "connector": name, "waited_ms": round(waited_s * 1000, 1)})
         if watch.error is not None:
             return self.problem(503, f"Connector {name}: committed positions not readable: {watch.error}")
         behind = tokens.missing(wanted, watch.seen)
@@ -81,7 +102,7 @@ class Wait(HostView):
 def _timeout_ms(raw: str | None) -> int | None:
     if raw is None:
         return DEFAULT_TIMEOUT_MS
-    if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_TIMEOUT_MS:
+    if not tokens.digits(raw, MAX_TIMEOUT_MS):
         return None
     return int(raw)
 
@@ -97,7 +118,12 @@ class Watch:
     host: DaemonHost
     seen: dict[tuple[str, int], int] = field(default_factory=dict)
     error: str | None = None
-    waiters: list[tuple[Positions, asyncio.Future[bool]]] = field(default_factory=list)
+    # (topic, partition) -> heap of (offset wanted there, tie-breaker, waiter); a released or timed-out waiter's
+    # entry is dropped when it comes to the top, or by `_sweep`
+    pending: dict[tuple[str, int], list[tuple[int, int, Waiter]]] = field(default_factory=dict)
+    waiting: int = 0
+    filed: int = 0  # entries in `pending`, the stale ones included
+    order: itertools.count[int] = field(default_factory=itertools.count)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
     reading: asyncio.Lock = field(default_factory=asyncio.Lock)  # one read at a time (one connection)
     task: asyncio.Task[None] | None = None
@@ -108,31 +134,56 @@ class Watch:
         if timeout_s <= 0:  # a check, not a wait: one fresh read
             await self._poll()
             return tokens.covers(self.seen, wanted)
-        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        entry = (wanted, fut)
-        self.waiters.append(entry)
+        loop = asyncio.get_running_loop()
+        waiter = Waiter(wanted, loop.create_future())
+        self._file(waiter)
+        if waiter.fut.done():
+            return True
+        self.waiting += 1
         self.arrived.set()
         if self.task is None or self.task.done():
             self.task = asyncio.ensure_future(self._run())
+        timer = loop.call_later(timeout_s, _expire, waiter.fut)
         try:
-            return await asyncio.wait_for(fut, timeout_s)
-        except TimeoutError:
-            return False
+            return await waiter.fut
         finally:
-            if entry in self.waiters:
-                self.waiters.remove(entry)
+            timer.cancel()
+            self.waiting -= 1
+            if self.filed > 2 * self.waiting + 1024:
+                self._sweep()
+
+    def _file(self, waiter: Waiter) -> None:
+        """File `waiter` under the first partition it still needs, or release it."""
+        for tp, offset in waiter.wanted.items():
+            if self.seen.get(tp, -1) <= offset:
+                heapq.heappush(self.pending.setdefault(tp, []), (offset, next(self.order), waiter))
+                self.filed += 1
+                return
+        if not waiter.fut.done():
+            waiter.fut.set_result(True)
+
+    def _sweep(self) -> None:
+        """Drop the entries of waiters that are gone (timed out on a partition that did not move)."""
+        for tp, heap in list(self.pending.items()):
+            live = [e for e in heap if not e[2].fut.done()]
+            heapq.heapify(live)
+            if live:
+                self.pending[tp] = live
+            else:
+                del self.pending[tp]
+        self.filed = sum(len(h) for h in self.pending.values())
 
     async def _run(self) -> None:
         try:
             while True:
-                if not self.waiters:
+                if not self.waiting:
                     self.arrived.clear()
                     try:
                         await asyncio.wait_for(self.arrived.wait(), IDLE_S)
                     except TimeoutError:
                         return
                 await self._poll()
-                if self.waiters:
+                if self.waiting:
                     await asyncio.sleep(self.interval_s)
         finally:
             self.close()  # quick (a socket close); also reached when the daemon's loop cancels this task
@@ -150,17 +201,35 @@ class Watch:
         for tp, off in found.items():
             if off > self.seen.get(tp, -1):
                 self.seen[tp] = off
-        for wanted, fut in list(self.waiters):
-            if not fut.done() and tokens.covers(self.seen, wanted):
-                fut.set_result(True)
+                heap = self.pending.get(tp)
+                while heap and heap[0][0] < off:  # covered here: released, or filed under its next partition
+                    waiter = heapq.heappop(heap)[2]
+                    self.filed -= 1
+                    if not waiter.fut.done():
+                        self._file(waiter)
+                if heap is not None and not heap:
+                    del self.pending[tp]
+
+
+@dataclass(eq=False)
+class Waiter:
+    wanted: Positions
+    fut: asyncio.Future[bool]
+
+
+def _expire(fut: asyncio.Future[bool]) -> None:
+    if not fut.done():
+        fut.set_result(False)
 
 
 class Watches:
-    """The watches of one daemon, by connector name (made on first use; a reload keeps them)."""
+    """The watches of one daemon, by connector name (made on first use; a reload keeps them), and how many waits
+    are in progress over all of them."""
 
     def __init__(self, host: DaemonHost) -> None:
         self.host = host
         self.by_name: dict[str, Watch] = {}
+        self.active = 0
 
     def get(self, name: str, group: ConnectorGroup) -> Watch:
         watch = self.by_name.get(name)
@@ -222,7 +291,7 @@ class GroupCommitted:
 
     def __init__(self, host: DaemonHost, connector: str) -> None:
         self.host, self.connector = host, connector
-        self.admin: Any = None
+        self.reader: Any = None
         self.remote: dict[tuple[str, int], int] = {}
         self.asked_at = float("-inf")
         self.partitions: list[KafkaTP] = []
@@ -246,21 +315,19 @@ class GroupCommitted:
         return found
 
     def _group_offsets(self, group_id: str, topics: list[str]) -> dict[tuple[str, int], int]:
-        if self.admin is None:
-            self.admin = kafka_clients.admin(self.host.cfg.kafka)
+        if self.reader is None:  # of the sink's group, never subscribed: it reads the group's offsets, never joins
+            self.reader = kafka_clients.consumer(self.host.cfg.kafka, group_id)
         if time.monotonic() - self.listed_at >= LIST_S:  # partitions are added rarely: listed now and then
-            meta = self.admin.list_topics(timeout=ADMIN_TIMEOUT_S)
+            meta = self.reader.list_topics(timeout=ADMIN_TIMEOUT_S)
             self.partitions = [KafkaTP(t, p) for t in topics if t in meta.topics
                                for p in sorted(meta.topics[t].partitions)]
             self.listed_at = time.monotonic()
-        if not self.partitions:
-            return {}
-        futures = self.admin.list_consumer_group_offsets([ConsumerGroupTopicPartitions(group_id, self.partitions)])
-        result = futures[group_id].result(ADMIN_TIMEOUT_S)
-        return {(p.topic, p.partition): p.offset for p in result.topic_partitions if p.offset >= 0 and p.error is None}
+        return offsets.committed(self.reader, self.partitions, ADMIN_TIMEOUT_S)
 
     def close(self) -> None:
-        self.admin = None  # AdminClient has no close; dropping it ends its threads
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
 
 
-ROUTES: dict[str, type[HostView]] = {"/connectors/{name}/wait": Wait}
+ROUTES: dict[str, type[HostView]] = {"/connectors/{name}/wait": WaitView}

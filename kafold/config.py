@@ -11,6 +11,7 @@ import sys
 import tomllib
 import typing
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -121,6 +122,9 @@ class DaemonConfig:
         "", doc="This daemon's HTTP address as the other instances of its group reach it (state reads sent on, "
         "redirects), e.g. `http://orders-2.orders:8083` in a container; empty: `http://<http_host>:<http_port>`, "
         "the host name when http_host binds every address.")
+    max_waits: int = setting(2000, doc="Most `GET /connectors/{name}/wait` long polls in progress at once, over "
+                             "all connectors; one more is answered 503 with `Retry-After` (each holds a connection).",
+                             minimum=1)
     state_routing: StateRouting = setting(
         StateRouting.FORWARD, doc="A state read for a key another instance owns: `forward` asks the owner and "
         "answers its reply; `redirect` answers 307 with the owner's URL (docs/aggregates.md#state-queries-on-any-"
@@ -396,6 +400,14 @@ class RegistryConfig:
                                     "backs off with the partitions paused and decodes the record again until the "
                                     "registry answers (a stop is served meanwhile); a rebuild or a replay fails.",
                                     minimum=0)
+    max_decoded_items: int = setting(100_000, doc="Most array elements plus map entries (object members) one record "
+                                     "may decode to; a record past it is dead-lettered (`too-large`) naming the "
+                                     "field (docs/security.md#bounds-on-hostile-input).", minimum=1)
+    unknown_id_ttl_s: float = setting(60.0, doc="How long a schema id the registry does not know is remembered as "
+                                      "unknown: its records are dead-lettered without asking the registry again.",
+                                      minimum=0)
+    unknown_id_max: int = setting(1000, doc="Unknown schema ids remembered per process (the oldest forgotten first).",
+                                  minimum=1)
 
 
 @dataclass(frozen=True)
@@ -587,8 +599,6 @@ def _check_protect(cfg: KafoldConfig, problems: Problems) -> None:
 
 def _check_key_store(privacy: PrivacyConfig, problems: Problems) -> None:
     """The key store names an installed `kafold.key_stores` entry point, with the settings it needs."""
-    from importlib.metadata import entry_points
-
     names = sorted(ep.name for ep in entry_points(group="kafold.key_stores"))
     if privacy.key_store not in names:
         problems.add("privacy.key_store", f"unknown key store {privacy.key_store!r} (installed: {', '.join(names)})")

@@ -46,6 +46,7 @@ from typing import Any, Protocol, TypeVar
 from confluent_kafka import TopicPartition as KafkaTP
 
 from kafold.errors import FatalError, RetriableError
+from kafold.kafka_message import Message
 from kafold.retry import retrying
 
 T = TypeVar("T")
@@ -79,7 +80,7 @@ def raise_fatal(err: Any, message: Callable[[Any], str]) -> None:
 
 
 def take(consumer: Any, max_records: int, wait_s: float, stop: threading.Event | None = None,
-         waiting: Callable[[], bool] | None = None) -> list[Any]:
+         waiting: Callable[[], bool] | None = None) -> list[Message]:
     """A natural batch: the records (or record errors) already fetched, up to `max_records`, returned at once; only
     when there are none, a wait of up to `wait_s` for the first one, which is returned as soon as it arrives with
     whatever came with it. The wait is served in slices of IDLE_SLICE_S; it ends early on `stop`, or when
@@ -107,7 +108,7 @@ class BatchHandler(Protocol):
         """Work between polls (requests, seeks, assignment, recovery); the next poll's wait in seconds, None for
         the default, SKIP_POLL for no poll this round. It may end the run (`ConsumerLoop.finish`): no poll then."""
 
-    def handle_batch(self, msgs: list[Any]) -> None:
+    def handle_batch(self, msgs: list[Message]) -> None:
         """One batch (empty after SKIP_POLL); a record's error goes to `ConsumerLoop.consumer_error` (a fatal one
         ends the run)."""
 

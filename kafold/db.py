@@ -28,7 +28,7 @@ assert _SPEC is not None and _SPEC.submodule_search_locations is not None
 MIGRATIONS_DIR = Path(next(iter(_SPEC.submodule_search_locations))).resolve()
 # The newest of migrations/versions (a test checks it is Alembic's single head): a database already at it is
 # recognised with one psycopg query, so a daemon's start loads SQLAlchemy and Alembic (~21 MB) only to migrate.
-HEAD = "0007_key_store_purge"
+HEAD = "0008_event_index"
 # Serialises concurrent `upgrade` calls (several daemons or tasks starting at once) on one database.
 _MIGRATION_LOCK = 0x6B61_666F_6C64  # "kafold"
 
@@ -53,6 +53,7 @@ def connect(pgc: PostgresConfig, *, autocommit: bool = True, **kwargs: Any) -> p
 
 def engine(pgc: PostgresConfig) -> sa.Engine:
     """A SQLAlchemy engine without pooling (each `connect` is a fresh session, as Alembic recommends)."""
+    # sqlalchemy/alembic: kafold[daemon], not in the core install
     import sqlalchemy as sa
     from sqlalchemy.pool import NullPool
 
@@ -60,6 +61,7 @@ def engine(pgc: PostgresConfig) -> sa.Engine:
 
 
 def _alembic_config(pgc: PostgresConfig, connection: sa.Connection | None = None) -> Any:
+    # sqlalchemy/alembic: kafold[daemon], not in the core install
     from alembic.config import Config
 
     cfg = Config()  # no alembic.ini: everything is set here, so it runs from any working directory
@@ -73,6 +75,7 @@ def _alembic_config(pgc: PostgresConfig, connection: sa.Connection | None = None
 
 def heads() -> list[str]:
     """The head revisions of kafold's migrations (exactly one unless the history forked)."""
+    # sqlalchemy/alembic: kafold[daemon], not in the core install
     from alembic.script import ScriptDirectory
 
     return list(ScriptDirectory.from_config(_alembic_config(PostgresConfig())).get_heads())
@@ -101,6 +104,7 @@ def downgrade(pgc: PostgresConfig, revision: str) -> str | None:
 
 
 def _migrate(pgc: PostgresConfig, direction: str, revision: str) -> str | None:
+    # sqlalchemy/alembic: kafold[daemon], not in the core install
     import sqlalchemy as sa
     from alembic import command
 
@@ -122,6 +126,7 @@ def current(pgc: PostgresConfig) -> str | None:
 
 
 def _current(conn: sa.Connection, schema: str) -> str | None:
+    # sqlalchemy/alembic: kafold[daemon], not in the core install
     from alembic.runtime.migration import MigrationContext
 
     ctx = MigrationContext.configure(conn, opts={"version_table_schema": schema})

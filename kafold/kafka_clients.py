@@ -5,16 +5,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer
+from confluent_kafka.admin import AdminClient
 
 from kafold import logs
 from kafold.config import GroupProtocol, KafkaConfig
 from kafold.errors import ConfigError
 from kafold.retry import backoff
-
-if TYPE_CHECKING:
-    from confluent_kafka import Consumer, Producer
-    from confluent_kafka.admin import AdminClient
 
 log = logs.get(__name__)
 SSL_PROTOCOLS = ("SSL", "SASL_SSL")
@@ -44,8 +43,6 @@ def coordinator_changing(err: Any) -> bool:
     """A group-coordinator request's KafkaError that asking again can cure: the coordinator moving or still loading
     (NOT_COORDINATOR on a fresh broker, after a broker restart), or the call's own timeout. librdkafka does not always
     flag these retriable when the call's timeout ends first."""
-    from confluent_kafka import KafkaError
-
     return bool(err.retriable()) or err.code() in {
         KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.COORDINATOR_NOT_AVAILABLE,
         KafkaError._TIMED_OUT, KafkaError._TRANSPORT}
@@ -70,8 +67,6 @@ def commit_retriable(err: Any) -> bool:
     (ILLEGAL_GENERATION: the partitions belong to someone else by then), nor a coordinator moving
     (`coordinator_changing`): the sink runner commits again with its next batch anyway, and a revoke's commit
     retried behind an unreachable coordinator would hold up the rebalance for every member."""
-    from confluent_kafka import KafkaError
-
     return err.code() in {getattr(KafkaError, name) for name in MEMBER_EPOCH_MOVING}
 
 
@@ -87,8 +82,6 @@ def commit(consumer: Consumer, offsets: list[Any], within_s: float = COMMIT_RETR
     Offsets: the same offsets are committed on every try (a commit is idempotent); the caller records them as
     committed only once this returns. A partition the broker refused (the answer holds an error per partition)
     fails the call like a refused request."""
-    from confluent_kafka import KafkaException
-
     deadline, attempt = time.monotonic() + within_s, 0
     while True:
         try:
@@ -171,6 +164,7 @@ def aiokafka_kwargs(kafka: KafkaConfig) -> dict[str, Any]:
         if kafka.sasl_password is not None:
             kwargs["sasl_plain_password"] = kafka.sasl_password.reveal()
     if kafka.security_protocol in SSL_PROTOCOLS:
+        # aiokafka (faust's): kafold[daemon], only for aiokafka clients over TLS
         from aiokafka.helpers import create_ssl_context
 
         ctx = create_ssl_context(
@@ -207,15 +201,11 @@ def group_settings(kafka: KafkaConfig) -> dict[str, Any]:
 
 
 def admin(kafka: KafkaConfig, **extra: Any) -> AdminClient:
-    from confluent_kafka.admin import AdminClient
-
     return AdminClient(librdkafka(kafka, **extra))
 
 
 def producer(kafka: KafkaConfig, **extra: Any) -> Producer:
     """A producer; an idempotent one is connected right away (see `_connect`)."""
-    from confluent_kafka import Producer
-
     made = Producer(librdkafka(kafka, **extra))
     if extra.get("enable.idempotence") and "transactional.id" not in extra:
         threading.Thread(target=_connect, args=(made,), name="kafold-producer-connect", daemon=True).start()
@@ -252,8 +242,6 @@ def _connect(made: Producer) -> None:
     made on demand) and retries on a 500 ms timer, which connects nothing either: its first write waited ~1 s.
     Metadata requests connect now and re-run the request on their responses: first write ~14 ms (measured,
     docs/benchmarks.md). Transactional producers need not: `init_transactions` connects and waits."""
-    from confluent_kafka import KafkaException
-
     try:
         made.list_topics(timeout=10)
         # Each metadata response re-runs librdkafka's producer-id state machine; the first one can arrive over the
@@ -270,8 +258,6 @@ def consumer(kafka: KafkaConfig, group_id: str, **extra: Any) -> Consumer:
     """A consumer that never auto-commits (kafold commits once the work is durable), from the earliest, speaking
     [kafka] group_protocol when it subscribes (an assign-only reader never joins; its commits, if any, are a
     non-member's in either protocol)."""
-    from confluent_kafka import Consumer
-
     defaults = {"group.id": group_id, "enable.auto.commit": False, "auto.offset.reset": "earliest",
                 **group_settings(kafka)}
     return Consumer(librdkafka(kafka, **{**defaults, **extra}))

@@ -21,7 +21,7 @@ BATCH = 500
 
 
 @dataclass(frozen=True)
-class Progress:
+class RotationProgress:
     """Where a rotation stands: keys seen so far, re-wrapped by this run, already current, of `total`."""
 
     seen: int
@@ -40,8 +40,8 @@ def pending(store: KeyStore, cipher: Cipher, batch: int = BATCH) -> int:
 
 
 def rotate(store: KeyStore, cipher: Cipher, batch: int = BATCH,
-           progress: Callable[[Progress], None] | None = None) -> Progress:
-    """Re-wrap every key not under `cipher`'s current master key; the final Progress. A key that changed between
+           progress: Callable[[RotationProgress], None] | None = None) -> RotationProgress:
+    """Re-wrap every key not under `cipher`'s current master key; the final RotationProgress. A key that changed between
     its read and its rewrap (forgotten meanwhile, or rewrapped by another run) is left as it is then."""
     started = time.monotonic()
     total = store.count()
@@ -58,10 +58,10 @@ def rotate(store: KeyStore, cipher: Cipher, batch: int = BATCH,
             todo.append((subject, key_id, wrapped, cipher.wrap(subject, key_id, key)))
         rewrapped += store.rewrap(todo) if todo else 0
         seen += len(rows)
-        done = Progress(seen, rewrapped, current, max(total, seen))
+        done = RotationProgress(seen, rewrapped, current, max(total, seen))
         if progress is not None:
             progress(done)
-    final = Progress(seen, rewrapped, current, seen)
+    final = RotationProgress(seen, rewrapped, current, seen)
     log.info("keys.rotated", master_key_id=cipher.master_id.hex(), keys=seen, rewrapped=rewrapped,
              already_current=current, seconds=round(time.monotonic() - started, 3))
     return final

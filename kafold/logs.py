@@ -8,6 +8,14 @@ What a client sends never reaches the log: aiohttp's server logs a request it ca
 message quotes the offending header line (an `Authorization: Bearer <token>` included), so the exceptions it logs
 keep their type and stack but not their message (`WithholdMessages`); and a traceback never shows the frames' local
 variables (the console renderer's default would, request bytes and secrets included).
+
+A value that came from outside (a header, a message a library formats with one in it, an OpenTelemetry warning
+quoting a `tracestate`) cannot forge a log line: every string field has its control characters escaped
+(`escape_controls`, CR and LF included, in JSON and console alike), and a third-party message is cut at
+MAX_FOREIGN_CHARS; a header value logged on purpose goes through `printable`, which also bounds its length.
+
+A line logged while an OpenTelemetry span is current carries its `trace_id` and `span_id` (`add_trace_context`),
+so a log search finds the trace and a trace the lines.
 """
 
 from __future__ import annotations
@@ -15,8 +23,9 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
@@ -29,6 +38,45 @@ _current: tuple[str, str, str | None] = ("info", "auto", None)
 _GONE = (errno.EPIPE, errno.EBADF, errno.ECONNRESET)
 # Loggers whose exceptions may quote raw request bytes (header lines, a bearer token among them).
 REQUEST_LOGGERS = ("aiohttp.server", "aiohttp.web", "aiohttp.access")
+MAX_HEADER_CHARS = 256  # a header value logged on purpose: enough to recognise it, not to flood a line
+MAX_FOREIGN_CHARS = 2000  # a third-party message: its own text plus whatever it quotes
+# C0 and C1 controls, DEL, and the Unicode line and paragraph separators: what a terminal or a log shipper may take
+# for the end of a line or an escape sequence.
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+# Fields that are several lines by nature and made by kafold's own formatting, not by a client.
+_MULTILINE = frozenset({"exception", "stack"})
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(value: object, limit: int = MAX_HEADER_CHARS) -> str:
+    """`value` as one printable line for a log: control characters escaped (a line feed as `\\x0a`), cut at `limit`
+    characters with the number cut said."""
+    text = value.decode("utf-8", "replace") if isinstance(value, (bytes, bytearray)) else str(value)
+    cut = len(text) - limit
+    if cut > 0:
+        text = text[:limit]
+    text = _CONTROLS.sub(_escape, text)
+    return f"{text}...(+{cut} chars)" if cut > 0 else text
+
+
+def escape_controls(logger: Any, method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """structlog processor: control characters escaped in every string field (not the traceback's)."""
+    for key, value in event.items():
+        if type(value) is str and key not in _MULTILINE and _CONTROLS.search(value):
+            event[key] = _CONTROLS.sub(_escape, value)
+    return event
+
+
+def _bound_foreign(logger: Any, method: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """A third-party record's message cut at MAX_FOREIGN_CHARS: it may quote what a client sent."""
+    text = event.get("event")
+    if type(text) is str and len(text) > MAX_FOREIGN_CHARS:
+        event["event"] = f"{text[:MAX_FOREIGN_CHARS]}...(+{len(text) - MAX_FOREIGN_CHARS} chars)"
+    return event
 
 
 class Tolerant:
@@ -106,6 +154,22 @@ def withhold_request_bytes() -> None:
             logger.addFilter(WithholdMessages())
 
 
+def add_trace_context(logger: Any, method: str, event_dict: Any) -> Any:
+    """structlog processor: the current span's `trace_id` and `span_id` (W3C hex), when a valid one is current.
+
+    OpenTelemetry is the optional extra `tracing`; it is looked up in sys.modules, never imported here: if nothing
+    imported it, no span can be current, and a process that does not trace pays one dict lookup per line."""
+    trace = sys.modules.get("opentelemetry.trace")
+    current = getattr(trace, "get_current_span", None)  # None also while another thread is importing the module
+    if current is None:
+        return event_dict
+    ctx = current().get_span_context()
+    if ctx.is_valid:
+        event_dict.setdefault("trace_id", format(ctx.trace_id, "032x"))
+        event_dict.setdefault("span_id", format(ctx.span_id, "016x"))
+    return event_dict
+
+
 def tolerate_closed_output() -> None:
     """Wrap sys.stdout and sys.stderr in `Tolerant` (once)."""
     if not isinstance(sys.stdout, Tolerant):
@@ -130,6 +194,8 @@ def configure(level: str = "info", fmt: str = "auto", path: str | None = None) -
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
+        add_trace_context,
+        escape_controls,
     ]
     renderer: structlog.types.Processor = (  # a plain traceback: the default shows each frame's local variables
         structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback) if pretty
@@ -144,7 +210,8 @@ def configure(level: str = "info", fmt: str = "auto", path: str | None = None) -
     handler = logging.StreamHandler(out)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(processors=[
         structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
-        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name]))  # whose line: faust, kafold.librdkafka
+        foreign_pre_chain=[_bound_foreign, *shared,
+                           structlog.stdlib.add_logger_name]))  # whose line: faust, kafold.librdkafka
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(max(_LEVELS[level], logging.WARNING))  # third-party chatter only from warnings up

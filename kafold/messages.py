@@ -126,8 +126,9 @@ class Result:
         return data
 
 
-def decode_result(value: bytes) -> Result:
-    body = orjson.loads(value)
+def decode_result(value: bytes | None) -> Result:
+    """A result record's value; a tombstone (None) raises as bytes that are no result do (orjson.JSONDecodeError)."""
+    body = orjson.loads(value)  # type: ignore[arg-type]  # None raises, as documented above
     return Result(body["command_id"], body["aggregate_id"], body["status"], body["version"],
                   tuple(body.get("event_ids") or ()), body.get("reason"), body.get("correlation_id", ""),
                   bool(body.get("duplicate", False)), body.get("at") or "", body.get("token"))

@@ -45,6 +45,7 @@ def conninfo(pg: PostgresConfig) -> str:
 
 def sqlalchemy_url(pg: PostgresConfig) -> URL:
     """A `postgresql+psycopg` SQLAlchemy URL; str() masks the password, `render_as_string(False)` shows it."""
+    # sqlalchemy/alembic: kafold[daemon], not in the core install
     from sqlalchemy.engine import URL
 
     params = {k: str(v) for k, v in conninfo_to_dict(conninfo(pg)).items() if v is not None}

@@ -44,6 +44,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +53,8 @@ import orjson
 from kafold import logs
 from kafold.envelope import Event, adopt_payload, reshaped
 from kafold.erasure_log import ErasureLog
-from kafold.errors import ConfigError, FatalError, KafoldError, RecordError
+from kafold.errors import ConfigError, FatalError, KafoldError, RecordError, RetriableError
+from kafold.retry import retrying
 
 if TYPE_CHECKING:
     from kafold.config import KafkaConfig, KafoldConfig, PostgresConfig, PrivacyConfig
@@ -263,6 +265,7 @@ class Cipher:
 def _not_authentic(e: Exception, what: str) -> DecryptError:
     """DecryptError(`what`) for cryptography's InvalidTag (a failed authentication); any other error raised again.
     InvalidTag is imported here, when a decryption has failed: an import statement per decryption cost ~5 %."""
+    # cryptography: kafold[daemon], not in the core install
     from cryptography.exceptions import InvalidTag
 
     if not isinstance(e, InvalidTag):
@@ -406,6 +409,7 @@ class PgKeyStore(KeyStore):
     """Keys in PostgreSQL, one autocommit connection per store (opened on first use, guarded by a lock)."""
 
     def __init__(self, pgc: PostgresConfig) -> None:
+        # psycopg: kafold[daemon], not in the core install
         from psycopg import sql
 
         self.pgc = pgc
@@ -457,7 +461,7 @@ class PgKeyStore(KeyStore):
 
     def _conn(self) -> Any:
         if self.conn is None or self.conn.closed:
-            from kafold import db
+            from kafold import db  # it imports psycopg (kafold[daemon]): this module loads without it
 
             self.conn = db.connect(self.pgc)
         return self.conn
@@ -465,10 +469,8 @@ class PgKeyStore(KeyStore):
     def _run(self, step: Callable[[Any], Any]) -> Any:
         """`step(connection)` under the lock; PostgreSQL unreachable is retried with backoff (kafold.retry) for
         STORE_RETRY_S, then a FatalError naming it (a sealing write is then refused, not written in clear)."""
+        # psycopg: kafold[daemon], not in the core install
         import psycopg
-
-        from kafold.errors import RetriableError
-        from kafold.retry import retrying
 
         def once() -> Any:
             with self.lock:
@@ -621,6 +623,7 @@ class KeyRing:
         # Bumped whenever cached keys are dropped: a holder of "these subjects are cached" (Protector.prefetch's
         # record keys) starts over when it moves.
         self.generation = 0
+        self.store_reads = 0  # key lookups that went to the store (cache misses, batch prefetches): /metrics
         _RINGS.add(self)
 
     def trust(self, margin: float = 0.0) -> None:
@@ -653,6 +656,7 @@ class KeyRing:
 
     def _fetch(self, subject: str) -> _Entry:
         """The subject's entry read from the store, and cached (the caller has called `trust`)."""
+        self.store_reads += 1
         row = self.store.get(subject)
         if row is None:
             return self._keep(subject, None, None)
@@ -676,6 +680,7 @@ class KeyRing:
             return hit[2]
         if (subject, key_id) in self.gone:
             return None
+        self.store_reads += 1
         row = self.store.get(subject)
         if row is not None and row[0] == key_id:
             return self._keep(subject, row[0], self.cipher.unwrap(subject, row[0], row[1]))[2]
@@ -699,6 +704,7 @@ class KeyRing:
         missing = {s for s in subjects if s not in cache}
         if not missing:
             return
+        self.store_reads += 1
         found = self.store.get_many(list(missing))
         for subject in missing:
             row = found.get(subject)
@@ -1108,8 +1114,6 @@ def erasure_log(found: Setup) -> ErasureLog | None:
 
 def open_store(found: Setup) -> KeyStore:
     """The `[privacy] key_store` named by a Setup, from the `kafold.key_stores` entry points."""
-    from importlib.metadata import entry_points
-
     matches = entry_points(group=KEY_STORES, name=found.privacy.key_store)
     if not matches:
         raise ConfigError([f"privacy.key_store: no key store {found.privacy.key_store!r} is installed "

@@ -118,12 +118,19 @@ def _positions(body: Any) -> Positions:
         if not topic or type(parts) is not dict or not parts:
             raise BadToken(f"malformed consistency token (topic {topic!r}: no partitions)")
         for p, offset in parts.items():
-            if not (p.isascii() and p.isdigit()) or int(p) > MAX_PARTITION:
+            if not digits(p, MAX_PARTITION):
                 raise BadToken(f"malformed consistency token (topic {topic!r}: partition {p!r})")
             if type(offset) is not int or not 0 <= offset <= MAX_OFFSET:
                 raise BadToken(f"malformed consistency token ({topic}[{p}]: offset {offset!r})")
             out[(topic, int(p))] = offset
     return out
+
+
+def digits(text: str, maximum: int) -> bool:
+    """True when `text` is an ASCII decimal integer from 0 to `maximum`. The length is checked before `int()`: a
+    string of thousands of digits makes `int()` raise (or, without CPython's digit limit, take quadratic time)."""
+    return (text.isascii() and text.isdigit() and len(text) <= len(str(maximum))
+            and int(text) <= maximum)
 
 
 def merge(*tokens: str | None) -> str | None:

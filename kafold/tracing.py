@@ -9,17 +9,21 @@ hot paths check `tracer()` once per batch and touch no header when it is None. O
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kafold import logs
 from kafold.config import TracingConfig
+from kafold.kafka_message import Message
 
 log = logs.get(__name__)
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 _NAMES = (TRACEPARENT, TRACESTATE)
+MAX_TRACESTATE_CHARS = 512  # the W3C limit the SDK applies too
+_W3C_TRACESTATE = re.compile(f"[\\x20-\\x7e]{{0,{MAX_TRACESTATE_CHARS}}}")
 MAX_LINKS = 128  # the SDK's default link limit per span: a batch links at most this many distinct contexts
 
 HeaderList = Sequence[tuple[str, bytes | None]]
@@ -38,6 +42,7 @@ def configure(cfg: TracingConfig) -> None:
     global _tracer, _provider
     if not cfg.enabled or _tracer is not None:
         return
+    # opentelemetry: kafold[tracing], imported only when [tracing] is on
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -47,6 +52,7 @@ def configure(cfg: TracingConfig) -> None:
     _provider = TracerProvider(resource=Resource.create({"service.name": name}))  # sampler: OTEL_TRACES_SAMPLER
     exporter = os.environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
     if exporter == "console":
+        # opentelemetry: kafold[tracing], imported only when [tracing] is on
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
         _provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
@@ -72,6 +78,7 @@ def provider() -> Any:
 
 def inject(context: Any = None) -> list[tuple[str, bytes]]:
     """The W3C headers of `context` (default: the current one) as Kafka headers; [] when it has no valid span."""
+    # opentelemetry: kafold[tracing], imported only when [tracing] is on
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     carrier: dict[str, str] = {}
@@ -81,14 +88,21 @@ def inject(context: Any = None) -> list[tuple[str, bytes]]:
 
 def extract(headers: HeaderList | None) -> Any:
     """The OpenTelemetry Context carried by Kafka headers (an empty one when they carry none)."""
+    # opentelemetry: kafold[tracing], imported only when [tracing] is on
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     carrier = {k: v.decode("latin-1") for k, v in headers or () if k in _NAMES and v is not None}
+    state = carrier.get(TRACESTATE)
+    if state is not None and not _W3C_TRACESTATE.fullmatch(state):
+        # W3C allows printable ASCII only, up to MAX_TRACESTATE_CHARS; anything else is dropped here, before the
+        # SDK's parser warns about it quoting the whole member (a producer's bytes, CR/LF included).
+        del carrier[TRACESTATE]
     return TraceContextTextMapPropagator().extract(carrier)
 
 
 def span_context(headers: HeaderList | None) -> Any:
     """The remote SpanContext in Kafka headers, or None."""
+    # opentelemetry: kafold[tracing], imported only when [tracing] is on
     from opentelemetry import trace
 
     sc = trace.get_current_span(extract(headers)).get_span_context()
@@ -97,6 +111,7 @@ def span_context(headers: HeaderList | None) -> Any:
 
 def links(all_headers: Iterable[HeaderList | None]) -> list[Any]:
     """Links to the distinct contexts of records' headers (for a batch span), at most MAX_LINKS."""
+    # opentelemetry: kafold[tracing], imported only when [tracing] is on
     from opentelemetry.trace import Link
 
     seen: dict[tuple[int, int], Any] = {}
@@ -124,6 +139,7 @@ def application_tracer(tracer_provider: Any = None) -> Any:
     if _provider is not None:
         return _provider.get_tracer("kafold.client")
     try:
+        # opentelemetry: kafold[tracing], imported only when [tracing] is on
         from opentelemetry import trace
     except ImportError:  # pragma: no cover - a dependency; kept harmless for slim installs
         return None
@@ -139,7 +155,7 @@ _RECORD_HEADERS: dict[tuple[str, int, int], list[tuple[str, bytes | None]]] = {}
 MAX_REMEMBERED = 100_000
 
 
-def batch_links(msgs: Iterable[Any], *, remember: bool) -> list[Any]:
+def batch_links(msgs: Iterable[Message], *, remember: bool) -> list[Any]:
     """`links` of a batch of consumed Kafka messages, reading each one's headers once; with `remember`, their
     trace headers noted for `recall` by the effect that runs them (a projection has no use for them)."""
     traced: list[HeaderList] = []

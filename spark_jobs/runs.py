@@ -96,7 +96,7 @@ def partitions_of(kafka: KafkaConfig, agg: AggregateConfig, client: Any = None) 
 
 
 @dataclass
-class Plan:
+class RunPlan:
     """Per partition, the range still to fold; `selections` keeps the plans a local run can reuse."""
 
     pending: dict[int, int] = field(default_factory=dict)  # partition -> events in [start, end)
@@ -110,7 +110,7 @@ class Plan:
 
 
 def plan(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitions: list[int],
-         stop_above: int | None = None, reader: Any = None) -> Plan:
+         stop_above: int | None = None, reader: Any = None) -> RunPlan:
     """Plan every partition (stops early once more than `stop_above` events are pending: Spark will run).
     `partitions` come from `partitions_of`, which found both topics.
 
@@ -119,7 +119,7 @@ def plan(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitions: l
     Where the last run ended is known (`kafka_io.progress`), the events since are fetched in the same read, up
     to PREFETCH_MAX of them, for the local run to fold without fetching them again."""
     began = time.monotonic()
-    out = Plan()
+    out = RunPlan()
     kept = 0
     consumer = reader or kafka_io.reader(kafka)
     try:
@@ -143,7 +143,7 @@ def plan(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitions: l
 
 
 def run_local(kafka: KafkaConfig, agg: AggregateConfig, domain: Domain, partitions: list[int], *,
-              refresh_lag: int = REFRESH_LAG, planned: Plan | None = None,
+              refresh_lag: int = REFRESH_LAG, planned: RunPlan | None = None,
               reporter: Reporter | None = None, reader: Any = None) -> JobResult:
     """Fold every partition in this process: the planned ones with their tails read together, the others (plans
     past KEEP_BASES) one after the other; hand each one's snapshots to the producer, then wait for all of them to
@@ -221,7 +221,7 @@ def _cyclic_gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def choose(engine: str, planned: Plan | None, local_max_events: int) -> str:
+def choose(engine: str, planned: RunPlan | None, local_max_events: int) -> str:
     """"local" or "spark" for a run: the configured engine, or with auto the plan's size against the limit."""
     if engine != "auto":
         return engine
@@ -250,7 +250,7 @@ def run(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], spark:
     if agg.protect:
         check_protected(agg, engine, protection)
     began = time.monotonic()
-    planned: Plan | None = None
+    planned: RunPlan | None = None
     if engine == "spark":
         parts = partitions_of(kafka, agg)
         log.info("snapshot.plan", aggregate=agg.name, engine="spark", configured=engine, partitions=len(parts))

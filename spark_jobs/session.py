@@ -67,6 +67,7 @@ def session(master: str | None = "local[*]", conf: Mapping[str, str] | None = No
             app: str = "kafold-snapshots") -> Any:
     """A SparkSession (shared: getOrCreate) whose Python workers run this interpreter."""
     try:
+        # pyspark: kafold[spark], only where a Spark job runs
         from pyspark.sql import SparkSession
     except ImportError as e:
         raise FatalError("snapshot jobs need pyspark: pip install 'kafold[spark]'") from e

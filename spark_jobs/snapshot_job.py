@@ -78,6 +78,7 @@ def write_partition(spec: str, progress: Any, batches: Iterator[Any]) -> Iterato
 
 
 def _finish(producer: Any, agg: AggregateConfig, ident: Identity, current: dict[str, Any]) -> Any:
+    # pyarrow: kafold[spark], only where a Spark job runs
     import pyarrow as pa
 
     p, end, stats = current["partition"], current["header"]["end"], current["stats"]

@@ -32,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from kafold import logs
+from kafold import logs, protect
 from kafold.config import (
     AggregateConfig,
     FoldErrorPolicy,
@@ -113,8 +113,6 @@ def identity_of(agg: AggregateConfig, python_path: list[str]) -> Identity:
 def protector_of(spec: str | dict[str, Any]) -> Protector | None:
     """A new Protector (its own key ring on PostgreSQL) for the spec's aggregate, None when it protects nothing;
     the master key is read here, from the reference (ConfigError naming it when it is not set)."""
-    from kafold import protect
-
     raw = json.loads(spec) if isinstance(spec, str) else spec
     _, agg, _, _ = load_spec(raw)
     if not agg.protect:
@@ -162,6 +160,7 @@ class _Reader(DataSourceReader):
     def _read(self, raw: dict[str, Any], kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str],
               protector: Protector | None, p: int) -> Iterator[Any]:
         """One Kafka partition `p` (InputPartition(value)) folded: the header, snapshot and stats rows."""
+        # pyarrow: kafold[spark], only where a Spark job runs
         import pyarrow as pa
 
         refresh_lag = int(raw["refresh_lag"])

@@ -114,7 +114,7 @@ class DebeziumConverter:
             loaded = self.fmt.load(topic, value, is_key=False)
             key_loaded = self.key_fmt.load(topic, key, is_key=True) if key is not None else None
         except ConvertError as e:
-            raise ConvertError(f"{at}: {e}", raw=raw) from None
+            raise ConvertError(f"{at}: {e}", raw=raw, reason=e.reason) from None
         schemaless = not wrapped(loaded)
         body = self.decoded(loaded, False, at, raw)
         if type(body) is not dict:

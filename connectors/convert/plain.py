@@ -119,7 +119,7 @@ class JsonConverter:
         try:
             body = self.fmt.load(topic, value, is_key=False)
         except ConvertError as e:
-            raise ConvertError(f"{at}: {e}", raw=raw) from None
+            raise ConvertError(f"{at}: {e}", raw=raw, reason=e.reason) from None
         got: dict[str, Any] = {}
         for name, src in self.sources.items():
             if src:

@@ -399,7 +399,7 @@ class Executor:
         keys = list(self.keys.values())
         return {"endpoint": self.circuit.endpoint, "circuit": self.circuit.state,
                 "circuit_changes": self.circuit.changes, "waiting": self.circuit.waiting,
-                "keys": len(keys), "parked_keys": sum(1 for st in keys if st.parked)}
+                "keys": len(keys), "parked_keys": sum(1 for st in keys if st.parked), "counts": dict(self.counts)}
 
     async def _release(self, key: str, st: KeyState, *, skip: bool) -> None:
         """Re-run a parked key's events in order (after dropping the head for `skip`); unpark it when none is left."""

@@ -7,6 +7,8 @@ from enum import StrEnum
 from typing import Any
 
 import psycopg
+from confluent_kafka import Consumer
+from confluent_kafka import TopicPartition as KafkaTP
 from psycopg import sql
 from psycopg.rows import dict_row
 
@@ -118,9 +120,6 @@ def reset_offsets(kafka: KafkaConfig, group: str, topics: list[str], to: str) ->
 
     Replaying an effect connector re-runs effects the ledger does not show as finished; finished ones are skipped.
     """
-    from confluent_kafka import Consumer
-    from confluent_kafka import TopicPartition as KafkaTP
-
     if to not in ("earliest", "latest"):
         raise ValueError(f"to must be earliest or latest, got {to!r}")
     admin = kafka_clients.admin(kafka)

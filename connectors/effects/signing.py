@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import time
 from collections.abc import Iterable, Mapping
 
 PREFIX = "whsec_"
@@ -33,8 +34,6 @@ def sign(msg_id: str, timestamp: int, body: bytes, secrets: Iterable[str]) -> st
 def verify(msg_id: str, timestamp: int, body: bytes, header: str, secret: str, *, now: int | None = None,
            tolerance_s: int = 300) -> bool:
     """True when one signature in `header` matches `secret` and the timestamp is within `tolerance_s` of now."""
-    import time
-
     if abs((now if now is not None else int(time.time())) - timestamp) > tolerance_s:
         return False
     expected = sign(msg_id, timestamp, body, [secret]).partition(",")[2]

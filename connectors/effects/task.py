@@ -241,6 +241,7 @@ def build_effect(config: EffectConfig, kafka: KafkaConfig, name: str) -> Effect:
 
 
 _BY_ENDPOINT = ("connector", "task", "endpoint")
+EFFECT_OUTCOMES = ("succeeded", "parked", "deduplicated", "released")  # the executor's counts, failed attempts apart
 
 
 class _EffectConnector(Connector[Any]):
@@ -256,6 +257,11 @@ class _EffectConnector(Connector[Any]):
         Metric("kafold_effect_fetch_paused", "1 while the task stopped fetching because max_in_flight events are "
                "held (the lag grows meanwhile).", _BY_ENDPOINT),
         Metric("kafold_effect_parked_keys", "Keys parked in this task.", _BY_ENDPOINT),
+        Metric("kafold_effect_events", "Events an effect task completed, by outcome: succeeded, parked, deduplicated "
+               "(the ledger had it done already), released (run again from a parked key, and done).",
+               (*_BY_ENDPOINT, "outcome"), "counter"),
+        Metric("kafold_effect_failed_attempts", "Delivery attempts that failed: each is retried after a back-off, or "
+               "parks its key when permanent or past max_age_s.", _BY_ENDPOINT, "counter"),
     )
 
     def task_configs(self, max_tasks: int) -> list[TaskConfig[Any]]:
@@ -272,6 +278,10 @@ class _EffectConnector(Connector[Any]):
             yield "kafold_effect_in_flight", labels, float(st["in_flight"])
             yield "kafold_effect_fetch_paused", labels, 1.0 if st["fetch_paused"] else 0.0
             yield "kafold_effect_parked_keys", labels, float(st["parked_keys"])
+            counts = st.get("counts", {})  # since the task's executor started (a counter reset to Prometheus)
+            for outcome in EFFECT_OUTCOMES:
+                yield "kafold_effect_events", (*labels, outcome), float(counts.get(outcome, 0))
+            yield "kafold_effect_failed_attempts", labels, float(counts.get("failed_attempts", 0))
 
 
 class WebhookConnector(_EffectConnector):

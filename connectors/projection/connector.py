@@ -17,6 +17,8 @@ from kafold.connectors.projection.task import ProjectionSinkTask
 log = logs.get(__name__)
 
 CACHE_S = 10.0  # a scrape reads PostgreSQL at most this often
+# rebuild_state's phases (its check constraint) and "never" for a projection never rebuilt
+REBUILD_PHASES = ("never", "copying", "catching-up", "swapped", "abandoned")
 
 
 class ProjectionConnector(Connector[ProjectionConfig]):
@@ -28,6 +30,8 @@ class ProjectionConnector(Connector[ProjectionConfig]):
     # `kafold projection rebuild` runs apart from the daemon: its progress is read from PostgreSQL, as the held keys.
     metrics = (
         Metric("kafold_rebuild_active", "1 while a blue-green rebuild of the projection is copying or catching up."),
+        Metric("kafold_rebuild_phase", "1 for the phase of the projection's last rebuild: never, copying, catching-up, "
+               "swapped (the rebuilt table is the live one) or abandoned.", ("connector", "phase")),
         Metric("kafold_rebuild_offsets_covered", "Offsets the rebuild's shadow table covers."),
         Metric("kafold_rebuild_offsets_behind", "Offsets the shadow table is behind the live connector (0 once "
                "swapped)."),
@@ -62,5 +66,6 @@ class ProjectionConnector(Connector[ProjectionConfig]):
                    ("kafold_rebuild_offsets_covered", labels, float(covered)),
                    ("kafold_rebuild_offsets_behind", labels, float(behind)),
                    ("kafold_projection_held_keys", labels, float(holding))]
+        samples += [("kafold_rebuild_phase", (self.name, p), 1.0 if p == phase else 0.0) for p in REBUILD_PHASES]
         self._sampled = (time.monotonic(), samples)
         return samples

@@ -72,6 +72,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import psycopg
+from confluent_kafka import TopicPartition as KafkaTP
 from psycopg import sql
 
 from kafold import db, kafka_clients, logs, upcast
@@ -98,6 +99,7 @@ from kafold.connectors.registry import instantiate
 from kafold.consumer_loop import SKIP_POLL, ConsumerLoop, LoopHandler, SkipPoll
 from kafold.envelope import decode
 from kafold.errors import ConfigError, DecodeError, FatalError, RecordError, RetriableError
+from kafold.kafka_message import Message
 from kafold.retry import retrying
 from kafold.upcast import UpcasterConfig
 
@@ -131,8 +133,6 @@ def _fatal(err: Any) -> str:
 
 
 def _unassign(consumer: Any, partitions: Collection[TopicPartition]) -> None:
-    from confluent_kafka import TopicPartition as KafkaTP
-
     consumer.incremental_unassign([KafkaTP(tp.topic, tp.partition) for tp in partitions])
 
 
@@ -287,7 +287,7 @@ class _CatchUp(LoopHandler):
         # In the tail phase a short poll: what is left is small, and every wait lets the tail grow.
         return TAIL_POLL_S if r.phase != "copying" else None
 
-    def handle_batch(self, msgs: list[Any]) -> None:
+    def handle_batch(self, msgs: list[Message]) -> None:
         assert self.batch is not None
         self.rebuild._add(self.batch, msgs)
 
@@ -544,8 +544,6 @@ class Rebuild:
         checkpoint steps past it (daemon/runner.py `_past_markers`). A partition whose records end in a marker is
         therefore never reached by the records' offsets: where nothing was read ahead, the consumer's position (past
         the markers) moves the batch's advance up to it, at most to the target."""
-        from confluent_kafka import TopicPartition as KafkaTP
-
         tps = [tp for tp in batch.targets if tp in self.assigned and tp not in self.ahead and tp not in batch.overrun]
         for kafka_tp in consumer.position([KafkaTP(tp.topic, tp.partition) for tp in tps]) if tps else ():
             tp = TopicPartition(kafka_tp.topic, kafka_tp.partition)
@@ -566,8 +564,6 @@ class Rebuild:
     def _assign(self, consumer: Any, targets: dict[TopicPartition, int]) -> None:
         """Fetch the partitions that are behind their target (in the tail phase: every partition, reading ahead),
         from the shadow's checkpoint."""
-        from confluent_kafka import TopicPartition as KafkaTP
-
         ahead = self.phase != "copying"
         want = {tp for tp, off in targets.items() if ahead or self.positions.get(tp, 0) < off}
         gone, new = self.assigned - want, want - self.assigned
@@ -599,7 +595,7 @@ class Rebuild:
             self._add(batch, msgs)
         return batch
 
-    def _add(self, batch: _Batch, msgs: list[Any]) -> None:
+    def _add(self, batch: _Batch, msgs: list[Message]) -> None:
         batch.count += len(msgs)
         self._take(msgs, batch.targets, batch.records, batch.dead, batch.advance, batch.overrun)
 
@@ -677,7 +673,7 @@ class Rebuild:
         self.assigned, self.ahead = set(), {}
         self.log.warning(f"{self.kind}.rewound", reason=str(why), events_again=why.events)
 
-    def _take(self, msgs: list[Any], targets: dict[TopicPartition, int], records: list[SinkRecord],
+    def _take(self, msgs: list[Message], targets: dict[TopicPartition, int], records: list[SinkRecord],
               dead: list[DeadLetter], advance: dict[TopicPartition, int], overrun: set[TopicPartition]) -> None:
         """Each message into the batch when below its target; else kept to read ahead (in the tail phase, up to
         `max_tail` a partition), so that the tail under the lock is mostly in memory already. The copy's

@@ -26,6 +26,7 @@ from kafold.domain import AggregateDomain
 from kafold.envelope import epoch_ms
 from kafold.errors import RetriableError
 from kafold.fold import Folder, fields
+from kafold.kafka_message import Message
 from kafold.messages import REJECTED, decode_result
 
 log = logs.get(__name__)
@@ -170,11 +171,11 @@ def reload(consumer: Any, topic: str, domain: AggregateDomain, store: StateStore
     folds = folder(domain, store, partition)
     read = 0
 
-    def feed(msgs: list[Any]) -> None:
+    def feed(msgs: list[Message]) -> None:
         nonlocal read
         read += len(msgs)
         # only these ids: the Folder folds an event into its key's aggregate, which must be its aggregate_id
-        folds.fold_records([m for m in msgs if m.key() is not None and m.key().decode("utf-8", "replace") in ids])
+        folds.fold_records([m for m in msgs if (k := m.key()) is not None and k.decode("utf-8", "replace") in ids])
 
     read_until_eof(consumer, topic, partition, low, feed)
     if results is not None:
@@ -214,7 +215,7 @@ def note_results(consumer: Any, topic: str, domain: AggregateDomain, store: Stat
     evicted = store.evicted.get(partition, ())
     read = 0
 
-    def feed(msgs: list[Any]) -> None:
+    def feed(msgs: list[Message]) -> None:
         nonlocal read
         read += len(msgs)
         with store.lock:
@@ -257,12 +258,12 @@ def note_events(consumer: Any, topic: str, store: StateStore, partition: int, id
         return 0
     read = 0
 
-    def feed(msgs: list[Any]) -> None:
+    def feed(msgs: list[Message]) -> None:
         nonlocal read
         read += len(msgs)
         with store.lock:
             for m in msgs:
-                if m.offset() >= until or m.key() is None or m.key().decode("utf-8", "replace") not in ids:
+                if m.offset() >= until or (k := m.key()) is None or k.decode("utf-8", "replace") not in ids:
                     continue
                 try:
                     body = fields(m.value())

@@ -29,6 +29,7 @@ sends nothing on and redirects nowhere: it answers 503 for keys it does not own.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import ssl
 import threading
@@ -37,8 +38,10 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+import aiohttp
 import orjson
 from confluent_kafka import KafkaException
+from yarl import URL
 
 from kafold import kafka_clients, logs
 from kafold.config import DaemonConfig, KafkaConfig, StateRouting
@@ -333,9 +336,6 @@ class StateRouter:
     async def forward(self, session: ClientSession, peer: Peer, path: str, wait: Wait) -> Answer | None:
         """The owner's answer, or None when it cannot give one (unreachable, or no longer the owner). The read
         carries this instance's credential, never the caller's token (trust.py)."""
-        import aiohttp
-        from yarl import URL
-
         assert self.key is not None
         headers = {FORWARDED_HEADER: self.url or "unknown", trust.AUTH_HEADER: trust.read_credential(self.key, path)}
         limit = aiohttp.ClientTimeout(total=wait.timeout_ms / 1000 + FORWARD_SLACK_S)
@@ -399,8 +399,6 @@ def _runtime(slot: AggregateSlot) -> AggregateRuntime:
 
 
 def _jsonable(value: Any) -> Any:
-    import dataclasses
-
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     return value

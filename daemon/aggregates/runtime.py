@@ -62,9 +62,10 @@ from kafold.domain import AggregateDomain
 from kafold.envelope import format_epoch_ms
 from kafold.errors import DecodeError, FatalError, RecordError, RetriableError
 from kafold.fold import Folder, FoldError, Parked
+from kafold.kafka_message import Message
 from kafold.messages import REJECTED, Command, Result, decode_command, header
 from kafold.partitioning import partition_for
-from kafold.upcast import UpcastError
+from kafold.stages import folding_reason
 
 log = logs.get(__name__)
 T = TypeVar("T")
@@ -388,7 +389,7 @@ class AggregateRuntime(LoopHandler):
                 self._fold(n, batch)
         self.store.trim()
 
-    def _fold(self, n: int, batch: list[Any]) -> None:
+    def _fold(self, n: int, batch: list[Message]) -> None:
         if not batch:
             return
         folder, gate = self.folders[n], self.gates[n]
@@ -407,7 +408,7 @@ class AggregateRuntime(LoopHandler):
             folder.parked.clear()
         gate.replayed(batch[-1].offset() + 1, len(batch))
 
-    def _park(self, batch: list[Any], parked: list[Parked]) -> None:
+    def _park(self, batch: list[Message], parked: list[Parked]) -> None:
         """on_fold_error = "dead-letter": the events the fold left out, to the aggregate's dead-letter topic (not
         in a transaction: the replay writes nothing else; a later replay parks them again)."""
         by_offset = {m.offset(): m for m in batch}
@@ -415,8 +416,7 @@ class AggregateRuntime(LoopHandler):
             self.parker = kafka_clients.producer(self.kafka, **{"enable.idempotence": True, "acks": "all"})
         for p in parked:
             raw = RawRecord.of(by_offset[p.offset])
-            reason = UpcastError.reason if isinstance(p.error.error, UpcastError) else "fold-error"
-            headers = dlq_headers(raw, RecordError(p.error.describe(), reason=reason),
+            headers = dlq_headers(raw, RecordError(p.error.describe(), reason=folding_reason(p.error.stage)),
                                   f"aggregate.{self.agg.name}", int(time.time() * 1000))
             value, headers = fitted(raw.value, headers)
             self.parker.produce(self.dlq, value=value, key=raw.key, headers=headers, partition=0)
@@ -485,7 +485,7 @@ class AggregateRuntime(LoopHandler):
         self.log.info("aggregate.window_read_back", partition=n, aggregates=len(ids), events_read=read)
 
     # ---- commands ---------------------------------------------------------------------------------------
-    def handle_batch(self, msgs: list[Any]) -> None:
+    def handle_batch(self, msgs: list[Message]) -> None:
         """One batch of commands as one transaction."""
         started = time.monotonic()
         live: list[Any] = []
@@ -576,6 +576,7 @@ class AggregateRuntime(LoopHandler):
     def _one_traced(self, tracer: Any, m: Any, cmd: Command | DecodeError, n: int, t: int, undo: Undo,
                     tally: dict[str, int]) -> None:
         """`_one` in a span, child of the command record's trace context; its events and result carry the span's."""
+        # opentelemetry: kafold[tracing], imported only when [tracing] is on
         from opentelemetry import trace
 
         name = f"handle {self.agg.name} {cmd.type}" if isinstance(cmd, Command) else f"handle {self.agg.name}"
@@ -640,7 +641,7 @@ class AggregateRuntime(LoopHandler):
         self.log.warning("aggregate.dead_lettered", partition=raw.partition, offset=raw.offset,
                          reason=error.reason, error=str(error)[:200])
 
-    def _reload_missing(self, msgs: list[Any]) -> None:
+    def _reload_missing(self, msgs: list[Message]) -> None:
         """Rebuild evicted aggregates of this batch from Kafka before deciding on them."""
         wanted: dict[int, set[str]] = {}
         for m in msgs:

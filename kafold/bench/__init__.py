@@ -16,7 +16,7 @@ from kafold.config import KafkaConfig, PostgresConfig, load_file
 # area name -> module (kafold.bench.<module>); a module is imported only when its area runs.
 AREAS: dict[str, str] = {"projection": "projection", "daemon": "daemon", "snapshots": "snapshots", "effects": "effects",
                         "aggregates": "aggregates", "rebuild": "rebuild", "evolution": "evolution",
-                        "latency": "latency", "privacy": "privacy"}
+                        "latency": "latency", "privacy": "privacy", "history": "history"}
 
 # Short group timeouts for the benches' consumers: a first JoinGroup waits for them on the embedded broker
 # (docs/brokers.md), and otherwise for the default rebalance timeout.
@@ -35,6 +35,7 @@ BROKER_USAGE: dict[str, Any] = {}
 
 def cpu_s(procs: list[Any]) -> float:
     """User + system CPU seconds of `procs` (psutil processes) so far (a process gone since is left out)."""
+    # psutil: kafold[daemon], not in the core install
     import psutil
 
     total = 0.0

@@ -10,6 +10,7 @@ import queue
 import random
 import threading
 import time
+import tracemalloc
 import uuid
 from pathlib import Path
 from typing import Any
@@ -71,8 +72,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def window_memory(ids: int = 200_000, aggregates: int = 10_000) -> dict[str, Any]:
     """Bytes per command id held in the idempotency window (tracemalloc over `ids` outcomes with uuid command
     ids, one event each, spread over `aggregates`), and what that means at 30,000 commands/s."""
-    import tracemalloc
-
     entries = {f"acc-{i:06d}": Entry(None, 0, 0) for i in range(aggregates)}
     names = list(entries)
     cids = [str(uuid.uuid4()) for _ in range(ids)]

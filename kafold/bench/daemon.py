@@ -18,12 +18,16 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import orjson
+from confluent_kafka.admin import NewTopic
+
 from kafold import kafka_clients, logs
 from kafold.bench import services, short_group
 from kafold.config import ConnectorConfig, DaemonConfig
+from kafold.connectors.api import sink_record
 from kafold.connectors.registry import instantiate
 from kafold.daemon.runner import SinkRunner
-from kafold.envelope import Event, encode
+from kafold.envelope import Event, decode, encode
 
 log = logs.get(__name__)
 
@@ -88,8 +92,6 @@ def _log_task(kafka: Any) -> Any:
 
 
 def _produce(kafka: Any, topic: str, n: int, partitions: int) -> None:
-    from confluent_kafka.admin import NewTopic
-
     admin = kafka_clients.admin(kafka)
     for fut in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
         fut.result(15)
@@ -129,11 +131,8 @@ def _faust(kafka: Any, topic: str, n: int, take: int, transport: str = "kafka",
     """A tiny Faust agent: `stream.take(take, within=0.2)`, one orjson.loads per value, nothing else; with
     `same_work`, `stream.take_events` and per batch what the runner does: envelope decode, the `log` sink's put
     (Faust commits on its own interval). `transport`: "kafka" (aiokafka) or "confluent" (librdkafka)."""
+    # faust: kafold[daemon] and heavy to import; only this benchmark's baseline uses it
     import faust
-    import orjson
-
-    from kafold.connectors.api import sink_record
-    from kafold.envelope import decode
 
     ak = kafka_clients.aiokafka_kwargs(kafka)
     servers = [s.strip() for s in ak["bootstrap_servers"].split(",") if s.strip()]

@@ -11,10 +11,16 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import orjson
+from confluent_kafka import Consumer, KafkaException
+from confluent_kafka import TopicPartition as KafkaTP
+from confluent_kafka.admin import NewTopic
 
 from kafold import db, kafka_clients, logs
 from kafold.bench import services, short_group
@@ -70,23 +76,17 @@ def _receiver() -> Iterator[tuple[str, str]]:
 
 
 def _stats(control: str) -> dict[str, Any]:
-    import urllib.request
 
-    import orjson
 
     with urllib.request.urlopen(f"{control}/stats", timeout=10) as resp:
         return dict(orjson.loads(resp.read()))
 
 
 def _switch(control: str, what: str) -> None:
-    import urllib.request
-
     urllib.request.urlopen(urllib.request.Request(f"{control}/{what}", data=b"", method="POST"), timeout=10).read()
 
 
 def _topic(kafka: Any, name: str, partitions: int) -> None:
-    from confluent_kafka.admin import NewTopic
-
     admin = kafka_clients.admin(kafka)  # kept referenced until the futures resolve
     for fut in admin.create_topics([NewTopic(name, partitions, 1)]).values():
         fut.result(15)
@@ -107,9 +107,6 @@ def _start(kafka: Any, pg: Any, name: str, topic: str, url: str, concurrency: in
 def _committed(consumer: Any, topic: str, partitions: int) -> dict[int, int]:
     """The group's committed offsets; {} (nothing seen this time, the callers poll again) while the group
     coordinator answers with a retriable error (e.g. not coordinator, or loading, as it moves or starts)."""
-    from confluent_kafka import KafkaException
-    from confluent_kafka import TopicPartition as KafkaTP
-
     try:
         got = consumer.committed([KafkaTP(topic, p) for p in range(partitions)], timeout=10)
     except KafkaException as e:
@@ -121,8 +118,6 @@ def _committed(consumer: Any, topic: str, partitions: int) -> dict[int, int]:
 
 
 def _consumer(kafka: Any, group: str) -> Any:
-    from confluent_kafka import Consumer
-
     return Consumer(kafka_clients.librdkafka(kafka, **{"group.id": group}))
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from confluent_kafka.serialization import MessageField, SerializationContext
 
 from kafold import db, devstack, logs, registry_server
 from kafold.bench import short_group
@@ -72,10 +73,9 @@ def json_record(i: int, acc: str, version: int) -> tuple[bytes, bytes, None]:
 def avro_records(registry_url: str, topic: str) -> Any:
     """`json_record`'s bodies as Avro records framed for the registry at `registry_url` (the schema registered
     under `<topic>-value` on the first record)."""
+    # the registry's serdes: kafold[registry], only for a registry converter
     from confluent_kafka.schema_registry import SchemaRegistryClient
     from confluent_kafka.schema_registry.avro import AvroSerializer
-    from confluent_kafka.serialization import MessageField, SerializationContext
-
     serialize = AvroSerializer(SchemaRegistryClient({"url": registry_url}), DEPOSIT_AVRO)
     ctx = SerializationContext(topic, MessageField.VALUE)
 

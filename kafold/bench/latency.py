@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import orjson
+from confluent_kafka import TopicPartition
 
 from kafold import db, kafka_clients, logs, topics
 from kafold.bench import SHORT_GROUP_TIMEOUTS, short_group
@@ -207,6 +208,7 @@ def _wait_until(predicate: Any, timeout: float) -> None:
 # ---- events -----------------------------------------------------------------------------------------------------
 def _events_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argparse.Namespace,
                   control: str) -> dict[str, Any]:
+    # psycopg: kafold[daemon], not in the core install
     from psycopg import sql
 
     producer = kafka_clients.producer(kafka, **{"enable.idempotence": True, "linger.ms": 1})
@@ -283,7 +285,7 @@ def _received(control: str, acked: dict[str, float], expected: int) -> dict[str,
 # ---- commands ---------------------------------------------------------------------------------------------------
 def _commands_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argparse.Namespace,
                     daemon: DaemonClient) -> dict[str, Any]:
-    from confluent_kafka import TopicPartition
+    # psycopg: kafold[daemon], not in the core install
     from psycopg import sql
 
     commands, results_topic = names.agg_topics["commands"], names.agg_topics["results"]

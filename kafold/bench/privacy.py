@@ -171,6 +171,7 @@ def sealed_record(protector: Protector) -> Callable[[int, str, int], tuple[bytes
 
 def sealed_rows(pgc: Any, table: str) -> int:
     """Rows of the protected run's table whose owner is still sealed (0 when the daemon decrypted every event)."""
+    # psycopg: kafold[daemon], not in the core install
     from psycopg import sql
 
     with db.connect(pgc) as conn:

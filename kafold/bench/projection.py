@@ -17,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from confluent_kafka import TopicPartition
+from confluent_kafka.admin import NewTopic
+
 from kafold import db, kafka_clients, logs
 from kafold.bench import SHORT_GROUP_TIMEOUTS, cpu_s, services, short_group
 from kafold.envelope import Event, decode, encode
@@ -127,8 +130,6 @@ def produce_records(kafka: Any, topic: str, n: int, partitions: int, accounts: i
                     record: Callable[[int, str, int], tuple[bytes | None, bytes, Any]], prefix: str = "acc-") -> int:
     """n records `record(i, account, version)` (key, value, headers) to a new topic, the accounts (`prefix` and a
     number) in turn; returns the mean value size."""
-    from confluent_kafka.admin import NewTopic
-
     admin = kafka_clients.admin(kafka)
     for fut in admin.create_topics([NewTopic(topic, partitions, 1)]).values():
         fut.result(15)
@@ -160,8 +161,6 @@ def produce_records(kafka: Any, topic: str, n: int, partitions: int, accounts: i
 
 
 def _end_offsets(kafka: Any, topic: str, partitions: int) -> list[int]:
-    from confluent_kafka import TopicPartition
-
     reader = kafka_clients.consumer(kafka, f"kafold-bench-count-{uuid.uuid4().hex[:8]}")
     try:
         return [reader.get_watermark_offsets(TopicPartition(topic, p), timeout=15)[1] for p in range(partitions)]
@@ -176,6 +175,7 @@ def _project(stack: DaemonStack, name: str, topic: str, table: str, args: argpar
     RSS, PSS and CPU. The clock runs from the first stored checkpoint (the start-up and the group join are not the
     hot path; the events that first commit covered are left out of the count) to the one covering every event.
     Rows changed are counted in PostgreSQL itself (rows whose xmin is newer than the run)."""
+    # psutil, psycopg: kafold[daemon], not in the core install
     import psutil
     from psycopg import sql
 
@@ -280,6 +280,7 @@ def _daemon_toml(stack: DaemonStack, name: str, topic: str, table: str, args: ar
 
 def _tree(proc: Any) -> list[Any]:
     """A process and its descendants (the daemon and its task processes)."""
+    # psutil: kafold[daemon], not in the core install
     import psutil
 
     try:
@@ -304,6 +305,7 @@ def _xid_and_rows(conn: Any, table: Any) -> tuple[int, int]:
 
 def _row_count(conn: Any, table: Any) -> int:
     """Rows in `table` (0 before it exists)."""
+    # psycopg: kafold[daemon], not in the core install
     from psycopg import sql
 
     if not conn.execute("SELECT to_regclass(%s) IS NOT NULL", (table.as_string(conn),)).fetchone()[0]:
@@ -313,6 +315,7 @@ def _row_count(conn: Any, table: Any) -> int:
 
 def _rows_changed(conn: Any, table: Any, xid: int, rows_before: int) -> int:
     """Rows written (inserted or updated) by transactions after `xid`, plus rows removed since."""
+    # psycopg: kafold[daemon], not in the core install
     from psycopg import sql
 
     written = conn.execute(sql.SQL("SELECT count(*) FROM {} WHERE xmin::text::bigint > %s").format(table),
@@ -322,6 +325,7 @@ def _rows_changed(conn: Any, table: Any, xid: int, rows_before: int) -> int:
 
 def _memory(proc: Any, kind: str) -> int:
     """RSS, or PSS (shared pages such as the libraries' code counted once across the processes sharing them)."""
+    # psutil: kafold[daemon], not in the core install
     import psutil
 
     try:
@@ -333,6 +337,7 @@ def _memory(proc: Any, kind: str) -> int:
 def _postmaster(conn: Any) -> Any:
     """The local PostgreSQL server's postmaster, found from the connection's backend; None when the server is not
     on this machine (its pid would mean nothing here)."""
+    # psutil: kafold[daemon], not in the core install
     import psutil
 
     host = conn.info.host if conn is not None else ""
@@ -347,6 +352,7 @@ def _postmaster(conn: Any) -> Any:
 
 def _forget_checkpoints(pgc: Any, name: str) -> None:
     """Make the next run start from the beginning again: every event is then a duplicate (tracking kept)."""
+    # psycopg: kafold[daemon], not in the core install
     from psycopg import sql
 
     with db.connect(pgc) as conn:
@@ -355,6 +361,7 @@ def _forget_checkpoints(pgc: Any, name: str) -> None:
 
 def _baseline(kafka: Any, pgc: Any, topic: str, n: int) -> float:
     """Naive: per event, decode, one INSERT … ON CONFLICT DO UPDATE and a commit (the same events)."""
+    # psycopg: kafold[daemon], not in the core install
     from psycopg import sql
 
     consumer = kafka_clients.consumer(kafka, f"kafold.bench.baseline.{uuid.uuid4().hex[:6]}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import multiprocessing
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -78,8 +79,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _rebuild(kafka: Any, pgc: Any, name: str, topic: str, table: str, args: argparse.Namespace) -> dict[str, Any]:
     """Run the rebuild; its copy rate, lock times, retries and duration."""
-    import threading
-
     connector = ConnectorConfig(name=name, connector_class="postgres-projection", topics=[topic],
                                 config={"table": table, "key_columns": ["account_id"], "columns": COLUMNS,
                                         "on": RULES})
@@ -138,6 +137,7 @@ def _live_traffic(kafka: Any, topic: str, rate: int, accounts: int, version: int
 def _wait_covered(pgc: Any, name: str, events: int, proc: Any, conf: Path, timeout: float = 900,
                   fail: bool = True) -> bool:
     """Wait until the live connector's checkpoints cover `events` offsets."""
+    # psycopg: kafold[daemon], not in the core install
     from psycopg import sql
 
     query = sql.SQL("SELECT coalesce(sum(next_offset), 0) FROM {} WHERE connector = %s").format(

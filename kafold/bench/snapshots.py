@@ -39,7 +39,7 @@ def _broker(config: str | None, broker: str | None) -> Iterator[Any]:
         yield KafkaConfig(bootstrap_servers=bootstrap)
 
 
-class History:
+class AccountHistory:
     """A bank-account history (open, then deposits and withdrawals) for `aggregates` accounts, produced to an
     aggregate's events topic; remembers each account's version so it can be extended."""
 
@@ -88,6 +88,7 @@ def _pass_through(batches: Iterator[Any]) -> Iterator[Any]:
 def _job_floor(spark: Any, partitions: int, runs: int = 3) -> float:
     """The fixed cost of a Spark job of the snapshot job's shape doing nothing: a Python data source with
     `partitions` input partitions, one row each, through a mapInArrow stage (best of `runs`)."""
+    # pyspark: kafold[spark], only where a Spark job runs
     from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
     class _Reader(DataSourceReader):
@@ -98,6 +99,7 @@ def _job_floor(spark: Any, partitions: int, runs: int = 3) -> float:
             return [InputPartition(i) for i in range(self.n)]
 
         def read(self, partition: InputPartition) -> Iterator[Any]:
+            # pyarrow: kafold[spark], only where a Spark job runs
             import pyarrow as pa
 
             yield pa.RecordBatch.from_pylist([{"x": partition.value}], schema=pa.schema([("x", pa.int64())]))
@@ -135,12 +137,12 @@ def _fold(kafka: Any, master: str, events: int, aggregates: int) -> dict[str, An
     run_id = uuid.uuid4().hex[:6]
     warm = _aggregate(f"bench.warm.{run_id}", 4)  # first query starts the Python workers: not steady state
     _topics(kafka, warm)
-    History(kafka, warm, 1000).produce(20_000)
+    AccountHistory(kafka, warm, 1000).produce(20_000)
     snapshot_job.run(spark, kafka, warm, [str(BANK)])
     floor = _job_floor(spark, warm.partitions)
     agg = _aggregate(f"bench.fold.{run_id}", 4)
     _topics(kafka, agg)
-    history = History(kafka, agg, aggregates)
+    history = AccountHistory(kafka, agg, aggregates)
     history.produce(events)
     full = runs.run(kafka, agg, [str(BANK)], lambda: spark, engine="spark")  # the Spark fold rate (target)
     history.produce(events // 100)
@@ -165,7 +167,7 @@ def _restore_case(kafka: Any, history_events: int, tail: int, aggregates: int) -
     """(restore seconds, full replay seconds, events read by restore) for one 1-partition history."""
     agg = _aggregate(f"bench.restore.{uuid.uuid4().hex[:6]}", 1)
     _topics(kafka, agg)
-    history = History(kafka, agg, aggregates)
+    history = AccountHistory(kafka, agg, aggregates)
     history.produce(history_events - tail)
     domain = Domain.load(agg, [str(BANK)])
     consumer = kafka_io.reader(kafka)

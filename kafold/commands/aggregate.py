@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from typing import Any
-from urllib.parse import quote, urlencode
 
 from kafold import commands, config, devstack, protect
 from kafold.cli import add_config_arg
-from kafold.client import CommandClient, DaemonClient, http_get
+from kafold.client import CommandClient, DaemonClient
 from kafold.errors import ConfigError, KafoldError
 from kafold.partitioning import partition_for
 from kafold.snapshot.fold import Domain
@@ -43,12 +41,15 @@ def register(sub: Any) -> None:
                      "http://127.0.0.1:8083) instead of folding the events here")
     get.add_argument("--min-version", type=int, default=None,
                      help="with --url: wait until the state has reached this version")
+    get.add_argument("--version", type=int, default=None, metavar="N",
+                     help="the state after the aggregate's first N events (read through the history index, "
+                          "kafold.history; needs [postgres])")
     get.add_argument("--timeout", type=float, default=10.0,
                      help="with --url: seconds to wait (for --min-version, and while the key's partition moves)")
     get.set_defaults(handler=get_state)
 
 
-def _aggregate(loaded: config.Loaded, name: str) -> config.AggregateConfig:
+def aggregate_named(loaded: config.Loaded, name: str) -> config.AggregateConfig:
     for agg in loaded.config.aggregates:
         if agg.name == name:
             return agg
@@ -58,7 +59,7 @@ def _aggregate(loaded: config.Loaded, name: str) -> config.AggregateConfig:
 
 def send_command(args: argparse.Namespace) -> int:
     loaded = config.load_file(args.config)
-    agg = _aggregate(loaded, args.aggregate)
+    agg = aggregate_named(loaded, args.aggregate)
     try:
         data = json.loads(args.data)
     except json.JSONDecodeError as e:
@@ -85,11 +86,15 @@ def send_command(args: argparse.Namespace) -> int:
 
 def get_state(args: argparse.Namespace) -> int:
     loaded = config.load_file(args.config)
-    agg = _aggregate(loaded, args.aggregate)
+    agg = aggregate_named(loaded, args.aggregate)
+    if args.version is not None and args.version < 1:
+        raise KafoldError("--version: expected a version of 1 or more")
     if args.url:
         print(json.dumps(state_from_daemon(loaded.config.daemon, args.url, agg.name, args.id, args.min_version,
-                                           args.timeout), indent=2))
+                                           args.timeout, args.version), indent=2))
         return 0
+    if args.version is not None:
+        return _state_at(args)
     cfg = commands.effective(loaded.config, ("kafka",))
     paths = [str((loaded.base / p).resolve()) for p in cfg.daemon.python_path]
     protect.build(cfg)  # protected fields read in clear, or as the placeholder once forgotten (kafold.protect)
@@ -108,46 +113,23 @@ def get_state(args: argparse.Namespace) -> int:
     return 0
 
 
+def _state_at(args: argparse.Namespace) -> int:
+    """`state get --version N`: the fold of the aggregate's first N events, fetched through the history index."""
+    from kafold.commands.history import history_of  # the history's imports (psycopg) only for this option
+
+    with history_of(args.config, args.aggregate) as h:
+        state, version = h.state_at(args.id, args.version)
+        print(json.dumps({"aggregate": args.aggregate, "id": args.id, "version": version,
+                          "state": h.domain.to_json(state),
+                          "obtained": {"partition": h.partition_of(args.id), "events_folded": version,
+                                       "through": "history index"}}, default=str, indent=2))
+    return 0
+
+
 def state_from_daemon(daemon: config.DaemonConfig, url: str, aggregate: str, aggregate_id: str,
-                      min_version: int | None, timeout: float) -> dict[str, Any]:
+                      min_version: int | None, timeout: float, version: int | None = None) -> dict[str, Any]:
     """GET /aggregates/{aggregate}/{id} from the daemon at `url` (any instance: it forwards or redirects to the
-    owner; the token goes to `url`'s host only, kafold.client.http_get), asked again while the key's partition
-    moves (503, Retry-After) until `timeout` s. KafoldError for anything but the state."""
-    # the daemon waits at most 60 s per read (daemon/aggregates/routing.py WAIT_MAX_MS)
-    query = {} if min_version is None else {"min_version": min_version, "timeout_ms": min(int(timeout * 1000),
-                                                                                          60_000)}
-    target = f"{url.rstrip('/')}/aggregates/{quote(aggregate, safe='')}/{quote(aggregate_id, safe='')}"
-    if query:
-        target += "?" + urlencode(query)
-    deadline = time.monotonic() + timeout
+    owner; the token goes to `url`'s host only), asked again while the key's partition moves (503, Retry-After)
+    until `timeout` s (kafold.daemon_api). KafoldError for anything but the state."""
     token = daemon.api_token.reveal() if daemon.api_token is not None else None
-    while True:
-        try:
-            status, raw, headers, answered = http_get(target, token, timeout + 10)
-            if status == 200:
-                body: dict[str, Any] = json.loads(raw)
-                return body
-        except (OSError, ValueError) as e:
-            raise KafoldError(f"{target}: {e}") from None
-        pause = _retry_after(headers) if status == 503 else None
-        if pause is None or time.monotonic() + pause > deadline:
-            where = target if answered == target else f"{target} (redirected to {answered.split('?')[0]})"
-            raise KafoldError(f"{where}: {status} {_message(raw)}") from None
-        time.sleep(pause)
-
-
-def _message(raw: bytes) -> str:
-    try:
-        return str(json.loads(raw).get("message", ""))
-    except (ValueError, AttributeError):
-        return raw[:200].decode("utf-8", "replace")
-
-
-def _retry_after(headers: Any) -> float | None:
-    """The pause a 503 asks for; None without Retry-After (not a partition moving: asking again will not help)."""
-    if headers.get("Retry-After") is None:
-        return None
-    try:
-        return max(0.1, float(headers["Retry-After"]))
-    except ValueError:
-        return 1.0
+    return DaemonClient(url, token).state(aggregate, aggregate_id, min_version, timeout, version)

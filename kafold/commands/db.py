@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from typing import Any
+from urllib.parse import urlsplit
 
 from kafold import config, db, devstack, erasure_log, protect
 from kafold.cli import add_config_arg
@@ -57,8 +58,6 @@ def current(args: argparse.Namespace) -> int:
 
 def grant_sql(args: argparse.Namespace) -> int:
     """Print the statements; nothing is executed (an administrator reviews and runs them)."""
-    from urllib.parse import urlsplit
-
     loaded = config.load_file(args.config)
     role = args.role or urlsplit(loaded.config.postgres.url).username or "kafold"
     print("\n".join(grants.grant_sql(loaded.config, loaded.base, role)))

@@ -11,6 +11,8 @@ import base64
 from pathlib import Path
 from typing import Any
 
+from psycopg import sql
+from psycopg.rows import dict_row
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -73,9 +75,6 @@ COLUMNS = "id, connector, topic, partition, \"offset\", key, value, headers, err
 
 def _rows(pgc: config.PostgresConfig, where: str, params: tuple[Any, ...], limit: int | None = None
           ) -> list[dict[str, Any]]:
-    from psycopg import sql
-    from psycopg.rows import dict_row
-
     query = sql.SQL("SELECT " + COLUMNS + " FROM {} WHERE " + where + " ORDER BY id DESC").format(
         db.table(pgc, "dead_letters"))
     if limit is not None:
@@ -231,8 +230,6 @@ def _to_topic(cfg: config.KafoldConfig, rows: list[dict[str, Any]]) -> None:
 
 
 def _mark(pgc: config.PostgresConfig, ids: list[int], status: DeadLetterStatus) -> None:
-    from psycopg import sql
-
     query = sql.SQL("UPDATE {} SET status = %s, replayed_at = CASE WHEN %s THEN now() "
                     "ELSE replayed_at END WHERE id = ANY(%s)").format(db.table(pgc, "dead_letters"))
     with db.connect(pgc) as conn:

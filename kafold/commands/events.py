@@ -15,20 +15,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaException
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kafold import commands, config, logs, protect
 from kafold.cli import add_config_arg
+from kafold.commands import history
 from kafold.commands.snapshot import python_paths, selected_aggregates
 from kafold.config import AggregateConfig, FoldErrorPolicy, KafkaConfig
 from kafold.errors import ConfigError, FatalError, RetriableError
 from kafold.fold import Parked, fields
 from kafold.snapshot import kafka_io
 from kafold.snapshot.fold import Domain, folder
+from kafold.spark_jobs import runs, source
+from kafold.spark_jobs.progress import watch
+from kafold.spark_jobs.session import session
+from kafold.stages import FOLD_STAGES, Stage
 from kafold.terminal import visible
-from kafold.upcast import UpcastError
 
 log = logs.get("kafold.events")
-STAGES = ("decode", "upcast", "read", "fold")  # the order an event goes through them
 UNKNOWN = "?"  # type and schema version of a record that is no event body
 FIRST = 3  # failing events named per (type, schema version)
 ERROR_CHARS = 400  # an error's text is cut there (a payload quoted in an exception stays out of the report)
@@ -36,7 +41,8 @@ Reporter = Callable[[int, int], None]  # (offsets read, offsets in the captured 
 
 
 def register(sub: Any) -> None:
-    p = sub.add_parser("events", help="check an aggregate's stored events against the current code")
+    p = sub.add_parser("events", help="an aggregate's stored events: list one aggregate's history, index it, "
+                       "check them all against the current code")
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     audit = actions.add_parser(
         "audit", help="count events per type and schema version; report which do not decode, upcast or fold")
@@ -52,6 +58,7 @@ def register(sub: Any) -> None:
                        help="Spark master (default [snapshots].spark_master; under spark-submit: its --master)")
     audit.add_argument("--no-progress", action="store_true", help="draw no progress bar even on a terminal")
     audit.set_defaults(handler=handle_audit)
+    history.register_actions(actions)
 
 
 # ---- the report ------------------------------------------------------------------------------------------------
@@ -59,7 +66,7 @@ def register(sub: Any) -> None:
 class Failure:
     partition: int
     offset: int
-    stage: str
+    stage: Stage
     error: str
 
     def to_json(self) -> dict[str, Any]:
@@ -67,14 +74,14 @@ class Failure:
 
 
 @dataclass
-class Row:
+class AuditRow:
     """The events of one (type, schema version): how many, how many read and folded, failures per stage."""
 
     type: str
     schema_version: Any
     events: int = 0
     ok: int = 0
-    failed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STAGES, 0))
+    failed: dict[str, int] = field(default_factory=lambda: {s.value: 0 for s in FOLD_STAGES})
     first: list[Failure] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -90,7 +97,7 @@ class Audit:
     topic: str
     partitions: int = 0
     engine: str = "local"
-    rows: dict[tuple[str, str], Row] = field(default_factory=dict)
+    rows: dict[tuple[str, str], AuditRow] = field(default_factory=dict)
     skipped: int = 0  # counted ok: versions already folded (duplicates), which no fold ever reads
     duration_s: float = 0.0
 
@@ -102,14 +109,14 @@ class Audit:
     def failed(self) -> int:
         return sum(r.events - r.ok for r in self.rows.values())
 
-    def row(self, type_name: Any, version: Any) -> Row:
+    def row(self, type_name: Any, version: Any) -> AuditRow:
         key = (str(type_name), str(version))
         found = self.rows.get(key)
         if found is None:
-            found = self.rows[key] = Row(str(type_name), version)
+            found = self.rows[key] = AuditRow(str(type_name), version)
         return found
 
-    def sorted_rows(self) -> list[Row]:
+    def sorted_rows(self) -> list[AuditRow]:
         return sorted(self.rows.values(), key=lambda r: (r.type == UNKNOWN, r.type, _version_order(r.schema_version)))
 
     def parts(self) -> dict[str, Any]:
@@ -125,8 +132,8 @@ class Audit:
             row.ok += r["ok"]
             for stage, n in r["failed"].items():
                 row.failed[stage] += n
-            row.first = sorted([*row.first, *(Failure(**f) for f in r["first_failures"])],
-                               key=lambda f: (f.partition, f.offset))[:FIRST]
+            theirs = [Failure(**{**f, "stage": Stage(f["stage"])}) for f in r["first_failures"]]
+            row.first = sorted([*row.first, *theirs], key=lambda f: (f.partition, f.offset))[:FIRST]
 
     def to_json(self) -> dict[str, Any]:
         return {"aggregate": self.aggregate, "topic": self.topic, "partitions": self.partitions, "engine": self.engine,
@@ -139,53 +146,19 @@ def _version_order(version: Any) -> tuple[int, int, str]:
 
 
 # ---- classifying what the fold parked --------------------------------------------------------------------------
-class StageFailed(Exception):
-    """What the code raised (`error`) in one stage of reading or folding an event (`stage`)."""
-
-    def __init__(self, stage: str, error: Exception) -> None:
-        super().__init__(f"{stage}: {error}")
-        self.stage, self.error = stage, error
-
-
-def _reading(event: Callable[..., Any]) -> Callable[..., Any]:
-    """The domain's event reader, its failures tagged: "upcast" (an upcaster step) or "read" (the payload does not
-    fit today's class, an unknown type)."""
-    def read(*args: Any) -> Any:
-        try:
-            return event(*args)
-        except Exception as e:
-            raise StageFailed("upcast" if isinstance(e, UpcastError) else "read", e) from e
-    return read
-
-
-def _folding(evolve: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-    """The domain's evolve, its failures tagged "fold"."""
-    def fold(state: Any, event: Any) -> Any:
-        try:
-            return evolve(state, event)
-        except Exception as e:
-            raise StageFailed("fold", e) from e
-    return fold
-
-
 def auditing(domain: Domain) -> Domain:
-    """The snapshot runs' domain with every failure tagged by its stage and collected, never raised (the fold
-    goes on past it, as under `on_fold_error = "dead-letter"`)."""
-    return dataclasses.replace(domain, event=_reading(domain.event), evolve=_folding(domain.evolve),
-                               on_fold_error=FoldErrorPolicy.DEAD_LETTER)
+    """The snapshot runs' domain with every failure collected, never raised (the fold goes on past it, as under
+    `on_fold_error = "dead-letter"`); the fold names each failure's stage."""
+    return dataclasses.replace(domain, on_fold_error=FoldErrorPolicy.DEAD_LETTER)
 
 
 def _described(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"[:ERROR_CHARS]
 
 
-def classify(parked: Parked) -> tuple[str, str]:
-    """(stage, error text) of an event the fold parked. What failed before the domain read it (no key, no event
-    body, a key other than its aggregate id, a version or time that is no version or time) is "decode"."""
-    error = parked.error.error
-    if isinstance(error, StageFailed):
-        return error.stage, _described(error.error)
-    return "decode", _described(error)
+def classify(parked: Parked) -> tuple[Stage, str]:
+    """(stage, error text) of an event the fold parked: the stage the fold set (kafold.stages)."""
+    return parked.error.stage, _described(parked.error.error)
 
 
 def identify(value: bytes | None) -> tuple[Any, Any]:
@@ -279,8 +252,6 @@ def _spark_task(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str]
                 item: tuple[int, int, int]) -> dict[str, Any]:
     """One Spark task: audit one partition's range on an executor, hand back its rows (`Audit.absorb`). The
     configurations travel pickled (secrets as their references, `env:` / `file:`), nested settings included."""
-    from kafold.spark_jobs import source
-
     p, low, end = item
     part = Audit(agg.name, topic)
     consumer = kafka_io.reader(kafka)
@@ -295,8 +266,6 @@ def _spark_task(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str]
 def audit_spark(spark: Any, kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], result: Audit,
                 bounds: Bounds, report: Reporter | None = None) -> None:
     """One Spark task per partition (its range captured here, on the driver), as a snapshot run's job folds."""
-    from kafold.spark_jobs.progress import watch
-
     items = [(p, low, end) for p, (low, end) in sorted(bounds.items()) if end > low]
     if not items:
         return
@@ -313,9 +282,7 @@ def audit_spark(spark: Any, kafka: KafkaConfig, agg: AggregateConfig, python_pat
 def choose(engine: str, bounds: Bounds, local_max_events: int) -> str:
     """The snapshot runs' rule (`kafold.spark_jobs.runs.choose`): with auto, local when the offsets to read are at
     most `local_max_events`."""
-    from kafold.spark_jobs import runs
-
-    planned = runs.Plan(pending={p: end - low for p, (low, end) in bounds.items()})
+    planned = runs.RunPlan(pending={p: end - low for p, (low, end) in bounds.items()})
     return runs.choose(engine, planned, local_max_events)
 
 
@@ -340,9 +307,6 @@ def _progress(name: str, bar: bool) -> Iterator[Reporter]:
                 log.info("events.audit_progress", aggregate=name, offsets=done, of=total)
         yield line
         return
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     progress = Progress(TextColumn(f"audit {visible(name)}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("offsets · {task.fields[rate]:,.0f}/s"), TimeElapsedColumn(),
                         console=Console(stderr=True), transient=True)
@@ -359,10 +323,11 @@ def _table(audit: Audit) -> list[str]:
     out = [f"{visible(audit.topic)} (aggregate {audit.aggregate}): {audit.events:,} events in {audit.partitions} "
            f"partitions, {audit.failed:,} not readable or foldable under the current code ({audit.engine}, "
            f"{audit.duration_s:.2f}s)",
-           f"{'TYPE':<28} {'VERSION':>7} {'EVENTS':>10} {'OK':>10} " + " ".join(f"{s.upper():>7}" for s in STAGES)]
+           f"{'TYPE':<28} {'VERSION':>7} {'EVENTS':>10} {'OK':>10} "
+           + " ".join(f"{s.upper():>7}" for s in FOLD_STAGES)]
     for r in audit.sorted_rows():
         out.append(f"{visible(r.type):<28} {visible(r.schema_version):>7} {r.events:>10,} {r.ok:>10,} "
-                   + " ".join(f"{r.failed[s]:>7,}" for s in STAGES))
+                   + " ".join(f"{r.failed[s]:>7,}" for s in FOLD_STAGES))
     for r in audit.sorted_rows():
         for f in r.first:
             out.append(f"  FAILED {visible(r.type)} v{visible(r.schema_version)} at {f.partition}:{f.offset} "
@@ -418,8 +383,6 @@ def handle_audit(args: argparse.Namespace) -> int:
 
     def spark() -> Any:  # started on first use: an audit read in this process never starts a JVM
         if "session" not in started:
-            from kafold.spark_jobs.session import session
-
             started["session"] = session(master, cfg.snapshots.spark_conf, app="kafold-events-audit")
         return started["session"]
 

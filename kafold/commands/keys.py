@@ -66,7 +66,7 @@ def status(args: argparse.Namespace) -> int:
 def rotate(args: argparse.Namespace) -> int:
     _, ring = _ring(args)
 
-    def show(p: key_rotation.Progress) -> None:
+    def show(p: key_rotation.RotationProgress) -> None:
         print(f"\r{p.seen}/{p.total} keys: {p.rewrapped} re-wrapped, {p.current} already current", end="",
               file=sys.stderr, flush=True)
 

@@ -7,18 +7,22 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from kafold import config, db, devstack, logs, protect
 from kafold.cli import add_config_arg
+from kafold.commands.status import table
 from kafold.connectors.projection import rebuild as rb
 from kafold.connectors.projection import rebuild_state
 from kafold.connectors.projection import verify as vf
+from kafold.connectors.projection.subject_refresh import Refresh
 from kafold.terminal import visible
 
 log = logs.get(__name__)
@@ -129,8 +133,6 @@ def describe(p: Any, eta: Eta) -> str:
 def _reporter(bar: bool, name: str) -> Iterator[Callable[[Any], None]]:
     """A rich status line (phase, behind, rate, ETA until the swap) on a TTY; one structlog line per batch
     otherwise."""
-    import time
-
     eta = Eta()
     if not bar:
         def line(p: Any) -> None:
@@ -141,8 +143,6 @@ def _reporter(bar: bool, name: str) -> Iterator[Callable[[Any], None]]:
                      eta_s=None if left is None else round(left, 1))
         yield line
         return
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     columns = (SpinnerColumn(), TextColumn("[bold]rebuild {task.fields[name]}"), TextColumn("{task.description}"),
                TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True)) as progress:
@@ -176,8 +176,6 @@ def status(args: argparse.Namespace) -> int:
 
 def verify(args: argparse.Namespace) -> int:
     """0 when the live table equals the fold of its events up to its checkpoints, 1 otherwise."""
-    from kafold.commands.status import table
-
     plan = _plan(args)
     if plan.pgc.migrate_on_start:
         db.upgrade(plan.pgc)
@@ -207,8 +205,6 @@ def verify(args: argparse.Namespace) -> int:
 def refresh(args: argparse.Namespace) -> int:
     """0 once the subject's rows were folded again (or it has none); 1 when stopped before, or when some of its rows
     were left alone (held behind a dead letter)."""
-    from kafold.connectors.projection.subject_refresh import Refresh
-
     plan = _plan(args)
     if plan.pgc.migrate_on_start:
         db.upgrade(plan.pgc)
@@ -240,8 +236,6 @@ def _verify_progress(bar: bool, name: str, what: str = "verify") -> Iterator[Cal
                      target=p.total, applied=p.events)
         yield line
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     columns = (TextColumn(f"{what} {visible(name)}"), TextColumn("{task.description}"), BarColumn(),
                MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True)) as progress:

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from kafold import config, devstack, logs, topics
 from kafold.cli import add_config_arg
 from kafold.client import CommandClient
@@ -164,8 +166,6 @@ class _ViewTerminal:
 def _stop_jobs() -> None:
     """Snapshot jobs the daemon started (`kafold snapshot run` children and their Spark JVMs) outlive it by
     design (a run finishes on its own); `kafold run` leaves nothing behind, so they are stopped here."""
-    import psutil
-
     jobs = [c for c in psutil.Process().children() if "snapshot" in " ".join(_cmdline(c))]
     procs = [p for job in jobs for p in (job, *job.children(recursive=True))]
     for p in procs:

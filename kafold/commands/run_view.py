@@ -13,6 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiohttp import web
+from confluent_kafka import TopicPartition
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
 from kafold import db, kafka_clients, logs
 from kafold.config import KafoldConfig
 
@@ -43,8 +50,6 @@ class DemoReceiver:
         return True
 
     def _serve(self) -> None:
-        from aiohttp import web
-
         asyncio.set_event_loop(self.loop)
 
         async def handle(request: web.Request) -> web.Response:
@@ -90,8 +95,6 @@ class Figures:
 
 def read_metrics(port: int) -> tuple[dict[str, float], dict[str, float]]:
     """(events processed, lag in records) per connector from the daemon's /metrics; empty while it starts."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     processed: dict[str, float] = {}
     lag: dict[str, float] = {}
     try:
@@ -159,8 +162,6 @@ class LiveView:
         """Snapshot records written so far (the end offsets of the aggregates' snapshot topics)."""
         if not self.cfg.aggregates:
             return None
-        from confluent_kafka import TopicPartition
-
         try:
             consumer = kafka_clients.consumer(self.cfg.kafka, "kafold.run.view")
             try:
@@ -185,8 +186,6 @@ class LiveView:
                 + ("" if self.java else " (no Java: runs above local_max_events cannot use Spark)"))
 
     def table(self, f: Figures) -> Any:
-        from rich.table import Table
-
         t = Table(title="kafold run — live (Ctrl-C stops everything)", expand=False)
         t.add_column("what")
         t.add_column("figure", justify="right")
@@ -209,9 +208,6 @@ class LiveView:
 
     def _loop(self) -> None:
         if self.tty:
-            from rich.console import Console
-            from rich.live import Live
-
             console = Console(file=self.out)
             self._follow_size(console)
             # Not redirected through the table: whatever this process prints goes where its stdout and stderr point

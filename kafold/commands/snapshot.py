@@ -14,6 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from kafold import commands, config, logs, protect, tracing
 from kafold.cli import add_config_arg
 from kafold.errors import ConfigError
@@ -96,9 +99,6 @@ def _reporter(name: str, wanted: bool = True) -> tuple[Any, Any]:
     progress)."""
     if not (wanted and sys.stderr.isatty()):
         return contextlib.nullcontext(), None
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     progress = Progress(TextColumn(f"snapshot {name}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("partitions · {task.fields[events]:,} events · {task.fields[rate]:,.0f}/s"),
                         TimeElapsedColumn(), console=Console(stderr=True), transient=True)

@@ -156,6 +156,7 @@ class Registry:
 
 
 def free_port() -> int:
+    # kafold.devstack imports psutil (kafold[daemon]): only a test registry asks for a port
     from kafold.devstack import _free_port
 
     return _free_port()

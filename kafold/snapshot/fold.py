@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kafold import logs
+from kafold import logs, protect
 from kafold.config import AggregateConfig, FoldErrorPolicy
 from kafold.domain import AggregateDomain
 from kafold.envelope import epoch_ms, utc_now
@@ -47,8 +47,6 @@ class Domain:
     def load(cls, agg: AggregateConfig, python_path: Sequence[str] = (), protector: Any = None) -> Domain:
         """`protector`: the process's (kafold.protect.build; default `protect.active()`), for aggregates with
         protected fields."""
-        from kafold import protect
-
         d = AggregateDomain.load(agg, tuple(python_path)).protected(protector or protect.active())
         if agg.protect and d.unseal is None:
             raise ConfigError([f"aggregates.{agg.name}.protect: no key ring built (kafold.protect.build) before "

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from kafold import kafka_clients, logs
 from kafold.config import KafkaConfig
 from kafold.errors import RetriableError
+from kafold.kafka_message import Message
 from kafold.snapshot.record import Encoded, Marker, Snapshot
 
 log = logs.get(__name__)
@@ -63,9 +64,10 @@ def record_progress(consumer: Consumer, topic: str, ends: dict[int, int]) -> Non
         log.warning("snapshot.progress_not_recorded", topic=topic, error=str(e), effect="none on snapshots")
 
 
-def _poll(consumer: Consumer, size: int, timeout: float) -> list[Any]:
+def _poll(consumer: Consumer, size: int, timeout: float) -> list[Message]:
     try:
-        return consumer.consume(size, timeout)
+        # typed by confluent-kafka's stubs with Optional coordinates, which a consumed record always has
+        return cast("list[Message]", consumer.consume(size, timeout))
     except KafkaException as e:
         raise RetriableError(f"reading from Kafka failed: {e}") from e
 
@@ -228,7 +230,7 @@ def _where(consumer: Consumer, topic: str, partition: int, position: int) -> str
     return f"next offset {position}, consumer position {at}, fetch watermarks {low}..{high}"
 
 
-def _sift(msgs: list[Any], end: int | None, topic: str, partition: int) -> tuple[
+def _sift(msgs: list[Message], end: int | None, topic: str, partition: int) -> tuple[
         list[int], list[bytes | None], list[bytes | None], bool]:
     """Records of a batch up to `end`, and whether the range is done (EOF at or past the end, or past it)."""
     offsets: list[int] = []

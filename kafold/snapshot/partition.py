@@ -130,7 +130,7 @@ def plan_partition(consumer: Any, agg: AggregateConfig, identity: Identity, part
 
 
 @dataclass
-class Folded:
+class FoldedPartition:
     """A partition folded from `selection.start` to `selection.end` on the selection's bases."""
 
     selection: Selection
@@ -140,7 +140,7 @@ class Folded:
 
 def fold_partition(consumer: Any, agg: AggregateConfig, domain: Domain, partition: int, *,
                    selection: Selection | None = None, use_snapshots: bool = True,
-                   on_batch: OnBatch | None = None) -> Folded:
+                   on_batch: OnBatch | None = None) -> FoldedPartition:
     """Fold one events partition: its usable snapshots (`selection`, planned here when not given) + the tail."""
     sel = selection or plan_partition(consumer, agg, domain.identity, partition, use_snapshots)
     began = time.monotonic()
@@ -154,7 +154,7 @@ def fold_partition(consumer: Any, agg: AggregateConfig, domain: Domain, partitio
         if on_batch is not None:
             on_batch(folds, offsets[-1], sel.end)
     log_bad(folds, partition)
-    return Folded(sel, folds, time.monotonic() - began)
+    return FoldedPartition(sel, folds, time.monotonic() - began)
 
 
 def _keys_prefetch(domain: Domain) -> Callable[[list[bytes | None]], None] | None:
@@ -167,7 +167,7 @@ def _keys_prefetch(domain: Domain) -> Callable[[list[bytes | None]], None] | Non
 
 def fold_partitions(consumer: Any, agg: AggregateConfig, domain: Domain, selections: list[Selection], *,
                     prefetched: dict[int, Prefetched] | None = None,
-                    on_batch: Callable[[int], OnBatch] | None = None) -> list[Folded]:
+                    on_batch: Callable[[int], OnBatch] | None = None) -> list[FoldedPartition]:
     """`fold_partition` for several planned partitions, their tails read together (one assignment: the fetch
     rounds are shared instead of paid per partition); each partition folded in offset order by its own Folder.
     Events `prefetched` while planning are folded from memory: only what they do not cover is read (before them,
@@ -211,7 +211,7 @@ def fold_partitions(consumer: Any, agg: AggregateConfig, domain: Domain, selecti
     share = (time.monotonic() - began) / max(1, len(selections))
     for p, folds in folders.items():
         log_bad(folds, p)
-    return [Folded(sel, folders[sel.partition], share) for sel in selections]
+    return [FoldedPartition(sel, folders[sel.partition], share) for sel in selections]
 
 
 def progress_logger(agg: AggregateConfig, partition: int, every_s: float = 5.0) -> OnBatch:

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from confluent_kafka import TopicPartition
+
 from kafold import kafka_clients, logs
 from kafold.config import AggregateConfig, KafkaConfig, SnapshotConfig
 
@@ -19,8 +21,6 @@ log = logs.get(__name__)
 
 def events_end_total(kafka: KafkaConfig, aggregates: Sequence[AggregateConfig]) -> int:
     """The sum of the end offsets (ListOffsets) of the aggregates' events topics: grows with every event."""
-    from confluent_kafka import TopicPartition
-
     consumer = kafka_clients.consumer(kafka, "kafold.snapshot.scheduler")
     try:
         meta = consumer.list_topics(timeout=10)
@@ -75,6 +75,7 @@ class SnapshotScheduler:
         self.events_at_last_run: int | None = None
         self.runs = 0
         self.failures = 0
+        self.last_success_at: float | None = None  # Unix time the last good run ended (/metrics: snapshot age)
 
     @classmethod
     def from_config(cls, config_path: Path, snapshots: SnapshotConfig, kafka: KafkaConfig,
@@ -121,6 +122,7 @@ class SnapshotScheduler:
                 self.failures += 1
                 log.warning("snapshot.schedule.failed", reason=reason, result=code)
             else:
+                self.last_success_at = time.time()
                 log.info("snapshot.schedule.done", reason=reason, duration_s=round(time.monotonic() - began, 2))
             return True
         finally:

@@ -14,6 +14,7 @@ from typing import Any
 
 from kafold import logs
 from kafold.errors import DecodeError
+from kafold.protect import DecryptError, Forgotten
 from kafold.snapshot import record
 from kafold.snapshot.record import ChecksumError, Marker, Snapshot
 
@@ -143,8 +144,6 @@ class Selector:
     def _open(self, snap: Snapshot, key: bytes, offset: int | None) -> Snapshot | None:
         """The snapshot with its sealed state opened; None (rejected: the aggregate folds from its events, which
         give the placeholder) when its subject was forgotten or the state does not open."""
-        from kafold.protect import DecryptError, Forgotten
-
         try:
             state = self.identity.sealer.open_state(snap.aggregate_type, snap.aggregate_id, snap.state)
         except (Forgotten, DecryptError) as e:

@@ -30,6 +30,7 @@ from kafold.connectors.api import (
     SinkRecord,
     SinkTask,
     SinkTaskContext,
+    TaskConfig,
     TopicPartition,
 )
 from kafold.connectors.registry import instantiate
@@ -161,12 +162,22 @@ class SinkTaskContract:
     def connector(self, settings: ConnectorConfig | None = None) -> Connector[Any]:
         return instantiate(settings or self.settings(), Path("."))
 
+    def services(self) -> dict[str, Any]:
+        """The services the host gives a task (`TaskConfig.with_services`: `kafka`, `postgres`), for the tests
+        that drive it without a runner: none by default; a connector whose task needs them to start (an effect
+        connector: its dead-letter producer and its ledger) returns them, e.g. from the session's fixtures."""
+        return {}
+
+    def task_config(self, connector: Connector[Any]) -> TaskConfig[Any]:
+        """The first task's configuration with `services` filled in, as the host would hand it over."""
+        return connector.task_configs(1)[0].with_services(**self.services())
+
     def started_task(self, context: LocalContext | None = None) -> tuple[SinkTask, LocalContext]:
         connector = self.connector()
         task = connector.task_class()
         assert isinstance(task, SinkTask)
         ctx = context or LocalContext()
-        task.start(connector.task_configs(1)[0], ctx)
+        task.start(self.task_config(connector), ctx)
         return task, ctx
 
     def records(self, tp: TopicPartition, first: int, count: int) -> list[SinkRecord]:
@@ -234,8 +245,7 @@ class SinkTaskContract:
         daemon = DaemonConfig(group_prefix="contract", batch_max_records=7, shutdown_grace_s=5)
         stop = threading.Event()
         connector = instantiate(settings, Path("."))
-        runner = SinkRunner(connector, connector.task_configs(1)[0], kafka=kafka_config, daemon=daemon,
-                            stop=stop)
+        runner = SinkRunner(connector, self.task_config(connector), kafka=kafka_config, daemon=daemon, stop=stop)
         thread = threading.Thread(target=runner.run)
         thread.start()
         try:

@@ -144,8 +144,40 @@ def test_an_unknown_schema_id_is_a_convert_error_naming_the_id(registry_cfg: Reg
     fmt = registry_format("avro", registry_cfg)
     with pytest.raises(ConvertError, match="schema id 987654") as caught:
         fmt.load(topic, struct.pack(">bI", 0, 987654) + b"\x02", is_key=False)
-    assert caught.value.reason == "convert-failed"
+    assert caught.value.reason == "unknown-schema"  # remembered for unknown_id_ttl_s: a flood costs one request
     assert topic in str(caught.value)
+
+
+def test_a_flood_of_records_with_one_unknown_id_asks_the_registry_once(registry_cfg: RegistryConfig) -> None:
+    fmt = registry_format("avro", registry_cfg)
+    asked: list[int] = []
+    real = fmt.client.get_schema
+
+    def counting(schema_id: int, *a: Any, **kw: Any) -> Any:
+        asked.append(schema_id)
+        return real(schema_id, *a, **kw)
+
+    fmt.client.get_schema = counting  # type: ignore[method-assign]
+    for _ in range(200):
+        with pytest.raises(ConvertError, match="schema id 987655 is unknown"):
+            fmt.load(_topic(), struct.pack(">bI", 0, 987655) + b"\x02", is_key=False)
+    assert asked == [987655]
+
+
+def test_a_five_byte_avro_record_declaring_endless_empty_items_is_refused_at_once(
+        registry_cfg: RegistryConfig) -> None:
+    from confluent_kafka.schema_registry import Schema
+
+    schema = """{"type": "record", "name": "Marks", "namespace": "kafold.test", "fields": [
+      {"name": "marks", "type": {"type": "array", "items": {"type": "record", "name": "Mark", "fields": []}}}]}"""
+    topic = _topic()
+    schema_id = _client(registry_cfg.url).register_schema(f"{topic}-value", Schema(schema, "AVRO"))
+    fmt = registry_format("avro", registry_cfg)
+    assert fmt.load(topic, struct.pack(">bI", 0, schema_id) + b"\x06\x00", is_key=False) == {"marks": [{}, {}, {}]}
+    hostile = struct.pack(">bI", 0, schema_id) + b"\x80\x80\x80\x80\x80\x80\x80\x80\x20"  # one block of 2^60
+    with pytest.raises(ConvertError, match="field 'marks'") as caught:
+        fmt.load(topic, hostile, is_key=False)
+    assert caught.value.reason == "too-large"
 
 
 def test_bad_framing_and_bytes_that_do_not_match_the_schema_are_convert_errors(registry_cfg: RegistryConfig) -> None:

@@ -176,16 +176,16 @@ def test_an_interrupted_rotation_resumes_and_leaves_every_key_readable_under_the
     old_ring = KeyRing(Cipher(OLD), store)
     keys = {f"s-{i:02}": old_ring.for_writing(f"s-{i:02}") for i in range(25)}
     rotating = Cipher(NEW, previous=OLD)
-    seen: list[key_rotation.Progress] = []
+    seen: list[key_rotation.RotationProgress] = []
 
-    def interrupt(p: key_rotation.Progress) -> None:
+    def interrupt(p: key_rotation.RotationProgress) -> None:
         seen.append(p)
         if len(seen) == 2:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
         key_rotation.rotate(store, rotating, batch=10, progress=interrupt)
-    assert key_rotation.pending(store, rotating) == 5 and seen[-1] == key_rotation.Progress(20, 20, 0, 25)
+    assert key_rotation.pending(store, rotating) == 5 and seen[-1] == key_rotation.RotationProgress(20, 20, 0, 25)
     done = key_rotation.rotate(store, rotating, batch=10)
     assert (done.rewrapped, done.current) == (5, 20) and key_rotation.pending(store, rotating) == 0
     new_only = KeyRing(Cipher(NEW), store)

@@ -76,6 +76,7 @@ def test_a_changed_character_is_refused(pos: dict[tuple[str, int], int], data: s
     (_raw(b'{"t":{"-1":3}}'), "partition '-1'"),
     (_raw(b'{"t":{"x":3}}'), "partition 'x'"),
     (_raw(b'{"t":{"99999999999":3}}'), "partition '99999999999'"),
+    (_raw(b'{"t":{"' + b"7" * 5000 + b'":3}}'), "partition '7777"),  # past int()'s digit limit: not a 500
     (_raw(b'{"t":{"0":-1}}'), "offset -1"),
     (_raw(b'{"t":{"0":1.5}}'), "offset 1.5"),
     (_raw(b'{"t":{"0":true}}'), "offset True"),

@@ -76,10 +76,16 @@ def test_the_built_in_effect_connector_samples_each_started_tasks_status() -> No
                                config={"url": "http://127.0.0.1:1/hook", "allow_http": True})
     connector: Any = instantiate(settings, Path("."))
     status = {"endpoint": "http://127.0.0.1:1/hook", "circuit": "open", "circuit_changes": 3, "in_flight": 7,
-              "fetch_paused": True, "parked_keys": 2}
+              "fetch_paused": True, "parked_keys": 2,
+              "counts": {"succeeded": 5, "failed_attempts": 4, "parked": 1, "deduplicated": 0, "released": 0}}
     samples = list(connector.sample_metrics([TaskView(0, status, {}), TaskView(1, {}, {})]))
     labels = ("hooks", "0", "http://127.0.0.1:1/hook")
     assert samples == [("kafold_effect_circuit_open", labels, 1.0), ("kafold_effect_circuit_changes", labels, 3.0),
                        ("kafold_effect_in_flight", labels, 7.0), ("kafold_effect_fetch_paused", labels, 1.0),
-                       ("kafold_effect_parked_keys", labels, 2.0)]  # task 1 has not started: nothing of it
+                       ("kafold_effect_parked_keys", labels, 2.0),
+                       ("kafold_effect_events", (*labels, "succeeded"), 5.0),
+                       ("kafold_effect_events", (*labels, "parked"), 1.0),
+                       ("kafold_effect_events", (*labels, "deduplicated"), 0.0),
+                       ("kafold_effect_events", (*labels, "released"), 0.0),
+                       ("kafold_effect_failed_attempts", labels, 4.0)]  # task 1 has not started: nothing of it
     assert {m.name for m in connector.metrics} == {name for name, _, _ in samples}

@@ -1,5 +1,5 @@
 """Deployment files that can be checked offline: the systemd units (systemd-analyze verify and security), compose,
-the Containerfile, the Grafana dashboard. Kubernetes: test_k8s.py."""
+the Containerfile. Kubernetes: test_k8s.py; the dashboard and alert rules: test_observability.py."""
 
 from __future__ import annotations
 
@@ -228,26 +228,6 @@ def test_containerfile_install_steps_produce_a_working_kafold(tmp_path: Path) ->
     assert res.stdout.strip().startswith(str(target))
 
 
-def test_grafana_dashboard_uses_only_metrics_the_daemon_exports() -> None:
-    """Every metric the dashboard queries is one the daemon's registry or a built-in connector declares."""
-    import json
-    import re
-
-    from kafold.connectors import registry as connectors
-    from kafold.daemon.metrics import DaemonMetrics
-
-    registry = DaemonMetrics(lambda: []).registry
-    exported = set()
-    for family in registry.collect():
-        exported.add(family.name)
-        exported.update(sample.name for sample in family.samples)
-    exported.update(m.name for name in connectors.available() for m in connectors.resolve(name).metrics)
-    exported |= {f"{name}_total" for name in exported} | {f"{name}_bucket" for name in exported}
-    dashboard = json.loads((ROOT / "deploy" / "grafana" / "kafold-dashboard.json").read_text())
-    queried = {m for p in dashboard["panels"] for t in p["targets"] for m in re.findall(r"\bkafold_[a-z_]+", t["expr"])}
-    assert queried and queried <= exported, queried - exported
-
-
 PROMETHEUS_CONFIGS = [CONTAINER / "prometheus.yml", ROOT / "deploy" / "k8s" / "prometheus" / "scrape-config.yaml"]
 
 
@@ -276,6 +256,8 @@ def test_prometheus_scrape_configs_pass_promtool(path: Path, tmp_path: Path) -> 
         if "kubernetes_sd_configs" in job and not with_k8s_sd:
             del job["kubernetes_sd_configs"]
             job["static_configs"] = [{"targets": ["kafold.example:8083"]}]
+    for name in conf.get("rule_files", []):  # resolved beside the config, where compose.yaml mounts them
+        shutil.copy(ROOT / "deploy" / "prometheus" / name, tmp_path / name)
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(conf))
     res = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")],
                          capture_output=True, text=True, check=False)
@@ -308,8 +290,12 @@ def test_compose_prometheus_reads_the_token_the_sidecar_checks() -> None:
     assert job["authorization"]["credentials_file"] == token_file
     (target,) = job["static_configs"][0]["targets"]
     assert target == f"kafold:{services['kafold']['ports'][0].rsplit(':', 1)[1]}"
-    mounted = {v.split(":")[1] for v in services["prometheus"]["volumes"]}
-    assert "/etc/prometheus/prometheus.yml" in mounted
+    mounts = dict(reversed(v.split(":")[:2]) for v in services["prometheus"]["volumes"])
+    assert mounts["/etc/prometheus/prometheus.yml"] == "./prometheus.yml"
+    rules = yaml.safe_load((CONTAINER / "prometheus.yml").read_text())["rule_files"]
+    assert rules == ["kafold-rules.yaml"]  # the alert rules, mounted from deploy/prometheus beside the config
+    mounted_rules = (CONTAINER / mounts["/etc/prometheus/kafold-rules.yaml"]).resolve()
+    assert mounted_rules == ROOT / "deploy" / "prometheus" / rules[0]
 
 
 # The units' sandbox, tried on what runs inside it (no systemd needed): the system-call filter, loaded by

@@ -35,10 +35,16 @@ def test_the_core_install_imports_the_client_and_the_testing_kit(tmp_path: Path)
     assert install.returncode == 0, install.stderr
     probe = f"""
 import importlib.util, sys
-import kafold.client, kafold.envelope, kafold.codec, kafold.testing
+import kafold.client, kafold.envelope, kafold.codec, kafold.testing, kafold.aio
 from kafold.testing import DomainFixture
 import kafold
 assert kafold.__file__.startswith({str(venv)!r}), kafold.__file__
+try:
+    kafold.aio.DaemonClient("http://127.0.0.1:1")
+except kafold.errors.KafoldError as e:
+    assert "pip install 'kafold[aio]'" in str(e), e
+else:
+    raise AssertionError("kafold.aio.DaemonClient without aiohttp")
 print(",".join(m for m in {HEAVY!r} if importlib.util.find_spec(m.partition(".")[0]) is not None))
 """
     res = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, cwd=tmp_path, check=False)

@@ -155,14 +155,14 @@ def test_the_circuit_state_is_on_metrics_and_in_kafold_status(
                          "webhook", effect, port=port)
     endpoint = f'endpoint="http://127.0.0.1:{receiver.port}"'  # type: ignore[attr-defined]
 
-    def metric(name: str) -> float | None:
+    def metric(name: str, label: str = "") -> float | None:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
                 text = resp.read().decode()
         except OSError:  # the HTTP server is not up yet
             return None
         for line in text.splitlines():
-            if line.startswith(name + "{") and endpoint in line:
+            if line.startswith(name + "{") and endpoint in line and label in line:
                 return float(line.rsplit(" ", 1)[1])
         return None
 
@@ -182,6 +182,10 @@ def test_the_circuit_state_is_on_metrics_and_in_kafold_status(
         down[0] = False
         wait_for(lambda: committed(kafka_config, f"{unique}.only", topic, 2) == ends, "everything committed")
         assert metric("kafold_effect_circuit_open") == 0.0 and (metric("kafold_effect_circuit_changes_total") or 0) >= 2
+        # the outage's attempts failed and were retried; every event then succeeded (none parked)
+        assert (metric("kafold_effect_failed_attempts_total") or 0) > 0
+        assert metric("kafold_effect_events_total", 'outcome="parked"') == 0.0
+        assert (metric("kafold_effect_events_total", 'outcome="succeeded"') or 0) > 0
         assert [r["circuit"] for r in status()] == ["closed"]
         assert thread.is_alive()
 

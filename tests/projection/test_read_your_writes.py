@@ -24,6 +24,7 @@ import psycopg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from kafold import cli, config, tokens, topics
 from kafold.client import BadToken, CommandClient, DaemonClient, NotVisible
@@ -57,6 +58,7 @@ class Bank:
         loaded = config.load_file(self.path)
         self._stop, self._exit = threading.Event(), []
         host = DaemonHost(loaded.config, loaded.base, self._stop, config_path=self.path)
+        self.host = host
         self._thread = threading.Thread(target=lambda: self._exit.append(host.run()), name="test-daemon")
         self._thread.start()
 
@@ -84,6 +86,12 @@ class Bank:
         with psycopg.connect(self.pg_url) as conn:
             row = conn.execute(f'SELECT balance FROM "{self.table}" WHERE account_id = %s', (account,)).fetchone()
         return None if row is None else int(row[0])
+
+    def waits_answered(self, result: str) -> float:
+        """kafold_consistency_waits_total of the projection for `result`, as /metrics shows it."""
+        return next((s.value for f in text_string_to_metric_families(self.host.metrics.render().decode())
+                     for s in f.samples if s.name == "kafold_consistency_waits_total"
+                     and s.labels == {"connector": PROJECTION, "result": result}), 0.0)
 
     def wait(self, token: str, connector: str = PROJECTION, timeout_ms: int = 5000) -> tuple[int, Any]:
         query = urllib.parse.urlencode({"token": token, "timeout_ms": str(timeout_ms)})
@@ -187,9 +195,11 @@ def test_a_wait_not_covered_in_time_is_reported_and_covers_follows_the_read_snap
         assert deposit.token is not None
         with pytest.raises(NotVisible, match=f"connector '{PROJECTION}' did not cover the token within 1.0s"):
             bank.client.wait_visible(deposit, PROJECTION, timeout=1.0)
+        timeouts = bank.waits_answered("timeout")
         status, body = bank.wait(deposit.token, timeout_ms=300)
         (topic, partition), offset = next(iter(tokens.parse(deposit.token).items()))
         assert status == 408 and body["covered"] is False, body
+        assert bank.waits_answered("timeout") == timeouts + 1  # /metrics counts the wait that timed out
         assert [(b["topic"], b["partition"], b["offset"]) for b in body["behind"]] == [(topic, partition, offset)]
         assert body["behind"][0]["committed"] <= offset
 
@@ -200,7 +210,9 @@ def test_a_wait_not_covered_in_time_is_reported_and_covers_follows_the_read_snap
                 assert before.execute(covers, (PROJECTION, deposit.token)).fetchone() == (False,)
                 assert before.execute(covers, (PROJECTION, opened.token)).fetchone() == (True,)
                 _pause(bank, False)
+                covered = bank.waits_answered("covered")
                 bank.client.wait_visible(deposit, PROJECTION, timeout=60)
+                assert bank.waits_answered("covered") == covered + 1
                 # The same snapshot: the deposit is still not covered, and the row read here does not have it.
                 assert before.execute(covers, (PROJECTION, deposit.token)).fetchone() == (False,)
                 assert before.execute(f'SELECT balance FROM "{bank.table}" WHERE account_id = %s',

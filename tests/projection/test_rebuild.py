@@ -243,7 +243,8 @@ def test_a_rebuild_killed_halfway_resumes_and_finishes_correctly(
     assert 0 < before["events"] < len(events)
     # The daemon's /metrics shows the rebuild under way, read from PostgreSQL.
     gauges = _rebuild_gauges(kafka_config, pg_config, unique, topic, table)
-    assert gauges == {"kafold_rebuild_active": 1.0, "kafold_rebuild_offsets_covered": float(before["events"]),
+    assert gauges == {"phase": before["phase"], "kafold_rebuild_active": 1.0,
+                      "kafold_rebuild_offsets_covered": float(before["events"]),
                       "kafold_rebuild_offsets_behind": gauges["kafold_rebuild_offsets_behind"],
                       "kafold_projection_held_keys": 0.0}
     # What the shadow's checkpoints are behind the live ones (0 when the copy workers reached the targets just
@@ -266,6 +267,7 @@ def test_a_rebuild_killed_halfway_resumes_and_finishes_correctly(
     assert _oid(pg_config, f"{table[:48]}_kafold_rebuild") is None
     after_gauges = _rebuild_gauges(kafka_config, pg_config, unique, topic, table)
     assert after_gauges["kafold_rebuild_active"] == 0.0 and after_gauges["kafold_rebuild_offsets_behind"] == 0.0
+    assert after_gauges["phase"] == "swapped"
 
 
 def _gone(proc: psutil.Process) -> bool:
@@ -275,9 +277,9 @@ def _gone(proc: psutil.Process) -> bool:
         return True
 
 
-def _rebuild_gauges(kafka: KafkaConfig, pgc: PostgresConfig, name: str, topic: str, table: str) -> dict[str, float]:
+def _rebuild_gauges(kafka: KafkaConfig, pgc: PostgresConfig, name: str, topic: str, table: str) -> dict[str, Any]:
     """The rebuild gauges a daemon hosting this projection exports (its metrics collector, fed by the host's
-    connector groups)."""
+    connector groups), and under "phase" the one kafold_rebuild_phase shows as current."""
     from kafold.config import DaemonConfig
     from kafold.connectors.registry import instantiate
     from kafold.daemon.metrics import ConnectorCollector
@@ -286,8 +288,11 @@ def _rebuild_gauges(kafka: KafkaConfig, pgc: PostgresConfig, name: str, topic: s
     connector = instantiate(settings(name, topic, table), Path("."))
     slot = TaskSlot(connector, connector.task_configs(1)[0].with_services(kafka, pgc), kafka, DaemonConfig())
     collector = ConnectorCollector(lambda: [ConnectorGroup(connector, [slot])])
-    return {family.name: family.samples[0].value for family in collector.collect()
-            if family.samples and family.samples[0].labels == {"connector": name}}
+    families = list(collector.collect())
+    (phase,) = [s.labels["phase"] for f in families if f.name == "kafold_rebuild_phase" for s in f.samples
+                if s.value == 1.0 and s.labels["connector"] == name]
+    return {"phase": phase} | {family.name: family.samples[0].value for family in families
+                               if family.samples and family.samples[0].labels == {"connector": name}}
 
 
 def test_rebuild_of_an_unknown_connector_is_a_clear_error_naming_it(tmp_path: Path) -> None:

@@ -177,9 +177,9 @@ def test_an_interrupted_rotation_resumes_from_the_cli_and_every_key_reads_under_
         f'master_key_env = "{MASTER_VAR}"\nprevious_master_key_env = "KAFOLD_TEST_PREVIOUS_MASTER"'))
     rotating = config.load_file(conf).config
     store, cipher = PgKeyStore(rotating.postgres), protect.cipher(rotating.privacy)
-    batches: list[key_rotation.Progress] = []
+    batches: list[key_rotation.RotationProgress] = []
 
-    def interrupt(p: key_rotation.Progress) -> None:
+    def interrupt(p: key_rotation.RotationProgress) -> None:
         batches.append(p)
         if len(batches) == 2:
             raise KeyboardInterrupt  # as a ^C between two committed batches
