@@ -116,6 +116,10 @@ DAEMON: tuple[Family, ...] = (
            ("aggregate",), "aggregates"),
     Family("kafold_aggregate_idempotency_dropped_early", "counter", "Command ids forgotten before the window passed, "
            "to stay within idempotency_max_ids.", ("aggregate",), "aggregates"),
+    Family("kafold_aggregate_local_store_bytes", "gauge", "Bytes on disk of the local state stores of the partitions "
+           "this process holds (daemon.state_dir).", ("aggregate",), "aggregates"),
+    Family("kafold_aggregate_local_store_reads", "counter", "Aggregates read back from the local state store (not "
+           "cached).", ("aggregate",), "aggregates"),
     # snapshots
     Family("kafold_snapshots_rejected", "counter", "Snapshot records never used by a restore, by aggregate type and "
            "reason (restore fell back to an older one or a full replay).", ("aggregate", "reason"), "snapshots"),

@@ -328,14 +328,20 @@ class _AggregateCollector(_Declared):
 
     FAMILIES = ("kafold_aggregate_commands", "kafold_aggregate_producers_renewed", "kafold_aggregate_fold_errors",
                 "kafold_aggregate_events_parked", "kafold_aggregate_partitions", "kafold_aggregate_idempotency_ids",
-                "kafold_aggregate_idempotency_expired", "kafold_aggregate_idempotency_dropped_early")
+                "kafold_aggregate_idempotency_expired", "kafold_aggregate_idempotency_dropped_early",
+                "kafold_aggregate_local_store_bytes", "kafold_aggregate_local_store_reads")
 
     def __init__(self, aggregates: Callable[[], dict[str, Any]]) -> None:
         self.aggregates = aggregates
 
     def collect(self) -> Iterator[Any]:
-        commands, renewed, fold_errors, parked, phases, held, expired, early = (_new(n) for n in self.FAMILIES)
+        (commands, renewed, fold_errors, parked, phases, held, expired, early, disk,
+         disk_reads) = (_new(n) for n in self.FAMILIES)
         for name, slot in sorted(self.aggregates().items()):
+            local = getattr(slot.runtime, "local", None)  # None: no state_dir
+            if local is not None:
+                disk.add_metric([name], float(local.disk_bytes()))
+                disk_reads.add_metric([name], float(local.reads))
             counts = getattr(slot.runtime, "counts", None)
             if counts is not None:
                 for outcome in COMMAND_OUTCOMES:
@@ -356,4 +362,4 @@ class _AggregateCollector(_Declared):
             held.add_metric([name], float(len(w.times)))
             expired.add_metric([name], float(w.expired))
             early.add_metric([name], float(w.dropped_early))
-        yield from (commands, renewed, fold_errors, parked, phases, held, expired, early)
+        yield from (commands, renewed, fold_errors, parked, phases, held, expired, early, disk, disk_reads)

@@ -139,6 +139,13 @@ class DaemonConfig:
         "(docs/security.md#trust-between-instances).", secret=True)
     peer_ca_file: str | None = setting(None, doc="CA bundle (PEM) that signs the other instances' certificates when "
                                        "they advertise https:// addresses; unset: the system's trust store.")
+    state_dir: str = setting("", doc="Directory of the aggregates' local state stores (LMDB, one folder per "
+                             "aggregate and partition): states, versions and idempotency window outcomes written "
+                             "after each committed transaction, so an aggregate evicted from the cache "
+                             "(`cache_max_aggregates`) is read back from disk, a restart replays only the events "
+                             "since, and the window is kept for `idempotency_window_s` on disk. Empty: no local "
+                             "store (evicted aggregates are rebuilt from their events partition). Relative: to the "
+                             "working directory (docs/operations.md#local-state-stores).")
     forward_max_bytes: int = setting(8 * 1024 * 1024, doc="Largest answer a state read sent on to the owning "
                                      "instance may bring back; a larger one is refused (502).", minimum=1024)
 
@@ -218,7 +225,10 @@ class AggregateConfig:
         FoldErrorPolicy.STOP, doc="A stored event the fold cannot apply: `stop` keeps its partition not ready, "
         "naming it; `dead-letter` parks it (aggregate dead-letter topic), leaves it out of the state and goes on.")
     state_schema_version: int = setting(1, doc="Version of the state's shape stored in snapshots.", minimum=1)
-    cache_max_aggregates: int = setting(100000, doc="Aggregates kept in memory per process (LRU).", minimum=1)
+    cache_max_aggregates: int = setting(100000, doc="Aggregates kept in memory per process (LRU): with "
+                                        "`daemon.state_dir`, the hot cache in front of the local state store; "
+                                        "without, an evicted aggregate is rebuilt from its events partition.",
+                                        minimum=1)
     idempotency_window_s: float = setting(86400.0, doc="A command id retried within this many seconds (by command "
                                           "time) gets its first outcome back, nothing written.", minimum=0)
     idempotency_max_ids: int = setting(1_000_000, doc="Most command ids the window holds per process (memory "
@@ -512,6 +522,7 @@ def _check_refs(cfg: KafoldConfig, problems: Problems) -> None:
     _check_group_protocol(cfg.kafka, problems)
     _check_advertised_url(cfg.daemon.advertised_url, problems)
     _check_instance_trust(cfg.daemon, problems)
+    _check_state_dir(cfg.daemon.state_dir, problems)
     for name, spec in topic_map(cfg).items():
         if not NAME_RE.match(name):
             problems.add("topics", f"invalid topic name {name!r}")
@@ -653,6 +664,12 @@ def _check_advertised_url(url: str, problems: Problems) -> None:
     """The other instances build the state path after it (kafold.daemon.aggregates.trust.Peer)."""
     if url and (problem := advertised_url_problem(url)) is not None:
         problems.add("daemon.advertised_url", problem)
+
+
+def _check_state_dir(state_dir: str, problems: Problems) -> None:
+    """The local state stores' directory is a directory (created at start when missing), not a file."""
+    if state_dir and Path(state_dir).exists() and not Path(state_dir).is_dir():
+        problems.add("daemon.state_dir", f"{state_dir!r} exists and is not a directory")
 
 
 def _check_instance_trust(daemon: DaemonConfig, problems: Problems) -> None:

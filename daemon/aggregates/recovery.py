@@ -93,7 +93,11 @@ class Recovering:
         self.entries, self.add_event = store.entries, store.window.add_event  # a store keeps its window for life
 
     def new(self, aggregate_id: str) -> Entry | None:
-        if self.store.is_evicted(self.partition, aggregate_id):
+        if self.store.backing is not None:  # evicted to the local store: folded on from its record there
+            found = self.store.backing.load(self.partition, aggregate_id)
+            if found is not None:
+                return found
+        elif self.store.is_evicted(self.partition, aggregate_id):
             return None  # reloaded on demand, from scratch
         return Entry(self.domain.initial(), 0, self.partition)
 
@@ -223,7 +227,7 @@ def note_results(consumer: Any, topic: str, domain: AggregateDomain, store: Stat
                 aid = r.aggregate_id
                 if r.duplicate or (r.event_ids and r.status != REJECTED) or (only is not None and aid not in only):
                     continue  # an acceptance with events is known from those events, which are the truth
-                entry = store.entries.get(aid)
+                entry = store.fetch(partition, aid)  # with a local store: read back from it
                 if entry is None:
                     if aid in evicted:
                         continue  # rebuilt with its events when it is reloaded

@@ -24,6 +24,11 @@ snapshot that seeds a partition (snapshots carry it), from the replayed events' 
 results partition of the same number (rejections, acceptances without events) before a partition opens; an
 evicted aggregate gets it back with its state; a rebalance rebuilds it on the instance taking the partition over.
 
+With a local state store (`daemon.state_dir`, local.py) the LRU is its hot cache: an evicted aggregate and an id
+whose outcome left memory are read back from it, never by scanning Kafka. It is written after each committed
+transaction (so it can only lag the committed events) and trusted on assignment up to the events offset it records;
+the tail past it is replayed as after a snapshot (local.py's note).
+
 The poll loop (the consumer, the poll, the subscription, fatal consumer errors, the shutdown call) is
 `kafold.consumer_loop`'s; this runtime is its batch handler. The loop commits nothing: the offsets are committed
 only in a batch's transaction, as above; a revoked or lost partition is dropped without a commit.
@@ -37,6 +42,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
 
+import lmdb
 from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_NOT_AVAILABLE, KafkaError, KafkaException
 from confluent_kafka import TopicPartition as KTP
 
@@ -47,6 +53,7 @@ from kafold.connectors.dlq import dlq_headers, fitted
 from kafold.consumer_loop import ConsumerLoop, LoopHandler
 from kafold.daemon.aggregates import recovery, routing
 from kafold.daemon.aggregates.gate import PartitionGate
+from kafold.daemon.aggregates.local import LocalStates, local_states
 from kafold.daemon.aggregates.processor import handle
 from kafold.daemon.aggregates.store import Entry, StateStore
 from kafold.daemon.aggregates.txn import ProducerBroken, TransactionalWriter
@@ -57,6 +64,7 @@ from kafold.errors import DecodeError, FatalError, RecordError, RetriableError
 from kafold.fold import Folder, FoldError, Parked
 from kafold.kafka_message import Message
 from kafold.messages import REJECTED, Command, Result, decode_command, header
+from kafold.partitioning import partition_for
 from kafold.stages import folding_reason
 
 log = logs.get(__name__)
@@ -100,7 +108,9 @@ class AggregateRuntime(LoopHandler):
         self.dlq = dlq_topic(agg)
         self.consumer_extra = dict(consumer_extra or {})
         self.window_ms = int(agg.idempotency_window_s * 1000)
-        self.store = StateStore(agg.cache_max_aggregates, Window(self.window_ms, agg.idempotency_max_ids))
+        self.local: LocalStates | None = local_states(daemon, agg, domain, self.window_ms)  # None: no state_dir
+        self.store = StateStore(agg.cache_max_aggregates, Window(self.window_ms, agg.idempotency_max_ids), self.local)
+        self.store.window.on_disk = self.local is not None
         self.gates: dict[int, PartitionGate] = {}
         self.folders: dict[int, Folder[recovery.Recovering]] = {}
         # Per partition, the commands offset below which everything is decided and committed (the group's
@@ -138,8 +148,9 @@ class AggregateRuntime(LoopHandler):
         return [g.describe() for g in sorted(list(self.gates.values()), key=lambda g: g.partition)]
 
     def get(self, aggregate_id: str) -> tuple[Any, int, str] | None:
-        """(state, version, where it was read from) of an aggregate of a LIVE partition: "memory" (the cache) or
-        "events" (evicted, rebuilt from its events partition). None = unknown here (not assigned to this
+        """(state, version, where it was read from) of an aggregate of a LIVE partition: "memory" (the cache),
+        "store" (not cached: the local state store) or "events" (evicted, no local store: rebuilt from its events
+        partition). None = unknown here (not assigned to this
         instance, still recovering, or no events yet)."""
         entry, partition = self.store.locate(aggregate_id)
         if entry is not None:
@@ -154,6 +165,8 @@ class AggregateRuntime(LoopHandler):
                 state, version = pending[0]
             live = gate is not None and gate.live and version > 0
             return (state, version, "memory") if live else None
+        if self.local is not None:
+            return self._get_local(aggregate_id)
         if partition is None:
             return None
         private = StateStore(1)
@@ -164,6 +177,19 @@ class AggregateRuntime(LoopHandler):
             reader.close()
         found, _ = private.locate(aggregate_id)
         return (found.state, found.version, "events") if found is not None and found.version else None
+
+    def _get_local(self, aggregate_id: str) -> tuple[Any, int, str] | None:
+        """An aggregate not cached, read from the local store of its LIVE partition (committed states only)."""
+        assert self.local is not None
+        n = partition_for(aggregate_id.encode(), self.agg.partitions)
+        gate = self.gates.get(n)
+        if gate is None or not gate.live:
+            return None
+        try:
+            found = self.local.load(n, aggregate_id)
+        except lmdb.Error:  # the partition was released meanwhile (its store closed)
+            return None
+        return (found.state, found.version, "store") if found is not None else None
 
     def idempotency(self) -> dict[str, int]:
         """The idempotency window's figures: ids held, expired, dropped early (beyond idempotency_max_ids)."""
@@ -296,6 +322,10 @@ class AggregateRuntime(LoopHandler):
         low, stable = recovery.bounds(self.reader, events, n)
         with recovery.probing(self.kafka, self.agg.name) as probe:
             _, high = recovery.bounds(probe, events, n)
+        if self.local is not None:  # a store trusted up to an offset: no snapshot read, the tail from there
+            trusted = self.local.open(n, low, stable)
+            if trusted is not None:
+                return low, max(stable, high), recovery.Base(start=trusted)
         return low, max(stable, high), self.restorer.restore(n, low, stable)
 
     def _retrying(self, event: str, step: Callable[[], T], within_s: float = ASSIGN_RETRY_S, **fields: Any) -> T:
@@ -328,6 +358,8 @@ class AggregateRuntime(LoopHandler):
             if not renewing:
                 self.positions.pop(n, None)
             self.store.drop_partition(n)
+            if self.local is not None:
+                self.local.close(n)
             if not gate.live and not gate.stopped:  # a stopped gate's events were unassigned when it stopped
                 self.reader.incremental_unassign([KTP(self.topics["events"], n)])
         if mine:
@@ -405,6 +437,10 @@ class AggregateRuntime(LoopHandler):
                 return recovery.note_results(reader, self.topics["results"], self.domain, self.store, n, probe=probe)
 
         results = self._read_back("aggregate.results_retrying", n, note_results)
+        if self.local is not None:  # what the restore and the replay built, trusted from now on up to here
+            with self.store.lock:
+                held = [(aid, e) for aid, e in self.store.entries.items() if e.partition == n]
+            self.local.seal(n, held, gate.position)
         self._resume_commands(n)
         self.log.info("aggregate.caught_up", **gate.describe(), folded=folder.folded, duplicates=folder.skipped,
                       events_parked=folder.bad or None, results_read=results)
@@ -479,7 +515,11 @@ class AggregateRuntime(LoopHandler):
         if not live:
             return
         decoded = [self._decode(m) for m in live]
-        self._reload_missing(live)
+        if self.local is not None:  # not cached: read back from the local store, never by a partition scan
+            self.local.read_back(self.store, [(m.partition(), c.aggregate_id, c.command_id)
+                                              for m, c in zip(live, decoded, strict=True) if isinstance(c, Command)])
+        else:
+            self._reload_missing(live)
         if self.domain.protector is not None:  # the batch's data keys at once, not a round trip per new subject
             ids = {k.decode("utf-8", "replace") for m in live if (k := m.key())}
             self.domain.protector.prepare_writing(self.agg.name, ids, [i for i in ids if self.store.get(i) is None])
@@ -515,6 +555,9 @@ class AggregateRuntime(LoopHandler):
         self.uncommitted = {}
         self.renewed = False
         self.positions.update(last)
+        if self.local is not None:  # after the commit, never before: the store can only lag (local.py's note)
+            self.local.write_batch(self.store, {aid: cids for aid, (_, cids) in undo.items()}, self.writer.ends,
+                                   self.topics["events"])
         self.store.trim()
         self.counts["batches"] += 1
         self.counts["commands"] += len(live)
@@ -651,7 +694,8 @@ class AggregateRuntime(LoopHandler):
     def loop_stopped(self) -> None:
         for what, close in (("writer", self.writer.close if self.writer else None),
                             ("consumer", self.consumer.close if self.consumer else None),
-                            ("reader", self.reader.close if self.reader else None)):
+                            ("reader", self.reader.close if self.reader else None),
+                            ("local state store", self.local.close_all if self.local else None)):
             if close is None:
                 continue
             try:

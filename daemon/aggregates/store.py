@@ -1,11 +1,12 @@
 """In-memory aggregate states: a bounded LRU over every assigned partition, with an evicted set for reloads, and
-the idempotency window of their command ids (window.py)."""
+the idempotency window of their command ids (window.py). With a local state store (local.py) the LRU is its hot
+cache: an evicted aggregate is read back from the store (`fetch`) instead of being reloaded from Kafka."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Protocol
 
 from kafold.daemon.aggregates.window import Remembered, Window
 
@@ -25,14 +26,23 @@ class Entry:
         self.events: dict[int, str] = {}
 
 
+class Backing(Protocol):
+    """Where evicted entries are kept (local.LocalStates)."""
+
+    def load(self, partition: int, aggregate_id: str) -> Entry | None: ...
+
+    def spill(self, evicted: list[tuple[str, Entry]]) -> None: ...
+
+
 class StateStore:
     """LRU of entries by aggregate id. `trim()` evicts the least recently used down to `max_aggregates` and
     remembers the evicted ids per partition: such an id must be reloaded from Kafka before use (a key that is
     neither cached nor evicted has no events yet). Every method takes the lock: `get_state` runs on other threads.
     """
 
-    def __init__(self, max_aggregates: int, window: Window | None = None) -> None:
+    def __init__(self, max_aggregates: int, window: Window | None = None, backing: Backing | None = None) -> None:
         self.max_aggregates = max_aggregates
+        self.backing = backing  # None: evicted ids are reloaded from Kafka (`evicted`)
         self.window = window or Window(24 * 3600 * 1000, 1_000_000)
         self.entries: OrderedDict[str, Entry] = OrderedDict()
         self.evicted: dict[int, set[str]] = {}
@@ -44,6 +54,16 @@ class StateStore:
             entry = self.entries.get(aggregate_id)
             if entry is not None:
                 self.entries.move_to_end(aggregate_id)
+            return entry
+
+    def fetch(self, partition: int, aggregate_id: str) -> Entry | None:
+        """The cached entry, else the backing's (cached again); None: unknown (no backing, or no events yet)."""
+        with self.lock:
+            entry = self.get(aggregate_id)
+            if entry is None and self.backing is not None:
+                entry = self.backing.load(partition, aggregate_id)
+                if entry is not None:
+                    self.put(aggregate_id, entry)
             return entry
 
     def put(self, aggregate_id: str, entry: Entry) -> None:
@@ -97,10 +117,17 @@ class StateStore:
     def trim(self) -> int:
         with self.lock:
             n = 0
+            spilled: list[tuple[str, Entry]] = []
             while len(self.entries) > self.max_aggregates:
                 aid, entry = self.entries.popitem(last=False)
-                self.evicted.setdefault(entry.partition, set()).add(aid)
+                if self.backing is None:
+                    self.evicted.setdefault(entry.partition, set()).add(aid)
+                else:
+                    spilled.append((aid, entry))
                 n += 1
+            if spilled:
+                assert self.backing is not None
+                self.backing.spill(spilled)  # only what is not yet written (a recovering partition's) is written
             self.evictions += n
             self.window.expire(self.entries)
             return n

@@ -68,6 +68,7 @@ class Window:
         self.high = 0
         self.expired = 0
         self.dropped_early = 0
+        self.on_disk = False  # a local state store keeps every outcome for the window: an early drop loses nothing
 
     def remember(self, entry: Any, aggregate_id: str, command_id: str, outcome: Remembered,
                  written: Sequence[str] = ()) -> None:
@@ -141,9 +142,14 @@ class Window:
         self.expired += n - early
         if early:
             if self.dropped_early == 0 or (self.dropped_early + early) // 100_000 > self.dropped_early // 100_000:
-                log.warning("aggregate.idempotency_window_full", max_ids=self.max_ids,
-                            dropped_early_total=self.dropped_early + early,
-                            hint="raise idempotency_max_ids or shorten idempotency_window_s")
+                if self.on_disk:
+                    log.info("aggregate.idempotency_window_memory_full", max_ids=self.max_ids,
+                             dropped_early_total=self.dropped_early + early,
+                             hint="older ids are read back from the local state store when retried")
+                else:
+                    log.warning("aggregate.idempotency_window_full", max_ids=self.max_ids,
+                                dropped_early_total=self.dropped_early + early,
+                                hint="raise idempotency_max_ids or shorten idempotency_window_s")
             self.dropped_early += early
         return n
 

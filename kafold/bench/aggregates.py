@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import multiprocessing
 import queue
+import random
 import threading
 import time
 import tracemalloc
 import uuid
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from kafold import kafka_clients, logs, topics
 from kafold.bench import services, short_group
@@ -36,6 +40,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="runtimes deciding the commands, each in its own process and in one consumer group, as "
                         "that many daemons on this machine would (default 1: in the bench's process)")
     p.add_argument("--events", type=int, default=500_000, help="events in the replay phase's backlog (default 500k)")
+    p.add_argument("--cache", type=int, default=None,
+                   help="cache_max_aggregates of the throughput phase (default: the configuration's default)")
+    p.add_argument("--state-dir", default="",
+                   help="the throughput phase's runtime keeps a local state store here (default: none, evicted "
+                        "aggregates are rebuilt from their events partition)")
+    p.add_argument("--random-access", action="store_true",
+                   help="commands go to accounts drawn at random (seeded) rather than in turn")
+    p.add_argument("--cold-reads", type=int, default=0,
+                   help="after the throughput phase, time this many state reads of aggregates not cached")
+    p.add_argument("--no-replay", action="store_true", help="skip the replay phase")
     p.add_argument("--no-window-baseline", action="store_true",
                    help="skip the same-run baseline with the idempotency window off")
     p.add_argument("-c", "--config", help="kafold.toml giving [kafka] (default: the dev stack, started if needed)")
@@ -49,7 +63,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             off = _throughput(kafka, args, window_s=0.0)
             figures["commands_per_s_window_off"] = off["commands_per_s"]
             figures["window_on_over_off"] = round(figures["commands_per_s"] / off["commands_per_s"], 3)
-        figures.update(_replay(kafka, args))
+        if not args.no_replay:
+            figures.update(_replay(kafka, args))
         figures.update(window_memory())
     return figures
 
@@ -80,11 +95,15 @@ def window_memory(ids: int = 200_000, aggregates: int = 10_000) -> dict[str, Any
 
 
 def _setup(kafka: Any, name: str, partitions: int, batch: int, window_s: float = 86_400.0,
-           instance: str = "bench", protector: Any = None) -> tuple[Any, Any]:
+           instance: str = "bench", protector: Any = None, cache: int | None = None,
+           state_dir: str = "") -> tuple[Any, Any]:
     agg = AggregateConfig(name=name, initial="bank_domain:initial", evolve="bank_domain:evolve",
                           decide="bank_domain:decide", partitions=partitions, idempotency_window_s=window_s)
+    if cache is not None:
+        agg = dataclasses.replace(agg, cache_max_aggregates=cache)
     domain = AggregateDomain.load(agg, [str(BANK)]).protected(protector)  # as the daemon's build_runtime
-    daemon = DaemonConfig(group_prefix="kafold-bench", batch_max_records=batch, batch_max_wait_ms=50)
+    daemon = DaemonConfig(group_prefix="kafold-bench", batch_max_records=batch, batch_max_wait_ms=50,
+                          state_dir=state_dir)
     return agg, AggregateRuntime(kafka, daemon, agg, domain, instance_id=instance)
 
 
@@ -110,12 +129,15 @@ def _throughput(kafka: Any, args: argparse.Namespace, window_s: float = 86_400.0
     rules are keyed by aggregate type: `name`, a new one each run (default a fresh `bench.cmd.<hex>`); the aggregate
     ids are `prefix` and a number."""
     agg, rt = _setup(kafka, name or f"bench.cmd.{uuid.uuid4().hex[:6]}", args.partitions, args.batch, window_s,
-                     protector=protector)
+                     protector=protector, cache=getattr(args, "cache", None),
+                     state_dir=getattr(args, "state_dir", ""))
     topics.ensure(kafka, [TopicSpec(agg.topic(k), args.partitions, 1, {}) for k in ("events", "commands", "results")])
     ids = [f"{prefix}{i:06d}" for i in range(args.accounts)]
     with CommandClient(kafka, agg) as client:
         cmds = [client.command(a, "OpenAccount", {"owner": a}) for a in ids]
-        cmds += [client.command(ids[i % len(ids)], "Deposit", {"amount": 1 + i % 97})
+        rng = random.Random(56)
+        pick = (lambda i: rng.choice(ids)) if getattr(args, "random_access", False) else (lambda i: ids[i % len(ids)])
+        cmds += [client.command(pick(i), "Deposit", {"amount": 1 + i % 97})
                  for i in range(max(0, args.commands - len(ids)))]
         for i in range(0, len(cmds), 20000):
             client.send_many(cmds[i:i + 20000], wait=False)
@@ -128,6 +150,8 @@ def _throughput(kafka: Any, args: argparse.Namespace, window_s: float = 86_400.0
         started = min(g.first_decided_at for g in rt.gates.values() if g.first_decided_at)
         counts = dict(rt.counts)
         held = rt.idempotency()["ids_held"]
+        cold = _cold_reads(rt, ids, getattr(args, "cold_reads", 0))
+        rss = psutil.Process().memory_info().rss
     finally:
         rt.stop()
         thread.join(30)
@@ -135,7 +159,23 @@ def _throughput(kafka: Any, args: argparse.Namespace, window_s: float = 86_400.0
     return {"commands": counts["commands"], "commands_per_s": round(counts["commands"] / elapsed),
             "window_ids_held": held,
             "commands_accepted": counts["accepted"], "events_written": counts["events"],
-            "transactions": counts["batches"], "commands_phase_s": round(elapsed, 2)}
+            "transactions": counts["batches"], "commands_phase_s": round(elapsed, 2),
+            "partition_scans_aggregates": counts["reloads"], "rss_mb": round(rss / 2**20), **cold}
+
+
+def _cold_reads(rt: Any, ids: list[str], n: int) -> dict[str, Any]:
+    """`n` state reads (AggregateRuntime.get, as GET /aggregates serves them) of aggregates not cached: p50, p99."""
+    cold = [a for a in ids if a not in rt.store.entries][:n]
+    took = []
+    for aid in cold:
+        t = time.perf_counter()
+        rt.get(aid)
+        took.append(time.perf_counter() - t)
+    if not took:
+        return {}
+    took.sort()
+    return {"cold_reads": len(took), "cold_read_p50_ms": round(took[len(took) // 2] * 1000, 2),
+            "cold_read_p99_ms": round(took[min(len(took) - 1, int(len(took) * 0.99))] * 1000, 2)}
 
 
 def _instance(kafka: Any, name: str, partitions: int, batch: int, window_s: float, instance: str, go: Any,

@@ -64,6 +64,7 @@ BAD = {
                               '[connectors.config]\nlevl = "info"\n', "connectors[0].config.levl", "unknown key"),
     "no_topics": ('[[connectors]]\nname = "a"\nclass = "log"\ntopics = []\n', "connectors[0].topics",
                   "at least one source topic"),
+    "state_dir_not_a_directory": ('[daemon]\nstate_dir = "/dev/null"\n', "daemon.state_dir", "not a directory"),
     "not_toml": ("[kafka\n", "", "not valid TOML"),
 }
 

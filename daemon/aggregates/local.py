@@ -1,0 +1,310 @@
+"""The local state store: one LMDB environment per assigned partition, holding its aggregates' states, versions,
+idempotency window outcomes and the events offset they reflect; the in-memory LRU (store.py) is its hot cache.
+
+Offsets and commits
+-------------------
+Kafka stays the source of truth; this store is a cache of it that survives restarts and evictions. It is written
+only *after* a batch's transaction committed (`committed`), never before, so it can lag the committed events but
+never be ahead of them: a crash between the commit and the store write leaves the store at its previous offset,
+and the next assignment replays the tail from there (the fold skips an event whose version its aggregate already
+has, so an aggregate record written later than the offset is harmless). Each partition records `offset`: every
+committed event of the partition below it is in the records. It is written with a batch's states in one LMDB
+transaction (atomic, fsync'd at commit) as the offset after the batch's last event, and when a gate opens as the
+replay's end (`seal`).
+
+On assignment (`open`) the store is trusted up to its offset only when it is intact (it opens and every record's
+checksum matches), was written by the same fold (fingerprint and state schema version) and its offset lies within
+the committed events partition (first offset <= offset <= the last stable offset). Anything else (missing,
+unreadable, another fold, or *ahead* of the committed events: the events topic was recreated or truncated, or the
+files came from elsewhere) empties the partition's store; the runtime then restores from the snapshot topic + tail
+and fills the store from that restore. Records written while a partition recovers (aggregates evicted from the
+cache mid-replay, `spill`) carry committed states only (the replay reads read_committed) and are not trusted until
+the gate opens and records the offset.
+"""
+
+from __future__ import annotations
+
+import shutil
+import zlib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import orjson
+
+from kafold import logs
+from kafold.config import AggregateConfig, DaemonConfig
+from kafold.daemon.aggregates.store import Entry, StateStore
+from kafold.daemon.aggregates.window import Remembered, accepted, event_ids, rejected, unpack
+from kafold.domain import AggregateDomain
+from kafold.errors import FatalError
+
+log = logs.get(__name__)
+
+# Address space reserved per partition (LMDB maps its file; the file itself grows only as records are written).
+MAP_SIZE = 1 << 36  # 64 GiB
+SWEEP_MAX = 10_000  # expired window outcomes deleted per committed batch at most (the rest on the next ones)
+META, STATE, OUTCOME, EXPIRY = b"m", b"s", b"w", b"x"
+
+
+def _sealed(body: bytes) -> bytes:
+    """A value with its crc32 in front: a record damaged on disk is found when the store is opened."""
+    return zlib.crc32(body).to_bytes(4, "big") + body
+
+
+def _opened(value: bytes) -> bytes:
+    if len(value) < 4 or zlib.crc32(value[4:]).to_bytes(4, "big") != value[:4]:
+        raise ValueError("checksum mismatch")
+    return value[4:]
+
+
+def _outcome_key(aggregate_id: str, command_id: str) -> bytes:
+    return OUTCOME + aggregate_id.encode() + b"\0" + command_id.encode()
+
+
+def local_states(daemon: DaemonConfig, agg: AggregateConfig, domain: AggregateDomain,
+                 window_ms: int) -> LocalStates | None:
+    """The local store of aggregate `agg` under `daemon.state_dir`, or None: no state_dir (evicted aggregates are
+    reloaded from Kafka), or an aggregate with protected fields (its states hold opened values, which must not
+    outlive a forget on a disk kafold does not erase; it keeps the Kafka reload)."""
+    if not daemon.state_dir:
+        return None
+    if domain.protector is not None:
+        log.warning("aggregate.local_store_off", aggregate=agg.name, reason="the aggregate has protected fields")
+        return None
+    return LocalStates(Path(daemon.state_dir) / agg.name, domain, agg.state_schema_version, window_ms)
+
+
+class LocalStates:
+    """The local stores of one aggregate type's assigned partitions, under `<state_dir>/<aggregate>/<partition>`."""
+
+    def __init__(self, root: Path, domain: AggregateDomain, state_schema_version: int, window_ms: int) -> None:
+        self.root = root
+        self.domain = domain
+        self.identity = {"fingerprint": domain.fingerprint, "state_schema_version": state_schema_version}
+        self.window_ms = window_ms
+        self.envs: dict[int, lmdb.Environment] = {}
+        self.filling: set[int] = set()  # partitions recovering: their offset is recorded only when the gate opens
+        self.reads = self.writes = 0
+
+    def path(self, partition: int) -> Path:
+        return self.root / str(partition)
+
+    # ---- assignment ---------------------------------------------------------------------------------------------
+    def open(self, partition: int, low: int, stable: int) -> int | None:
+        """Open partition `partition`'s store; the events offset it is trusted to (the tail replays from there), or
+        None when it was missing, unreadable, of another fold or outside [low, stable] and was emptied (see the
+        module note). `stable`: the events partition's last stable offset (its committed end)."""
+        self.close(partition)
+        self.filling.add(partition)
+        path = self.path(partition)
+        why, offset = None, None
+        try:
+            env = self._env(path)
+            meta = self._check(env)
+            if meta is None:
+                why = "missing"
+            elif {k: meta.get(k) for k in self.identity} != self.identity:
+                why = "another fold"
+            elif not low <= meta["offset"] <= stable:
+                why = "ahead of the committed events" if meta["offset"] > stable else "before the first event"
+            else:
+                offset = int(meta["offset"])
+        except (lmdb.Error, OSError, ValueError, KeyError, TypeError, orjson.JSONDecodeError) as e:
+            why, env = f"unreadable: {type(e).__name__}: {e}", None
+        if offset is None:
+            if env is not None:
+                env.close()
+            shutil.rmtree(path, ignore_errors=True)
+            try:
+                env = self._env(path)
+            except (lmdb.Error, OSError) as e:  # not writable, no space: no assignment can be served from here
+                raise FatalError(f"local state store {path}: cannot create it: {e}") from e
+            log.warning("aggregate.local_store_rebuilding", partition=partition, path=str(path), reason=why,
+                        low=low, committed_end=stable)
+        else:
+            log.info("aggregate.local_store_trusted", partition=partition, path=str(path), offset=offset,
+                     committed_end=stable, tail=stable - offset)
+        assert env is not None
+        self.envs[partition] = env
+        return offset
+
+    def _env(self, path: Path) -> lmdb.Environment:
+        path.mkdir(parents=True, exist_ok=True)
+        # sync on commit (the default): a recorded offset survives a power loss with the records it covers
+        return lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=0, readahead=False, lock=True)
+
+    def _check(self, env: lmdb.Environment) -> dict[str, Any] | None:
+        """The partition's meta record after every record's checksum was verified (ValueError on a bad one)."""
+        meta = None
+        with env.begin() as txn:
+            for key, value in txn.cursor():
+                body = _opened(value)
+                if key == META:
+                    meta = orjson.loads(body)
+        return meta
+
+    def seal(self, partition: int, entries: Iterable[tuple[str, Entry]], offset: int) -> None:
+        """The gate of `partition` opened at events offset `offset`: the partition's cached entries (what the restore
+        and the tail replay built; those evicted meanwhile were spilled) and the offset, in one LMDB transaction."""
+        self._write(partition, entries, None, offset)
+        self.filling.discard(partition)
+
+    def close(self, partition: int) -> None:
+        """The partition was released (revoked, or re-opened): its files stay, for a later assignment here."""
+        env = self.envs.pop(partition, None)
+        self.filling.discard(partition)
+        if env is not None:
+            env.close()
+
+    def close_all(self) -> None:
+        for n in list(self.envs):
+            self.close(n)
+
+    # ---- reads --------------------------------------------------------------------------------------------------
+    def load(self, partition: int, aggregate_id: str) -> Entry | None:
+        """The stored entry of `aggregate_id` (state and version; its window outcomes are read one by one, `outcome`),
+        or None: it has no committed event below the recorded offset (or the partition is not open here)."""
+        env = self.envs.get(partition)
+        if env is None:
+            return None
+        with env.begin() as txn:
+            value = txn.get(STATE + aggregate_id.encode())
+        if value is None:
+            return None
+        self.reads += 1
+        version, state = orjson.loads(value[4:])  # checked when the store was opened
+        return Entry(self.domain.state_from_json(state), version, partition)
+
+    def outcome(self, partition: int, aggregate_id: str, command_id: str) -> Remembered | None:
+        """The first outcome of `command_id` on `aggregate_id`, if decided within the window (expired ones may linger
+        until swept: the caller compares times, as for the ones in memory)."""
+        env = self.envs.get(partition)
+        if env is None:
+            return None
+        with env.begin() as txn:
+            value = txn.get(_outcome_key(aggregate_id, command_id))
+        if value is None:
+            return None
+        t, after, n, reason = orjson.loads(value[4:])
+        return accepted(t, after, n) if reason is None else rejected(t, after, reason)
+
+    def disk_bytes(self) -> int:
+        """Bytes of the open partitions' files on disk (what /metrics shows)."""
+        total = 0
+        for n in list(self.envs):
+            for f in self.path(n).glob("*.mdb"):
+                try:
+                    total += f.stat().st_blocks * 512
+                except OSError:
+                    continue
+        return total
+
+    def read_back(self, store: StateStore, commands: Iterable[tuple[int, str, str]]) -> None:
+        """Before a batch is decided: its aggregates that are not cached, and the outcomes of its command ids that are
+        not in memory (evicted with their aggregate, or dropped early from the window), read back into `store`.
+        `commands`: (partition, aggregate id, command id) of each command of the batch."""
+        for n, aid, cid in commands:
+            entry = store.fetch(n, aid)
+            if entry is not None and cid in entry.recent:
+                continue
+            seen = self.outcome(n, aid, cid)
+            if seen is None:
+                continue
+            if entry is None:  # a key known only from rejections
+                entry = Entry(self.domain.initial(), 0, n)
+                store.put(aid, entry)
+            _, after, count, reason = unpack(seen)
+            store.window.remember(entry, aid, cid, seen,
+                                  event_ids(cid, after - count, count) if reason is None and count else ())
+
+    # ---- writes -------------------------------------------------------------------------------------------------
+    def write_batch(self, store: StateStore, decided: Mapping[str, list[str]], ends: Mapping[tuple[str, int], int],
+                    events_topic: str) -> None:
+        """After a batch's transaction committed: the aggregates it changed (id -> the command ids decided on it),
+        from `store`, with the offset after each partition's newest committed event (`ends`: (topic, partition) ->
+        offset, TransactionalWriter.ends).
+
+        Commit note: called after the commit returned, never before; a crash in between leaves the store behind
+        the committed events (never ahead), and the next assignment replays the tail past its recorded offset."""
+        touched: dict[int, list[tuple[str, Entry, list[str]]]] = {}
+        with store.lock:
+            for aid, cids in decided.items():
+                entry = store.entries.get(aid)  # changed in this batch: still cached (trim runs after)
+                if entry is not None:
+                    touched.setdefault(entry.partition, []).append((aid, entry, cids))
+        after = {n: off + 1 for (topic, n), off in ends.items() if topic == events_topic}
+        self.committed(touched, after, store.window.high - self.window_ms)
+
+    def committed(self, entries: dict[int, list[tuple[str, Entry, list[str]]]], ends: dict[int, int],
+                  cutoff: int) -> None:
+        """After a batch's transaction committed: per partition the touched aggregates (entry, command ids decided)
+        and `ends[partition]`, the offset after its last committed event (absent: no event written, the offset
+        stays). Outcomes older than `cutoff` (ms) are swept."""
+        for n, touched in entries.items():
+            if n in self.envs:
+                self._write(n, [(aid, e) for aid, e, _ in touched],
+                            [(aid, cid, e.recent[cid]) for aid, e, cids in touched for cid in cids if cid in e.recent],
+                            ends.get(n), cutoff)
+
+    def spill(self, evicted: Iterable[tuple[str, Entry]]) -> None:
+        """Entries evicted from the cache while their partition recovers (changed by the replay, not yet written):
+        their records, so they are read back rather than refolded; the offset is not touched."""
+        by: dict[int, list[tuple[str, Entry]]] = {}
+        for aid, entry in evicted:
+            if entry.partition in self.filling and entry.partition in self.envs:
+                by.setdefault(entry.partition, []).append((aid, entry))
+        for n, entries in by.items():
+            self._write(n, entries, None, None)
+
+    def _write(self, partition: int, entries: Iterable[tuple[str, Entry]],
+               outcomes: list[tuple[str, str, Remembered]] | None, offset: int | None, cutoff: int | None = None
+               ) -> None:
+        env = self.envs.get(partition)
+        if env is None:
+            return
+        try:
+            self._write_txn(env, entries, outcomes, offset, cutoff)
+        except lmdb.Error as e:  # disk full, a failing disk: the store lags from here; a restart replays the tail
+            raise FatalError(f"local state store {self.path(partition)}: cannot write: {e}") from e
+
+    def _write_txn(self, env: lmdb.Environment, entries: Iterable[tuple[str, Entry]],
+                   outcomes: list[tuple[str, str, Remembered]] | None, offset: int | None, cutoff: int | None
+                   ) -> None:
+        dumps, to_json = orjson.dumps, self.domain.state_to_json
+        with env.begin(write=True) as txn:
+            put = txn.put
+            for aid, entry in entries:
+                if entry.version > 0:  # a key known only from rejections has no state to keep, only outcomes
+                    put(STATE + aid.encode(), _sealed(dumps([entry.version, to_json(entry.state)])))
+                    self.writes += 1
+                if outcomes is None:  # a seal or a spill: the whole window the entry holds
+                    for cid, o in entry.recent.items():
+                        self._put_outcome(put, aid, cid, o)
+            for aid, cid, o in outcomes or ():
+                self._put_outcome(put, aid, cid, o)
+            if offset is not None:
+                put(META, _sealed(dumps({**self.identity, "offset": offset})))
+            if cutoff is not None:
+                self._sweep(txn, cutoff)
+
+    def _put_outcome(self, put: Any, aggregate_id: str, command_id: str, outcome: Remembered) -> None:
+        t, after, n, reason = unpack(outcome)
+        put(_outcome_key(aggregate_id, command_id), _sealed(orjson.dumps([t, after, n, reason])))
+        put(EXPIRY + t.to_bytes(8, "big") + aggregate_id.encode() + b"\0" + command_id.encode(), _sealed(b""))
+
+    def _sweep(self, txn: Any, cutoff: int) -> None:
+        """Delete the window outcomes decided before `cutoff` (by command time), oldest first, at most SWEEP_MAX."""
+        cursor, n = txn.cursor(), 0
+        if not cursor.set_range(EXPIRY):
+            return
+        while n < SWEEP_MAX:
+            key = cursor.key()
+            if not key.startswith(EXPIRY) or int.from_bytes(key[1:9], "big") >= cutoff:
+                break
+            txn.delete(OUTCOME + key[9:])
+            if not cursor.delete():  # moves to the next record
+                break
+            n += 1
+

@@ -1,0 +1,46 @@
+"""The local state store alone (no broker): what `open` trusts, outcomes kept until the window passes them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kafold.daemon.aggregates.local import LocalStates
+from kafold.daemon.aggregates.store import Entry
+from kafold.daemon.aggregates.window import Window, accepted, rejected
+from tests.aggregates.agg_support import bank_config, bank_domain
+
+DAY = 86_400_000
+
+
+def _states(tmp_path: Path) -> LocalStates:
+    agg = bank_config("unit")
+    return LocalStates(tmp_path / "unit", bank_domain(agg), agg.state_schema_version, DAY)
+
+
+def test_outcomes_are_kept_for_the_window_then_swept(tmp_path: Path) -> None:
+    """An outcome is read back until the window (by command time) has passed it, then swept from disk."""
+    local = _states(tmp_path)
+    assert local.open(0, 0, 0) is None  # nothing there yet: emptied and to be filled
+    entry = Entry(local.domain.initial(), 1, 0)
+    window = Window(DAY, 10)
+    window.remember(entry, "a", "old", accepted(1_000, 1, 1))
+    window.remember(entry, "a", "no", rejected(5_000, 1, "insufficient funds"))
+    local.committed({0: [("a", entry, ["old", "no"])]}, {0: 1}, cutoff=0)
+    assert local.outcome(0, "a", "old") == accepted(1_000, 1, 1)
+    assert local.outcome(0, "a", "no") == rejected(5_000, 1, "insufficient funds")
+    local.committed({0: [("a", entry, [])]}, {0: 1}, cutoff=2_000)
+    assert local.outcome(0, "a", "old") is None and local.outcome(0, "a", "no") is not None
+    loaded = local.load(0, "a")
+    assert loaded is not None and (loaded.state, loaded.version) == (entry.state, 1)
+    local.close_all()
+
+
+def test_open_trusts_only_an_offset_within_the_committed_events(tmp_path: Path) -> None:
+    """The recorded offset is trusted within [first offset, committed end]; ahead of the end, the store is emptied."""
+    local = _states(tmp_path)
+    local.open(0, 0, 0)
+    local.seal(0, [("a", Entry(local.domain.initial(), 3, 0))], 40)
+    assert local.open(0, 0, 40) == 40
+    assert local.open(0, 0, 39) is None  # ahead of the committed events: rebuilt
+    assert local.load(0, "a") is None
+    local.close_all()
