@@ -41,6 +41,7 @@ from kafold.connectors.registry import instantiate, resolve
 from kafold.daemon import connect_api, extensions, http, offsets, signals, status_page, visibility
 from kafold.daemon.aggregates import history, trust
 from kafold.daemon.metrics import DaemonMetrics
+from kafold.daemon.rates import Rates
 from kafold.daemon.tasks import (
     AggregateSlot,
     ConnectorGroup,
@@ -112,6 +113,7 @@ class DaemonHost:
         self.metrics = DaemonMetrics(lambda: self.groups, lambda: self.aggregates, lambda: self.scheduler,
                                      lambda: self.protector)
         self.notifier = sdnotify.Notifier()
+        self.rates = Rates()  # records/s and commands/s over the last minute (/status, the status page)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.worker: _Worker | None = None
         self._background: set[Any] = set()
@@ -130,6 +132,16 @@ class DaemonHost:
         self.scheduler: SnapshotScheduler | None = None
         if cfg.snapshots.enabled and cfg.aggregates and config_path is not None:
             self.scheduler = SnapshotScheduler.from_config(config_path, cfg.snapshots, cfg.kafka, cfg.aggregates)
+
+    def rate_totals(self) -> dict[str, int]:
+        """The counts the rates are taken of: records seen per connector, commands handled per aggregate."""
+        totals = {f"connector:{g.name}": sum(a.seen for slot in g.slots for a in slot.runner.accounts.values())
+                  for g in self.groups}
+        for name, slot in self.aggregates.items():
+            counts = getattr(slot.runtime, "counts", None)  # as /metrics reads them: a test's stand-in has none
+            if counts is not None:
+                totals[f"aggregate:{name}"] = int(counts.get("commands", 0))
+        return totals
 
     # ---- building ---------------------------------------------------------------------------------------
     def _build_groups(self, only: set[str] | None = None) -> list[ConnectorGroup]:
@@ -472,6 +484,8 @@ class TasksService(mode.Service):
                 return
             for slot in host.slots:
                 slot.check_polling()
+            if host.rates.due(time.monotonic()):
+                host.rates.sample(host.rate_totals(), time.monotonic())
             if not notified and host.ready_report()[0]:
                 notified = host.notifier.ready("caught up") or True
             interval = host.notifier.watchdog_interval_s

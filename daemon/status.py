@@ -10,6 +10,7 @@ from kafold import db, logs
 from kafold.config import PostgresConfig
 from kafold.connectors.dlq import OPEN_STATUSES
 from kafold.daemon.aggregates.gate import STATUS_FIELDS
+from kafold.daemon.rates import WINDOW_S
 
 if TYPE_CHECKING:
     from kafold.daemon.host import DaemonHost
@@ -59,8 +60,12 @@ def from_memory(host: DaemonHost) -> dict[str, Any]:
                   for slot in host.slots for a in slot.runner.accounts.values()]
     aggregates = [{"aggregate": name, **{k: p.get(k) for k in (*STATUS_FIELDS, *RESTORE_FIELDS)}}
                   for name, slot in host.aggregates.items() for p in slot.runtime.partitions()]
+    rates = host.rates.per_second()
     return {"source": "daemon", "worker_id": host.worker_id, "partitions": rows, "effects": effects,
-            "aggregates": aggregates, "accounting": accounting}
+            "aggregates": aggregates, "accounting": accounting,
+            "rates": {"window_s": WINDOW_S,
+                      "connectors": {k.partition(":")[2]: v for k, v in rates.items() if k.startswith("connector:")},
+                      "aggregates": {k.partition(":")[2]: v for k, v in rates.items() if k.startswith("aggregate:")}}}
 
 
 def dead_letters(pgc: PostgresConfig) -> dict[str, Any]:

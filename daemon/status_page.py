@@ -61,21 +61,31 @@ def render(report: dict[str, Any], now: float | None = None) -> str:
         "<h1>kafold status</h1>",
         f'<p class="meta">worker {_e(report.get("worker_id"))} · {_e(when)} · reloads every {REFRESH_S} s · '
         "the same report as <code>/status</code></p>",
-        "<h2>Connectors</h2>", _connectors(report.get("partitions", [])),
+        "<h2>Connectors</h2>", _connectors(report.get("partitions", []), _rates(report, "connectors")),
         "<h2>Records per partition</h2>", _table(report.get("accounting", []), (
             "connector", "task", "topic", "partition", "seen", "applied", "duplicates", "stale", "dead_lettered",
             "skipped", "unaccounted"), "no records seen yet"),
         "<h2>Effects and parked keys</h2>", _table(report.get("effects", []), (
             "connector", "task", "endpoint", "circuit", "waiting", "in_flight", "fetch_paused", "parked_keys"),
             "no effect connector"),
-        "<h2>Aggregates</h2>", _aggregates(report.get("aggregates", [])),
+        "<h2>Aggregates</h2>", _aggregates(report.get("aggregates", []), _rates(report, "aggregates")),
         "<h2>Dead letters</h2>", _dead_letters(report.get("dead_letters")),
         "</body></html>",
     ]
     return "\n".join(parts)
 
 
-def _connectors(rows: list[dict[str, Any]]) -> str:
+def _rates(report: dict[str, Any], kind: str) -> dict[str, Any]:
+    """Per connector (records/s) or aggregate (commands/s) over the last minute; empty in the first seconds."""
+    rates = report.get("rates") or {}
+    return dict(rates.get(kind) or {})
+
+
+def _rate(rates: dict[str, Any], name: str) -> str:
+    return f'<td class="n rate">{_e(rates[name])}</td>' if name in rates else '<td class="n rate">…</td>'
+
+
+def _connectors(rows: list[dict[str, Any]], rates: dict[str, Any]) -> str:
     summary: dict[str, dict[str, Any]] = {}
     for r in rows:
         s = summary.setdefault(str(r.get("connector")), {"states": set(), "lag": 0, "lag_seconds": 0.0, "parts": 0})
@@ -86,16 +96,16 @@ def _connectors(rows: list[dict[str, Any]]) -> str:
             s["lag_seconds"] = max(s["lag_seconds"], r.get("lag_seconds") or 0.0)
     if not summary:
         return '<p class="empty">no connector runs in this daemon</p>'
-    head = _head(("connector", "state", "partitions", "lag (records)", "lag (s, oldest)"))
+    head = _head(("connector", "state", "partitions", "records/s (last minute)", "lag (records)", "lag (s, oldest)"))
     body = "".join(f"<tr><td>{_e(name)}</td><td>{', '.join(_state(x) for x in sorted(s['states']))}</td>"
-                   f"{_num(s['parts'])}{_num(s['lag'])}{_num(s['lag_seconds'])}</tr>"
+                   f"{_num(s['parts'])}{_rate(rates, name)}{_num(s['lag'])}{_num(s['lag_seconds'])}</tr>"
                    for name, s in sorted(summary.items()))
     detail = _table(rows, ("connector", "task", "state", "topic", "partition", "committed", "end_offset", "lag",
                            "lag_seconds", "caught_up"), "")
     return f"<table>{head}{body}</table>\n<h3>Per partition</h3>{detail}"
 
 
-def _aggregates(rows: list[dict[str, Any]]) -> str:
+def _aggregates(rows: list[dict[str, Any]], rates: dict[str, Any]) -> str:
     if not rows:
         return '<p class="empty">no aggregate runs in this daemon</p>'
     # position and end are the recovery's (the gate's): where its replay stopped and the end it had to reach
@@ -110,7 +120,10 @@ def _aggregates(rows: list[dict[str, Any]]) -> str:
         body.append(f"<tr><td>{_e(r.get('aggregate'))}</td>{_num(r.get('partition'))}"
                     f"<td>{_state(r.get('phase'))}{why}</td>{_num(r.get('position'))}{_num(r.get('captured_end'))}"
                     f"<td>{restored}</td>{_num(r.get('events_replayed'))}</tr>")
-    return f"<table>{head}{''.join(body)}</table>"
+    names = sorted({str(r.get("aggregate")) for r in rows})
+    per_aggregate = _head(("aggregate", "commands/s (last minute)")) + "".join(
+        f"<tr><td>{_e(n)}</td>{_rate(rates, n)}</tr>" for n in names)
+    return f"<table>{per_aggregate}</table>\n<table>{head}{''.join(body)}</table>"
 
 
 def _dead_letters(section: dict[str, Any] | None) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import re
 import urllib.error
 import urllib.request
 import uuid
@@ -93,6 +94,10 @@ topics = ["{unique}.events"]
             assert producer.flush(10) == 0
             wait_for(lambda: (d.get("/status")[1].get("dead_letters") or {}).get("open", {}).get("accounts") == 1,
                      "the malformed record dead-lettered", 30)
+            # rates need two of the daemon's samples (daemon/rates.py: every 5 s)
+            wait_for(lambda: "accounts" in d.get("/status")[1]["rates"]["connectors"], "a records/s rate", 30)
+            rates = d.get("/status")[1]["rates"]
+            assert rates["connectors"]["accounts"] >= 0 and "account" in rates["aggregates"], rates
 
             # the token guard: the page takes the token as Basic's password, the rest of the API does not
             assert fetch(page_url, None)[0] == 401
@@ -118,6 +123,9 @@ topics = ["{unique}.events"]
     for name in ("accounts", "audit-log"):
         assert f'<td>{name}</td><td><span class="ok">RUNNING</span></td>' in text, f"{name} not shown RUNNING"
     assert text.count('<td>account</td><td class="n">') == 2  # one row per partition of the aggregate
+    assert re.search(r'<td>accounts</td><td><span class="ok">RUNNING</span></td><td class="n">\d+</td>'
+                     r'<td class="n rate">\d+\.\d</td>', text), "the projection's records/s"
+    assert '<td class="n rate">…</td>' not in text  # every connector and aggregate has its rate by now
     assert text.count('<span class="ok">LIVE</span>') == 2
     assert "<td>bad-json</td>" in text and f"<td>{other}</td>" in text  # the dead letter's reason and topic
     assert "Jane" not in dom and PERSONAL not in body

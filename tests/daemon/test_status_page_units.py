@@ -60,7 +60,7 @@ def test_escaped_values_in_attributes_too() -> None:
     assert attributes <= {("lang", "en"), ("charset", "utf-8"), ("http-equiv", "refresh"), ("content", "10"),
                           ("name", "viewport"), ("content", "width=device-width, initial-scale=1"),
                           ("class", "n"), ("class", "ok"), ("class", "warn"), ("class", "bad"),
-                          ("class", "empty"), ("class", "meta")}
+                          ("class", "empty"), ("class", "meta"), ("class", "n rate")}
 
 
 def test_empty_states_say_so() -> None:
@@ -81,9 +81,14 @@ def test_states_and_snapshots_shown() -> None:
              "lag_seconds": 1.5 * p} for p in (0, 1)]
     page = render(report(partitions=rows, aggregates=[
         {"aggregate": "account", "partition": 0, "phase": "LIVE", "snapshot_version": 120, "start": 121},
-        {"aggregate": "account", "partition": 1, "phase": "RECOVERING", "snapshot_version": None}]))
-    assert '<td>accounts</td><td><span class="ok">RUNNING</span></td><td class="n">2</td><td class="n">6</td>' \
-           '<td class="n">1.5</td>' in page
+        {"aggregate": "account", "partition": 1, "phase": "RECOVERING", "snapshot_version": None}],
+        rates={"window_s": 60.0, "connectors": {"accounts": 42.5}, "aggregates": {"account": 7.0}}))
+    assert '<td>accounts</td><td><span class="ok">RUNNING</span></td><td class="n">2</td><td class="n rate">42.5</td>' \
+           '<td class="n">6</td><td class="n">1.5</td>' in page
+    assert '<td>account</td><td class="n rate">7.0</td>' in page
+    # before the daemon's second sample there is no rate yet: shown as such, not as zero
+    assert '<td>accounts</td><td><span class="ok">RUNNING</span></td><td class="n">2</td><td class="n rate">…</td>' \
+        in render(report(partitions=rows))
     assert '<span class="ok">LIVE</span>' in page and '<span class="warn">RECOVERING</span>' in page
     assert "covers events up to offset 120, tail from 121" in page and "none (full replay)" in page
 
