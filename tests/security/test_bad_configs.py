@@ -111,7 +111,7 @@ def problems_for(text: str, tmp_path: Path) -> tuple[Path, list[str]]:
 def test_the_corpus_has_at_least_20_kinds_and_docs_list_them() -> None:
     from tests.config.test_config import BAD
 
-    assert len(BAD) == 17 and not set(BAD) & set(NEW_KINDS)
+    assert len(BAD) >= 17 and not set(BAD) & set(NEW_KINDS)
     assert EXISTING_KINDS + len(NEW_KINDS) >= 20
     doc = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
     missing = [kind for kind in [*BAD, *NEW_KINDS] if f"`{kind}`" not in doc]
