@@ -215,6 +215,42 @@ class ConverterKind(enum.StrEnum):
     PROTOBUF = "protobuf"
 
 
+class TruncatePolicy(enum.StrEnum):
+    """What a Debezium truncate event (op `t`) does to a projection (docs/connectors.md#debezium-change-events)."""
+
+    DELETE = "delete"            # remove every row of the projection (it reads that one source table)
+    DEAD_LETTER = "dead-letter"  # a dead letter naming the table; the rows stay
+
+
+class DecimalHandling(enum.StrEnum):
+    """Debezium's `decimal.handling.mode`, as the source connector is set."""
+
+    PRECISE = "precise"  # bytes and a scale in the record's schema (Debezium's default)
+    STRING = "string"
+    DOUBLE = "double"    # a float: digits beyond a double's are already lost at the source
+
+
+class TimePrecision(enum.StrEnum):
+    """Debezium's `time.precision.mode`, as the source connector is set."""
+
+    ADAPTIVE = "adaptive"  # Debezium's default: day counts and epoch ms/us/ns, told apart by the record's schema
+    ADAPTIVE_TIME_MICROSECONDS = "adaptive_time_microseconds"
+    CONNECT = "connect"
+    ISOSTRING = "isostring"  # ISO-8601 strings: readable without a schema
+
+
+class BinaryHandling(enum.StrEnum):
+    """Debezium's `binary.handling.mode`, as the source connector is set."""
+
+    BYTES = "bytes"  # base64 in JSON, typed `bytes` in the record's schema (Debezium's default)
+    BASE64 = "base64"
+    BASE64_URL_SAFE = "base64-url-safe"
+    HEX = "hex"
+
+
+UNAVAILABLE_PLACEHOLDER = "__debezium_unavailable_value"  # Debezium's default `unavailable.value.placeholder`
+
+
 _CONVERT_SOURCE = re.compile(r"^(\$|(\$\.)?[^.\s@'][^.\s]*(\.[^.\s]+)*|header:.+"
                              r"|@(key|topic|partition|offset|timestamp)|'[^']*')$")
 
@@ -233,6 +269,25 @@ class ConvertConfig:
     time: str = setting("", doc="Source of the event time (epoch ms or ISO-8601); empty: the record timestamp.")
     aggregate_type: str = setting("", doc="json: the events' aggregate type; empty: the topic.")
     message_type: str = setting("", doc="protobuf: the generated message class `module:Class`.")
+    schemas: bool = setting(True, doc="debezium, json format: the records carry their Connect schema "
+                            "(`{\"schema\": …, \"payload\": …}`, JsonConverter's `schemas.enable`, Debezium's "
+                            "default); values are decoded by it. false: schema-less records, readable only with the "
+                            "Debezium settings declared below (docs/connectors.md#debezium-change-events).")
+    decimal_handling_mode: DecimalHandling = setting(DecimalHandling.PRECISE, doc="debezium: the source "
+                                                     "connector's `decimal.handling.mode`; with `schemas = false` "
+                                                     "it must be `string` (or `double`).")
+    time_precision_mode: TimePrecision = setting(TimePrecision.ADAPTIVE, doc="debezium: the source connector's "
+                                                 "`time.precision.mode`; with `schemas = false` it must be "
+                                                 "`isostring`.")
+    binary_handling_mode: BinaryHandling = setting(BinaryHandling.BYTES, doc="debezium: the source connector's "
+                                                   "`binary.handling.mode`; with `schemas = false` binary values "
+                                                   "arrive as text in this encoding (a bytea column needs schemas).")
+    unavailable_value_placeholder: str = setting(UNAVAILABLE_PLACEHOLDER, doc="debezium: the source connector's "
+                                                 "`unavailable.value.placeholder` (an unchanged TOASTed value): "
+                                                 "such a column keeps its stored value.")
+    truncate: TruncatePolicy = setting(TruncatePolicy.DEAD_LETTER, doc="debezium: what a truncate event (op `t`) "
+                                       "does: `delete` removes every row of the projection (one source table a "
+                                       "connector), `dead-letter` records it naming the table.")
 
     def __post_init__(self) -> None:
         bad = [f"{n}: {getattr(self, n)!r} is not a JSON path, header:<name>, @coordinate or 'constant'"
@@ -383,6 +438,7 @@ def _check_refs(cfg: KafoldConfig, problems: Problems) -> None:
         if not con.topics:
             problems.add(f"{where}.topics", "at least one source topic is required")
     _check_protect(cfg, problems)
+    _check_converters(cfg, problems)
     _check_postgres(cfg.postgres, problems)
     _check_kafka_security(cfg.kafka, problems)
     _check_group_protocol(cfg.kafka, problems)
@@ -397,6 +453,30 @@ def _check_refs(cfg: KafoldConfig, problems: Problems) -> None:
             if other is not None and other.partitions != spec.partitions:
                 problems.add("topics", f"{spec.purpose} topic {name!r} has {spec.partitions} partitions but must be "
                              f"co-partitioned with {other.name!r} ({other.partitions})")
+
+
+def _check_converters(cfg: KafoldConfig, problems: Problems) -> None:
+    """A debezium converter can decode what its declared Debezium settings make (docs/connectors.md)."""
+    for i, con in enumerate(cfg.connectors):
+        opts, where = con.convert, f"connectors[{i}].convert"
+        if con.converter is not ConverterKind.DEBEZIUM:
+            continue
+        if not opts.unavailable_value_placeholder:
+            problems.add(f"{where}.unavailable_value_placeholder", "expected Debezium's placeholder text, not empty")
+        if opts.truncate is TruncatePolicy.DELETE and len(con.topics) > 1:
+            problems.add(f"{where}.truncate", "\"delete\" empties the projection, so its connector must read one "
+                         f"source table (one topic), not {len(con.topics)}: give each table its own connector, or "
+                         "\"dead-letter\"")
+        if opts.schemas or opts.format != "json":
+            continue  # the record's own schema says how each value is written
+        if opts.decimal_handling_mode is DecimalHandling.PRECISE:
+            problems.add(f"{where}.decimal_handling_mode", "\"precise\" writes a numeric as bytes whose scale "
+                         "only the record's schema holds: with schemas = false set Debezium's "
+                         "decimal.handling.mode=string and decimal_handling_mode = \"string\" here")
+        if opts.time_precision_mode is not TimePrecision.ISOSTRING:
+            problems.add(f"{where}.time_precision_mode", f"\"{opts.time_precision_mode}\" writes dates and times "
+                         "as bare numbers that only the record's schema tells apart: with schemas = false set "
+                         "Debezium's time.precision.mode=isostring and time_precision_mode = \"isostring\" here")
 
 
 PATH_RE = re.compile(r"^[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*$")

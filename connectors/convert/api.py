@@ -5,10 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from kafold.config import UNAVAILABLE_PLACEHOLDER
 from kafold.envelope import Event
 from kafold.errors import RecordError
 
 Headers = Sequence[tuple[str, bytes | None]] | None
+# The event type of a source table's truncate (Debezium op `t`): a projection empties its table (see fold.py).
+TRUNCATE = "debezium.truncate"
+# A value the source did not send (Debezium's placeholder for an unchanged TOASTed column, whatever its configured
+# text): a projection keeps the column's stored value (see mapping.py).
+UNAVAILABLE = UNAVAILABLE_PLACEHOLDER
 
 
 class ConvertError(RecordError):

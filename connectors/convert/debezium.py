@@ -7,6 +7,15 @@ projection's version guard never lets an out-of-order redelivery roll a row back
 `file` number, `pos` and `row` packed into one bigint; else the `version` path configured (`source.x`). The event id
 is a uuid5 of table, key and position: Debezium's own redelivery of a change (another offset) dedups.
 
+Values: with the `{"schema": …, "payload": …}` wrapper (JsonConverter's `schemas.enable`, Debezium's default) each
+value is decoded by the record's own Connect schema (connect_schema.py: numerics exact, dates and times as ISO
+text, jsonb as its document); with `schemas = false` a record must come without it and values pass as they are.
+Debezium's unavailable-value placeholder (an unchanged TOASTed column) comes out as `api.UNAVAILABLE`:
+the projection keeps the column's stored value.
+
+Truncate (op `t`, no key): by `[connectors.convert] truncate`, an event of type TRUNCATE (the projection empties
+its table, in the transaction of the batch that holds it) or a dead letter naming the table.
+
 Tombstones (value None after a delete) carry no position, so they are skipped: the `d` event before each one has
 already deleted the row and left the writer's version tombstone (an older change redelivered later is stale). A
 tombstone cannot be ordered against a later re-create of the key, so letting it delete could drop a newer row.
@@ -20,22 +29,22 @@ from typing import Any
 
 import orjson
 
-from kafold.connectors.convert.api import ConvertError, Headers, ValueFormat, where
+from kafold.config import TruncatePolicy
+from kafold.connectors.convert.api import TRUNCATE, UNAVAILABLE, ConvertError, Headers, ValueFormat, where
+from kafold.connectors.convert.connect_schema import Compiler, SchemaError
 from kafold.connectors.convert.plain import _MISSING, NAMESPACE, JsonFormat, lookup, steps
 from kafold.envelope import Event, format_epoch_ms, utc_now, uuid5
 
-OPS = {"c": "create", "u": "update", "r": "read", "d": "delete"}
+OPS = {"c": "create", "u": "update", "r": "read", "d": "delete", "t": TRUNCATE}
 BINLOG_NUMBER = re.compile(r"(\d+)$")
 # MySQL position packing: file number (19 bits) | pos (32 bits) | row (12 bits) = 63 bits, a bigint.
 POS_BITS, ROW_BITS = 32, 12
 MAX_FILE = 1 << (63 - POS_BITS - ROW_BITS)
 
 
-def unwrap(body: Any) -> Any:
-    """The payload of a `{"schema": ..., "payload": ...}` wrapper (JsonConverter with schemas.enable), else body."""
-    if type(body) is dict and "payload" in body and "schema" in body and len(body) == 2:
-        return body["payload"]
-    return body
+def wrapped(body: Any) -> bool:
+    """`body` is a `{"schema": ..., "payload": ...}` wrapper (JsonConverter with schemas.enable)."""
+    return type(body) is dict and len(body) == 2 and "payload" in body and "schema" in body
 
 
 def position(source: dict[str, Any]) -> int | None:
@@ -59,6 +68,34 @@ class DebeziumConverter:
         self.key_fmt: ValueFormat = self.fmt
         self.version_path = steps(options.version) if options.version else None
         self.version_src = options.version
+        # The wrapper is required where it is declared (the JSON format; registry formats carry their own schema).
+        self.needs_schema = options.schemas and options.format == "json"
+        self.truncate = TruncatePolicy(options.truncate)
+        self.schemas = Compiler(options.unavailable_value_placeholder)
+
+    def decoded(self, body: Any, is_key: bool, at: str, raw: Any) -> Any:
+        """`body` decoded by the schema it carries; a bare body as it is (refused for a value where schemas are
+        declared: its numbers and dates could not be told apart)."""
+        if wrapped(body):
+            decode = self.schemas.decoder(body["schema"])
+            payload = body["payload"]
+            try:
+                return decode(payload) if decode is not None and payload is not None else payload
+            except SchemaError as e:
+                raise ConvertError(f"{at}: {'key ' if is_key else ''}{e}", raw=raw) from None
+        if self.needs_schema and not is_key and body is not None:
+            raise ConvertError(f"{at}: the value has no {{\"schema\", \"payload\"}} wrapper, which "
+                               "[connectors.convert] schemas = true expects (JsonConverter's schemas.enable, "
+                               "Debezium's default); for schema-less records set schemas = false and declare the "
+                               "Debezium settings (docs/connectors.md#debezium-change-events)", raw=raw)
+        return body
+
+    def placeheld(self, row: dict[str, Any]) -> dict[str, Any]:
+        """A schema-less row with each form of the placeholder as UNAVAILABLE."""
+        unavailable = self.schemas.unavailable
+        if any(unavailable(v) for v in row.values()):
+            return {k: UNAVAILABLE if unavailable(v) else v for k, v in row.items()}
+        return row
 
     def event(self, key: bytes | None, value: bytes | None, headers: Headers, *, topic: str, partition: int,
               offset: int, timestamp_ms: int | None, raw: Any) -> Event | None:
@@ -66,19 +103,24 @@ class DebeziumConverter:
             return None  # a tombstone: see the module docstring
         at = where(topic, partition, offset)
         try:
-            body = unwrap(self.fmt.load(topic, value, is_key=False))
-            key_body = unwrap(self.key_fmt.load(topic, key, is_key=True)) if key is not None else None
+            loaded = self.fmt.load(topic, value, is_key=False)
+            key_loaded = self.key_fmt.load(topic, key, is_key=True) if key is not None else None
         except ConvertError as e:
             raise ConvertError(f"{at}: {e}", raw=raw) from None
+        schemaless = not wrapped(loaded)
+        body = self.decoded(loaded, False, at, raw)
         if type(body) is not dict:
             raise ConvertError(f"{at}: expected a Debezium change event (an object), got {type(body).__name__}",
                                raw=raw)
         op = body.get("op")
         if op not in OPS:
-            raise ConvertError(f"{at}: path 'op' is {op!r}, expected one of c, u, r, d", raw=raw)
+            raise ConvertError(f"{at}: path 'op' is {op!r}, expected one of c, u, r, d, t", raw=raw)
         source = body.get("source")
         if type(source) is not dict:
             raise ConvertError(f"{at}: path 'source' is missing or not an object", raw=raw)
+        if op == "t":
+            return self.truncated(body, source, at, raw, timestamp_ms)
+        key_body = self.decoded(key_loaded, True, at, raw)
         row = body.get("before" if op == "d" else "after")
         if type(row) is not dict:
             raise ConvertError(f"{at}: path {'before' if op == 'd' else 'after'!r} is missing or not an object "
@@ -93,6 +135,8 @@ class DebeziumConverter:
         aggregate_id = (str(next(iter(key_body.values()))) if len(key_body) == 1
                         else orjson.dumps(key_body, option=orjson.OPT_SORT_KEYS).decode())
         version = self.version(body, source, at, raw)
+        if schemaless:
+            row = self.placeheld(row)
         payload = {**row, **key_body} if op == "d" else row
         ts = source.get("ts_ms") or body.get("ts_ms") or timestamp_ms
         event_id = uuid5(NAMESPACE, f"debezium/{aggregate_type}/{aggregate_id}/{version}/{op}")
@@ -102,6 +146,24 @@ class DebeziumConverter:
                          correlation_id=event_id, payload=payload)
         except ValueError as e:
             raise ConvertError(f"{at}: {e}", raw=raw) from None
+
+    def truncated(self, body: dict[str, Any], source: dict[str, Any], at: str, raw: Any,
+                  timestamp_ms: int | None) -> Event:
+        """A truncate as the `truncate` option says: an event of type TRUNCATE, or a dead letter naming the table."""
+        table, schema = source.get("table"), source.get("schema") or source.get("db")
+        if not table:
+            raise ConvertError(f"{at}: path 'source.table' is missing (op 't')", raw=raw)
+        name = f"{schema}.{table}" if schema else str(table)
+        if self.truncate is TruncatePolicy.DEAD_LETTER:
+            raise ConvertError(f"{at}: table {name} was truncated at the source (op 't'); its rows stay in the "
+                               "projection ([connectors.convert] truncate = \"dead-letter\"; \"delete\" empties "
+                               "the projection in order with the other changes)", raw=raw, reason="truncate")
+        version = self.version(body, source, at, raw)
+        ts = source.get("ts_ms") or body.get("ts_ms") or timestamp_ms
+        event_id = uuid5(NAMESPACE, f"debezium/{name}/{version}/t")
+        return Event(event_id=event_id, type=TRUNCATE, aggregate_type=name, aggregate_id=name, version=version,
+                     occurred_at=format_epoch_ms(ts) if type(ts) is int else utc_now(), correlation_id=event_id,
+                     payload={})
 
     def version(self, body: dict[str, Any], source: dict[str, Any], at: str, raw: Any) -> int:
         if self.version_path is not None:

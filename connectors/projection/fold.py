@@ -79,10 +79,14 @@ class Folded:
     buried: dict[Key, int] = field(default_factory=dict)
     stale_records: list[SinkRecord] = field(default_factory=list)
     applied: dict[tuple[str, int], int] = field(default_factory=dict)  # events folded in, per (topic, partition)
+    truncated: bool = False  # a truncate came first: every row of the table goes before the rows below are written
 
     def changes(self) -> tuple[list[Row], list[Key]]:
-        """What to write: the rows that differ from those loaded, and the keys of loaded rows now removed."""
+        """What to write: the rows that differ from those loaded, and the keys of loaded rows now removed (after a
+        truncate: every row the batch made after it, and nothing to remove one by one)."""
         state, loaded = self.state, self.loaded
+        if self.truncated:
+            return [row for row in state.values() if row is not None], []
         upserts = [row for key, row in state.items() if row is not None and row != loaded.get(key)]
         deletes = [key for key, row in state.items() if row is None and key in loaded]
         return upserts, deletes
@@ -100,7 +104,7 @@ class Candidates:
     first: dict[bytes | int, SinkRecord]  # tracking key (see Prepared) -> record
     record_keys: dict[int, Key]  # id(record) -> row key
     key_errors: dict[int, MappingError]  # id(record) -> why it has no row key
-    keys: list[Key]  # the distinct row keys, in order
+    keys: list[Key]  # the distinct row keys, in order (not a truncate's `()`)
 
 
 def prepare(mapping: Mapping, records: Sequence[SinkRecord], prefix: bytes | None) -> Prepared:
@@ -132,7 +136,7 @@ def candidates(records: list[SinkRecord], prep: Prepared, skip: set[int]) -> Can
             record_keys[id(r)] = k
         else:
             key_errors[id(r)] = k  # type: ignore[assignment]
-    return Candidates(first, record_keys, key_errors, list(dict.fromkeys(record_keys.values())))
+    return Candidates(first, record_keys, key_errors, [k for k in dict.fromkeys(record_keys.values()) if k])
 
 
 def next_offsets(records: Sequence[SinkRecord]) -> dict[TopicPartition, int]:
@@ -159,6 +163,12 @@ def fold(mapping: Mapping, fresh: list[SinkRecord], loaded: dict[Key, Row], reco
         key = record_keys.get(id(r))
         if key is None:
             bad.append((r, MappingError(str(key_errors[id(r)]), raw=r)))
+            continue
+        if not key:  # a truncate (TRUNCATE): every row goes, the ones read and the ones not; later events start anew
+            state = dict.fromkeys(state)
+            folded.truncated = True
+            tp = (r.topic, r.partition)
+            applied[tp] = applied.get(tp, 0) + 1
             continue
         row = state.get(key)
         if is_stale(row, r.event) or (gone and row is None and r.event.version <= gone.get(key, 0)):

@@ -1,4 +1,11 @@
-"""Pure mapping from events to rows: key extraction and the fold of one event into its row (no I/O)."""
+"""Pure mapping from events to rows: key extraction and the fold of one event into its row (no I/O but a warning).
+
+Two values from converters are not data: an event of type TRUNCATE has the empty key `()` (the fold empties the
+table, fold.py), and a `set` value UNAVAILABLE (Debezium's placeholder for an unchanged TOASTed column) leaves the
+column as the row has it. A row that does not exist yet (an insert, a key change, an update of a row the projection
+never had) cannot get that value back: the column stays NULL and `projection.value_unavailable` is logged (the source
+table needs REPLICA IDENTITY FULL for Debezium to send it).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +13,14 @@ from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 
+from kafold import logs
+from kafold.connectors.convert.api import TRUNCATE, UNAVAILABLE
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.envelope import Event
 from kafold.errors import ConfigError, RecordError
 from kafold.refs import import_ref
+
+log = logs.get(__name__)
 
 Row = dict[str, Any]
 Mapper = Callable[[Row | None, Event], Row | None]
@@ -91,10 +102,13 @@ class Mapping:
         self.guard = config.version_guard
 
     def handles(self, event_type: str) -> bool:
-        return self._types is None or event_type in self._types
+        # a truncate the converter was told to apply is never skipped as an unknown type
+        return self._types is None or event_type in self._types or event_type == TRUNCATE
 
     def key(self, event: Event) -> tuple[Any, ...]:
-        """The row key of `event`; MappingError if a key source is missing or null."""
+        """The row key of `event` (`()`: a truncate, every row); MappingError if a key source is missing or null."""
+        if event.type == TRUNCATE:
+            return ()
         if len(self._keys) == 1:  # the common case, without a generator per event
             value = self._keys[0](event)
             if value is None:
@@ -125,7 +139,13 @@ class Mapping:
             return UNCHANGED
         new: Row = dict(row) if row is not None else dict.fromkeys(self.columns)
         for column, read in sets:
-            new[column] = read(event)
+            value = read(event)
+            if value.__class__ is str and value == UNAVAILABLE:
+                if row is None:
+                    log.warning("projection.value_unavailable", event_id=event.event_id, event_type=event.type,
+                                column=column, table=self.config.table)
+                continue
+            new[column] = value
         for column, spec, read in increments:
             new[column] = _add(new.get(column), read(event), spec, event)
         new.update(zip(self.key_columns, key, strict=True))

@@ -52,6 +52,7 @@ class _Ahead:
     dead: list[DeadLetter] = field(default_factory=list)
     offsets: dict[TopicPartition, int] = field(default_factory=dict)
     events: int = 0
+    truncated: bool = False  # a truncate was folded: the stored rows are gone, those in `rows` written after them
 
 
 class ShadowWriter(ProjectionWriter):
@@ -75,7 +76,8 @@ class ShadowWriter(ProjectionWriter):
             todo = candidates(records, prep, set())
             ahead, cache = self._ahead, self._cache
             pending, base = ahead.rows, ahead.base
-            new_keys = [k for k in todo.keys if k not in pending and k not in cache]
+            # after a truncate folded ahead the stored rows (and their tombstones) are as good as gone: none is read
+            new_keys = [k for k in todo.keys if k not in pending and k not in cache] if not ahead.truncated else []
             found: dict[Key, Row] = {}
             gone: dict[Key, int] = {}
             if new_keys:
@@ -95,7 +97,7 @@ class ShadowWriter(ProjectionWriter):
                     row = pending[k]
                     if k in ahead.buried:
                         gone[k] = ahead.buried[k]
-                else:
+                elif not ahead.truncated:
                     got = cache[k] if k in cache else found.get(k)
                     if type(got) is int:  # a cached tombstone
                         gone[k] = got
@@ -106,6 +108,11 @@ class ShadowWriter(ProjectionWriter):
             folded = fold(self.mapping, list(todo.first.values()), loaded, todo.record_keys, todo.key_errors, gone)
             if folded.bad:
                 raise Rewind(f"{len(folded.bad)} event(s) the mapping refused", self.drop_ahead() + len(records))
+            if folded.truncated:
+                pending.clear()
+                ahead.base.clear()
+                ahead.buried.clear()
+                ahead.truncated = True
             pending.update(folded.state)
             ahead.buried.update(folded.buried)
             ahead.dead += dead
@@ -118,7 +125,7 @@ class ShadowWriter(ProjectionWriter):
         ahead = self._ahead
         if not ahead.rows and not ahead.dead and not ahead.offsets:
             return BatchResult()
-        folded = Folded(ahead.rows, ahead.base, 0, 0, [], ahead.buried)
+        folded = Folded(ahead.rows, ahead.base, 0, 0, [], ahead.buried, truncated=ahead.truncated)
         result = BatchResult(events=ahead.events, transactions=1, dead_lettered=len(ahead.dead))
         try:
             conn = self.connection()
@@ -151,6 +158,8 @@ class ShadowWriter(ProjectionWriter):
         finally:
             self.idle.set()
         result.checkpoints = dict(ahead.offsets)
+        if ahead.truncated:
+            self._cache.clear()
         self._remember(ahead.rows, ahead.buried)
         self._ahead = _Ahead()
         return result

@@ -113,6 +113,12 @@ def delete_rows(shape: TableShape) -> sql.Composed:
         shape.name, arrays, ids(shape.keys), on)
 
 
+def delete_all(shape: TableShape) -> sql.Composed:
+    """Every row (a source table's truncate); DELETE, not TRUNCATE: it takes no exclusive lock, so readers of the
+    projection wait for nothing, and it commits or rolls back with the batch and its checkpoint."""
+    return sql.SQL("DELETE FROM {}").format(shape.name)
+
+
 def stage_name(shape: TableShape) -> sql.Identifier:
     return sql.Identifier(f"_kafold_stage_{shape.schema}_{shape.table}"[:63])
 

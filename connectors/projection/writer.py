@@ -17,6 +17,11 @@ monotonically (`WHERE next_offset < EXCLUDED.next_offset`), so a zombie writer a
 back; (6) commit. The checkpoint therefore always describes exactly the rows: PostgreSQL is the source of truth for
 offsets.
 
+A source table's truncate (an event of type TRUNCATE, Debezium op `t`, when its converter is told to apply it):
+the fold empties its rows there, and step (4) starts with one DELETE of every row, then writes the rows the batch
+made after it, all in the transaction that moves the checkpoint past it. So it happens once and in its place among
+the changes: a crash before the commit redoes the whole batch; its tracking key makes a redelivery a duplicate.
+
 Round trips: the transaction is one pipeline, its BEGIN and COMMIT statements queued with the rest (`db.begin`):
 BEGIN and the reads of (1)-(2) are the first round trip; (4)-(6) are queued after the fold and sent with the
 COMMIT, the second. A batch with more changed rows than STAGE_INLINE_ROWS stages them by COPY instead, which
@@ -410,7 +415,9 @@ class ProjectionWriter:
                     db.roll_back(conn)
                     raise
                 self._held.update(heads)  # committed with their heads
-                if self.cache_rows and folded.state:  # the attempt's rows and tombstones, once committed
+                if self.cache_rows and (folded.state or folded.truncated):  # the rows committed, tombstones
+                    if folded.truncated:  # the rows kept are gone with the rest
+                        self._cache.clear()
                     self._remember(folded.state, folded.buried)
                 return result
             except psycopg.errors.UniqueViolation as e:
@@ -629,6 +636,8 @@ class ProjectionWriter:
                 cur.executemany(q.insert_stage(shape), [
                     [None if v is None else bytes(v).decode(encoding) for v in texts.dump_sequence(values, formats)]
                     for values in rows])
+        if folded.truncated:  # before the merge: the rows the batch made after the truncate are written after it
+            conn.execute(q.delete_all(shape))
         stored = _Stored(conn.execute(q.merge_stage(shape, self.mapping.guard)) if rows else None,
                          conn.execute(q.delete_rows(shape), [list(c) for c in zip(*deletes, strict=True)],
                                       prepare=db.BY_KEYS) if deletes else None)

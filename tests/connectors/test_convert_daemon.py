@@ -89,13 +89,13 @@ class Source:
             conn.execute(f"CREATE TABLE {table} (id bigint PRIMARY KEY, name text, qty bigint)")
 
     def _record(self, op: str, key: int, before: Any, after: Any, lsn: int) -> tuple[int, bytes, bytes, Any]:
-        self.wrap = not self.wrap  # every other record in the {"schema", "payload"} wrapper
-        body = {"before": before, "after": after, "op": op, "ts_ms": 1,
-                "source": {"connector": "postgresql", "schema": "public", "table": self.table, "lsn": lsn,
-                           "ts_ms": 1}}
+        self.wrap = not self.wrap  # every other key in the {"schema", "payload"} wrapper (values always: the default)
+        body: dict[str, Any] = {"before": before, "after": after, "op": op, "ts_ms": 1,
+                                "source": {"connector": "postgresql", "schema": "public", "table": self.table,
+                                           "lsn": lsn, "ts_ms": 1}}
+        body = {"schema": {"type": "struct", "name": "Envelope"}, "payload": body}
         k: dict[str, Any] = {"id": key}
         if self.wrap:
-            body = {"schema": {"type": "struct", "name": "Envelope"}, "payload": body}
             k = {"schema": {"type": "struct"}, "payload": k}
         return 0, orjson.dumps(k), orjson.dumps(body), None
 
@@ -176,7 +176,8 @@ def test_debezium_and_json_records_project_exactly_once(
     # out-of-order redeliveries of older changes (the snapshot row of 1, 4's insert, 3's first delete + tombstone),
     # a malformed change (no op) and later changes that must still flow
     redelivered = [*late, first[0], old_insert_4, *first[-2:]]  # `late` never seen: the version guard skips it
-    bad = (0, b'{"id": 99}', orjson.dumps({"before": None, "after": {"id": 99}, "source": {"table": src}}), None)
+    bad = (0, b'{"id": 99}', orjson.dumps({"schema": {"type": "struct"}, "payload": {
+        "before": None, "after": {"id": 99}, "source": {"table": src}}}), None)
     coords += produce(kafka_config, cdc, [*redelivered, bad])
     coords += produce(kafka_config, cdc, source.change(f"UPDATE {src} SET qty = 20 WHERE id = 2", 2))
     daemon = start_daemon(conf, pg_url, log)
