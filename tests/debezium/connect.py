@@ -85,12 +85,16 @@ class ConnectWorker:
         self.worker = {
             "bootstrap.servers": bootstrap,
             "plugin.path": dist / "plugins",
-            "offset.storage.file.filename": home / "connect.offsets",
+            "offset.storage.file.filename": self.offsets_file,
             "listeners": f"http://127.0.0.1:{self.port}",
             **worker,
         }
         self.connector = dict(connector)
         self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def offsets_file(self) -> Path:
+        return self.home / "connect.offsets"
 
     @property
     def log_file(self) -> Path:

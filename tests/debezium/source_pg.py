@@ -4,6 +4,7 @@ on a loopback TCP port (Debezium's JDBC driver and replication stream connect ov
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -33,6 +34,7 @@ class SourcePostgres:
         self.port = free_port()
         # PostgreSQL refuses to run as root: there it runs as the system user pgserver creates for the dev stack's.
         self.user = "pgserver" if os.geteuid() == 0 else None
+        self.pid: int | None = None
 
     @property
     def url(self) -> str:
@@ -44,6 +46,7 @@ class SourcePostgres:
             with open(self.pgdata / "postgresql.conf", "a", encoding="utf-8") as conf:
                 conf.write("".join(f"{k} = {v}\n" for k, v in SETTINGS.items()))
         self._ctl("start", "-l", str(self.pgdata / "log"), "-o", f"-p {self.port}")
+        self.pid = int((self.pgdata / "postmaster.pid").read_text().split()[0])
         log.info("debezium_source.postgres.started", pgdata=str(self.pgdata), port=self.port)
         return self
 
@@ -59,9 +62,20 @@ class SourcePostgres:
         self._run(_bin("initdb"), "-D", str(self.pgdata), "--auth=trust", "--encoding=utf8", "-U", "postgres")
 
     def stop(self) -> None:
-        if (self.pgdata / "postmaster.pid").exists():
+        """pg_ctl's immediate stop; SIGKILL to the postmaster if that fails (its data dir gone, say)."""
+        pid, self.pid = self.pid, None
+        if pid is None:
+            return
+        try:
             self._ctl("stop", "-m", "immediate")
-            log.info("debezium_source.postgres.stopped", port=self.port)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            raise
+        finally:
+            log.info("debezium_source.postgres.stopped", port=self.port, pid=pid)
 
     def _ctl(self, *args: str) -> None:
         self._run(_bin("pg_ctl"), "-D", str(self.pgdata), "-w", "-t", "120", *args)
