@@ -60,6 +60,14 @@ def position(source: dict[str, Any]) -> int | None:
     return None
 
 
+def table_of(source: dict[str, Any], at: str, raw: Any) -> str:
+    """The change's source table, `schema.table` (MySQL `db.table`)."""
+    table, schema = source.get("table"), source.get("schema") or source.get("db")
+    if not table:
+        raise ConvertError(f"{at}: path 'source.table' is missing", raw=raw)
+    return f"{schema}.{table}" if schema else str(table)
+
+
 class DebeziumConverter:
     """One Debezium change record as an Event (see the module docstring)."""
 
@@ -77,9 +85,9 @@ class DebeziumConverter:
         """`body` decoded by the schema it carries; a bare body as it is (refused for a value where schemas are
         declared: its numbers and dates could not be told apart)."""
         if wrapped(body):
-            decode = self.schemas.decoder(body["schema"])
             payload = body["payload"]
             try:
+                decode = self.schemas.decoder(body["schema"])
                 return decode(payload) if decode is not None and payload is not None else payload
             except SchemaError as e:
                 raise ConvertError(f"{at}: {'key ' if is_key else ''}{e}", raw=raw) from None
@@ -127,11 +135,7 @@ class DebeziumConverter:
                                f"(op {op!r})", raw=raw)
         if type(key_body) is not dict or not key_body:
             raise ConvertError(f"{at}: the record key is not a Debezium key (an object of the key columns)", raw=raw)
-        table = source.get("table")
-        schema = source.get("schema") or source.get("db")
-        if not table:
-            raise ConvertError(f"{at}: path 'source.table' is missing", raw=raw)
-        aggregate_type = f"{schema}.{table}" if schema else str(table)
+        aggregate_type = table_of(source, at, raw)
         aggregate_id = (str(next(iter(key_body.values()))) if len(key_body) == 1
                         else orjson.dumps(key_body, option=orjson.OPT_SORT_KEYS).decode())
         version = self.version(body, source, at, raw)
@@ -150,10 +154,7 @@ class DebeziumConverter:
     def truncated(self, body: dict[str, Any], source: dict[str, Any], at: str, raw: Any,
                   timestamp_ms: int | None) -> Event:
         """A truncate as the `truncate` option says: an event of type TRUNCATE, or a dead letter naming the table."""
-        table, schema = source.get("table"), source.get("schema") or source.get("db")
-        if not table:
-            raise ConvertError(f"{at}: path 'source.table' is missing (op 't')", raw=raw)
-        name = f"{schema}.{table}" if schema else str(table)
+        name = table_of(source, at, raw)
         if self.truncate is TruncatePolicy.DEAD_LETTER:
             raise ConvertError(f"{at}: table {name} was truncated at the source (op 't'); its rows stay in the "
                                "projection ([connectors.convert] truncate = \"dead-letter\"; \"delete\" empties "

@@ -97,6 +97,10 @@ def registry_url(stack: contextlib.ExitStack, config: str | None, workdir: Path)
     return reg.url
 
 
+# The records below come without the schema wrapper: the converter is told so, with the settings that allow it.
+DEBEZIUM_SCHEMALESS = {"schemas": False, "decimal_handling_mode": "string", "time_precision_mode": "isostring"}
+
+
 def debezium_records(accounts: int) -> Any:
     """A Debezium PostgreSQL connector's change events (JSON, no schema wrapper) of an `accounts` source table: each
     account inserted, then updated by each deposit; the log position grows with every change."""
@@ -177,6 +181,6 @@ def _extra(kind: str, table: str) -> dict[str, Any] | None:
     if kind == "avro":
         return AVRO_CONVERT
     if kind == "debezium":
-        return {"converter": "debezium", "config": {"table": table, "key_columns": ["account_id"],
-                                                    "columns": COLUMNS, "on": DEBEZIUM_RULES}}
+        return {"converter": "debezium", "convert": DEBEZIUM_SCHEMALESS,
+                "config": {"table": table, "key_columns": ["account_id"], "columns": COLUMNS, "on": DEBEZIUM_RULES}}
     return None

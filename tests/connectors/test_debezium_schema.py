@@ -13,13 +13,13 @@ import pytest
 from structlog.testing import capture_logs
 
 from kafold.config import ConnectorConfig, ConvertConfig, ConverterKind, load_file
+from kafold.connectors.api import SinkRecord
 from kafold.connectors.convert import ConvertError, converter_for
 from kafold.connectors.convert.api import TRUNCATE, UNAVAILABLE
 from kafold.connectors.convert.connect_schema import Compiler, decimal_text
 from kafold.connectors.projection import fold as f
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.mapping import Mapping
-from kafold.connectors.api import SinkRecord
 from kafold.envelope import Event
 from kafold.errors import ConfigError
 from kafold.schema import Problems, is_missing, load
@@ -180,8 +180,12 @@ def test_a_bad_value_is_a_convert_error_naming_the_field_and_the_record():
     with pytest.raises(ConvertError, match=r"dbserver1.public.items\[0\]@7: path 'after.doc'") as got:
         run(conv(), *record("c", None, {"id": 1, "doc": "{not json"}, 10))
     assert got.value.reason == "convert-failed"
-    with pytest.raises(ConvertError, match="path 'after.price'"):
+    with pytest.raises(ConvertError, match=r"path 'after\.price'"):
         run(conv(), *record("c", None, {"id": 1, "price": "%%%"}, 10))
+    bad_scale = [COLUMNS[0], opt("price", "bytes", "org.apache.kafka.connect.data.Decimal", scale="two")]
+    # a schema that does not compile (first seen at `before`, the same Value schema as `after`)
+    with pytest.raises(ConvertError, match=r"path 'before\.price': Decimal scale 'two'"):
+        run(conv(), *record("c", None, {"id": 1, "price": "MDk="}, 10, bad_scale))
 
 
 def test_a_bare_value_is_refused_where_schemas_are_declared():
