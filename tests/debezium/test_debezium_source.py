@@ -3,7 +3,8 @@ REPLICA IDENTITY DEFAULT) feeding `kafold daemon`: the snapshot, inserts, update
 deletes, a key change, a TRUNCATE, a kill -9 of the daemon and of the Connect worker; the projected table equals the
 source table row by row, every column, after every step, and holds no unavailable-value placeholder. Debezium's
 defaults (schemas in each record, precise decimals, adaptive time), then schema-less records with string decimals
-and ISO times. Then a row deleted while a Connect worker that never flushed its offsets is down."""
+and ISO times. Then two cases where Debezium's defaults leave a value out of the stream: a row deleted while a
+Connect worker that never flushed its offsets is down, and a key change of a row with a TOASTed value."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def test_real_debezium_changes_project_like_the_source_table(
         src = p.src
         p.caught_up(streaming(src, 1), "the first changes")
         # A key change (Debezium: a delete of the old key, its tombstone, a create of the new one), on a row whose
-        # values are all inline: a TOASTed value would come as the placeholder in the create (see the report).
+        # values are all inline (a TOASTed value: test_a_key_change_keeps_the_rows_toasted_value).
         p.caught_up(src.sql("UPDATE {t} SET id = 30 WHERE id = 3"), "the key change")
 
         # kill -9 of the daemon with work outstanding, then a new one
@@ -155,3 +156,13 @@ def test_a_row_deleted_while_connect_is_down_before_its_first_offset_flush_is_de
         p.src.sql("DELETE FROM {t} WHERE id = 2", "UPDATE {t} SET note = 'while down' WHERE id = 4")
         p.worker.start()
         p.caught_up(p.src.sql("UPDATE {t} SET note = 'back' WHERE id = 1"), "the changes made while Connect was down")
+
+
+@pytest.mark.apache_kafka
+@pytest.mark.timeout(300)
+def test_a_key_change_keeps_the_rows_toasted_value(services: Services, unique: str, tmp_path: Path) -> None:
+    """An UPDATE of the primary key comes from Debezium as a delete of the old key and a create of the new one, both
+    at the same lsn; with REPLICA IDENTITY DEFAULT an unchanged TOASTed value is the placeholder in that create, so
+    the value is only in the row the delete removes."""
+    with pipeline(services, VARIANTS["defaults"], unique, tmp_path, SNAPSHOT_ROWS) as p:
+        p.caught_up(p.src.sql("UPDATE {t} SET id = 50 WHERE id = 1"), "the key change")
