@@ -251,7 +251,11 @@ class Pipeline:
         try:
             if self.daemon is not None and self.daemon.poll() is None:
                 self.daemon.send_signal(signal.SIGTERM)
-                self.daemon.wait(20)
+                try:
+                    self.daemon.wait(20)
+                except subprocess.TimeoutExpired:
+                    self.daemon.kill()
+                    self.daemon.wait()
         finally:
             try:
                 self.worker.stop()
