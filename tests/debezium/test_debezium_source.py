@@ -68,6 +68,9 @@ SNAPSHOT_ROWS = (
     "'2038-01-19 03:14:08+00', '2262-04-11 23:47:16.854775', '23:59:59.999999', "
     "'{{\"n\": 1e100, \"s\": \"tab\\tx\", \"k\": {{\"z\": 1, \"a\": 2}}}}', NULL, gen_random_uuid(), "
     "decode(repeat('ab', 3000), 'hex'), 'ναί 中文 \\t\"''', {big})",
+    # a TOASTed jsonb and bytea: Debezium's placeholder comes as a Json string and as bytes
+    "INSERT INTO {t} (id, doc, blob, note) VALUES (5, jsonb_build_object('pad', {big}, 'n', 5), decode({big}, 'hex'), "
+    "'toasted json and bytes')",
 )
 
 
@@ -78,7 +81,7 @@ def streaming(src: Source, phase: int) -> int:
         f"INSERT INTO {{t}} VALUES ({base + 1}, 1.10, 0.5, '2025-06-01', now(), '2025-06-01 12:00:00.000001', "
         f"'08:30:00.000001', '{{{{\"phase\": {phase}}}}}', true, gen_random_uuid(), '\\xdeadbeef', 'new ✓', {{big}})",
         f"INSERT INTO {{t}} (id, note, big) VALUES ({base + 2}, 'no big', NULL)",
-        f"UPDATE {{t}} SET note = 'touched {phase}', amount = amount + 1 WHERE id IN (1, 4, {base + 1})",  # big kept
+        f"UPDATE {{t}} SET note = 'touched {phase}', amount = amount + 1 WHERE id IN (1, 4, 5, {base + 1})",  # big kept
         "UPDATE {t} SET flag = NOT coalesce(flag, false), doc = NULL WHERE id = 1",  # big kept again
         f"UPDATE {{t}} SET big = {{big}} WHERE id = {base + 1}",  # a new TOASTed value
         "UPDATE {t} SET ratio = NULL, blob = NULL WHERE id = 3",
