@@ -1127,3 +1127,9 @@ def open_store(found: Setup) -> KeyStore:
 def active() -> Protector | None:
     """The Protector this process built last (the daemon's), for readers built without the configuration."""
     return _ACTIVE.get("default")
+
+
+def deactivate() -> None:
+    """Forget the Protector this process built last: readers built afterwards open nothing until one is built
+    again (a process that hosted a protected configuration and goes on without it, such as a test session)."""
+    _ACTIVE.pop("default", None)

@@ -36,6 +36,7 @@ class TestPgKeyStore(KeyStoreContract):
         self.pgc = PostgresConfig(url=pg_url, schema="ks_" + re.sub(r"\W", "_", unique[-8:]))
         db.upgrade(self.pgc)
         yield
+        protect.deactivate()  # this process's Protector may read keys in the schema dropped below
         with psycopg.connect(pg_url, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(self.pgc.schema)))
 
@@ -59,7 +60,7 @@ def test_the_directory_store_keeps_keys_out_of_the_database_and_a_restored_copy_
     sealed = {s: writer.seal("customer", "Registered", s, {"email": e}) for s, e in emails.items()}
     assert PgKeyStore(cfg.postgres).get("gone") is None  # nothing of it in PostgreSQL
     shutil.copytree(keys, tmp_path / "backup")
-    forget = kafold_cli("subjects", "forget", "gone", "-c", str(conf), check=True)
+    forget = kafold_cli("subjects", "forget", "gone", "-c", str(conf), "--yes", check=True)
     assert "key deleted" in forget.stdout
     shutil.rmtree(keys)
     shutil.copytree(tmp_path / "backup", keys)  # the directory restored from before the forget
