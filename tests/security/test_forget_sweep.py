@@ -317,6 +317,11 @@ class Run:
     forgot_at: int = 0  # index in receiver.requests of the first request after the forget
     wrapped: dict[str, bytes] = field(default_factory=dict)
 
+    def after_forget(self) -> list[Req]:
+        """Every webhook request received since the first forget."""
+        with self.receiver.lock:
+            return self.receiver.requests[self.forgot_at:]
+
 
 @pytest.fixture
 def run(kafka_config: KafkaConfig, pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Run]:
@@ -405,8 +410,8 @@ def test_after_a_forget_no_clear_value_of_the_subject_is_anywhere_but_where_the_
         for p in (ann, bob, cat):
             client.send(f"rename-{p.id}", p.id, "Rename", {"name": f"renamed-{p.id}"})
         client.wait(120)
-        wait_for(lambda: {cat.id, ann.id, bob.id} <= {r.key for r in run.receiver.successes()[run.forgot_at:]
-                                                      if orjson.loads(r.body)["type"] == "Renamed"},
+        wait_for(lambda: {cat.id, ann.id, bob.id} <= {r.key for r in run.after_forget()
+                                                      if r.status == 200 and orjson.loads(r.body)["type"] == "Renamed"},
                  "the renames delivered", 120)
         wait_for(lambda: _rows(pg_url, run.table).get(ann.id, ())[1:2] == (f"renamed-{ann.id}",), "renamed", 60)
         kafold_cli("keys", "purge", "-c", str(run.conf), check=True, timeout=120)
@@ -418,6 +423,9 @@ def test_after_a_forget_no_clear_value_of_the_subject_is_anywhere_but_where_the_
         daemon.stop()
     assert daemon.proc.returncode == 0, daemon.log.read_text()[-4000:]
 
+    released = [orjson.loads(r.body) for r in run.after_forget() if r.key == bob.id and r.status == 200]
+    assert {(b["type"], b["payload"].get("email", b["payload"].get("street"))) for b in released} >= {
+        ("Registered", PLACEHOLDER), ("Moved", PLACEHOLDER)}  # bob's parked events, released after the forget
     rows = _rows(pg_url, run.table)
     assert rows[ann.id] == (PLACEHOLDER, f"renamed-{ann.id}", PLACEHOLDER, PLACEHOLDER)
     assert rows[bob.id] == (PLACEHOLDER, f"renamed-{bob.id}", PLACEHOLDER, None)
@@ -428,7 +436,7 @@ def test_after_a_forget_no_clear_value_of_the_subject_is_anywhere_but_where_the_
     places["pg_dump"] = _pg_dump(pg_url)
     places["keys data file"] = _keys_file(pg_url)
     places["daemon log"] = daemon.log.read_bytes()
-    places["webhook bodies after the forget"] = b"\n".join(r.body for r in run.receiver.requests[run.forgot_at:])
+    places["webhook bodies after the forget"] = b"\n".join(r.body for r in run.after_forget())
     # the controls: the sweep finds a kept subject's values where they are meant to be
     assert cat.email.encode() in places["pg_dump"]
     assert f"renamed-{cat.id}".encode() in places["webhook bodies after the forget"]
@@ -480,7 +488,7 @@ def test_after_a_forget_no_clear_value_of_the_subject_is_anywhere_but_where_the_
                                 ([ann.id, bob.id],)).fetchone()
         assert held == (0,)
         logs = {"restored daemon log": (tmp_path / "restored.log").read_bytes(),
-                "webhook bodies after the forget": b"\n".join(r.body for r in run.receiver.requests[run.forgot_at:])}
+                "webhook bodies after the forget": b"\n".join(r.body for r in run.after_forget())}
         assert _found(forgotten, logs) == {}
     finally:
         with psycopg.connect(pg_url, autocommit=True) as conn:
