@@ -103,7 +103,7 @@ class ShadowWriter(ProjectionWriter):
                     if type(got) is int:  # a cached tombstone
                         gone[k] = got
                     elif got is not None and (got.get(VERSION_COLUMN) or 0) < ahead.swept:  # type: ignore[union-attr]
-                        gone[k] = max(ahead.swept, gone.get(k, 0))  # swept by a snapshot folded ahead
+                        gone[k] = max(ahead.swept - 1, gone.get(k, 0))  # swept by a snapshot folded ahead
                     elif got is not None:
                         row = base[k] = got  # type: ignore[assignment]
                 if row is not None:

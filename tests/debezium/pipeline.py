@@ -4,8 +4,10 @@ column types; `caught_up` waits for a change to be projected and compares the tw
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -247,6 +249,22 @@ class Pipeline:
         assert self.daemon is not None and self.daemon.poll() is None, f"the daemon exited; see {self.daemon_log}"
         same_as_source(self.src, self.sv.pgc, self.target, f"after {what}")
 
+    def drop_slot(self) -> None:
+        """The connector's replication slot goes with its test: the source server has a few (max_replication_slots),
+        and a slot left behind keeps its WAL."""
+        with self.src.pg.connect() as conn:
+            conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                         "WHERE slot_name = %s AND NOT active", (self.src.table,))
+
+    def rebuilt(self, what: str) -> None:
+        """`kafold projection rebuild` replays the whole topic into a fresh table (the rebuild's own writer, folding
+        ahead) and swaps it in: it equals the source table too."""
+        done = subprocess.run([str(Path(sys.executable).parent / "kafold"), "projection", "rebuild", self.unique,
+                               "-c", str(self.conf)], capture_output=True, text=True, timeout=WAIT_S * 2,
+                              env={**os.environ, "KAFOLD_POSTGRES__URL": self.sv.pg_url}, check=False)
+        assert done.returncode == 0, f"the rebuild failed: {done.stderr[-2000:]}"
+        same_as_source(self.src, self.sv.pgc, self.target, f"after a rebuild ({what})")
+
     def close(self) -> None:
         try:
             if self.daemon is not None and self.daemon.poll() is None:
@@ -259,6 +277,7 @@ class Pipeline:
         finally:
             try:
                 self.worker.stop()
+                self.drop_slot()
             finally:
                 self.tail.close()
 
