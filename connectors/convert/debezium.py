@@ -47,8 +47,8 @@ from kafold.connectors.convert.api import (
     where,
 )
 from kafold.connectors.convert.connect_schema import Compiler, SchemaError
-from kafold.connectors.convert.plain import _MISSING, NAMESPACE, JsonFormat, lookup, steps
-from kafold.connectors.convert.rekey import NEW_KEY, aggregate_id_of, header_value, parse_key
+from kafold.connectors.convert.plain import _MISSING, NAMESPACE, JsonFormat, header, lookup, steps
+from kafold.connectors.convert.rekey import NEW_KEY, aggregate_id_of, parse_key
 from kafold.connectors.convert.schemaless import ColumnTypes
 from kafold.envelope import Event, format_epoch_ms, utc_now, uuid5
 
@@ -185,7 +185,7 @@ class DebeziumConverter:
     def new_key(self, headers: Headers, at: str, raw: Any) -> dict[str, Any] | None:
         """The new key a key change's delete names (rekey.py); None for a plain delete or a header of another
         form (the new row then lacks the TOASTed values the create leaves out, as without the header)."""
-        got = header_value(headers, NEW_KEY)
+        got = header(headers, NEW_KEY)
         if got is None:
             return None
         key = parse_key(got)

@@ -57,6 +57,7 @@ class Tail:
         self.consumer: Consumer = kafka_clients.consumer(kafka, f"tail-{uuid.uuid4().hex[:8]}")
         self.consumer.assign([self.tp])
         self.records: list[tuple[Any, str | None, int | None, str | None]] = []
+        self.headers: list[dict[str, bytes | None]] = []  # each record's headers, beside `records`
 
     def poll(self) -> None:
         for msg in self.consumer.consume(500, 0.5):
@@ -67,6 +68,7 @@ class Tail:
             op = value.get("op") if value else None
             lsn = value.get("source", {}).get("lsn") if value else None
             self.records.append((key, op, lsn, msg.value().decode() if msg.value() else None))
+            self.headers.append(dict(msg.headers() or ()))
 
     def _payload(self, raw: bytes | None) -> Any:
         if raw is None:

@@ -183,5 +183,10 @@ def test_a_key_change_keeps_the_rows_toasted_value(variant_name: str, services: 
     with pipeline(services, VARIANTS[variant_name], unique, tmp_path, SNAPSHOT_ROWS) as p:
         p.caught_up(p.src.sql("UPDATE {t} SET id = 50 WHERE id = 1"), "the key change")
         p.rebuilt("the key change replayed")
-    # the run exercised what it claims: the new key's create came with the placeholder
+    # the run exercised what it claims: the new key's create came with the placeholder, the old key's delete named
+    # the new key in a header (as the worker's default header converter writes it)
     assert any(r[1] == "c" and PLACEHOLDER in (r[3] or "") for r in p.tail.records)
+    named = [h["__debezium.newkey"] for r, h in zip(p.tail.records, p.tail.headers, strict=True)
+             if r[1] == "d" and "__debezium.newkey" in h]
+    log.info("debezium_test.newkey_header", variant=variant_name, header=[str(v) for v in named])
+    assert len(named) == 1
