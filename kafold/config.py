@@ -274,6 +274,14 @@ class TruncatePolicy(enum.StrEnum):
     DEAD_LETTER = "dead-letter"  # a dead letter naming the table; the rows stay
 
 
+class SnapshotSweep(enum.StrEnum):
+    """What the end of a Debezium snapshot does to rows it did not read (docs/connectors.md#re-snapshots)."""
+
+    AUTO = "auto"    # SWEEP when the connector reads one topic (one source table), else KEEP
+    SWEEP = "sweep"  # delete the projection's rows older than the completed snapshot: rows deleted meanwhile
+    KEEP = "keep"    # leave them (a projection of several tables, or a topic routed from several)
+
+
 class DecimalHandling(enum.StrEnum):
     """Debezium's `decimal.handling.mode`, as the source connector is set."""
 
@@ -340,6 +348,11 @@ class ConvertConfig:
     truncate: TruncatePolicy = setting(TruncatePolicy.DEAD_LETTER, doc="debezium: what a truncate event (op `t`) "
                                        "does: `delete` removes every row of the projection (one source table a "
                                        "connector), `dead-letter` records it naming the table.")
+    snapshot_sweep: SnapshotSweep = setting(SnapshotSweep.AUTO, doc="debezium: at the end of a completed snapshot "
+                                            "(`source.snapshot` = `last`), `sweep` deletes the projection's rows "
+                                            "the snapshot did not read (rows deleted while the connector had lost "
+                                            "its offsets); needs one source table a connector. `auto`: sweep when "
+                                            "the connector reads one topic; `keep`: never.")
 
     def __post_init__(self) -> None:
         bad = [f"{n}: {getattr(self, n)!r} is not a JSON path, header:<name>, @coordinate or 'constant'"
@@ -556,6 +569,10 @@ def _check_converters(cfg: KafoldConfig, problems: Problems) -> None:
             problems.add(f"{where}.truncate", "\"delete\" empties the projection, so its connector must read one "
                          f"source table (one topic), not {len(con.topics)}: give each table its own connector, or "
                          "\"dead-letter\"")
+        if opts.snapshot_sweep is SnapshotSweep.SWEEP and len(con.topics) > 1:
+            problems.add(f"{where}.snapshot_sweep", "\"sweep\" deletes the projection's rows a snapshot did not "
+                         f"read, so its connector must read one source table (one topic), not {len(con.topics)}: "
+                         "give each table its own connector, or \"keep\"")
         if opts.schemas or opts.format != "json":
             continue  # the record's own schema says how each value is written
         if opts.decimal_handling_mode is DecimalHandling.PRECISE:
