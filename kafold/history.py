@@ -41,11 +41,12 @@ MAX_LIMIT = 1000  # events per page: a page's memory and time stay bounded whate
 # 7x slower (docs/benchmarks.md, history).
 RUN_GAP = 64
 FETCH_TIMEOUT_S = 10.0
-# Point readers per aggregate type, fetching a page's runs side by side. One: with 8 KB fetches a seek costs
-# ~0.15 ms here, mostly CPU (the broker sending, librdkafka parsing the record batch), so readers side by side only
-# add threads contending for the interpreter lock on a loaded machine: 1 reader 9.0 / 28.3 ms (page p50 / p99),
-# 4 readers 10.8 / 65.3, back to back (docs/benchmarks.md, history).
-READERS = 1
+# Point readers per aggregate type, fetching a page's runs side by side: one reader has one fetch of a partition
+# in flight. With 8 KB fetches a seek costs ~0.15 ms on an idle broker, mostly CPU (the broker sending the record
+# batch, librdkafka parsing it), so on a loaded machine readers side by side gain less than the round trips
+# suggest: 4 readers 10.3 / 94.1 ms page p50 / p99 against 1 reader 12.8 / 184.3, alternated on the same reads
+# (docs/benchmarks.md, history).
+READERS = 4
 # How long the broker holds a fetch at the partition's end. A seek waits for the fetch in flight, which at the end
 # of a run is often the one past it: 25 ms (the range readers') cost each seek up to that; Apache Kafka answers
 # a fetch with data at once whatever this is.
