@@ -16,7 +16,8 @@ from kafold.config import KafkaConfig, PostgresConfig, load_file
 # area name -> module (kafold.bench.<module>); a module is imported only when its area runs.
 AREAS: dict[str, str] = {"projection": "projection", "daemon": "daemon", "snapshots": "snapshots", "effects": "effects",
                         "aggregates": "aggregates", "rebuild": "rebuild", "evolution": "evolution",
-                        "latency": "latency", "privacy": "privacy", "history": "history"}
+                        "latency": "latency", "privacy": "privacy", "history": "history",
+                        "aio": "aio"}
 
 # Short group timeouts for the benches' consumers: a first JoinGroup waits for them on the embedded broker
 # (docs/brokers.md), and otherwise for the default rebalance timeout.
