@@ -12,11 +12,21 @@ pytest_plugins = ["kafold.testing.fixtures"]
 # Fixtures that reach a real service; tests using them are marked `integration` automatically.
 SERVICE_FIXTURES = frozenset({"dev_stack", "kafka_bootstrap", "pg_url", "kafka_config", "pg_config", "registry_url"})
 
+# Under pytest-xdist (`make test` runs the integration stage with `-n 2 --dist loadgroup`) every worker is its own
+# pytest process with its own session broker and PostgreSQL, so a test that pauses or kills them disturbs only its
+# own worker. The `slow` tests (kill -9 loops, the chaos runs with their own three-node clusters) go in one group:
+# one worker runs them one after another while the other works through the rest, so two clusters never fight
+# for the two cores at once.
+SERIAL_GROUP = "slow"
 
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook, which reads the groups into the test ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if SERVICE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
+        if item.get_closest_marker("slow") is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
 
 
 @pytest.fixture(autouse=True)
