@@ -46,7 +46,8 @@ test-tools:
 
 ## The Apache Kafka stage runs in WORKERS pytest-xdist processes, each with its own session broker and PostgreSQL (a
 ## test pausing or killing them disturbs its own worker only); the `slow` fault-injection tests form one group that
-## one worker runs in turn (tests/conftest.py). WORKERS=0 runs it in this process, as before.
+## one worker runs in turn, a module's tests sharing a module fixture another (tests/support/xdist_groups.py).
+## WORKERS=0 runs the stage in this one process, as before.
 WORKERS ?= 2
 test: lint test-tools
 	@$(call STAGE,unit,$(BIN)/python -m pytest --durations=10 -m "not integration and not tansu")
