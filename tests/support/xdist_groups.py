@@ -4,9 +4,10 @@ loadgroup`), decided from the collected items rather than from the test ids.
 Every worker is its own pytest process with its own session broker and PostgreSQL, so a test that pauses or kills
 them disturbs only its own worker. Groups run one after another on one worker:
 - the `slow` tests (kill -9 loops, the chaos runs with their own three-node clusters): two of them never fight for
-  the two cores at once, and the group is handed out first (xdist hands out the units with the most tests first);
+  the two cores at once; xdist hands out the units with the most tests first, one to each worker, so this one
+  (the largest with the registry's) starts at once;
 - the tests of a module sharing a module-scoped fixture (a scenario, a daemon, a Connect worker): set up once;
-- the tests of an expensive session fixture (one Spark JVM, not one per worker);
+- the tests of an expensive session fixture (one Spark JVM, one Apicurio Registry; not one per worker);
 - tests marked `xdist_group(name)`.
 
 Why not only xdist's own `loadgroup`: it appends the group to `item._nodeid`, which pytest 9.2 no longer reads (node
@@ -26,7 +27,7 @@ from typing import Any
 import pytest
 
 SERIAL_GROUP = "slow"
-SHARED_SESSION_FIXTURES = frozenset({"spark"})
+SHARED_SESSION_FIXTURES = ("spark", "registry_url")  # a JVM each: one per session, not one per worker
 _KEY = "kafold_groups_dir"
 
 
@@ -37,7 +38,8 @@ def group_of(item: pytest.Item) -> str | None:
         return str(marked.args[0] if marked.args else marked.kwargs.get("name", "default"))
     if item.get_closest_marker("slow") is not None:
         return SERIAL_GROUP
-    shared = sorted(SHARED_SESSION_FIXTURES & set(getattr(item, "fixturenames", ())))
+    names = set(getattr(item, "fixturenames", ()))
+    shared = [f for f in SHARED_SESSION_FIXTURES if f in names]
     if shared:
         return shared[0]
     # pytest's resolved fixture closure of the item (it has no public accessor)
