@@ -7,7 +7,8 @@ them disturbs only its own worker. Groups run one after another on one worker:
   the two cores at once; xdist hands out the units with the most tests first, one to each worker, so this one
   (the largest with the registry's) starts at once;
 - the tests of a module sharing a module-scoped fixture (a scenario, a daemon, a Connect worker): set up once;
-- the tests of an expensive session fixture (one Spark JVM, one Apicurio Registry; not one per worker);
+- the tests of an expensive session fixture (one Spark JVM, one Apicurio Registry; not one per worker), and the
+  tests marked `spark` (Spark JVMs of their own) with the Spark fixture's;
 - tests marked `xdist_group(name)`.
 
 Why not only xdist's own `loadgroup`: it appends the group to `item._nodeid`, which pytest 9.2 no longer reads (node
@@ -38,6 +39,8 @@ def group_of(item: pytest.Item) -> str | None:
         return str(marked.args[0] if marked.args else marked.kwargs.get("name", "default"))
     if item.get_closest_marker("slow") is not None:
         return SERIAL_GROUP
+    if item.get_closest_marker("spark") is not None:  # its own Spark JVM(s): never two at once on the two cores
+        return "spark"
     names = set(getattr(item, "fixturenames", ()))
     shared = [f for f in SHARED_SESSION_FIXTURES if f in names]
     if shared:
