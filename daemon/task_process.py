@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kafold import logs, protect, tracing
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig, RegistryConfig, TracingConfig
@@ -55,6 +55,12 @@ class TaskProcessError(KafoldError):
         self.trace = trace
 
 
+class ChildSpec(Protocol):
+    """What a child process is sent first (picklable): it runs the child over the connection to its parent."""
+
+    def run_child(self, conn: Connection) -> None: ...
+
+
 @dataclass(frozen=True)
 class TaskSpec:
     """What a child needs to build its task, all picklable: the connector is built again from its settings."""
@@ -71,6 +77,9 @@ class TaskSpec:
     registry: RegistryConfig | None = None  # [registry], for Schema Registry formats
     tracing: TracingConfig | None = None  # [tracing]: the child makes its own spans
     protect: protect.Setup | None = None  # protected fields: the child opens them with its own key ring
+
+    def run_child(self, conn: Connection) -> None:
+        child_main(conn, self)
 
 
 @dataclass(frozen=True)
@@ -129,7 +138,7 @@ class RemoteRunner:
 
     def run(self) -> None:
         """Start the child and follow its reports until it exits (blocks; the TaskSlot's thread)."""
-        process, parent = _start(self.spec, f"{self.connector.name}#{self.task_id}")
+        process, parent = start_child(self.spec, f"{self.connector.name}#{self.task_id}")
         self.pid = process.pid
         with self._lock:
             self._conn = parent
@@ -177,10 +186,11 @@ class RemoteRunner:
         return bool(message.get("final"))
 
 
-def _start(spec: TaskSpec, label: str) -> tuple[subprocess.Popen[bytes], Connection]:
+def start_child(spec: ChildSpec, label: str) -> tuple[subprocess.Popen[bytes], Connection]:
     """A child interpreter running `main` and the parent's end of its connection, the spec already sent. A plain
     subprocess rather than multiprocessing's spawn: no resource tracker process (~13 MB) and no re-import of the
-    daemon's __main__ in the child. The label (connector#task) only names the process in `ps`."""
+    daemon's __main__ in the child. The label (connector#task, aggregate#worker) only names the process in `ps`.
+    Also the aggregates' worker processes (daemon.aggregates.workers): one way to start a child."""
     ours, theirs = socket.socketpair()
     with theirs:
         process = subprocess.Popen([sys.executable, "-c", "from kafold.daemon.task_process import main; main()",
@@ -191,9 +201,11 @@ def _start(spec: TaskSpec, label: str) -> tuple[subprocess.Popen[bytes], Connect
 
 
 def main() -> None:
-    """The child's entry point: argv[1] is its end of the socket pair; the first message is its TaskSpec."""
+    """The child's entry point: argv[1] is its end of the socket pair; the first message is its spec, which runs
+    the child (a TaskSpec: a sink task; an aggregate's WorkerSpec: an aggregate worker)."""
     conn = Connection(int(sys.argv[1]))
-    child_main(conn, conn.recv())
+    spec: ChildSpec = conn.recv()
+    spec.run_child(conn)
 
 
 def child_main(conn: Connection, spec: TaskSpec) -> None:

@@ -178,6 +178,16 @@ class AggregateRuntime(LoopHandler):
         """The idempotency window's figures: ids held, expired, dropped early (beyond idempotency_max_ids)."""
         return {**self.store.window_figures(), "window_s": self.window_ms // 1000}
 
+    def figures(self) -> dict[str, float]:
+        """What /metrics shows of this runtime besides its counts: the idempotency window's ids held in memory,
+        expired and dropped early; with a local store, its bytes on disk and its reads."""
+        w = self.store.window
+        out = {"window_ids": float(len(w.times)), "window_expired": float(w.expired),
+               "window_dropped_early": float(w.dropped_early)}
+        if self.local is not None:
+            out.update(local_store_bytes=float(self.local.disk_bytes()), local_store_reads=float(self.local.reads))
+        return out
+
     def get_state(self, aggregate_id: str) -> Any:
         """The domain state of one aggregate, or None (thread-safe; served at GET /aggregates/{name}/{id})."""
         got = self.get(aggregate_id)
