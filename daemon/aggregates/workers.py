@@ -19,6 +19,7 @@ transaction to end (gate.py's offset note): exactly once holds as across daemons
 from __future__ import annotations
 
 import itertools
+import signal
 import sys
 import threading
 import time
@@ -86,7 +87,7 @@ class Worker:
         self.restarts = 0
         self.pid: int | None = None
         self.error: FatalError | None = None
-        self.alive = False
+        self.alive = self.report_seen = False
         self.stopping = threading.Event()
         self.conn: Connection | None = None
         self.lock = threading.Lock()
@@ -129,6 +130,9 @@ class Worker:
             final = self._run_once()
             if final or self.stopping.is_set():
                 return
+            if not self.report_seen:  # died before its first report (a start that cannot succeed): no restart loop
+                self.error = FatalError(f"aggregate worker {self.index} (pid {self.pid}) exited before it started")
+                return
             self.restarts += 1
             self.counted = self.counts
             self.report = Report()
@@ -144,6 +148,7 @@ class Worker:
         with self.lock:
             self.conn = conn
         self.alive = True
+        self.report_seen = False
         if self.stopping.is_set():
             self.send(("stop",))
         log.info("aggregate.worker_started", aggregate=self.spec.agg.name, worker=self.index, pid=self.pid,
@@ -177,6 +182,7 @@ class Worker:
             if future is not None and not future.done():
                 future.set_result(message["got"])
             return False
+        self.report_seen = True
         self.report = Report(message["gates"], message["counts"], message["figures"], message["ready"])
         if message.get("error") is not None:
             self.error = FatalError(f"aggregate worker {self.index} (pid {self.pid}) failed: {message['error']}")
@@ -316,6 +322,10 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
         except Exception:  # kept in runtime.error and logged by it; reported to the parent
             pass
 
+    # SIGTERM and SIGINT sent to the worker itself (systemd signals the whole control group; Ctrl-C the foreground
+    # process group): the graceful stop, as the daemon's (its batch's transaction ends, its partitions are released)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: runtime.stop())
     thread = threading.Thread(target=run, name=f"kafold-aggregate-{spec.agg.name}")
     thread.start()
     while thread.is_alive():
