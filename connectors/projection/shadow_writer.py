@@ -27,6 +27,7 @@ from kafold.connectors.api import SinkRecord, TopicPartition
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.fold import BatchResult, Folded, Key, Prepared, candidates, fold
 from kafold.connectors.projection.mapping import Mapping, Row
+from kafold.connectors.projection.snapshot_sweep import sweep
 from kafold.connectors.projection.writer import REJECTED, DeadLetter, ProjectionWriter, _HoldsChanged
 from kafold.errors import RetriableError
 
@@ -52,6 +53,7 @@ class _Ahead:
     offsets: dict[TopicPartition, int] = field(default_factory=dict)
     events: int = 0
     truncated: bool = False  # a truncate was folded: the stored rows are gone, those in `rows` written after them
+    swept: int = 0  # a snapshot's sweep was folded: stored rows older than this are gone (snapshot_sweep.py)
 
 
 class ShadowWriter(ProjectionWriter):
@@ -100,6 +102,8 @@ class ShadowWriter(ProjectionWriter):
                     got = cache[k] if k in cache else found.get(k)
                     if type(got) is int:  # a cached tombstone
                         gone[k] = got
+                    elif got is not None and (got.get(VERSION_COLUMN) or 0) < ahead.swept:  # type: ignore[union-attr]
+                        gone[k] = max(ahead.swept - 1, gone.get(k, 0))  # swept by a snapshot folded ahead
                     elif got is not None:
                         row = base[k] = got  # type: ignore[assignment]
                 if row is not None:
@@ -112,6 +116,9 @@ class ShadowWriter(ProjectionWriter):
                 ahead.base.clear()
                 ahead.buried.clear()
                 ahead.truncated = True
+            if folded.swept:  # the rows folded ahead of it are swept too, not only this batch's
+                sweep(pending, folded.swept, {}, ahead.buried)
+                ahead.swept = max(ahead.swept, folded.swept)
             pending.update(folded.state)
             ahead.buried.update(folded.buried)
             ahead.dead += dead
@@ -124,7 +131,8 @@ class ShadowWriter(ProjectionWriter):
         ahead = self._ahead
         if not ahead.rows and not ahead.dead and not ahead.offsets:
             return BatchResult()
-        folded = Folded(ahead.rows, ahead.base, 0, 0, [], ahead.buried, truncated=ahead.truncated)
+        folded = Folded(ahead.rows, ahead.base, 0, 0, [], ahead.buried, truncated=ahead.truncated,
+                        swept=ahead.swept)
         result = BatchResult(events=ahead.events, transactions=1, dead_lettered=len(ahead.dead))
         try:
             conn = self.connection()
@@ -156,7 +164,7 @@ class ShadowWriter(ProjectionWriter):
         finally:
             self.idle.set()
         result.checkpoints = dict(ahead.offsets)
-        if ahead.truncated:
+        if ahead.truncated or ahead.swept:
             self._cache.clear()
         self._remember(ahead.rows, ahead.buried)
         self._ahead = _Ahead()

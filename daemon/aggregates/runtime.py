@@ -50,7 +50,7 @@ import lmdb
 from confluent_kafka import TopicPartition as KTP
 
 from kafold import kafka_clients, logs, protect, topics
-from kafold.config import SNAPSHOT_TOPIC_CONFIGS, AggregateConfig, DaemonConfig, KafkaConfig, TopicSpec
+from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig, TopicSpec
 from kafold.consumer_loop import ConsumerLoop, LoopHandler
 from kafold.daemon.aggregates import recovery, routing
 from kafold.daemon.aggregates.catchup import CatchUp, restore_base
@@ -232,9 +232,9 @@ class AggregateRuntime(LoopHandler):
 
     def _start(self) -> None:
         rf = self.kafka.replication_factor
-        specs = [TopicSpec(t, self.agg.partitions, rf, {}) for t in self.topics.values()]
-        snapshots = TopicSpec(self.agg.topic("snapshot"), self.agg.partitions, rf, dict(SNAPSHOT_TOPIC_CONFIGS))
-        wanted = [*specs, snapshots, TopicSpec(self.dlq, 1, rf, {}, purpose="dead-letter")]
+        specs = [TopicSpec(t, self.agg.partitions, rf, self.agg.topic_configs(k)) for k, t in self.topics.items()]
+        snapshots = TopicSpec(self.agg.topic("snapshot"), self.agg.partitions, rf, self.agg.topic_configs("snapshot"))
+        wanted = [*specs, snapshots, TopicSpec(self.dlq, 1, rf, self.agg.topic_configs("dlq"), purpose="dead-letter")]
 
         # A broker restarting or a controller failing over while the daemon starts (a rolling restart of the
         # cluster) is waited out rather than ending the daemon.
