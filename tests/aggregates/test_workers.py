@@ -194,15 +194,22 @@ def test_daemons_with_worker_processes_answer_every_key_on_every_instance(
         away = next(u for u in urls if u != owner[key])
         status, body, _, _ = read(f"{away}/aggregates/account/{key}?min_version={done.version}", follow=False)
         assert status == 200 and body["version"] == done.version, body
-        accepted = 0.0  # each instance counts its own workers' decisions
-        for url in urls:
-            request = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
-            with urllib.request.urlopen(request, timeout=30) as resp:
-                lines = resp.read().decode().splitlines()
-            accepted += sum(float(line.split()[-1]) for line in lines if line.startswith(
+        def scraped() -> list[list[str]]:
+            pages = []
+            for url in urls:
+                request = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+                with urllib.request.urlopen(request, timeout=30) as resp:
+                    pages.append(resp.read().decode().splitlines())
+            return pages
+
+        def accepted() -> float:  # each instance counts its own workers' decisions
+            return sum(float(line.split()[-1]) for lines in scraped() for line in lines if line.startswith(
                 'kafold_aggregate_commands_total{aggregate="account",outcome="accepted"}'))
-            assert any(line.startswith("kafold_aggregate_local_store_bytes") for line in lines)
-        assert accepted == len(KEYS) * 3 + 1
+
+        # a result is out when its transaction commits, a moment before the worker counts it and reports
+        wait_for(lambda: accepted() == len(KEYS) * 3 + 1, timeout=30, what="every accepted command on /metrics")
+        assert all(any(line.startswith("kafold_aggregate_local_store_bytes") for line in lines)
+                   for lines in scraped())
     finally:
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
