@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kafold import logs, protect, tracing
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig, RegistryConfig, TracingConfig
@@ -58,6 +58,12 @@ class TaskProcessError(KafoldError):
         self.trace = trace
 
 
+class ChildSpec(Protocol):
+    """What a child process is sent first (picklable): it runs the child over the connection to its parent."""
+
+    def run_child(self, conn: Connection) -> None: ...
+
+
 @dataclass(frozen=True)
 class TaskSpec:
     """What a child needs to build its task, all picklable: the connector is built again from its settings."""
@@ -74,6 +80,9 @@ class TaskSpec:
     registry: RegistryConfig | None = None  # [registry], for Schema Registry formats
     tracing: TracingConfig | None = None  # [tracing]: the child makes its own spans
     protect: protect.Setup | None = None  # protected fields: the child opens them with its own key ring
+
+    def run_child(self, conn: Connection) -> None:
+        child_main(conn, self)
 
 
 @dataclass(frozen=True)
@@ -214,7 +223,7 @@ def release_prestarted() -> None:
 def _spawn(label: str) -> tuple[subprocess.Popen[bytes], Connection]:
     """A child interpreter running `main`, waiting for its spec, and the parent's end of its connection. A plain
     subprocess rather than multiprocessing's spawn: no resource tracker process (~13 MB) and no re-import of the
-    daemon's __main__ in the child. The label (connector#task) only names the process in `ps`."""
+    daemon's __main__ in the child. The label (connector#task, aggregate#worker) only names the process in `ps`."""
     ours, theirs = socket.socketpair()
     with theirs:
         process = subprocess.Popen([sys.executable, "-c", "from kafold.daemon.task_process import main; main()",
@@ -222,8 +231,20 @@ def _spawn(label: str) -> tuple[subprocess.Popen[bytes], Connection]:
     return process, Connection(ours.detach())
 
 
+def start_child(spec: ChildSpec, label: str) -> tuple[subprocess.Popen[bytes], Connection]:
+    """A child started and sent its spec: the one way to start a child, also for the aggregates' worker processes
+    (daemon.aggregates.workers). A child gone before the spec reached it is followed by its caller as one that died."""
+    process, conn = _spawn(label)
+    try:
+        conn.send(spec)
+    except OSError:
+        pass
+    return process, conn
+
+
 def main() -> None:
-    """The child's entry point: argv[1] is its end of the socket pair; the first message is its TaskSpec."""
+    """The child's entry point: argv[1] is its end of the socket pair; the first message is its spec, which runs
+    the child (a TaskSpec: a sink task; an aggregate's WorkerSpec: an aggregate worker)."""
     conn = Connection(int(sys.argv[1]))
     # Until its spec comes, a stop is the daemon's to give (the connection closes): SIGTERM / SIGINT sent to the
     # whole process group would otherwise end a prestarted child with a traceback, or as a task that died.
@@ -233,7 +254,7 @@ def main() -> None:
         spec = conn.recv()
     except (EOFError, OSError):  # the daemon stopped (or failed) before starting this task: nothing to do
         return
-    child_main(conn, spec)
+    spec.run_child(conn)
 
 
 def child_main(conn: Connection, spec: TaskSpec) -> None:
