@@ -37,6 +37,7 @@ from kafold import config as kconfig
 from kafold import db, devstack, erasure_log, logs, protect, sdnotify, tracing
 from kafold.config import KafoldConfig, Loaded, python_path
 from kafold.connectors.api import TopicPartition
+from kafold.connectors.projection import restored
 from kafold.connectors.registry import instantiate, resolve
 from kafold.daemon import connect_api, extensions, http, offsets, signals, status_page, visibility
 from kafold.daemon.aggregates import history, trust
@@ -212,21 +213,30 @@ class DaemonHost:
                             stop=self.stop_event)
         log.info("daemon.migrations_applied", schema=self.cfg.postgres.schema, revision=revision)
 
-    def reapply_erasures(self) -> None:
+    def reapply_erasures(self) -> list[str]:
         """With protected fields: re-apply the erasure log before any reader starts (kafold.erasure_log), so a
         database restored from a backup serves no subject forgotten since; retried while Kafka or PostgreSQL is
-        unreachable (up to MIGRATE_RETRY_S), then raises: the daemon does not start on a store it cannot check."""
+        unreachable (up to MIGRATE_RETRY_S), then raises: the daemon does not start on a store it cannot check.
+        Returns the subjects whose keys it deleted (their restored projection rows: `refresh_restored`)."""
         ring = None if self.protector is None else self.protector.ring
         if ring is None or ring.erasure_log is None:
-            return
+            return []
         found = ring.erasure_log
 
         def warn(e: RetriableError, delay: float) -> None:
             log.warning("daemon.erasures_retrying", error=str(e), retry_in_s=delay)
 
-        retrying(lambda: erasure_log.reapply(ring, found), within_s=MIGRATE_RETRY_S, on_retry=warn,
-                 stop=self.stop_event)
+        gone: list[str] = retrying(lambda: erasure_log.reapply(ring, found), within_s=MIGRATE_RETRY_S,
+                                   on_retry=warn, stop=self.stop_event)
         self.purge_keys()
+        return gone
+
+    def refresh_restored(self, subjects: list[str]) -> None:
+        """The rows of `subjects` (whose keys the re-apply deleted) folded again in each projection of protected
+        fields, beside the live tasks (each refresh locks the live table for its swap); failures are logged with
+        the command to run by hand and the daemon keeps serving (connectors.projection.restored)."""
+        restored.refresh_restored(self.cfg, self.base, subjects, stop=self.stop_event,
+                                  config_file=str(self.config_path or "FILE"))
 
     def purge_keys(self) -> None:
         """Remove deleted keys' bytes from the key store's files when keys were deleted since the last purge
@@ -444,7 +454,7 @@ class TasksService(mode.Service):
             return
         try:
             await self.host.call(self.host.migrate)
-            await self.host.call(self.host.reapply_erasures)
+            reapplied: list[str] = await self.host.call(self.host.reapply_erasures)
         except Exception as e:  # no task could work without kafold's tables: fail fast
             log.error("daemon.migrations_failed", error_class=type(e).__name__, error=str(e),
                       hint="stopping the daemon (exit 1)")
@@ -457,6 +467,8 @@ class TasksService(mode.Service):
             slot.start()
         for agg in self.host.aggregates.values():
             agg.start()
+        if reapplied:  # a restored database: its projection rows of those subjects are the backup's (clear values)
+            self.host.background(self.host.refresh_restored, reapplied)
         log.info("daemon.started", connectors=[g.name for g in self.host.groups], tasks=len(self.host.slots),
                  aggregates=list(self.host.aggregates), http=self.host.worker_id
                  if self.host.cfg.daemon.http_port else None)

@@ -140,8 +140,10 @@ def reapply(ring: KeyRing, erasure_log: ErasureLog) -> list[str]:
     if gone:
         log.warning("protect.erasures_reapplied", topic=erasure_log.topic, erasures=len(erasures),
                     keys_deleted=len(gone), seconds=round(time.monotonic() - started, 3),
-                    # a restored database's projection rows still hold those subjects' values (docs/operations.md)
-                    next_step="kafold projection rebuild NAME, for each projection of protected fields")
+                    # a restored database's projection rows still hold those subjects' values: the daemon and
+                    # `kafold db upgrade` fold them again (connectors/projection/restored.py, docs/operations.md)
+                    next_step="those subjects' rows are folded again in each projection of protected fields "
+                    "(protect.restored_refreshed; on protect.restored_refresh_failed, its hint)")
     else:
         log.info("protect.erasures_checked", topic=erasure_log.topic, erasures=len(erasures),
                  seconds=round(time.monotonic() - started, 3))

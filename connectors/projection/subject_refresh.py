@@ -1,11 +1,12 @@
-"""`kafold projection refresh NAME --subject S`: the rows a forgotten subject's events made, folded again.
+"""`kafold projection refresh NAME --subject S`: the rows forgotten subjects' events made, folded again.
 
 After `kafold subjects forget S` a protected field of S reads as the placeholder wherever it is read again, but rows
 already projected still hold the clear values. A refresh folds the projection's topics into a scratch table (the
 rebuild's machinery and one intake: decrypted, so S's protected fields give the placeholder) and notes the row keys
 of S's events on the way (the subject of a protect rule: the aggregate id or a payload path). It then replaces
 exactly those live rows with the scratch table's — every event of those rows folded, not only S's — and leaves every
-other row alone.
+other row alone. One run takes any number of subjects in one read of the topics (the subjects whose keys a re-apply
+of the erasure log deleted: restored.py).
 
 Note on offsets and consistency
 -------------------------------
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import psycopg
@@ -64,10 +65,10 @@ class RefreshPlan(ScratchPlan):
 @dataclasses.dataclass
 class Refreshed:
     """The outcome: `completed` once the rows were replaced; `rows` replaced (upserted or deleted); `held` row keys
-    of the subject left alone (held behind a dead letter)."""
+    of the subjects left alone (held behind a dead letter)."""
 
     name: str
-    subject: str
+    subjects: frozenset[str]
     completed: bool = False
     events: int = 0
     keys: int = 0
@@ -76,13 +77,14 @@ class Refreshed:
 
 
 class Refresh(Scratch):
-    """Runs one refresh of one subject's rows; `stop` ends it early (nothing replaced)."""
+    """Runs one refresh of the rows of `subjects` (one read of the topics for all); `stop` ends it early (nothing
+    replaced)."""
 
     kind = "refresh"
     done_event = "done"  # the swap transaction committed, with the rows replaced (`refresh.rows_replaced`)
     plan_type = RefreshPlan
 
-    def __init__(self, plan: Plan, subject: str, *, batch: int = 5000,
+    def __init__(self, plan: Plan, subjects: Iterable[str], *, batch: int = 5000,
                  on_progress: Callable[[Progress], None] | None = None, stop: threading.Event | None = None) -> None:
         protector = protect.active()
         if protector is None or not protector.rules:
@@ -92,11 +94,11 @@ class Refresh(Scratch):
             raise ConfigError([f"connectors: {plan.name!r}: none of the event types it projects has protect rules "
                                f"(protected: {', '.join(sorted({t for _, t in protector.rules}))}), so no row holds "
                                "a subject's protected fields (nothing to refresh)"])
-        # One process (see Scratch): the keys of the subject's rows are noted as the records are read (see _record).
+        # One process (see Scratch): the keys of the subjects' rows are noted as the records are read (see _record).
         super().__init__(plan, batch=batch, on_progress=on_progress, stop=stop)
-        self.subject, self.protector = subject, protector
-        self.touched: set[tuple[Any, ...]] = set()  # row keys of the subject's events
-        self.result = Refreshed(plan.name, subject)
+        self.subjects, self.protector = frozenset(subjects), protector
+        self.touched: set[tuple[Any, ...]] = set()  # row keys of the subjects' events
+        self.result = Refreshed(plan.name, self.subjects)
 
     # The rebuild's hooks: a scratch table of its own.
     def _begin(self) -> bool:
@@ -125,12 +127,12 @@ class Refresh(Scratch):
         if rule is None:
             return False
         try:
-            return rule.subject_of(e.aggregate_id, e.payload) == self.subject
-        except Exception:  # a payload without the subject's path: not this subject's (the fold decides the rest)
+            return rule.subject_of(e.aggregate_id, e.payload) in self.subjects
+        except Exception:  # a payload without the subject's path: none of the subjects' (the fold decides the rest)
             return False
 
     def run(self) -> Refreshed:  # type: ignore[override]
-        """Fold, converge under the lock, replace the subject's rows; the scratch table is dropped in every case."""
+        """Fold, converge under the lock, replace the subjects' rows; the scratch table is dropped in every case."""
         with self._scratch():
             progress = super().run()
         self.result.events = progress.events
@@ -139,7 +141,7 @@ class Refresh(Scratch):
         return self.result
 
     def finish(self, conn: psycopg.Connection[Any], live_exists: bool) -> None:
-        """Under the lock, with the scratch table equal to the live checkpoints: the subject's rows replaced."""
+        """Under the lock, with the scratch table equal to the live checkpoints: the subjects' rows replaced."""
         self.writer.close()
         self._save("swapped", conn)
         p, c = self.plan, self.plan.config

@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 from kafold import config, db, devstack, erasure_log, protect
 from kafold.cli import add_config_arg
 from kafold.commands import grants
+from kafold.connectors.projection import restored
 
 
 def register(sub: Any) -> None:
@@ -44,9 +45,14 @@ def upgrade(args: argparse.Namespace) -> int:
         gone = erasure_log.reapply(protector.ring, protector.ring.erasure_log)
         if gone:
             print(f"erasure log re-applied: {len(gone)} keys of forgotten subjects deleted again (the database "
-                  "was behind the log: restored from a backup?); rebuild the projections of protected fields "
-                  "(kafold projection rebuild NAME): their restored rows still hold those subjects' values")
+                  "was behind the log: restored from a backup?); folding those subjects' rows again in the "
+                  "projections of protected fields")
             protector.ring.store.purge()
+            # the restored rows of those subjects hold the backup's clear values until folded again
+            for r in restored.refresh_restored(cfg, loaded.base, gone, config_file=args.config):
+                state = "left as restored (stopped)" if not r.completed else f"{r.rows} row(s) folded again"
+                held = f"; {r.held} held behind a dead letter, left as restored (`kafold dlq list`)" if r.held else ""
+                print(f"{r.name}: {state}{held}")
     return 0
 
 

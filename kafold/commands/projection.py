@@ -210,7 +210,7 @@ def refresh(args: argparse.Namespace) -> int:
         db.upgrade(plan.pgc)
     bar = not args.no_progress and sys.stderr.isatty()
     with _verify_progress(bar, plan.name, "refresh") as report:
-        result = Refresh(plan, args.subject, batch=args.batch, on_progress=report).run()
+        result = Refresh(plan, [args.subject], batch=args.batch, on_progress=report).run()
     table = f"{plan.config.schema}.{plan.config.table}"
     if not result.completed:
         print(f"{plan.name}: stopped before the rows were replaced ({result.events} events folded); run it again")

@@ -24,12 +24,14 @@ from tests.aggregates.agg_support import (
     MASTER_VAR,
     PLACEHOLDER,
     customer_client,
+    customer_rows,
     kafold_cli,
     master_key,
     protected_customer_toml,
     ready_daemon,
     register,
 )
+from tests.support import wait_for
 
 pytestmark = pytest.mark.integration
 TABLES = ("subject_keys", "erasures")
@@ -132,6 +134,38 @@ def test_a_daemon_started_on_a_restored_database_reapplies_the_forget_before_it_
         assert state["changes"] == state["purged_at_change"]
     finally:
         client.close()
+
+
+def test_db_upgrade_on_a_restored_database_folds_the_forgotten_subjects_projection_rows_again(
+        setup: tuple[Path, KafoldConfig, str], pg_url: str, kafka_config: KafkaConfig, unique: str) -> None:
+    conf, _, schema = setup
+    table = f"fd_rows_{unique[-8:]}"
+    with_rows = protected_customer_toml(kafka_config, pg_url, unique, free_port(), table=table)
+    conf.write_text(conf.read_text() + with_rows[with_rows.index("[[connectors]]"):])
+    _, client = customer_client(conf, kafka_config)
+    emails = {"gone": "gone.secret@example.com", "kept": "kept.secret@example.com"}
+    try:
+        with ready_daemon(conf) as d:
+            register(client, emails)
+            wait_for(lambda: set(customer_rows(pg_url, table)) == set(emails), "the rows projected")
+            _tables(pg_url, schema, "backup")
+            status, _ = d.call("POST", "/subjects/gone/forget")
+            assert status == 200
+        # no refresh after the forget: the rows are the backup's, made before it, as a restore brings them back
+        _tables(pg_url, schema, "restore")
+        assert customer_rows(pg_url, table)["gone"][0] == emails["gone"]
+
+        upgrade = kafold_cli("db", "upgrade", "-c", str(conf), timeout=300)
+        assert upgrade.returncode == 0, upgrade.stdout + upgrade.stderr
+        assert "1 keys of forgotten subjects deleted again" in upgrade.stdout
+        assert f"{table}: 1 row(s) folded again" in upgrade.stdout, upgrade.stdout
+        rows = customer_rows(pg_url, table)
+        assert rows["gone"][0] == PLACEHOLDER and rows["kept"][0] == emails["kept"], rows
+        assert "protect.restored_refreshed" in upgrade.stdout + upgrade.stderr
+    finally:
+        client.close()
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(table)))
 
 
 def _heap(pg_url: str, schema: str) -> tuple[Path, bytes]:

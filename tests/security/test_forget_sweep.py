@@ -474,21 +474,33 @@ def test_after_a_forget_no_clear_value_of_the_subject_is_anywhere_but_where_the_
             f"http_port = {cfg.daemon.http_port}", f"http_port = {(port := free_port())}"))
         again = _start(conf2, tmp_path / "restored.log", port, token)
         try:
-            for p in (ann, bob):
+            # the daemon folds the re-applied subjects' rows again by itself: bob's row reads the placeholder
+            # without any command; ann's is held behind the backup's open dead letter (her refused phone), so it
+            # is left as restored and reported with the step to take (docs/operations.md#backup-and-restore)
+            wait_for(lambda: b'"protect.restored_refresh_held"' in (tmp_path / "restored.log").read_bytes(),
+                     "the restored rows folded again", 300)
+            rows = _rows(url, run.table)
+            assert rows[bob.id][0] == PLACEHOLDER and not set(rows[bob.id]) & set(bob.values), rows[bob.id]
+            assert rows[cat.id][0] == cat.email
+            assert rows[ann.id][0] == ann.email  # held: what the warning says
+            for p in (ann, bob, cat):
                 wait_for(lambda p=p: again.call("GET", f"/aggregates/customer/{p.id}")[0] == 200,  # type: ignore[misc]
                          "the restored daemon's partitions", 120)
+            for p in (ann, bob):
                 state = again.call("GET", f"/aggregates/customer/{p.id}")
                 assert state[0] == 200 and state[1]["state"]["email"] == PLACEHOLDER, state
                 assert state[1]["state"]["street"] == PLACEHOLDER
-            assert again.call("GET", f"/aggregates/customer/{cat.id}")[1]["state"]["email"] == cat.email
+            kept = again.call("GET", f"/aggregates/customer/{cat.id}")
+            assert kept[0] == 200 and kept[1]["state"]["email"] == cat.email, kept
         finally:
             again.stop()
         with psycopg.connect(url, autocommit=True) as conn:
             held = conn.execute("SELECT count(*) FROM kafold.subject_keys WHERE subject = ANY(%s)",
                                 ([ann.id, bob.id],)).fetchone()
         assert held == (0,)
-        # the restored projection rows are the backup's, made before the forget: a rebuild folds them again
-        assert _rows(url, run.table)[bob.id][0] == bob.email  # what docs/operations.md#backup-and-restore says
+        restored_log = (tmp_path / "restored.log").read_bytes()
+        assert b'"protect.restored_refresh_failed"' not in restored_log, restored_log[-4000:]
+        # the step the held warning names for ann's row: a rebuild by hand folds it again too
         rebuild = kafold_cli("projection", "rebuild", run.table, "-c", str(conf2), timeout=300)
         assert rebuild.returncode == 0, rebuild.stdout + rebuild.stderr
         again_rows = _rows(url, run.table)
