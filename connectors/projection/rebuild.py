@@ -84,17 +84,12 @@ from kafold.connectors.intake import Intake
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.connector import ProjectionConnector
+from kafold.connectors.projection.held_keys import DeadLetter, holds_lock
 from kafold.connectors.projection.mapping import Mapping, load_mapper
 from kafold.connectors.projection.rebuild_state import ACTIVE, offsets
 from kafold.connectors.projection.shadow_writer import Rewind, ShadowWriter
 from kafold.connectors.projection.task import tune_interpreter
-from kafold.connectors.projection.writer import (
-    DeadLetter,
-    Prepared,
-    holds_lock,
-    tracking_key,
-    tracking_prefix,
-)
+from kafold.connectors.projection.writer import Prepared, tracking_key, tracking_prefix
 from kafold.connectors.registry import instantiate
 from kafold.consumer_loop import SKIP_POLL, ConsumerLoop, LoopHandler, SkipPoll
 from kafold.envelope import decode
@@ -248,7 +243,7 @@ class _CatchUp(LoopHandler):
     before each poll the live checkpoints are read and the partitions behind them assigned (no group); a step whose
     read-ahead already reaches the targets skips its poll; the run finishes once the shadow has reached the targets
     read before its last batch and is near the current ones. The loop runs again over the same consumer on each
-    swap attempt; the consumer is closed by `Rebuild` (its `_close`), after the swap's tail."""
+    swap attempt; the consumer is closed by `Rebuild` (its `close_consumer`), after the swap's tail."""
 
     def __init__(self, rebuild: Rebuild) -> None:
         self.rebuild = rebuild
@@ -295,17 +290,23 @@ class _CatchUp(LoopHandler):
         assert self.batch is not None
         self.rebuild._past_markers(self.consumer, self.batch)
         self.rebuild._apply(self.consumer, self.batch, save=True)
-        self.reached = self.rebuild._caught_up(self.batch.targets)
+        self.reached = self.rebuild.caught_up(self.batch.targets)
 
     def on_failure(self, error: Exception) -> bool:
         return False  # the attempt's error: retried (RetriableError) or ending the rebuild, resumable
 
     def loop_stopped(self) -> None:
-        pass  # the consumer serves the next attempt and the swap's tail: closed by `Rebuild._close`
+        pass  # the consumer serves the next attempt and the swap's tail: closed by `Rebuild.close_consumer`
 
 
 class Rebuild:
-    """Runs one rebuild to its swap; `stop` (a threading.Event) ends it early, resumable."""
+    """Runs one rebuild to its swap; `stop` (a threading.Event) ends it early, resumable.
+
+    Its extension surface, what a job built on it (Scratch, scratch.py, and its Verify and Refresh) may use or
+    override: `save` and `forget_bookkeeping` (the run's bookkeeping row), `new_consumer`, `catch_up` and
+    `close_consumer` (reading up to the live checkpoints), `partitions_of`, `ours`, `caught_up` and `count_behind`
+    (where the reading stands against its targets), `report_progress`, and `finish` (the swap). The rest is private
+    to this module."""
 
     # The kind of job, naming its log events (`rebuild.started`, `verify.done`): a scratch job runs this machinery
     # too (scratch.py). `done_event` is logged once the swap transaction committed (`rebuild.swapped`).
@@ -364,7 +365,7 @@ class Rebuild:
                 self.phase = row[0]
                 return True
             conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(shadow))
-            self._forget(conn)
+            self.forget_bookkeeping(conn)
             conn.execute(q.create_table(c.schema, p.shadow, c.columns, c.key_columns, VERSION_COLUMN))
             conn.execute(sql.SQL(
                 "INSERT INTO {} (projection, shadow_table, namespace, phase, events, started_at, updated_at) "
@@ -373,7 +374,7 @@ class Rebuild:
                 "events = 0, started_at = now(), updated_at = now()").format(states), (p.name, p.shadow, p.key))
         return False
 
-    def _forget(self, conn: psycopg.Connection[Any]) -> None:
+    def forget_bookkeeping(self, conn: psycopg.Connection[Any]) -> None:
         """Remove the rebuild's checkpoints, tracking records, tombstones and dead letters (the live ones stay)."""
         pgc, key = self.plan.pgc, self.plan.key
         conn.execute(sql.SQL("DELETE FROM {} WHERE connector = %s").format(db.table(pgc, "checkpoints")), (key,))
@@ -381,7 +382,7 @@ class Rebuild:
         conn.execute(sql.SQL("DELETE FROM {} WHERE namespace = %s").format(db.table(pgc, "tombstones")), (key,))
         conn.execute(sql.SQL("DELETE FROM {} WHERE connector = %s").format(db.table(pgc, "dead_letters")), (key,))
 
-    def _save(self, phase: str, conn: psycopg.Connection[Any] | None = None) -> None:
+    def save(self, phase: str, conn: psycopg.Connection[Any] | None = None) -> None:
         self.phase = phase
         query = sql.SQL("UPDATE {} SET phase = %s, events = %s, updated_at = now() WHERE projection = %s").format(
             db.table(self.plan.pgc, "rebuild_state"))
@@ -404,10 +405,10 @@ class Rebuild:
         self.positions = {tp: off for tp, off in self.writer.checkpoints().items()}
         self.log.info(f"{self.kind}.resumed" if resumed else f"{self.kind}.started", phase=self.phase,
                       covered=sum(self.positions.values()), workers=self.workers)
-        consumer = self._consumer()
+        consumer = self.new_consumer()
 
         def attempt() -> None:
-            self._catch_up(consumer)
+            self.catch_up(consumer)
             if not self.stop.is_set():
                 self._converge(consumer)
 
@@ -418,7 +419,7 @@ class Rebuild:
                           swap_retries=self.swap_retries, max_tail=self.max_tail)
 
         try:
-            for tp in self._partitions(consumer):
+            for tp in self.partitions_of(consumer):
                 self.positions.setdefault(tp, 0)
             if self.phase == "copying" and self.workers > 1:
                 self._copy_in_workers()
@@ -427,11 +428,11 @@ class Rebuild:
         except _NotYet:
             pass  # stopped while waiting to try again: resumable
         finally:
-            self._close(consumer)
+            self.close_consumer(consumer)
         done = sum(self.positions.values())
         return Progress(self.phase, done, done, self.events, 0, self.behind)
 
-    def _consumer(self) -> Any:
+    def new_consumer(self) -> Any:
         # Large fetches for the history; a short broker wait so that, in the tail phase, records reach the
         # read-ahead as soon as they are written rather than a long-poll later (see kafka_clients).
         return kafka_clients.consumer(self.plan.kafka, f"kafold-rebuild.{self.plan.name}", **{
@@ -439,7 +440,7 @@ class Rebuild:
             "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024,
             "queued.min.messages": 200000})
 
-    def _close(self, consumer: Any) -> None:
+    def close_consumer(self, consumer: Any) -> None:
         try:
             self._settle(flush=False)  # what was folded ahead and not written is redone on resuming
         finally:
@@ -455,7 +456,7 @@ class Rebuild:
         until each is near the live connector on its partitions (see the module note); meanwhile report the
         progress read from the shadow's checkpoints and save it. A worker that fails ends the run (resumable)."""
         p = self.plan
-        targets = self._ours(offsets(p.pgc, p.name, self._bookkeeping()))
+        targets = self.ours(offsets(p.pgc, p.name, self._bookkeeping()))
         far = sorted((tp for tp, off in targets.items() if off - self.positions.get(tp, 0) > self.max_tail),
                      key=lambda tp: self.positions.get(tp, 0) - targets[tp])  # the furthest behind first
         n = min(self.workers, len(far))
@@ -486,14 +487,14 @@ class Rebuild:
                     raise FatalError(f"rebuild of {p.name!r}: copy worker {failed[0].name} exited with code "
                                      f"{failed[0].exitcode} (see its log); run the rebuild again to resume")
                 conn = self._bookkeeping()
-                self.positions.update(self._ours(offsets(p.pgc, p.key, conn)))
-                targets = self._ours(offsets(p.pgc, p.name, conn))
+                self.positions.update(self.ours(offsets(p.pgc, p.key, conn)))
+                targets = self.ours(offsets(p.pgc, p.name, conn))
                 self.copied_by_workers = sum(int(v.value) for v in applied)
                 self.events = before + self.copied_by_workers
-                self.behind = self._behind(targets)
-                self._report(self.events - reported, sum(targets.values()))
+                self.behind = self.count_behind(targets)
+                self.report_progress(self.events - reported, sum(targets.values()))
                 reported = self.events
-                self._save(self.phase)
+                self.save(self.phase)
                 if not running:
                     return
                 if self.stop.is_set():
@@ -508,7 +509,7 @@ class Rebuild:
                         proc.terminate()  # its transaction in flight rolls back: resumable
                         proc.join()
 
-    def _catch_up(self, consumer: Any) -> None:
+    def catch_up(self, consumer: Any) -> None:
         """Apply batches until the shadow has reached the live checkpoints read before its last batch (so what is
         left is what the live connector committed meanwhile) and is within `max_tail` of them on every partition:
         a run of the consumer loop (see _CatchUp); `stop` ends it early."""
@@ -517,15 +518,15 @@ class Rebuild:
 
     def _targets(self) -> dict[TopicPartition, int]:
         """The live checkpoints now, and where the shadow stands against them; entering the tail phase when near."""
-        targets = self._ours(offsets(self.plan.pgc, self.plan.name, self._bookkeeping()))
-        self.behind = self._behind(targets)
+        targets = self.ours(offsets(self.plan.pgc, self.plan.name, self._bookkeeping()))
+        self.behind = self.count_behind(targets)
         if self.phase == "copying" and self.share is None and self._near(targets):  # reads ahead from here on
-            self._save("catching-up")
-            self._report(0, sum(targets.values()))
+            self.save("catching-up")
+            self.report_progress(0, sum(targets.values()))
             self.log.info(f"{self.kind}.tail_phase_started", behind=self.behind)
         return targets
 
-    def _partitions(self, consumer: Any) -> list[TopicPartition]:
+    def partitions_of(self, consumer: Any) -> list[TopicPartition]:
         out: list[TopicPartition] = []
         for topic in self.plan.topics:
             meta = consumer.list_topics(topic, timeout=15).topics.get(topic)
@@ -534,7 +535,7 @@ class Rebuild:
             out += [TopicPartition(topic, p) for p in sorted(meta.partitions)]
         return out
 
-    def _ours(self, targets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
+    def ours(self, targets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
         """The live checkpoints of the configured source topics (a topic dropped from the config is ignored)."""
         return {tp: off for tp, off in targets.items()
                 if tp.topic in self.plan.topics and (self.share is None or tp in self.share)}
@@ -551,14 +552,14 @@ class Rebuild:
             if reach > batch.advance.get(tp, self.positions.get(tp, 0)):
                 batch.advance[tp] = reach
 
-    def _caught_up(self, targets: dict[TopicPartition, int]) -> bool:
+    def caught_up(self, targets: dict[TopicPartition, int]) -> bool:
         return all(self.positions.get(tp, 0) >= off for tp, off in targets.items())
 
     def _near(self, targets: dict[TopicPartition, int]) -> bool:
         """Within `max_tail` records of the target on every partition: small enough to apply under the lock."""
         return all(off - self.positions.get(tp, 0) <= self.max_tail for tp, off in targets.items())
 
-    def _behind(self, targets: dict[TopicPartition, int]) -> int:
+    def count_behind(self, targets: dict[TopicPartition, int]) -> int:
         return sum(max(0, off - self.positions.get(tp, 0)) for tp, off in targets.items())
 
     def _assign(self, consumer: Any, targets: dict[TopicPartition, int]) -> None:
@@ -626,10 +627,10 @@ class Rebuild:
         for tp, off in advance.items():  # a write in flight counts: it is settled before anything relies on it
             self.positions[tp] = max(off, self.positions.get(tp, 0))
         self.events += len(records)
-        self.behind = self._behind(targets)
-        self._report(count, sum(targets.values()))
+        self.behind = self.count_behind(targets)
+        self.report_progress(count, sum(targets.values()))
         if save and self.share is None:  # a copy worker's progress is saved by the coordinator
-            self._save(self.phase)
+            self.save(self.phase)
 
     def _fold_ahead(self, records: list[SinkRecord], dead: list[DeadLetter], advance: dict[TopicPartition, int],
                     prepared: Prepared | None) -> None:
@@ -667,7 +668,7 @@ class Rebuild:
         self.rewinds += 1
         self.events -= why.events
         stored = self.writer.checkpoints()
-        self.positions = {tp: stored.get(tp, 0) for tp in {*self.positions, *self._ours(stored)}}
+        self.positions = {tp: stored.get(tp, 0) for tp in {*self.positions, *self.ours(stored)}}
         if consumer is not None and self.assigned:
             _unassign(consumer, self.assigned)
         self.assigned, self.ahead = set(), {}
@@ -718,7 +719,7 @@ class Rebuild:
         if pending >= 0:
             advance[tp] = pending  # type: ignore[index]
 
-    def _report(self, batch: int, total: int) -> None:
+    def report_progress(self, batch: int, total: int) -> None:
         if self.on_progress is not None:
             self.on_progress(Progress(self.phase, sum(self.positions.values()), total, self.events, batch,
                                       self.behind))
@@ -752,15 +753,15 @@ class Rebuild:
                 if live_exists:  # waits for the live writer's batch in flight, blocks the next one
                     conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(live))
                 locked = time.perf_counter()
-                targets = self._ours(offsets(p.pgc, p.name, conn, lock=True))
-                self.tail = tail = self._behind(targets)
+                targets = self.ours(offsets(p.pgc, p.name, conn, lock=True))
+                self.tail = tail = self.count_behind(targets)
                 if not self._near(targets):
                     raise _NotYet(f"{tail} records behind under the lock (more than --max-tail {self.max_tail} on "
                                   "a partition)")
                 self.phase = "swapping"
                 tail_started = time.perf_counter()
                 deadline = time.monotonic() + TAIL_WAIT_S
-                while not self._caught_up(targets):  # the tail, into the shadow, while the live writer waits
+                while not self.caught_up(targets):  # the tail, into the shadow, while the live writer waits
                     if time.monotonic() > deadline or self.stop.is_set():
                         raise _NotYet("the tail did not arrive")
                     self._step(consumer, targets, 0.02, save=False)  # short polls: the live writer is waiting
@@ -781,9 +782,9 @@ class Rebuild:
                 self.lock_ms_max = max(self.lock_ms_max, self.locked_ms)
         assert locked is not None
         with db.connect(p.pgc) as conn, conn.transaction():
-            self._forget(conn)
+            self.forget_bookkeeping(conn)
         self.behind = 0
-        self._report(0, sum(self.positions.values()))
+        self.report_progress(0, sum(self.positions.values()))
         self.log.info(f"{self.kind}.{self.done_event}", table=f"{c.schema}.{c.table}", events=self.events,
                       covered=sum(self.positions.values()), locked_ms=self.locked_ms,
                       lock_wait_ms=round((locked - started) * 1000, 1), tail_under_lock=self.tail,
@@ -829,7 +830,7 @@ class Rebuild:
             "UPDATE {} d SET connector = %s WHERE d.connector = %s AND NOT EXISTS (SELECT 1 FROM {} l "
             "WHERE l.connector = %s AND l.topic = d.topic AND l.partition = d.partition "
             "AND l.\"offset\" = d.\"offset\")").format(dead, dead), (p.name, p.key, p.name))
-        self._save("swapped", conn)
+        self.save("swapped", conn)
 
     def _untrack(self, conn: psycopg.Connection[Any], dead: sql.Composed) -> None:
         """Delete the live namespace's tracking records of the events the rebuild dead-lettered or held."""
@@ -883,14 +884,14 @@ def _copier(plan: Plan, share: tuple[TopicPartition, ...], batch: int, max_tail:
                 rebuild.stop.set()
     threading.Thread(target=watch, daemon=True, name="kafold-rebuild-watch").start()
     tune_interpreter()
-    consumer = rebuild._consumer()
+    consumer = rebuild.new_consumer()
     try:
         rebuild.positions = {tp: off for tp, off in rebuild.writer.checkpoints().items() if tp in share}
         for tp in share:
             rebuild.positions.setdefault(tp, 0)
-        rebuild._catch_up(consumer)
+        rebuild.catch_up(consumer)
     finally:
         rebuild.stop.set()
-        rebuild._close(consumer)
+        rebuild.close_consumer(consumer)
     rebuild.log.info(f"{rebuild.kind}.worker_done", partitions=[str(tp) for tp in share], events=rebuild.events,
                      covered=sum(rebuild.positions.values()), stopped=halt.is_set() or os.getppid() != parent)

@@ -34,10 +34,10 @@ from kafold import db, protect
 from kafold.connectors.api import SinkRecord
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN
+from kafold.connectors.projection.held_keys import DeadLetter, hold_text
 from kafold.connectors.projection.mapping import Mapping, MappingError
 from kafold.connectors.projection.rebuild import Plan, Progress
 from kafold.connectors.projection.scratch import Scratch, ScratchPlan
-from kafold.connectors.projection.writer import DeadLetter, hold_text
 from kafold.errors import ConfigError, FatalError
 
 __all__ = ["Refresh", "RefreshPlan", "Refreshed", "protected_types"]
@@ -106,7 +106,7 @@ class Refresh(Scratch):
             row = exists.fetchone()
             if not row or not row[0]:
                 raise FatalError(f"projection {p.name!r}: table {c.schema}.{c.table} does not exist")
-            self._drop(conn)
+            self.drop_scratch(conn)
             conn.execute(q.create_table(c.schema, p.shadow, c.columns, c.key_columns, VERSION_COLUMN))
         return False
 
@@ -131,7 +131,7 @@ class Refresh(Scratch):
 
     def run(self) -> Refreshed:  # type: ignore[override]
         """Fold, converge under the lock, replace the subject's rows; the scratch table is dropped in every case."""
-        with self._scratch():
+        with self.scratch():
             progress = super().run()
         self.result.events = progress.events
         self.result.completed = progress.phase == "swapped"
@@ -141,7 +141,7 @@ class Refresh(Scratch):
     def finish(self, conn: psycopg.Connection[Any], live_exists: bool) -> None:
         """Under the lock, with the scratch table equal to the live checkpoints: the subject's rows replaced."""
         self.writer.close()
-        self._save("swapped", conn)
+        self.save("swapped", conn)
         p, c = self.plan, self.plan.config
         # A key held behind a dead letter, by the live connector or by the refresh, is left alone and reported: the
         # live row deliberately lacks the held events (replacing it would apply them behind the dead letters' back,
