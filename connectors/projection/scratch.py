@@ -66,7 +66,7 @@ class Scratch(Rebuild):
         assert isinstance(p, ScratchPlan)
         for table in p.tables:
             conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(q.qualified(c.schema, table)))
-        self.forget_bookkeeping(conn)
+        self.tables.forget(conn)
 
     def _lock(self) -> None:
         """One run of a projection at a time: a session's advisory lock, held on `guard` until the run ends."""
