@@ -246,6 +246,15 @@ class AggregateConfig:
         """Where the runtime dead-letters bad commands (one partition; see docs/aggregates.md)."""
         return f"kafold.dlq.aggregate.{self.name}"
 
+    def topic_configs(self, kind: str) -> dict[str, str]:
+        """The topic configs kafold creates its `kind` topic with (`commands`, `events`, `results`, `snapshot`,
+        `dlq`)."""
+        if kind == "snapshot":
+            return dict(SNAPSHOT_TOPIC_CONFIGS)
+        if self.protect and kind in ("commands", "dlq"):
+            return dict(PROTECTED_COMMANDS_TOPIC_CONFIGS if kind == "commands" else PROTECTED_DLQ_TOPIC_CONFIGS)
+        return {}
+
 
 class ConverterKind(enum.StrEnum):
     """How a connector reads its records (docs/connectors.md#converters)."""
@@ -263,6 +272,14 @@ class TruncatePolicy(enum.StrEnum):
 
     DELETE = "delete"            # remove every row of the projection (it reads that one source table)
     DEAD_LETTER = "dead-letter"  # a dead letter naming the table; the rows stay
+
+
+class SnapshotSweep(enum.StrEnum):
+    """What the end of a Debezium snapshot does to rows it did not read (docs/connectors.md#re-snapshots)."""
+
+    AUTO = "auto"    # SWEEP when the connector reads one topic (one source table), else KEEP
+    SWEEP = "sweep"  # delete the projection's rows older than the completed snapshot: rows deleted meanwhile
+    KEEP = "keep"    # leave them (a projection of several tables, or a topic routed from several)
 
 
 class DecimalHandling(enum.StrEnum):
@@ -331,6 +348,11 @@ class ConvertConfig:
     truncate: TruncatePolicy = setting(TruncatePolicy.DEAD_LETTER, doc="debezium: what a truncate event (op `t`) "
                                        "does: `delete` removes every row of the projection (one source table a "
                                        "connector), `dead-letter` records it naming the table.")
+    snapshot_sweep: SnapshotSweep = setting(SnapshotSweep.AUTO, doc="debezium: at the end of a completed snapshot "
+                                            "(`source.snapshot` = `last`), `sweep` deletes the projection's rows "
+                                            "the snapshot did not read (rows deleted while the connector had lost "
+                                            "its offsets); needs one source table a connector. `auto`: sweep when "
+                                            "the connector reads one topic; `keep`: never.")
 
     def __post_init__(self) -> None:
         bad = [f"{n}: {getattr(self, n)!r} is not a JSON path, header:<name>, @coordinate or 'constant'"
@@ -547,6 +569,10 @@ def _check_converters(cfg: KafoldConfig, problems: Problems) -> None:
             problems.add(f"{where}.truncate", "\"delete\" empties the projection, so its connector must read one "
                          f"source table (one topic), not {len(con.topics)}: give each table its own connector, or "
                          "\"dead-letter\"")
+        if opts.snapshot_sweep is SnapshotSweep.SWEEP and len(con.topics) > 1:
+            problems.add(f"{where}.snapshot_sweep", "\"sweep\" deletes the projection's rows a snapshot did not "
+                         f"read, so its connector must read one source table (one topic), not {len(con.topics)}: "
+                         "give each table its own connector, or \"keep\"")
         if opts.schemas or opts.format != "json":
             continue  # the record's own schema says how each value is written
         if opts.decimal_handling_mode is DecimalHandling.PRECISE:
@@ -735,6 +761,17 @@ SNAPSHOT_TOPIC_CONFIGS = {"cleanup.policy": "compact", "segment.ms": "3600000", 
 # has no tombstone): it is the list a restored database is checked against (kafold.erasure_log).
 ERASURE_TOPIC_CONFIGS = {"cleanup.policy": "compact", "retention.ms": "-1"}
 
+# The commands of an aggregate with `protect` rules carry what clients send, in clear (decide reads them as sent;
+# only decide's events are sealed). A command is read within seconds of its writing, and a retry is answered from
+# the idempotency window, not from the topic: so the topic keeps a command a day, no longer. Kafka deletes closed
+# segments only, whose newest record timestamp is past retention.ms (the active one is rolled to be deleted once
+# all of it has expired): hourly segments keep a value at most about 25 hours, plus the broker's retention check
+# interval (5 minutes by default). docs/security.md#where-personal-data-may-stay.
+PROTECTED_COMMANDS_TOPIC_CONFIGS = {"retention.ms": "86400000", "segment.ms": "3600000"}
+# Its dead-letter topic keeps a rejected command (in clear) and parked fold errors (sealed): seven days, daily
+# segments, set explicitly rather than left to the broker's default.
+PROTECTED_DLQ_TOPIC_CONFIGS = {"retention.ms": "604800000", "segment.ms": "86400000"}
+
 def topic_map(cfg: KafoldConfig) -> dict[str, TopicSpec]:
     """Every topic the configuration implies, by name; explicit [[topics]] entries override implied settings."""
     rf = cfg.kafka.replication_factor
@@ -743,10 +780,11 @@ def topic_map(cfg: KafoldConfig) -> dict[str, TopicSpec]:
         events = agg.topic("events")
         out[events] = TopicSpec(events, agg.partitions, rf, {}, purpose="events")
         for kind in ("commands", "results"):
-            out[agg.topic(kind)] = TopicSpec(agg.topic(kind), agg.partitions, rf, {}, events, kind)
+            out[agg.topic(kind)] = TopicSpec(agg.topic(kind), agg.partitions, rf, agg.topic_configs(kind), events,
+                                             kind)
         snap = agg.topic("snapshot")
-        out[snap] = TopicSpec(snap, agg.partitions, rf, dict(SNAPSHOT_TOPIC_CONFIGS), events, "snapshots")
-        out[agg.dlq_topic] = TopicSpec(agg.dlq_topic, 1, rf, {}, purpose="dead-letter")
+        out[snap] = TopicSpec(snap, agg.partitions, rf, agg.topic_configs("snapshot"), events, "snapshots")
+        out[agg.dlq_topic] = TopicSpec(agg.dlq_topic, 1, rf, agg.topic_configs("dlq"), purpose="dead-letter")
     if any(agg.protect for agg in cfg.aggregates):
         name = cfg.privacy.erasure_topic
         out[name] = TopicSpec(name, 1, rf, dict(ERASURE_TOPIC_CONFIGS), purpose="erasures")

@@ -139,7 +139,9 @@ def reapply(ring: KeyRing, erasure_log: ErasureLog) -> list[str]:
     gone = ring.reapply([(e.key_id, e.subject_hash, f"reapply:{e.actor}") for e in erasures])
     if gone:
         log.warning("protect.erasures_reapplied", topic=erasure_log.topic, erasures=len(erasures),
-                    keys_deleted=len(gone), seconds=round(time.monotonic() - started, 3))
+                    keys_deleted=len(gone), seconds=round(time.monotonic() - started, 3),
+                    # a restored database's projection rows still hold those subjects' values (docs/operations.md)
+                    next_step="kafold projection rebuild NAME, for each projection of protected fields")
     else:
         log.info("protect.erasures_checked", topic=erasure_log.topic, erasures=len(erasures),
                  seconds=round(time.monotonic() - started, 3))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from kafold.config import SnapshotSweep
 from kafold.connectors.convert.api import Converter, ConvertError, ValueFormat
 from kafold.connectors.convert.debezium import DebeziumConverter
 from kafold.connectors.convert.plain import JsonConverter, JsonFormat
+from kafold.connectors.convert.schemaless import ColumnTypes, field_decoders
 
 __all__ = ["ConvertError", "Converter", "ValueFormat", "converter_for"]
 
@@ -29,7 +31,13 @@ def converter_for(connector_config: Any, registry_config: Any = None) -> Convert
     if kind == "kafold":
         return None
     if kind == "debezium":
-        return DebeziumConverter(options, value_format(options.format, registry_config, options.message_type))
+        columns = None
+        if not options.schemas and options.format == "json" and isinstance(connector_config.config, dict):
+            columns = ColumnTypes(field_decoders(connector_config.config, options.binary_handling_mode))
+        sweep = SnapshotSweep(options.snapshot_sweep)
+        return DebeziumConverter(options, value_format(options.format, registry_config, options.message_type),
+                                 columns, sweep is SnapshotSweep.SWEEP
+                                 or (sweep is SnapshotSweep.AUTO and len(connector_config.topics) == 1))
     if kind == "json":
         return JsonConverter(options)
     if kind in REGISTRY_KINDS:

@@ -15,6 +15,9 @@ TRUNCATE = "debezium.truncate"
 # A value the source did not send (Debezium's placeholder for an unchanged TOASTed column, whatever its configured
 # text): a projection keeps the column's stored value (see mapping.py).
 UNAVAILABLE = UNAVAILABLE_PLACEHOLDER
+# The payload field (true) of the last record of a completed Debezium snapshot, when the connector sweeps: the
+# projection deletes its rows older than that record, the ones the snapshot did not read (see snapshot_sweep.py).
+SNAPSHOT_END = "__debezium.snapshot_end"
 
 
 class ConvertError(RecordError):

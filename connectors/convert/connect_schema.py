@@ -211,7 +211,7 @@ class Compiler:
         if name == "io.debezium.time.MicroDuration":
             return lambda v: f"{_int(v)} microseconds"
         if name == "io.debezium.data.Json":
-            return _json
+            return json_value
         if name == "io.debezium.data.Bits":
             return lambda v: _bits(_bytes(v), params.get("length"))
         if kind == "bytes":
@@ -225,7 +225,7 @@ def _int(v: Any) -> int:
     return v
 
 
-def _json(v: Any) -> Any:
+def json_value(v: Any) -> Any:
     if type(v) is not str:
         raise TypeError(f"expected JSON text, got {type(v).__name__}")
     try:  # msgspec, not orjson: integers beyond 64 bits come back exact, not as floats

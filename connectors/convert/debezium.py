@@ -9,9 +9,18 @@ is a uuid5 of table, key and position: Debezium's own redelivery of a change (an
 
 Values: with the `{"schema": …, "payload": …}` wrapper (JsonConverter's `schemas.enable`, Debezium's default) each
 value is decoded by the record's own Connect schema (connect_schema.py: numerics exact, dates and times as ISO
-text, jsonb as its document); with `schemas = false` a record must come without it and values pass as they are.
+text, jsonb as its document); with `schemas = false` a record must come without it, and the fields mapped to
+`json`/`jsonb` or `bytea` columns are decoded by those declared types (schemaless.py); other values pass as they
+are.
 Debezium's unavailable-value placeholder (an unchanged TOASTed column) comes out as `api.UNAVAILABLE`:
 the projection keeps the column's stored value.
+
+A key change (a delete of the old key, then a create of the new one at the same position): the delete's payload
+names the new key (rekey.py), for the projection to move the old row there and keep its TOASTed values.
+
+The last record of a completed snapshot (`source.snapshot` `last`, or `last_in_data_collection` for its table)
+carries SNAPSHOT_END when the connector sweeps (`snapshot_sweep`): the projection then deletes its rows older than
+the snapshot, which it did not read (rows deleted while Debezium had lost its offsets and snapshotted again).
 
 Truncate (op `t`, no key): by `[connectors.convert] truncate`, an event of type TRUNCATE (the projection empties
 its table, in the transaction of the batch that holds it) or a dead letter naming the table.
@@ -27,14 +36,24 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import orjson
-
 from kafold.config import TruncatePolicy
-from kafold.connectors.convert.api import TRUNCATE, UNAVAILABLE, ConvertError, Headers, ValueFormat, where
+from kafold.connectors.convert.api import (
+    SNAPSHOT_END,
+    TRUNCATE,
+    UNAVAILABLE,
+    ConvertError,
+    Headers,
+    ValueFormat,
+    where,
+)
 from kafold.connectors.convert.connect_schema import Compiler, SchemaError
-from kafold.connectors.convert.plain import MISSING, NAMESPACE, JsonFormat, lookup, steps
+from kafold.connectors.convert.plain import MISSING, NAMESPACE, JsonFormat, header, lookup, steps
+from kafold.connectors.convert.rekey import NEW_KEY, aggregate_id_of, parse_key
+from kafold.connectors.convert.schemaless import ColumnTypes
 from kafold.envelope import Event, format_epoch_ms, utc_now, uuid5
 
+# `source.snapshot` of a snapshot's last record: of the whole snapshot, or of one table's part of it (Debezium 2+)
+SNAPSHOT_LAST = ("last", "last_in_data_collection")
 OPS = {"c": "create", "u": "update", "r": "read", "d": "delete", "t": TRUNCATE}
 BINLOG_NUMBER = re.compile(r"(\d+)$")
 # MySQL position packing: file number (19 bits) | pos (32 bits) | row (12 bits) = 63 bits, a bigint.
@@ -71,7 +90,8 @@ def table_of(source: dict[str, Any], at: str, raw: Any) -> str:
 class DebeziumConverter:
     """One Debezium change record as an Event (see the module docstring)."""
 
-    def __init__(self, options: Any, fmt: ValueFormat | None = None) -> None:
+    def __init__(self, options: Any, fmt: ValueFormat | None = None, columns: ColumnTypes | None = None,
+                 sweep: bool = False) -> None:
         self.fmt: ValueFormat = fmt if fmt is not None else JsonFormat()
         self.key_fmt: ValueFormat = self.fmt
         self.version_path = steps(options.version) if options.version else None
@@ -80,6 +100,9 @@ class DebeziumConverter:
         self.needs_schema = options.schemas and options.format == "json"
         self.truncate = TruncatePolicy(options.truncate)
         self.schemas = Compiler(options.unavailable_value_placeholder)
+        # schema-less records: the projection's declared column types say which text fields are JSON or bytes
+        self.columns = columns if columns is not None else ColumnTypes({})
+        self.sweep = sweep  # mark a completed snapshot's last record (SNAPSHOT_END)
 
     def decoded(self, body: Any, is_key: bool, at: str, raw: Any) -> Any:
         """`body` decoded by the schema it carries; a bare body as it is (refused for a value where schemas are
@@ -136,12 +159,20 @@ class DebeziumConverter:
         if type(key_body) is not dict or not key_body:
             raise ConvertError(f"{at}: the record key is not a Debezium key (an object of the key columns)", raw=raw)
         aggregate_type = table_of(source, at, raw)
-        aggregate_id = (str(next(iter(key_body.values()))) if len(key_body) == 1
-                        else orjson.dumps(key_body, option=orjson.OPT_SORT_KEYS).decode())
+        aggregate_id = aggregate_id_of(key_body)
         version = self.version(body, source, at, raw)
         if schemaless:
             row = self.placeheld(row)
+            if self.columns:
+                try:
+                    row = self.columns.row(row, "before" if op == "d" else "after")
+                except SchemaError as e:
+                    raise ConvertError(f"{at}: {e}", raw=raw) from None
         payload = {**row, **key_body} if op == "d" else row
+        if op == "d" and (new_key := self.new_key(headers, at, raw)) is not None:
+            payload[NEW_KEY] = new_key
+        elif op == "r" and self.sweep and source.get("snapshot") in SNAPSHOT_LAST:
+            payload = {**payload, SNAPSHOT_END: True}
         ts = source.get("ts_ms") or body.get("ts_ms") or timestamp_ms
         event_id = uuid5(NAMESPACE, f"debezium/{aggregate_type}/{aggregate_id}/{version}/{op}")
         try:
@@ -150,6 +181,16 @@ class DebeziumConverter:
                          correlation_id=event_id, payload=payload)
         except ValueError as e:
             raise ConvertError(f"{at}: {e}", raw=raw) from None
+
+    def new_key(self, headers: Headers, at: str, raw: Any) -> dict[str, Any] | None:
+        """The new key a key change's delete names (rekey.py); None for a plain delete or a header of another
+        form (the new row then lacks the TOASTed values the create leaves out, as without the header)."""
+        got = header(headers, NEW_KEY)
+        if got is None:
+            return None
+        key = parse_key(got)
+        key = self.decoded(key, True, at, raw) if key is not None else None
+        return key if type(key) is dict and key else None
 
     def truncated(self, body: dict[str, Any], source: dict[str, Any], at: str, raw: Any,
                   timestamp_ms: int | None) -> Event:

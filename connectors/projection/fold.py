@@ -15,6 +15,8 @@ from typing import Any
 from kafold.connectors.api import Outcomes, SinkRecord, TopicPartition
 from kafold.connectors.projection.config import VERSION_COLUMN
 from kafold.connectors.projection.mapping import UNCHANGED, Mapping, MappingError, Row
+from kafold.connectors.projection.rekey import moved
+from kafold.connectors.projection.snapshot_sweep import ends_snapshot, sweep
 from kafold.errors import RecordError
 
 Key = tuple[Any, ...]
@@ -80,6 +82,7 @@ class Folded:
     stale_records: list[SinkRecord] = field(default_factory=list)
     applied: dict[tuple[str, int], int] = field(default_factory=dict)  # events folded in, per (topic, partition)
     truncated: bool = False  # a truncate came first: every row of the table goes before the rows below are written
+    swept: int = 0  # a completed snapshot's sweep: every stored row older than this version goes (snapshot_sweep.py)
 
     def changes(self) -> tuple[list[Row], list[Key]]:
         """What to write: the rows that differ from those loaded, and the keys of loaded rows now removed (after a
@@ -174,6 +177,9 @@ def fold(mapping: Mapping, fresh: list[SinkRecord], loaded: dict[Key, Row], reco
         if is_stale(row, r.event) or (gone and row is None and r.event.version <= gone.get(key, 0)):
             folded.stale += 1
             folded.stale_records.append(r)
+            if ends_snapshot(r.event):
+                folded.swept = max(folded.swept, r.event.version)
+                sweep(state, r.event.version, gone, buried)
             continue
         try:
             new = apply(row, r.event, key)
@@ -189,5 +195,12 @@ def fold(mapping: Mapping, fresh: list[SinkRecord], loaded: dict[Key, Row], reco
             assert row is not None
             gone[key] = buried[key] = max(row.get(VERSION_COLUMN) or 0, r.event.version, gone.get(key, 0))
         state[key] = new  # type: ignore[assignment]
+        if new is None and row is not None and (move := moved(mapping, r.event, row)) is not None:
+            to, moved_row = move  # a Debezium key change: the old row goes to its new key (rekey.py)
+            if state.get(to) is None and not (gone and gone.get(to, 0) >= r.event.version):
+                state[to] = moved_row
+        if ends_snapshot(r.event):  # after its own row: that row has the snapshot's version and stays
+            folded.swept = max(folded.swept, r.event.version)
+            sweep(state, r.event.version, gone, buried)
     folded.state = state
     return folded

@@ -2,9 +2,10 @@
 
 Two values from converters are not data: an event of type TRUNCATE has the empty key `()` (the fold empties the
 table, fold.py), and a `set` value UNAVAILABLE (Debezium's placeholder for an unchanged TOASTed column) leaves the
-column as the row has it. A row that does not exist yet (an insert, a key change, an update of a row the projection
-never had) cannot get that value back: the column stays NULL and `projection.value_unavailable` is logged (the source
-table needs REPLICA IDENTITY FULL for Debezium to send it).
+column as the row has it (a Debezium key change moves the old row to the new key first: rekey.py). A row that does
+not exist yet (an insert, an update of a row the projection never had) cannot get that value back: the column stays
+NULL and `projection.value_unavailable` is logged (the source table needs REPLICA IDENTITY FULL for Debezium to send
+it).
 """
 
 from __future__ import annotations

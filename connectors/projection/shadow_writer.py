@@ -28,6 +28,7 @@ from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.fold import BatchResult, Folded, Key, Prepared, candidates, fold
 from kafold.connectors.projection.held_keys import DeadLetter, HoldsChanged
 from kafold.connectors.projection.mapping import Mapping, Row
+from kafold.connectors.projection.snapshot_sweep import sweep
 from kafold.connectors.projection.writer import REJECTED, ProjectionWriter
 from kafold.errors import RetriableError
 
@@ -53,6 +54,7 @@ class _Ahead:
     offsets: dict[TopicPartition, int] = field(default_factory=dict)
     events: int = 0
     truncated: bool = False  # a truncate was folded: the stored rows are gone, those in `rows` written after them
+    swept: int = 0  # a snapshot's sweep was folded: stored rows older than this are gone (snapshot_sweep.py)
 
 
 class ShadowWriter(ProjectionWriter):
@@ -101,6 +103,8 @@ class ShadowWriter(ProjectionWriter):
                     got = cache[k] if k in cache else found.get(k)
                     if type(got) is int:  # a cached tombstone
                         gone[k] = got
+                    elif got is not None and (got.get(VERSION_COLUMN) or 0) < ahead.swept:  # type: ignore[union-attr]
+                        gone[k] = max(ahead.swept - 1, gone.get(k, 0))  # swept by a snapshot folded ahead
                     elif got is not None:
                         row = base[k] = got  # type: ignore[assignment]
                 if row is not None:
@@ -113,6 +117,9 @@ class ShadowWriter(ProjectionWriter):
                 ahead.base.clear()
                 ahead.buried.clear()
                 ahead.truncated = True
+            if folded.swept:  # the rows folded ahead of it are swept too, not only this batch's
+                sweep(pending, folded.swept, {}, ahead.buried)
+                ahead.swept = max(ahead.swept, folded.swept)
             pending.update(folded.state)
             ahead.buried.update(folded.buried)
             ahead.dead += dead
@@ -125,7 +132,8 @@ class ShadowWriter(ProjectionWriter):
         ahead = self._ahead
         if not ahead.rows and not ahead.dead and not ahead.offsets:
             return BatchResult()
-        folded = Folded(ahead.rows, ahead.base, 0, 0, [], ahead.buried, truncated=ahead.truncated)
+        folded = Folded(ahead.rows, ahead.base, 0, 0, [], ahead.buried, truncated=ahead.truncated,
+                        swept=ahead.swept)
         result = BatchResult(events=ahead.events, transactions=1, dead_lettered=len(ahead.dead))
         try:
             conn = self.connection()
@@ -157,7 +165,7 @@ class ShadowWriter(ProjectionWriter):
         finally:
             self.idle.set()
         result.checkpoints = dict(ahead.offsets)
-        if ahead.truncated:
+        if ahead.truncated or ahead.swept:
             self.table_rows.cache.clear()
         self.table_rows.remember(ahead.rows, ahead.buried)
         self._ahead = _Ahead()

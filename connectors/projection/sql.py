@@ -125,6 +125,12 @@ def delete_all(shape: TableShape) -> sql.Composed:
 _TYPMOD = re.compile(r"\(\s*\d+\s*(,\s*\d+\s*)?\)")
 
 
+def delete_older(shape: TableShape) -> sql.Composed:
+    """Every row whose version is below the parameter (a completed snapshot's sweep, snapshot_sweep.py)."""
+    assert shape.version_column
+    return sql.SQL("DELETE FROM {} WHERE {} < %s").format(shape.name, sql.Identifier(shape.version_column))
+
+
 def upsert_rows(shape: TableShape, guard: bool) -> sql.Composed:
     """Upsert rows given as one text array per written column (each value as COPY's text format has it, read by
     the column type's input function through the cast): one statement, no staging table, so it stays in the

@@ -405,8 +405,8 @@ class ProjectionWriter:
                 self.holds.known.update(heads)  # committed with their heads
                 if self.fence:
                     self._stored.update(result.checkpoints)
-                if self.table_rows.cache_rows and (folded.state or folded.truncated):  # the rows committed, tombstones
-                    if folded.truncated:  # the rows kept are gone with the rest
+                if self.table_rows.cache_rows and (folded.state or folded.truncated or folded.swept):  # rows committed
+                    if folded.truncated or folded.swept:  # the rows kept are gone with the rest (or may be)
                         self.table_rows.cache.clear()
                     self.table_rows.remember(folded.state, folded.buried)
                 return result
@@ -602,6 +602,8 @@ class ProjectionWriter:
         upserts, deletes = folded.changes()
         if folded.truncated:  # before the upsert: the rows the batch made after the truncate are written after it
             conn.execute(q.delete_all(shape))
+        if folded.swept and shape.version_column:  # a completed snapshot's sweep (snapshot_sweep.py)
+            conn.execute(q.delete_older(shape), (folded.swept,))
         merged = None
         if upserts:  # each value as COPY's text format has it (the same dumpers), one text array per column
             texts, encoding = Transformer(conn), conn.info.encoding

@@ -47,7 +47,7 @@ from confluent_kafka import OFFSET_BEGINNING, TIMESTAMP_NOT_AVAILABLE, KafkaErro
 from confluent_kafka import TopicPartition as KTP
 
 from kafold import kafka_clients, logs, protect, topics, tracing
-from kafold.config import SNAPSHOT_TOPIC_CONFIGS, AggregateConfig, DaemonConfig, KafkaConfig, TopicSpec
+from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig, TopicSpec
 from kafold.connectors.api import RawRecord
 from kafold.connectors.dlq import dlq_headers, fitted
 from kafold.consumer_loop import ConsumerLoop, LoopHandler
@@ -267,9 +267,9 @@ class AggregateRuntime(LoopHandler):
 
     def _start(self) -> None:
         rf = self.kafka.replication_factor
-        specs = [TopicSpec(t, self.agg.partitions, rf, {}) for t in self.topics.values()]
-        snapshots = TopicSpec(self.agg.topic("snapshot"), self.agg.partitions, rf, dict(SNAPSHOT_TOPIC_CONFIGS))
-        wanted = [*specs, snapshots, TopicSpec(self.dlq, 1, rf, {}, purpose="dead-letter")]
+        specs = [TopicSpec(t, self.agg.partitions, rf, self.agg.topic_configs(k)) for k, t in self.topics.items()]
+        snapshots = TopicSpec(self.agg.topic("snapshot"), self.agg.partitions, rf, self.agg.topic_configs("snapshot"))
+        wanted = [*specs, snapshots, TopicSpec(self.dlq, 1, rf, self.agg.topic_configs("dlq"), purpose="dead-letter")]
 
         # A broker restarting or a controller failing over while the daemon starts (a rolling restart of the
         # cluster) is waited out rather than ending the daemon.

@@ -44,7 +44,8 @@ def upgrade(args: argparse.Namespace) -> int:
         gone = erasure_log.reapply(protector.ring, protector.ring.erasure_log)
         if gone:
             print(f"erasure log re-applied: {len(gone)} keys of forgotten subjects deleted again (the database "
-                  "was behind the log: restored from a backup?)")
+                  "was behind the log: restored from a backup?); rebuild the projections of protected fields "
+                  "(kafold projection rebuild NAME): their restored rows still hold those subjects' values")
             protector.ring.store.purge()
     return 0
 

@@ -335,3 +335,202 @@ action = "delete"
                                              'time_precision_mode = "isostring"')
                     .replace('truncate = "delete"\nunavailable_value_placeholder = ""\n', ''))
     assert load_file(conf).config.connectors[0].convert.schemas is False
+
+
+# ---- schema-less values typed by the projection's declared columns ---------------------------------------------
+
+def schemaless_conv(binary: str, **extra: Any) -> Any:
+    settings = ConnectorConfig(
+        name="c", connector_class="postgres-projection", topics=["dbserver1.public.items"],
+        converter=ConverterKind.DEBEZIUM,
+        convert=ConvertConfig(schemas=False, decimal_handling_mode="string", time_precision_mode="isostring",
+                              binary_handling_mode=binary),
+        config={"table": "items", "key_columns": ["id"], "key": {"id": "payload.id"},
+                "columns": {"id": "bigint", "doc": "jsonb", "blob": "bytea", "note": "text", "raw": "json",
+                            **extra},
+                "on": [{"type": ["create", "update", "read"], "set": {"doc": "payload.doc", "blob": "payload.blob",
+                                                                     "note": "payload.note", "raw": "payload.raw"}}]})
+    return converter_for(settings)
+
+
+def bare(op: str, after: dict[str, Any]) -> tuple[bytes, bytes]:
+    return (orjson.dumps({"id": after["id"]}),
+            orjson.dumps({"before": None, "after": after, "source": source(100), "op": op, "ts_ms": 1}))
+
+
+@pytest.mark.parametrize(("binary", "text"), [("hex", "00ff10"), ("base64", "AP8Q"), ("base64-url-safe", "AP8Q"),
+                                              ("bytes", "AP8Q")])
+def test_a_schemaless_value_is_decoded_by_its_declared_column_type(binary: str, text: str):
+    got = run(schemaless_conv(binary), *bare("c", {"id": 1, "doc": '{"a": [1, 2.5], "n": 123456789012345678901}',
+                                                   "blob": text, "note": '{"not": "json"}', "raw": "[]"}))
+    assert got.payload == {"id": 1, "doc": {"a": [1, 2.5], "n": 123456789012345678901}, "blob": "\\x00ff10",
+                           "note": '{"not": "json"}', "raw": []}
+
+
+def test_a_schemaless_placeholder_and_null_stay_as_they_are():
+    hexed = UNAVAILABLE.encode().hex()
+    got = run(schemaless_conv("hex"), *bare("u", {"id": 1, "doc": UNAVAILABLE, "blob": hexed, "note": None,
+                                                  "raw": None}))
+    assert got.payload == {"id": 1, "doc": UNAVAILABLE, "blob": UNAVAILABLE, "note": None, "raw": None}
+
+
+@pytest.mark.parametrize(("field", "value"), [("doc", "{not json"), ("blob", "zz"), ("doc", 5)])
+def test_a_schemaless_value_that_does_not_decode_names_its_field(field: str, value: Any):
+    row = {"id": 1, "doc": "{}", "blob": "00", "note": "x", "raw": "1", field: value}
+    with pytest.raises(ConvertError, match=rf"@7: path 'after\.{field}'.*declared column type"):
+        run(schemaless_conv("hex"), *bare("c", row))
+
+
+def test_a_field_mapped_to_a_json_and_a_bytea_column_is_refused():
+    with pytest.raises(ValueError, match="'doc' is mapped to a JSON and to a bytea column"):
+        converter_for(ConnectorConfig(
+            name="c", connector_class="postgres-projection", topics=["t"], converter=ConverterKind.DEBEZIUM,
+            convert=ConvertConfig(schemas=False, decimal_handling_mode="string", time_precision_mode="isostring"),
+            config={"columns": {"a": "jsonb", "b": "bytea"},
+                    "on": [{"type": "create", "set": {"a": "payload.doc", "b": "payload.doc"}}]}))
+
+
+# ---- a key change: the delete names the new key, the projection moves the row ----------------------------------
+
+@pytest.mark.parametrize("header", [b'{"id":50}',
+                                    orjson.dumps({"schema": KEY_SCHEMA, "payload": {"id": 50}})])
+def test_a_key_changes_delete_names_the_new_key_in_each_header_form(header: bytes):
+    key, value = record("d", {"id": 1, "name": None}, None, 300)
+    got = conv().event(key, value, [("__debezium.newkey", header)], topic="t", partition=0, offset=1,
+                       timestamp_ms=None, raw=None)
+    assert got.payload == {"id": 1, "name": None, "__debezium.newkey": {"id": 50}}
+    plain = run(conv(), key, value)
+    assert "__debezium.newkey" not in plain.payload
+    other = conv().event(key, value, [("__debezium.newkey", b"Struct{id=50}")], topic="t", partition=0, offset=1,
+                         timestamp_ms=None, raw=None)
+    assert "__debezium.newkey" not in other.payload  # not a key this form can read: a plain delete
+
+
+def rekey_delete(old: int, new: int, version: int) -> Event:
+    return Event.new("delete", "public.items", str(old), version, {"id": old, "__debezium.newkey": {"id": new}})
+
+
+def created(key: int, version: int, **payload: Any) -> Event:
+    return Event.new("create", "public.items", str(key), version, {"id": key, **payload})
+
+
+def fold_batch(m: Mapping, events: list[Event], loaded: dict[Any, Any], gone: dict[Any, int] | None = None
+               ) -> f.Folded:
+    records = [sink(e, i) for i, e in enumerate(events)]
+    todo = f.candidates(records, f.prepare(m, records, b"p"), set())
+    return f.fold(m, list(todo.first.values()), {k: v for k, v in loaded.items() if k in todo.keys},
+                  todo.record_keys, todo.key_errors, gone)
+
+
+OLD_ROW = {"id": 1, "name": "ada", "note": "a long TOASTed text", VERSION_COLUMN: 10}
+RE_KEYED = {"id": 50, "name": "ada", "note": "a long TOASTed text", VERSION_COLUMN: 300}
+
+
+def test_a_key_change_in_one_batch_keeps_the_toasted_value():
+    m = Mapping(PC)
+    folded = fold_batch(m, [rekey_delete(1, 50, 300), created(50, 300, name="ada", note=UNAVAILABLE)],
+                        {(1,): OLD_ROW})
+    assert folded.changes() == ([RE_KEYED], [(1,)])
+
+
+@pytest.mark.parametrize("dedup_by_version", [False, True])
+def test_a_key_change_across_two_batches_keeps_the_toasted_value_once(dedup_by_version: bool):
+    m = Mapping(PC)
+    gone: dict[Any, int] | None = {} if dedup_by_version else None
+    first = fold_batch(m, [rekey_delete(1, 50, 300)], {(1,): OLD_ROW}, gone)
+    upserts, deletes = first.changes()
+    assert upserts == [{**OLD_ROW, "id": 50}] and deletes == [(1,)]  # moved with its old version
+    table = {(50,): upserts[0]}  # what the first transaction committed
+    second = fold_batch(m, [created(50, 300, name="ada", note=UNAVAILABLE)], table, gone)
+    assert second.changes() == ([RE_KEYED], [])
+    # the delete delivered again finds no old row: nothing moves a second time
+    again = fold_batch(m, [rekey_delete(1, 50, 300)], {(50,): RE_KEYED}, gone)
+    assert again.changes() == ([], [])
+
+
+def test_a_key_change_never_replaces_a_row_the_new_key_has():
+    """A row of the new key in the batch (or its tombstone) stays; one only in the table is kept by the upsert's
+    version guard (the moved row has the old row's lower version)."""
+    m = Mapping(PC)
+    folded = fold_batch(m, [created(50, 400, name="other", note="kept"), rekey_delete(1, 50, 300)],
+                        {(1,): OLD_ROW})
+    assert folded.changes() == ([{"id": 50, "name": "other", "note": "kept", VERSION_COLUMN: 400}], [(1,)])
+    buried = fold_batch(m, [rekey_delete(1, 50, 300)], {(1,): OLD_ROW}, {(50,): 350})
+    assert buried.changes() == ([], [(1,)])
+
+
+# ---- a completed snapshot sweeps the rows it did not read ------------------------------------------------------
+
+def snapshot_record(row: dict[str, Any], lsn: int, mark: str) -> tuple[bytes | None, bytes]:
+    key, value = record("r", None, row, lsn)
+    body = orjson.loads(value)
+    body["payload"]["source"]["snapshot"] = mark
+    return key, orjson.dumps(body)
+
+
+@pytest.mark.parametrize(("mark", "topics", "sweep", "marked"), [
+    ("last", 1, "auto", True), ("last_in_data_collection", 1, "auto", True), ("true", 1, "auto", False),
+    ("first", 1, "sweep", False), ("incremental", 1, "sweep", False), ("last", 2, "auto", False),
+    ("last", 2, "sweep", True), ("last", 1, "keep", False)])
+def test_a_snapshots_last_record_is_marked_for_the_sweep(mark: str, topics: int, sweep: str, marked: bool):
+    c = converter_for(ConnectorConfig(name="c", connector_class="log", topics=[f"t{i}" for i in range(topics)],
+                                      converter=ConverterKind.DEBEZIUM, convert=ConvertConfig(snapshot_sweep=sweep)))
+    got = run(c, *snapshot_record({"id": 1, "name": "ada"}, 500, mark))
+    assert got.type == "read" and ("__debezium.snapshot_end" in got.payload) is marked
+
+
+def read(key: int, version: int, last: bool = False, **payload: Any) -> Event:
+    extra = {"__debezium.snapshot_end": True} if last else {}
+    return Event.new("read", "public.items", str(key), version, {"id": key, **payload, **extra})
+
+
+@pytest.mark.parametrize("dedup_by_version", [False, True])
+def test_the_end_of_a_snapshot_sweeps_the_rows_it_did_not_read(dedup_by_version: bool):
+    m = Mapping(PC)
+    gone: dict[Any, int] | None = {} if dedup_by_version else None
+    stored = {(k,): {"id": k, "name": f"n{k}", "note": None, VERSION_COLUMN: v} for k, v in ((1, 10), (2, 20),
+                                                                                             (3, 900))}
+    # a re-snapshot at 500 reads 1 (not 2: deleted meanwhile; 3 changed after it started); then a change at 600
+    folded = fold_batch(m, [read(1, 500, name="n1", note=None), read(3, 500, last=True, name="old", note=None),
+                            changed(4, 600, name="after", note=None)], {**stored, (2,): stored[(2,)]}, gone)
+    assert folded.swept == 500
+    upserts, deletes = folded.changes()
+    assert upserts == [{"id": 1, "name": "n1", "note": None, VERSION_COLUMN: 500},
+                       {"id": 4, "name": "after", "note": None, VERSION_COLUMN: 600}]
+    assert deletes == []  # key 2 is not in the batch: the writer's DELETE below 500 removes it from the table
+    if gone is not None:
+        assert gone == {}  # no loaded row was older
+    # a row of the batch older than the snapshot goes here, with a tombstone at the snapshot's position
+    again = fold_batch(m, [changed(2, 30, name="old change", note=None), read(1, 500, last=True, name="n1",
+                                                                                note=None)], stored, gone)
+    assert again.changes() == ([{"id": 1, "name": "n1", "note": None, VERSION_COLUMN: 500}], [(2,)])
+    if gone is not None:
+        assert gone == {(2,): 499}  # just below the snapshot: its own reads still apply
+
+
+def test_snapshot_sweep_with_several_topics_is_refused_at_load(tmp_path: Path):
+    conf = tmp_path / "kafold.toml"
+    conf.write_text('''
+[[connectors]]
+name = "items"
+class = "postgres-projection"
+topics = ["dbserver1.public.items", "dbserver1.public.orders"]
+converter = "debezium"
+
+[connectors.convert]
+snapshot_sweep = "sweep"
+
+[connectors.config]
+table = "items"
+key_columns = ["id"]
+columns = {id = "bigint"}
+key = {id = "payload.id"}
+
+[[connectors.config.on]]
+type = "delete"
+action = "delete"
+''')
+    with pytest.raises(ConfigError, match=r"connectors\[0\]\.convert\.snapshot_sweep: \"sweep\" deletes"):
+        load_file(conf)
+    conf.write_text(conf.read_text().replace('"sweep"', '"keep"'))
+    assert load_file(conf).config.connectors[0].convert.snapshot_sweep == "keep"

@@ -4,8 +4,10 @@ column types; `caught_up` waits for a change to be projected and compares the tw
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -55,6 +57,7 @@ class Tail:
         self.consumer: Consumer = kafka_clients.consumer(kafka, f"tail-{uuid.uuid4().hex[:8]}")
         self.consumer.assign([self.tp])
         self.records: list[tuple[Any, str | None, int | None, str | None]] = []
+        self.headers: list[dict[str, bytes | None]] = []  # each record's headers, beside `records`
 
     def poll(self) -> None:
         for msg in self.consumer.consume(500, 0.5):
@@ -65,6 +68,7 @@ class Tail:
             op = value.get("op") if value else None
             lsn = value.get("source", {}).get("lsn") if value else None
             self.records.append((key, op, lsn, msg.value().decode() if msg.value() else None))
+            self.headers.append(dict(msg.headers() or ()))
 
     def _payload(self, raw: bytes | None) -> Any:
         if raw is None:
@@ -247,6 +251,22 @@ class Pipeline:
         assert self.daemon is not None and self.daemon.poll() is None, f"the daemon exited; see {self.daemon_log}"
         same_as_source(self.src, self.sv.pgc, self.target, f"after {what}")
 
+    def drop_slot(self) -> None:
+        """The connector's replication slot goes with its test: the source server has a few (max_replication_slots),
+        and a slot left behind keeps its WAL."""
+        with self.src.pg.connect() as conn:
+            conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                         "WHERE slot_name = %s AND NOT active", (self.src.table,))
+
+    def rebuilt(self, what: str) -> None:
+        """`kafold projection rebuild` replays the whole topic into a fresh table (the rebuild's own writer, folding
+        ahead) and swaps it in: it equals the source table too."""
+        done = subprocess.run([str(Path(sys.executable).parent / "kafold"), "projection", "rebuild", self.unique,
+                               "-c", str(self.conf)], capture_output=True, text=True, timeout=WAIT_S * 2,
+                              env={**os.environ, "KAFOLD_POSTGRES__URL": self.sv.pg_url}, check=False)
+        assert done.returncode == 0, f"the rebuild failed: {done.stderr[-2000:]}"
+        same_as_source(self.src, self.sv.pgc, self.target, f"after a rebuild ({what})")
+
     def close(self) -> None:
         try:
             if self.daemon is not None and self.daemon.poll() is None:
@@ -259,6 +279,7 @@ class Pipeline:
         finally:
             try:
                 self.worker.stop()
+                self.drop_slot()
             finally:
                 self.tail.close()
 

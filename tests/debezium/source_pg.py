@@ -18,7 +18,8 @@ from tests.support import free_port
 log = logs.get(__name__)
 
 # What Debezium's pgoutput stream needs, and no Unix socket (its path would outgrow the limit in pytest's tmp dirs).
-SETTINGS = {"wal_level": "logical", "max_wal_senders": 4, "max_replication_slots": 4, "listen_addresses": "'127.0.0.1'",
+SETTINGS = {"wal_level": "logical", "max_wal_senders": 10, "max_replication_slots": 10,
+            "listen_addresses": "'127.0.0.1'",
             "unix_socket_directories": "''", "fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
 
 

@@ -8,6 +8,7 @@ Connect worker that never flushed its offsets is down, and a key change of a row
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,10 +96,8 @@ def streaming(src: Source, phase: int) -> int:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("variant_name", [
     "defaults",
-    # Known gap (docs/connectors.md, Debezium's known limits): without schemas a jsonb value arrives as JSON text in
-    # a string and a bytea value as hex text, and the projection writes them as a JSON string and as the text's
-    # bytes instead of refusing or decoding them. Fails today on those two columns only.
-    pytest.param("strings", marks=pytest.mark.xfail(reason="schema-less jsonb/bytea written as text (known gap)")),
+    # without schemas: jsonb and bytea decoded by the projection's declared column types
+    "strings",
 ])
 def test_real_debezium_changes_project_like_the_source_table(
         variant_name: str, services: Services, pg_config: PostgresConfig, unique: str, tmp_path: Path) -> None:
@@ -154,30 +153,40 @@ def test_real_debezium_changes_project_like_the_source_table(
 
 @pytest.mark.apache_kafka
 @pytest.mark.timeout(300)
-# Known gap (docs/connectors.md): Debezium snapshots again after losing its offsets and sends no delete for a row
-# deleted meanwhile; kafold would have to take a new snapshot as the whole table. Fails today.
-@pytest.mark.xfail(reason="a re-snapshot's missing rows are not deleted (known gap)")
+@pytest.mark.parametrize("variant_name", ["defaults", "strings"])
 def test_a_row_deleted_while_connect_is_down_before_its_first_offset_flush_is_deleted(
-        services: Services, unique: str, tmp_path: Path) -> None:
+        variant_name: str, services: Services, unique: str, tmp_path: Path) -> None:
     """Connect flushes source offsets every 60 s by default; a worker killed before its first flush has none on
     restart, so Debezium (snapshot.mode initial) takes a new snapshot and streams from there: a row deleted while
     it was down is not in that snapshot and no delete event for it is ever sent."""
-    with pipeline(services, VARIANTS["defaults"], unique, tmp_path, SNAPSHOT_ROWS) as p:
+    # Connect's default offset flush (60 s): the worker is killed before its first one
+    variant = dataclasses.replace(VARIANTS[variant_name], worker={})
+    with pipeline(services, variant, unique, tmp_path, SNAPSHOT_ROWS) as p:
         p.caught_up(streaming(p.src, 1), "the first changes")
         p.worker.kill()
         p.src.sql("DELETE FROM {t} WHERE id = 2", "UPDATE {t} SET note = 'while down' WHERE id = 4")
         p.worker.start()
         p.caught_up(p.src.sql("UPDATE {t} SET note = 'back' WHERE id = 1"), "the changes made while Connect was down")
+        p.rebuilt("the topic holds both snapshots")
+    # the run exercised what it claims: Debezium snapshotted the table a second time
+    assert sum('"snapshot":"last"' in (r[3] or "") for r in p.tail.records) == 2
 
 
 @pytest.mark.apache_kafka
 @pytest.mark.timeout(300)
-# Known gap (docs/connectors.md): a key change's create carries the placeholder for a TOASTed column whose value is
-# only in the delete of the old key (same lsn); kafold projects NULL there today. Fails today.
-@pytest.mark.xfail(reason="a key change of a TOASTed row leaves the column NULL (known gap)")
-def test_a_key_change_keeps_the_rows_toasted_value(services: Services, unique: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("variant_name", ["defaults", "strings"])
+def test_a_key_change_keeps_the_rows_toasted_value(variant_name: str, services: Services, unique: str,
+                                                   tmp_path: Path) -> None:
     """An UPDATE of the primary key comes from Debezium as a delete of the old key and a create of the new one, both
     at the same lsn; with REPLICA IDENTITY DEFAULT an unchanged TOASTed value is the placeholder in that create, so
     the value is only in the row the delete removes."""
-    with pipeline(services, VARIANTS["defaults"], unique, tmp_path, SNAPSHOT_ROWS) as p:
+    with pipeline(services, VARIANTS[variant_name], unique, tmp_path, SNAPSHOT_ROWS) as p:
         p.caught_up(p.src.sql("UPDATE {t} SET id = 50 WHERE id = 1"), "the key change")
+        p.rebuilt("the key change replayed")
+    # the run exercised what it claims: the new key's create came with the placeholder, the old key's delete named
+    # the new key in a header (as the worker's default header converter writes it)
+    assert any(r[1] == "c" and PLACEHOLDER in (r[3] or "") for r in p.tail.records)
+    named = [h["__debezium.newkey"] for r, h in zip(p.tail.records, p.tail.headers, strict=True)
+             if r[1] == "d" and "__debezium.newkey" in h]
+    log.info("debezium_test.newkey_header", variant=variant_name, header=[str(v) for v in named])
+    assert len(named) == 1
