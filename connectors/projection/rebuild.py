@@ -293,10 +293,10 @@ class Rebuild:
     """Runs one rebuild to its swap; `stop` (a threading.Event) ends it early, resumable.
 
     Its extension surface, what a job built on it (Scratch, scratch.py, and its Verify and Refresh) may use or
-    override: `save` (the run's phase) and `tables` (rebuild_tables.py: its bookkeeping), `new_consumer`, `catch_up` and
-    `close_consumer` (reading up to the live checkpoints), `partitions_of`, `ours`, `caught_up` and `count_behind`
-    (where the reading stands against its targets), `report_progress`, and `finish` (the swap). The rest is private
-    to this module."""
+    override: `begin` and `save` (the run's start and phase), `tables` (rebuild_tables.py: its bookkeeping),
+    `record_of` (a message as a record), `new_consumer`, `catch_up` and `close_consumer` (reading up to the live
+    checkpoints), `ours`, `caught_up` and `count_behind` (where the reading stands against its targets),
+    `report_progress`, and `finish` (the swap). The rest is private to this module."""
 
     # The kind of job, naming its log events (`rebuild.started`, `verify.done`): a scratch job runs this machinery
     # too (scratch.py). `done_event` is logged once the swap transaction committed (`rebuild.swapped`).
@@ -339,6 +339,14 @@ class Rebuild:
         self.catching_up = _CatchUp(self)
 
     # ---- state ------------------------------------------------------------------------------------------
+    def begin(self) -> bool:
+        """Resume the run in progress, or start afresh; True when resuming (a job with tables of its own, such as
+        subject_refresh.py's, overrides it)."""
+        phase = self.tables.begin()
+        if phase is not None:
+            self.phase = phase
+        return phase is not None
+
     def save(self, phase: str, conn: psycopg.Connection[Any] | None = None) -> None:
         self.phase = phase
         self.tables.save(phase, sum(self.positions.values()), conn)
@@ -349,9 +357,7 @@ class Rebuild:
         the phase reached when stopped)."""
 
         tune_interpreter()
-        resumed = self.tables.begin()
-        if resumed is not None:
-            self.phase = resumed
+        resumed = self.begin()
         self.positions = {tp: off for tp, off in self.writer.checkpoints().items()}
         self.log.info(f"{self.kind}.resumed" if resumed else f"{self.kind}.started", phase=self.phase,
                       covered=sum(self.positions.values()), workers=self.workers)
@@ -369,7 +375,7 @@ class Rebuild:
                           swap_retries=self.swap_retries, max_tail=self.max_tail)
 
         try:
-            for tp in self.partitions_of(consumer):
+            for tp in source_partitions(consumer, self.plan):
                 self.positions.setdefault(tp, 0)
             if self.phase == "copying" and self.workers > 1:
                 self._copy_in_workers()
@@ -443,15 +449,6 @@ class Rebuild:
             self.report_progress(0, sum(targets.values()))
             self.log.info(f"{self.kind}.tail_phase_started", behind=self.behind)
         return targets
-
-    def partitions_of(self, consumer: Any) -> list[TopicPartition]:
-        out: list[TopicPartition] = []
-        for topic in self.plan.topics:
-            meta = consumer.list_topics(topic, timeout=15).topics.get(topic)
-            if meta is None or meta.error is not None or not meta.partitions:
-                raise FatalError(f"rebuild of {self.plan.name!r}: source topic {topic!r} does not exist")
-            out += [TopicPartition(topic, p) for p in sorted(meta.partitions)]
-        return out
 
     def ours(self, targets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
         """The live checkpoints of the configured source topics (a topic dropped from the config is ignored)."""
@@ -605,7 +602,7 @@ class Rebuild:
                     skip = True
                 continue
             pending = floor = off + 1
-            record = self._record(m, dead, topic, part, off)
+            record = self.record_of(m, dead, topic, part, off)
             if record is not None:
                 records.append(record)
         if pending >= 0:
@@ -616,7 +613,7 @@ class Rebuild:
             self.on_progress(Progress(self.phase, sum(self.positions.values()), total, self.events, batch,
                                       self.behind))
 
-    def _record(self, m: Any, dead: list[DeadLetter], topic: str, part: int, off: int) -> SinkRecord | None:
+    def record_of(self, m: Any, dead: list[DeadLetter], topic: str, part: int, off: int) -> SinkRecord | None:
         """The message as a SinkRecord; None when skipped or dead-lettered (as the live runner does)."""
         try:
             return self.plan.intake.record(m, topic, part, off)
@@ -688,6 +685,17 @@ class Rebuild:
         self.writer.close()
         self.tables.swap(conn, live_exists)
         self.save("swapped", conn)
+
+
+def source_partitions(consumer: Any, plan: Plan) -> list[TopicPartition]:
+    """Every partition of the plan's source topics (FatalError naming a topic that does not exist)."""
+    out: list[TopicPartition] = []
+    for topic in plan.topics:
+        meta = consumer.list_topics(topic, timeout=15).topics.get(topic)
+        if meta is None or meta.error is not None or not meta.partitions:
+            raise FatalError(f"rebuild of {plan.name!r}: source topic {topic!r} does not exist")
+        out += [TopicPartition(topic, p) for p in sorted(meta.partitions)]
+    return out
 
 
 def _copier(share: tuple[TopicPartition, ...], halt: Any, applied: Any, plan: Plan, batch: int, max_tail: int,

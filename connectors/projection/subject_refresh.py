@@ -92,14 +92,14 @@ class Refresh(Scratch):
             raise ConfigError([f"connectors: {plan.name!r}: none of the event types it projects has protect rules "
                                f"(protected: {', '.join(sorted({t for _, t in protector.rules}))}), so no row holds "
                                "a subject's protected fields (nothing to refresh)"])
-        # One process (see Scratch): the keys of the subject's rows are noted as the records are read (see _record).
+        # One process (see Scratch): the keys of the subject's rows are noted as the records are read (see record_of).
         super().__init__(plan, batch=batch, on_progress=on_progress, stop=stop)
         self.subject, self.protector = subject, protector
         self.touched: set[tuple[Any, ...]] = set()  # row keys of the subject's events
         self.result = Refreshed(plan.name, subject)
 
     # The rebuild's hooks: a scratch table of its own.
-    def _begin(self) -> bool:
+    def begin(self) -> bool:
         p, c = self.plan, self.plan.config
         with db.connect(p.pgc) as conn, conn.transaction():
             exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (q.regclass_text(c.schema, c.table),))
@@ -110,8 +110,8 @@ class Refresh(Scratch):
             conn.execute(q.create_table(c.schema, p.shadow, c.columns, c.key_columns, VERSION_COLUMN))
         return False
 
-    def _record(self, m: Any, dead: list[DeadLetter], topic: str, part: int, off: int) -> SinkRecord | None:
-        record = super()._record(m, dead, topic, part, off)
+    def record_of(self, m: Any, dead: list[DeadLetter], topic: str, part: int, off: int) -> SinkRecord | None:
+        record = super().record_of(m, dead, topic, part, off)
         if record is not None and self._of_subject(record):
             try:
                 self.touched.add(self.plan.mapping.key(record.event))

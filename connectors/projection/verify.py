@@ -29,7 +29,7 @@ from kafold import db
 from kafold.connectors.api import TopicPartition
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN
-from kafold.connectors.projection.rebuild import Plan, Progress
+from kafold.connectors.projection.rebuild import Plan, Progress, source_partitions
 from kafold.connectors.projection.rebuild_state import offsets
 from kafold.connectors.projection.scratch import Scratch, ScratchPlan
 from kafold.connectors.projection.task import tune_interpreter
@@ -117,7 +117,7 @@ class Verify(Scratch):
         self.behind = self.count_behind(self.fixed)
         return dict(self.fixed)
 
-    def _begin(self) -> bool:
+    def begin(self) -> bool:
         """The scratch tables afresh, and the snapshot: the live checkpoints and the live rows, in one snapshot."""
         p, c = self.plan, self.plan.config
         assert isinstance(p, VerifyPlan)
@@ -145,12 +145,12 @@ class Verify(Scratch):
         p = self.plan
         tune_interpreter()
         with self.scratch():
-            self._begin()
+            self.begin()
             report = Report(p.name, f"{p.config.schema}.{p.config.table}", dict(self.fixed))
             self.log.info("verify.started", checkpoints={str(tp): off for tp, off in sorted(self.fixed.items())})
             consumer = self.new_consumer()
             try:
-                for tp in self.partitions_of(consumer):
+                for tp in source_partitions(consumer, self.plan):
                     self.positions.setdefault(tp, 0)
                 self.report_progress(0, sum(self.fixed.values()))
                 self.catch_up(consumer)
