@@ -338,10 +338,11 @@ class _AggregateCollector(_Declared):
         (commands, renewed, fold_errors, parked, phases, held, expired, early, disk,
          disk_reads) = (_new(n) for n in self.FAMILIES)
         for name, slot in sorted(self.aggregates().items()):
-            local = getattr(slot.runtime, "local", None)  # None: no state_dir
-            if local is not None:
-                disk.add_metric([name], float(local.disk_bytes()))
-                disk_reads.add_metric([name], float(local.reads))
+            # AggregateRuntime.figures, or the sum over its worker processes (aggregate_processes > 1)
+            figures = slot.runtime.figures() if hasattr(slot.runtime, "figures") else {}
+            if "local_store_bytes" in figures:  # absent: no state_dir
+                disk.add_metric([name], figures["local_store_bytes"])
+                disk_reads.add_metric([name], figures["local_store_reads"])
             counts = getattr(slot.runtime, "counts", None)
             if counts is not None:
                 for outcome in COMMAND_OUTCOMES:
@@ -355,11 +356,8 @@ class _AggregateCollector(_Declared):
                 by_phase = collections.Counter(g.phase for g in list(gates.values()))
                 for phase in GATE_PHASES:
                     phases.add_metric([name, phase], float(by_phase[phase]))
-            store = getattr(slot.runtime, "store", None)  # a runtime that keeps no window has no figures
-            if store is None:
-                continue
-            w = store.window
-            held.add_metric([name], float(len(w.times)))
-            expired.add_metric([name], float(w.expired))
-            early.add_metric([name], float(w.dropped_early))
+            if "window_ids" in figures:  # a runtime that keeps no window has no figures
+                held.add_metric([name], figures["window_ids"])
+                expired.add_metric([name], figures["window_expired"])
+                early.add_metric([name], figures["window_dropped_early"])
         yield from (commands, renewed, fold_errors, parked, phases, held, expired, early, disk, disk_reads)

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kafold import logs, protect, tracing
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig, RegistryConfig, TracingConfig
@@ -45,6 +45,9 @@ from kafold.errors import KafoldError
 log = logs.get(__name__)
 
 STATUS_INTERVAL_S = 0.25  # the child reports at least this often (and after every batch)
+# Child interpreters started ahead (`prestart`, by `kafold daemon` before it imports Faust), each waiting for its
+# spec; a RemoteRunner takes one before it starts a new one.
+_PRESTARTED: list[tuple[subprocess.Popen[bytes], Connection]] = []
 
 
 class TaskProcessError(KafoldError):
@@ -53,6 +56,12 @@ class TaskProcessError(KafoldError):
     def __init__(self, message: str, trace: str) -> None:
         super().__init__(message)
         self.trace = trace
+
+
+class ChildSpec(Protocol):
+    """What a child process is sent first (picklable): it runs the child over the connection to its parent."""
+
+    def run_child(self, conn: Connection) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,9 @@ class TaskSpec:
     registry: RegistryConfig | None = None  # [registry], for Schema Registry formats
     tracing: TracingConfig | None = None  # [tracing]: the child makes its own spans
     protect: protect.Setup | None = None  # protected fields: the child opens them with its own key ring
+
+    def run_child(self, conn: Connection) -> None:
+        child_main(conn, self)
 
 
 @dataclass(frozen=True)
@@ -103,6 +115,11 @@ class RemoteRunner:
         self._lock = threading.Lock()
         self._stop_event = threading.Event()
         self._pause: bool | None = None
+        # The child interpreter is running by now (`prestart`) or starts now, when the daemon builds its tasks: its
+        # imports (~0.3-1 s) run while the daemon imports and boots Faust and applies the migrations; it builds
+        # nothing before `run` sends its spec.
+        self._spawned: tuple[subprocess.Popen[bytes], Connection] | None = (
+            _PRESTARTED.pop() if _PRESTARTED else _spawn(f"{connector.name}#{task_id}"))
 
     @property
     def state(self) -> str:
@@ -129,7 +146,12 @@ class RemoteRunner:
 
     def run(self) -> None:
         """Start the child and follow its reports until it exits (blocks; the TaskSlot's thread)."""
-        process, parent = _start(self.spec, f"{self.connector.name}#{self.task_id}")
+        spawned, self._spawned = self._spawned, None
+        process, parent = spawned or _spawn(f"{self.connector.name}#{self.task_id}")
+        try:
+            parent.send(self.spec)
+        except OSError:
+            pass  # the child is gone already: followed below as a child that died
         self.pid = process.pid
         with self._lock:
             self._conn = parent
@@ -177,23 +199,62 @@ class RemoteRunner:
         return bool(message.get("final"))
 
 
-def _start(spec: TaskSpec, label: str) -> tuple[subprocess.Popen[bytes], Connection]:
-    """A child interpreter running `main` and the parent's end of its connection, the spec already sent. A plain
+def in_processes(settings: ConnectorConfig, daemon: DaemonConfig) -> bool:
+    """Whether the connector's tasks run as child processes: its own `task_processes`, else the daemon's."""
+    return daemon.task_processes if settings.task_processes is None else settings.task_processes
+
+
+def prestart(connectors: list[ConnectorConfig], daemon: DaemonConfig) -> None:
+    """Start a child interpreter for each task that will run in a process (at most `tasks_max` a connector), before
+    the daemon's own imports: they import in parallel with it. `release_prestarted` ends those left unused."""
+    wanted = sum(c.tasks_max for c in connectors if in_processes(c, daemon))
+    _PRESTARTED.extend(_spawn("kafold task") for _ in range(wanted - len(_PRESTARTED)))
+
+
+def release_prestarted() -> None:
+    """End the prestarted children no task took (a connector with fewer tasks than `tasks_max`): each sees its
+    connection close before any spec and exits."""
+    while _PRESTARTED:
+        process, conn = _PRESTARTED.pop()
+        conn.close()
+        process.wait()
+
+
+def _spawn(label: str) -> tuple[subprocess.Popen[bytes], Connection]:
+    """A child interpreter running `main`, waiting for its spec, and the parent's end of its connection. A plain
     subprocess rather than multiprocessing's spawn: no resource tracker process (~13 MB) and no re-import of the
-    daemon's __main__ in the child. The label (connector#task) only names the process in `ps`."""
+    daemon's __main__ in the child. The label (connector#task, aggregate#worker) only names the process in `ps`."""
     ours, theirs = socket.socketpair()
     with theirs:
         process = subprocess.Popen([sys.executable, "-c", "from kafold.daemon.task_process import main; main()",
                                     str(theirs.fileno()), label], pass_fds=(theirs.fileno(),))
-    conn = Connection(ours.detach())
-    conn.send(spec)
+    return process, Connection(ours.detach())
+
+
+def start_child(spec: ChildSpec, label: str) -> tuple[subprocess.Popen[bytes], Connection]:
+    """A child started and sent its spec: the one way to start a child, also for the aggregates' worker processes
+    (daemon.aggregates.workers). A child gone before the spec reached it is followed by its caller as one that died."""
+    process, conn = _spawn(label)
+    try:
+        conn.send(spec)
+    except OSError:
+        pass
     return process, conn
 
 
 def main() -> None:
-    """The child's entry point: argv[1] is its end of the socket pair; the first message is its TaskSpec."""
+    """The child's entry point: argv[1] is its end of the socket pair; the first message is its spec, which runs
+    the child (a TaskSpec: a sink task; an aggregate's WorkerSpec: an aggregate worker)."""
     conn = Connection(int(sys.argv[1]))
-    child_main(conn, conn.recv())
+    # Until its spec comes, a stop is the daemon's to give (the connection closes): SIGTERM / SIGINT sent to the
+    # whole process group would otherwise end a prestarted child with a traceback, or as a task that died.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        spec = conn.recv()
+    except (EOFError, OSError):  # the daemon stopped (or failed) before starting this task: nothing to do
+        return
+    spec.run_child(conn)
 
 
 def child_main(conn: Connection, spec: TaskSpec) -> None:

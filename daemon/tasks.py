@@ -27,7 +27,6 @@ from typing import Any, Protocol
 from kafold import logs
 from kafold.config import (
     AggregateConfig,
-    ConnectorConfig,
     DaemonConfig,
     KafkaConfig,
     PostgresConfig,
@@ -36,7 +35,7 @@ from kafold.config import (
 )
 from kafold.connectors.api import Connector, TaskConfig
 from kafold.daemon.runner import BatchStats, RunnerView, SinkRunner
-from kafold.daemon.task_process import RemoteRunner, TaskSpec
+from kafold.daemon.task_process import RemoteRunner, TaskSpec, in_processes
 from kafold.protect import Setup
 
 log = logs.get(__name__)
@@ -214,11 +213,6 @@ class ProcessTaskSlot(TaskSlot):
     def _stack(self) -> str:
         pid = getattr(self.runner, "pid", None)
         return f"(in task process {pid}: py-spy dump --pid {pid} shows where)"
-
-
-def in_processes(settings: ConnectorConfig, daemon: DaemonConfig) -> bool:
-    """Whether the connector's tasks run as child processes: its own `task_processes`, else the daemon's."""
-    return daemon.task_processes if settings.task_processes is None else settings.task_processes
 
 
 def task_slots(connector: Connector[Any], kafka: KafkaConfig, postgres: PostgresConfig, daemon: DaemonConfig,

@@ -332,6 +332,15 @@ class EventProducer(_Client):
         return tokens.encode_one(msg.topic(), msg.partition(), msg.offset())
 
 
+class _WaitBatch:
+    """Waits on one connector sharing one request: their tokens, the longest timeout, the request's task."""
+
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+        self.timeout = 0.0
+        self.task: asyncio.Future[bool] | None = None
+
+
 class DaemonClient(daemon_api.Endpoint):
     """kafold.client.DaemonClient for asyncio over aiohttp (the `aio` extra): `wait`, `state`. One connection
     pool (`connections`) per client; `async with` or `aclose()` closes it."""
@@ -342,10 +351,52 @@ class DaemonClient(daemon_api.Endpoint):
             raise KafoldError(f"kafold.aio.DaemonClient: {_NO_AIOHTTP}")
         self.connections = connections
         self._session: Any = None
+        self._batches: dict[str, _WaitBatch] = {}  # connector -> the waits joining in this turn of the loop
 
     async def wait(self, connector: str, token: str, timeout: float = 10.0) -> None:
-        """Return once `connector`'s committed checkpoint covers `token` (kafold.client.DaemonClient.wait)."""
-        await self._run(self.wait_flow(connector, token, timeout))
+        """Return once `connector`'s committed checkpoint covers `token` (kafold.client.DaemonClient.wait).
+
+        Waits on one connector begun in the same turn of the loop share one request, for their merged token (the
+        highest offset per partition, kafold.tokens.merge): a service resolving a batch of results and waiting on
+        each makes one request, not one per result (at 1,000 commands/s, one a command was most of the loop's
+        work). A shared wait that fails is tried again by each of its waiters alone, so one waiter's bad token or
+        longer lag is never another's error."""
+        tokens.parse(token)  # a malformed token is this caller's error, before it joins anyone
+        batch = self._batches.get(connector)
+        if batch is None:
+            batch = self._batches[connector] = _WaitBatch()
+            batch.task = asyncio.ensure_future(self._wait_batch(connector, batch))
+            # retrieved here, whether or not a waiter is still there to see it (all may have timed out)
+            batch.task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        batch.tokens.append(token)
+        batch.timeout = max(batch.timeout, timeout)
+        deadline = asyncio.get_running_loop().time() + timeout
+        try:
+            async with asyncio.timeout(timeout):
+                assert batch.task is not None
+                shared_ok = await asyncio.shield(batch.task)
+        except TimeoutError:
+            raise NotVisible(f"connector {connector!r} did not cover the token within {timeout:.1f}s") from None
+        if not shared_ok:
+            left = deadline - asyncio.get_running_loop().time()
+            await self._run(self.wait_flow(connector, token, max(0.0, left)))
+
+    async def _wait_batch(self, connector: str, batch: _WaitBatch) -> bool:
+        """The shared wait of `batch` (begun after this turn of the loop, when its waiters have joined): True
+        when it returned, False when it failed (each waiter then waits alone)."""
+        await asyncio.sleep(0)
+        if self._batches.get(connector) is batch:
+            del self._batches[connector]  # later waits start a batch of their own
+        if len(batch.tokens) == 1:
+            await self._run(self.wait_flow(connector, batch.tokens[0], batch.timeout))
+            return True
+        merged = tokens.merge(*batch.tokens)
+        assert merged is not None
+        try:
+            await self._run(self.wait_flow(connector, merged, batch.timeout))
+        except KafoldError:
+            return False
+        return True
 
     async def state(self, aggregate: str, aggregate_id: str, min_version: int | None = None,
                     timeout: float = 10.0, version: int | None = None) -> dict[str, Any]:
@@ -383,6 +434,10 @@ class DaemonClient(daemon_api.Endpoint):
             return Unreachable.of(e)
 
     async def aclose(self) -> None:
+        for batch in self._batches.values():
+            if batch.task is not None:
+                batch.task.cancel()  # its waiters see CancelledError; no request outlives the session
+        self._batches.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -112,6 +112,11 @@ class DaemonConfig:
                                    "each), so a connector with tasks_max > 1 uses several cores and connectors do "
                                    "not wait for each other's work (fresher read models: docs/operations.md); a "
                                    "connector's own `task_processes` overrides it.")
+    aggregate_processes: int = setting(1, doc="Worker processes deciding each aggregate's commands (one "
+                                       "interpreter each, in the aggregate's one consumer group: its partitions "
+                                       "split between them as between daemons), so one daemon decides on several "
+                                       "cores; 1 = in the daemon's own process (docs/operations.md#aggregate-"
+                                       "worker-processes).", minimum=1)
     log_level: str = setting("info", doc="Log level.", choices=("debug", "info", "warning", "error"))
     python_path: list[str] = setting(
         factory=list, doc="Folders (relative to the config file) added to sys.path for user modules.")

@@ -80,9 +80,12 @@ class EventIndex:
         if self.conn is not None:
             self.conn.close()
 
-    def _run(self, step: Any) -> Any:
-        """`step(conn)` in one transaction; a missing table or a lost connection named."""
+    def _run(self, step: Any, *, atomic: bool = True) -> Any:
+        """`step(conn)` in one transaction (`atomic=False`: one statement on the autocommit connection, one round
+        trip instead of three: what a read of one query needs); a missing table or a lost connection named."""
         try:
+            if not atomic:
+                return step(self._conn())
             with db.transaction(self._conn()) as conn:
                 return step(conn)
         except psycopg.errors.UndefinedTable as e:
@@ -98,11 +101,11 @@ class EventIndex:
                     "AND version >= %s AND version <= %s ORDER BY version LIMIT %s").format(self.rows_table)
         params = (topic, aggregate_id, from_version, upto if upto is not None else 2**62,
                   limit if limit is not None else 2**62)
-        return [IndexRow(*r) for r in self._run(lambda c: c.execute(q, params).fetchall())]
+        return [IndexRow(*r) for r in self._run(lambda c: c.execute(q, params).fetchall(), atomic=False)]
 
     def mark(self, topic: str, partition: int) -> int | None:
         q = sql.SQL("SELECT indexed_to FROM {} WHERE topic = %s AND partition = %s").format(self.marks_table)
-        got = self._run(lambda c: c.execute(q, (topic, partition)).fetchone())
+        got = self._run(lambda c: c.execute(q, (topic, partition)).fetchone(), atomic=False)
         return None if got is None else int(got[0])
 
     def drop_row(self, topic: str, aggregate_id: str, version: int) -> None:

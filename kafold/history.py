@@ -41,9 +41,11 @@ MAX_LIMIT = 1000  # events per page: a page's memory and time stay bounded whate
 # 7x slower (docs/benchmarks.md, history).
 RUN_GAP = 64
 FETCH_TIMEOUT_S = 10.0
-# Point readers per aggregate type, fetching a page's runs side by side: a seek costs a fetch round trip (~1 ms on
-# a local Apache Kafka), and one reader can have one fetch of a partition in flight; 4 brought a page of 50 spread
-# events from ~50 ms to ~15 ms (docs/benchmarks.md, history).
+# Point readers per aggregate type, fetching a page's runs side by side: one reader has one fetch of a partition
+# in flight. With 8 KB fetches a seek costs ~0.15 ms on an idle broker, mostly CPU (the broker sending the record
+# batch, librdkafka parsing it), so on a loaded machine readers side by side gain less than the round trips
+# suggest: 4 readers 10.3 / 94.1 ms page p50 / p99 against 1 reader 12.8 / 184.3, alternated on the same reads
+# (docs/benchmarks.md, history).
 READERS = 4
 # How long the broker holds a fetch at the partition's end. A seek waits for the fetch in flight, which at the end
 # of a run is often the one past it: 25 ms (the range readers') cost each seek up to that; Apache Kafka answers
@@ -170,6 +172,9 @@ class History:
         self.scanner = kafka_io.reader(kafka)  # catch-ups read partitions through: large fetches
         self.points = [point_reader(kafka, agg.name, fetch_wait_ms) for _ in range(readers)]
         self.pool = ThreadPoolExecutor(readers, thread_name_prefix=f"kafold-history-{agg.name}")
+        # partitions seen with a mark: their backfill is done, so a read skips asking (one query less per read); a
+        # mark dropped since (`kafold events index --rebuild`) is rebuilt by the catch-up every read runs anyway
+        self.marked: set[int] = set()
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -203,8 +208,10 @@ class History:
         """The aggregate's events from `from_version` (to `upto`; at most `limit`), in version order, each checked
         against its index row (see the module's offset note)."""
         partition = self.partition_of(aggregate_id)
-        if self.index.mark(self.topic, partition) is None:
-            self.catch_up(partition)  # never indexed (or dropped): the backfill first
+        if partition not in self.marked:
+            if self.index.mark(self.topic, partition) is None:
+                self.catch_up(partition)  # never indexed (or dropped): the backfill first
+            self.marked.add(partition)
         # The catch-up (a ListOffsets round trip, then what was written since) runs while the rows already indexed
         # are fetched: those are a prefix of the history, since a catch-up only adds events past the mark, and an
         # aggregate's later versions lie at later offsets; what it adds is fetched after.

@@ -7,11 +7,11 @@ from collections.abc import Iterator
 
 import pytest
 
-pytest_plugins = ["kafold.testing.fixtures"]
+# xdist_groups: which tests one pytest-xdist worker runs together (`make test` runs the integration stage in two)
+pytest_plugins = ["kafold.testing.fixtures", "tests.support.xdist_groups"]
 
 # Fixtures that reach a real service; tests using them are marked `integration` automatically.
 SERVICE_FIXTURES = frozenset({"dev_stack", "kafka_bootstrap", "pg_url", "kafka_config", "pg_config", "registry_url"})
-
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:

@@ -62,11 +62,11 @@ class ProjectionConfig:
                                         "status `held`) until `kafold dlq replay` or `dlq discard` of it; other "
                                         "keys keep flowing.")
     create_table: bool = setting(True, doc="Create the table when it does not exist.")
-    dedup: Dedup = setting(Dedup.TRACKING, doc="How an event applied already is skipped: `tracking` by a tracking "
-                           "record per event id; `version` by the row's version and a fenced checkpoint (no record "
-                           "per event, ~1/3 of PostgreSQL's CPU an event less: docs/benchmarks.md; needs "
-                           "version_guard); `auto`: version when the guard is on and the converter gives versions "
-                           "(kafold, debezium, or a `version` source), else tracking.")
+    dedup: Dedup = setting(Dedup.AUTO, doc="How an event applied already is skipped: `auto` (the default): "
+                           "`version` when the guard is on and the converter gives versions (kafold, debezium, or a "
+                           "`version` source), else `tracking`; `tracking` by a tracking record per event id; "
+                           "`version` by the row's version and a fenced checkpoint (no record per event, ~1/3 of "
+                           "PostgreSQL's CPU an event less: docs/benchmarks.md; needs version_guard).")
 
     def __post_init__(self) -> None:
         bad = [f"on[{i}].type: expected an event type or a non-empty list of them, got {r.type!r}"

@@ -11,11 +11,12 @@ from kafold.config import AggregateConfig, KafoldConfig
 from kafold.daemon.aggregates.recovery import Base, FullReplay, Restorer
 from kafold.daemon.aggregates.restorer import SnapshotRestorer
 from kafold.daemon.aggregates.runtime import AggregateRuntime, dlq_topic
+from kafold.daemon.aggregates.workers import AggregateWorkers
 from kafold.domain import AggregateDomain
 from kafold.messages import ACCEPTED, REJECTED, Command, Result
 
-__all__ = ["ACCEPTED", "REJECTED", "AggregateRuntime", "Base", "Command", "FullReplay", "Restorer", "Result",
-           "build_runtime", "dlq_topic", "instance_id"]
+__all__ = ["ACCEPTED", "REJECTED", "AggregateRuntime", "AggregateWorkers", "Base", "Command", "FullReplay", "Restorer",
+           "Result", "build_runtime", "dlq_topic", "instance_id"]
 
 
 def instance_id(cfg: KafoldConfig) -> str:
@@ -26,8 +27,12 @@ def instance_id(cfg: KafoldConfig) -> str:
     return os.environ.get("KAFOLD_INSTANCE_ID") or f"{socket.gethostname()}-{cfg.daemon.http_port}"
 
 
-def build_runtime(cfg: KafoldConfig, agg: AggregateConfig, base: Path) -> AggregateRuntime:
-    """The runtime the daemon hosts for one `[[aggregates]]` entry."""
+def build_runtime(cfg: KafoldConfig, agg: AggregateConfig, base: Path) -> AggregateRuntime | AggregateWorkers:
+    """The runtime the daemon hosts for one `[[aggregates]]` entry: in its own process, or in
+    `daemon.aggregate_processes` worker processes (workers.py)."""
+    if cfg.daemon.aggregate_processes > 1:
+        return AggregateWorkers(cfg.kafka, cfg.daemon, agg, base, instance_id=instance_id(cfg),
+                                tracing_config=cfg.tracing, protected=protect.setup(cfg))
     domain = AggregateDomain.load(agg, cfg.daemon.python_path, base).protected(protect.active() or protect.build(cfg))
     return AggregateRuntime(cfg.kafka, cfg.daemon, agg, domain, instance_id=instance_id(cfg),
                             restorer=_restorer(cfg, agg, domain))

@@ -16,7 +16,8 @@ from kafold.config import KafkaConfig, PostgresConfig, load_file
 # area name -> module (kafold.bench.<module>); a module is imported only when its area runs.
 AREAS: dict[str, str] = {"projection": "projection", "daemon": "daemon", "snapshots": "snapshots", "effects": "effects",
                         "aggregates": "aggregates", "rebuild": "rebuild", "evolution": "evolution",
-                        "latency": "latency", "privacy": "privacy", "history": "history"}
+                        "latency": "latency", "privacy": "privacy", "history": "history",
+                        "aio": "aio"}
 
 # Short group timeouts for the benches' consumers: a first JoinGroup waits for them on the embedded broker
 # (docs/brokers.md), and otherwise for the default rebalance timeout.
@@ -31,6 +32,9 @@ def short_group(kafka: Any) -> Any:
 # What the last `embedded_stack` measured of its broker (kind, CPU seconds, wall seconds), for `kafold bench` to
 # print beside the bench's own figures; empty when the bench ran on a configured (`-c`) broker.
 BROKER_USAGE: dict[str, Any] = {}
+# The running `embedded_stack`'s broker processes (psutil), for a bench to measure the broker over its own window
+# (`cpu_s`); empty on a configured (`-c`) broker.
+BROKER_PROCESSES: list[Any] = []
 
 
 def cpu_s(procs: list[Any]) -> float:
@@ -77,9 +81,11 @@ def embedded_stack(area: str, broker: str | None = None) -> Iterator[tuple[str, 
             stack = devstack.up(state, broker=broker or "tansu")
         brokers = [h for h in (b.handle() for b in stack.brokers) if h is not None]
         began, cpu = time.monotonic(), cpu_s(brokers)
+        BROKER_PROCESSES[:] = brokers
         try:
             yield stack.bootstrap_servers, stack.postgres_url
         finally:
+            BROKER_PROCESSES.clear()
             wall = time.monotonic() - began
             used = cpu_s(brokers) - cpu
             BROKER_USAGE.update({"broker": stack.kind, "broker_nodes": stack.nodes, "broker_cpu_s": round(used, 1),

@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--txn-events", type=int, default=200, help="events per Kafka transaction (a runtime batch)")
     p.add_argument("--reads", type=int, default=300, help="history reads timed (random accounts)")
     p.add_argument("--limit", type=int, default=100, help="events per page read")
-    p.add_argument("--variants", default="4:5,8:5,4:1,1:5",
+    p.add_argument("--variants", default="4:5,1:5",
                    help="point readers:fetch wait ms of the History objects compared on the same partition (reads "
                         "alternated between them); the first one's figures are the page_* and state_at_* keys")
     p.add_argument("-c", "--config", help="kafold.toml giving [kafka] and [postgres] (default: the dev stack)")

@@ -34,7 +34,7 @@ from kafold import db, kafka_clients, logs, topics
 from kafold.bench import SHORT_GROUP_TIMEOUTS, short_group
 from kafold.bench.aggregates import BANK
 from kafold.bench.effects import effect_receiver
-from kafold.bench.projection import COLUMNS, RULES, DaemonStack, daemon_process, daemon_stack
+from kafold.bench.projection import COLUMNS, RULES, DaemonStack, Usage, daemon_process, daemon_stack
 from kafold.client import PARTITIONER, DaemonClient
 from kafold.config import TopicSpec
 from kafold.consumer_loop import take
@@ -87,8 +87,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             _wait_ready(proc, port, conf)
             figures = {"rate": args.rate, "duration_s": args.duration, "partitions": args.partitions,
                        "task_processes": args.task_processes, "process_projections": args.process_projections}
+            usage = Usage(proc.pid, daemons.postgres)
             figures.update(_events_phase(kafka, daemons, names, args, control))
+            figures["events_phase"] = usage.per_event(figures["events_sent"] + args.accounts)  # + warm-up
+            usage = Usage(proc.pid, daemons.postgres)
             figures.update(_commands_phase(kafka, daemons, names, args, DaemonClient(f"http://127.0.0.1:{port}")))
+            figures["commands_phase"] = usage.per_event(figures["commands_sent"] + args.accounts)
     figures["notes"] = [
         "event_to_row: broker acknowledgement -> the projection's PostgreSQL checkpoint seen covering the event "
         f"(polled every {args.poll_ms:g} ms)",
@@ -97,6 +101,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "read_your_writes: produce call of an OpenAccount command -> DaemonClient.wait on its result's token "
         "returned (the row then read once; a missing row is counted in read_your_writes_missing)",
         "the two phases run one after the other, each at the offered rate",
+        "events_phase / commands_phase: CPU per event or command sent, the warm-up's included (a command: its "
+        "events, result and projection included), and cores busy over the phase (warm-up and drain too), of "
+        "kafold's daemon tree, PostgreSQL's backends open at the phase's start (not the bench's own polling "
+        "sessions) and the embedded broker (the bench's producers and readers load it too)",
     ]
     return figures
 

@@ -21,7 +21,7 @@ from confluent_kafka import TopicPartition
 from confluent_kafka.admin import NewTopic
 
 from kafold import db, kafka_clients, logs
-from kafold.bench import SHORT_GROUP_TIMEOUTS, cpu_s, services, short_group
+from kafold.bench import BROKER_PROCESSES, SHORT_GROUP_TIMEOUTS, cpu_s, services, short_group
 from kafold.connectors.projection.config import Dedup
 from kafold.envelope import Event, decode, encode
 from kafold.schema import toml_value
@@ -48,9 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task-processes", action=argparse.BooleanOptionalAction, default=True,
                    help="daemon.task_processes: each task in its own process (default) or --no-task-processes: "
                    "threads of the daemon's one process")
-    p.add_argument("--dedup", choices=[d.value for d in Dedup], default=Dedup.TRACKING.value,
-                   help="the connector's `dedup` (default tracking, the connector's default; version: no tracking "
-                   "record per event, docs/benchmarks.md)")
+    p.add_argument("--dedup", choices=[d.value for d in Dedup], default=Dedup.AUTO.value,
+                   help="the connector's `dedup` (default auto, the connector's default: by version here, the "
+                   "events being kafold envelopes; tracking: a tracking record per event, docs/benchmarks.md)")
     p.add_argument("--baseline-events", type=int, default=5000, help="sample size of the naive baseline")
     p.add_argument("-c", "--config", help="kafold.toml giving [kafka] and [postgres] (default: the dev stack, "
                    "started if needed)")
@@ -110,8 +110,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "daemon_processes": first["processes"], "rss_mb": first["rss_mb"],
             "rss_mb_at_20pct": first["rss_mb_at_20pct"], "rss_mb_peak": first["rss_mb_peak"],
             "pss_mb": first["pss_mb"],
-            # CPU of the first pass (kafold's process and, when it runs here, PostgreSQL's): steadier than the
-            # rate on a shared machine, and it shows which side the two cores went to.
+            # CPU of the first pass (kafold's process tree and, when they run here, PostgreSQL's and the broker's):
+            # steadier than the rate on a shared machine, and it shows which side the two cores went to.
             "cpu_us_per_event": first["cpu_us_per_event"], "cores_busy": first["cores_busy"]}
 
 
@@ -216,7 +216,9 @@ def _watch(proc: Any, daemon: Any, postmaster: Any, covered_now: Callable[[], in
         if covered and "first" not in marks:
             tree = _tree(daemon)
             pg = [postmaster, *postmaster.children()] if postmaster is not None else []
-            marks.update(first=now, covered=covered, tree=tree, pg=pg, cpu0=cpu_s(tree), pg0=cpu_s(pg), sampled=now)
+            broker = list(BROKER_PROCESSES)
+            marks.update(first=now, covered=covered, tree=tree, pg=pg, broker=broker, cpu0=cpu_s(tree), pg0=cpu_s(pg),
+                         broker0=cpu_s(broker), sampled=now)
         if "first" in marks and now - marks["sampled"] >= RSS_SAMPLE_S:
             marks["sampled"] = now
             marks["peak"] = max(marks["peak"], _mb(marks["tree"], "rss"))
@@ -224,7 +226,8 @@ def _watch(proc: Any, daemon: Any, postmaster: Any, covered_now: Callable[[], in
                 marks["rss20"] = _mb(marks["tree"], "rss")
         if covered >= total:
             tree = marks["tree"]
-            marks.update(last=now, cpu1=cpu_s(tree), pg1=cpu_s(marks["pg"]), rss=_mb(tree, "rss"),
+            marks.update(last=now, cpu1=cpu_s(tree), pg1=cpu_s(marks["pg"]), broker1=cpu_s(marks["broker"]),
+                         rss=_mb(tree, "rss"),
                          pss=_mb(tree, "pss"))
             return marks
         time.sleep(0.01)
@@ -250,7 +253,8 @@ def daemon_process(stack: DaemonStack, conf: Path) -> Iterator[subprocess.Popen[
 
 def _figures(marks: dict[str, Any], total: int, changed: int) -> dict[str, Any]:
     seconds, events = marks["last"] - marks["first"], total - marks["covered"]
-    cpu = {"kafold": marks["cpu1"] - marks["cpu0"], "postgres": marks["pg1"] - marks["pg0"] if marks["pg"] else None}
+    cpu = {"kafold": marks["cpu1"] - marks["cpu0"], "postgres": marks["pg1"] - marks["pg0"] if marks["pg"] else None,
+           "broker": marks["broker1"] - marks["broker0"] if marks["broker"] else None}
     return {"events": events, "seconds": seconds, "processes": len(marks["tree"]),
             "cpu_us_per_event": {k: None if v is None else round(v / events * 1e6, 1) for k, v in cpu.items()},
             "cores_busy": {k: None if v is None else round(v / seconds, 2) for k, v in cpu.items()},
@@ -270,7 +274,7 @@ def daemon_toml(stack: DaemonStack, name: str, topic: str, table: str, args: arg
               "task_processes": args.task_processes}
     connector = {"name": name, "class": "postgres-projection", "topics": [topic], "tasks_max": args.tasks,
                  "config": {"table": table, "key_columns": ["account_id"], "columns": COLUMNS, "on": RULES,
-                            "dedup": getattr(args, "dedup", Dedup.TRACKING.value)},
+                            "dedup": getattr(args, "dedup", Dedup.AUTO.value)},
                  **(connector_extra or {})}
     extra = dict(extra or {})
     daemon.update(extra.pop("daemon", {}))
@@ -337,6 +341,29 @@ def _memory(proc: Any, kind: str) -> int:
         return int(getattr(proc.memory_full_info() if kind == "pss" else proc.memory_info(), kind))
     except psutil.Error:
         return 0
+
+
+class Usage:
+    """CPU seconds of kafold's daemon tree, the local PostgreSQL (its postmaster and the backends open now) and the
+    embedded broker since it was made, per event: a bench's `cpu_us_per_event` and `cores_busy` for a window."""
+
+    def __init__(self, daemon_pid: int, pgc: Any) -> None:
+        # psutil: kafold[daemon], not in the core install
+        import psutil
+
+        with db.connect(pgc) as conn:
+            postmaster = _postmaster(conn)
+        pg = [postmaster, *postmaster.children()] if postmaster is not None else []
+        self.groups = {"kafold": _tree(psutil.Process(daemon_pid)), "postgres": pg, "broker": list(BROKER_PROCESSES)}
+        self.began = time.perf_counter()
+        self.at = {k: cpu_s(v) for k, v in self.groups.items()}
+
+    def per_event(self, events: int) -> dict[str, Any]:
+        seconds = time.perf_counter() - self.began
+        used = {k: cpu_s(v) - self.at[k] if v else None for k, v in self.groups.items()}
+        return {"cpu_us_per_event": {k: None if v is None else round(v / max(1, events) * 1e6, 1)
+                                     for k, v in used.items()},
+                "cores_busy": {k: None if v is None else round(v / seconds, 2) for k, v in used.items()}}
 
 
 def _postmaster(conn: Any) -> Any:

@@ -21,6 +21,10 @@ def register(sub: Any) -> None:
 def handle(args: argparse.Namespace) -> int:
     signals.catch_early()  # before the imports and checks below: a supervisor's SIGTERM now still stops gracefully
     loaded = config.load_file(args.config)
+    # The task processes' interpreters first: they import while this one imports Faust (no Faust in that module).
+    from kafold.daemon import task_process
+
+    task_process.prestart(loaded.config.connectors, loaded.config.daemon)
     from kafold.daemon.host import services_needed  # after catch_early: Faust's imports take a second or two
 
     return run(devstack.effective(loaded.config, need=services_needed(loaded)), loaded.base, config_path=loaded.path)
@@ -33,5 +37,10 @@ def run(cfg: config.KafoldConfig, base: Path, stop: threading.Event | None = Non
     Returns 0 after a clean stop, 1 when a task failed or did not stop within `daemon.shutdown_grace_s`.
     """
     from kafold.daemon.host import DaemonHost  # lazy: Faust's imports take a second or two (see handle)
+    from kafold.daemon.task_process import release_prestarted  # lazy, as DaemonHost
 
-    return DaemonHost(cfg, base, stop, config_path).run()
+    try:
+        host = DaemonHost(cfg, base, stop, config_path)
+    finally:
+        release_prestarted()  # those no task took (DaemonHost took one per task process)
+    return host.run()

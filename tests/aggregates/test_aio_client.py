@@ -2,12 +2,13 @@
 runtime would (a result record carrying the command id): results are matched by command id, a cancelled send or
 a send whose result never comes leaves nothing behind, and closing the client stops its thread and fails whoever
 still waits with ClientClosed. Its DaemonClient follows the shared redirect rule (the token to its own origin
-only) against local HTTP servers."""
+only) and shares one request among waits begun together, against local HTTP servers."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import urllib.parse
 from typing import Any
 
 import anyio
@@ -141,3 +142,23 @@ def test_the_async_daemon_client_sends_its_token_to_its_own_origin_only_and_asks
                                 ("/aggregates/account/moved", f"Bearer {TOKEN}")]  # same origin: kept
             assert far == [("/state", None)]  # another host: no token
             assert sum(1 for path, _ in near if path == "/aggregates/account/busy") >= 3  # asked again meanwhile
+
+
+def test_waits_begun_together_share_one_request_and_a_failed_shared_wait_is_asked_again_alone() -> None:
+    toks = [tokens.encode({("t.events", p): 10 * p + i}) for i, p in enumerate([0, 1, 1, 2])]
+    refused = {"/connectors/other/wait": (400, {}, b'{"message": "token: t.events is not a topic of other"}')}
+    with recording_server(refused) as (port, seen):
+        async def main() -> None:
+            async with DaemonClient(f"http://127.0.0.1:{port}", TOKEN) as daemon:
+                await asyncio.gather(*(daemon.wait("accounts", t, timeout=5) for t in toks))
+                assert len(seen) == 1  # one request for the four, for their merged token
+                await daemon.wait("accounts", toks[0], timeout=5)  # a later wait: a request of its own
+                assert len(seen) == 2
+                got = await asyncio.gather(*(daemon.wait("other", t, timeout=5) for t in toks[:2]),
+                                           return_exceptions=True)
+                assert [type(e).__name__ for e in got] == ["BadToken", "BadToken"]  # each its own answer
+
+        asyncio.run(main())
+    asked = [urllib.parse.parse_qs(urllib.parse.urlsplit(path).query)["token"][0] for path, _ in seen]
+    assert asked[:2] == [tokens.merge(*toks), toks[0]]
+    assert asked[2] == tokens.merge(*toks[:2]) and sorted(asked[3:]) == sorted(toks[:2])  # shared, then alone

@@ -237,9 +237,11 @@ class Stack:
         for proc in self.brokers():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGCONT)
-        devstack.down(self.state)
+        # The run's data is thrown away: no clean shutdown (three Kafka nodes handing leadership to each other on
+        # SIGTERM take seconds for nothing).
+        devstack.down(self.state, graceful=False)
         # The stack file knows the first postmaster only; a restarted one is found by its data directory.
-        devstack._stop(devstack._postmaster_pid(self.state), signal.SIGINT)
+        devstack._stop(devstack._postmaster_pid(self.state), None)
 
 
 # ---------------------------------------------------------------------------------------------- config, daemon

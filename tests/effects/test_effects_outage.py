@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from kafold import cli
+from kafold import cli, kafka_clients
 from kafold.config import KafkaConfig, PostgresConfig
 from kafold.connectors.effects import ops
 from kafold.envelope import encode
 from kafold.testing import free_port
 from tests.effects.effects_support import daemon_config, start_effects
-from tests.support import committed, create_topic, make_event, produce, wait_for
+from tests.support import committed, create_topic, make_event, new_producer, produce, wait_for
 from tests.support.daemons import daemon_thread
 from tests.support.receiver import Receiver, Req
 
@@ -209,9 +209,14 @@ def test_events_held_while_waiting_are_bounded_fetching_pauses_without_a_rebalan
             time.sleep(0.2)
         assert max(held) <= limit + batch, held
         # Arriving while paused: not fetched, but in the lag. One record per produce request: the embedded
-        # broker's ListOffsets reports the last batch's base offset + 1, exact for single-record batches.
-        coords = [c for v in (7, 8) for i, k in enumerate(keys)
-                  for c in produce(kafka_config, topic, [(i % 2, *encode(make_event(k, v)))])]
+        # broker's ListOffsets reports the last batch's base offset + 1, exact for single-record batches. One
+        # producer flushed after each record (a producer per record spent most of this test starting producers).
+        producer = new_producer(kafka_config)
+        try:
+            coords = [c for v in (7, 8) for i, k in enumerate(keys)
+                      for c in produce(kafka_config, topic, [(i % 2, *encode(make_event(k, v)))], producer)]
+        finally:
+            kafka_clients.close_producer(producer, 15)  # each record was flushed (and checked) by produce
         ends = {p: max(o for pp, o in coords if pp == p) + 1 for p in (0, 1)}
         wait_for(lambda: sum(p.lag or 0 for p in run.runner.progress.snapshot.values()) >= 400 - limit - batch,
                  "the lag of the records not fetched", 30)

@@ -41,7 +41,7 @@ PARTITIONS = 2
 
 
 def _config(path: Path, kafka: KafkaConfig, pg_url: str, unique: str, port: int, topic: str,
-            connectors: dict[str, tuple[str, str]], processes: bool) -> Path:
+            connectors: dict[str, tuple[str, str]], processes: bool, dedup: str) -> Path:
     rules = "".join("\n[[connectors.config.on]]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in rule.items())
                     for rule in RULES)
     body = "".join(f"""
@@ -55,6 +55,7 @@ on_unknown_type = "{policy}"
 table = "{table}"
 key_columns = ["account_id"]
 columns = {toml_value(COLUMNS)}
+dedup = "{dedup}"
 {rules}""" for name, (table, policy) in connectors.items())
     path.write_text(f"""
 {kafka_toml(kafka)}
@@ -88,9 +89,10 @@ def _settled(port: int, seen: dict[tuple[str, int], int]) -> bool:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("processes", [False, True], ids=["in-process", "task-processes"])
+@pytest.mark.parametrize("dedup", ["auto", "tracking"])  # auto: by version here (kafold envelopes)
 def test_records_seen_equal_applied_duplicates_stale_dead_lettered_and_skipped_per_partition(
         kafka_config: KafkaConfig, pg_config: PostgresConfig, pg_url: str, unique: str, tmp_path: Path,
-        processes: bool) -> None:
+        processes: bool, dedup: str) -> None:
     topic = f"{unique}.events"
     create_topic(kafka_config, topic, partitions=PARTITIONS)
     skipping, dead_lettering = f"{unique}-skip", f"{unique}-dl"
@@ -122,16 +124,21 @@ def test_records_seen_equal_applied_duplicates_stale_dead_lettered_and_skipped_p
         skip = name == skipping
         for p in range(PARTITIONS):
             dead = poisoned[p] + per_partition(refused)[p] + (0 if skip else per_partition(unknown)[p])
+            # By version a record produced twice is stale (its row is at its version already): the same records
+            # are skipped, counted under `stale` instead of `duplicates`.
+            again, older = ((per_partition(duplicates)[p], per_partition(stale)[p]) if dedup == "tracking"
+                            else (0, per_partition(duplicates + stale)[p]))
             expected[(name, p)] = {"seen": seen[p], "applied": per_partition(events)[p],
-                                   "duplicates": per_partition(duplicates)[p], "stale": per_partition(stale)[p],
+                                   "duplicates": again, "stale": older,
                                    "dead_lettered": dead, "skipped": per_partition(unknown)[p] if skip else 0,
                                    "unaccounted": 0}
-    assert all(v["duplicates"] and v["stale"] and v["dead_lettered"] for v in expected.values())  # every kind sent
+    assert all((v["duplicates"] or dedup != "tracking") and v["stale"] and v["dead_lettered"]
+               for v in expected.values())  # every kind sent
 
     port = free_port()
     conf = _config(tmp_path / "kafold.toml", kafka_config, pg_url, unique, port, topic,
                    {skipping: (tables[skipping], "skip"), dead_lettering: (tables[dead_lettering], "dead-letter")},
-                   processes)
+                   processes, dedup)
     with daemon_in_process(conf):
         for name in tables:
             wait_for_offsets(pg_config, name, topic, ends_of(coords))

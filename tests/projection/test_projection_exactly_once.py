@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kafold import db
 from kafold.config import KafkaConfig, PostgresConfig
+from kafold.connectors.projection.fold import APPLIED
 from tests.projection.projection_support import (
     closed,
     deposited,
@@ -36,8 +36,10 @@ class TestProjectionContract(SinkTaskContract):
               "on": [{"type": "ThingHappened", "set": {"n": "payload.n"}}]}
 
 
+@pytest.mark.parametrize("dedup", ["auto", "tracking"])  # auto: by version here (kafold envelopes)
 def test_duplicates_are_applied_once_and_the_newest_version_wins(kafka_config: KafkaConfig,
-                                                                 pg_config: PostgresConfig, unique: str) -> None:
+                                                                 pg_config: PostgresConfig, unique: str,
+                                                                 dedup: str) -> None:
     topic, table = f"{unique}.events", table_name()
     create_topic(kafka_config, topic, partitions=3)
     events = history(accounts=30, deposits=8, close_every=7)
@@ -49,16 +51,15 @@ def test_duplicates_are_applied_once_and_the_newest_version_wins(kafka_config: K
     late_close = closed("acc-4", 3)  # a new id, older than the row: ignored too
     produced = events + again + reversed_ + [stale, late_close]
     coords = produce(kafka_config, topic, encoded(produced, 3))
-    cfg = settings(unique, topic, table)
+    cfg = settings(unique, topic, table, dedup=dedup)
     with running(kafka_config, pg_config, cfg, unique, batch=97) as runner:
         wait_for_offsets(pg_config, unique, topic, ends_of(coords), runner)
         totals = runner.task.totals  # type: ignore[attr-defined]
     assert read_table(pg_config, table) == fold(events)
-    assert totals.duplicates == len(again) + len(reversed_)
-    assert totals.stale == 2
-    with db.connect(pg_config) as conn:
-        tracked = conn.execute("SELECT count(*) FROM kafold.tracking WHERE projection = %s", (unique,)).fetchone()
-    assert tracked == (len(events) + 2,)
+    # Applied once: each distinct event exactly once, every other record skipped (tracking calls a re-delivered
+    # record a duplicate, the version guard calls it stale, as it does a new id at an old version).
+    assert sum(counts[APPLIED] for counts in totals.by_partition.values()) == len(events)
+    assert totals.duplicates + totals.stale == len(again) + len(reversed_) + 2
 
 
 def test_a_restarted_task_resumes_from_the_offsets_stored_in_postgres(kafka_config: KafkaConfig,

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from kafold import db
 from kafold.config import KafkaConfig, PostgresConfig
 from kafold.schema import toml_value
 from tests.projection.projection_support import (
@@ -128,6 +127,3 @@ def test_kill_9_at_random_points_loses_nothing_and_applies_nothing_twice(
     expected = fold(events)
     assert set(table_now) == set(expected)  # no missing and no extra rows
     assert table_now == expected  # every balance is the sum of each deposit exactly once
-    with db.connect(pg_config) as conn:
-        tracked = conn.execute("SELECT count(*) FROM kafold.tracking WHERE projection = %s", (unique,)).fetchone()
-    assert tracked == (len(events),)

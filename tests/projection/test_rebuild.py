@@ -202,8 +202,8 @@ def test_a_rebuild_killed_halfway_resumes_and_finishes_correctly(
     create_topic(kafka_config, topic, partitions=2)
     events = history(accounts=800, deposits=24, close_every=9)  # a copy of a few seconds: room to kill it halfway
     poison = (1, b"acc-1", b"not an envelope", None)  # dead-lettered by the live connector and by the rebuild
-    # Late duplicates of a closed account's events (acc-0): the live connector knows them by its tracking records,
-    # the rebuild (resumed, nothing of it in memory) by acc-0's tombstone.
+    # Late duplicates of a closed account's events (acc-0): the live connector (deduplicating by version, the
+    # default here) and the rebuild (resumed, nothing of it in memory) both know them by acc-0's tombstone.
     late = events[:3]
     coords = produce(kafka_config, topic, [*encoded(events[:5000], 2), poison, *encoded(events[5000:], 2),
                                            *encoded(late, 2)])
