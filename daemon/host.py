@@ -35,22 +35,18 @@ from faust.app.base import BootStrategy
 
 from kafold import config as kconfig
 from kafold import db, devstack, erasure_log, logs, protect, sdnotify, tracing
-from kafold.config import KafoldConfig, Loaded, python_path
+from kafold.config import AggregateConfig, KafoldConfig, Loaded, python_path
 from kafold.connectors.api import TopicPartition
 from kafold.connectors.projection import restored
 from kafold.connectors.registry import instantiate, resolve
-from kafold.daemon import connect_api, extensions, http, offsets, signals, status_page, visibility
-from kafold.daemon.aggregates import history, trust
+from kafold.daemon import connect_api, extensions, http, offsets, signals, status_page, wait_view
+from kafold.daemon.aggregates import trust
+from kafold.daemon.aggregates.history import Histories
+from kafold.daemon.aggregates.routing import StateRouter
 from kafold.daemon.metrics import DaemonMetrics
 from kafold.daemon.rates import Rates
-from kafold.daemon.tasks import (
-    AggregateSlot,
-    ConnectorGroup,
-    TaskSlot,
-    aggregate_factory,
-    join_all,
-    task_slots,
-)
+from kafold.daemon.tasks import AggregateRuntimeView, AggregateSlot, ConnectorGroup, TaskSlot, join_all, task_slots
+from kafold.daemon.visibility import Watches
 from kafold.errors import ConfigError, FatalError, KafoldError, RetriableError
 from kafold.retry import retrying
 from kafold.snapshot.scheduler import SnapshotScheduler
@@ -126,6 +122,10 @@ class DaemonHost:
         tracing.configure(cfg.tracing)  # off unless [tracing].enabled (kafold.tracing)
         self.groups = self._build_groups()
         self.aggregates = self._build_aggregates()
+        # the objects this daemon keeps for its reads, made with it (the views reach them as host.router & co.)
+        self.router = StateRouter(d, self.instance_key, self.call)
+        self.watches = Watches(cfg.kafka, cfg.postgres, self.group, self.call)
+        self.histories = Histories(cfg, base, self.protector)
         with python_path(cfg, base):
             self.extensions = extensions.load(d.faust_modules)
         # [snapshots] enabled: snapshot jobs as `kafold snapshot run` child processes (the Spark JVM stays out of
@@ -180,7 +180,7 @@ class DaemonHost:
                    topic_replication_factor=self.cfg.kafka.replication_factor)
         http.guard_web(app, self)  # the token in front of Faust's own routes too (docs/security.md)
         logs.withhold_request_bytes()  # aiohttp logs a request it cannot parse quoting its header lines
-        for path, view in {**http.ROUTES, **connect_api.ROUTES, **visibility.ROUTES, **status_page.ROUTES}.items():
+        for path, view in {**http.ROUTES, **connect_api.ROUTES, **wait_view.ROUTES, **status_page.ROUTES}.items():
             app.page(path, name=view.__name__)(type(view.__name__, (view,), {"host": self}))
         app.service(type("KafoldTasks", (TasksService,), {"host": self}))
         installed = extensions.install(app, self.extensions)
@@ -407,9 +407,16 @@ class DaemonHost:
                     self.exit_code = 1
             finally:
                 _close_idle_consumer_loop(app)
-                history.close(self)  # the history readers' consumers and connections, if a read made them
+                self.histories.close()  # the history readers' consumers and connections, if a read made them
                 tracing.shutdown()  # export the spans still buffered
         return self.exit_code
+
+
+def aggregate_factory() -> Callable[[KafoldConfig, AggregateConfig, Path], AggregateRuntimeView]:
+    """`kafold.daemon.aggregates.build_runtime(cfg, aggregate, base)`, imported only when aggregates are hosted."""
+    from kafold.daemon.aggregates import build_runtime  # lazy: a daemon without aggregates never loads them
+
+    return build_runtime
 
 
 def services_needed(loaded: Loaded) -> tuple[str, ...]:

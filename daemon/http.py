@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import faust
 from aiohttp import web
@@ -15,12 +15,9 @@ from faust.web.drivers.aiohttp import Web as AiohttpWeb
 
 from kafold.daemon import status
 from kafold.daemon.aggregates import history, routing, trust
+from kafold.daemon.hosting import Host
 from kafold.daemon.metrics import CONTENT_TYPE
 from kafold.errors import ConfigError, KafoldError
-
-if TYPE_CHECKING:
-    from kafold.daemon.host import DaemonHost
-
 
 # The only routes answered without the bearer token (docs/security.md): orchestrator probes (kubelet, systemd)
 # cannot carry a secret, and these show only liveness and the connectors' readiness.
@@ -33,7 +30,7 @@ PAGE_PATH = "/ui"
 EVENTS_PATH = "/aggregates/{name}/{id}/events"
 
 
-def token_guard(host: DaemonHost) -> Middleware:
+def token_guard(host: Host) -> Middleware:
     """The aiohttp middleware that refuses, when a token is configured, every request without it but those
     routed to OPEN_PATHS: kafold's views, Faust's own (index, router, tables, whatever a Faust upgrade adds),
     unknown paths and unserved methods alike. The one place auth is decided."""
@@ -52,7 +49,7 @@ def token_guard(host: DaemonHost) -> Middleware:
     return guard
 
 
-def guard_web(app: faust.App, host: DaemonHost) -> None:
+def guard_web(app: faust.App, host: Host) -> None:
     """Put `token_guard` in front of every route of `app`'s web server (before it starts)."""
     server = app.web
     if not isinstance(server, AiohttpWeb):  # another web driver would serve everything without the token
@@ -74,7 +71,7 @@ def _route(request: web.Request) -> str | None:
     return None if resource is None else resource.canonical
 
 
-def _instance_read(host: DaemonHost, request: web.Request) -> bool:
+def _instance_read(host: Host, request: web.Request) -> bool:
     """True for a state read another instance sent on (or redirected here) with a valid instance credential: the
     one request accepted without the API token, because the sending instance checked it (routing.py, trust.py)."""
     info = request.match_info
@@ -86,7 +83,7 @@ def _instance_read(host: DaemonHost, request: web.Request) -> bool:
 class HostView(View):
     """Base view: knows the host (auth is `token_guard`'s, in front of every view)."""
 
-    host: DaemonHost
+    host: Host
 
     def problem(self, status: int, message: str) -> Response:
         """Kafka Connect's error body."""
@@ -175,10 +172,10 @@ class AggregateState(HostView):
         except ValueError as e:
             return self.problem(400, str(e))
         if version is not None:  # an earlier state: from the history (any instance), not the owner's runtime
-            got = await self.host.call(history.histories(self.host).state, slot, id, version)
+            got = await self.host.call(self.host.histories.state, slot, id, version)
             return self.json(got.body, status=got.status, headers=got.headers)
         # Faust's aiohttp driver hands over aiohttp's own request (guard_web insists on that driver)
-        got = await routing.router(self.host).read(slot, id, wait, cast(web.Request, request), self.app.http_client)
+        got = await self.host.router.read(slot, id, wait, cast(web.Request, request), self.app.http_client)
         return self.json(got.body, status=got.status, headers=got.headers)
 
 
@@ -194,7 +191,7 @@ class AggregateEvents(HostView):
             from_version, limit = history.page_query(request.query)
         except ValueError as e:
             return self.problem(400, str(e))
-        got = await self.host.call(history.histories(self.host).page, slot, id, from_version, limit)
+        got = await self.host.call(self.host.histories.page, slot, id, from_version, limit)
         return self.json(got.body, status=got.status, headers=got.headers)
 
 

@@ -114,3 +114,32 @@ class GroupWatch:
         return {"group_state": s.state, "join_state": s.join_state, "state_age_ms": s.state_age_ms,
                 "rebalances": s.rebalances, "rebalance_reason": s.rebalance_reason,
                 "assignment_size": s.assignment_size, "join_pending_s": round(self.pending_s(now), 1)}
+
+    def observe(self, stats_json: str, log: Any, group_id: str) -> None:
+        """librdkafka's statistics (served by consume(), in the consumer's thread): the group's state, a change of
+        it logged."""
+        state = GroupState.from_stats(stats_json)
+        if state is None:
+            return
+        before = self.current
+        if before is None or (before.state, before.join_state) != (state.state, state.join_state):
+            log.info("runner.group_state", group=group_id, group_state=state.state, join_state=state.join_state,
+                     assignment_size=state.assignment_size, rebalances=state.rebalances,
+                     rebalance_reason=state.rebalance_reason)
+        self.update(state)
+
+    def look(self, log: Any, group_id: str) -> bool:
+        """Warn while the group join is pending; True once it is wedged (past the rebalance timeout): the consumer
+        is to leave the group and join again."""
+        if self.unsteady_since is None:
+            return False
+        now = time.monotonic()
+        if self.wedged(now):
+            log.error("runner.group_rejoining", group=group_id, **self.fields(now),
+                      reason="group join still pending past the rebalance and session timeouts",
+                      hint="leaving the group and joining again with a new consumer")
+            return True
+        if self.should_warn(now):
+            log.warning("runner.group_join_pending", reason="no partitions assigned yet", group=group_id,
+                        **self.fields(now))
+        return False

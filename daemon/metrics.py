@@ -49,7 +49,7 @@ log = logs.get(__name__)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TASK_STATES = ("UNASSIGNED", "RUNNING", "PAUSED", "FAILED", "RESTARTING", "STOPPED")
 BATCH_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-# a wait answers within visibility.MAX_TIMEOUT_MS (60 s); most are covered within a batch or two
+# a wait answers within wait_view.MAX_TIMEOUT_MS (60 s); most are covered within a batch or two
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 

@@ -7,10 +7,10 @@ topic and never reach `put`; `put` gets the rest (retried on RetriableError with
 group membership stays alive); then the dead-letter writer is flushed (every dead letter acknowledged,
 acks=all); only then are the offsets after the batch offered to `pre_commit`, and what it returns is committed.
 So a committed offset never passes a record that was neither put successfully nor durably dead-lettered. These
-commits are sent asynchronously, as Kafka Connect's sink tasks do (see `_commit`): the loop keeps polling while one
+commits are sent asynchronously, as Kafka Connect's sink tasks do (daemon/commits.py): the loop keeps polling while one
 is answered, so a slow or lost answer stalls neither fetching nor the group's rebalance callbacks. A task that
 stores its own offsets (`SinkTask.stores_offsets`, the projection) is offered them on a timer instead
-(`offset_flush_interval_ms`; see `_commit`): its store decides where it resumes, Kafka's commit follows. After a
+(`offset_flush_interval_ms`; see commits.py): its store decides where it resumes, Kafka's commit follows. After a
 crash, a FatalError or a rebalance, the records after the last commit are delivered again: `put` must be
 idempotent. On revoke, the offsets of everything already put are offered to `pre_commit`
 and committed synchronously before `close`. On stop, fetching stops, the in-flight batch finishes (within
@@ -31,7 +31,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from confluent_kafka import KafkaException
@@ -52,8 +51,10 @@ from kafold.connectors.convert import converter_for
 from kafold.connectors.dlq import DeadLetterWriter
 from kafold.connectors.intake import Intake
 from kafold.consumer_loop import ConsumerLoop, LoopHandler
+from kafold.daemon import batch_decode
 from kafold.daemon.accounting import Account, Tally, accounts
-from kafold.daemon.liveness import STATS_INTERVAL_MS, GroupState, GroupWatch
+from kafold.daemon.commits import Commits, Offered
+from kafold.daemon.liveness import STATS_INTERVAL_MS, GroupWatch
 from kafold.daemon.progress import BatchStats, PartitionProgress, ProgressTracker, last_event_times
 from kafold.errors import FatalError, KafoldError, RecordError, RetriableError
 from kafold.kafka_message import Message
@@ -70,23 +71,9 @@ MAX_BACKOFF_S = 10.0
 # with the 1 s backoff: 4 MB and 8 MB starved the loop, as the queue emptied within the backoff).
 PREFETCH_KBYTES = 2048
 FETCH_QUEUE_BACKOFF_MS = 10
-YIELD_EVERY_MASK = 255  # the decode loop offers the task a yield point every 256 records (SinkTask.yield_point)
-# An asynchronous commit not answered within this long is given up (logged) and the next one is sent: Kafka
-# Connect's offset.flush.timeout.ms (5 s by default) plays this part. A commit's request times out in librdkafka
-# only after socket.timeout.ms (60 s), and a sync commit can wait forever (confluent-kafka-python#1801; seen here
-# once a paused broker came back: the runner sat in `commit` until the process ended).
-COMMIT_TIMEOUT_S = 10.0
 # While a commit is awaited the loop polls in slices this short: its answer is served inside the poll, which does
 # not return for it, and a task waiting on the commit (at-most-once effects) is offered the next one right away.
 COMMIT_AWAIT_POLL_S = 0.005
-
-
-@dataclass(frozen=True)
-class _CommitInFlight:
-    """An asynchronous commit sent and not yet answered: its offsets and when it was sent (CLOCK_MONOTONIC)."""
-
-    offsets: dict[TopicPartition, int]
-    sent_at: float
 
 
 class _Abandoned(KafoldError):
@@ -125,7 +112,7 @@ class _Context(SinkTaskContext):
         return self.runner.reporter
 
     def committed_offsets(self) -> Mapping[TopicPartition, int]:
-        return dict(self.runner.committed)  # updated only once the broker answered a commit without error
+        return dict(self.runner.commits.committed)  # updated only once the broker answered a commit without error
 
 
 class ProgressView(Protocol):
@@ -202,9 +189,8 @@ class SinkRunner(LoopHandler):
         self.user_paused: set[TopicPartition] = set()
         self.positions: dict[TopicPartition, int] = {}  # next offset to read, after the handled records
         self.dirty = False
-        # A task that stores its own offsets is committed to Kafka on a timer (see the commit note on `_commit`).
-        self.flush_interval_s = daemon.offset_flush_interval_ms / 1000
-        self.next_flush = 0.0  # CLOCK_MONOTONIC of the next timed commit
+        # A task that stores its own offsets is committed to Kafka on a timer (see the note in commits.py).
+        self.commits = Commits(daemon.offset_flush_interval_ms / 1000, self.log)
         self.backing_off = False
         self.failed = False
         self.error: BaseException | None = None
@@ -212,8 +198,6 @@ class SinkRunner(LoopHandler):
                        "rejoins": 0}
         self.on_batch: Callable[[BatchStats], None] | None = None  # called in this thread after each batch
         self.progress = ProgressTracker(str(self.consumer_extra.get("auto.offset.reset", "earliest")))
-        self.committed: dict[TopicPartition, int] = {}  # what the broker confirmed
-        self.in_flight: _CommitInFlight | None = None  # the asynchronous commit awaiting its answer
         self.event_times: dict[TopicPartition, int] = {}  # event time (ms) of the last handled record
         self.tally = Tally()  # the runner's half of the offset accounting (daemon/accounting.py)
         self.api_paused = False  # paused through the REST API (applied between polls)
@@ -279,24 +263,26 @@ class SinkRunner(LoopHandler):
         self.started = True
 
     def before_poll(self) -> float | None:
-        self._watch_group()
+        if self.group_watch.look(self.log, self.group_id):  # wedged: leave the group and join again
+            self._rejoin()
         self._apply_requests()
         self._apply_seeks()
-        if self.in_flight is not None:  # its answer is served inside the poll (see COMMIT_AWAIT_POLL_S)
+        if self.commits.in_flight is not None:  # its answer is served inside the poll (see COMMIT_AWAIT_POLL_S)
             return COMMIT_AWAIT_POLL_S
         if self.context.commit_requested and not self.task.stores_offsets:  # a commit waiting for its interval:
-            return max(0.0, min(self.next_flush - time.monotonic(), self.loop.wait_s))  # the idle poll ends then
+            wait = self.commits.next_flush - time.monotonic()
+            return max(0.0, min(wait, self.loop.wait_s))  # the idle poll ends then
         return None
 
     def on_idle(self) -> None:
         requested = self.context.commit_requested
-        if ((requested or self.dirty) and self._flush_due()) or (requested and self.task.stores_offsets):
+        if ((requested or self.dirty) and self.commits.due()) or (requested and self.task.stores_offsets):
             self._commit(self.assigned)
 
     def after_poll(self) -> None:
         self._past_markers()
         self.progress.refresh(self.consumer, self.positions, self.user_paused if not self.api_paused
-                              else self.assigned, self.committed, self.event_times)
+                              else self.assigned, self.commits.committed, self.event_times)
 
     def _past_markers(self) -> None:
         """Offset note: under read_committed a transaction's commit marker takes an offset that no record has. The
@@ -338,30 +324,7 @@ class SinkRunner(LoopHandler):
         self.group_watch.reset()
 
     def _on_stats(self, stats_json: str) -> None:  # librdkafka statistics, served by consume() in this thread
-        state = GroupState.from_stats(stats_json)
-        if state is None:
-            return
-        before = self.group_watch.current
-        if before is None or (before.state, before.join_state) != (state.state, state.join_state):
-            self.log.info("runner.group_state", group=self.group_id, group_state=state.state,
-                          join_state=state.join_state, assignment_size=state.assignment_size,
-                          rebalances=state.rebalances, rebalance_reason=state.rebalance_reason)
-        self.group_watch.update(state)
-
-    def _watch_group(self) -> None:
-        """Warn while the group join is pending; past the rebalance timeout (wedged) leave and join again."""
-        watch = self.group_watch
-        if watch.unsteady_since is None:
-            return
-        now = time.monotonic()
-        if watch.wedged(now):
-            self.log.error("runner.group_rejoining", group=self.group_id, **watch.fields(now),
-                           reason="group join still pending past the rebalance and session timeouts",
-                           hint="leaving the group and joining again with a new consumer")
-            self._rejoin()
-        elif watch.should_warn(now):
-            self.log.warning("runner.group_join_pending", reason="no partitions assigned yet", group=self.group_id,
-                             **watch.fields(now))
+        self.group_watch.observe(stats_json, self.log, self.group_id)
 
     def _rejoin(self) -> None:
         """Release what this task holds (committed as in a rebalance), close the consumer, subscribe a new one."""
@@ -375,55 +338,14 @@ class SinkRunner(LoopHandler):
     def handle_batch(self, msgs: list[Message]) -> None:
         """One batch: decode, dead-letter, put, commit."""
         started = time.monotonic()
-        records: list[SinkRecord] = []
-        seen: dict[TopicPartition, int] = {}
-        dead = skipped = run = 0
-        # The offset accounting, per partition: records counted per run of one partition (not per record), and
-        # those dead-lettered or skipped here.
-        counted: dict[TopicPartition, int] = {}
-        dead_at: dict[TopicPartition, int] = {}
-        skipped_at: dict[TopicPartition, int] = {}
         intake = Intake(self.connector.name, self.task.handles, self.connector.settings.on_unknown_type,
                         self.upcaster, converter=self.converter)
-        intake.prefetch(msgs)
-        tp, last_topic, last_part = None, None, -1
-        yield_point = self.task.yield_point
-        for i, m in enumerate(msgs):
-            if not i & YIELD_EVERY_MASK:
-                yield_point()
-            err = m.error()
-            if err is not None:
-                self.loop.consumer_error(err)  # a fatal one ends the run before this batch is committed
-                self.log.warning("runner.consumer_error", error=str(err))
-                continue
-            topic, part, offset = m.topic(), m.partition(), m.offset()
-            if part != last_part or topic != last_topic:  # records come in runs per partition
-                if tp is not None:
-                    counted[tp] = counted.get(tp, 0) + run
-                tp, last_topic, last_part, run = TopicPartition(topic, part), topic, part, 0
-            assert tp is not None
-            seen[tp] = offset + 1
-            run += 1
-            try:
-                try:
-                    record = intake.record(m, topic, part, offset)
-                except RetriableError as e:  # a service the decode needs is down (a Schema Registry)
-                    record = self._decode_later(intake, m, (topic, part, offset), e)
-                    if tp not in self.assigned:  # revoked during the back-off: the new owner reads it
-                        continue
-            except RecordError as e:
-                self.reporter.report(m, e)
-                self.task.on_dead_letter(m, e)
-                dead += 1
-                dead_at[tp] = dead_at.get(tp, 0) + 1
-                continue
-            if record is None:
-                skipped += 1
-                skipped_at[tp] = skipped_at.get(tp, 0) + 1
-                continue
-            records.append(record)
-        if tp is not None:
-            counted[tp] = counted.get(tp, 0) + run
+        try:
+            got = batch_decode.decode(msgs, intake, self.task, self.reporter, self._consumer_error, self._retrying,
+                                      self.assigned, self.log)
+        except batch_decode.GaveUp as e:
+            raise _Abandoned(f"decode still failing: {e}") from e
+        records, dead, skipped, dead_at = got.records, got.dead, got.skipped, got.dead_at
         tracer = tracing.tracer()  # once per batch; off: no header is read (kafold.tracing)
         if tracer is None:
             dead += self._put(records, dead_at)
@@ -434,22 +356,26 @@ class SinkRunner(LoopHandler):
                 dead += self._put(records, dead_at)
         self._flush_dead_letters()
         self.event_times.update(last_event_times(records, msgs))
-        for tp, nxt in seen.items():
+        for tp, nxt in got.seen.items():
             if tp in self.assigned:
                 self.positions[tp] = nxt
                 self.dirty = True
-        committed = self._commit(self.assigned) if self._flush_due() else {}
+        committed = self._commit(self.assigned) if self.commits.due() else {}
         self.counts["batches"] += 1
         self.counts["records"] += len(msgs)
         self.counts["dead_lettered"] += dead
         self.counts["skipped"] += skipped
-        self.tally.add(counted, dead_at, skipped_at)
+        self.tally.add(got.counted, dead_at, got.skipped_at)
         duration = time.monotonic() - started
         self.log.info("runner.batch", records=len(msgs), put=len(records), dead_lettered=dead, skipped=skipped,
                       duration_ms=round(duration * 1000, 1),
                       committed={str(tp): off for tp, off in sorted(committed.items())})
         if self.on_batch is not None:
             self.on_batch(BatchStats(len(msgs), len(records), dead, skipped, duration))
+
+    def _consumer_error(self, err: Any) -> None:
+        self.loop.consumer_error(err)  # a fatal one ends the run before this batch is committed
+        self.log.warning("runner.consumer_error", error=str(err))
 
     def _apply_requests(self) -> None:
         request, self._pause_request = self._pause_request, None
@@ -496,27 +422,6 @@ class SinkRunner(LoopHandler):
             raise _Abandoned(f"put still failing: {e}") from e
         return dead
 
-    def _decode_later(self, intake: Intake, m: Any, at: tuple[str, int, int], first: RetriableError
-                      ) -> SinkRecord | None:
-        """A record whose decode failed on a transient error, decoded again until it succeeds or fails for good
-        (RecordError: a dead letter), backing off as a failing put does: the partitions paused, the membership kept.
-        Nothing is skipped meanwhile, so the partition's order holds."""
-        got: list[SinkRecord | None] = []
-
-        def decode() -> None:
-            got[:] = [intake.record(m, *at)]
-
-        def warn(e: RetriableError, delay: float) -> None:
-            self.log.warning("runner.decode_retrying", topic=at[0], partition=at[1], offset=at[2],
-                             error=str(e), retry_in_s=round(delay, 2))
-
-        warn(first, 0.0)
-        try:
-            self._retrying(decode, warn, self._back_off)
-        except RetriableError as e:
-            raise _Abandoned(f"decode still failing: {e}") from e
-        return got[0]
-
     def _flush_dead_letters(self) -> None:
         def warn(e: RetriableError, delay: float) -> None:
             self.log.warning("runner.dlq_retrying", error=str(e), reason="dead-letter topic not acknowledging")
@@ -528,11 +433,11 @@ class SinkRunner(LoopHandler):
             raise _Abandoned(str(e)) from e
 
     def _retrying(self, step: Callable[[], None], warn: Callable[[RetriableError, float], None],
-                  back_off: Callable[[float], None]) -> None:
-        """`step` until it succeeds, backing off while serving the consumer; once the runner is stopping, for up
-        to the shutdown grace period more, then its RetriableError is raised."""
+                  back_off: Callable[[float], None] | None = None) -> None:
+        """`step` until it succeeds, backing off (`_back_off` unless told) while serving the consumer; once the
+        runner is stopping, for up to the shutdown grace period more, then its RetriableError is raised."""
         self.loop.retrying(step, warn, within_s=float("inf"), first_delay=0.1, max_delay=MAX_BACKOFF_S,
-                           grace_s=self.daemon.shutdown_grace_s, wait=back_off)
+                           grace_s=self.daemon.shutdown_grace_s, wait=back_off or self._back_off)
 
     def _back_off(self, seconds: float) -> None:
         """Sleep while serving the consumer (heartbeats, rebalances) with every partition paused."""
@@ -546,82 +451,23 @@ class SinkRunner(LoopHandler):
             self.consumer.resume([KafkaTP(tp.topic, tp.partition) for tp in active])
 
     # ---- offsets ----------------------------------------------------------------------------------------
-    def _flush_due(self) -> bool:
-        """Whether to commit after a batch or on an idle poll: once the task's `commit_interval_s` (0: always)
-        has passed since the last commit, or for a task that stores its own offsets, whose commit follows its
-        store, `offset_flush_interval_ms`."""
-        return time.monotonic() >= self.next_flush
-
     def _commit(self, partitions: Iterable[TopicPartition], *, wait: bool = False) -> dict[TopicPartition, int]:
-        """Offer the positions of `partitions` to pre_commit; commit what it returns: asynchronously (the answer
-        comes to `_on_commit` inside a later poll), or with `wait` synchronously (on revoke and stop, where the
-        partitions are handed over next). Returns the offsets sent.
-
-        Commit note: one asynchronous commit is in flight at a time. While it is, a flush is put off (the task is
-        asked again once the answer is in), unless it went unanswered for COMMIT_TIMEOUT_S: then it is given up
-        and the next one is sent (a commit is idempotent; the broker applies them in order). `committed`, and so
-        the task's `committed_offsets`, holds only what the broker confirmed; a failed commit leaves it as it was
-        and marks the runner dirty, so the same offsets are offered again at the next flush.
-
-        For a task that stores its own offsets (`SinkTask.stores_offsets`: a projection, whose checkpoints are
-        written in the same PostgreSQL transaction as its rows): this is called after a batch or on an idle poll
-        only once `offset_flush_interval_ms` has passed since the last call, and always on revoke and stop. What
-        it commits is what `pre_commit` returned — offsets already stored in the task's store, never those of a
-        write still in flight — so the group's offset never passes the store; and the store, not the group,
-        decides where a restart resumes (the task's `open` seeks every assigned partition to its stored offset).
-        A group offset behind the store (up to one interval) only means a new owner's first fetch starts a little
-        earlier, before that seek."""
-        if not wait and self.in_flight is not None:
-            waited = time.monotonic() - self.in_flight.sent_at
-            if waited < COMMIT_TIMEOUT_S:
-                return {}
-            self.log.warning("runner.commit_timed_out", waited_s=round(waited, 1),
-                             hint="given up; the next commit carries the same offsets or later ones")
-            self.in_flight = None
-        requested, self.context.commit_requested = self.context.commit_requested, False
-        offered = {tp: self.positions[tp] for tp in partitions if tp in self.positions}
-        if not offered or not (self.dirty or requested):  # a task that completes work later asks explicitly
+        """Offer the positions of `partitions` to pre_commit and commit what it returns (commits.py has the note):
+        asynchronously, or with `wait` synchronously (on revoke and stop). Returns the offsets sent."""
+        if self.commits.put_off(wait):
             return {}
-        self.next_flush = time.monotonic() + (self.flush_interval_s if self.task.stores_offsets
-                                              else self.task.commit_interval_s)
-        chosen = dict(self.task.pre_commit(offered))
-        chosen = {tp: off for tp, off in chosen.items() if tp in self.assigned and self.committed.get(tp) != off}
-        if chosen:
-            offsets = [KafkaTP(tp.topic, tp.partition, off) for tp, off in chosen.items()]
-            try:
-                if wait:
-                    kafka_clients.commit(self.consumer, offsets)  # a moving member epoch is sent again
-                    self.committed.update(chosen)
-                else:
-                    self.consumer.commit(offsets=offsets, asynchronous=True)
-                    self.in_flight = _CommitInFlight(chosen, time.monotonic())
-            except KafkaException as e:  # e.g. a rebalance: the new owner re-reads from the last commit
-                self.log.warning("runner.commit_failed", error=str(e),
-                                 hint="records after the last commit will be delivered again")
-                return {}
-        # Clean only when every position was taken as offered; a task that held some back (work still in
-        # flight) gets asked again on the next batch or request.
-        if set(offered) >= set(self.positions) and all(chosen.get(tp, self.committed.get(tp)) == off
-                                                       for tp, off in offered.items()):
+        requested, self.context.commit_requested = self.context.commit_requested, False
+        offer = Offered(self.positions, self.assigned, self.dirty, requested)
+        chosen, clean = self.commits.commit(self.consumer, self.task, offer, partitions, wait=wait)
+        if clean:
             self.dirty = False
         return chosen
 
     def _on_commit(self, err: Any, partitions: list[Any]) -> None:
-        """An asynchronous commit's answer (served inside consume(), in this thread): what succeeded is
-        `committed`; a failure is logged and its offsets are offered again. The answer to a commit given up
-        (COMMIT_TIMEOUT_S) or whose partitions were released meanwhile is not this runner's to apply."""
-        answered = {TopicPartition(p.topic, p.partition): p.offset for p in partitions or ()}
-        if self.in_flight is None or (answered and answered != self.in_flight.offsets):
-            return  # an error answered without its partitions can only be the one in flight's
-        self.in_flight = None
-        error = err if err is not None else kafka_clients.refusal(partitions)
-        if error is not None or not answered:
+        """An asynchronous commit's answer (served inside consume(), in this thread); a failed one is offered
+        again at the next flush."""
+        if self.commits.answered(err, partitions):
             self.dirty = True
-            reason = "no partitions answered" if error is None else str(error)
-            self.log.warning("runner.commit_failed", error=reason,
-                             hint="offered again at the next flush; a crash meanwhile delivers them again")
-            return
-        self.committed.update(answered)  # a flush put off meanwhile is still due: it goes at the next poll
 
     def _apply_seeks(self) -> None:
         seeks, self.context.seeks = self.context.seeks, {}
@@ -671,10 +517,8 @@ class SinkRunner(LoopHandler):
             self.user_paused.difference_update(tps)
             for tp in tps:
                 self.positions.pop(tp, None)
-                self.committed.pop(tp, None)
                 self.event_times.pop(tp, None)
-            if self.in_flight is not None and not self.in_flight.offsets.keys().isdisjoint(tps):
-                self.in_flight = None  # its answer no longer concerns this runner (see `_on_commit`)
+            self.commits.release(tps)
             self.progress.released(tps)
             self.log.info("runner.partitions_released", partitions=sorted(str(tp) for tp in tps))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from psycopg import sql
 
@@ -10,10 +10,8 @@ from kafold import db, logs
 from kafold.config import PostgresConfig
 from kafold.connectors.dlq import OPEN_STATUSES
 from kafold.daemon.aggregates.gate import STATUS_FIELDS
+from kafold.daemon.hosting import Host
 from kafold.daemon.rates import WINDOW_S
-
-if TYPE_CHECKING:
-    from kafold.daemon.host import DaemonHost
 
 log = logs.get(__name__)
 
@@ -29,7 +27,7 @@ NEWEST_DEAD_LETTERS = 5
 PG_TIMEOUT_S = 1
 
 
-async def report(host: DaemonHost) -> dict[str, Any]:
+async def report(host: Host) -> dict[str, Any]:
     """The daemon's status: its partitions, effects, aggregates and offset accounting from memory, and the open dead
     letters from PostgreSQL (read in the executor) when a connector of the daemon uses it (else kafold's tables
     may not exist there: a daemon of log sinks keeps its dead letters in their DLQ topics only)."""
@@ -40,7 +38,7 @@ async def report(host: DaemonHost) -> dict[str, Any]:
     return body
 
 
-def from_memory(host: DaemonHost) -> dict[str, Any]:
+def from_memory(host: Host) -> dict[str, Any]:
     """Everything /status reports that the daemon holds in memory (no I/O)."""
     rows = []
     for slot in host.slots:

@@ -29,7 +29,6 @@ from kafold.config import (
     AggregateConfig,
     DaemonConfig,
     KafkaConfig,
-    KafoldConfig,
     PostgresConfig,
     RegistryConfig,
     TracingConfig,
@@ -402,13 +401,6 @@ class AggregateSlot:
     def join(self, timeout: float) -> bool:
         self.thread.join(max(0.0, timeout))
         return not self.thread.is_alive()
-
-
-def aggregate_factory() -> Callable[[KafoldConfig, AggregateConfig, Path], AggregateRuntimeView]:
-    """`kafold.daemon.aggregates.build_runtime(cfg, aggregate, base)`, imported only when aggregates are hosted."""
-    from kafold.daemon.aggregates import build_runtime  # lazy: a daemon without aggregates never loads them
-
-    return build_runtime
 
 
 def join_all(workers: list[Any], deadline: float) -> list[str]:

@@ -1,4 +1,5 @@
-"""GET /connectors/{name}/wait: long-poll until a connector's committed position covers a consistency token.
+"""The committed positions behind GET /connectors/{name}/wait (the view: wait_view.py): a wait until a connector's
+committed position covers a consistency token.
 
 What "covered" means (kafold/tokens.py): for every partition the token names, the connector's committed next
 offset is past the token's offset. Committed where the connector's truth is: a projection's checkpoint in
@@ -22,89 +23,28 @@ import asyncio
 import heapq
 import itertools
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from confluent_kafka import TopicPartition as KafkaTP
-from faust.web import Request, Response
 from psycopg import sql
 
 from kafold import db, kafka_clients, logs, tokens
-from kafold.config import PostgresConfig
+from kafold.config import KafkaConfig, PostgresConfig
 from kafold.connectors.projection.connector import ProjectionConnector
 from kafold.daemon import offsets
-from kafold.daemon.http import HostView
+from kafold.daemon.aggregates.routing import Call
 from kafold.daemon.tasks import ConnectorGroup
-from kafold.tokens import BadToken, Positions
-
-if TYPE_CHECKING:
-    from kafold.daemon.host import DaemonHost
+from kafold.tokens import Positions
 
 log = logs.get(__name__)
 
-DEFAULT_TIMEOUT_MS = 10_000
-MAX_TIMEOUT_MS = 60_000  # a longer wait is a client's loop of requests (kafold.client.DaemonClient does that)
 PG_POLL_S = 0.005  # one small primary-key read per interval while someone waits: ~2.5 ms added on average
 KAFKA_POLL_S = 0.05  # an OffsetFetch to the group coordinator, only for partitions no local runner has committed
 IDLE_S = 30.0
-RETRY_AFTER_S = 1  # what a client refused for too many waits is told to wait before it asks again
 ADMIN_TIMEOUT_S = 5.0
 LIST_S = 30.0
-
-
-class WaitView(HostView):
-    """200 {"covered": true} once covered; 408 on timeout; 400 for a bad token; 404 for an unknown connector."""
-
-    async def get(self, request: Request, name: str = "", **kwargs: Any) -> Response:
-        group = self.host.group(name)
-        if group is None:
-            return self.problem(404, f"Connector {name} not found")
-        try:
-            wanted = tokens.parse(request.query.get("token"))
-        except BadToken as e:
-            return self.problem(400, f"token: {e}")
-        timeout_ms = _timeout_ms(request.query.get("timeout_ms"))
-        if timeout_ms is None:
-            return self.problem(400, f"timeout_ms: expected an integer from 0 to {MAX_TIMEOUT_MS}")
-        foreign = sorted({t for t, _ in wanted} - set(group.connector.settings.topics))
-        if foreign:
-            return self.problem(400, f"token: names topic {foreign[0]!r}, which connector {name} does not read "
-                                f"(it reads {', '.join(group.connector.settings.topics)})")
-        all_watches = watches(self.host)
-        if all_watches.active >= self.host.cfg.daemon.max_waits:
-            self.host.metrics.waited(name, "refused")
-            return self.json({"error_code": 503, "message": f"too many waits at once (daemon.max_waits = "
-                              f"{self.host.cfg.daemon.max_waits}); retry later"}, status=503,
-                             headers={"Retry-After": str(RETRY_AFTER_S)})
-        watch = all_watches.get(name, group)
-        started = time.monotonic()
-        all_watches.active += 1
-        try:
-            covered = await watch.wait(wanted, timeout_ms / 1000)
-        finally:
-            all_watches.active -= 1
-        waited_s = time.monotonic() - started
-        result = "covered" if covered else "unreadable" if watch.error is not None else "timeout"
-        self.host.metrics.waited(name, result, waited_s)
-        if covered:
-            return self.json({"covered": True, "connector": name, "waited_ms": round(waited_s * 1000, 1)})
-        if watch.error is not None:
-            return self.problem(503, f"Connector {name}: committed positions not readable: {watch.error}")
-        behind = tokens.missing(wanted, watch.seen)
-        return self.json({"error_code": 408, "covered": False, "message": f"Connector {name} did not cover the "
-                          f"token within {timeout_ms} ms", "behind": [
-                              {"topic": t, "partition": p, "offset": wanted[(t, p)],
-                               "committed": watch.seen.get((t, p))} for t, p in behind]}, status=408)
-
-
-def _timeout_ms(raw: str | None) -> int | None:
-    if raw is None:
-        return DEFAULT_TIMEOUT_MS
-    if not tokens.digits(raw, MAX_TIMEOUT_MS):
-        return None
-    return int(raw)
 
 
 @dataclass
@@ -115,7 +55,7 @@ class Watch:
     read: Callable[[], dict[tuple[str, int], int]]  # blocking: run in the executor
     interval_s: float
     close: Callable[[], None]
-    host: DaemonHost
+    call: Call  # runs `read` off the event loop (the host's executor)
     seen: dict[tuple[str, int], int] = field(default_factory=dict)
     error: str | None = None
     # (topic, partition) -> heap of (offset wanted there, tie-breaker, waiter); a released or timed-out waiter's
@@ -191,7 +131,7 @@ class Watch:
     async def _poll(self) -> None:
         try:
             async with self.reading:
-                found = await self.host.call(self.read)
+                found = await self.call(self.read)
         except Exception as e:  # PostgreSQL or the coordinator away: waiters keep waiting, 503 if it lasts
             if self.error is None:
                 log.warning("visibility.read_failed", connector=self.name, error=str(e))
@@ -226,8 +166,9 @@ class Watches:
     """The watches of one daemon, by connector name (made on first use; a reload keeps them), and how many waits
     are in progress over all of them."""
 
-    def __init__(self, host: DaemonHost) -> None:
-        self.host = host
+    def __init__(self, kafka: KafkaConfig, postgres: PostgresConfig, group: Callable[[str], ConnectorGroup | None],
+                 call: Call) -> None:
+        self.kafka, self.postgres, self.group, self.call = kafka, postgres, group, call
         self.by_name: dict[str, Watch] = {}
         self.active = 0
 
@@ -240,21 +181,11 @@ class Watches:
     def _new(self, name: str, group: ConnectorGroup) -> Watch:
         if isinstance(group.connector, ProjectionConnector):
             pgc = next((s.task_config.postgres for s in group.slots if s.task_config.postgres is not None),
-                       self.host.cfg.postgres)
+                       self.postgres)
             checkpoints = Checkpoints(pgc, name)
-            return Watch(name, checkpoints.read, PG_POLL_S, checkpoints.close, self.host)
-        committed = GroupCommitted(self.host, name)
-        return Watch(name, committed.read, PG_POLL_S, committed.close, self.host)
-
-
-_WATCHES: weakref.WeakKeyDictionary[DaemonHost, Watches] = weakref.WeakKeyDictionary()
-
-
-def watches(host: DaemonHost) -> Watches:
-    found = _WATCHES.get(host)
-    if found is None:
-        found = _WATCHES[host] = Watches(host)
-    return found
+            return Watch(name, checkpoints.read, PG_POLL_S, checkpoints.close, self.call)
+        committed = GroupCommitted(self.kafka, self.group, name)
+        return Watch(name, committed.read, PG_POLL_S, committed.close, self.call)
 
 
 class Checkpoints:
@@ -289,8 +220,8 @@ class GroupCommitted:
     """A sink's committed offsets: its runners' in this daemon (no I/O), then the group's (OffsetFetch, at most
     every KAFKA_POLL_S) for the partitions the local ones do not show."""
 
-    def __init__(self, host: DaemonHost, connector: str) -> None:
-        self.host, self.connector = host, connector
+    def __init__(self, kafka: KafkaConfig, group: Callable[[str], ConnectorGroup | None], connector: str) -> None:
+        self.kafka, self.group, self.connector = kafka, group, connector
         self.reader: Any = None
         self.remote: dict[tuple[str, int], int] = {}
         self.asked_at = float("-inf")
@@ -298,7 +229,7 @@ class GroupCommitted:
         self.listed_at = float("-inf")
 
     def read(self) -> dict[tuple[str, int], int]:
-        group = self.host.group(self.connector)
+        group = self.group(self.connector)
         if group is None:
             return {}
         found: dict[tuple[str, int], int] = dict(self.remote)
@@ -316,7 +247,7 @@ class GroupCommitted:
 
     def _group_offsets(self, group_id: str, topics: list[str]) -> dict[tuple[str, int], int]:
         if self.reader is None:  # of the sink's group, never subscribed: it reads the group's offsets, never joins
-            self.reader = kafka_clients.consumer(self.host.cfg.kafka, group_id)
+            self.reader = kafka_clients.consumer(self.kafka, group_id)
         if time.monotonic() - self.listed_at >= LIST_S:  # partitions are added rarely: listed now and then
             meta = self.reader.list_topics(timeout=ADMIN_TIMEOUT_S)
             self.partitions = [KafkaTP(t, p) for t in topics if t in meta.topics
@@ -328,6 +259,3 @@ class GroupCommitted:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
-
-
-ROUTES: dict[str, type[HostView]] = {"/connectors/{name}/wait": WaitView}

@@ -203,7 +203,7 @@ def _postgres_ready(url: str) -> bool:
 
 # ---------------------------------------------------------------------------- the broker
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -237,7 +237,7 @@ def _start_broker(state_dir: Path, port: int | None) -> tuple[str, Proc]:
     """Start tansu (memory engine) in its own session; prefer the port it had before so addresses stay put."""
     binary = _tansu_bin()
     if port is None or not _port_free(port):
-        port = _free_port()
+        port = free_port()
     url = f"tcp://127.0.0.1:{port}"
     log_file = state_dir / "broker.log"
     with open(log_file, "ab") as out:
@@ -305,7 +305,7 @@ def _running(child: subprocess.Popen[bytes]) -> bool:
 def _free_ports(count: int) -> list[int]:
     out: list[int] = []
     while len(out) < count:
-        port = _free_port()
+        port = free_port()
         if port not in out:
             out.append(port)
     return out

@@ -47,7 +47,7 @@ from kafold.connectors.convert.api import (
     where,
 )
 from kafold.connectors.convert.connect_schema import Compiler, SchemaError
-from kafold.connectors.convert.plain import _MISSING, NAMESPACE, JsonFormat, header, lookup, steps
+from kafold.connectors.convert.plain import MISSING, NAMESPACE, JsonFormat, header, lookup, steps
 from kafold.connectors.convert.rekey import NEW_KEY, aggregate_id_of, parse_key
 from kafold.connectors.convert.schemaless import ColumnTypes
 from kafold.envelope import Event, format_epoch_ms, utc_now, uuid5
@@ -210,9 +210,9 @@ class DebeziumConverter:
     def version(self, body: dict[str, Any], source: dict[str, Any], at: str, raw: Any) -> int:
         if self.version_path is not None:
             got = lookup(body, self.version_path)
-            if got is _MISSING or type(got) is not int or got < 1:
+            if got is MISSING or type(got) is not int or got < 1:
                 raise ConvertError(f"{at}: version path {self.version_src!r} is "
-                                   f"{'missing' if got is _MISSING else repr(got)}, expected an integer >= 1",
+                                   f"{'missing' if got is MISSING else repr(got)}, expected an integer >= 1",
                                    raw=raw)
             return int(got)
         pos = position(source)

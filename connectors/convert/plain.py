@@ -52,20 +52,20 @@ def steps(path: str) -> tuple[str, ...]:
     return () if path == "$" else tuple(path.removeprefix("$.").split("."))
 
 
-_MISSING = object()
+MISSING = object()
 
 
 def lookup(value: Any, path: tuple[str, ...]) -> Any:
-    """The value at `path`, or _MISSING."""
+    """The value at `path`, or MISSING."""
     node = value
     for step in path:
         if isinstance(node, dict):
-            node = node.get(step, _MISSING)
+            node = node.get(step, MISSING)
         elif isinstance(node, list) and step.isdigit() and int(step) < len(node):
             node = node[int(step)]
         else:
-            return _MISSING
-        if node is _MISSING:
+            return MISSING
+        if node is MISSING:
             return node
     return node
 
@@ -105,7 +105,7 @@ class JsonConverter:
             got = timestamp_ms
         else:
             got = lookup(body, self.paths[src])
-            if got is _MISSING:
+            if got is MISSING:
                 raise ConvertError(f"{where(topic, partition, offset)}: {name} path {src!r} is missing", raw=raw)
         if got is None:
             raise ConvertError(f"{where(topic, partition, offset)}: {name} source {src!r} is empty", raw=raw)

@@ -31,8 +31,9 @@ from kafold.connectors.dlq import DeadLetterStatus, stored_headers
 from kafold.connectors.intake import Intake
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
+from kafold.connectors.projection.held_keys import holds_lock
 from kafold.connectors.projection.mapping import Mapping
-from kafold.connectors.projection.writer import BatchResult, ProjectionWriter, holds_lock
+from kafold.connectors.projection.writer import BatchResult, ProjectionWriter
 from kafold.errors import KafoldError, RecordError, UnknownTypeError
 from kafold.upcast import NONE, Upcaster
 

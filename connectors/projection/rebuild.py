@@ -48,26 +48,24 @@ for a fetch while the live writer waits. Read-ahead messages are applied only on
 them, so the shadow still never goes past the live connector.
 
 The machinery (fold into a scratch table, converge under traffic, act under the lock) is `Rebuild`; `finish` is the
-only step that swaps, so a job that acts otherwise under the lock overrides it and `_begin`. The jobs that fold into
-scratch tables of their own (verify.py, subject_refresh.py) share their lifecycle in scratch.py (`Scratch`: their
-Plan names their tables and bookkeeping key, and no rebuild_state is written). The copy workers run `Rebuild`'s own
-copy loop into `plan.shadow` under `plan.key`: a Plan subclass travels to the workers as itself. The log events are
-named for the kind of job (`kind`: `rebuild.started`, `refresh.done`).
+only step that swaps (its SQL in rebuild_tables.py), so a job that acts otherwise under the lock overrides it. The
+jobs that fold into scratch tables of their own (verify.py, subject_refresh.py) share their lifecycle in scratch.py
+(`Scratch`: their Plan names their tables and bookkeeping key, and no rebuild_state is written). The copy workers
+(rebuild_workers.py) run `Rebuild`'s own copy loop into `plan.shadow` under `plan.key`: a Plan subclass travels to
+the workers as itself. The writes into the shadow, one in flight while the next batch is read, are
+shadow_writes.py's. The log events are named for the kind of job (`kind`: `rebuild.started`, `refresh.done`).
 """
 
 from __future__ import annotations
 
 import functools
-import multiprocessing
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Collection
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -79,26 +77,21 @@ from kafold import db, kafka_clients, logs, upcast
 from kafold.config import ConnectorConfig, KafkaConfig, KafoldConfig, PostgresConfig, RegistryConfig, python_path
 from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition
 from kafold.connectors.convert import converter_for
-from kafold.connectors.dlq import DeadLetterStatus, stored_headers
 from kafold.connectors.intake import Intake
+from kafold.connectors.projection import rebuild_workers
 from kafold.connectors.projection import sql as q
-from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
+from kafold.connectors.projection.config import ProjectionConfig
 from kafold.connectors.projection.connector import ProjectionConnector
+from kafold.connectors.projection.held_keys import DeadLetter, holds_lock
 from kafold.connectors.projection.mapping import Mapping, load_mapper
-from kafold.connectors.projection.rebuild_state import ACTIVE, offsets
+from kafold.connectors.projection.rebuild_state import offsets
+from kafold.connectors.projection.rebuild_tables import RebuildTables
 from kafold.connectors.projection.shadow_writer import Rewind, ShadowWriter
+from kafold.connectors.projection.shadow_writes import SHADOW_CACHE_ROWS, ShadowWrites
 from kafold.connectors.projection.task import tune_interpreter
-from kafold.connectors.projection.writer import (
-    DeadLetter,
-    Prepared,
-    holds_lock,
-    tracking_key,
-    tracking_prefix,
-)
 from kafold.connectors.registry import instantiate
 from kafold.consumer_loop import SKIP_POLL, ConsumerLoop, LoopHandler, SkipPoll
-from kafold.envelope import decode
-from kafold.errors import ConfigError, DecodeError, FatalError, RecordError, RetriableError
+from kafold.errors import ConfigError, FatalError, RecordError, RetriableError
 from kafold.kafka_message import Message
 from kafold.retry import retrying
 from kafold.upcast import UpcasterConfig
@@ -118,14 +111,6 @@ LAST_LAP_TAIL = 100
 # Copy workers: one interpreter each (the copy is GIL-bound, see task.py); a few more than the cores pays off as
 # each waits for PostgreSQL part of the time, but every worker is one more session and one more consumer.
 MAX_DEFAULT_WORKERS = 4
-# Rows of the shadow a rebuild (each copy worker) keeps between its batches: ~0.5 KB a row of a few columns.
-SHADOW_CACHE_ROWS = 65536
-# While copying, the shadow's rows are folded ahead in memory and written (with their checkpoints) when this many
-# keys are waiting, after this many batches or this long after the last write, whichever comes first: a key's row
-# is written once per write, not once per batch; a killed rebuild redoes at most that much.
-AHEAD_ROWS, AHEAD_BATCHES, AHEAD_S = SHADOW_CACHE_ROWS, 50, 5.0
-WATCH_S = 0.5  # how often the coordinator reports the workers' progress, and a worker looks for its parent
-WORKER_STOP_S = 60.0  # a stopped worker finishes its batch in flight within this, else it is terminated
 
 
 def _fatal(err: Any) -> str:
@@ -248,7 +233,7 @@ class _CatchUp(LoopHandler):
     before each poll the live checkpoints are read and the partitions behind them assigned (no group); a step whose
     read-ahead already reaches the targets skips its poll; the run finishes once the shadow has reached the targets
     read before its last batch and is near the current ones. The loop runs again over the same consumer on each
-    swap attempt; the consumer is closed by `Rebuild` (its `_close`), after the swap's tail."""
+    swap attempt; the consumer is closed by `Rebuild` (its `close_consumer`), after the swap's tail."""
 
     def __init__(self, rebuild: Rebuild) -> None:
         self.rebuild = rebuild
@@ -295,17 +280,23 @@ class _CatchUp(LoopHandler):
         assert self.batch is not None
         self.rebuild._past_markers(self.consumer, self.batch)
         self.rebuild._apply(self.consumer, self.batch, save=True)
-        self.reached = self.rebuild._caught_up(self.batch.targets)
+        self.reached = self.rebuild.caught_up(self.batch.targets)
 
     def on_failure(self, error: Exception) -> bool:
         return False  # the attempt's error: retried (RetriableError) or ending the rebuild, resumable
 
     def loop_stopped(self) -> None:
-        pass  # the consumer serves the next attempt and the swap's tail: closed by `Rebuild._close`
+        pass  # the consumer serves the next attempt and the swap's tail: closed by `Rebuild.close_consumer`
 
 
 class Rebuild:
-    """Runs one rebuild to its swap; `stop` (a threading.Event) ends it early, resumable."""
+    """Runs one rebuild to its swap; `stop` (a threading.Event) ends it early, resumable.
+
+    Its extension surface, what a job built on it (Scratch, scratch.py, and its Verify and Refresh) may use or
+    override: `begin` and `save` (the run's start and phase), `tables` (rebuild_tables.py: its bookkeeping),
+    `record_of` (a message as a record), `new_consumer`, `catch_up` and `close_consumer` (reading up to the live
+    checkpoints), `ours`, `caught_up` and `count_behind` (where the reading stands against its targets),
+    `report_progress`, and `finish` (the swap). The rest is private to this module."""
 
     # The kind of job, naming its log events (`rebuild.started`, `verify.done`): a scratch job runs this machinery
     # too (scratch.py). `done_event` is logged once the swap transaction committed (`rebuild.swapped`).
@@ -330,15 +321,11 @@ class Rebuild:
         self.positions: dict[TopicPartition, int] = {}
         self.assigned: set[TopicPartition] = set()
         self.ahead: dict[TopicPartition, list[Any]] = {}  # messages at or past the target, in order (tail phase)
-        # While copying, a batch's shadow write runs in this thread as the next batch is consumed and decoded; at
-        # most one in flight, and `positions` already count it (see _settle).
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"kafold-rebuild-{plan.name}")
-        self.inflight: Future[Any] | None = None
-        self.folding: bool | None = None  # folding ahead while copying (see AHEAD_ROWS); decided on the first batch
-        self.folded_at = time.monotonic()  # when the rows folded ahead were last written
-        self.folded_batches = 0  # batches folded ahead since
+        # While copying, a batch's shadow write runs in a thread as the next batch is consumed and decoded; at
+        # most one in flight, and `positions` already count it (see _settle and shadow_writes.py).
+        self.writes = ShadowWrites(self.writer, plan.name)
         self.rewinds = 0  # times folding ahead gave way to batch-by-batch writes (see _rewind)
-        self.meta: psycopg.Connection[Any] | None = None  # see _bookkeeping
+        self.tables = RebuildTables(plan.pgc, plan.config, plan.name, plan.key, plan.shadow, keep_old)
         self.phase = "copying"
         self.events = 0
         self.copied_by_workers = 0  # events the copy workers applied (in this run)
@@ -352,47 +339,17 @@ class Rebuild:
         self.catching_up = _CatchUp(self)
 
     # ---- state ------------------------------------------------------------------------------------------
-    def _begin(self) -> bool:
-        """Resume the rebuild in progress, or start afresh; True when resuming."""
-        p, c = self.plan, self.plan.config
-        states, shadow = db.table(p.pgc, "rebuild_state"), q.qualified(c.schema, p.shadow)
-        with db.connect(p.pgc) as conn, conn.transaction():
-            row = conn.execute(sql.SQL("SELECT phase, shadow_table, to_regclass(%s) IS NOT NULL FROM {} "
-                                       "WHERE projection = %s FOR UPDATE").format(states),
-                               (q.regclass_text(c.schema, p.shadow), p.name)).fetchone()
-            if row is not None and row[0] in ACTIVE and row[1] == p.shadow and row[2]:
-                self.phase = row[0]
-                return True
-            conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(shadow))
-            self._forget(conn)
-            conn.execute(q.create_table(c.schema, p.shadow, c.columns, c.key_columns, VERSION_COLUMN))
-            conn.execute(sql.SQL(
-                "INSERT INTO {} (projection, shadow_table, namespace, phase, events, started_at, updated_at) "
-                "VALUES (%s, %s, %s, 'copying', 0, now(), now()) ON CONFLICT (projection) DO UPDATE SET "
-                "shadow_table = EXCLUDED.shadow_table, namespace = EXCLUDED.namespace, phase = 'copying', "
-                "events = 0, started_at = now(), updated_at = now()").format(states), (p.name, p.shadow, p.key))
-        return False
+    def begin(self) -> bool:
+        """Resume the run in progress, or start afresh; True when resuming (a job with tables of its own, such as
+        subject_refresh.py's, overrides it)."""
+        phase = self.tables.begin()
+        if phase is not None:
+            self.phase = phase
+        return phase is not None
 
-    def _forget(self, conn: psycopg.Connection[Any]) -> None:
-        """Remove the rebuild's checkpoints, tracking records, tombstones and dead letters (the live ones stay)."""
-        pgc, key = self.plan.pgc, self.plan.key
-        conn.execute(sql.SQL("DELETE FROM {} WHERE connector = %s").format(db.table(pgc, "checkpoints")), (key,))
-        conn.execute(sql.SQL("DELETE FROM {} WHERE projection = %s").format(db.table(pgc, "tracking")), (key,))
-        conn.execute(sql.SQL("DELETE FROM {} WHERE namespace = %s").format(db.table(pgc, "tombstones")), (key,))
-        conn.execute(sql.SQL("DELETE FROM {} WHERE connector = %s").format(db.table(pgc, "dead_letters")), (key,))
-
-    def _save(self, phase: str, conn: psycopg.Connection[Any] | None = None) -> None:
+    def save(self, phase: str, conn: psycopg.Connection[Any] | None = None) -> None:
         self.phase = phase
-        query = sql.SQL("UPDATE {} SET phase = %s, events = %s, updated_at = now() WHERE projection = %s").format(
-            db.table(self.plan.pgc, "rebuild_state"))
-        params = (phase, sum(self.positions.values()), self.plan.name)
-        (conn or self._bookkeeping()).execute(query, params)
-
-    def _bookkeeping(self) -> psycopg.Connection[Any]:
-        """One session (autocommit) for reading the live checkpoints and saving progress, batch after batch."""
-        if self.meta is None or self.meta.closed or self.meta.broken:
-            self.meta = db.connect(self.plan.pgc)
-        return self.meta
+        self.tables.save(phase, sum(self.positions.values()), conn)
 
     # ---- the run ----------------------------------------------------------------------------------------
     def run(self) -> Progress:
@@ -400,14 +357,14 @@ class Rebuild:
         the phase reached when stopped)."""
 
         tune_interpreter()
-        resumed = self._begin()
+        resumed = self.begin()
         self.positions = {tp: off for tp, off in self.writer.checkpoints().items()}
         self.log.info(f"{self.kind}.resumed" if resumed else f"{self.kind}.started", phase=self.phase,
                       covered=sum(self.positions.values()), workers=self.workers)
-        consumer = self._consumer()
+        consumer = self.new_consumer()
 
         def attempt() -> None:
-            self._catch_up(consumer)
+            self.catch_up(consumer)
             if not self.stop.is_set():
                 self._converge(consumer)
 
@@ -418,7 +375,7 @@ class Rebuild:
                           swap_retries=self.swap_retries, max_tail=self.max_tail)
 
         try:
-            for tp in self._partitions(consumer):
+            for tp in source_partitions(consumer, self.plan):
                 self.positions.setdefault(tp, 0)
             if self.phase == "copying" and self.workers > 1:
                 self._copy_in_workers()
@@ -427,11 +384,11 @@ class Rebuild:
         except _NotYet:
             pass  # stopped while waiting to try again: resumable
         finally:
-            self._close(consumer)
+            self.close_consumer(consumer)
         done = sum(self.positions.values())
         return Progress(self.phase, done, done, self.events, 0, self.behind)
 
-    def _consumer(self) -> Any:
+    def new_consumer(self) -> Any:
         # Large fetches for the history; a short broker wait so that, in the tail phase, records reach the
         # read-ahead as soon as they are written rather than a long-poll later (see kafka_clients).
         return kafka_clients.consumer(self.plan.kafka, f"kafold-rebuild.{self.plan.name}", **{
@@ -439,15 +396,14 @@ class Rebuild:
             "fetch.max.bytes": 64 * 1024 * 1024, "max.partition.fetch.bytes": 16 * 1024 * 1024,
             "queued.min.messages": 200000})
 
-    def _close(self, consumer: Any) -> None:
+    def close_consumer(self, consumer: Any) -> None:
         try:
             self._settle(flush=False)  # what was folded ahead and not written is redone on resuming
         finally:
-            self.pool.shutdown()
+            self.writes.close()
             consumer.close()
             self.writer.close()
-            if self.meta is not None:
-                self.meta.close()
+            self.tables.close()
 
     # ---- copy workers -----------------------------------------------------------------------------------
     def _copy_in_workers(self) -> None:
@@ -455,60 +411,29 @@ class Rebuild:
         until each is near the live connector on its partitions (see the module note); meanwhile report the
         progress read from the shadow's checkpoints and save it. A worker that fails ends the run (resumable)."""
         p = self.plan
-        targets = self._ours(offsets(p.pgc, p.name, self._bookkeeping()))
-        far = sorted((tp for tp, off in targets.items() if off - self.positions.get(tp, 0) > self.max_tail),
-                     key=lambda tp: self.positions.get(tp, 0) - targets[tp])  # the furthest behind first
-        n = min(self.workers, len(far))
-        if n < 2:
+        targets = self.ours(offsets(p.pgc, p.name, self.tables.session()))
+        split = rebuild_workers.shares(targets, self.positions, self.workers, self.max_tail)
+        if not split:
             return  # nothing to split: the copy runs in this process
-        shares: list[list[TopicPartition]] = [[] for _ in range(n)]
-        load = [0] * n
-        for tp in far:  # greedy: each partition to the least loaded worker
-            i = load.index(min(load))
-            shares[i].append(tp)
-            load[i] += targets[tp] - self.positions.get(tp, 0)
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: never fork librdkafka's threads
-        halt = ctx.Event()
-        applied = [ctx.Value("q", 0) for _ in shares]
-        procs = [ctx.Process(target=_copier, name=f"kafold-rebuild-{p.name}-{i}", daemon=True,
-                             args=(p, tuple(share), self.batch, self.max_tail, logs.current(), halt, applied[i]))
-                 for i, share in enumerate(shares)]
-        self.log.info(f"{self.kind}.workers_started", workers=n,
-                      partitions={i: [str(tp) for tp in share] for i, share in enumerate(shares)})
+        self.log.info(f"{self.kind}.workers_started", workers=len(split),
+                      partitions={i: [str(tp) for tp in share] for i, share in enumerate(split)})
         before, reported = self.events, self.events
-        try:
-            for proc in procs:
-                proc.start()
-            while True:
-                running = [proc for proc in procs if proc.exitcode is None]
-                failed = [proc for proc in procs if proc.exitcode not in (None, 0)]
-                if failed:
-                    raise FatalError(f"rebuild of {p.name!r}: copy worker {failed[0].name} exited with code "
-                                     f"{failed[0].exitcode} (see its log); run the rebuild again to resume")
-                conn = self._bookkeeping()
-                self.positions.update(self._ours(offsets(p.pgc, p.key, conn)))
-                targets = self._ours(offsets(p.pgc, p.name, conn))
-                self.copied_by_workers = sum(int(v.value) for v in applied)
-                self.events = before + self.copied_by_workers
-                self.behind = self._behind(targets)
-                self._report(self.events - reported, sum(targets.values()))
-                reported = self.events
-                self._save(self.phase)
-                if not running:
-                    return
-                if self.stop.is_set():
-                    halt.set()
-                time.sleep(WATCH_S)
-        finally:
-            halt.set()
-            for proc in procs:
-                if proc.pid is not None:
-                    proc.join(WORKER_STOP_S)
-                    if proc.is_alive():
-                        proc.terminate()  # its transaction in flight rolls back: resumable
-                        proc.join()
 
-    def _catch_up(self, consumer: Any) -> None:
+        def watch(copied: int) -> None:
+            nonlocal reported
+            conn = self.tables.session()
+            self.positions.update(self.ours(offsets(p.pgc, p.key, conn)))
+            targets = self.ours(offsets(p.pgc, p.name, conn))
+            self.copied_by_workers = copied
+            self.events = before + copied
+            self.behind = self.count_behind(targets)
+            self.report_progress(self.events - reported, sum(targets.values()))
+            reported = self.events
+            self.save(self.phase)
+
+        rebuild_workers.run(p.name, split, _copier, (p, self.batch, self.max_tail, logs.current()), self.stop, watch)
+
+    def catch_up(self, consumer: Any) -> None:
         """Apply batches until the shadow has reached the live checkpoints read before its last batch (so what is
         left is what the live connector committed meanwhile) and is within `max_tail` of them on every partition:
         a run of the consumer loop (see _CatchUp); `stop` ends it early."""
@@ -517,24 +442,15 @@ class Rebuild:
 
     def _targets(self) -> dict[TopicPartition, int]:
         """The live checkpoints now, and where the shadow stands against them; entering the tail phase when near."""
-        targets = self._ours(offsets(self.plan.pgc, self.plan.name, self._bookkeeping()))
-        self.behind = self._behind(targets)
+        targets = self.ours(offsets(self.plan.pgc, self.plan.name, self.tables.session()))
+        self.behind = self.count_behind(targets)
         if self.phase == "copying" and self.share is None and self._near(targets):  # reads ahead from here on
-            self._save("catching-up")
-            self._report(0, sum(targets.values()))
+            self.save("catching-up")
+            self.report_progress(0, sum(targets.values()))
             self.log.info(f"{self.kind}.tail_phase_started", behind=self.behind)
         return targets
 
-    def _partitions(self, consumer: Any) -> list[TopicPartition]:
-        out: list[TopicPartition] = []
-        for topic in self.plan.topics:
-            meta = consumer.list_topics(topic, timeout=15).topics.get(topic)
-            if meta is None or meta.error is not None or not meta.partitions:
-                raise FatalError(f"rebuild of {self.plan.name!r}: source topic {topic!r} does not exist")
-            out += [TopicPartition(topic, p) for p in sorted(meta.partitions)]
-        return out
-
-    def _ours(self, targets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
+    def ours(self, targets: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
         """The live checkpoints of the configured source topics (a topic dropped from the config is ignored)."""
         return {tp: off for tp, off in targets.items()
                 if tp.topic in self.plan.topics and (self.share is None or tp in self.share)}
@@ -551,14 +467,14 @@ class Rebuild:
             if reach > batch.advance.get(tp, self.positions.get(tp, 0)):
                 batch.advance[tp] = reach
 
-    def _caught_up(self, targets: dict[TopicPartition, int]) -> bool:
+    def caught_up(self, targets: dict[TopicPartition, int]) -> bool:
         return all(self.positions.get(tp, 0) >= off for tp, off in targets.items())
 
     def _near(self, targets: dict[TopicPartition, int]) -> bool:
         """Within `max_tail` records of the target on every partition: small enough to apply under the lock."""
         return all(off - self.positions.get(tp, 0) <= self.max_tail for tp, off in targets.items())
 
-    def _behind(self, targets: dict[TopicPartition, int]) -> int:
+    def count_behind(self, targets: dict[TopicPartition, int]) -> int:
         return sum(max(0, off - self.positions.get(tp, 0)) for tp, off in targets.items())
 
     def _assign(self, consumer: Any, targets: dict[TopicPartition, int]) -> None:
@@ -612,62 +528,36 @@ class Rebuild:
             return
         prepared = self.writer.prepare(records) if records else None  # while the write in flight runs
         copying = save and self.phase == "copying"
-        if self.folding is None:
-            self.folding = self.writer.can_fold_ahead
-        ahead = copying and self.folding
+        ahead = copying and self.writes.folds_ahead()
         if not self._settle(consumer, flush=not ahead):
             return  # rewound: this batch is read again from the stored checkpoints
-        if ahead:  # folded (and now and then written) while the next batch is fetched and decoded
-            self.inflight = self.pool.submit(self._fold_ahead, records, dead, advance, prepared)
-        elif copying:  # written while the next batch is fetched and decoded
-            self.inflight = self.pool.submit(self.writer.write, records, dead, offsets=advance, prepared=prepared)
-        else:
-            self.writer.write(records, dead, offsets=advance, prepared=prepared)
+        # copying: folded or written while the next batch is fetched and decoded
+        self.writes.hand_over(records, dead, advance, prepared, ahead=ahead, background=copying)
         for tp, off in advance.items():  # a write in flight counts: it is settled before anything relies on it
             self.positions[tp] = max(off, self.positions.get(tp, 0))
         self.events += len(records)
-        self.behind = self._behind(targets)
-        self._report(count, sum(targets.values()))
+        self.behind = self.count_behind(targets)
+        self.report_progress(count, sum(targets.values()))
         if save and self.share is None:  # a copy worker's progress is saved by the coordinator
-            self._save(self.phase)
-
-    def _fold_ahead(self, records: list[SinkRecord], dead: list[DeadLetter], advance: dict[TopicPartition, int],
-                    prepared: Prepared | None) -> None:
-        writer = self.writer
-        writer.fold_ahead(records, dead, advance, prepared)
-        self.folded_batches += 1
-        if (writer.ahead_rows >= AHEAD_ROWS or self.folded_batches >= AHEAD_BATCHES
-                or time.monotonic() - self.folded_at >= AHEAD_S):
-            self._flush()
-
-    def _flush(self) -> None:
-        self.writer.flush()
-        self.folded_at, self.folded_batches = time.monotonic(), 0
+            self.save(self.phase)
 
     def _settle(self, consumer: Any = None, flush: bool = True) -> bool:
         """Wait for the shadow write in flight, and write what was folded ahead unless `flush` is False (an error
         ends the run: it resumes from the checkpoints in PostgreSQL, which that write did not move); False when
         folding ahead gave way (see _rewind)."""
-        inflight, self.inflight = self.inflight, None
-        try:
-            if inflight is not None:
-                inflight.result()
-            if flush and self.writer.ahead_events:
-                self._flush()
-        except Rewind as e:
-            self._rewind(consumer, e)
-            return False
-        return True
+        why = self.writes.settle(flush)
+        if why is not None:
+            self._rewind(consumer, why)
+        return why is None
 
     def _rewind(self, consumer: Any, why: Rewind) -> None:
         """What was folded ahead cannot be written as folded (see ShadowWriter.fold_ahead): nothing of it was.
         Read again from the stored checkpoints and write batch by batch from now on, which isolates the events
         at fault as a live writer does."""
-        self.folding = False
         self.rewinds += 1
         self.events -= why.events
         stored = self.writer.checkpoints()
-        self.positions = {tp: stored.get(tp, 0) for tp in {*self.positions, *self._ours(stored)}}
+        self.positions = {tp: stored.get(tp, 0) for tp in {*self.positions, *self.ours(stored)}}
         if consumer is not None and self.assigned:
             _unassign(consumer, self.assigned)
         self.assigned, self.ahead = set(), {}
@@ -712,18 +602,18 @@ class Rebuild:
                     skip = True
                 continue
             pending = floor = off + 1
-            record = self._record(m, dead, topic, part, off)
+            record = self.record_of(m, dead, topic, part, off)
             if record is not None:
                 records.append(record)
         if pending >= 0:
             advance[tp] = pending  # type: ignore[index]
 
-    def _report(self, batch: int, total: int) -> None:
+    def report_progress(self, batch: int, total: int) -> None:
         if self.on_progress is not None:
             self.on_progress(Progress(self.phase, sum(self.positions.values()), total, self.events, batch,
                                       self.behind))
 
-    def _record(self, m: Any, dead: list[DeadLetter], topic: str, part: int, off: int) -> SinkRecord | None:
+    def record_of(self, m: Any, dead: list[DeadLetter], topic: str, part: int, off: int) -> SinkRecord | None:
         """The message as a SinkRecord; None when skipped or dead-lettered (as the live runner does)."""
         try:
             return self.plan.intake.record(m, topic, part, off)
@@ -752,15 +642,15 @@ class Rebuild:
                 if live_exists:  # waits for the live writer's batch in flight, blocks the next one
                     conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(live))
                 locked = time.perf_counter()
-                targets = self._ours(offsets(p.pgc, p.name, conn, lock=True))
-                self.tail = tail = self._behind(targets)
+                targets = self.ours(offsets(p.pgc, p.name, conn, lock=True))
+                self.tail = tail = self.count_behind(targets)
                 if not self._near(targets):
                     raise _NotYet(f"{tail} records behind under the lock (more than --max-tail {self.max_tail} on "
                                   "a partition)")
                 self.phase = "swapping"
                 tail_started = time.perf_counter()
                 deadline = time.monotonic() + TAIL_WAIT_S
-                while not self._caught_up(targets):  # the tail, into the shadow, while the live writer waits
+                while not self.caught_up(targets):  # the tail, into the shadow, while the live writer waits
                     if time.monotonic() > deadline or self.stop.is_set():
                         raise _NotYet("the tail did not arrive")
                     self._step(consumer, targets, 0.02, save=False)  # short polls: the live writer is waiting
@@ -781,9 +671,9 @@ class Rebuild:
                 self.lock_ms_max = max(self.lock_ms_max, self.locked_ms)
         assert locked is not None
         with db.connect(p.pgc) as conn, conn.transaction():
-            self._forget(conn)
+            self.tables.forget(conn)
         self.behind = 0
-        self._report(0, sum(self.positions.values()))
+        self.report_progress(0, sum(self.positions.values()))
         self.log.info(f"{self.kind}.{self.done_event}", table=f"{c.schema}.{c.table}", events=self.events,
                       covered=sum(self.positions.values()), locked_ms=self.locked_ms,
                       lock_wait_ms=round((locked - started) * 1000, 1), tail_under_lock=self.tail,
@@ -792,82 +682,24 @@ class Rebuild:
 
     def finish(self, conn: psycopg.Connection[Any], live_exists: bool) -> None:
         """Under the lock, with the shadow equal to the live connector's checkpoints: swap the shadow in."""
-        p, c = self.plan, self.plan.config
-        live, shadow = q.qualified(c.schema, c.table), q.qualified(c.schema, p.shadow)
-        dead = db.table(p.pgc, "dead_letters")
         self.writer.close()
-        self._rename(conn, live_exists, live, shadow)
-        conn.execute(sql.SQL("DELETE FROM {} WHERE connector = %s").format(db.table(p.pgc, "checkpoints")), (p.key,))
-        # The events the rebuild dead-lettered or held are not in the new table: the live writer's tracking must not
-        # claim them (a `dlq replay` in the old table tracked them there), or their replay would be a duplicate.
-        self._untrack(conn, dead)
-        # The new table's deleted rows keep their versions for the live writer deduplicating by version
-        # (`dedup = "version"`, writer.py): without them a record of such a key produced twice would open the row
-        # again. Both tables folded the same events, so a tombstone of either holds for the new one: the higher wins.
-        tombstones = db.table(p.pgc, "tombstones")
-        conn.execute(sql.SQL(
-            "INSERT INTO {} AS g (namespace, row_key, version) SELECT %s, row_key, version FROM {} "
-            "WHERE namespace = %s ON CONFLICT (namespace, row_key) DO UPDATE SET version = EXCLUDED.version "
-            "WHERE g.version < EXCLUDED.version").format(tombstones, tombstones), (p.name, p.key))
-        # Held keys follow the new table: a key the live connector held that the rebuild applied is released (its
-        # dead letters count as replayed), and one the rebuild holds is held again, even if it had been repaired
-        # in the old table (the repair was not in the topic the rebuild read).
-        conn.execute(sql.SQL(
-            "UPDATE {} l SET status = %s, replayed_at = now() WHERE l.connector = %s AND l.status IN {} "
-            "AND l.hold_key IS NOT NULL AND NOT EXISTS (SELECT 1 FROM {} d WHERE d.connector = %s "
-            "AND d.topic = l.topic AND d.partition = l.partition AND d.\"offset\" = l.\"offset\")").format(
-            dead, q.OPEN, dead), (DeadLetterStatus.REPLAYED.value, p.name, p.key))
-        conn.execute(sql.SQL(
-            "UPDATE {} l SET status = d.status, hold_key = d.hold_key, reason = d.reason, error_class = "
-            "d.error_class, error_message = d.error_message, replayed_at = NULL FROM {} d WHERE d.connector = %s "
-            "AND l.connector = %s AND d.topic = l.topic AND d.partition = l.partition AND d.\"offset\" = "
-            "l.\"offset\" AND d.hold_key IS NOT NULL AND d.status IN {}").format(dead, dead, q.OPEN),
-            (p.key, p.name))
-        # Records the new mapping refused become the live connector's dead letters (not lost); those the live
-        # connector already recorded are dropped with the rest of the rebuild's bookkeeping.
-        conn.execute(sql.SQL(
-            "UPDATE {} d SET connector = %s WHERE d.connector = %s AND NOT EXISTS (SELECT 1 FROM {} l "
-            "WHERE l.connector = %s AND l.topic = d.topic AND l.partition = d.partition "
-            "AND l.\"offset\" = d.\"offset\")").format(dead, dead), (p.name, p.key, p.name))
-        self._save("swapped", conn)
-
-    def _untrack(self, conn: psycopg.Connection[Any], dead: sql.Composed) -> None:
-        """Delete the live namespace's tracking records of the events the rebuild dead-lettered or held."""
-        p = self.plan
-        prefix, keys = tracking_prefix(p.name), []
-        rows = conn.execute(sql.SQL("SELECT key, value, headers FROM {} WHERE connector = %s").format(dead),
-                            (p.key,)).fetchall()
-        for key, value, headers in rows:
-            try:
-                keys.append(tracking_key(prefix, decode(key, value, stored_headers(headers)).event_id))
-            except DecodeError:
-                continue  # never decoded, so never applied nor tracked
-        if keys:
-            conn.execute(sql.SQL("DELETE FROM {} WHERE event_key = ANY(%s)").format(db.table(p.pgc, "tracking")),
-                         (keys,))
-
-    def _rename(self, conn: psycopg.Connection[Any], exists: bool, live: sql.Composed, shadow: sql.Composed) -> None:
-        """live -> old (dropped unless kept), shadow -> live; the primary key keeps the live table's name."""
-        c = self.plan.config
-        pk = sql.SQL("SELECT conname FROM pg_constraint WHERE conrelid = to_regclass(%s) AND contype = 'p'")
-        live_pk = conn.execute(pk, (q.regclass_text(c.schema, c.table),)).fetchone() if exists else None
-        shadow_pk = conn.execute(pk, (q.regclass_text(c.schema, self.plan.shadow),)).fetchone()
-        if exists:
-            old = f"{c.table[:40]}_old_{datetime.now(UTC):%Y%m%d%H%M%S}"
-            conn.execute(sql.SQL("ALTER TABLE {} RENAME TO {}").format(live, sql.Identifier(old)))
-            if not self.keep_old:
-                conn.execute(sql.SQL("DROP TABLE {}").format(q.qualified(c.schema, old)))
-            elif live_pk is not None:
-                conn.execute(sql.SQL("ALTER TABLE {} RENAME CONSTRAINT {} TO {}").format(
-                    q.qualified(c.schema, old), sql.Identifier(live_pk[0]), sql.Identifier(f"{old}_pkey")))
-        conn.execute(sql.SQL("ALTER TABLE {} RENAME TO {}").format(shadow, sql.Identifier(c.table)))
-        if live_pk is not None and shadow_pk is not None:
-            conn.execute(sql.SQL("ALTER TABLE {} RENAME CONSTRAINT {} TO {}").format(
-                live, sql.Identifier(shadow_pk[0]), sql.Identifier(live_pk[0])))
+        self.tables.swap(conn, live_exists)
+        self.save("swapped", conn)
 
 
-def _copier(plan: Plan, share: tuple[TopicPartition, ...], batch: int, max_tail: int, log_config: tuple[str, str],
-            halt: Any, applied: Any) -> None:
+def source_partitions(consumer: Any, plan: Plan) -> list[TopicPartition]:
+    """Every partition of the plan's source topics (FatalError naming a topic that does not exist)."""
+    out: list[TopicPartition] = []
+    for topic in plan.topics:
+        meta = consumer.list_topics(topic, timeout=15).topics.get(topic)
+        if meta is None or meta.error is not None or not meta.partitions:
+            raise FatalError(f"rebuild of {plan.name!r}: source topic {topic!r} does not exist")
+        out += [TopicPartition(topic, p) for p in sorted(meta.partitions)]
+    return out
+
+
+def _copier(share: tuple[TopicPartition, ...], halt: Any, applied: Any, plan: Plan, batch: int, max_tail: int,
+            log_config: tuple[str, str]) -> None:
     """A copy worker (a child process): copy `share` into the shadow until near the live connector on each of its
     partitions. Stops early, its batch in flight written, when `halt` is set or its parent is gone (kill -9
     included); Ctrl-C is left to the parent, which sets `halt`."""
@@ -878,19 +710,19 @@ def _copier(plan: Plan, share: tuple[TopicPartition, ...], batch: int, max_tail:
                       on_progress=lambda p: setattr(applied, "value", p.events))
 
     def watch() -> None:
-        while not rebuild.stop.wait(WATCH_S):
+        while not rebuild.stop.wait(rebuild_workers.WATCH_S):
             if halt.is_set() or os.getppid() != parent:
                 rebuild.stop.set()
     threading.Thread(target=watch, daemon=True, name="kafold-rebuild-watch").start()
     tune_interpreter()
-    consumer = rebuild._consumer()
+    consumer = rebuild.new_consumer()
     try:
         rebuild.positions = {tp: off for tp, off in rebuild.writer.checkpoints().items() if tp in share}
         for tp in share:
             rebuild.positions.setdefault(tp, 0)
-        rebuild._catch_up(consumer)
+        rebuild.catch_up(consumer)
     finally:
         rebuild.stop.set()
-        rebuild._close(consumer)
+        rebuild.close_consumer(consumer)
     rebuild.log.info(f"{rebuild.kind}.worker_done", partitions=[str(tp) for tp in share], events=rebuild.events,
                      covered=sum(rebuild.positions.values()), stopped=halt.is_set() or os.getppid() != parent)

@@ -44,7 +44,8 @@ class ScratchPlan(Plan):
 class Scratch(Rebuild):
     """A rebuild's fold into scratch tables, never swapped: one run of a projection at a time (a session's advisory
     lock, `kafold.<kind>:<name>`: the tables have fixed names), no rebuild_state, and the tables and their
-    bookkeeping dropped at the end of the run (`_scratch`)."""
+    bookkeeping dropped at the end of the run (`scratch`). Its subclasses use `scratch` (the run) and
+    `drop_scratch` (its tables), with Rebuild's surface."""
 
     kind = "scratch"
     plan_type: ClassVar[type[ScratchPlan]] = ScratchPlan
@@ -56,16 +57,16 @@ class Scratch(Rebuild):
         super().__init__(self.plan_type.of(plan), batch=batch, workers=1, on_progress=on_progress, stop=stop)
         self.guard: psycopg.Connection[Any] | None = None
 
-    def _save(self, phase: str, conn: psycopg.Connection[Any] | None = None) -> None:
+    def save(self, phase: str, conn: psycopg.Connection[Any] | None = None) -> None:
         self.phase = phase  # no rebuild_state: it is the rebuild's (which may be in progress)
 
-    def _drop(self, conn: psycopg.Connection[Any]) -> None:
+    def drop_scratch(self, conn: psycopg.Connection[Any]) -> None:
         """The scratch tables and the fold's bookkeeping (the live connector's stays)."""
         p, c = self.plan, self.plan.config
         assert isinstance(p, ScratchPlan)
         for table in p.tables:
             conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(q.qualified(c.schema, table)))
-        self._forget(conn)
+        self.tables.forget(conn)
 
     def _lock(self) -> None:
         """One run of a projection at a time: a session's advisory lock, held on `guard` until the run ends."""
@@ -77,7 +78,7 @@ class Scratch(Rebuild):
             raise FatalError(f"a {self.kind} of {self.plan.name!r} is already running")
 
     @contextmanager
-    def _scratch(self) -> Iterator[None]:
+    def scratch(self) -> Iterator[None]:
         """A run: the lock taken (FatalError when another run holds it); on the way out, however it ends, the
         scratch tables and bookkeeping dropped in one transaction and the lock released."""
         self._lock()
@@ -86,7 +87,7 @@ class Scratch(Rebuild):
         finally:
             try:
                 with db.connect(self.plan.pgc) as conn, conn.transaction():
-                    self._drop(conn)
+                    self.drop_scratch(conn)
             finally:
                 if self.guard is not None:
                     self.guard.close()

@@ -26,9 +26,10 @@ from kafold.config import PostgresConfig
 from kafold.connectors.api import SinkRecord, TopicPartition
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.fold import BatchResult, Folded, Key, Prepared, candidates, fold
+from kafold.connectors.projection.held_keys import DeadLetter, HoldsChanged
 from kafold.connectors.projection.mapping import Mapping, Row
 from kafold.connectors.projection.snapshot_sweep import sweep
-from kafold.connectors.projection.writer import REJECTED, DeadLetter, ProjectionWriter, _HoldsChanged
+from kafold.connectors.projection.writer import REJECTED, ProjectionWriter
 from kafold.errors import RetriableError
 
 
@@ -70,12 +71,12 @@ class ShadowWriter(ProjectionWriter):
                    offsets: dict[TopicPartition, int], prepared: Prepared | None = None) -> None:
         """Fold `records` onto the rows folded so far (reading the rows and tombstones of keys not known yet);
         nothing is written until `flush`."""
-        assert not self.track and self.cache_rows, "folding ahead deduplicates by version, keeping rows"
-        with self._turns:
+        assert not self.track and self.table_rows.cache_rows, "folding ahead deduplicates by version, keeping rows"
+        with self.turns:
             records = list(records)
             prep = prepared if prepared is not None else self.prepare(records)
             todo = candidates(records, prep, set())
-            ahead, cache = self._ahead, self._cache
+            ahead, cache = self._ahead, self.table_rows.cache
             pending, base = ahead.rows, ahead.base
             # after a truncate folded ahead the stored rows (and their tombstones) are as good as gone: none is read
             new_keys = [k for k in todo.keys if k not in pending and k not in cache] if not ahead.truncated else []
@@ -84,10 +85,10 @@ class ShadowWriter(ProjectionWriter):
             if new_keys:
                 conn = self.connection()
                 try:
-                    with self._turns.waiting(conn.pipeline()):
-                        read = self._read_keys(conn, new_keys)
-                    found = self._rows(read[0])
-                    gone = self._tombstones_read(read)
+                    with self.turns.waiting(conn.pipeline()):
+                        read = self.table_rows.read_keys(conn, new_keys)
+                    found = self.table_rows.rows(read[0])
+                    gone = self.table_rows.tombstones_read(read)
                 except psycopg.OperationalError as e:
                     self.close()
                     raise RetriableError(f"PostgreSQL: {e}") from e
@@ -122,7 +123,7 @@ class ShadowWriter(ProjectionWriter):
             pending.update(folded.state)
             ahead.buried.update(folded.buried)
             ahead.dead += dead
-            for tp, off in self._advance_to(records, offsets).items():
+            for tp, off in self.advance_to(records, offsets).items():
                 ahead.offsets[tp] = max(off, ahead.offsets.get(tp, 0))
             ahead.events += len(records)
 
@@ -136,17 +137,17 @@ class ShadowWriter(ProjectionWriter):
         result = BatchResult(events=ahead.events, transactions=1, dead_lettered=len(ahead.dead))
         try:
             conn = self.connection()
-            turns = self._turns
+            turns = self.turns
             try:
                 with turns, turns.waiting(conn.pipeline()) as pipe:
                     db.begin(conn)
-                    holds = self._read_holds(conn)
+                    holds = self.holds.read(conn)
                     turns.sync(pipe)
                     try:
-                        self._check_holds(holds)
-                    except _HoldsChanged:
+                        self.holds.check(holds)
+                    except HoldsChanged:
                         raise Rewind("held keys", ahead.events) from None
-                    stored = self._store(conn, pipe, folded, ahead.dead, ahead.offsets, {}, None,
+                    stored = self.store(conn, pipe, folded, ahead.dead, ahead.offsets, {}, None,
                                          result)  # hold no key
             except BaseException:
                 db.roll_back(conn)
@@ -165,8 +166,8 @@ class ShadowWriter(ProjectionWriter):
             self.idle.set()
         result.checkpoints = dict(ahead.offsets)
         if ahead.truncated or ahead.swept:
-            self._cache.clear()
-        self._remember(ahead.rows, ahead.buried)
+            self.table_rows.cache.clear()
+        self.table_rows.remember(ahead.rows, ahead.buried)
         self._ahead = _Ahead()
         return result
 
@@ -174,17 +175,18 @@ class ShadowWriter(ProjectionWriter):
         """Forget what was folded ahead, and the rows kept (they may be what it folded onto); the events dropped."""
         dropped = self._ahead.events
         self._ahead = _Ahead()
-        self._cache.clear()
+        self.table_rows.cache.clear()
         return dropped
 
     @property
     def can_fold_ahead(self) -> bool:
         """Deduplicating by version, keeping rows, and folding onto rows as PostgreSQL would give them back: a
         mapper (the user's code) sees each value as read back, so with one every column must read back as written."""
-        if self.track or not self.cache_rows:
+        if self.track or not self.table_rows.cache_rows:
             return False
         self.connection()  # the table's column types
-        return self.mapping.copies_rows or all(self._plain.get(c) for c in (*self.config.columns, VERSION_COLUMN))
+        plain = self.table_rows.plain
+        return self.mapping.copies_rows or all(plain.get(c) for c in (*self.config.columns, VERSION_COLUMN))
 
     @property
     def ahead_rows(self) -> int:

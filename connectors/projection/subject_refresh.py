@@ -35,10 +35,10 @@ from kafold import db, protect
 from kafold.connectors.api import SinkRecord
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN
+from kafold.connectors.projection.held_keys import DeadLetter, hold_text
 from kafold.connectors.projection.mapping import Mapping, MappingError
 from kafold.connectors.projection.rebuild import Plan, Progress
 from kafold.connectors.projection.scratch import Scratch, ScratchPlan
-from kafold.connectors.projection.writer import DeadLetter, hold_text
 from kafold.errors import ConfigError, FatalError
 
 __all__ = ["Refresh", "RefreshPlan", "Refreshed", "protected_types"]
@@ -94,26 +94,26 @@ class Refresh(Scratch):
             raise ConfigError([f"connectors: {plan.name!r}: none of the event types it projects has protect rules "
                                f"(protected: {', '.join(sorted({t for _, t in protector.rules}))}), so no row holds "
                                "a subject's protected fields (nothing to refresh)"])
-        # One process (see Scratch): the keys of the subjects' rows are noted as the records are read (see _record).
+        # One process (see Scratch): the keys of the subjects' rows are noted as the records are read (see record_of).
         super().__init__(plan, batch=batch, on_progress=on_progress, stop=stop)
         self.subjects, self.protector = frozenset(subjects), protector
         self.touched: set[tuple[Any, ...]] = set()  # row keys of the subjects' events
         self.result = Refreshed(plan.name, self.subjects)
 
     # The rebuild's hooks: a scratch table of its own.
-    def _begin(self) -> bool:
+    def begin(self) -> bool:
         p, c = self.plan, self.plan.config
         with db.connect(p.pgc) as conn, conn.transaction():
             exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (q.regclass_text(c.schema, c.table),))
             row = exists.fetchone()
             if not row or not row[0]:
                 raise FatalError(f"projection {p.name!r}: table {c.schema}.{c.table} does not exist")
-            self._drop(conn)
+            self.drop_scratch(conn)
             conn.execute(q.create_table(c.schema, p.shadow, c.columns, c.key_columns, VERSION_COLUMN))
         return False
 
-    def _record(self, m: Any, dead: list[DeadLetter], topic: str, part: int, off: int) -> SinkRecord | None:
-        record = super()._record(m, dead, topic, part, off)
+    def record_of(self, m: Any, dead: list[DeadLetter], topic: str, part: int, off: int) -> SinkRecord | None:
+        record = super().record_of(m, dead, topic, part, off)
         if record is not None and self._of_subject(record):
             try:
                 self.touched.add(self.plan.mapping.key(record.event))
@@ -133,7 +133,7 @@ class Refresh(Scratch):
 
     def run(self) -> Refreshed:  # type: ignore[override]
         """Fold, converge under the lock, replace the subjects' rows; the scratch table is dropped in every case."""
-        with self._scratch():
+        with self.scratch():
             progress = super().run()
         self.result.events = progress.events
         self.result.completed = progress.phase == "swapped"
@@ -143,7 +143,7 @@ class Refresh(Scratch):
     def finish(self, conn: psycopg.Connection[Any], live_exists: bool) -> None:
         """Under the lock, with the scratch table equal to the live checkpoints: the subjects' rows replaced."""
         self.writer.close()
-        self._save("swapped", conn)
+        self.save("swapped", conn)
         p, c = self.plan, self.plan.config
         # A key held behind a dead letter, by the live connector or by the refresh, is left alone and reported: the
         # live row deliberately lacks the held events (replacing it would apply them behind the dead letters' back,

@@ -29,7 +29,7 @@ from kafold import db
 from kafold.connectors.api import TopicPartition
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN
-from kafold.connectors.projection.rebuild import Plan, Progress
+from kafold.connectors.projection.rebuild import Plan, Progress, source_partitions
 from kafold.connectors.projection.rebuild_state import offsets
 from kafold.connectors.projection.scratch import Scratch, ScratchPlan
 from kafold.connectors.projection.task import tune_interpreter
@@ -114,10 +114,10 @@ class Verify(Scratch):
 
     # The rebuild's hooks: fixed targets, scratch tables of its own.
     def _targets(self) -> dict[TopicPartition, int]:
-        self.behind = self._behind(self.fixed)
+        self.behind = self.count_behind(self.fixed)
         return dict(self.fixed)
 
-    def _begin(self) -> bool:
+    def begin(self) -> bool:
         """The scratch tables afresh, and the snapshot: the live checkpoints and the live rows, in one snapshot."""
         p, c = self.plan, self.plan.config
         assert isinstance(p, VerifyPlan)
@@ -127,7 +127,7 @@ class Verify(Scratch):
             if not found:
                 raise FatalError(f"projection {p.name!r}: table {c.schema}.{c.table} does not exist")
             self.columns = [col for col in (*c.columns, VERSION_COLUMN) if col in found]
-            self._drop(conn)
+            self.drop_scratch(conn)
             # The live table's shape with its CHECK and NOT NULL constraints and unique indexes: the fold refuses
             # (dead-letters, holds) what the live writer refused, so a user's own rule is no difference.
             conn.execute(sql.SQL("CREATE TABLE {} (LIKE {} INCLUDING DEFAULTS INCLUDING CONSTRAINTS "
@@ -135,7 +135,7 @@ class Verify(Scratch):
         with db.connect(p.pgc, autocommit=False) as conn:
             conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
             with conn.transaction():
-                self.fixed = self._ours(offsets(p.pgc, p.name, conn))  # the snapshot starts here
+                self.fixed = self.ours(offsets(p.pgc, p.name, conn))  # the snapshot starts here
                 conn.execute(sql.SQL("CREATE UNLOGGED TABLE {} AS SELECT {} FROM {}").format(
                     q.qualified(c.schema, p.copy), q.ids(self.columns), live))
         return False
@@ -144,22 +144,22 @@ class Verify(Scratch):
         """Snapshot, fold up to it, compare; the scratch tables and bookkeeping are dropped in every case."""
         p = self.plan
         tune_interpreter()
-        with self._scratch():
-            self._begin()
+        with self.scratch():
+            self.begin()
             report = Report(p.name, f"{p.config.schema}.{p.config.table}", dict(self.fixed))
             self.log.info("verify.started", checkpoints={str(tp): off for tp, off in sorted(self.fixed.items())})
-            consumer = self._consumer()
+            consumer = self.new_consumer()
             try:
-                for tp in self._partitions(consumer):
+                for tp in source_partitions(consumer, self.plan):
                     self.positions.setdefault(tp, 0)
-                self._report(0, sum(self.fixed.values()))
-                self._catch_up(consumer)
+                self.report_progress(0, sum(self.fixed.values()))
+                self.catch_up(consumer)
             finally:
-                self._close(consumer)
+                self.close_consumer(consumer)
             report.events = self.events
-            if not self.stop.is_set() and self._caught_up(self.fixed):
+            if not self.stop.is_set() and self.caught_up(self.fixed):
                 self.phase = "comparing"
-                self._report(0, sum(self.fixed.values()))
+                self.report_progress(0, sum(self.fixed.values()))
                 self._compare(report)
                 report.completed = True
             self.log.info("verify.done", completed=report.completed, rows_differing=report.rows_differing,

@@ -95,15 +95,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
-import operator
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import orjson
 import psycopg
 from psycopg.adapt import PyFormat, Transformer
 from psycopg.types.json import Jsonb
@@ -113,7 +110,7 @@ from kafold.config import PostgresConfig
 from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition
 from kafold.connectors.dlq import DeadLetterStatus, headers_json, pg_text
 from kafold.connectors.projection import sql as q
-from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
+from kafold.connectors.projection.config import ProjectionConfig
 from kafold.connectors.projection.fold import (
     APPLIED,
     DEAD,
@@ -130,12 +127,13 @@ from kafold.connectors.projection.fold import (
     prepare,
     tally,
 )
-from kafold.connectors.projection.mapping import Mapping, MappingError, Row
+from kafold.connectors.projection.held_keys import DeadLetter, HeldKeys, HoldsChanged, hold_text
+from kafold.connectors.projection.mapping import Mapping, Row
+from kafold.connectors.projection.table_rows import TableRows
 from kafold.errors import ConfigError, FatalError, RecordError, RetriableError, redact_quoted
 
 log = logs.get(__name__)
 
-DeadLetter = tuple[RawRecord, BaseException]
 Report = Callable[[Sequence[tuple[Any, BaseException]]], None]  # to the DLQ topic, acknowledged on return
 REJECTED = (psycopg.errors.IntegrityError, psycopg.errors.DataError)
 T = TypeVar("T")
@@ -144,10 +142,6 @@ T = TypeVar("T")
 class _Moved(Exception):
     """A checkpoint this batch moves is not where this writer last stored it: another writer of the partition (the
     new owner after a rebalance, or this writer's zombie) committed since; redo from the stored checkpoints."""
-
-
-class _HoldsChanged(Exception):
-    """The connector's held keys changed since the batch was prepared; redo it with the keys read."""
 
 
 @dataclass
@@ -186,16 +180,6 @@ def _rejection(e: BaseException) -> str:
     text = f"{type(e).__name__}: {first}"
     nul = "0x00" in full or "\\u0000" in full  # the server's words (text, jsonb) and psycopg's (a text parameter)
     return f"a value holds a NUL character, which PostgreSQL text and jsonb cannot store ({text})" if nul else text
-
-
-def holds_lock(connector: str) -> str:
-    """The advisory lock (text, hashed by PostgreSQL) a connector's writer holds shared while it reads held keys."""
-    return f"kafold.holds:{connector}"
-
-
-def hold_text(key: tuple[Any, ...]) -> str:
-    """A row key as stored in `dead_letters.hold_key`: JSON, the same text for the same key."""
-    return orjson.dumps(list(key), default=str).decode()
 
 
 Then = Callable[[psycopg.Connection[Any], "BatchResult"], None]
@@ -267,7 +251,12 @@ class _Turns:
 
 
 class ProjectionWriter:
-    """Owns one PostgreSQL session for one projection task; `write` is the whole per-batch protocol."""
+    """Owns one PostgreSQL session for one projection task; `write` is the whole per-batch protocol.
+
+    Its parts: `table_rows` (table_rows.py: the table's shape, rows read by key, rows kept between batches) and
+    `holds` (held_keys.py). What a writer built on it (ShadowWriter, shadow_writer.py: folding ahead) may use
+    besides `write`: those parts, `turns` (the session's one-at-a-time use), `advance_to` (the next offsets a
+    batch leaves) and `store` (a batch's writes into an open transaction); the rest is private to this module."""
 
     def __init__(self, pgc: PostgresConfig, config: ProjectionConfig, mapping: Mapping, connector: str,
                  namespace: str | None = None, table: str | None = None, cache_rows: int = 0, track: bool = True,
@@ -277,7 +266,6 @@ class ProjectionWriter:
         self.namespace = namespace or connector  # key of tracking records (a rebuild uses its own)
         self.table = table or config.table
         self.conn: psycopg.Connection[Any] | None = None
-        self.shape: q.TableShape | None = None
         self._tracking = db.table(pgc, "tracking")
         # Deduplicating by version instead (see the module note): only with the guard, for its table's only writer.
         if not track and not mapping.guard:
@@ -289,7 +277,6 @@ class ProjectionWriter:
             raise ConfigError([f"projection {connector}: the checkpoint fence is for a writer without tracking"])
         self.fence = fence
         self._stored: dict[TopicPartition, int] = {}
-        self._tombstones = db.table(pgc, "tombstones")
         # durable=False: commits do not wait for the WAL flush (synchronous_commit off). For a writer whose
         # transactions may be lost together with their checkpoints on a PostgreSQL crash (it then resumes from
         # the checkpoints left): a rebuild's shadow, which nothing reads before the swap, whose own transaction
@@ -297,25 +284,17 @@ class ProjectionWriter:
         self.durable = durable
         self._checkpoints = db.table(pgc, "checkpoints")
         self._dead = db.table(pgc, "dead_letters")
-        self._json: set[str] = set()
         self._optimistic = True  # fold while the tracking insert runs (see _apply); off after duplicates
         self._prefix = tracking_prefix(self.namespace)
         self.holding = config.hold_on_dead_letter
-        self._held: set[str] = set()  # the connector's held keys as last read (hold_text)
+        self.holds = HeldKeys(connector, self._dead, mapping)
         # Set while this writer is not running Python (waiting for PostgreSQL, or between writes): the task's
         # yield point lets the runner's decoding wait for it, so the batch being written — the slower stage —
-        # gets the interpreter first (see task.py). `_turns` is the one place that moves it.
+        # gets the interpreter first (see task.py). `turns` is the one place that moves it.
         self.idle = threading.Event()
         self.idle.set()
-        self._turns = _Turns(self.idle)
-        # Rows kept between batches, for a writer that is its table's only writer (a rebuild's shadow): a key
-        # written or read before is not read again. Only what a transaction committed goes in, only rows whose
-        # values read back from PostgreSQL as the same Python values (see _read_back), and the whole cache is
-        # dropped when a write fails (its commit may or may not have happened). At most `cache_rows` keys: the
-        # least recently written half goes when full.
-        self.cache_rows = cache_rows
-        self._cache: dict[tuple[Any, ...], Row | int | None] = {}  # int: a tombstone (see _remember)
-        self._plain: dict[str, tuple[type, ...]] = {}  # column -> the Python types that read back as-is
+        self.turns = _Turns(self.idle)
+        self.table_rows = TableRows(pgc, config, mapping, self.namespace, self.table, cache_rows)
 
     # ---- session ----------------------------------------------------------------------------------------
     def connection(self) -> psycopg.Connection[Any]:
@@ -326,7 +305,7 @@ class ProjectionWriter:
                 if not self.durable:
                     conn.execute("SET synchronous_commit = off")
                 with db.transaction(conn):
-                    self.shape = self._prepare(conn)
+                    self.table_rows.check(conn)
             except BaseException:
                 conn.close()
                 raise
@@ -340,36 +319,6 @@ class ProjectionWriter:
             finally:
                 self.conn = None
 
-    def _prepare(self, conn: psycopg.Connection[Any]) -> q.TableShape:
-        """Create the table if allowed and missing; check it has every configured column and a unique key."""
-        c, schema, table = self.config, self.config.schema, self.table
-        regclass = q.regclass_text(schema, table)
-        guard_key = f"kafold.projection:{schema}.{table}"
-        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (guard_key,))
-        found = dict(conn.execute(q.CATALOG_COLUMNS, (regclass,)).fetchall())
-        if not found:
-            if not c.create_table:
-                raise ConfigError([f"projection table {schema}.{table} does not exist (create_table = false)"])
-            try:
-                conn.execute(q.create_table(schema, table, c.columns, c.key_columns, VERSION_COLUMN))
-            except psycopg.errors.DatabaseError as e:
-                raise ConfigError([f"projection table {schema}.{table}: cannot create it: {e}"]) from e
-            found = dict(conn.execute(q.CATALOG_COLUMNS, (regclass,)).fetchall())
-        missing = [col for col in (*c.columns, VERSION_COLUMN) if col not in found]
-        if missing:
-            fixes = "; ".join(
-                f"ALTER TABLE {schema}.{table} ADD COLUMN {col} "
-                f"{'bigint NOT NULL DEFAULT 0' if col == VERSION_COLUMN else c.columns[col]}" for col in missing)
-            raise ConfigError([f"projection table {schema}.{table}: missing column(s) {', '.join(missing)} "
-                               f"(add them: {fixes})"])
-        unique = {tuple(cols) for (cols,) in conn.execute(q.CATALOG_UNIQUE, (regclass,)).fetchall()}
-        if tuple(sorted(c.key_columns)) not in unique:
-            raise ConfigError([f"projection table {schema}.{table}: no primary key or unique index on exactly "
-                               f"({', '.join(c.key_columns)}), which upserts need"])
-        types = {col: found[col] for col in (*c.columns, VERSION_COLUMN)}
-        self._json = {col for col, tp in types.items() if tp in ("json", "jsonb")}
-        self._plain = {col: _read_back(tp, self.mapping.copies_rows) for col, tp in types.items()}
-        return q.TableShape(schema, table, types, tuple(c.key_columns), VERSION_COLUMN)
 
     # ---- offsets ----------------------------------------------------------------------------------------
     def checkpoints(self) -> dict[TopicPartition, int]:
@@ -396,12 +345,12 @@ class ProjectionWriter:
         committed transaction, last."""
         call = _Call(advance, prepared, self.holding and hold, then)
         if report is not None:  # reporting waits for the runner's thread: never make it wait for us meanwhile
-            report = self._turns.handing_over(report)
+            report = self.turns.handing_over(report)
         try:
             try:
                 return self._isolating(call, list(records), list(dead), dict(offsets or {}), report)
             except BaseException:
-                self._cache.clear()  # rows kept may be what a rolled-back transaction wrote
+                self.table_rows.cache.clear()  # rows kept may be what a rolled-back transaction wrote
                 raise
         except RetriableError:
             self.close()
@@ -426,13 +375,13 @@ class ProjectionWriter:
                                     f"{bad.event.event_id}: {_rejection(e)}", raw=bad, reason="db-rejected")
                 if report is not None:
                     report([(bad, error)])
-                head = self._head_text(call, bad)
+                head = self.holds.head_text(call.hold, bad)
                 if head is not None:
                     call.hold_of[id(error)] = (DeadLetterStatus.NEW, head)
                 done = self._transaction(call, [], [*dead, (RawRecord.of(bad), error)],
                                          {**offsets, bad.tp: bad.offset + 1}, None)
                 if head is not None:
-                    self._held.add(head)  # committed: the key's later events are held from now on
+                    self.holds.known.add(head)  # committed: the key's later events are held from now on
                 done.dead_lettered += 1
                 tally(done.by_partition, [bad], DEAD)
                 return done
@@ -453,19 +402,19 @@ class ProjectionWriter:
                 except BaseException:
                     db.roll_back(conn)
                     raise
-                self._held.update(heads)  # committed with their heads
+                self.holds.known.update(heads)  # committed with their heads
                 if self.fence:
                     self._stored.update(result.checkpoints)
-                if self.cache_rows and (folded.state or folded.truncated or folded.swept):  # the rows committed
+                if self.table_rows.cache_rows and (folded.state or folded.truncated or folded.swept):  # rows committed
                     if folded.truncated or folded.swept:  # the rows kept are gone with the rest (or may be)
-                        self._cache.clear()
-                    self._remember(folded.state, folded.buried)
+                        self.table_rows.cache.clear()
+                    self.table_rows.remember(folded.state, folded.buried)
                 return result
             except psycopg.errors.UniqueViolation as e:
                 if not self._tracked_already(e):  # a row the table refused: the caller isolates it
                     raise
                 self._optimistic = False  # rolled back: do it again expecting duplicates, until a batch has none
-            except _HoldsChanged:  # rolled back: do it again with the keys read
+            except HoldsChanged:  # rolled back: do it again with the keys read
                 continue
             except _Moved:  # rolled back: another writer moved a checkpoint; redo from the stored ones
                 was = dict(self._stored)
@@ -473,38 +422,12 @@ class ProjectionWriter:
                 log.info("projection.checkpoint_moved", connector=self.connector,
                          moved={str(tp): [was.get(tp), off] for tp, off in now.items() if was.get(tp) != off})
             except _Bad as e:  # rolled back: do it again without them, dead-lettered
-                bad = self._heads(call, records, e.bad, heads)
+                bad = self.holds.heads(call.hold, call.hold_of, records, e.bad, heads)
                 if report is not None and bad:
                     report(bad)
                 excluded += [r for r, _ in bad]
                 dead = [*dead, *((RawRecord.of(r), err) for r, err in bad)]
 
-    def _head_text(self, call: _Call, record: SinkRecord) -> str | None:
-        """The hold key a dead letter of `record` would hold back (None: not holding, or no row key)."""
-        if not call.hold:
-            return None
-        try:
-            return hold_text(self.mapping.key(record.event))
-        except MappingError:
-            return None
-
-    def _heads(self, call: _Call, records: list[SinkRecord], bad: list[tuple[SinkRecord, RecordError]],
-               heads: dict[str, int]) -> list[tuple[SinkRecord, RecordError]]:
-        """The refused events that become dead letters (each the head of its row key when holding); one of a key
-        already held, or behind an earlier refused one, is left out: the redo holds it."""
-        if not call.hold:
-            return bad
-        at = {id(r): i for i, r in enumerate(records)}
-        out: list[tuple[SinkRecord, RecordError]] = []
-        for r, err in bad:
-            text = self._head_text(call, r)
-            if text is not None:
-                if text in self._held or text in heads:
-                    continue
-                heads[text] = at[id(r)]
-                call.hold_of[id(err)] = (DeadLetterStatus.NEW, text)
-            out.append((r, err))
-        return out
 
     def prepare(self, records: Sequence[SinkRecord]) -> Prepared:
         """Per record (by id): its tracking key and its row key (or the MappingError). Pure, thread-safe: the
@@ -518,8 +441,8 @@ class ProjectionWriter:
         then upsert → checkpoint in PostgreSQL's (the caller commits); what it did, and the batch folded."""
         result = BatchResult(events=len(records), transactions=1, dead_lettered=len(dead))
         skip = {id(r) for r in excluded}
-        turns = self._turns
-        advance = self._advance_to(records, offsets, call.advance)
+        turns = self.turns
+        advance = self.advance_to(records, offsets, call.advance)
         behind: list[SinkRecord] = []
         if self.fence:  # what the stored checkpoints passed was applied by the transaction that moved them
             stored_at = self._stored
@@ -530,8 +453,8 @@ class ProjectionWriter:
             db.begin(conn)  # with the first reads: no round trip of its own
             fence = advance if self.fence and advance else None
             prep = call.prepared if call.prepared is not None else self.prepare(records)
-            if call.hold and (self._held or heads):
-                held = self._held_records(call, records, prep, skip, heads)
+            if call.hold and (self.holds.known or heads):
+                held = self.holds.held_records(call.hold_of, records, prep, skip, heads)
                 result.held = len(held)
                 tally(result.by_partition, (raw for raw, _ in held), DEAD)
                 dead = [*dead, *held]
@@ -541,12 +464,12 @@ class ProjectionWriter:
                                  else self._read_fold(conn, pipe, call.hold, todo, fence))
             else:
                 holding = call.hold and result.held  # nothing to apply, events to hold: under the lock, keys read
-                holds = self._read_holds(conn) if holding else None
+                holds = self.holds.read(conn) if holding else None
                 fenced = self._fence_checkpoints(conn, fence) if fence else None
                 if holds is not None or fenced is not None:
                     turns.sync(pipe)
                 if holds is not None:
-                    self._check_holds(holds)
+                    self.holds.check(holds)
                 if fenced is not None and fence:
                     self._check_fence(fenced, fence)
                 fresh, folded = [], empty()
@@ -562,7 +485,7 @@ class ProjectionWriter:
                 result.by_partition.setdefault(k, [0, 0, 0, 0])[APPLIED] += n
             if folded.bad:
                 raise _Bad(folded.bad)
-            stored = self._store(conn, pipe, folded, dead, {} if self.fence else advance, call.hold_of, call.then,
+            stored = self.store(conn, pipe, folded, dead, {} if self.fence else advance, call.hold_of, call.then,
                                  result)
         result.upserted, result.deleted = stored.counts()
         result.checkpoints = advance
@@ -596,7 +519,8 @@ class ProjectionWriter:
             inserted = set(new_keys or ())
             fresh = [r for tk, r in first.items() if tk in inserted]
         self._optimistic = count == len(first)
-        return fresh, fold(self.mapping, fresh, self._loaded(todo.keys, found), todo.record_keys, todo.key_errors)
+        rows = self.table_rows.loaded(todo.keys, found)
+        return fresh, fold(self.mapping, fresh, rows, todo.record_keys, todo.key_errors)
 
     def _read_track_fold(self, conn: psycopg.Connection[Any], pipe: psycopg.Pipeline, hold: bool, todo: Candidates
                          ) -> Folded:
@@ -605,13 +529,13 @@ class ProjectionWriter:
         already tracked fails the insert: a UniqueViolation at the transaction's last sync (`_tracked_already`)."""
         held_keys = None
         if hold:
-            held_keys = self._read_holds(conn)
-        found = self._select_uncached(conn, todo.keys)
-        self._turns.sync(pipe)
+            held_keys = self.holds.read(conn)
+        found = self.table_rows.select_uncached(conn, todo.keys)
+        self.turns.sync(pipe)
         if held_keys is not None:
-            self._check_holds(held_keys)
+            self.holds.check(held_keys)
         conn.execute(q.track_new(self._tracking), (list(todo.first), self.namespace))
-        return fold(self.mapping, list(todo.first.values()), self._loaded(todo.keys, found), todo.record_keys,
+        return fold(self.mapping, list(todo.first.values()), self.table_rows.loaded(todo.keys, found), todo.record_keys,
                     todo.key_errors)
 
     def _tracked_already(self, e: psycopg.errors.UniqueViolation) -> bool:
@@ -625,46 +549,23 @@ class ProjectionWriter:
         candidate folded (the version guard skips what was applied)."""
         held_keys = None
         if hold:
-            held_keys = self._read_holds(conn)
-        uncached = self._uncached(todo.keys)
-        read = self._read_keys(conn, uncached) if uncached else None
+            held_keys = self.holds.read(conn)
+        uncached = self.table_rows.uncached(todo.keys)
+        read = self.table_rows.read_keys(conn, uncached) if uncached else None
         # After the reads: the table's lock before the checkpoints' rows, the order of a rebuild's swap (which
         # locks the table, then the live checkpoints), so the two never wait for each other in a circle.
         fenced = self._fence_checkpoints(conn, fence) if fence else None
-        self._turns.sync(pipe)
+        self.turns.sync(pipe)
         if held_keys is not None:
-            self._check_holds(held_keys)
+            self.holds.check(held_keys)
         if fenced is not None and fence:
             self._check_fence(fenced, fence)
-        rows = self._loaded(todo.keys, read[0] if read else None)
-        gone = self._tombstones_read(read) if read else {}
-        self._cached_tombstones(todo.keys, gone)
+        rows = self.table_rows.loaded(todo.keys, read[0] if read else None)
+        gone = self.table_rows.tombstones_read(read) if read else {}
+        self.table_rows.cached_tombstones(todo.keys, gone)
         fresh = list(todo.first.values())
         return fresh, fold(self.mapping, fresh, rows, todo.record_keys, todo.key_errors, gone)
 
-    def _read_keys(self, conn: psycopg.Connection[Any], keys: list[tuple[Any, ...]]
-                   ) -> tuple[psycopg.Cursor[Any], psycopg.Cursor[Any], dict[str, tuple[Any, ...]]]:
-        """Deduplicating by version, what PostgreSQL knows of `keys` (pipelined by the caller): their rows, their
-        tombstones, and the keys by their text as the tombstones store them."""
-        texts = {hold_text(k): k for k in keys}
-        return (self._select(conn, keys),
-                conn.execute(q.select_tombstones(self._tombstones), (self.namespace, list(texts)), prepare=db.BY_KEYS),
-                texts)
-
-    @staticmethod
-    def _tombstones_read(read: tuple[Any, psycopg.Cursor[Any], dict[str, tuple[Any, ...]]]
-                         ) -> dict[tuple[Any, ...], int]:
-        _, tombs, texts = read
-        return {texts[text]: version for text, version in tombs.fetchall()}
-
-    def _cached_tombstones(self, keys: list[tuple[Any, ...]], gone: dict[tuple[Any, ...], int]) -> None:
-        """Add the cached tombstones of `keys` to `gone`."""
-        if self.cache_rows:
-            cache = self._cache
-            for k in keys:
-                v = cache.get(k)
-                if type(v) is int:
-                    gone[k] = v
 
     def _track_read(self, conn: psycopg.Connection[Any], pipe: psycopg.Pipeline, hold: bool, todo: Candidates
                     ) -> tuple[int, list[bytes] | None, psycopg.Cursor[Any] | None]:
@@ -673,16 +574,16 @@ class ProjectionWriter:
         held_keys = None
         first = todo.first
         if hold:
-            held_keys = self._read_holds(conn)
+            held_keys = self.holds.read(conn)
         tracked = conn.execute(q.track(self._tracking), (list(first), self.namespace, len(first)))
-        found = self._select_uncached(conn, todo.keys)
-        self._turns.sync(pipe)
+        found = self.table_rows.select_uncached(conn, todo.keys)
+        self.turns.sync(pipe)
         if held_keys is not None:
-            self._check_holds(held_keys)
+            self.holds.check(held_keys)
         count, new_keys = tracked.fetchone() or (0, None)
         return count, new_keys, found
 
-    def _advance_to(self, records: list[SinkRecord], offsets: dict[TopicPartition, int], advance_records: bool = True
+    def advance_to(self, records: list[SinkRecord], offsets: dict[TopicPartition, int], advance_records: bool = True
                     ) -> dict[TopicPartition, int]:
         """The next offset of every partition the batch covers (unless not advancing) and of `offsets`."""
         advance = next_offsets(records) if advance_records else {}
@@ -690,14 +591,14 @@ class ProjectionWriter:
             advance[tp] = max(off, advance.get(tp, -1))
         return {tp: off for tp, off in advance.items() if off >= 0}
 
-    def _store(self, conn: psycopg.Connection[Any], pipe: psycopg.Pipeline, folded: Folded,
+    def store(self, conn: psycopg.Connection[Any], pipe: psycopg.Pipeline, folded: Folded,
                dead: list[DeadLetter], advance: dict[TopicPartition, int],
                hold_of: dict[int, tuple[DeadLetterStatus, str]], then: Then | None, result: BatchResult) -> _Stored:
         """Steps (4)-(6), queued in the transaction's open pipeline (the batch's last round trip): upsert the
         changed rows in one statement (version-guarded), delete the removed ones (and record their tombstones),
         record the dead letters, move the checkpoints forward only, run `then`, COMMIT."""
-        assert self.shape is not None
-        shape = self.shape
+        assert self.table_rows.shape is not None
+        shape = self.table_rows.shape
         upserts, deletes = folded.changes()
         if folded.truncated:  # before the upsert: the rows the batch made after the truncate are written after it
             conn.execute(q.delete_all(shape))
@@ -708,7 +609,7 @@ class ProjectionWriter:
             texts, encoding = Transformer(conn), conn.info.encoding
             formats = [PyFormat.TEXT] * len(shape.written)
             columns: list[list[str | None]] = [[] for _ in shape.written]
-            for values in self._staged(upserts):
+            for values in self.table_rows.staged(upserts):
                 for column, v in zip(columns, texts.dump_sequence(values, formats), strict=True):
                     column.append(None if v is None else bytes(v).decode(encoding))
             merged = conn.execute(q.upsert_rows(shape, self.mapping.guard), columns)
@@ -717,7 +618,7 @@ class ProjectionWriter:
                                       prepare=db.BY_KEYS) if deletes else None)
         buried = folded.buried
         if buried:
-            conn.execute(q.save_tombstones(self._tombstones),
+            conn.execute(q.save_tombstones(self.table_rows.tombstones),
                          (self.namespace, [hold_text(k) for k in buried], list(buried.values())))
         if dead:
             with conn.cursor() as cur:
@@ -729,122 +630,17 @@ class ProjectionWriter:
                          (self.connector, [tp.topic for tp in tps], [tp.partition for tp in tps],
                           [advance[tp] for tp in tps]))
         if then is not None:  # it sees what the batch did: one round trip more
-            self._turns.sync(pipe)
+            self.turns.sync(pipe)
             result.upserted, result.deleted = stored.counts()
             then(conn, result)
         db.commit(conn)
         return stored
 
-    def _staged(self, upserts: list[Row]) -> list[Sequence[Any]]:
-        """The changed rows' values in the staging table's column order, json and dict values adapted."""
-        assert self.shape is not None
-        written, special = self.shape.written, self._json
-        values_of = operator.itemgetter(*written) if len(written) > 1 else (lambda row: (row[written[0]],))
-        out: list[Sequence[Any]] = []
-        for row in upserts:
-            values = values_of(row)
-            if special or dict in map(type, values):
-                values = [self._value(c, v) for c, v in zip(written, values, strict=True)]
-            out.append(values)
-        return out
-
-    def _held_records(self, call: _Call, records: list[SinkRecord], prep: Prepared, skip: set[int],
-                      heads: dict[str, int]) -> list[DeadLetter]:
-        """The events of held keys (all of a key held before this batch; those after their head in it), as dead
-        letters with status `held`; they join `skip`."""
-        out: list[DeadLetter] = []
-        held, end = self._held, len(records)
-        for i, r in enumerate(records):
-            if id(r) in skip:
-                continue
-            key = prep[id(r)][1]
-            if type(key) is not tuple:
-                continue
-            text = hold_text(key)
-            if text in held or heads.get(text, end) < i:
-                skip.add(id(r))
-                error = RecordError(f"held: an earlier event of row key {text} is dead-lettered; this one is applied "
-                                    f"after it is replayed or discarded (kafold dlq list --connector "
-                                    f"{self.connector} --status all)", raw=r, reason="held")
-                call.hold_of[id(error)] = (DeadLetterStatus.HELD, text)
-                out.append((RawRecord.of(r), error))
-        return out
-
-    def _read_holds(self, conn: psycopg.Connection[Any]) -> psycopg.Cursor[Any]:
-        """Take the holds lock (shared, until the commit) and read the connector's held keys (pipelined)."""
-        conn.execute("SELECT pg_advisory_xact_lock_shared(hashtext(%s))", (holds_lock(self.connector),))
-        return conn.execute(q.held_keys(self._dead), (self.connector,))
-
-    def _check_holds(self, cur: psycopg.Cursor[Any]) -> None:
-        found = {row[0] for row in cur.fetchall()}
-        if found != self._held:
-            self._held = found
-            raise _HoldsChanged()
 
     def row_of(self, key: tuple[Any, ...]) -> Row | None:
         """The current row of `key` (None if there is none)."""
-        return self._rows(self._select(self.connection(), [key])).get(tuple(key))
+        return self.table_rows.rows(self.table_rows.select(self.connection(), [key])).get(tuple(key))
 
-    def _select(self, conn: psycopg.Connection[Any], keys: list[tuple[Any, ...]]) -> psycopg.Cursor[Any]:
-        assert self.shape is not None
-        return conn.execute(q.select_rows(self.shape), [list(col) for col in zip(*keys, strict=True)],
-                            prepare=db.BY_KEYS)
-
-    def _select_uncached(self, conn: psycopg.Connection[Any], keys: list[tuple[Any, ...]]
-                         ) -> psycopg.Cursor[Any] | None:
-        """The rows of the keys the cache does not know (None: it knows them all)."""
-        keys = self._uncached(keys)
-        return self._select(conn, keys) if keys else None
-
-    def _uncached(self, keys: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        if self.cache_rows:
-            cache = self._cache
-            return [k for k in keys if k not in cache]
-        return keys
-
-    def _loaded(self, keys: list[tuple[Any, ...]], found: psycopg.Cursor[Any] | None) -> dict[tuple[Any, ...], Row]:
-        """The current rows of `keys`: those read by `_select_uncached`, and the cached ones."""
-        rows = self._rows(found) if found is not None else {}
-        if self.cache_rows:
-            cache = self._cache
-            for k in keys:
-                row = cache.get(k)
-                if type(row) is dict:  # None: no row; an int: no row, a tombstone (see _remember)
-                    rows[k] = row
-        return rows
-
-    def _remember(self, state: dict[tuple[Any, ...], Row | None], buried: dict[tuple[Any, ...], int]) -> None:
-        """A committed transaction's rows into the cache (None: the key has no row; an int: nor a row, but that
-        tombstone — kept only when deduplicating by version, whose reads of a key fetch both), most recent last."""
-        cache, plain = self._cache, self._plain
-        for key, row in state.items():
-            cache.pop(key, None)
-            if row is None:
-                cache[key] = buried.get(key) if buried else None
-            elif all(v is None or type(v) in plain.get(c, ()) for c, v in row.items()):
-                cache[key] = row
-        if len(cache) > self.cache_rows:
-            keep = self.cache_rows // 2
-            self._cache = dict(itertools.islice(cache.items(), len(cache) - keep, None))
-
-    def _rows(self, found: psycopg.Cursor[Any]) -> dict[tuple[Any, ...], Row]:
-        """The current rows read by `_select`, by key."""
-        assert self.shape is not None
-        names, shape = self.shape.written, self.shape
-        nkeys = [names.index(k) for k in shape.keys]
-        key_at = operator.itemgetter(*nkeys) if len(nkeys) > 1 else None
-        i0 = nkeys[0]
-        return {key_at(row) if key_at else (row[i0],): dict(zip(names, row, strict=True))
-                for row in found.fetchall()}
-
-    def _value(self, column: str, value: Any) -> Any:
-        if value is None:
-            return None
-        if column in self._json:
-            return Jsonb(value)
-        if isinstance(value, dict):
-            return orjson.dumps(value).decode()
-        return value
 
     def _dead_row(self, raw: RawRecord, error: BaseException, hold_of: dict[int, tuple[DeadLetterStatus, str]]
                   ) -> tuple[Any, ...]:
@@ -854,24 +650,6 @@ class ProjectionWriter:
                 Jsonb(headers_json(raw.headers)), pg_text(f"{cls.__module__}.{cls.__qualname__}"),
                 pg_text(str(error)[:2000]), pg_text(str(getattr(error, "reason", "task-error"))), status.value,
                 hold_key)
-
-
-_TEXT, _INT = (str,), (int,)
-_READ_BACK: dict[str, tuple[type, ...]] = {
-    "text": _TEXT, "character varying": _TEXT, "bigint": _INT, "integer": _INT, "smallint": _INT,
-    "boolean": (bool,),
-}
-
-
-def _read_back(pg_type: str, copies_rows: bool) -> tuple[type, ...]:
-    """The Python types a value of a column of `pg_type` is written as and read back as, unchanged (none known:
-    such a value is read from PostgreSQL each time). A json(b) float may come back an int (jsonb
-    writes 1e20 out in full), so it is not kept; a json(b) container (equal when read back, with such floats
-    inside) only when the mapping copies rows and only sets it (rules): a mapper's code sees what PostgreSQL
-    gives back."""
-    if pg_type in ("json", "jsonb"):
-        return (str, int, bool, dict, list) if copies_rows else (str, int, bool)
-    return _READ_BACK.get(pg_type.partition("(")[0], ())
 
 
 def elapsed_ms(started: float) -> float:

@@ -9,12 +9,12 @@ connection are not shared by threads); the requests run in the host's executor.
 from __future__ import annotations
 
 import threading
-import weakref
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlencode
 
 from kafold import logs
-from kafold.config import python_path
+from kafold.config import KafoldConfig, python_path
 from kafold.daemon.aggregates.routing import Answer
 from kafold.errors import KafoldError, RetriableError
 from kafold.event_index import IndexUnavailable
@@ -23,8 +23,8 @@ from kafold.history import DEFAULT_LIMIT, MAX_LIMIT, History, NotFound
 from kafold.snapshot.fold import Domain
 
 if TYPE_CHECKING:
-    from kafold.daemon.host import DaemonHost
     from kafold.daemon.tasks import AggregateSlot
+    from kafold.protect import Protector
 
 log = logs.get(__name__)
 
@@ -55,8 +55,8 @@ def version_query(query: Any) -> int | None:
 class Histories:
     """The host's history readers, one per aggregate (see the module docstring)."""
 
-    def __init__(self, host: DaemonHost) -> None:
-        self.host = host
+    def __init__(self, cfg: KafoldConfig, base: Path, protector: Protector | None) -> None:
+        self.cfg, self.base, self.protector = cfg, base, protector
         self.made: dict[str, tuple[History, threading.Lock]] = {}
         self.lock = threading.Lock()
 
@@ -70,10 +70,10 @@ class Histories:
         with self.lock:
             got = self.made.get(slot.name)
             if got is None:
-                cfg = self.host.cfg
+                cfg = self.cfg
                 if not cfg.postgres.url:
                     raise IndexUnavailable("the history index needs [postgres] (url)")
-                domain = Domain.load(slot.config, python_path(cfg, self.host.base).paths, self.host.protector)
+                domain = Domain.load(slot.config, python_path(cfg, self.base).paths, self.protector)
                 got = self.made[slot.name] = (History(cfg.kafka, cfg.postgres, slot.config, domain), threading.Lock())
             return got
 
@@ -114,21 +114,3 @@ class Histories:
         except KafoldError as e:
             log.warning("history.read_failed", aggregate=slot.name, error=str(e)[:400])
             return Answer.problem(500, str(e))
-
-
-_HISTORIES: weakref.WeakKeyDictionary[Any, Histories] = weakref.WeakKeyDictionary()
-
-
-def histories(host: DaemonHost) -> Histories:
-    """The host's Histories (made on its first history read), as routing.router keeps the host's StateRouter."""
-    found = _HISTORIES.get(host)
-    if found is None:
-        found = _HISTORIES[host] = Histories(host)
-    return found
-
-
-def close(host: DaemonHost) -> None:
-    """Close the host's history readers (when it stops); nothing when no history was read."""
-    found = _HISTORIES.pop(host, None)
-    if found is not None:
-        found.close()

@@ -34,9 +34,9 @@ import socket
 import ssl
 import threading
 import time
-import weakref
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import aiohttp
 import orjson
@@ -46,6 +46,7 @@ from yarl import URL
 from kafold import kafka_clients, logs
 from kafold.config import DaemonConfig, KafkaConfig, StateRouting
 from kafold.daemon.aggregates import trust
+from kafold.daemon.aggregates.gate import PartitionGate
 from kafold.daemon.aggregates.trust import InstanceKey, Peer
 from kafold.partitioning import partition_for
 
@@ -53,11 +54,24 @@ if TYPE_CHECKING:
     from aiohttp import ClientSession
     from aiohttp.web import Request
 
-    from kafold.daemon.aggregates.runtime import AggregateRuntime
-    from kafold.daemon.host import DaemonHost
     from kafold.daemon.tasks import AggregateSlot
 
 log = logs.get(__name__)
+
+Call = Callable[..., Awaitable[Any]]
+"""Runs a blocking function off the event loop (the host's executor): `await call(fn, *args)`."""
+
+
+class ServesState(Protocol):
+    """What the router reads of an aggregate runtime (kafold.daemon.aggregates.AggregateRuntime): typed here by
+    these names so that routing does not import the runtime, which imports routing."""
+
+    kafka: KafkaConfig
+    group_id: str
+    topics: dict[str, str]
+    gates: dict[int, PartitionGate]
+
+    def get(self, aggregate_id: str) -> tuple[Any, int, str] | None: ...
 
 FORWARDED_HEADER = "Kafold-Forwarded-By"  # set on a read sent on to the owner: it is never sent on again
 NOT_OWNER_HEADER = "Kafold-Not-Owner"     # on a 503 from an instance a read was sent on to that no longer owns it
@@ -222,13 +236,12 @@ class StateRouter:
     else from the owner (forward) or with the owner's address (redirect), when the owner proved it is an instance
     of this deployment (trust.py)."""
 
-    def __init__(self, host: DaemonHost) -> None:
-        d = host.cfg.daemon
-        self.host = host
+    def __init__(self, d: DaemonConfig, key: InstanceKey | None, call: Call) -> None:
+        self.call = call
         self.url = advertised_url(d)
         self.peer = _peer_or_none(self.url)
         self.mode = d.state_routing
-        self.key: InstanceKey | None = host.instance_key
+        self.key = key
         self.max_bytes = d.forward_max_bytes
         # https peers: certificates verified against the system's trust store, or [daemon] peer_ca_file
         self.tls = ssl.create_default_context(cafile=d.peer_ca_file or None)
@@ -264,7 +277,7 @@ class StateRouter:
                                   "deployment: set [daemon] instance_secret_env (or _file) on every instance, or ask "
                                   "the owner (docs/security.md#trust-between-instances)")
         directory = self.directory(slot)
-        owner = await self.host.call(directory.owner, partition)
+        owner = await self.call(directory.owner, partition)
         tried: set[Peer] = set()
         query = [] if wait.min_version is None else [("min_version", str(wait.min_version)),
                                                      ("timeout_ms", str(wait.timeout_ms))]
@@ -298,7 +311,7 @@ class StateRouter:
             got = await self.forward(session, peer, peer.state_path(slot.name, aggregate_id, query), wait)
             if got is not None:
                 return got
-            owner = await self.host.call(directory.owner, partition, True)  # gone, or gave it up: ask again
+            owner = await self.call(directory.owner, partition, True)  # gone, or gave it up: ask again
 
     async def local(self, slot: AggregateSlot, aggregate_id: str, partition: int, wait: Wait) -> Answer:
         """From this runtime: its state once it reaches `wait.min_version` (if any), 404 when it has no events,
@@ -315,7 +328,7 @@ class StateRouter:
                                       "cannot apply (see /status); no state is served from it")
             if not gate.live:
                 return Answer.moving(f"partition {partition} of {slot.name} is catching up")
-            got = await self.host.call(runtime.get, aggregate_id)
+            got = await self.call(runtime.get, aggregate_id)
             if runtime.gates.get(partition) is not gate:  # revoked (or reassigned) while it was read: not an answer
                 return Answer.moving(f"partition {partition} of {slot.name} moved while it was read")
             if got is not None and (wait.min_version is None or got[1] >= wait.min_version):
@@ -393,23 +406,12 @@ def _peer_or_none(url: str | None) -> Peer | None:
         return None
 
 
-def _runtime(slot: AggregateSlot) -> AggregateRuntime:
+def _runtime(slot: AggregateSlot) -> ServesState:
     """The slot's runtime as built by `build_runtime` (daemon.tasks types it by the little the host needs)."""
-    return cast("AggregateRuntime", slot.runtime)
+    return cast(ServesState, slot.runtime)
 
 
 def _jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     return value
-
-
-_ROUTERS: weakref.WeakKeyDictionary[Any, StateRouter] = weakref.WeakKeyDictionary()
-
-
-def router(host: DaemonHost) -> StateRouter:
-    """The host's router (made on its first state read)."""
-    found = _ROUTERS.get(host)
-    if found is None:
-        found = _ROUTERS[host] = StateRouter(host)
-    return found

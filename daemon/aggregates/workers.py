@@ -68,7 +68,7 @@ def worker_instance_id(instance_id: str, worker: int) -> str:
 
 
 @dataclass
-class Report:
+class WorkerReport:
     """A worker's last status report."""
 
     gates: list[PartitionGate] = field(default_factory=list)
@@ -82,7 +82,7 @@ class Worker:
 
     def __init__(self, index: int, spec: WorkerSpec, on_report: Any) -> None:
         self.index, self.spec, self.on_report = index, spec, on_report
-        self.report = Report()
+        self.report = WorkerReport()
         self.counted: dict[str, int] = {}  # counts of the worker's earlier processes (a counter never goes back)
         self.restarts = 0
         self.pid: int | None = None
@@ -135,7 +135,7 @@ class Worker:
                 return
             self.restarts += 1
             self.counted = self.counts
-            self.report = Report()
+            self.report = WorkerReport()
             self.on_report(self)
             log.error("aggregate.worker_died", aggregate=self.spec.agg.name, worker=self.index, pid=self.pid,
                       action=f"started again in {RESTART_DELAY_S} s")
@@ -183,7 +183,7 @@ class Worker:
                 future.set_result(message["got"])
             return False
         self.report_seen = True
-        self.report = Report(message["gates"], message["counts"], message["figures"], message["ready"])
+        self.report = WorkerReport(message["gates"], message["counts"], message["figures"], message["ready"])
         if message.get("error") is not None:
             self.error = FatalError(f"aggregate worker {self.index} (pid {self.pid}) failed: {message['error']}")
         self.on_report(self)

@@ -114,7 +114,7 @@ def libs() -> Path:
     if (target / ".complete").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _flock(target.parent / ".lock"):  # parallel test sessions fetch once
+    with file_lock(target.parent / ".lock"):  # parallel test sessions fetch once
         if (target / ".complete").exists():
             return target
         mvn = shutil.which("mvn")
@@ -145,7 +145,7 @@ def libs() -> Path:
 
 
 @contextlib.contextmanager
-def _flock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     with open(path, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:

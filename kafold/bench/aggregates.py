@@ -61,9 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         kafka = short_group(services(stack, "aggregates", args.config, args.broker)[0])
-        figures = _throughput(kafka, args)
+        figures = aggregate_throughput(kafka, args)
         if not args.no_window_baseline:  # the same phase with the window off (ids forgotten at once)
-            off = _throughput(kafka, args, window_s=0.0)
+            off = aggregate_throughput(kafka, args, window_s=0.0)
             figures["commands_per_s_window_off"] = off["commands_per_s"]
             figures["window_on_over_off"] = round(figures["commands_per_s"] / off["commands_per_s"], 3)
         if not args.no_replay:
@@ -124,7 +124,7 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
         time.sleep(0.01)
 
 
-def _throughput(kafka: Any, args: argparse.Namespace, window_s: float = 86_400.0, protector: Any = None,
+def aggregate_throughput(kafka: Any, args: argparse.Namespace, window_s: float = 86_400.0, protector: Any = None,
                 name: str | None = None, prefix: str = "acc-") -> dict[str, Any]:
     """Commands queued first (opens, then deposits: each accepted, one event + one result), then the runtime is
     started and timed from its first decided command to its last committed transaction. `protector`

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kafka = short_group(kafka)
         pg = PostgresConfig(**{**pg.__dict__, "schema": "kafold_bench_effects"})
         db.upgrade(pg)
-        url, control = stack.enter_context(_receiver())
+        url, control = stack.enter_context(effect_receiver())
         figures = _throughput(kafka, pg, url, control, args)
         figures.update(_commit_lag(kafka, pg, url, args))
         if args.outage_s > 0:
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _receiver() -> Iterator[tuple[str, str]]:
+def effect_receiver() -> Iterator[tuple[str, str]]:
     """The receiver runs in its own process (its CPU is not the daemon's): POST /hook on one port; GET /stats and
     POST /down, /up (stop and restart listening on the hook port: connections refused meanwhile) on another."""
     proc = subprocess.Popen([sys.executable, "-c", "from kafold.bench.receiver import serve; serve()"],

@@ -18,7 +18,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 
 from kafold import db, devstack, logs, registry_server
 from kafold.bench import short_group
-from kafold.bench.projection import COLUMNS, _produce, _project, daemon_stack, produce_records
+from kafold.bench.projection import COLUMNS, daemon_stack, produce_events, produce_records, run_projection
 from kafold.envelope import Event
 
 log = logs.get(__name__)
@@ -134,9 +134,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         base = f"kafold.bench.evolution.{uuid.uuid4().hex[:8]}"
         accounts = max(1, args.events // 10)
         topics = {kind: f"{base}.{kind}" for kind in ("native", *kinds)}
-        sizes = {"native": _produce(kafka, topics["native"], args.events, args.partitions, accounts)}
+        sizes = {"native": produce_events(kafka, topics["native"], args.events, args.partitions, accounts)}
         if "upcast" in kinds:
-            sizes["upcast"] = _produce(kafka, topics["upcast"], args.events, args.partitions, accounts, old_deposit)
+            sizes["upcast"] = produce_events(kafka, topics["upcast"], args.events, args.partitions, accounts,
+                                             old_deposit)
         if "json" in kinds:
             sizes["json"] = produce_records(kafka, topics["json"], args.events, args.partitions, accounts,
                                             json_record)
@@ -155,7 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for kind in kinds:
                 for side in (("native", kind) if r % 2 == 0 else (kind, "native")):
                     table = f"bench_{uuid.uuid4().hex[:8]}"
-                    got = _project(daemons, f"{base}.{side}.{kind}.{r}", topics[side], table, args,
+                    got = run_projection(daemons, f"{base}.{side}.{kind}.{r}", topics[side], table, args,
                                    _extra(side, table), extra)
                     rates[side].append(got["events"] / got["seconds"])
                     log.warning("bench.evolution_round", round=r, kind=side, events_per_s=round(rates[side][-1]))

@@ -33,7 +33,7 @@ from confluent_kafka import TopicPartition
 from kafold import db, kafka_clients, logs, topics
 from kafold.bench import SHORT_GROUP_TIMEOUTS, short_group
 from kafold.bench.aggregates import BANK
-from kafold.bench.effects import _receiver
+from kafold.bench.effects import effect_receiver
 from kafold.bench.projection import COLUMNS, RULES, DaemonStack, Usage, daemon_process, daemon_stack
 from kafold.client import PARTITIONER, DaemonClient
 from kafold.config import TopicSpec
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         daemons = daemon_stack(stack, "latency", args.config, args.broker)
         kafka = short_group(daemons.kafka)
-        url, control = stack.enter_context(_receiver())
+        url, control = stack.enter_context(effect_receiver())
         run_id = uuid.uuid4().hex[:8]
         names = _Names(f"kafold.bench.latency.{run_id}", run_id)
         spec = [TopicSpec(t, args.partitions, 1, {}) for t in (names.feed, *names.agg_topics.values())]

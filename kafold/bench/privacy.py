@@ -18,8 +18,8 @@ from typing import Any
 
 from kafold import db, logs
 from kafold.bench import short_group
-from kafold.bench.aggregates import BANK, _throughput
-from kafold.bench.projection import _produce, _project, daemon_stack, produce_records
+from kafold.bench.aggregates import BANK, aggregate_throughput
+from kafold.bench.projection import daemon_stack, produce_events, produce_records, run_projection
 from kafold.envelope import Event, encode
 from kafold.protect import AGGREGATE_ID, PREFIX, Cipher, KeyRing, PgKeyStore, Protector, Rule
 
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # The subjects (account ids) are this run's own: the data keys are in the stack's subject_keys, wrapped by
         # this run's random master key, which an earlier run's keys of the same subjects do not unwrap under.
         prefix = f"acc-{run_id}-"
-        sizes = {"plain": _produce(kafka, plain_topic, args.events, args.partitions, accounts, prefix=prefix),
+        sizes = {"plain": produce_events(kafka, plain_topic, args.events, args.partitions, accounts, prefix=prefix),
                  "protected": produce_records(kafka, sealed_topic, args.events, args.partitions, accounts,
                                               sealed_record(protector), prefix)}
         env = {MASTER_VAR: base64.b64encode(master).decode()}
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for side in ((baseline[kind], kind) if r % 2 == 0 else (kind, baseline[kind])):
                     topic, extra, side_env = runs[side]
                     table = f"bench_{uuid.uuid4().hex[:8]}"
-                    got = _project(dataclasses.replace(daemons, env={**daemons.env, **side_env}),
+                    got = run_projection(dataclasses.replace(daemons, env={**daemons.env, **side_env}),
                                    f"{base}.{side}.{kind}.{r}", topic, table, args, None, extra)
                     rates[side].append(got["events"] / got["seconds"])
                     cpu[side].append(got["cpu_us_per_event"]["kafold"])
@@ -149,7 +149,7 @@ def _aggregates(kafka: Any, args: argparse.Namespace, master: bytes, store: PgKe
             run_id = uuid.uuid4().hex[:6]
             name = f"bench.privacy.{run_id}"
             protector = Protector(rules(name), KeyRing(Cipher(master), store)) if side == "protected" else None
-            got = _throughput(kafka, agg_args, protector=protector, name=name, prefix=f"acc-{run_id}-")
+            got = aggregate_throughput(kafka, agg_args, protector=protector, name=name, prefix=f"acc-{run_id}-")
             rates[side].append(got["commands_per_s"])
             log.warning("bench.privacy_aggregates_round", round=r, kind=side, commands_per_s=got["commands_per_s"])
     return {"aggregate_commands": commands,

@@ -91,11 +91,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         name = f"kafold.bench.projection.{uuid.uuid4().hex[:8]}"
         topic, table = f"{name}.events", f"bench_{uuid.uuid4().hex[:8]}"
         accounts = args.accounts or max(1, args.events // 10)
-        value_bytes = _produce(kafka, topic, args.events, args.partitions, accounts)
+        value_bytes = produce_events(kafka, topic, args.events, args.partitions, accounts)
         db.upgrade(daemons.postgres)  # kafold's tables, polled below while the daemon starts (it upgrades too)
-        first = _project(daemons, name, topic, table, args)
+        first = run_projection(daemons, name, topic, table, args)
         _forget_checkpoints(daemons.postgres, name)
-        replay = _project(daemons, name, topic, table, args)
+        replay = run_projection(daemons, name, topic, table, args)
         baseline = _baseline(kafka, daemons.postgres, topic, args.baseline_events)
     rate = first["events"] / first["seconds"]
     return {"events": args.events, "partitions": args.partitions, "accounts": accounts,
@@ -119,7 +119,7 @@ def deposited(account: str, version: int, amount: int) -> Event:
     return Event.new("MoneyDeposited", "account", account, version, {"amount": amount})
 
 
-def _produce(kafka: Any, topic: str, n: int, partitions: int, accounts: int,
+def produce_events(kafka: Any, topic: str, n: int, partitions: int, accounts: int,
              deposit: Callable[[str, int, int], Event] = deposited, prefix: str = "acc-") -> int:
     """n events of ~300 bytes: each account opened, then deposits (`deposit(account, version, amount)`); returns
     the mean value size."""
@@ -172,7 +172,7 @@ def _end_offsets(kafka: Any, topic: str, partitions: int) -> list[int]:
         reader.close()
 
 
-def _project(stack: DaemonStack, name: str, topic: str, table: str, args: argparse.Namespace,
+def run_projection(stack: DaemonStack, name: str, topic: str, table: str, args: argparse.Namespace,
              connector_extra: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run `kafold daemon` on a connector for `topic` until PostgreSQL's checkpoints cover every event, measuring
     the daemon as an operator would: its whole process tree (the daemon, and with task processes its children) for
@@ -184,7 +184,7 @@ def _project(stack: DaemonStack, name: str, topic: str, table: str, args: argpar
     from psycopg import sql
 
     conf = stack.workdir / f"{name}.{uuid.uuid4().hex[:4]}.toml"
-    conf.write_text(_daemon_toml(stack, name, topic, table, args, connector_extra, extra))
+    conf.write_text(daemon_toml(stack, name, topic, table, args, connector_extra, extra))
     log_path = conf.with_suffix(".log")
     with db.connect(stack.postgres) as conn:
         postmaster = _postmaster(conn)
@@ -198,7 +198,7 @@ def _project(stack: DaemonStack, name: str, topic: str, table: str, args: argpar
         changed = _rows_changed(conn, table_id, xid_before, rows_before)
     if proc.returncode != 0:
         raise RuntimeError(f"kafold daemon exited with code {proc.returncode} on SIGTERM; its log ({log_path}) "
-                           f"ends:\n{_tail(log_path)}")
+                           f"ends:\n{tail_of(log_path)}")
     return _figures(marks, args.events, changed)
 
 
@@ -210,7 +210,7 @@ def _watch(proc: Any, daemon: Any, postmaster: Any, covered_now: Callable[[], in
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"kafold daemon exited with code {proc.returncode} before the end; its "
-                               f"log ({log_path}) ends:\n{_tail(log_path)}")
+                               f"log ({log_path}) ends:\n{tail_of(log_path)}")
         covered = covered_now()
         now = time.perf_counter()
         if covered and "first" not in marks:
@@ -263,7 +263,7 @@ def _figures(marks: dict[str, Any], total: int, changed: int) -> dict[str, Any]:
             "rss_mb_peak": round(max(marks["peak"], marks["rss"])), "pss_mb": round(marks["pss"])}
 
 
-def _daemon_toml(stack: DaemonStack, name: str, topic: str, table: str, args: argparse.Namespace,
+def daemon_toml(stack: DaemonStack, name: str, topic: str, table: str, args: argparse.Namespace,
                  connector_extra: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> str:
     """The daemon's kafold.toml: [kafka] and [postgres] as given (no secrets: the loader takes references only),
     short group timeouts, and the one connector (with `connector_extra` keys, e.g. its upcasters). `extra` adds
@@ -303,7 +303,7 @@ def _mb(procs: list[Any], kind: str) -> float:
     return sum(_memory(p, kind) for p in procs) / 2**20
 
 
-def _tail(path: Path, lines: int = 20) -> str:
+def tail_of(path: Path, lines: int = 20) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from kafold import db, kafka_clients, logs
 from kafold.bench import short_group
-from kafold.bench.projection import COLUMNS, RULES, _daemon_toml, _produce, _tail, daemon_process, daemon_stack
+from kafold.bench.projection import COLUMNS, RULES, daemon_process, daemon_stack, daemon_toml, produce_events, tail_of
 from kafold.config import ConnectorConfig, KafoldConfig
 from kafold.connectors.projection import rebuild as rb
 from kafold.envelope import Event, encode
@@ -49,11 +49,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         name = f"kafold.bench.rebuild.{uuid.uuid4().hex[:8]}"
         topic, table = f"{name}.events", f"bench_{uuid.uuid4().hex[:8]}"
         accounts = args.accounts or max(1, args.events // 10)
-        _produce(kafka, topic, args.events, args.partitions, accounts)
+        produce_events(kafka, topic, args.events, args.partitions, accounts)
         db.upgrade(daemons.postgres)
         daemon_args = argparse.Namespace(batch=2500, tasks=2, task_processes=True)
         conf = daemons.workdir / "live.toml"
-        conf.write_text(_daemon_toml(daemons, name, topic, table, daemon_args))
+        conf.write_text(daemon_toml(daemons, name, topic, table, daemon_args))
         live = stack.enter_context(daemon_process(daemons, conf))
         _wait_covered(daemons.postgres, name, args.events, live, conf)
         stop = multiprocessing.get_context("spawn").Event()
@@ -146,7 +146,7 @@ def _wait_covered(pgc: Any, name: str, events: int, proc: Any, conf: Path, timeo
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"kafold daemon exited with code {proc.returncode}; its log ends:\n"
-                               f"{_tail(conf.with_suffix('.log'))}")
+                               f"{tail_of(conf.with_suffix('.log'))}")
         try:
             with db.connect(pgc) as conn:
                 covered = int(conn.execute(query, (name,)).fetchone()[0])  # type: ignore[index]

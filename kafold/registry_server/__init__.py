@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kafold import logs
-from kafold.apache_kafka import INSTALL_HINT, ToolMissingError, _flock, cache_dir, java
+from kafold.apache_kafka import INSTALL_HINT, ToolMissingError, cache_dir, file_lock, java
 from kafold.devstack import DevStackError
 
 log = logs.get(__name__)
@@ -51,7 +51,7 @@ def app() -> Path:
     if (target / ".complete").exists():
         return runner
     target.mkdir(parents=True, exist_ok=True)
-    with _flock(target / ".lock"):  # parallel test sessions build once
+    with file_lock(target / ".lock"):  # parallel test sessions build once
         if (target / ".complete").exists():
             return runner
         mvn = shutil.which("mvn")
@@ -157,9 +157,9 @@ class Registry:
 
 def free_port() -> int:
     # kafold.devstack imports psutil (kafold[daemon]): only a test registry asks for a port
-    from kafold.devstack import _free_port
+    from kafold import devstack
 
-    return _free_port()
+    return devstack.free_port()
 
 
 def start(home: Path, port: int | None = None) -> Registry:

@@ -134,13 +134,12 @@ def test_a_signed_read_is_accepted_for_that_read_only_and_only_for_a_while() -> 
 
 # ---- the router's decisions ---------------------------------------------------------------------------------
 def _router(key: InstanceKey | None, owner: routing.Owner | None, mode: str = "forward") -> routing.StateRouter:
-    """A router on a stub host whose group names `owner` for every partition (no Kafka)."""
+    """A router whose group names `owner` for every partition (no Kafka)."""
     async def call(fn: Any, *args: Any) -> Any:
         return fn(*args)
 
     daemon = DaemonConfig(http_port=8083, state_routing=routing.StateRouting(mode))
-    r = routing.StateRouter(cast(Any, SimpleNamespace(cfg=SimpleNamespace(daemon=daemon), instance_key=key,
-                                                      call=call)))
+    r = routing.StateRouter(daemon, key, call)
     r.directory = lambda slot: cast(Any, SimpleNamespace(owner=lambda partition, fresh=False: owner))  # type: ignore[method-assign]
     return r
 
@@ -199,7 +198,10 @@ def test_a_forward_goes_over_verified_https_with_the_instance_credential_and_a_b
 
     def router(ca: str | None) -> routing.StateRouter:
         daemon = DaemonConfig(peer_ca_file=ca, forward_max_bytes=2048)
-        return routing.StateRouter(cast(Any, SimpleNamespace(cfg=SimpleNamespace(daemon=daemon), instance_key=key)))
+        async def call(fn: Any, *args: Any) -> Any:
+            return fn(*args)
+
+        return routing.StateRouter(daemon, key, call)
 
     async def main() -> None:
         app = web.Application()

@@ -14,7 +14,7 @@ import pytest
 
 from kafold import protect
 from kafold.bench.privacy import AGGREGATE, MASTER_VAR, otlp_sink, protect_toml, rules
-from kafold.bench.projection import DaemonStack, _daemon_toml
+from kafold.bench.projection import DaemonStack, daemon_toml
 from kafold.config import KafoldConfig, load_file
 
 
@@ -23,7 +23,7 @@ def _load(tmp_path: Path, extra: dict[str, Any]) -> KafoldConfig:
                         None, None, tmp_path)
     args = argparse.Namespace(batch=100, task_processes=True, tasks=1)
     path = tmp_path / "kafold.toml"
-    path.write_text(_daemon_toml(stack, "bench", "bench.events", "bench_t", args, None, extra))
+    path.write_text(daemon_toml(stack, "bench", "bench.events", "bench_t", args, None, extra))
     return load_file(str(path)).config
 
 

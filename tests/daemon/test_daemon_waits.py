@@ -61,9 +61,7 @@ def test_huge_numbers_are_400_and_waits_past_the_cap_are_503_with_retry_after(
         waits = [threading.Thread(target=lambda: held.append(_wait(d.port, far, "2500")[0])) for _ in range(2)]
         for t in waits:
             t.start()
-        from kafold.daemon.visibility import watches
-
-        wait_for(lambda: watches(d.host).active == 2, "two waits in progress")
+        wait_for(lambda: d.host.watches.active == 2, "two waits in progress")
         status, body, headers = _wait(d.port, far, "2500")
         assert status == 503 and b"max_waits" in body, body[:200]
         assert headers.get("Retry-After") == "1"

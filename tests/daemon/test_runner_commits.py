@@ -11,7 +11,8 @@ from confluent_kafka import TopicPartition as KafkaTP
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig
 from kafold.connectors import registry
 from kafold.connectors.api import TopicPartition
-from kafold.daemon.runner import SinkRunner, _CommitInFlight
+from kafold.daemon.commits import InFlight
+from kafold.daemon.runner import SinkRunner
 from tests.daemon.test_runner import RECORDING
 
 A, B = TopicPartition("t", 0), TopicPartition("t", 1)
@@ -22,7 +23,7 @@ def runner_in_flight(offsets: dict[TopicPartition, int]) -> SinkRunner:
     connector = registry.instantiate(settings, Path("."))
     runner = SinkRunner(connector, connector.task_configs(1)[0], kafka=KafkaConfig(bootstrap_servers="127.0.0.1:1"),
                         daemon=DaemonConfig(group_prefix="kt"))
-    runner.in_flight = _CommitInFlight(dict(offsets), time.monotonic())
+    runner.commits.in_flight = InFlight(dict(offsets), time.monotonic())
     return runner
 
 
@@ -33,33 +34,34 @@ def answer(offsets: dict[TopicPartition, int]) -> list[KafkaTP]:
 def test_a_confirmed_commit_is_what_counts_as_committed() -> None:
     runner = runner_in_flight({A: 5, B: 7})
     runner._on_commit(None, answer({A: 5, B: 7}))
-    assert runner.committed == {A: 5, B: 7} and runner.in_flight is None and not runner.dirty
+    assert runner.commits.committed == {A: 5, B: 7} and runner.commits.in_flight is None and not runner.dirty
 
 
 def test_a_refused_commit_leaves_committed_and_is_offered_again() -> None:
     runner = runner_in_flight({A: 5})
-    runner.committed = {A: 2}
+    runner.commits.committed = {A: 2}
     runner._on_commit(KafkaError(KafkaError.REBALANCE_IN_PROGRESS), answer({A: 5}))
-    assert runner.committed == {A: 2} and runner.in_flight is None and runner.dirty
+    assert runner.commits.committed == {A: 2} and runner.commits.in_flight is None and runner.dirty
 
 
 def test_an_error_answered_without_partitions_ends_the_commit_in_flight() -> None:
     runner = runner_in_flight({A: 5})
     runner._on_commit(KafkaError(KafkaError._WAIT_COORD), None)  # type: ignore[arg-type]
-    assert runner.committed == {} and runner.in_flight is None and runner.dirty
+    assert runner.commits.committed == {} and runner.commits.in_flight is None and runner.dirty
 
 
 def test_the_late_answer_of_a_commit_given_up_is_ignored() -> None:
     runner = runner_in_flight({A: 9})  # sent after an earlier commit of offset 5 was given up
     runner._on_commit(None, answer({A: 5}))
-    assert runner.committed == {} and runner.in_flight is not None and runner.in_flight.offsets == {A: 9}
+    commits = runner.commits
+    assert commits.committed == {} and commits.in_flight is not None and commits.in_flight.offsets == {A: 9}
 
 
 def test_a_flush_while_a_commit_is_in_flight_is_put_off_not_dropped() -> None:
     runner = runner_in_flight({A: 5})
     runner.assigned, runner.positions, runner.dirty = {A}, {A: 8}, True
     runner.context.commit_requested = True
-    flush_at = runner.next_flush
+    flush_at = runner.commits.next_flush
     assert runner._commit({A}) == {}
     # nothing was offered to the task, and the request and the timer are left for the flush after the answer
-    assert runner.context.commit_requested and runner.dirty and runner.next_flush == flush_at
+    assert runner.context.commit_requested and runner.dirty and runner.commits.next_flush == flush_at

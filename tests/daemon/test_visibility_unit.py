@@ -11,13 +11,12 @@ from kafold.bench.waiters import run
 from kafold.daemon.visibility import Watch
 
 
-class _Host:
-    async def call(self, fn: Any, *args: Any) -> Any:
-        return fn(*args)
+async def _inline(fn: Any, *args: Any) -> Any:
+    return fn(*args)
 
 
 def _watch(committed: dict[tuple[str, int], int]) -> Watch:
-    return Watch("w", lambda: dict(committed), 0.001, lambda: None, _Host())  # type: ignore[arg-type]
+    return Watch("w", lambda: dict(committed), 0.001, lambda: None, _inline)
 
 
 def test_a_token_over_two_partitions_is_released_when_both_are_covered() -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kafold import logs
-from kafold.apache_kafka import INSTALL_HINT, ToolMissingError, _flock, cache_dir, java
+from kafold.apache_kafka import INSTALL_HINT, ToolMissingError, cache_dir, file_lock, java
 from tests.support import free_port
 
 log = logs.get(__name__)
@@ -40,7 +40,7 @@ def build() -> Path:
     if (dist / ".complete").exists():
         return dist
     target.mkdir(parents=True, exist_ok=True)
-    with _flock(target / ".lock"):  # parallel test sessions build once
+    with file_lock(target / ".lock"):  # parallel test sessions build once
         if (dist / ".complete").exists():
             return dist
         mvn = shutil.which("mvn")

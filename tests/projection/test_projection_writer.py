@@ -16,6 +16,7 @@ from kafold import db
 from kafold.config import ConnectorConfig, PostgresConfig
 from kafold.connectors.api import SinkRecord, sink_record
 from kafold.connectors.projection.mapping import Mapping
+from kafold.connectors.projection.table_rows import read_back
 from kafold.connectors.projection.writer import ProjectionWriter
 from kafold.connectors.registry import instantiate
 from kafold.envelope import Event
@@ -38,12 +39,12 @@ def _records(topic: str, partition: int, events: list[Event], start: int = 0) ->
 
 def _lose_session(pgc: PostgresConfig, writer: ProjectionWriter, recs: list[SinkRecord]) -> None:
     """The writer's session dies: its next write fails (RetriableError), and the rows it kept are dropped."""
-    assert writer.conn is not None and writer._cache
+    assert writer.conn is not None and writer.table_rows.cache
     with db.connect(pgc) as conn:
         conn.execute("SELECT pg_terminate_backend(%s)", (writer.conn.info.backend_pid,))
     with pytest.raises(RetriableError):
         writer.write(recs)
-    assert not writer._cache
+    assert not writer.table_rows.cache
 
 
 def test_duplicates_switch_the_writer_to_the_conflict_order_until_a_clean_batch(pg_config: PostgresConfig,
@@ -142,7 +143,7 @@ def test_a_writer_keeping_rows_between_batches_writes_what_one_reading_them_writ
                 assert done[2].duplicates == 3 and done[2].held == 2
             assert done[1::2] == done[::2]
             assert rows(tables[1]) == rows(tables[0])
-        assert keeping._cache, "the keeping writer kept no row"
+        assert keeping.table_rows.cache, "the keeping writer kept no row"
         final = {r["account_id"]: r for r in rows(tables[1])}
         assert "b0" not in final and "a5" not in final and final["c0"]["balance"] == 4
         assert final["a1"]["tag"] == "1" and final["a3"]["balance"] == 3 + 10  # later ones held behind v4
@@ -155,14 +156,12 @@ def test_a_writer_keeping_rows_between_batches_writes_what_one_reading_them_writ
 def test_only_values_postgresql_reads_back_as_the_same_python_value_are_kept() -> None:
     """What the row cache may keep, per column type: ints into text come back as str, a timestamp written as text
     comes back a datetime, a jsonb float may come back an int; a mapper's code is never handed a kept container."""
-    from kafold.connectors.projection.writer import _read_back
-
-    assert _read_back("text", True) == (str,) and _read_back("character varying(8)", True) == (str,)
-    assert _read_back("bigint", False) == (int,) and _read_back("boolean", True) == (bool,)
-    assert _read_back("timestamp with time zone", True) == () and _read_back("numeric(10,2)", True) == ()
-    assert _read_back("character(5)", True) == ()  # blank-padded on the way back
-    assert float not in _read_back("jsonb", True) and dict in _read_back("jsonb", True)
-    assert dict not in _read_back("jsonb", False) and list not in _read_back("json", False)
+    assert read_back("text", True) == (str,) and read_back("character varying(8)", True) == (str,)
+    assert read_back("bigint", False) == (int,) and read_back("boolean", True) == (bool,)
+    assert read_back("timestamp with time zone", True) == () and read_back("numeric(10,2)", True) == ()
+    assert read_back("character(5)", True) == ()  # blank-padded on the way back
+    assert float not in read_back("jsonb", True) and dict in read_back("jsonb", True)
+    assert dict not in read_back("jsonb", False) and list not in read_back("json", False)
 
 
 def test_a_writer_deduplicating_by_version_writes_what_a_tracking_one_writes(pg_config: PostgresConfig,

@@ -64,6 +64,6 @@ def test_a_fold_ahead_that_cannot_be_written_gives_way_to_batch_by_batch_writes(
     plan = rb.plan(KafoldConfig(kafka=kafka_config, postgres=pg_config, connectors=[cfg]), Path("."), unique)
     rebuild = rb.Rebuild(plan, batch=20, max_tail=5, workers=1)
     assert rebuild.run().phase == "swapped"
-    assert rebuild.folding is False and rebuild.rewinds == 1  # it did fold ahead, and gave way once
+    assert rebuild.writes.folding is False and rebuild.rewinds == 1  # it did fold ahead, and gave way once
     assert read_table(pg_config, table) == expected
     assert _dead(pg_config, unique) == dead

@@ -34,7 +34,7 @@ def _take(msgs: list[_Msg], targets: dict[TopicPartition, int], positions: dict[
                                                                set[TopicPartition], dict[TopicPartition, list[int]]]:
     rebuild = SimpleNamespace(assigned=assigned if assigned is not None else set(targets), positions=positions,
                               ahead={}, phase=phase, max_tail=max_tail,
-                              _record=lambda m, dead, topic, part, off: (part, off))
+                              record_of=lambda m, dead, topic, part, off: (part, off))
     records: list[Any] = []
     advance: dict[TopicPartition, int] = {}
     overrun = overrun if overrun is not None else set()
