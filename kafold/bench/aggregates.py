@@ -170,20 +170,24 @@ def _throughput(kafka: Any, args: argparse.Namespace, window_s: float = 86_400.0
 
 def _restart(kafka: Any, args: argparse.Namespace, name: str, window_s: float, history: int) -> dict[str, Any]:
     """The same aggregate started again on the same local store (as a daemon restarted on its host): seconds from
-    the runtime's start (its producer, the group's join, each partition's open check and tail) to every partition
-    LIVE (in the bench's process: its RSS is the throughput phase's, not measured again)."""
+    the runtime's start (its producer, the group's join, each partition's open check, events tail and results tail)
+    to every partition's commands resumed (in the bench's process: its RSS is the throughput phase's, not measured
+    again). `restart_results_read`: the results the gates read (a trusted store's: only those past its offset)."""
     _, rt = _setup(kafka, name, args.partitions, args.batch, window_s, cache=args.cache, state_dir=args.state_dir)
     began = time.monotonic()
     thread = _in_thread(rt)
     try:
-        _wait(lambda: rt.ready and len(rt.gates) == args.partitions, 600, "the restarted runtime to be live")
+        # a gate reports LIVE a moment before its results read ends; its commands resume (a position) after it
+        _wait(lambda: rt.ready and len(rt.gates) == args.partitions and set(rt.positions) >= set(rt.gates), 600,
+              "the restarted runtime to be live")
         live_s = time.monotonic() - began
         trusted = sum(1 for g in rt.gates.values() if g.start > 0)  # partitions whose store was trusted
+        results_read = rt.counts["recovery_results_read"]
     finally:
         rt.stop()
         thread.join(30)
     return {"restart_live_s": round(live_s, 2), "restart_history_events": history,
-            "restart_partitions_trusted": trusted}
+            "restart_partitions_trusted": trusted, "restart_results_read": results_read}
 
 
 def _cold_reads(rt: Any, ids: list[str], n: int) -> dict[str, Any]:
