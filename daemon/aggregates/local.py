@@ -118,6 +118,9 @@ class LocalStates:
         self.window_ms = window_ms
         self.envs: dict[int, lmdb.Environment] = {}
         self.filling: set[int] = set()  # partitions recovering: their offset is recorded only when the gate opens
+        # partitions sealed without a results offset: it stays where it was until they are opened and sealed again
+        # (a later batch's would skip results whose outcomes the seal did not hold)
+        self.results_held: set[int] = set()
         self.reads = self.writes = 0
 
     def path(self, partition: int) -> Path:
@@ -186,15 +189,19 @@ class LocalStates:
     def seal(self, partition: int, entries: Iterable[tuple[str, Entry]], offset: int, results: int | None) -> None:
         """The gate of `partition` opened at events offset `offset`: the partition's cached entries (what the restore
         and the tail replay built, with the outcomes the results read added; those evicted meanwhile were spilled),
-        the offset and `results`, where that results read ended (None: unknown, the recorded one is kept), in one
-        LMDB transaction."""
+        the offset and `results`, where that results read ended, in one LMDB transaction. `results` None: not every
+        outcome the read found is in `entries` (or none was read), so the recorded one is kept, and no batch moves
+        it until the partition is opened and sealed again."""
         self._write(partition, entries, None, offset, results=results)
         self.filling.discard(partition)
+        if results is None:
+            self.results_held.add(partition)
 
     def close(self, partition: int) -> None:
         """The partition was released (revoked, or re-opened): its files stay, for a later assignment here."""
         env = self.envs.pop(partition, None)
         self.filling.discard(partition)
+        self.results_held.discard(partition)
         if env is not None:
             env.close()
 
@@ -292,7 +299,7 @@ class LocalStates:
             if n in self.envs:
                 self._write(n, [(aid, e) for aid, e, _ in touched],
                             [(aid, cid, e.recent[cid]) for aid, e, cids in touched for cid in cids if cid in e.recent],
-                            ends.get(n), cutoff, results.get(n))
+                            ends.get(n), cutoff, None if n in self.results_held else results.get(n))
 
     def spill(self, evicted: Iterable[tuple[str, Entry]]) -> None:
         """Entries evicted from the cache while their partition recovers (changed by the replay, not yet written):

@@ -200,8 +200,9 @@ def note_results(consumer: Any, topic: str, domain: AggregateDomain, store: Stat
                  only: set[str] | None = None, now_ms: int | None = None, probe: Any = None,
                  since: int | None = None) -> tuple[int, int]:
     """Add to the idempotency window the outcomes on results partition `partition` within the window that events
-    cannot give: rejections, and acceptances that wrote no event. (Results read, the offset the reading ended at:
-    -1 when nothing was read.) `since`: a trusted local store's results offset (local.py): the outcomes of results
+    cannot give: rejections, and acceptances that wrote no event. (Results read, the offset below which every
+    result the window needs was read: where the reading ended, or `consumer`'s end offset when no result lies within
+    the window.) `since`: a trusted local store's results offset (local.py): the outcomes of results
     below it are in the store, so the reading starts there when that is later than the window's start.
 
     Offset note: reading starts at the first result whose record time is within the window of the latest command
@@ -214,8 +215,8 @@ def note_results(consumer: Any, topic: str, domain: AggregateDomain, store: Stat
     window = store.window
     high = max(window.high, now_ms if now_ms is not None else int(time.time() * 1000))
     start = offset_at(probe or consumer, topic, partition, high - window.window_ms)
-    if start < 0:  # no result at or after the window's start
-        return 0, -1
+    if start < 0:  # no result at or after the window's start: every result below the committed end is older
+        return 0, bounds(consumer, topic, partition)[1]
     if since is not None:
         start = max(start, since)
     until = bounds(probe, topic, partition)[1] if probe is not None else 0

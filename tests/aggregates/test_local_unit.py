@@ -64,3 +64,20 @@ def test_the_results_offset_is_written_with_its_outcomes_and_trusted_only_within
     assert local.open(0, 0, 0, 11) is None  # ahead of the committed results: rebuilt
     assert local.outcome(0, "a", "no") is None
     local.close_all()
+
+
+def test_a_seal_without_a_results_offset_holds_it_until_the_next_seal(tmp_path: Path) -> None:
+    """A gate that could not write every outcome its results read found (ids dropped from memory early) seals with
+    no results offset: later batches do not move it past the results whose outcomes are not on disk."""
+    local = _states(tmp_path)
+    local.open(0, 0, 0, 0)
+    entry = Entry(local.domain.initial(), 0, 0)
+    local.seal(0, [("a", entry)], 0, 5)
+    local.open(0, 0, 0, 9)
+    local.seal(0, [("a", entry)], 0, None)  # outcomes of results 5..8 not all held
+    local.committed({0: [("a", entry, [])]}, {}, cutoff=0, results={0: 12})
+    assert local.open(0, 0, 0, 12) == Trusted(0, 5)  # read from 5 again on the next restart
+    local.seal(0, [("a", entry)], 0, 12)
+    local.committed({0: [("a", entry, [])]}, {}, cutoff=0, results={0: 14})
+    assert local.open(0, 0, 0, 14) == Trusted(0, 14)
+    local.close_all()
