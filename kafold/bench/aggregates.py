@@ -24,6 +24,7 @@ from kafold.config import AggregateConfig, DaemonConfig, TopicSpec
 from kafold.daemon.aggregates import AggregateRuntime
 from kafold.daemon.aggregates.store import Entry
 from kafold.daemon.aggregates.window import Window, accepted, event_ids
+from kafold.daemon.aggregates.workers import AggregateWorkers
 from kafold.domain import AggregateDomain
 from kafold.envelope import Event, encode
 
@@ -39,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=int, default=1,
                    help="runtimes deciding the commands, each in its own process and in one consumer group, as "
                         "that many daemons on this machine would (default 1: in the bench's process)")
+    p.add_argument("--processes", type=int, default=0,
+                   help="decide in this many worker processes of one daemon (its `aggregate_processes`, "
+                        "daemon/aggregates/workers.py) rather than in the bench's process (default 0: in process)")
     p.add_argument("--events", type=int, default=500_000, help="events in the replay phase's backlog (default 500k)")
     p.add_argument("--cache", type=int, default=None,
                    help="cache_max_aggregates of the throughput phase (default: the configuration's default)")
@@ -146,6 +150,8 @@ def aggregate_throughput(kafka: Any, args: argparse.Namespace, window_s: float =
             client.send_many(cmds[i:i + 20000], wait=False)
     if args.instances > 1:
         return _throughput_instances(kafka, args, agg.name, window_s, len(cmds))
+    if getattr(args, "processes", 0) > 0:
+        return _throughput_processes(kafka, args, agg, len(cmds))
     thread = _in_thread(rt)  # the commands wait in the topic: the runtime's own speed is measured
     try:
         _wait(lambda: rt.counts["commands"] >= len(cmds), 600, "every command to be processed")
@@ -170,20 +176,24 @@ def aggregate_throughput(kafka: Any, args: argparse.Namespace, window_s: float =
 
 def _restart(kafka: Any, args: argparse.Namespace, name: str, window_s: float, history: int) -> dict[str, Any]:
     """The same aggregate started again on the same local store (as a daemon restarted on its host): seconds from
-    the runtime's start (its producer, the group's join, each partition's open check and tail) to every partition
-    LIVE (in the bench's process: its RSS is the throughput phase's, not measured again)."""
+    the runtime's start (its producer, the group's join, each partition's open check, events tail and results tail)
+    to every partition's commands resumed (in the bench's process: its RSS is the throughput phase's, not measured
+    again). `restart_results_read`: the results the gates read (a trusted store's: only those past its offset)."""
     _, rt = _setup(kafka, name, args.partitions, args.batch, window_s, cache=args.cache, state_dir=args.state_dir)
     began = time.monotonic()
     thread = _in_thread(rt)
     try:
-        _wait(lambda: rt.ready and len(rt.gates) == args.partitions, 600, "the restarted runtime to be live")
+        # a gate reports LIVE a moment before its results read ends; its commands resume (a position) after it
+        _wait(lambda: rt.ready and len(rt.gates) == args.partitions and set(rt.positions) >= set(rt.gates), 600,
+              "the restarted runtime to be live")
         live_s = time.monotonic() - began
         trusted = sum(1 for g in rt.gates.values() if g.start > 0)  # partitions whose store was trusted
+        results_read = rt.counts["recovery_results_read"]
     finally:
         rt.stop()
         thread.join(30)
     return {"restart_live_s": round(live_s, 2), "restart_history_events": history,
-            "restart_partitions_trusted": trusted}
+            "restart_partitions_trusted": trusted, "restart_results_read": results_read}
 
 
 def _cold_reads(rt: Any, ids: list[str], n: int) -> dict[str, Any]:
@@ -199,6 +209,39 @@ def _cold_reads(rt: Any, ids: list[str], n: int) -> dict[str, Any]:
     took.sort()
     return {"cold_reads": len(took), "cold_read_p50_ms": round(took[len(took) // 2] * 1000, 2),
             "cold_read_p99_ms": round(took[min(len(took) - 1, int(len(took) * 0.99))] * 1000, 2)}
+
+
+def _throughput_processes(kafka: Any, args: argparse.Namespace, agg: Any, commands: int) -> dict[str, Any]:
+    """The commands phase decided by one daemon's `--processes` worker processes (AggregateWorkers, as the daemon
+    runs `aggregate_processes`): timed from the first command any worker decided (its gates' reports; one monotonic
+    clock for the machine) to the report that completes the count (sent after every batch). Partitions the workers
+    hand over while they join count against it, as with --instances."""
+    daemon = DaemonConfig(group_prefix="kafold-bench", batch_max_records=args.batch, batch_max_wait_ms=50,
+                          state_dir=getattr(args, "state_dir", ""), aggregate_processes=args.processes,
+                          python_path=[str(BANK)])
+    workers = AggregateWorkers(kafka, daemon, agg, BANK, instance_id="bench")
+    thread = threading.Thread(target=workers.run, daemon=True, name="bench-aggregate-workers")
+    thread.start()
+    first: float | None = None
+    try:
+        def done() -> bool:
+            nonlocal first
+            if workers.error is not None or not thread.is_alive():
+                raise RuntimeError(f"bench: the worker processes failed: {workers.error}")
+            decided = [g.first_decided_at for g in list(workers.gates.values()) if g.first_decided_at]
+            first = min([*decided, first] if first else decided, default=None)
+            return workers.counts.get("commands", 0) >= commands
+
+        _wait(done, 600, "every command to be processed by the worker processes")
+        finished = time.monotonic()
+        counts = workers.counts
+    finally:
+        workers.stop()
+        thread.join(60)
+    assert first is not None
+    return {"commands": counts["commands"], "commands_per_s": round(counts["commands"] / (finished - first)),
+            "processes": args.processes, "commands_phase_s": round(finished - first, 2),
+            "workers_restarted": counts.get("workers_restarted", 0)}
 
 
 def _instance(kafka: Any, name: str, partitions: int, batch: int, window_s: float, instance: str, go: Any,
