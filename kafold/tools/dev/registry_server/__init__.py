@@ -2,12 +2,14 @@
 
 Apicurio publishes its server only as a Quarkus application jar (no `-runner` jar on Maven Central), which cannot
 run from a plain classpath: the shipped pom re-augments it with the Quarkus Maven plugin into a runner jar and its
-`lib/`, once per pom digest, in the same cache as the Apache Kafka dev broker. Its storage is in
-memory (H2): a restarted registry has forgotten every schema, see `Registry.restart`.
+`lib/`, once per pom digest, in the same cache as the Apache Kafka dev broker. Its storage (H2) is in memory by
+default: a restarted registry has forgotten every schema, see `Registry.restart`. `Storage.FILE` keeps it in the
+registry's home instead, so a restart keeps the schemas and their ids, as a production registry's does.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import os
@@ -89,11 +91,18 @@ def app() -> Path:
     return runner
 
 
-class Registry:
-    """One Apicurio Registry process on loopback `port`, in-memory storage, its log in `home`."""
+class Storage(enum.StrEnum):
+    """Where a registry keeps its schemas: gone with the process, or in an H2 file in its home."""
 
-    def __init__(self, home: Path, port: int) -> None:
-        self.home, self.port = home, port
+    MEMORY = "memory"
+    FILE = "file"
+
+
+class Registry:
+    """One Apicurio Registry process on loopback `port`, its schemas kept as `storage` says, its log in `home`."""
+
+    def __init__(self, home: Path, port: int, storage: Storage = Storage.MEMORY) -> None:
+        self.home, self.port, self.storage = home, port, storage
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -111,9 +120,13 @@ class Registry:
         self.home.mkdir(parents=True, exist_ok=True)
         cmd = [java(), *JVM_OPTS, f"-Dquarkus.http.port={self.port}", "-Dquarkus.http.host=127.0.0.1",
                "-Dquarkus.log.level=INFO", "-jar", str(runner)]
+        env = dict(os.environ)
+        if self.storage is Storage.FILE:
+            # Apicurio's own setting for its datasource (its default is `jdbc:h2:mem:registry_db`)
+            env["REGISTRY_DATASOURCE_URL"] = f"jdbc:h2:file:{self.home / 'storage' / 'registry'}"
         with open(self.log_file, "ab") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=self.home, start_new_session=True)
+                                         cwd=self.home, start_new_session=True, env=env)
         self.wait_ready(timeout_s)
         log.info("registry_server.started", url=self.url, pid=self.proc.pid)
         return self
@@ -149,8 +162,9 @@ class Registry:
         log.info("registry_server.stopped", port=self.port)
 
     def restart(self) -> Registry:
-        """Start again on the same port. In-memory storage: every schema is gone and ids start over, so a caller
-        that needs the old ids re-registers the same schemas in the same order."""
+        """Start again on the same port. With `Storage.MEMORY` every schema is gone and ids start over, and the
+        registry answers "not found" for the old ids until they are registered again: a client reading meanwhile
+        is told the id does not exist. `Storage.FILE` keeps them."""
         self.stop()
         return self.start()
 
