@@ -24,11 +24,11 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
-from kafold import protect
 from kafold.envelope import Event, encode
 
 if TYPE_CHECKING:
     from kafold.config import ConnectorConfig, KafkaConfig, PostgresConfig
+    from kafold.protect import Protector
 
 C = TypeVar("C")
 Offsets = Mapping["TopicPartition", int]
@@ -99,16 +99,16 @@ class RawRecord:
     timestamp_ms: int | None = None
 
     @classmethod
-    def of(cls, record: Any) -> RawRecord:
+    def of(cls, record: Any, protector: Protector | None = None) -> RawRecord:
         """A RawRecord from a confluent-kafka Message, a SinkRecord or a RawRecord. A SinkRecord gives the record
         it was decoded from (its `source`: protected fields sealed as they came); one made without a source is
-        re-encoded, its protected fields sealed again (kafold.protect): never a clear protected value."""
+        re-encoded, its protected fields sealed again by `protector` (kafold.protect; the task's, TaskConfig's):
+        never a clear protected value."""
         if isinstance(record, RawRecord):
             return record
         if isinstance(record, SinkRecord):
             if record.source is not None:
                 return cls.of(record.source)
-            protector = protect.active()
             key, value, headers = encode(record.event if protector is None else protector.resealed(record.event))
             return cls(record.topic, record.partition, record.offset, key, value, tuple(headers),
                        record.timestamp_ms)
@@ -133,18 +133,22 @@ class TaskConfig(Generic[C]):
     """What one task runs with: its id, the connector's validated settings (its `config_class`), its dead-letter
     topic and the services the host resolved: `kafka` always (the runner fills it in), `postgres` for a connector
     with `uses_postgres` run by the daemon (a task driven outside it may read `[postgres]` from the environment,
-    `kafold.db.from_environment`). Connector.task_configs makes them; the host adds the services."""
+    `kafold.db.from_environment`), and `protector`, the host's (kafold.protect) when its configuration has protected
+    fields: what opens them as the records come in and seals them again in what the task keeps (None: nothing is
+    protected). Connector.task_configs makes them; the host adds the services."""
 
     task_id: int
     config: C
     dlq_topic: str | None = None
     kafka: KafkaConfig | None = None
     postgres: PostgresConfig | None = None
+    protector: Protector | None = None
 
-    def with_services(self, kafka: KafkaConfig | None = None,
-                      postgres: PostgresConfig | None = None) -> TaskConfig[C]:
+    def with_services(self, kafka: KafkaConfig | None = None, postgres: PostgresConfig | None = None,
+                      protector: Protector | None = None) -> TaskConfig[C]:
         """This config with the host's services (None keeps what it has)."""
-        return replace(self, kafka=kafka or self.kafka, postgres=postgres or self.postgres)
+        return replace(self, kafka=kafka or self.kafka, postgres=postgres or self.postgres,
+                       protector=protector or self.protector)
 
 
 @dataclass(frozen=True, slots=True)

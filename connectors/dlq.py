@@ -11,13 +11,16 @@ import base64
 import time
 from collections.abc import Sequence
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kafold import kafka_clients, logs
 from kafold.config import KafkaConfig
 from kafold.connectors.api import ErrantRecordReporter, RawRecord
 from kafold.envelope import Headers
 from kafold.errors import RecordError, RetriableError
+
+if TYPE_CHECKING:
+    from kafold.protect import Protector
 
 H_TOPIC = "kafold-dlq-topic"
 H_PARTITION = "kafold-dlq-partition"
@@ -132,9 +135,11 @@ def fitted(value: bytes | None, headers: Headers) -> tuple[bytes | None, Headers
 class DeadLetterWriter(ErrantRecordReporter):
     """Writes dead letters of one connector to its DLQ topic with an idempotent producer."""
 
-    def __init__(self, kafka: KafkaConfig, topic: str, connector: str, **extra: Any) -> None:
+    def __init__(self, kafka: KafkaConfig, topic: str, connector: str, *, protector: Protector | None = None,
+                 **extra: Any) -> None:
         self.topic = topic
         self.connector = connector
+        self.protector = protector  # the task's (TaskConfig.protector): a record made without a source sealed again
         self._producer = kafka_clients.producer(
             kafka, **{"enable.idempotence": True, "acks": "all", "linger.ms": 5, **extra})
         self._pending = 0
@@ -142,7 +147,7 @@ class DeadLetterWriter(ErrantRecordReporter):
         self.written = 0
 
     def report(self, record: Any, error: BaseException) -> None:
-        raw = RawRecord.of(record)
+        raw = RawRecord.of(record, self.protector)
         headers = dlq_headers(raw, error, self.connector, int(time.time() * 1000))
         log.warning("dlq.record_dead_lettered", connector=self.connector, topic=raw.topic,
                     partition=raw.partition, offset=raw.offset, error=type(error).__name__,

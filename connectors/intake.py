@@ -10,9 +10,8 @@ or reason `upcast-failed` (an upcaster step raised; the message names type, vers
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kafold import protect
 from kafold.connectors.api import SinkRecord, sink_record
 from kafold.connectors.convert.api import Converter
 from kafold.envelope import Event, decode, reshaped
@@ -20,19 +19,21 @@ from kafold.errors import FatalError, RecordError, UnknownTypeError
 from kafold.kafka_message import Message
 from kafold.upcast import NONE, Upcaster, UpcastError
 
+if TYPE_CHECKING:
+    from kafold.protect import Protector
+
 
 class Intake:
     """Decides what one connector does with each record (see the module docstring)."""
 
     def __init__(self, name: str, handles: Callable[[str], bool], on_unknown: str,
                  upcaster: Upcaster = NONE, decrypt: Callable[[Event, Any], Event] | None = None,
-                 converter: Converter | None = None) -> None:
+                 converter: Converter | None = None, protector: Protector | None = None) -> None:
         self.name, self.handles, self.on_unknown = name, handles, on_unknown
         # A record kafold did not write (kafold.connectors.convert); None: kafold's envelope, the fast decode.
         self.converter = converter
-        # Protected fields opened before upcasters (kafold.protect; RecordError `decrypt-failed`); by default the
-        # process's Protector, built at start-up from the configuration.
-        protector = protect.active()
+        # Protected fields opened before upcasters (kafold.protect; RecordError `decrypt-failed`) by `decrypt`, by
+        # default `protector`'s: the host's, handed down with the task's config (TaskConfig.protector).
         self.decrypt = decrypt if decrypt is not None else protector.event if protector is not None else None
         self.protector = protector if decrypt is None and converter is None else None
         self.steps = upcaster.steps if not upcaster.empty else None

@@ -159,7 +159,7 @@ class DaemonHost:
                     raise FatalError(f"connector {settings.name!r}: the daemon runs sink connectors only")
                 slots = task_slots(connector, self.cfg.kafka, task_pg, task_daemon, self.base,
                                    python_path(self.cfg, self.base).paths, self.metrics.observe, self._on_exit,
-                                   self.cfg.registry, self.cfg.tracing, protect.setup(self.cfg))
+                                   self.cfg.registry, self.cfg.tracing, self.protector)
                 groups.append(ConnectorGroup(connector, slots))
         return groups
 
@@ -168,7 +168,7 @@ class DaemonHost:
             return {}
         factory = aggregate_factory()
         with python_path(self.cfg, self.base):
-            return {a.name: AggregateSlot(a, factory(self.cfg, a, self.base), self._on_exit)
+            return {a.name: AggregateSlot(a, factory(self.cfg, a, self.base, self.protector), self._on_exit)
                     for a in self.cfg.aggregates}
 
     def _build_app(self, datadir: str) -> _App:
@@ -235,7 +235,7 @@ class DaemonHost:
         """The rows of `subjects` (whose keys the re-apply deleted) folded again in each projection of protected
         fields, beside the live tasks (each refresh locks the live table for its swap); failures are logged with
         the command to run by hand and the daemon keeps serving (connectors.projection.restored)."""
-        restored.refresh_restored(self.cfg, self.base, subjects, stop=self.stop_event,
+        restored.refresh_restored(self.cfg, self.base, subjects, self.protector, stop=self.stop_event,
                                   config_file=str(self.config_path or "FILE"))
 
     def purge_keys(self) -> None:
@@ -412,8 +412,10 @@ class DaemonHost:
         return self.exit_code
 
 
-def aggregate_factory() -> Callable[[KafoldConfig, AggregateConfig, Path], AggregateRuntimeView]:
-    """`kafold.daemon.aggregates.build_runtime(cfg, aggregate, base)`, imported only when aggregates are hosted."""
+def aggregate_factory() -> Callable[[KafoldConfig, AggregateConfig, Path, protect.Protector | None],
+                                     AggregateRuntimeView]:
+    """`kafold.daemon.aggregates.build_runtime(cfg, aggregate, base, protector)`, imported only when aggregates are
+    hosted."""
     from kafold.daemon.aggregates import build_runtime  # lazy: a daemon without aggregates never loads them
 
     return build_runtime

@@ -175,7 +175,7 @@ class SinkRunner(LoopHandler):
         self.stop_event = stop or threading.Event()
         self.group_id = f"{daemon.group_prefix}.{connector.name}"
         self.reporter: ErrantRecordReporter = reporter or DeadLetterWriter(
-            kafka, connector.settings.dlq_topic, connector.name)
+            kafka, connector.settings.dlq_topic, connector.name, protector=task_config.protector)
         self._owns_reporter = reporter is None
         self.consumer_extra = dict(consumer_extra or {})
         self.task: SinkTask = connector.task_class()  # type: ignore[assignment]
@@ -339,7 +339,7 @@ class SinkRunner(LoopHandler):
         """One batch: decode, dead-letter, put, commit."""
         started = time.monotonic()
         intake = Intake(self.connector.name, self.task.handles, self.connector.settings.on_unknown_type,
-                        self.upcaster, converter=self.converter)
+                        self.upcaster, converter=self.converter, protector=self.task_config.protector)
         try:
             got = batch_decode.decode(msgs, intake, self.task, self.reporter, self._consumer_error, self._retrying,
                                       self.assigned, self.log)

@@ -262,11 +262,12 @@ def child_main(conn: Connection, spec: TaskSpec) -> None:
     logs.configure(*spec.log)
     sys.path[:0] = [p for p in spec.python_path if p not in sys.path]
     connector = instantiate(spec.settings, spec.base)
-    task_config = connector.task_configs(spec.tasks_max)[spec.task_index].with_services(spec.kafka, spec.postgres)
     if spec.tracing is not None:
         tracing.configure(spec.tracing)
-    if spec.protect is not None:
-        protect.build_setup(spec.protect)  # before the runner: its intake takes the process's Protector
+    # the child's own Protector (its own key ring), built from the Setup it was sent, handed to its task's config
+    protector = protect.build_setup(spec.protect) if spec.protect is not None else None
+    task_config = connector.task_configs(spec.tasks_max)[spec.task_index].with_services(spec.kafka, spec.postgres,
+                                                                                         protector)
     runner = SinkRunner(connector, task_config, kafka=spec.kafka, daemon=spec.daemon, registry=spec.registry)
     batches: list[BatchStats] = []
     send_lock = threading.Lock()

@@ -24,7 +24,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol
 
-from kafold import logs
+from kafold import logs, protect
 from kafold.config import (
     AggregateConfig,
     DaemonConfig,
@@ -36,7 +36,7 @@ from kafold.config import (
 from kafold.connectors.api import Connector, TaskConfig
 from kafold.daemon.runner import BatchStats, RunnerView, SinkRunner
 from kafold.daemon.task_process import RemoteRunner, TaskSpec, in_processes
-from kafold.protect import Setup
+from kafold.protect import Protector
 
 log = logs.get(__name__)
 
@@ -219,16 +219,17 @@ def task_slots(connector: Connector[Any], kafka: KafkaConfig, postgres: Postgres
                base: Path, python_paths: list[str],
                on_batch: Callable[[RunnerView, BatchStats], None] | None = None,
                on_exit: Callable[[TaskSlot], None] | None = None, registry: RegistryConfig | None = None,
-               tracing: TracingConfig | None = None, protected: Setup | None = None) -> list[TaskSlot]:
+               tracing: TracingConfig | None = None, protector: Protector | None = None) -> list[TaskSlot]:
     """The slots of a connector's tasks (at most `tasks_max`): threads, or child processes (`in_processes`). Each
-    task gets the configured services with its task config (Connect's worker config)."""
+    task gets the configured services with its task config (Connect's worker config): the host's `protector`
+    (kafold.protect), or in a child process one of its own, built from the protector's Setup it is sent."""
     n = connector.settings.tasks_max
-    configs = [tc.with_services(kafka, postgres) for tc in connector.task_configs(n)[:n]]
+    configs = [tc.with_services(kafka, postgres, protector) for tc in connector.task_configs(n)[:n]]
     if not in_processes(connector.settings, daemon):
         return [TaskSlot(connector, tc, kafka, daemon, on_batch, on_exit, registry) for tc in configs]
     return [ProcessTaskSlot(connector, tc, kafka, daemon, TaskSpec(
         connector.settings, base, tuple(python_paths), i, n, kafka, postgres, daemon, logs.current(), registry,
-        tracing, protected), on_batch, on_exit) for i, tc in enumerate(configs)]
+        tracing, protect.sent(protector)), on_batch, on_exit) for i, tc in enumerate(configs)]
 
 
 class Control:

@@ -823,8 +823,12 @@ class Protector:
     """Seals the protected fields of payloads on write and opens them on read, for rules keyed by
     (aggregate type, event type)."""
 
-    def __init__(self, rules: Mapping[tuple[str, str], Rule], ring: KeyRing, placeholder: Any = None) -> None:
+    def __init__(self, rules: Mapping[tuple[str, str], Rule], ring: KeyRing, placeholder: Any = None,
+                 setup: Setup | None = None) -> None:
         self.rules, self.ring, self.placeholder = dict(rules), ring, placeholder
+        # What it was built from (`build_setup`), for the processes it hands work to (a task or aggregate worker
+        # process, a copy worker, a Spark task), which build their own from it; None for one built by hand.
+        self.setup = setup
         # Some rule's subject is the aggregate id, which is a kafold record's key: a batch's keys can be looked up
         # before its records are decoded (`prefetch`).
         self.keyed_by_record = any(rule.subject == AGGREGATE_ID for rule in self.rules.values())
@@ -1061,9 +1065,6 @@ def rules(cfg: KafoldConfig) -> dict[tuple[str, str], Rule]:
             for a in cfg.aggregates for p in a.protect}
 
 
-_ACTIVE: dict[str, Protector] = {}
-
-
 @dataclass(frozen=True)
 class Setup:
     """What a process needs to build its Protector; picklable, so a task process gets it from the daemon (the
@@ -1082,22 +1083,31 @@ def setup(cfg: KafoldConfig) -> Setup | None:
 
 
 def build(cfg: KafoldConfig, store: KeyStore | None = None) -> Protector | None:
-    """The Protector of a configuration (None when it protects nothing); a missing master key is a ConfigError
-    naming the variable or file. One per process and configuration (kept for `active`)."""
+    """A new Protector of a configuration (None when it protects nothing); a missing master key is a ConfigError
+    naming the variable or file. Its builder owns it (the daemon host, a command) and hands it to the readers that
+    open or seal protected fields: nothing in this module keeps it, so two configurations in one process (two
+    daemons, a daemon and a command) each use their own."""
     found = setup(cfg)
-    if found is None:
-        _ACTIVE.pop("default", None)  # a configuration without protection: no Protector of an earlier one stays
-        return None
-    return build_setup(found, store)
+    return None if found is None else build_setup(found, store)
 
 
 def build_setup(found: Setup, store: KeyStore | None = None) -> Protector:
-    """`build` from a Setup (a task process's)."""
+    """`build` from a Setup (what a task, aggregate worker or copy worker process is sent: it builds its own)."""
     ring = KeyRing(cipher(found.privacy), store or open_store(found), cache_max=found.privacy.key_cache_max,
                    erasure_log=erasure_log(found))
-    protector = Protector(found.rules, ring, found.privacy.placeholder)
-    _ACTIVE["default"] = protector
-    return protector
+    return Protector(found.rules, ring, found.privacy.placeholder, found)
+
+
+def sent(protector: Protector | None) -> Setup | None:
+    """What another process builds its own Protector from (a task, aggregate worker or copy worker process, a
+    Spark task): `protector`'s Setup, None when nothing is protected; FatalError for one built by hand (no Setup),
+    which no other process could rebuild."""
+    if protector is None:
+        return None
+    if protector.setup is None:
+        raise FatalError("a Protector built by hand (no kafold.protect.Setup) cannot be handed to another process: "
+                         "build it with kafold.protect.build")
+    return protector.setup
 
 
 def cipher(privacy: PrivacyConfig) -> Cipher:
@@ -1122,14 +1132,3 @@ def open_store(found: Setup) -> KeyStore:
     if not (isinstance(cls, type) and issubclass(cls, KeyStore)):
         raise ConfigError([f"privacy.key_store: {found.privacy.key_store!r} is not a kafold.protect.KeyStore"])
     return cls.open(found)
-
-
-def active() -> Protector | None:
-    """The Protector this process built last (the daemon's), for readers built without the configuration."""
-    return _ACTIVE.get("default")
-
-
-def deactivate() -> None:
-    """Forget the Protector this process built last: readers built afterwards open nothing until one is built
-    again (a process that hosted a protected configuration and goes on without it, such as a test session)."""
-    _ACTIVE.pop("default", None)

@@ -27,7 +27,7 @@ from typing import Any
 from kafold import kafka_clients, logs
 from kafold.config import AggregateConfig, KafkaConfig
 from kafold.errors import ConfigError, FatalError
-from kafold.protect import AGGREGATE_ID, Setup
+from kafold.protect import AGGREGATE_ID, Protector, Setup
 from kafold.snapshot import kafka_io
 from kafold.snapshot.fold import Domain
 from kafold.snapshot.partition import (
@@ -237,16 +237,17 @@ def check_protected(agg: AggregateConfig, engine: str, protection: Setup | None)
                            "only when every protect rule's subject is `aggregate_id`"])
     if engine != "local" and protection is None:
         raise ConfigError([f"aggregate {agg.name!r} has protected fields: a Spark run needs the configuration's "
-                           "privacy settings (runs.run(..., protection=kafold.protect.setup(cfg)))"])
+                           "privacy settings (runs.run(..., protector=kafold.protect.build(cfg)))"])
 
 
 def run(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], spark: Callable[[], Any], *,
         engine: str = "auto", local_max_events: int = 200_000, refresh_lag: int = REFRESH_LAG,
-        reporter: Reporter | None = None, protection: Setup | None = None) -> JobResult:
+        reporter: Reporter | None = None, protector: Protector | None = None) -> JobResult:
     """Snapshot one aggregate type with the engine `engine` asks for; `spark()` gives the SparkSession (started
     only when a run needs it). The result's duration is the whole run but the SparkSession's start.
-    `protection` (kafold.protect.setup): what Spark tasks need to open their own key rings, for an aggregate with
-    protected fields (an in-process run uses this process's, kafold.protect.build)."""
+    `protector` (kafold.protect.build of the caller's configuration), for an aggregate with protected fields: an
+    in-process run folds with it; a Spark run's tasks open key rings of their own, from its Setup."""
+    protection = protector.setup if protector is not None else None
     if agg.protect:
         check_protected(agg, engine, protection)
     began = time.monotonic()
@@ -260,7 +261,7 @@ def run(kafka: KafkaConfig, agg: AggregateConfig, python_path: list[str], spark:
         try:
             with _cyclic_gc_paused():
                 parts = partitions_of(kafka, agg, reader)
-                domain = Domain.load(agg, python_path)
+                domain = Domain.load(agg, python_path, protector)
                 planned = plan(kafka, agg, domain, parts, stop_above=local_max_events if engine == "auto" else None,
                                reader=reader)
                 chosen = choose(engine, planned, local_max_events)

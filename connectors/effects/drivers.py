@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from kafold import kafka_clients, protect, tracing
+from kafold import kafka_clients, tracing
 from kafold.config import KafkaConfig
 from kafold.connectors.effects.policy import EffectError, PermanentEffectError, RetriableEffectError
 from kafold.connectors.effects.settings import (
@@ -25,6 +25,7 @@ from kafold.connectors.effects.settings import (
 from kafold.connectors.effects.signing import sign
 from kafold.connectors.effects.webhook_client import HttpError, WebhookClient
 from kafold.envelope import KAFOLD_NAMESPACE, Event, body_json, encode, uuid5
+from kafold.protect import Protector
 from kafold.refs import import_ref
 
 RETRY_STATUSES = frozenset({408, 409, 425, 429})
@@ -134,7 +135,8 @@ def derived_id(connector: str, source_event_id: str, index: int) -> str:
 class KafkaEffect(Effect):
     """Produces derived events through an idempotent producer (acks=all); success = acknowledged."""
 
-    def __init__(self, config: KafkaEffectConfig, kafka: KafkaConfig, connector: str) -> None:
+    def __init__(self, config: KafkaEffectConfig, kafka: KafkaConfig, connector: str,
+                 protector: Protector | None = None) -> None:
         self.config = config
         self.connector = connector
         self.endpoint = f"kafka:{config.topic}"
@@ -142,7 +144,8 @@ class KafkaEffect(Effect):
         # The events it derives come from events whose protected fields the intake opened: each is sealed again
         # under the rules of its own aggregate and type (kafold.protect) before it is written, as the aggregate
         # runtime seals what `decide` returns. A derived type without rules is written as it is (docs/security.md).
-        self.protector = protect.active()
+        # `protector`: the task's (TaskConfig.protector).
+        self.protector = protector
         self.producer = kafka_clients.producer(kafka, **{"enable.idempotence": True, "acks": "all",
                                                          "linger.ms": 5})
         self._stop = threading.Event()

@@ -421,7 +421,7 @@ class Executor:
                     return
                 for event_id, topic, partition, offset, body in rows:
                     try:
-                        event = parked_event(body)
+                        event = parked_event(body, self.ledger.protector)
                     except RecordError as e:  # a stored value that does not open: parked again, never sent
                         at = now()
                         record = SinkRecord(topic, partition, offset, key, Event(**orjson.loads(body)))

@@ -32,13 +32,14 @@ import orjson
 import psycopg
 from psycopg import sql
 
-from kafold import db, logs, protect
+from kafold import db, logs
 from kafold.config import PostgresConfig
 from kafold.connectors.api import ErrantRecordReporter, SinkRecord
 from kafold.connectors.dlq import pg_text
 from kafold.envelope import Event, body_json
 from kafold.errors import FatalError, KafoldError, RetriableError
 from kafold.pg import conninfo
+from kafold.protect import Protector
 from kafold.retry import retrying
 
 log = logs.get("kafold.connectors.effects.ledger")
@@ -97,22 +98,21 @@ def _text(value: str | None) -> str | None:
     return None if value is None else pg_text(value)
 
 
-def parked_json(event: Event) -> str:
+def parked_json(event: Event, protector: Protector | None) -> str:
     """A parked event as its jsonb column holds it exactly: its JSON, or {"base64": its JSON} when that holds a NUL
-    (jsonb refuses \\u0000). Its protected fields, which the intake opened, are sealed again (kafold.protect): the
-    row outlives a forget of the subject and must not keep a clear value (`parked_event` opens them)."""
-    protector = protect.active()
+    (jsonb refuses \\u0000). Its protected fields, which the intake opened, are sealed again by `protector` (the
+    task's, kafold.protect): the row outlives a forget of the subject and must not keep a clear value
+    (`parked_event` opens them)."""
     body = body_json(event if protector is None else protector.resealed(event))
     if b"\\u0000" in body:
         return orjson.dumps({"base64": base64.b64encode(body).decode()}).decode()
     return body.decode()
 
 
-def parked_event(body: bytes) -> Event:
-    """The event `parked_json` stored (its JSON), its protected fields opened as the intake opens them: the
-    placeholder once the subject is forgotten; RecordError `decrypt-failed` when one does not open."""
+def parked_event(body: bytes, protector: Protector | None) -> Event:
+    """The event `parked_json` stored (its JSON), its protected fields opened by `protector` as the intake opens
+    them: the placeholder once the subject is forgotten; RecordError `decrypt-failed` when one does not open."""
     event = Event(**orjson.loads(body))
-    protector = protect.active()
     return event if protector is None else protector.event(event)
 
 
@@ -128,12 +128,14 @@ class Ledger:
     executor's loop, the rest serialized on a second connection."""
 
     def __init__(self, pg: PostgresConfig, connector: str, reporter: ErrantRecordReporter | None,
-                 flush_s: float = 0.0) -> None:
+                 flush_s: float = 0.0, protector: Protector | None = None) -> None:
         """`flush_s` (the `ledger_flush_ms` setting) is no longer a wait: rows are written as soon as the writer
-        is free (`_take`); it is accepted so that callers and configurations setting it keep working."""
+        is free (`_take`); it is accepted so that callers and configurations setting it keep working. `protector`:
+        the task's (TaskConfig.protector), sealing and opening the protected fields of parked events."""
         self.connector = connector
         self.schema = pg.schema
         self.reporter = reporter
+        self.protector = protector
         self.flush_s = flush_s
         self._dsn = conninfo(pg)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -299,7 +301,7 @@ class Ledger:
             "ON CONFLICT (connector, event_id) DO NOTHING").format(
             table(self.schema, "effect_parked")),
             [(self.connector, p.record.key, pg_text(p.record.event.event_id), p.record.topic, p.record.partition,
-              p.record.offset, p.head, pg_text(p.error), parked_json(p.record.event), p.parked_at)
+              p.record.offset, p.head, pg_text(p.error), parked_json(p.record.event, self.protector), p.parked_at)
              for p in parkings])
         heads = {p.record.key: p for p in parkings if p.head}
         if heads:

@@ -58,6 +58,7 @@ from kafold.connectors.effects.settings import (
 )
 from kafold.connectors.effects.tracker import OffsetTracker
 from kafold.errors import FatalError, RetriableError
+from kafold.protect import Protector
 from kafold.retry import retrying
 
 log = logs.get("kafold.connectors.effects")
@@ -93,11 +94,13 @@ class EffectSinkTask(SinkTask):
         self.at_most_once = self.config.delivery == AT_MOST_ONCE
         self.commit_interval_s = 0.0 if self.at_most_once else COMMIT_INTERVAL_S
         self.tracker = OffsetTracker()
-        self.dlq = DeadLetterWriter(kafka, task_config.dlq_topic or f"kafold.dlq.{self.name}", self.name)
-        self.ledger = Ledger(pg, self.name, self.dlq, self.config.ledger_flush_ms / 1000)
+        protector = task_config.protector  # the host's (kafold.protect): opened events sealed again where kept
+        self.dlq = DeadLetterWriter(kafka, task_config.dlq_topic or f"kafold.dlq.{self.name}", self.name,
+                                    protector=protector)
+        self.ledger = Ledger(pg, self.name, self.dlq, self.config.ledger_flush_ms / 1000, protector)
         c = self.config
         policy = RetryPolicy(c.max_attempts, c.max_age_s, c.backoff_initial_s, c.backoff_max_s)
-        effect = build_effect(c, kafka, self.name)
+        effect = build_effect(c, kafka, self.name, protector)
         circuit = Circuit(self.name, effect.endpoint, ratio=c.circuit_failure_ratio, window=c.circuit_window,
                           probe_initial_s=c.backoff_initial_s, probe_max_s=c.probe_max_s)
         self.executor = Executor(self.name, effect, policy, self.ledger, self.tracker, c.concurrency,
@@ -230,11 +233,11 @@ def _storable_key(record: SinkRecord) -> SinkRecord:
     return record if key == record.key else dataclasses.replace(record, key=key)
 
 
-def build_effect(config: EffectConfig, kafka: KafkaConfig, name: str) -> Effect:
+def build_effect(config: EffectConfig, kafka: KafkaConfig, name: str, protector: Protector | None = None) -> Effect:
     if isinstance(config, WebhookConfig):
         return Webhook(config)  # connections: as many as effects run at once (the executor's `concurrency`)
     if isinstance(config, KafkaEffectConfig):
-        return KafkaEffect(config, kafka, name)
+        return KafkaEffect(config, kafka, name, protector)
     if isinstance(config, PythonEffectConfig):
         return PythonEffect(config)
     raise FatalError(f"no effect for {type(config).__name__}")

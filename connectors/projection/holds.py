@@ -35,6 +35,7 @@ from kafold.connectors.projection.held_keys import holds_lock
 from kafold.connectors.projection.mapping import Mapping
 from kafold.connectors.projection.writer import BatchResult, ProjectionWriter
 from kafold.errors import KafoldError, RecordError, UnknownTypeError
+from kafold.protect import Protector
 from kafold.upcast import NONE, Upcaster
 
 COLUMNS = 'id, connector, topic, partition, "offset", key, value, headers, status, hold_key'
@@ -88,10 +89,12 @@ class Release:
     connector's holds lock."""
 
     def __init__(self, pgc: PostgresConfig, name: str, config: ProjectionConfig, mapping: Mapping,
-                 repair: str, upcaster: Upcaster = NONE, converter: Converter | None = None) -> None:
+                 repair: str, upcaster: Upcaster = NONE, converter: Converter | None = None,
+                 protector: Protector | None = None) -> None:
         self.pgc, self.name, self.config, self.mapping = pgc, name, config, mapping
-        # A replayed dead letter goes through the connector's one intake, as if read live (unknown types refused).
-        self.intake = Intake(name, mapping.handles, "dead-letter", upcaster, converter=converter)
+        # A replayed dead letter goes through the connector's one intake, as if read live (unknown types refused;
+        # protected fields opened by the caller's `protector`, kafold.protect).
+        self.intake = Intake(name, mapping.handles, "dead-letter", upcaster, converter=converter, protector=protector)
         self.repair = repair  # the command that rebuilds the projection (named in "skipped as stale")
         self.writer = ProjectionWriter(pgc, config, mapping, name)
         self._dead = db.table(pgc, "dead_letters")

@@ -65,7 +65,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -73,7 +73,7 @@ import psycopg
 from confluent_kafka import TopicPartition as KafkaTP
 from psycopg import sql
 
-from kafold import db, kafka_clients, logs, upcast
+from kafold import db, kafka_clients, logs, protect, upcast
 from kafold.config import ConnectorConfig, KafkaConfig, KafoldConfig, PostgresConfig, RegistryConfig, python_path
 from kafold.connectors.api import RawRecord, SinkRecord, TopicPartition
 from kafold.connectors.convert import converter_for
@@ -141,13 +141,17 @@ class Plan:
     upcasters: tuple[UpcasterConfig, ...] = ()  # the connector's, as configured (built where they are used)
     settings: ConnectorConfig | None = None  # the connector's settings: its converter (connectors.convert)
     registry: RegistryConfig | None = None  # the config's [registry], for the Schema Registry converters
+    # the caller's (kafold.protect.build of its configuration) when it has protected fields; a copy worker is sent
+    # its Setup and builds its own (_copier)
+    protector: protect.Protector | None = field(default=None, compare=False, repr=False)
 
     @functools.cached_property
     def intake(self) -> Intake:
         """The connector's one decode-and-intake (connectors.intake): the rebuild sees what the live runner sees."""
         return Intake(self.name, self.mapping.handles, self.on_unknown,
                       upcast.build(self.upcasters, f"connector {self.name!r}"),
-                      converter=converter_for(self.settings, self.registry) if self.settings is not None else None)
+                      converter=converter_for(self.settings, self.registry) if self.settings is not None else None,
+                      protector=self.protector)
 
     @property
     def shadow(self) -> str:
@@ -187,8 +191,9 @@ class Progress:
     behind: int = 0
 
 
-def plan(cfg: KafoldConfig, base: Path, name: str) -> Plan:
-    """The rebuild of connector `name`; ConfigError naming the problem when there is no such projection."""
+def plan(cfg: KafoldConfig, base: Path, name: str, protector: protect.Protector | None = None) -> Plan:
+    """The rebuild of connector `name`, reading protected fields with `protector` (kafold.protect.build of `cfg`);
+    ConfigError naming the problem when there is no such projection."""
     by_name = {c.name: (i, c) for i, c in enumerate(cfg.connectors)}
     if name not in by_name:
         known = ", ".join(sorted(by_name)) or "none"
@@ -203,7 +208,7 @@ def plan(cfg: KafoldConfig, base: Path, name: str) -> Plan:
         pc: ProjectionConfig = connector.config
         mapping = Mapping(pc, load_mapper(pc.mapper) if pc.mapper else None)
     return Plan(name, cfg.kafka, cfg.postgres, pc, mapping, tuple(settings.topics), settings.on_unknown_type,
-                tuple(paths.paths), tuple(settings.upcasters), settings, cfg.registry)
+                tuple(paths.paths), tuple(settings.upcasters), settings, cfg.registry, protector)
 
 
 class _NotYet(RetriableError):
@@ -431,7 +436,10 @@ class Rebuild:
             reported = self.events
             self.save(self.phase)
 
-        rebuild_workers.run(p.name, split, _copier, (p, self.batch, self.max_tail, logs.current()), self.stop, watch)
+        # the plan goes to each worker without its Protector: the worker builds its own from the Setup
+        sent = (replace(p, protector=None), protect.sent(p.protector))
+        rebuild_workers.run(p.name, split, _copier, (*sent, self.batch, self.max_tail, logs.current()), self.stop,
+                            watch)
 
     def catch_up(self, consumer: Any) -> None:
         """Apply batches until the shadow has reached the live checkpoints read before its last batch (so what is
@@ -698,13 +706,16 @@ def source_partitions(consumer: Any, plan: Plan) -> list[TopicPartition]:
     return out
 
 
-def _copier(share: tuple[TopicPartition, ...], halt: Any, applied: Any, plan: Plan, batch: int, max_tail: int,
-            log_config: tuple[str, str]) -> None:
+def _copier(share: tuple[TopicPartition, ...], halt: Any, applied: Any, plan: Plan,
+            protection: protect.Setup | None, batch: int, max_tail: int, log_config: tuple[str, str]) -> None:
     """A copy worker (a child process): copy `share` into the shadow until near the live connector on each of its
-    partitions. Stops early, its batch in flight written, when `halt` is set or its parent is gone (kill -9
-    included); Ctrl-C is left to the parent, which sets `halt`."""
+    partitions, protected fields opened by a Protector of its own (from `protection`, the parent's Setup). Stops
+    early, its batch in flight written, when `halt` is set or its parent is gone (kill -9 included); Ctrl-C is left
+    to the parent, which sets `halt`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logs.configure(*log_config)
+    if protection is not None:
+        plan = replace(plan, protector=protect.build_setup(protection))
     parent = os.getppid()
     rebuild = Rebuild(plan, batch=batch, max_tail=max_tail, share=share,
                       on_progress=lambda p: setattr(applied, "value", p.events))

@@ -20,11 +20,12 @@ import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from kafold import db, logs, protect
+from kafold import db, logs
 from kafold.config import KafoldConfig
 from kafold.connectors.projection import rebuild as rb
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.subject_refresh import Refresh, Refreshed, protected_types
+from kafold.protect import Protector
 
 __all__ = ["PROJECTION_CLASS", "refresh_restored"]
 
@@ -33,12 +34,11 @@ PROJECTION_CLASS = "postgres-projection"
 PROGRESS_S = 10.0  # at most one progress line per projection this often: a long history logs steadily, not per batch
 
 
-def refresh_restored(cfg: KafoldConfig, base: Path, subjects: Collection[str], *,
+def refresh_restored(cfg: KafoldConfig, base: Path, subjects: Collection[str], protector: Protector | None, *,
                      stop: threading.Event | None = None, config_file: str = "FILE") -> list[Refreshed]:
-    """Refresh the rows of `subjects` in each projection of protected fields in `cfg`; the results of those that
-    ran (failures logged as `protect.restored_refresh_failed` with the command to run by hand, `config_file` in
-    it)."""
-    protector = protect.active()
+    """Refresh the rows of `subjects` in each projection of protected fields in `cfg`, read with `protector` (the
+    caller's, kafold.protect.build of `cfg`); the results of those that ran (failures logged as
+    `protect.restored_refresh_failed` with the command to run by hand, `config_file` in it)."""
     if not subjects or protector is None or not protector.rules:
         return []
     done: list[Refreshed] = []
@@ -49,7 +49,7 @@ def refresh_restored(cfg: KafoldConfig, base: Path, subjects: Collection[str], *
         by_hand = f"kafold projection rebuild {name} -c {config_file}"
         started = time.monotonic()
         try:
-            plan = rb.plan(cfg, base, name)
+            plan = rb.plan(cfg, base, name, protector)
             if not protected_types(plan.mapping, protector):
                 continue
             if not _exists(plan):  # not created yet (its connector never ran on this database): no row to refresh

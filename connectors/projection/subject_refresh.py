@@ -86,7 +86,7 @@ class Refresh(Scratch):
 
     def __init__(self, plan: Plan, subjects: Iterable[str], *, batch: int = 5000,
                  on_progress: Callable[[Progress], None] | None = None, stop: threading.Event | None = None) -> None:
-        protector = protect.active()
+        protector = plan.protector  # the caller's (rebuild.plan(..., protector))
         if protector is None or not protector.rules:
             raise ConfigError([f"connectors: {plan.name!r}: no aggregate has protect rules, so no row holds a "
                                "subject's protected fields (nothing to refresh)"])

@@ -27,13 +27,15 @@ def instance_id(cfg: KafoldConfig) -> str:
     return os.environ.get("KAFOLD_INSTANCE_ID") or f"{socket.gethostname()}-{cfg.daemon.http_port}"
 
 
-def build_runtime(cfg: KafoldConfig, agg: AggregateConfig, base: Path) -> AggregateRuntime | AggregateWorkers:
+def build_runtime(cfg: KafoldConfig, agg: AggregateConfig, base: Path,
+                  protector: protect.Protector | None) -> AggregateRuntime | AggregateWorkers:
     """The runtime the daemon hosts for one `[[aggregates]]` entry: in its own process, or in
-    `daemon.aggregate_processes` worker processes (workers.py)."""
+    `daemon.aggregate_processes` worker processes (workers.py). `protector`: the host's (kafold.protect.build of
+    `cfg`, None when nothing is protected); each worker process builds its own from its Setup."""
     if cfg.daemon.aggregate_processes > 1:
         return AggregateWorkers(cfg.kafka, cfg.daemon, agg, base, instance_id=instance_id(cfg),
-                                tracing_config=cfg.tracing, protected=protect.setup(cfg))
-    domain = AggregateDomain.load(agg, cfg.daemon.python_path, base).protected(protect.active() or protect.build(cfg))
+                                tracing_config=cfg.tracing, protected=protect.sent(protector))
+    domain = AggregateDomain.load(agg, cfg.daemon.python_path, base).protected(protector)
     return AggregateRuntime(cfg.kafka, cfg.daemon, agg, domain, instance_id=instance_id(cfg),
                             restorer=_restorer(cfg, agg, domain))
 

@@ -44,13 +44,14 @@ class Domain:
     unseal: Callable[[str, str, dict[str, Any]], dict[str, Any]] | None = None
 
     @classmethod
-    def load(cls, agg: AggregateConfig, python_path: Sequence[str] = (), protector: Any = None) -> Domain:
-        """`protector`: the process's (kafold.protect.build; default `protect.active()`), for aggregates with
+    def load(cls, agg: AggregateConfig, python_path: Sequence[str] = (),
+             protector: protect.Protector | None = None) -> Domain:
+        """`protector`: the caller's (kafold.protect.build of its configuration), needed by aggregates with
         protected fields."""
-        d = AggregateDomain.load(agg, tuple(python_path)).protected(protector or protect.active())
+        d = AggregateDomain.load(agg, tuple(python_path)).protected(protector)
         if agg.protect and d.unseal is None:
-            raise ConfigError([f"aggregates.{agg.name}.protect: no key ring built (kafold.protect.build) before "
-                               "loading the aggregate's snapshot domain"])
+            raise ConfigError([f"aggregates.{agg.name}.protect: no key ring was handed to the aggregate's snapshot "
+                               "domain (Domain.load(..., protector=kafold.protect.build(cfg)))"])
         ident = Identity(agg.name, d.fingerprint, agg.state_schema_version,
                          protect.state_sealer(d.protector, agg.name))
         return cls(ident, d.initial, d.evolve, d.codec.event, d.state_to_json, d.state_from_json,

@@ -15,7 +15,7 @@ from kafold import protect
 from kafold.config import ProtectConfig, parse
 from kafold.connectors.intake import Intake
 from kafold.envelope import Event, decode, encode
-from kafold.errors import ConfigError, RecordError
+from kafold.errors import ConfigError, FatalError, RecordError
 from kafold.fold import domain_event, fields
 from kafold.protect import Cipher, DecryptError, KeyRing, KeyStore, MemoryKeyStore, Protector, Rule
 
@@ -365,18 +365,21 @@ def test_a_spark_snapshot_run_of_a_protected_aggregate_without_its_privacy_setti
     from kafold.spark_jobs import runs
 
     cfg = _load(privacy='[privacy]\nmaster_key_env = "KF_TEST_MASTER"\n[snapshots]\nenabled = true\nengine = "local"')
-    for engine in ("spark", "auto"):  # a caller that did not pass protect.setup(cfg): its tasks would have no keys
+    for engine in ("spark", "auto"):  # a caller that did not pass its protector: its tasks would have no keys
         with pytest.raises(ConfigError, match="privacy settings"):
             runs.run(cfg.kafka, cfg.aggregates[0], [], lambda: None, engine=engine)
 
 
-def test_a_snapshot_run_of_an_aggregate_with_a_payload_subject_is_refused_on_every_engine() -> None:
+def test_a_snapshot_run_of_an_aggregate_with_a_payload_subject_is_refused_on_every_engine(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from kafold.spark_jobs import runs
 
+    monkeypatch.setenv("KF_TEST_MASTER", base64.b64encode(MASTER).decode())
     cfg = _load(subject="payload.customer_id")  # snapshots not enabled: only `kafold snapshot run` would write one
     for engine in ("spark", "auto", "local"):  # its states would be written in clear: refused, naming the rule
         with pytest.raises(ConfigError, match="subject is `aggregate_id`"):
-            runs.run(cfg.kafka, cfg.aggregates[0], [], lambda: None, engine=engine, protection=protect.setup(cfg))
+            runs.run(cfg.kafka, cfg.aggregates[0], [], lambda: None, engine=engine,
+                     protector=protect.build(cfg, MemoryKeyStore()))
 
 
 def test_a_spark_snapshot_spec_carries_secret_references_never_the_master_key() -> None:
@@ -438,13 +441,19 @@ def test_a_batch_of_records_looks_its_subjects_keys_up_in_one_round_trip() -> No
     assert store.batches == 1
 
 
-def test_a_configuration_without_protection_leaves_no_protector_of_an_earlier_one_active(
+def test_each_build_is_its_callers_own_and_what_another_process_builds_one_from(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KF_TEST_MASTER", base64.b64encode(MASTER).decode())
-    protect.build(_load(), MemoryKeyStore())
-    assert protect.active() is not None
-    assert protect.build(parse("", Path("kafold.toml"), {}).config) is None
-    assert protect.active() is None  # readers built later (an intake) open nothing
+    cfg = _load()
+    first, second = protect.build(cfg, MemoryKeyStore()), protect.build(cfg, MemoryKeyStore())
+    assert first is not None and second is not None and first is not second and first.ring is not second.ring
+    assert protect.build(parse("", Path("kafold.toml"), {}).config) is None  # and the others are left as they are
+    sealed = first.seal("customer", "Registered", "c-1", {"email": "ann@example.com"})
+    assert first.unseal("customer", "Registered", "c-1", sealed) == {"email": "ann@example.com"}
+    assert protect.sent(first) == protect.setup(cfg) and protect.sent(None) is None
+    by_hand = Protector(RULES, KeyRing(Cipher(MASTER), MemoryKeyStore()))
+    with pytest.raises(FatalError, match="built by hand"):  # no Setup: no other process could build it again
+        protect.sent(by_hand)
 
 
 def test_a_prefetch_leaves_record_keys_postgresql_cannot_hold_to_their_own_lookup() -> None:

@@ -36,7 +36,6 @@ class TestPgKeyStore(KeyStoreContract):
         self.pgc = PostgresConfig(url=pg_url, schema="ks_" + re.sub(r"\W", "_", unique[-8:]))
         db.upgrade(self.pgc)
         yield
-        protect.deactivate()  # this process's Protector may read keys in the schema dropped below
         with psycopg.connect(pg_url, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(self.pgc.schema)))
 

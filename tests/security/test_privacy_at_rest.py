@@ -57,6 +57,7 @@ class World:
     receiver: Receiver
     failing: set[str]
     events: list[Event]
+    protector: Protector  # the host's, handed to the tasks run in this process (TaskConfig.protector)
 
 
 def _toml(kafka: KafkaConfig, pg_url: str, prefix: str, table: str, hook: str, url: str) -> str:
@@ -133,11 +134,11 @@ request_poll_s = 0.2
 
 
 @contextmanager
-def _running(cfg: config.KafoldConfig, name: str) -> Iterator[SinkRunner]:
-    """One connector's SinkRunner in a thread of this process (whose Protector its intake takes)."""
+def _running(cfg: config.KafoldConfig, name: str, protector: Protector) -> Iterator[SinkRunner]:
+    """One connector's SinkRunner in a thread of this process, handed `protector` as the daemon hands its own."""
     settings = next(c for c in cfg.connectors if c.name == name)
     connector = instantiate(settings, Path("."))
-    task = connector.task_configs(1)[0].with_services(postgres=cfg.postgres)
+    task = connector.task_configs(1)[0].with_services(postgres=cfg.postgres, protector=protector)
     runner = SinkRunner(connector, task, kafka=cfg.kafka,
                         daemon=DaemonConfig(group_prefix=cfg.daemon.group_prefix, batch_max_wait_ms=50,
                                             shutdown_grace_s=5))
@@ -196,8 +197,9 @@ def world(kafka_config: KafkaConfig, pg_url: str, tmp_path_factory: pytest.TempP
             key, value, headers = encode(e)
             producer.produce(f"{prefix}.events", value=value, key=key, headers=headers)
         assert producer.flush(30) == 0
-        world = World(conf, cfg, cfg.postgres, kafka_config, table, hook, ann, bob, receiver, failing, events)
-        with _running(cfg, table) as projection, _running(cfg, hook) as hooks:
+        world = World(conf, cfg, cfg.postgres, kafka_config, table, hook, ann, bob, receiver, failing, events,
+                      protector)
+        with _running(cfg, table, protector) as projection, _running(cfg, hook, protector) as hooks:
             wait_for(lambda: projection.failed or _count(  # a fresh topic: the next offsets add up to its records
                 world.pg, "SELECT coalesce(sum(next_offset), 0) FROM kafold.checkpoints WHERE connector = %s",
                 table) == len(events), "the projection at the end of the topic", 60)
@@ -272,7 +274,7 @@ def test_discard_applies_the_held_event_with_the_placeholder_and_replay_to_topic
 
 
 def test_a_parked_retry_after_a_forget_sends_the_placeholder(world: World) -> None:
-    with _running(world.cfg, world.hook):
+    with _running(world.cfg, world.hook, world.protector):
         world.failing.clear()
         out = kafold_cli("effects", "parked", "retry", world.ann, "-c", str(world.conf), "--wait", "30",
                          timeout=60)

@@ -34,11 +34,10 @@ PLACEHOLDER = "[erased]"
 
 
 @pytest.fixture
-def protector(monkeypatch: pytest.MonkeyPatch) -> Protector:
-    """The process's Protector (what `protect.active()` gives the intake, the ledger and the effects)."""
-    p = Protector(RULES, KeyRing(Cipher(MASTER), MemoryKeyStore()), placeholder=PLACEHOLDER)
-    monkeypatch.setitem(protect._ACTIVE, "default", p)
-    return p
+def protector() -> Protector:
+    """The host's Protector (what TaskConfig.protector hands the intake, the dead letters, the ledger and the
+    effects)."""
+    return Protector(RULES, KeyRing(Cipher(MASTER), MemoryKeyStore()), placeholder=PLACEHOLDER)
 
 
 class Msg:
@@ -100,7 +99,7 @@ def test_a_snapshot_state_whose_key_id_was_altered_is_a_decrypt_error_not_forgot
 def test_a_dead_letter_of_an_opened_event_is_the_record_as_it_came_sealed(protector: Protector) -> None:
     key, value, headers = encode(_registered(protector))
     m = Msg(key, value, headers)
-    record = Intake("customers", lambda _t: True, "dead-letter").record(m, m.topic(), 0, 7)
+    record = Intake("customers", lambda _t: True, "dead-letter", protector=protector).record(m, m.topic(), 0, 7)
     assert record is not None and record.event.payload["email"] == EMAIL  # the task sees it opened
     raw = RawRecord.of(record)
     assert (raw.key, raw.value, raw.offset) == (key, value, 7)
@@ -109,7 +108,7 @@ def test_a_dead_letter_of_an_opened_event_is_the_record_as_it_came_sealed(protec
 
 def test_a_dead_letter_of_a_record_made_without_its_source_is_sealed_again(protector: Protector) -> None:
     opened = Event.new("Registered", "customer", "c-1", 1, {"email": EMAIL})
-    raw = RawRecord.of(SinkRecord("customer.events", 0, 3, "c-1", opened))
+    raw = RawRecord.of(SinkRecord("customer.events", 0, 3, "c-1", opened), protector)
     assert EMAIL.encode() not in (raw.value or b"")
     assert protector.event(decode(raw.key, raw.value, list(raw.headers))).payload["email"] == EMAIL
 
@@ -118,11 +117,11 @@ def test_a_dead_letter_of_a_record_made_without_its_source_is_sealed_again(prote
 def test_a_parked_event_is_stored_sealed_and_reads_as_the_placeholder_after_a_forget(protector: Protector) -> None:
     opened = protector.event(_registered(protector))
     assert opened.payload["email"] == EMAIL
-    stored = ledger.parked_json(opened)
+    stored = ledger.parked_json(opened, protector)
     assert EMAIL not in stored
-    assert ledger.parked_event(ledger.parked_body(stored)).payload["email"] == EMAIL
+    assert ledger.parked_event(ledger.parked_body(stored), protector).payload["email"] == EMAIL
     protector.ring.forget("c-1", "dpo")
-    assert ledger.parked_event(ledger.parked_body(stored)).payload["email"] == PLACEHOLDER
+    assert ledger.parked_event(ledger.parked_body(stored), protector).payload["email"] == PLACEHOLDER
 
 
 def test_the_kafka_effect_writes_the_protected_fields_of_what_it_derives_sealed(protector: Protector) -> None:
@@ -134,7 +133,7 @@ def test_the_kafka_effect_writes_the_protected_fields_of_what_it_derives_sealed(
             on_delivery(None, None)
 
     effect = KafkaEffect(KafkaEffectConfig(topic="customer.copies"), config.KafkaConfig(bootstrap_servers="x:1"),
-                         "copy")
+                         "copy", protector)
     effect.producer = Producer()  # type: ignore[assignment]
     asyncio.run(effect.run(protector.event(_registered(protector))))
     assert len(written) == 1 and EMAIL.encode() not in written[0]

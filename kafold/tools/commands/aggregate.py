@@ -91,8 +91,8 @@ def get_state(args: argparse.Namespace) -> int:
         return _state_at(args)
     cfg = commands.effective(loaded.config, ("kafka",))
     paths = [str((loaded.base / p).resolve()) for p in cfg.daemon.python_path]
-    protect.build(cfg)  # protected fields read in clear, or as the placeholder once forgotten (kafold.protect)
-    domain = Domain.load(agg, paths)
+    # protected fields read in clear, or as the placeholder once forgotten (kafold.protect)
+    domain = Domain.load(agg, paths, protect.build(cfg))
     partition = partition_for(args.id.encode(), agg.partitions)
     restored = restore(cfg.kafka, agg, domain, partition)
     if args.id not in restored.states:

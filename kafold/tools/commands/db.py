@@ -49,7 +49,7 @@ def upgrade(args: argparse.Namespace) -> int:
                   "projections of protected fields")
             protector.ring.store.purge()
             # the restored rows of those subjects hold the backup's clear values until folded again
-            for r in restored.refresh_restored(cfg, loaded.base, gone, config_file=args.config):
+            for r in restored.refresh_restored(cfg, loaded.base, gone, protector, config_file=args.config):
                 state = "left as restored (stopped)" if not r.completed else f"{r.rows} row(s) folded again"
                 held = f"; {r.held} held behind a dead letter, left as restored (`kafold dlq list`)" if r.held else ""
                 print(f"{r.name}: {state}{held}")

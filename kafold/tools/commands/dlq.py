@@ -200,7 +200,7 @@ def _projections(cfg: config.KafoldConfig, base: Path, names: set[str], path: Pa
     out: dict[str, Any] = {}
     # Dead letters keep protected fields sealed as they came: their replay opens them as the live intake does
     # (the placeholder once the subject is forgotten), never applies a stored clear value.
-    protect.build(cfg)
+    protector = protect.build(cfg)
     for name in sorted(names):
         settings = by_name.get(name)
         if settings is None or settings.connector_class != "postgres-projection":
@@ -213,7 +213,8 @@ def _projections(cfg: config.KafoldConfig, base: Path, names: set[str], path: Pa
             mapping = Mapping(pc, load_mapper(pc.mapper) if pc.mapper else None)
             upcaster = upcast.build(settings.upcasters, f"connector {name!r}")
         repair = f"kafold projection rebuild {name} -c {path}"
-        out[name] = Release(cfg.postgres, name, pc, mapping, repair, upcaster, converter_for(settings, cfg.registry))
+        out[name] = Release(cfg.postgres, name, pc, mapping, repair, upcaster, converter_for(settings, cfg.registry),
+                            protector)
     return out
 
 

@@ -376,8 +376,8 @@ def handle_audit(args: argparse.Namespace) -> int:
     aggs = _aggregates(loaded.config, args.aggregate, args.topic, args.config)
     cfg = commands.effective(loaded.config, ("kafka",))
     path = python_paths(loaded)
-    protect.build(cfg)  # protected fields opened as every fold opens them (kafold.protect)
-    domains = [(agg, Domain.load(agg, path)) for agg in aggs]  # every reference resolves before any read
+    protector = protect.build(cfg)  # protected fields opened as every fold opens them (kafold.protect)
+    domains = [(agg, Domain.load(agg, path, protector)) for agg in aggs]  # every reference resolves before any read
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit chose the master
     master = args.master or (None if under_submit else cfg.snapshots.spark_master)
     started: dict[str, Any] = {}

@@ -47,8 +47,8 @@ def history_of(path: str, name: str) -> Iterator[History]:
     agg = aggregate_named(loaded, name)
     cfg = devstack.effective(loaded.config, need=("kafka", "postgres"))
     db.upgrade(cfg.postgres)
-    protect.build(cfg)  # protected fields read in clear, or as the placeholder once forgotten
-    made = History(cfg.kafka, cfg.postgres, agg, Domain.load(agg, python_paths(loaded)))
+    protector = protect.build(cfg)  # protected fields read in clear, or as the placeholder once forgotten
+    made = History(cfg.kafka, cfg.postgres, agg, Domain.load(agg, python_paths(loaded), protector))
     try:
         yield made
     finally:

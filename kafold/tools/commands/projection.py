@@ -73,8 +73,8 @@ def _plan(args: argparse.Namespace) -> Any:
     loaded = config.load_file(args.config)
     chosen = rb.plan(loaded.config, loaded.base, args.name)  # an unknown name fails before any connection
     cfg = devstack.effective(loaded.config)
-    protect.build(cfg)  # protected fields read in clear, or as the placeholder once forgotten (kafold.protect)
-    return dataclasses.replace(chosen, kafka=cfg.kafka, pgc=cfg.postgres)
+    # protected fields read in clear, or as the placeholder once forgotten (kafold.protect)
+    return dataclasses.replace(chosen, kafka=cfg.kafka, pgc=cfg.postgres, protector=protect.build(cfg))
 
 
 def rebuild(args: argparse.Namespace) -> int:

@@ -116,7 +116,7 @@ def handle_run(args: argparse.Namespace) -> int:
     loaded = config.load_file(args.config)
     cfg = commands.effective(loaded.config, ("kafka",))
     aggs = selected_aggregates(cfg, args.aggregate, args.config)
-    protect.build(cfg)  # protected fields: events opened, snapshot states sealed (kafold.protect)
+    protector = protect.build(cfg)  # protected fields: events opened, snapshot states sealed (kafold.protect)
     tracing.configure(cfg.tracing)  # one span per aggregate's run when [tracing].enabled
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ  # spark-submit chose the master
     master = args.master or (None if under_submit else cfg.snapshots.spark_master)
@@ -144,7 +144,7 @@ def handle_run(args: argparse.Namespace) -> int:
                 results.append(runs.run(cfg.kafka, agg, python_paths(loaded), spark, engine=engine,
                                         local_max_events=cfg.snapshots.local_max_events, reporter=report,
                                         refresh_lag=args.refresh_lag or runs.REFRESH_LAG,
-                                        protection=protect.setup(cfg)))
+                                        protector=protector))
                 if span is not None:
                     span.set_attributes({"kafold.engine": results[-1].engine,
                                          "kafold.events_folded": results[-1].events_folded,
@@ -170,12 +170,12 @@ def handle_run(args: argparse.Namespace) -> int:
 def handle_verify(args: argparse.Namespace) -> int:
     loaded = config.load_file(args.config)
     cfg = commands.effective(loaded.config, ("kafka",))
-    protect.build(cfg)  # protected fields: events and sealed snapshot states opened (kafold.protect)
+    protector = protect.build(cfg)  # protected fields: events and sealed snapshot states opened (kafold.protect)
     if args.sample is not None and args.sample < 1:
         raise ConfigError(["--sample: must be >= 1"])
     bad = 0
     for agg in selected_aggregates(cfg, args.aggregate, args.config):
-        domain = Domain.load(agg, python_paths(loaded))
+        domain = Domain.load(agg, python_paths(loaded), protector)
         report = verify(cfg.kafka, agg, domain, partitions_of(cfg.kafka, agg), args.sample)
         print(f"{agg.name}: fingerprint {visible(domain.identity.fingerprint)}: {report.checked} aggregates checked, "
               f"{report.snapshots_used} snapshots used, {len(report.mismatches)} mismatches")
