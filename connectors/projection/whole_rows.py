@@ -9,16 +9,17 @@ So such a batch is collapsed to the last event of each key (their versions must 
 careful way) and written by ONE statement (sql.upsert_whole_rows), the version guard in its ON CONFLICT.
 
 Exact outcomes, every guarantee kept. The writer counts every event of such a batch as applied, so the statement
-fails (sql.redo) unless that is so: every row written (none held back by the guard or by a tombstone at or above
-the first event of its key), and no stored row at or above the first event of a key with several. A failure rolls
-the transaction back and the writer does the batch again the careful way (read, fold, write), which decides each
-event exactly; batches stay careful until one has nothing stale (a replay after a crash pays this once). The
-checkpoint fence and the held keys' check are made in the server the same way (the statements fail instead of
-returning what the writer would compare), so BEGIN, the holds lock and check, the table's lock, the fence, the
-upsert, the dead letters and COMMIT go in one pipeline: one round trip a batch. Their order: the table's lock before
-the checkpoints' rows (a rebuild's swap takes them in that order), the fence before the upsert (its row locks make
-a second writer of the partition wait for the first's commit; the upsert's snapshot is taken after that wait, so
-its checks see what the first committed).
+fails (sql.redo) unless that is so: every row written (none held back by the guard or by a tombstone at or above the
+first event of its key), and no stored row at or above the first event of a key with several. A failure rolls the
+transaction back and the writer does the batch again the careful way (read, fold, write), which decides each event
+exactly; batches stay careful until one has nothing stale (a replay after a crash pays this once). A row the table
+refuses sends the batch the careful way too (its event may be stale there, and then nothing is written), which
+isolates it if it is refused again. The checkpoint fence and the held keys' check are made in the server the same
+way (the statements fail instead of returning what the writer would compare), so BEGIN, the holds lock and check,
+the table's lock, the fence, the upsert, the dead letters and COMMIT go in one pipeline: one round trip a batch.
+Their order: the table's lock before the checkpoints' rows (a rebuild's swap takes them in that order), the fence
+before the upsert (its row locks make a second writer of the partition wait for the first's commit; the upsert's
+snapshot is taken after that wait, so its checks see what the first committed).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class WholeRows:
         self.usable = mapping.guard and bool(mapping.whole_types) and not table_rows.cache_rows
         self.on = self.usable
         self.batches = 0  # batches committed by the one statement
+        self.tried = False  # the transaction under way is the one statement's
 
     def plan(self, todo: Candidates) -> Plan | None:
         """The batch's candidates collapsed, or None when one of them needs the stored row (or this path is off)."""

@@ -412,10 +412,13 @@ class ProjectionWriter:
                         self.table_rows.cache.clear()
                     self.table_rows.remember(folded.state, folded.buried)
                 return result
-            except psycopg.errors.UniqueViolation as e:
-                if not self._tracked_already(e):  # a row the table refused: the caller isolates it
+            except REJECTED as e:
+                if isinstance(e, psycopg.errors.UniqueViolation) and self._tracked_already(e):
+                    self._optimistic = False  # rolled back: do it again expecting duplicates, until a batch has none
+                elif self.whole_rows.tried:  # the careful way decides: a stale event's row is not written at all
+                    self.whole_rows.on = False
+                else:  # a row the table refused: the caller isolates it
                     raise
-                self._optimistic = False  # rolled back: do it again expecting duplicates, until a batch has none
             except HoldsChanged:  # rolled back: do it again with the keys read
                 continue
             except psycopg.errors.UndefinedObject as e:
@@ -465,6 +468,7 @@ class ProjectionWriter:
                 dead = [*dead, *held]
             todo = candidates(records, prep, skip)
             plan = self.whole_rows.plan(todo) if fence and call.then is None else None
+            self.whole_rows.tried = plan is not None
             if plan is not None and fence:  # one round trip, no row read (whole_rows.py)
                 fresh, folded = list(todo.first.values()), plan.folded
                 if call.hold:
@@ -505,11 +509,8 @@ class ProjectionWriter:
             else:
                 stored = self.store(conn, pipe, folded, dead, {} if self.fence else advance, call.hold_of, call.then,
                                      result)
-        if plan is not None:  # committed (the pipeline's exit raised nothing)
-            self.whole_rows.batches += 1
-            result.upserted, result.deleted = len(plan.rows), 0
-        else:
-            result.upserted, result.deleted = stored.counts()
+        result.upserted, result.deleted = stored.counts() if plan is None else (len(plan.rows), 0)
+        self.whole_rows.batches += plan is not None  # committed: the pipeline's exit raised nothing
         result.checkpoints = advance
         return result, folded
 

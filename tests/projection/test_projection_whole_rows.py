@@ -70,6 +70,11 @@ def outcomes(result: BatchResult) -> tuple[int, int, int]:
     return applied, result.duplicates, result.stale
 
 
+def dead(result: BatchResult) -> int:
+    """Dead-lettered events over the batch's partitions."""
+    return sum(c[3] for c in result.by_partition.values())
+
+
 def test_whole_rows_are_written_without_reads_and_stale_events_counted_exactly(pg_config: PostgresConfig,
                                                                               unique: str) -> None:
     topic, table = f"{unique}.events", table_name()
@@ -140,3 +145,20 @@ def test_held_keys_changed_under_the_one_statement_are_read_again(pg_config: Pos
         done = w.write(_records(topic, 0, [state("acc-2", 1, 2), state("acc-3", 1, 3)], start=1))
         assert (done.held, outcomes(done), w.whole_rows.batches) == (1, (1, 0, 0), 1)
     assert set(read_table(pg_config, table)) == {"acc-1", "acc-3"}
+
+
+def test_a_stale_event_the_table_would_refuse_is_stale_not_dead_lettered(pg_config: PostgresConfig,
+                                                                        unique: str) -> None:
+    """The one statement tries every row, stale ones too, and the table refuses a bad value before the version
+    guard is seen: the careful way decides, where a stale event is not written at all (as without this path); a
+    bad new event is still isolated and dead-lettered."""
+    topic, table = f"{unique}.events", table_name()
+    with writers(pg_config, unique, table) as (w,):
+        assert outcomes(w.write(_records(topic, 0, [state("acc-1", 2, 20)]))) == (1, 0, 0)
+        with db.connect(pg_config) as conn:
+            conn.execute(f"ALTER TABLE public.{table} ADD CHECK (balance >= 0)")
+        stale = w.write(_records(topic, 0, [state("acc-1", 1, -1), state("acc-2", 1, 2)], start=1))
+        assert (outcomes(stale), dead(stale)) == ((1, 0, 1), 0)
+        bad = w.write(_records(topic, 0, [state("acc-3", 1, -3), state("acc-4", 1, 4)], start=3))
+        assert (outcomes(bad), dead(bad)) == ((1, 0, 0), 1)
+    assert {k: r["balance"] for k, r in read_table(pg_config, table).items()} == {"acc-1": 20, "acc-2": 2, "acc-4": 4}
