@@ -89,6 +89,10 @@ carries its original's aggregate and version: the version guard finds it stale, 
 different event at a version its row already has (a producer's bug) is stale as well, as it is with tracking, where
 the version guard skips it after the tracking insert; both count it under `stale`. Kafka's own committed offsets
 follow the checkpoints as before (task.py): only what is stored here is trusted at `open`.
+
+Whole rows (whole_rows.py): with the fence, a batch whose events each set their whole row is not read nor folded
+here; one statement upserts its last row of each key, BEGIN to COMMIT in one round trip, and fails (sql.redo) when
+the fence, the held keys or any event's outcome is not what the writer assumed: the batch is then done as above.
 """
 
 from __future__ import annotations
