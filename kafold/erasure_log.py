@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
@@ -25,7 +25,6 @@ from kafold.errors import FatalError
 
 if TYPE_CHECKING:
     from kafold.config import KafkaConfig
-    from kafold.protect import KeyRing
 
 log = logs.get(__name__)
 FLUSH_TIMEOUT_S = 30.0
@@ -130,7 +129,14 @@ class ErasureLog:
                 self.producer = None
 
 
-def reapply(ring: KeyRing, erasure_log: ErasureLog) -> list[str]:
+class Reapplies(Protocol):
+    """What `reapply` needs of a key ring (kafold.protect.KeyRing, which records erasures here: typed by this
+    protocol, not imported, so that the two modules do not import each other)."""
+
+    def reapply(self, erasures: list[tuple[bytes, str, str]]) -> list[str]: ...
+
+
+def reapply(ring: Reapplies, erasure_log: ErasureLog) -> list[str]:
     """Re-apply the erasure log to `ring`'s store (a kafold.protect.KeyRing): the keys it still holds that the log
     names are deleted (and recorded as erasures again), and dropped from this process's caches; the subjects whose
     keys were deleted (a database behind the log: restored from a backup, or a crash between log and delete)."""

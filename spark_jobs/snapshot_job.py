@@ -105,7 +105,7 @@ def run(spark: Any, kafka: KafkaConfig, agg: AggregateConfig, python_path: list[
         partitions: list[int] | None = None, refresh_lag: int = REFRESH_LAG, reporter: Any = None,
         protection: Setup | None = None) -> JobResult:
     """Snapshot one aggregate type: one Spark task per events partition. `reporter(done, total, events)` is
-    called while it runs (see kafold.commands.snapshot for the progress display). `protection`
+    called while it runs (see kafold.tools.commands.snapshot for the progress display). `protection`
     (kafold.protect.setup of the configuration) is needed for an aggregate with protected fields: its tasks open
     their own key rings from it (kafold.spark_jobs.source)."""
     if agg.protect:  # refused here, in the driver, rather than in every task
@@ -134,7 +134,7 @@ def run(spark: Any, kafka: KafkaConfig, agg: AggregateConfig, python_path: list[
 
 def main(argv: list[str] | None = None) -> int:
     """spark-submit entry point: the same arguments as `kafold snapshot run`."""
-    from kafold.commands.snapshot import add_run_arguments, handle_run  # a layer up, as pyproject allows
+    from kafold.tools.commands.snapshot import add_run_arguments, handle_run  # a layer up, as pyproject allows
 
     parser = argparse.ArgumentParser(prog="snapshot_job", description="kafold snapshot job")
     parser.add_argument("--log-format", choices=("auto", "json", "console"), default="auto")

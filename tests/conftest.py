@@ -1,4 +1,4 @@
-"""The session's real services come from kafold.testing.fixtures (the broker and PostgreSQL named by the environment,
+"""The session's real services come from kafold.tools.dev.fixtures (the broker and PostgreSQL named by the environment,
 else a dev stack; `KAFOLD_TEST_BROKER=kafka|tansu` picks its broker); tests using them are marked `integration`."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 # xdist_groups: which tests one pytest-xdist worker runs together (`make test` runs the integration stage in two)
-pytest_plugins = ["kafold.testing.fixtures", "tests.support.xdist_groups"]
+pytest_plugins = ["kafold.tools.dev.fixtures", "tests.support.xdist_groups"]
 
 # Fixtures that reach a real service; tests using them are marked `integration` automatically.
 SERVICE_FIXTURES = frozenset({"dev_stack", "kafka_bootstrap", "pg_url", "kafka_config", "pg_config", "registry_url"})
@@ -21,7 +21,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(autouse=True)
 def _restore_logging() -> Iterator[None]:
-    """A test calling `kafold.cli.main` configures logging onto pytest's captured streams, which close after the
+    """A test calling `kafold.tools.cli.main` configures logging onto pytest's captured streams, which close after the
     test: give the next tests (and session teardown) structlog's defaults and no such handler back."""
     import logging
 
@@ -43,7 +43,7 @@ def registry_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if os.environ.get("KAFOLD_TEST_REGISTRY_URL"):
         yield os.environ["KAFOLD_TEST_REGISTRY_URL"]
         return
-    from kafold.registry_server import start
+    from kafold.tools.dev.registry_server import start
 
     reg = start(tmp_path_factory.mktemp("registry"))
     try:

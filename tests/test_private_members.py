@@ -27,8 +27,8 @@ KNOWN: frozenset[str] = frozenset({
     # third-party internals with no public equivalent: mode's worker's stop time and signal hook (a signal handler
     # override), aiohttp's TCPSite server (the bench receiver's socket), argparse's subparsers type (for typing)
     "daemon/host.py: _signal_stop_time", "daemon/host.py: _schedule_shutdown",
-    "kafold/bench/receiver.py: _server",
-    "kafold/commands/subjects.py: _SubParsersAction",
+    "kafold/tools/bench/receiver.py: _server",
+    "kafold/tools/commands/subjects.py: _SubParsersAction",
 })
 
 

@@ -52,10 +52,11 @@ def restore_base(kafka: KafkaConfig, agg: AggregateConfig, reader: Any, local: L
     low, stable = recovery.bounds(reader, events, n)
     with recovery.probing(kafka, agg.name) as probe:
         _, high = recovery.bounds(probe, events, n)
-    if local is not None:  # a store trusted up to an offset: no snapshot read, the tail from there
-        trusted = local.open(n, low, stable)
+    if local is not None:  # a store trusted up to its offsets: no snapshot read, the tails from there
+        _, results_stable = recovery.bounds(reader, agg.topic("results"), n)
+        trusted = local.open(n, low, stable, results_stable)
         if trusted is not None:
-            return low, max(stable, high), recovery.Base(start=trusted)
+            return low, max(stable, high), recovery.Base(start=trusted.offset, results_start=trusted.results)
     return low, max(stable, high), restorer.restore(n, low, stable)
 
 
@@ -77,6 +78,8 @@ class CatchUp:
         self.log = log
         self.commands, self.events, self.results = (agg.topic(k) for k in ("commands", "events", "results"))
         self.folders: dict[int, Folder[recovery.Recovering]] = {}
+        self.results_from: dict[int, int] = {}  # partition -> its trusted store's results offset (local.py)
+        self.dropped_before: dict[int, int] = {}  # partition -> the window's early drops when its recovery began
         self.parker: Any = None  # a plain producer for parked events (on_fold_error = "dead-letter"), made on use
 
     @property
@@ -93,6 +96,9 @@ class CatchUp:
             self.gates[n] = PartitionGate(n, end, start=base.start, snapshot_version=base.snapshot_version)
             self.folders[n] = recovery.folder(self.domain, self.store, n)
             recovery.seed(self.store, n, base)
+            if base.results_start is not None:
+                self.results_from[n] = base.results_start
+            self.dropped_before[n] = self.store.window.dropped_early
             if base.partial:
                 self._note_events(n, set(base.partial), base.start)
             self.reader.incremental_assign([KTP(self.events, n, base.start)])
@@ -105,6 +111,8 @@ class CatchUp:
         for n in mine:
             gate = self.gates.pop(n)
             self.folders.pop(n, None)
+            self.results_from.pop(n, None)
+            self.dropped_before.pop(n, None)
             if not renewing:
                 self.positions.pop(n, None)
             self.store.drop_partition(n)
@@ -183,15 +191,26 @@ class CatchUp:
         self.reader.incremental_unassign([KTP(self.events, n)])
         folder = self.folders.pop(n)
 
+        since = self.results_from.pop(n, None)
+        ended = [-1]
+
         def note_results(reader: Any) -> int:
+            # a trusted store holds the outcomes of the results below `since`: only the results tail is read
             with recovery.probing(self.kafka, self.agg.name) as probe:
-                return recovery.note_results(reader, self.results, self.domain, self.store, n, probe=probe)
+                read, ended[0] = recovery.note_results(reader, self.results, self.domain, self.store, n,
+                                                       probe=probe, since=since)
+                return read
 
         results = self._read_back("aggregate.results_retrying", n, note_results)
-        if self.local is not None:  # what the restore and the replay built, trusted from now on up to here
+        self.counts["recovery_results_read"] += results
+        if self.local is not None:  # what the restore, the replay and the results read built, trusted from now on
             with self.store.lock:
                 held = [(aid, e) for aid, e in self.store.entries.items() if e.partition == n]
-            self.local.seal(n, held, gate.position)
+            # Offset note: the results offset is recorded only when every outcome the read found is in `held`. Ids
+            # dropped from memory early meanwhile (idempotency_max_ids) were never written: the store then keeps
+            # its previous results offset until the next seal, and the next restart reads those results again.
+            complete = self.store.window.dropped_early == self.dropped_before.pop(n, self.store.window.dropped_early)
+            self.local.seal(n, held, gate.position, ended[0] if ended[0] >= 0 and complete else None)
         self._resume_commands(n)
         self.log.info("aggregate.caught_up", **gate.describe(), folded=folder.folded, duplicates=folder.skipped,
                       events_parked=folder.bad or None, results_read=results)

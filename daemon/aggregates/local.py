@@ -20,6 +20,28 @@ files came from elsewhere) empties the partition's store; the runtime then resto
 and fills the store from that restore. Records written while a partition recovers (aggregates evicted from the
 cache mid-replay, `spill`) carry committed states only (the replay reads read_committed) and are not trusted until
 the gate opens and records the offset.
+
+The idempotency window on disk, and the results offset
+------------------------------------------------------
+Each command id's first outcome (time, version after, events written, rejection reason) is kept under its aggregate
+with an expiry index by command time; outcomes past the window are swept a bounded number per write. The meta
+record also holds `results`: the offset of the results partition (same number) below which every committed result
+the window needs (a rejection, an acceptance without events) is in the outcomes. It is written in the same LMDB
+transaction as `offset` and the outcomes it covers: the offset after the batch's last result per partition
+(TransactionalWriter.result_ends), and at a seal the end the gate's results read reached. A trusted store's
+catch-up therefore reads only the results past it (recovery.note_results `since`), not the whole 24 hours; an
+outcome recorded before it is read back from here when its command id is retried (`read_back`).
+
+Why the crash orders are safe (the write follows the commit, in one LMDB transaction):
+- transaction committed, store not written (a crash in between): `offset` and `results` both stay at an earlier
+  batch's, at or below what Kafka committed; the events tail refolds the batch's states and the ids of its
+  acceptances, the results tail past `results` gives its rejections: state and window equal a full replay's.
+- store written, transaction aborted: cannot happen, the write is made only once `commit` returned True (an
+  outcome not known yet is asked again until decided, txn.py; an error writes nothing). Were the files ahead
+  anyway (copied from elsewhere, the topics recreated), `offset` above the events' last stable offset or `results`
+  above the results' distrusts the whole store: it is emptied and rebuilt, as a missing or corrupt one is.
+- a store without `results` (written before it was recorded) is trusted for its states; its window is rebuilt
+  from the results within the window, as before.
 """
 
 from __future__ import annotations
@@ -27,6 +49,7 @@ from __future__ import annotations
 import shutil
 import zlib
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +86,15 @@ def _outcome_key(aggregate_id: str, command_id: str) -> bytes:
     return OUTCOME + aggregate_id.encode() + b"\0" + command_id.encode()
 
 
+@dataclass(frozen=True)
+class Trusted:
+    """What an opened store is trusted to: the events offset the tail replays from, and the results offset the
+    window's results are read from (None: not recorded, the whole window is read)."""
+
+    offset: int
+    results: int | None
+
+
 def local_states(daemon: DaemonConfig, agg: AggregateConfig, domain: AggregateDomain,
                  window_ms: int) -> LocalStates | None:
     """The local store of aggregate `agg` under `daemon.state_dir`, or None: no state_dir (evicted aggregates are
@@ -86,20 +118,24 @@ class LocalStates:
         self.window_ms = window_ms
         self.envs: dict[int, lmdb.Environment] = {}
         self.filling: set[int] = set()  # partitions recovering: their offset is recorded only when the gate opens
+        # partitions sealed without a results offset: it stays where it was until they are opened and sealed again
+        # (a later batch's would skip results whose outcomes the seal did not hold)
+        self.results_held: set[int] = set()
         self.reads = self.writes = 0
 
     def path(self, partition: int) -> Path:
         return self.root / str(partition)
 
     # ---- assignment ---------------------------------------------------------------------------------------------
-    def open(self, partition: int, low: int, stable: int) -> int | None:
-        """Open partition `partition`'s store; the events offset it is trusted to (the tail replays from there), or
-        None when it was missing, unreadable, of another fold or outside [low, stable] and was emptied (see the
-        module note). `stable`: the events partition's last stable offset (its committed end)."""
+    def open(self, partition: int, low: int, stable: int, results_stable: int | None = None) -> Trusted | None:
+        """Open partition `partition`'s store; the offsets it is trusted to (the tails replay from there), or None
+        when it was missing, unreadable, of another fold, outside [low, stable] or with a results offset above
+        `results_stable` and was emptied (see the module note). `stable`, `results_stable`: the events and results
+        partitions' last stable offsets (their committed ends; None: not checked, the results offset unused)."""
         self.close(partition)
         self.filling.add(partition)
         path = self.path(partition)
-        why, offset = None, None
+        why, offset, results = None, None, None
         try:
             env = self._env(path)
             meta = self._check(env)
@@ -109,8 +145,12 @@ class LocalStates:
                 why = "another fold"
             elif not low <= meta["offset"] <= stable:
                 why = "ahead of the committed events" if meta["offset"] > stable else "before the first event"
+            elif results_stable is not None and meta.get("results", -1) > results_stable:
+                why = "ahead of the committed results"
             else:
                 offset = int(meta["offset"])
+                recorded = meta.get("results")
+                results = None if results_stable is None or recorded is None else int(recorded)
         except (lmdb.Error, OSError, ValueError, KeyError, TypeError, orjson.JSONDecodeError) as e:
             why, env = f"unreadable: {type(e).__name__}: {e}", None
         if offset is None:
@@ -125,10 +165,11 @@ class LocalStates:
                         low=low, committed_end=stable)
         else:
             log.info("aggregate.local_store_trusted", partition=partition, path=str(path), offset=offset,
-                     committed_end=stable, tail=stable - offset)
+                     committed_end=stable, tail=stable - offset, results_offset=results,
+                     results_tail=None if results is None or results_stable is None else results_stable - results)
         assert env is not None
         self.envs[partition] = env
-        return offset
+        return None if offset is None else Trusted(offset, results)
 
     def _env(self, path: Path) -> lmdb.Environment:
         path.mkdir(parents=True, exist_ok=True)
@@ -145,16 +186,22 @@ class LocalStates:
                     meta = orjson.loads(body)
         return meta
 
-    def seal(self, partition: int, entries: Iterable[tuple[str, Entry]], offset: int) -> None:
+    def seal(self, partition: int, entries: Iterable[tuple[str, Entry]], offset: int, results: int | None) -> None:
         """The gate of `partition` opened at events offset `offset`: the partition's cached entries (what the restore
-        and the tail replay built; those evicted meanwhile were spilled) and the offset, in one LMDB transaction."""
-        self._write(partition, entries, None, offset)
+        and the tail replay built, with the outcomes the results read added; those evicted meanwhile were spilled),
+        the offset and `results`, where that results read ended, in one LMDB transaction. `results` None: not every
+        outcome the read found is in `entries` (or none was read), so the recorded one is kept, and no batch moves
+        it until the partition is opened and sealed again."""
+        self._write(partition, entries, None, offset, results=results)
         self.filling.discard(partition)
+        if results is None:
+            self.results_held.add(partition)
 
     def close(self, partition: int) -> None:
         """The partition was released (revoked, or re-opened): its files stay, for a later assignment here."""
         env = self.envs.pop(partition, None)
         self.filling.discard(partition)
+        self.results_held.discard(partition)
         if env is not None:
             env.close()
 
@@ -221,10 +268,12 @@ class LocalStates:
 
     # ---- writes -------------------------------------------------------------------------------------------------
     def write_batch(self, store: StateStore, decided: Mapping[str, list[str]], ends: Mapping[tuple[str, int], int],
-                    events_topic: str) -> None:
+                    events_topic: str, result_ends: Mapping[tuple[str, int], int] | None = None,
+                    results_topic: str = "") -> None:
         """After a batch's transaction committed: the aggregates it changed (id -> the command ids decided on it),
         from `store`, with the offset after each partition's newest committed event (`ends`: (topic, partition) ->
-        offset, TransactionalWriter.ends).
+        offset, TransactionalWriter.ends) and after its newest committed result (`result_ends`,
+        TransactionalWriter.result_ends).
 
         Commit note: called after the commit returned, never before; a crash in between leaves the store behind
         the committed events (never ahead), and the next assignment replays the tail past its recorded offset."""
@@ -235,18 +284,22 @@ class LocalStates:
                 if entry is not None:
                     touched.setdefault(entry.partition, []).append((aid, entry, cids))
         after = {n: off + 1 for (topic, n), off in ends.items() if topic == events_topic}
-        self.committed(touched, after, store.window.high - self.window_ms)
+        results = {n: off for (topic, n), off in (result_ends or {}).items() if topic == results_topic}
+        self.committed(touched, after, store.window.high - self.window_ms, results)
 
     def committed(self, entries: dict[int, list[tuple[str, Entry, list[str]]]], ends: dict[int, int],
-                  cutoff: int) -> None:
+                  cutoff: int, results: dict[int, int] | None = None) -> None:
         """After a batch's transaction committed: per partition the touched aggregates (entry, command ids decided)
         and `ends[partition]`, the offset after its last committed event (absent: no event written, the offset
-        stays). Outcomes older than `cutoff` (ms) are swept."""
+        stays), `results[partition]` the offset after its last committed result (absent: it stays). Outcomes older
+        than `cutoff` (ms) are swept. A partition with no touched aggregate (only duplicates) is not written: its
+        results offset lags by results a restart reads and skips (a duplicate adds nothing to the window)."""
+        results = results or {}
         for n, touched in entries.items():
             if n in self.envs:
                 self._write(n, [(aid, e) for aid, e, _ in touched],
                             [(aid, cid, e.recent[cid]) for aid, e, cids in touched for cid in cids if cid in e.recent],
-                            ends.get(n), cutoff)
+                            ends.get(n), cutoff, None if n in self.results_held else results.get(n))
 
     def spill(self, evicted: Iterable[tuple[str, Entry]]) -> None:
         """Entries evicted from the cache while their partition recovers (changed by the replay, not yet written):
@@ -259,19 +312,19 @@ class LocalStates:
             self._write(n, entries, None, None)
 
     def _write(self, partition: int, entries: Iterable[tuple[str, Entry]],
-               outcomes: list[tuple[str, str, Remembered]] | None, offset: int | None, cutoff: int | None = None
-               ) -> None:
+               outcomes: list[tuple[str, str, Remembered]] | None, offset: int | None, cutoff: int | None = None,
+               results: int | None = None) -> None:
         env = self.envs.get(partition)
         if env is None:
             return
         try:
-            self._write_txn(env, entries, outcomes, offset, cutoff)
+            self._write_txn(env, entries, outcomes, offset, cutoff, results)
         except lmdb.Error as e:  # disk full, a failing disk: the store lags from here; a restart replays the tail
             raise FatalError(f"local state store {self.path(partition)}: cannot write: {e}") from e
 
     def _write_txn(self, env: lmdb.Environment, entries: Iterable[tuple[str, Entry]],
-                   outcomes: list[tuple[str, str, Remembered]] | None, offset: int | None, cutoff: int | None
-                   ) -> None:
+                   outcomes: list[tuple[str, str, Remembered]] | None, offset: int | None, cutoff: int | None,
+                   results: int | None) -> None:
         dumps, to_json = orjson.dumps, self.domain.state_to_json
         with env.begin(write=True) as txn:
             put = txn.put
@@ -284,10 +337,20 @@ class LocalStates:
                         self._put_outcome(put, aid, cid, o)
             for aid, cid, o in outcomes or ():
                 self._put_outcome(put, aid, cid, o)
-            if offset is not None:
-                put(META, _sealed(dumps({**self.identity, "offset": offset})))
+            if offset is not None or results is not None:  # the offsets, with the records they cover
+                meta = self._meta(txn)
+                if offset is not None:
+                    meta["offset"] = offset
+                if results is not None:
+                    meta["results"] = max(results, meta.get("results", 0))  # a delivery report may be missed
+                if "offset" in meta:  # never a meta without the events offset (read as unreadable)
+                    put(META, _sealed(dumps({**meta, **self.identity})))
             if cutoff is not None:
                 self._sweep(txn, cutoff)
+
+    def _meta(self, txn: Any) -> dict[str, Any]:
+        value = txn.get(META)
+        return {} if value is None else dict(orjson.loads(value[4:]))
 
     def _put_outcome(self, put: Any, aggregate_id: str, command_id: str, outcome: Remembered) -> None:
         t, after, n, reason = unpack(outcome)

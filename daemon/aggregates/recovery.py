@@ -43,6 +43,8 @@ class Base:
     windows: dict[str, list[list[Any]]] = field(default_factory=dict)
     # aggregates whose snapshot carried only the ids decided from this time (ms) on: the rest is read back
     partial: dict[str, int] = field(default_factory=dict)
+    # a trusted local store's results offset: the window's results are read from there on (None: the whole window)
+    results_start: int | None = None
 
 
 class Restorer(Protocol):
@@ -195,9 +197,13 @@ def offset_at(consumer: Any, topic: str, partition: int, since_ms: int) -> int:
 
 
 def note_results(consumer: Any, topic: str, domain: AggregateDomain, store: StateStore, partition: int,
-                 only: set[str] | None = None, now_ms: int | None = None, probe: Any = None) -> int:
+                 only: set[str] | None = None, now_ms: int | None = None, probe: Any = None,
+                 since: int | None = None) -> tuple[int, int]:
     """Add to the idempotency window the outcomes on results partition `partition` within the window that events
-    cannot give: rejections, and acceptances that wrote no event. Results read.
+    cannot give: rejections, and acceptances that wrote no event. (Results read, the offset below which every
+    result the window needs was read: where the reading ended, or `consumer`'s end offset when no result lies within
+    the window.) `since`: a trusted local store's results offset (local.py): the outcomes of results
+    below it are in the store, so the reading starts there when that is later than the window's start.
 
     Offset note: reading starts at the first result whose record time is within the window of the latest command
     time known (ListOffsets by timestamp; results carry their command's time) and stops at the partition's end
@@ -209,8 +215,10 @@ def note_results(consumer: Any, topic: str, domain: AggregateDomain, store: Stat
     window = store.window
     high = max(window.high, now_ms if now_ms is not None else int(time.time() * 1000))
     start = offset_at(probe or consumer, topic, partition, high - window.window_ms)
-    if start < 0:  # no result at or after the window's start
-        return 0
+    if start < 0:  # no result at or after the window's start: every result below the committed end is older
+        return 0, bounds(consumer, topic, partition)[1]
+    if since is not None:
+        start = max(start, since)
     until = bounds(probe, topic, partition)[1] if probe is not None else 0
     evicted = store.evicted.get(partition, ())
     read = 0
@@ -239,9 +247,9 @@ def note_results(consumer: Any, topic: str, domain: AggregateDomain, store: Stat
                 window.remember(entry, aid, r.command_id, rejected(t, r.version, r.reason or "") if
                                 r.status == REJECTED else accepted(t, r.version, 0))
 
-    read_until_eof(consumer, topic, partition, start, feed, until=until)
+    end = read_until_eof(consumer, topic, partition, start, feed, until=until)
     window.expire(store.entries)
-    return read
+    return read, end
 
 
 def note_events(consumer: Any, topic: str, store: StateStore, partition: int, ids: set[str], until: int) -> int:

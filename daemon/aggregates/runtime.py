@@ -107,7 +107,8 @@ class AggregateRuntime(LoopHandler):
         self.uncommitted: Undo = {}
         self.counts = dict.fromkeys(("batches", "commands", "accepted", "rejected", "dead_lettered", "duplicates",
                                      "events", "aborts", "assignments", "reloads", "producers_renewed",
-                                     "fold_errors", "events_parked", "refetched"), 0)
+                                     "fold_errors", "events_parked", "refetched",
+                                     "recovery_results_read"), 0)
         self.renewed = False  # a producer was renewed and no batch has committed since: a second break stops
         self.loop = ConsumerLoop(self, stop=self.stop_event, max_records=daemon.batch_max_records,
                                  wait_s=daemon.batch_max_wait_ms / 1000, counts=self.counts,
@@ -349,7 +350,7 @@ class AggregateRuntime(LoopHandler):
         self.positions.update(last)
         if self.local is not None:  # after the commit, never before: the store can only lag (local.py's note)
             self.local.write_batch(self.store, {aid: cids for aid, (_, cids) in undo.items()}, self.writer.ends,
-                                   self.topics["events"])
+                                   self.topics["events"], self.writer.result_ends, self.topics["results"])
         self.store.trim()
         self.counts["batches"] += 1
         self.counts["commands"] += len(live)

@@ -106,6 +106,11 @@ class TransactionalWriter:
         self._committing: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {}
         # (events topic, partition) -> offset of the newest event known committed there (module note)
         self.ends: dict[tuple[str, int], int] = {}
+        # (results topic, partition) -> the offset after the newest result known committed there: what the local
+        # state store records with the outcomes it holds (local.py); set from the last result of each partition of
+        # a committed transaction whose delivery report was served (none served: it stays, the store only lags)
+        self.result_ends: dict[tuple[str, int], int] = {}
+        self._results_landed: list[Landing] = []
         self._landed: list[Landing] = []  # the open transaction's last events, known committed at `_remember`
         self.open = False
         self.held = False  # a librdkafka call blocked for good holds the producer: close must not touch it
@@ -127,12 +132,18 @@ class TransactionalWriter:
         self.open = True
 
     def produce(self, topic: str, partition: int, key: bytes | None, value: bytes | None,
-                headers: Headers, timestamp: int = 0) -> None:
-        """Queue one record of the open transaction; `timestamp` (ms) 0 = the producer's clock."""
+                headers: Headers, timestamp: int = 0, landing: Landing | None = None) -> None:
+        """Queue one record of the open transaction; `timestamp` (ms) 0 = the producer's clock; `landing`: told
+        where it landed (its delivery report)."""
         try:
-            self._produce(topic, value, key, partition, headers=headers, timestamp=timestamp)
+            if landing is None:
+                self._produce(topic, value, key, partition, headers=headers, timestamp=timestamp)
+            else:
+                self._produce(topic, value, key, partition, headers=headers, timestamp=timestamp,
+                              on_delivery=landing)
         except BufferError:  # the local queue is full: serve delivery reports until there is room
-            kafka_clients.produce(self.producer, topic, value, key, headers, partition=partition, timestamp=timestamp)
+            kafka_clients.produce(self.producer, topic, value, key, headers, partition=partition, timestamp=timestamp,
+                                  on_delivery=landing)
         except KafkaException as e:
             raise _convert(e, "produce") from e
 
@@ -201,7 +212,12 @@ class TransactionalWriter:
                 x.token = encode_token(x.topic, x.partition, x.offset)
         batch: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {}
         self._landed = landings
-        for topic, partition, result, landing, timestamp, trace, events_at in results:
+        last_result: dict[tuple[str, int], int] = {}  # (topic, partition) -> index of its last result
+        for i, (topic, partition, *_) in enumerate(results):
+            last_result[(topic, partition)] = i
+        reported = {i: Landing(topic, partition) for (topic, partition), i in last_result.items()}
+        self._results_landed = list(reported.values())
+        for i, (topic, partition, result, landing, timestamp, trace, events_at) in enumerate(results):
             ident = (result.aggregate_id, result.command_id)
             token = None
             if landing is not None:
@@ -217,7 +233,7 @@ class TransactionalWriter:
             key, value, headers = result.encode(token)
             if trace:
                 headers = [*headers, *trace]
-            self.produce(topic, partition, key, value, headers, timestamp)
+            self.produce(topic, partition, key, value, headers, timestamp, reported.get(i))
         self._committing = batch
         return True
 
@@ -229,13 +245,19 @@ class TransactionalWriter:
         for x in landed:
             assert x.offset is not None
             self.known_end(x.topic, x.partition, x.offset)
+        reported, self._results_landed = self._results_landed, []
+        if reported:
+            self.producer.poll(0)  # serve the results' delivery reports the commit's flush queued
+        for x in reported:  # committed: the transaction holding the result is; an unserved one leaves it behind
+            if x.offset is not None and x.offset + 1 > self.result_ends.get((x.topic, x.partition), 0):
+                self.result_ends[(x.topic, x.partition)] = x.offset + 1
         if len(tokens) > REMEMBERED_TOKENS:
             for ident in list(islice(tokens, len(tokens) - REMEMBERED_TOKENS)):
                 del tokens[ident]
 
     def commit(self, offsets: list[TopicPartition], group_metadata: Any) -> bool:
         """Commit the open transaction with `offsets`; False when it had to be aborted (nothing visible)."""
-        self._committing, self._landed = {}, []
+        self._committing, self._landed, self._results_landed = {}, [], []
         if (self._results or self._last) and not self._produce_results():
             log.warning("aggregate.txn_aborting", transactional_id=self.transactional_id,
                         error="events of the batch not delivered")

@@ -42,8 +42,8 @@ def subprocess_job(config_path: Path, master: str | None = None) -> Callable[[],
     log4j output) are appended to the daemon's log file when it has one (`kafold run` on a terminal, whose live
     view they would tear), else inherited. Nobody watches a scheduled run, so it draws no progress bar."""
     def run() -> int:
-        cmd = [sys.executable, "-m", "kafold.cli", "--log-format", "json", "snapshot", "run", "-c", str(config_path),
-               "--no-progress"]
+        cmd = [sys.executable, "-m", "kafold.tools.cli", "--log-format", "json", "snapshot", "run", "-c",
+               str(config_path), "--no-progress"]
         if master:
             cmd += ["--master", master]
         log_file = logs.current()[2]

@@ -3,7 +3,7 @@
 A plugin's test suite subclasses `SinkTaskContract` once per connector (set `connector_ref` to its entry point name
 or `module:Class`, and `config` to a valid configuration); the inherited tests check the config declaration, the
 task life cycle, idempotent `put` and, against a real broker, that the runner drives it and commits to the end.
-The broker comes from the fixtures in `kafold.testing.fixtures` (`pytest_plugins = ["kafold.testing.fixtures"]` in
+The broker comes from the fixtures in `kafold.tools.dev.fixtures` (`pytest_plugins = ["kafold.tools.dev.fixtures"]` in
 the plugin's conftest.py): `KAFOLD_TEST_BOOTSTRAP` names one, else a private `kafold dev` stack is started.
 See docs/connectors.md.
 """

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kafold import cli
 from kafold.config import KafkaConfig, TopicSpec
+from kafold.tools import cli
 from kafold.topics import ensure
 from tests.aggregates.agg_support import BANK, bank_config, create_topics, running, runtime
 from tests.support import wait_for

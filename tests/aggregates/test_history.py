@@ -12,12 +12,13 @@ from typing import Any
 import psycopg
 import pytest
 
-from kafold import cli, config, db, kafka_clients, topics
+from kafold import config, db, kafka_clients, topics
 from kafold.config import KafkaConfig
 from kafold.envelope import Event, encode
 from kafold.history import History, NotFound
 from kafold.snapshot.fold import Domain
 from kafold.testing import free_port
+from kafold.tools import cli
 from tests.aggregates.agg_support import (
     PLACEHOLDER,
     customer_client,

@@ -28,7 +28,7 @@ from confluent_kafka import KafkaException
 from confluent_kafka import TopicPartition as KafkaTP
 from confluent_kafka.admin import AdminClient, ConsumerGroupDescription, MemberAssignment, MemberDescription
 
-from kafold import cli, config, kafka_clients, topics
+from kafold import config, kafka_clients, topics
 from kafold.client import CommandClient, http_get
 from kafold.config import DaemonConfig, KafkaConfig
 from kafold.daemon.aggregates import routing, trust
@@ -37,6 +37,7 @@ from kafold.errors import ConfigError, KafoldError
 from kafold.partitioning import partition_for
 from kafold.schema import Secret
 from kafold.testing import free_port
+from kafold.tools import cli
 from tests.aggregates.agg_support import bank_daemon_toml
 from tests.aggregates.test_state_routing import KAFOLD, call, read
 from tests.support import child_env, wait_for

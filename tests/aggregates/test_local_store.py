@@ -29,6 +29,7 @@ from tests.aggregates.agg_support import (
     create_topics,
     events,
     fold_balances,
+    read_all,
     running,
 )
 from tests.support import wait_for
@@ -217,4 +218,53 @@ def test_a_new_host_fills_its_store_from_snapshots_and_a_restart_skips_them(
     assert again.calls == 0 and gate.snapshot_version is None and gate.events_replayed == 0
     assert {a: g[0].balance for a, g in got.items() if g is not None} == balance
     assert all(g is not None and g[2] in ("store", "memory") for g in got.values())
+    assert scans == []
+
+
+@pytest.mark.parametrize("damage", ["trusted", "results_ahead"])
+def test_a_trusted_restart_reads_only_the_results_tail_and_answers_retries_from_the_store(
+        kafka_config: KafkaConfig, unique: str, tmp_path: Path, damage: str, scans: list[set[str]]) -> None:
+    """The store records the results offset its window reflects: a restart on it reads none of the results
+    before that offset (the runtime's `recovery_results_read`), yet a command id retried after the restart, its
+    result before the offset, gets its first outcome back (a rejection: known from its result only). A store whose
+    results offset lies past the committed results is not trusted: rebuilt, with the whole window read."""
+    agg = dataclasses.replace(bank_config(unique), cache_max_aggregates=5)
+    create_topics(kafka_config, agg)
+    state_dir = tmp_path / "state"
+    accounts = [f"acc-{i:03d}" for i in range(30)]
+    plan = _plan(random.Random(11), accounts, 200)
+    with running(_runtime(kafka_config, agg, state_dir)) as r, CommandClient(kafka_config, agg) as c:
+        wait_for(lambda: r.runtime.ready, what="runtime live")
+        _send(c, plan)
+        refused = c.send(c.command(accounts[0], "Withdraw", {"amount": 10**9}, command_id="wd-big"))
+        deposit = c.send(c.command(accounts[1], "Deposit", {"amount": 3}, command_id="dep-3"))
+        _send(c, [(a, "Deposit", 1) for a in accounts[2:]])  # later results: the two above lie well before the end
+        assert r.runtime.counts["recovery_results_read"] == 0  # an empty topic when it started
+    assert refused is not None and not refused.accepted and deposit is not None and deposit.accepted
+    written = len(plan) + 2 + len(accounts) - 2
+    store = state_dir / agg.name / "0"
+    env = lmdb.open(str(store))
+    with env.begin(write=True) as txn:
+        meta = orjson.loads(txn.get(local.META)[4:])
+        if damage == "results_ahead":
+            txn.put(local.META, local._sealed(orjson.dumps({**meta, "results": meta["results"] + 1000})))
+    env.close()
+    records = read_all(kafka_config, agg.topic("results"))
+    assert len(records) == written  # one partition: one result per command
+    # every result is reflected (offsets count the transactions' commit markers too)
+    assert meta["results"] == max(m.offset() for m in records) + 1
+    with running(_runtime(kafka_config, agg, state_dir, "i2")) as r, CommandClient(kafka_config, agg) as c:
+        wait_for(lambda: r.runtime.ready, what="runtime live again", timeout=45)
+        refused_again = c.send(c.command(accounts[0], "Withdraw", {"amount": 10**9}, command_id="wd-big"))
+        deposit_again = c.send(c.command(accounts[1], "Deposit", {"amount": 3}, command_id="dep-3"))
+        # read once commands are decided: the gate counts as LIVE a moment before its results read is done
+        read, gate = r.runtime.counts["recovery_results_read"], r.runtime.gates[0]
+    if damage == "trusted":
+        assert gate.start > 0 and read == 0  # the results tail past the recorded offset is empty
+    else:
+        assert gate.start == 0 and read == written  # rebuilt: the whole window's results read
+    assert refused_again is not None and refused_again.duplicate and not refused_again.accepted
+    assert refused_again.reason == refused.reason and refused_again.version == refused.version
+    assert deposit_again is not None and deposit_again.duplicate
+    assert (deposit_again.version, deposit_again.event_ids) == (deposit.version, deposit.event_ids)
     assert scans == []

@@ -1,6 +1,7 @@
 """kill -9 around the transaction commit with a local state store, for a domain of datetimes, tuples and Decimals
 (tests/aggregates/cart_domain.py): the restarted runtime trusts the store only up to the committed events it
-records, replays the tail past it, decides every command once, and ends with the state of a full replay."""
+records, replays the tail past it, decides every command once, and ends with the state and the idempotency window of
+a full replay (the window's outcomes from the store up to its results offset, the rest from the tails)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from kafold.client import CommandClient
 from kafold.config import DaemonConfig, KafkaConfig
 from kafold.daemon.aggregates import AggregateRuntime, recovery
 from kafold.daemon.aggregates.store import StateStore
+from kafold.daemon.aggregates.window import unpack
 from kafold.domain import AggregateDomain
 from tests.aggregates.agg_support import create_topics, results, running
 from tests.aggregates.local_proc import cart_config
@@ -41,8 +43,23 @@ def _plan(rng: random.Random) -> list[tuple[str, str, dict[str, Any]]]:
         else:
             lines = [{"sku": f"sku-{rng.randrange(99)}", "price": f"{rng.randint(1, 99999) / 100:.2f}"}
                      for _ in range(rng.randint(1, 3))]
+            if i % 7 == 3:  # rejected ("nothing to add"): an outcome known from its result only, in every batch
+                lines = []
             plan.append((c, "AddItems", {"lines": lines, **({"note": "gift"} if i % 5 == 0 else {})}))
     return plan
+
+
+def _outcome(runtime: AggregateRuntime, aggregate_id: str, command_id: str) -> Any:
+    """The runtime's outcome of `command_id`: from memory, else from its partition's local store."""
+    entry = runtime.store.entries.get(aggregate_id)
+    if entry is not None and command_id in entry.recent:
+        return unpack(entry.recent[command_id])
+    assert runtime.local is not None
+    for n in list(runtime.gates):
+        found = runtime.local.outcome(n, aggregate_id, command_id)
+        if found is not None:
+            return unpack(found)
+    return None
 
 
 def _child(kafka: KafkaConfig, name: str, state_dir: Path, point: str, nth: int, log: Any) -> Any:
@@ -96,17 +113,23 @@ def test_kill_around_the_commit_never_trusts_the_store_past_committed_events(
         wait_for(lambda: r.runtime.ready, what="runtime live", timeout=45)
         assert all(g.start > 0 for g in r.runtime.gates.values()), "the store was not trusted"
         live = {c: r.runtime.get(c) for c in {a for a, _, _ in plan}}
+        # a gate reports LIVE a moment before its results read ends; its commands resume (a position) after it
+        wait_for(lambda: set(r.runtime.positions) >= set(r.runtime.gates), timeout=30, what="commands resumed")
+        decided = {c.command_id: _outcome(r.runtime, c.aggregate_id, c.command_id) for c in cmds}
     replay: dict[str, Any] = {}
     reader = recovery.reader(kafka_config, agg.name)
     try:
-        for n in range(agg.partitions):  # a full replay of each events partition, every cart's key
+        for n in range(agg.partitions):  # a full replay of each events and results partition, every cart's key
             states = StateStore(10**6)
-            recovery.reload(reader, agg.topic("events"), domain, states, n, set(live))
-            replay.update({aid: e for aid, e in states.entries.items() if e.version > 0})
+            recovery.reload(reader, agg.topic("events"), domain, states, n, set(live), results=agg.topic("results"))
+            replay.update({aid: e for aid, e in states.entries.items() if e.version > 0 or e.recent})
     finally:
         reader.close()
     for cart, found in live.items():
         entry = replay.get(cart)
         assert found is not None and entry is not None
         assert (found[0], found[1]) == (entry.state, entry.version), cart
+    for c in cmds:  # the window: every command id's first outcome, as a full replay of events + results knows it
+        seen = replay[c.aggregate_id].recent.get(c.command_id)
+        assert seen is not None and decided[c.command_id] == unpack(seen), c.command_id
     assert any(x[0].total > 0 and x[0].last is not None for x in live.values() if x)

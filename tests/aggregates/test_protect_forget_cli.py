@@ -62,7 +62,8 @@ def test_a_forget_from_the_cli_reloads_the_running_daemons_state(
 def test_a_forget_without_a_terminal_needs_yes_and_a_dry_run_changes_nothing(
         kafka_config: KafkaConfig, pg_url: str, unique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from kafold import cli, config, db, protect
+    from kafold import config, db, protect
+    from kafold.tools import cli
 
     master_key(monkeypatch)
     conf = tmp_path / "kafold.toml"

@@ -20,12 +20,13 @@ import pytest
 from confluent_kafka import KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, ConsumerGroupDescription, MemberAssignment, MemberDescription
 
-from kafold import cli, config, kafka_clients, topics
+from kafold import config, kafka_clients, topics
 from kafold.client import CommandClient
 from kafold.config import DaemonConfig, KafkaConfig, StateRouting
 from kafold.daemon.aggregates import routing
 from kafold.errors import ConfigError
 from kafold.testing import free_port
+from kafold.tools import cli
 from tests.aggregates.agg_support import bank_daemon_toml
 from tests.support import child_env, wait_for
 

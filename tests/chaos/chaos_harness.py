@@ -52,10 +52,11 @@ from confluent_kafka import Consumer, Producer
 from confluent_kafka import TopicPartition as KafkaTP
 from confluent_kafka.admin import AdminClient
 
-from kafold import db, devstack, kafka_clients
+from kafold import db, kafka_clients
 from kafold.config import KafkaConfig, PostgresConfig, load_file
 from kafold.envelope import Event, decode, encode
 from kafold.errors import RetriableError
+from kafold.tools.dev import stack as devstack
 from tests.support import ROOT, free_port
 
 KAFOLD = str(Path(sys.executable).parent / "kafold")
@@ -148,7 +149,7 @@ class Stack:
 
     def brokers(self) -> list[devstack.Proc]:
         """The broker processes as the stack file knows them now (a restarted node has a new pid)."""
-        return devstack._brokers(devstack._read_state(self.state))
+        return devstack.brokers_in(devstack.read_state(self.state))
 
     def pause_broker(self, seconds: float, node: int = 1) -> None:
         """SIGSTOP of broker `node` (1-based), SIGCONT after `seconds`."""

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from kafold import cli, config, topics
+from kafold import config, topics
 from kafold.config import KafkaConfig
 from kafold.envelope import Event, encode
+from kafold.tools import cli
 from tests.support import ROOT, child_env, create_topic, kafka_toml, produce
 
 KAFOLD = str(Path(sys.executable).parent / "kafold")

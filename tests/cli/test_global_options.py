@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kafold import cli
+from kafold.tools import cli
 from tests.support import ROOT
 
 BANK = str(ROOT / "examples" / "bank" / "kafold.toml")

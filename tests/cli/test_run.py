@@ -32,7 +32,7 @@ def test_run_flows_events_and_stops_cleanly(tmp_path: Path) -> None:
     for var in ("KAFOLD_KAFKA__BOOTSTRAP_SERVERS", "KAFOLD_POSTGRES__URL"):
         env.pop(var, None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kafold.cli", "--log-format", "json", "run", "-c",
+        [sys.executable, "-m", "kafold.tools.cli", "--log-format", "json", "run", "-c",
          str(ROOT / "examples" / "bank" / "kafold.toml"), "--rate", "500"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out_lines: list[str] = []

@@ -34,7 +34,7 @@ def start(tmp_path: Path, out: int, *, stdin: int = subprocess.DEVNULL,
     env = {**os.environ, "KAFOLD_DEV_DIR": str(tmp_path / "dev"), "PYTHONFAULTHANDLER": "1", **(env_extra or {})}
     for var in ("KAFOLD_KAFKA__BOOTSTRAP_SERVERS", "KAFOLD_POSTGRES__URL"):
         env.pop(var, None)
-    return subprocess.Popen([sys.executable, "-m", "kafold.cli", "run", "-c", str(ROOT / "examples" / "bank" /
+    return subprocess.Popen([sys.executable, "-m", "kafold.tools.cli", "run", "-c", str(ROOT / "examples" / "bank" /
                              "kafold.toml"), "--rate", "100", "--receiver-port", "0"],
                             env=env, stdout=out, stderr=out, stdin=stdin)
 

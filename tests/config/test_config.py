@@ -135,12 +135,12 @@ def test_example_config_is_valid_and_implies_its_topics() -> None:
 
 def test_validate_command_exit_codes(tmp_path: Path) -> None:
     """`kafold config validate` exits 0 on a good file and 2 with the problems on a bad one."""
-    ok = subprocess.run([sys.executable, "-m", "kafold.cli", "config", "validate", "-c", str(EXAMPLE)],
+    ok = subprocess.run([sys.executable, "-m", "kafold.tools.cli", "config", "validate", "-c", str(EXAMPLE)],
                         capture_output=True, text=True, check=False)
     assert ok.returncode == 0, ok.stderr
     bad = tmp_path / "bad.toml"
     bad.write_text('[kafka]\nbootstrap_server = "x"\nsasl_password = "hunter2-literal"\n')
-    res = subprocess.run([sys.executable, "-m", "kafold.cli", "config", "validate", "-c", str(bad)],
+    res = subprocess.run([sys.executable, "-m", "kafold.tools.cli", "config", "validate", "-c", str(bad)],
                          capture_output=True, text=True, check=False)
     assert res.returncode == 2
     assert "kafka.bootstrap_server" in res.stderr and "kafka.sasl_password" in res.stderr
@@ -150,19 +150,19 @@ def test_validate_command_exit_codes(tmp_path: Path) -> None:
 
 def test_configuration_reference_is_in_sync() -> None:
     """docs/configuration.md's reference equals what the schemas declare."""
-    from kafold.commands.reference import BEGIN, splice
+    from kafold.tools.commands.reference import BEGIN, splice
 
     page = (ROOT / "docs" / "configuration.md").read_text()
     assert BEGIN in page, "docs/configuration.md lost its generated reference markers"
     assert splice(page) == page, (
         "docs/configuration.md is stale; regenerate it: .venv/bin/python -c \"from pathlib import Path; "
-        "from kafold.commands.reference import splice; p = Path('docs/configuration.md'); "
+        "from kafold.tools.commands.reference import splice; p = Path('docs/configuration.md'); "
         "p.write_text(splice(p.read_text()))\"")
 
 
 def test_effect_keys_are_documented_once() -> None:
     """The keys every effect connector shares appear once in the reference, each connector pointing to them."""
-    from kafold.commands.reference import render
+    from kafold.tools.commands.reference import render
 
     text = render()
     assert text.count("| `circuit_window` |") == 1

@@ -29,7 +29,7 @@ from kafold.config import (
 )
 from kafold.connectors.registry import instantiate
 from kafold.daemon.runner import SinkRunner
-from kafold.registry_server import Registry, free_port
+from kafold.tools.dev.registry_server import Registry, free_port
 from tests.projection.projection_support import dead_letters, read_table, table_name, wait_for_offsets
 from tests.support import create_topic, produce, wait_for
 

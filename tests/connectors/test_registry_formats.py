@@ -14,7 +14,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from kafold.config import RegistryConfig
 from kafold.connectors.convert.registry import ConvertError, registry_format
 from kafold.errors import ConfigError, RetriableError
-from kafold.registry_server import Registry, free_port
+from kafold.tools.dev.registry_server import Registry, free_port
 
 pytestmark = pytest.mark.integration
 

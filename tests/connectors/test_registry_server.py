@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kafold import registry_server
+from kafold.tools.dev import registry_server
 
 pytestmark = pytest.mark.integration
 

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from kafold import protect
-from kafold.bench.privacy import AGGREGATE, MASTER_VAR, otlp_sink, protect_toml, rules
-from kafold.bench.projection import DaemonStack, daemon_toml
 from kafold.config import KafoldConfig, load_file
+from kafold.tools.bench.privacy import AGGREGATE, MASTER_VAR, otlp_sink, protect_toml, rules
+from kafold.tools.bench.projection import DaemonStack, daemon_toml
 
 
 def _load(tmp_path: Path, extra: dict[str, Any]) -> KafoldConfig:

@@ -13,9 +13,9 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from kafold import topics
-from kafold.commands import topics as topics_cmd
 from kafold.config import KafkaConfig, TopicSpec
 from kafold.errors import FatalError, RetriableError
+from kafold.tools.commands import topics as topics_cmd
 from kafold.topics import ERROR, WARNING, Drift, TopicReport, TopicState
 
 
@@ -149,7 +149,7 @@ partitions = 2
     assert _cli(["topics", "ensure", "-c", str(cfg)]) == 1
     out = capsys.readouterr().out
     assert "ERROR" in out and "cleanup.policy: expected compact, broker has delete" in out
-    from kafold import cli  # the whole command line: its logs go to stderr, the document alone to stdout
+    from kafold.tools import cli  # the whole command line: its logs go to stderr, the document alone to stdout
 
     assert cli.main(["topics", "list", "-c", str(cfg), "--json"]) == 1
     listed = orjson.loads(capsys.readouterr().out)

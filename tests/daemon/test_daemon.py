@@ -9,14 +9,14 @@ import threading
 from pathlib import Path
 
 from kafold import config
-from kafold.commands import daemon
 from kafold.config import KafkaConfig
 from kafold.envelope import encode
+from kafold.tools.commands import daemon
 from tests.support import committed, create_topic, kafka_toml, make_event, produce, wait_for
 
 # The CLI module list names commands other engineers are still writing, so the test enters the daemon's
 # handler directly, exactly as `kafold daemon -c FILE` does.
-ENTRY = ("import argparse, sys; from kafold import logs; from kafold.commands import daemon; "
+ENTRY = ("import argparse, sys; from kafold import logs; from kafold.tools.commands import daemon; "
          "logs.configure('info', 'json'); sys.exit(daemon.handle(argparse.Namespace(config=sys.argv[1])))")
 
 

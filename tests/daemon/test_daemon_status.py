@@ -7,10 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kafold.commands import status
 from kafold.config import KafkaConfig
 from kafold.envelope import encode
 from kafold.testing import free_port
+from kafold.tools.commands import status
 from tests.daemon.daemon_support import daemon_in_process, write_config
 from tests.support import committed, create_topic, make_event, produce, wait_for
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from kafold.bench.waiters import run
 from kafold.daemon.visibility import Watch
+from kafold.tools.bench.waiters import run
 
 
 async def _inline(fn: Any, *args: Any) -> Any:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kafold import logs
-from kafold.apache_kafka import INSTALL_HINT, ToolMissingError, cache_dir, file_lock, java
+from kafold.tools.dev.apache_kafka import INSTALL_HINT, ToolMissingError, cache_dir, file_lock, java
 from tests.support import free_port
 
 log = logs.get(__name__)

@@ -221,8 +221,8 @@ def test_containerfile_install_steps_produce_a_working_kafold(tmp_path: Path) ->
            for p in (ROOT / d).rglob("*.py") if "__pycache__" not in p.parts])
     assert shipped == expected
     env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
-    res = subprocess.run([sys.executable, "-c", "import kafold, kafold.cli, kafold.daemon.runner; "
-                          "print(kafold.__file__); kafold.cli.build_parser()"],
+    res = subprocess.run([sys.executable, "-c", "import kafold, kafold.tools.cli, kafold.daemon.runner; "
+                          "print(kafold.__file__); kafold.tools.cli.build_parser()"],
                          env=env, cwd=tmp_path, capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().startswith(str(target))
@@ -370,7 +370,7 @@ def test_kafold_spawns_and_talks_under_the_daemon_units_system_call_filter(unit:
     task processes start (subprocess, a pipe), and asyncio serves and connects over TCP."""
     script = (
         "import asyncio, subprocess, sys\n"
-        "import kafold.cli, kafold.daemon.runner, kafold.daemon.task_process\n"
+        "import kafold.tools.cli, kafold.daemon.runner, kafold.daemon.task_process\n"
         "child = subprocess.run([sys.executable, '-c', 'print(6 * 7)'], capture_output=True, text=True, check=True)\n"
         "assert child.stdout.strip() == '42', child\n"
         "async def main():\n"

@@ -14,12 +14,13 @@ import pytest
 from confluent_kafka import Consumer, Producer
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
-from kafold import apache_kafka, devstack
-from kafold.commands import dev as dev_cmd
 from kafold.config import KafkaConfig, KafoldConfig, PostgresConfig
 from kafold.daemon.aggregates.recovery import bounds
 from kafold.retry import retrying
 from kafold.testing import free_port, wait_for
+from kafold.tools.commands import dev as dev_cmd
+from kafold.tools.dev import apache_kafka
+from kafold.tools.dev import stack as devstack
 
 NO_BROKER = ("no broker configured and no `kafold dev` stack running — run `kafold dev up` or set "
              "[kafka].bootstrap_servers")
@@ -161,7 +162,7 @@ def test_a_dead_broker_is_restarted_on_the_same_port(tmp_path: Path) -> None:
 @pytest.mark.tansu  # the default dev stack (tansu)
 def test_stack_outlives_the_process_that_started_it(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = "import sys; from pathlib import Path; from kafold import devstack; devstack.up(Path(sys.argv[1]))"
+    code = "import sys; from pathlib import Path; from kafold.tools.dev import stack; stack.up(Path(sys.argv[1]))"
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=60, capture_output=True)
     try:
         stack = devstack.status(tmp_path)
@@ -303,7 +304,7 @@ def _path_with(tmp_path: Path, *tools: str) -> str:
 def test_apache_kafka_without_java_or_maven_is_a_one_line_error(tmp_path: Path, tools: tuple[str, ...],
                                                                missing: str) -> None:
     env = {"PATH": _path_with(tmp_path, *tools), "HOME": str(tmp_path), "KAFOLD_CACHE_DIR": str(tmp_path / "cache")}
-    done = subprocess.run([sys.executable, "-m", "kafold.cli", "dev", "up", "--broker", "kafka", "--state-dir",
+    done = subprocess.run([sys.executable, "-m", "kafold.tools.cli", "dev", "up", "--broker", "kafka", "--state-dir",
                            str(tmp_path / "state")], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 1
     assert missing in done.stderr and "apt-get install openjdk-17-jre-headless maven" in done.stderr
@@ -312,7 +313,7 @@ def test_apache_kafka_without_java_or_maven_is_a_one_line_error(tmp_path: Path, 
 
 
 def test_java_versions_are_read_from_both_version_formats() -> None:
-    from kafold import apache_kafka
+    from kafold.tools.dev import apache_kafka
 
     assert apache_kafka._java_major('openjdk version "17.0.15" 2025-04-15') == 17
     assert apache_kafka._java_major('openjdk version "21" 2023-09-19') == 21

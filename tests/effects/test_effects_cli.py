@@ -7,9 +7,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from kafold import cli
 from kafold.config import KafkaConfig, PostgresConfig
 from kafold.envelope import encode
+from kafold.tools import cli
 from tests.effects.effects_support import start_effects
 from tests.support import committed, create_topic, make_event, produce, wait_for
 from tests.support.receiver import Receiver

@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 
-from kafold import cli, kafka_clients
+from kafold import kafka_clients
 from kafold.config import KafkaConfig, PostgresConfig
 from kafold.connectors.effects import ops
 from kafold.envelope import encode
 from kafold.testing import free_port
+from kafold.tools import cli
 from tests.effects.effects_support import daemon_config, start_effects
 from tests.support import committed, create_topic, make_event, new_producer, produce, wait_for
 from tests.support.daemons import daemon_thread

@@ -31,7 +31,7 @@ from tests.support import create_topic, produce
 
 def _main(*argv: str) -> int:
     """cli.main without its logging set-up (pytest owns stderr)."""
-    from kafold import cli
+    from kafold.tools import cli
 
     args = cli.build_parser().parse_args(list(argv))
     return int(args.handler(args))

@@ -38,7 +38,7 @@ def test_upgrade_creates_the_tables_in_the_configured_schema_from_any_directory(
 
 def test_db_commands_upgrade_and_report_the_revision(pg_url: str, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    from kafold import cli
+    from kafold.tools import cli
 
     def main(argv: list[str]) -> int:  # cli.main without its logging set-up (pytest owns stderr)
         args = cli.build_parser().parse_args(argv)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import structlog
 
-from kafold import devstack
 from kafold.config import KafkaConfig, PostgresConfig
+from kafold.tools.dev import stack as devstack
 from tests.projection.projection_support import (
     encoded,
     ends_of,

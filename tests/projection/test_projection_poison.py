@@ -113,7 +113,7 @@ def test_poison_records_are_on_the_dead_letter_topic_with_their_coordinates(scen
 def test_dlq_replay_applies_a_rejected_event_once_its_cause_is_fixed(
         scenario: Scenario, pg_config: PostgresConfig, kafka_config: KafkaConfig, tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from kafold import cli
+    from kafold.tools import cli
 
     conf = tmp_path / "kafold.toml"
     conf.write_text(f"""

@@ -26,12 +26,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from kafold import cli, config, tokens, topics
+from kafold import config, tokens, topics
 from kafold.client import BadToken, CommandClient, DaemonClient, NotVisible
 from kafold.config import KafkaConfig
 from kafold.daemon.host import DaemonHost
 from kafold.messages import Result
 from kafold.testing import free_port
+from kafold.tools import cli
 from tests.aggregates.agg_support import accounts_projection_toml, bank_daemon_toml
 from tests.daemon.daemon_support import get_json
 from tests.support import wait_for

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kafold.commands.projection import Eta, describe
 from kafold.connectors.projection.rebuild import Progress
+from kafold.tools.commands.projection import Eta, describe
 
 
 def test_the_eta_is_the_gap_over_the_rate_at_which_it_closes_and_unknown_while_it_does_not() -> None:

@@ -136,7 +136,7 @@ def test_validate_exits_2_with_one_line_per_problem_for_every_kind(tmp_path: Pat
         folder.mkdir()
         path, problems = problems_for(text, folder)
         expected[str(path)] = problems
-    driver = ("import contextlib, io, json, sys\nfrom kafold import cli\nout = {}\n"
+    driver = ("import contextlib, io, json, sys\nfrom kafold.tools import cli\nout = {}\n"
               "for f in sys.argv[1:]:\n    err = io.StringIO()\n"
               "    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):\n"
               "        rc = cli.main(['config', 'validate', '-c', f])\n"

@@ -14,8 +14,9 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from kafold import cli, db
+from kafold import db
 from kafold.config import KafkaConfig, PostgresConfig
+from kafold.tools import cli
 from tests.projection.projection_support import encoded, ends_of, fold, history, running, settings
 from tests.security.test_bad_configs import projection
 from tests.support import create_topic, produce, wait_for

@@ -187,7 +187,7 @@ class _Stop(Exception):
 @pytest.mark.parametrize("command", ["state get", "snapshot run", "snapshot verify"])
 def test_a_command_reading_protected_events_takes_postgresql_from_the_dev_stack(
         command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kafold.commands import aggregate, snapshot
+    from kafold.tools.commands import aggregate, snapshot
 
     conf = tmp_path / "kafold.toml"
     conf.write_text(PROTECTED_TOML)

@@ -24,13 +24,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from psycopg import sql
 
-from kafold import db, devstack, kafka_clients, topics
+from kafold import db, kafka_clients, topics
 from kafold.config import KafkaConfig, PostgresConfig, TopicSpec
 from kafold.connectors.effects.signing import sign, verify_request
 from kafold.connectors.projection import sql as q
 from kafold.errors import RetriableError
 from kafold.schema import Secret
 from kafold.testing import free_port
+from kafold.tools.dev import stack as devstack
 from tests.daemon.daemon_support import write_config
 from tests.projection.projection_support import encoded, ends_of, history, table_name, wait_for_offsets
 from tests.security.hostile_corpus import CANARY, produce_raw
@@ -158,8 +159,8 @@ def test_daemon_start_logs_no_secret_and_binds_its_api_to_localhost_behind_the_t
                         daemon_extra=f'api_token_file = "{token_file}"\nlog_level = "debug"')
     env = {**os.environ, "KAFOLD_TEST_PG_PASSWORD": pg_password, "KAFOLD_POSTGRES__URL": pg_config.url,
            "KAFOLD_POSTGRES__PASSWORD_ENV": "KAFOLD_TEST_PG_PASSWORD"}
-    proc = subprocess.Popen([sys.executable, "-m", "kafold.cli", "--debug", "--log-format", "json", "daemon", "-c",
-                             str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "kafold.tools.cli", "--debug", "--log-format", "json", "daemon",
+                             "-c", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         wait_for_offsets(pg_config, "sink", topic, ends_of(coords), timeout=120)
         listening = [c.laddr for c in psutil.Process(proc.pid).net_connections("inet")

@@ -98,7 +98,7 @@ def _body(event: Event) -> bytes:
 
 
 def _main(*argv: str) -> int:
-    from kafold import cli
+    from kafold.tools import cli
 
     args = cli.build_parser().parse_args(list(argv))  # cli.main without its logging set-up (pytest owns stderr)
     return int(args.handler(args))

@@ -187,7 +187,7 @@ def test_a_nul_bound_for_a_text_column_is_refused_with_a_clear_reason(outcome: S
 
 
 def _main(*argv: str) -> int:
-    from kafold import cli
+    from kafold.tools import cli
 
     args = cli.build_parser().parse_args(list(argv))  # cli.main without its logging set-up (pytest owns stderr)
     return int(args.handler(args))

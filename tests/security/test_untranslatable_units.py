@@ -60,7 +60,7 @@ def test_a_parked_event_with_a_nul_is_stored_as_base64_and_read_back_exactly() -
 
 
 def test_kafold_status_tables_show_a_state_quoting_a_record_escaped() -> None:
-    from kafold.commands import status
+    from kafold.tools.commands import status
 
     row = {"connector": "c", "task": 0, "topic": "t", "partition": 0, "committed": 1, "end_offset": 2, "lag": 1,
            "lag_seconds": None, "state": "failed: key \x1b]0;title\x07\x1b[2J"}

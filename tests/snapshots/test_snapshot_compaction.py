@@ -79,7 +79,7 @@ def _wait_for_cleaner(bank: Bank, gone: dict[int, int]) -> Records:
 
 def test_compaction_removes_superseded_snapshots_and_runs_stay_correct(bank: Bank, tmp_path: Path,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    from kafold import cli
+    from kafold.tools import cli
 
     first = _run(bank, 600)
     assert first.snapshots == len(bank.versions)

@@ -152,7 +152,7 @@ def test_plan_counts_the_events_each_partition_still_has_to_fold(bank: Bank, mon
 def test_cli_run_folds_a_small_history_in_process_and_says_so(bank: Bank, tmp_path: Any,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """`kafold snapshot run` with the default engine (auto) starts no Spark for a small run; verify agrees."""
-    from kafold import cli
+    from kafold.tools import cli
 
     bank.produce(120)
     toml = write_config(bank, tmp_path)

@@ -1,2 +1,2 @@
 # The broker for the contract's runner test: KAFOLD_TEST_BOOTSTRAP, else a private `kafold dev` stack.
-pytest_plugins = ["kafold.testing.fixtures"]
+pytest_plugins = ["kafold.tools.dev.fixtures"]
