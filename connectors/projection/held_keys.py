@@ -52,6 +52,13 @@ class HeldKeys:
         conn.execute("SELECT pg_advisory_xact_lock_shared(hashtext(%s))", (holds_lock(self.connector),))
         return conn.execute(q.held_keys(self.dead_letters), (self.connector,))
 
+    def check_in_server(self, conn: psycopg.Connection[Any]) -> None:
+        """`read` and `check` made in the server (pipelined): the statement fails (sql.redo) when the held keys are
+        not those known; for a transaction whose COMMIT is queued before any result is read (whole_rows.py)."""
+        conn.execute("SELECT pg_advisory_xact_lock_shared(hashtext(%s))", (holds_lock(self.connector),))
+        known = list(self.known)
+        conn.execute(q.holds_unchanged(self.dead_letters), (known, known, self.connector))
+
     def check(self, cur: psycopg.Cursor[Any]) -> None:
         """HoldsChanged when the keys `read` found are not those known (now known)."""
         found = {row[0] for row in cur.fetchall()}

@@ -101,6 +101,12 @@ class Mapping:
                         [(c, str(s), source(s)) for c, s in rule.increment.items()])
             for rule in config.on}
         self.guard = config.version_guard
+        # Event types whose rule makes the whole row from the event alone (an upsert setting every column, no
+        # increment): with the guard, such an event needs nothing of the stored row but its version (whole_rows.py).
+        rest = set(self.columns) - set(self.key_columns)
+        whole = [] if mapper is not None else config.on
+        self.whole_types = frozenset(rule.type for rule in whole
+                                     if rule.action == "upsert" and not rule.increment and rest <= set(rule.set))
 
     def handles(self, event_type: str) -> bool:
         # a truncate the converter was told to apply is never skipped as an unknown type
@@ -149,6 +155,20 @@ class Mapping:
             new[column] = value
         for column, spec, read in increments:
             new[column] = _add(new.get(column), read(event), spec, event)
+        new.update(zip(self.key_columns, key, strict=True))
+        new[VERSION_COLUMN] = event.version
+        return new
+
+    def whole_row(self, event: Event, key: tuple[Any, ...]) -> Row | None:
+        """The row `event` makes by itself when its type's rule sets every column (`whole_types`); None when it
+        needs the stored row after all (a value UNAVAILABLE keeps the stored one). MappingError as in `apply`."""
+        _, sets, _ = self._rules[event.type]
+        new: Row = {}
+        for column, read in sets:
+            value = read(event)
+            if value.__class__ is str and value == UNAVAILABLE:
+                return None
+            new[column] = value
         new.update(zip(self.key_columns, key, strict=True))
         new[VERSION_COLUMN] = event.version
         return new

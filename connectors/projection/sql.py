@@ -152,6 +152,47 @@ def upsert_rows(shape: TableShape, guard: bool) -> sql.Composed:
         shape.name, ids(shape.written), values, arrays, ids(shape.written), ids(shape.keys), action)
 
 
+def upsert_whole_rows(shape: TableShape, tombstones: sql.Composed) -> sql.Composed:
+    """`upsert_rows` (guarded) for rows made whole by their batch's events (whole_rows.py), failing (`redo`) unless
+    every event behind them is new: two arrays more (each row key as its tombstone stores it, and the version of the
+    batch's first event of the key), then the tombstones' namespace and the number of rows. A row is written only
+    when its stored version is below the new one and no tombstone of its key is at or above the first event's;
+    and no stored row may be at or above a first event's version that is below its row's (a key with several
+    events: their versions rise, checked in Python). The final SELECT reads the table as the statement began (a
+    data-modifying WITH does not see its own changes): the versions before this upsert."""
+    assert shape.version_column
+    v = sql.Identifier(shape.version_column)
+    written, extra = shape.written, ("kafold_row_key_text", "kafold_first_version")
+    rk, first = (sql.Identifier(n) for n in extra)
+    rest = [c for c in written if c not in shape.keys]
+    sets = sql.SQL(", ").join(sql.SQL("{} = EXCLUDED.{}").format(sql.Identifier(c), sql.Identifier(c))
+                              for c in rest) if rest else sql.SQL("{} = EXCLUDED.{}").format(v, v)
+    base = {c: sql.SQL(_TYPMOD.sub("", t)) for c, t in shape.types.items()}  # from the catalog, as `cast`
+    values = sql.SQL(", ").join(sql.SQL("x.{}::{}").format(sql.Identifier(c), base[c]) for c in written)
+    arrays = sql.SQL(", ").join([*(sql.SQL("%b::text[]") for _ in written), sql.SQL("%b::text[]"),
+                                 sql.SQL("%b::bigint[]")])
+    on = sql.SQL(" AND ").join(sql.SQL("t.{} = x.{}::{}").format(sql.Identifier(k), sql.Identifier(k), base[k])
+                               for k in shape.keys)
+    return sql.SQL(
+        "WITH x AS MATERIALIZED (SELECT * FROM unnest({arrays}) AS x({names})), "
+        "w AS (INSERT INTO {table} AS t ({cols}) SELECT {values} FROM x WHERE NOT EXISTS (SELECT 1 FROM {tombs} g "
+        "WHERE g.namespace = %s AND g.row_key = x.{rk} AND g.version >= x.{first}) "
+        "ON CONFLICT ({keys}) DO UPDATE SET {sets} WHERE t.{v} < EXCLUDED.{v} RETURNING 1) "
+        "SELECT CASE WHEN (SELECT count(*) FROM w) = %s AND NOT EXISTS (SELECT 1 FROM x JOIN {table} t ON {on} "
+        "WHERE x.{first} < x.{v}::bigint AND t.{v} >= x.{first}) THEN 0 ELSE {fail} END").format(
+        arrays=arrays, names=ids((*written, *extra)), table=shape.name, cols=ids(written), values=values,
+        tombs=tombstones, rk=rk, first=first, keys=ids(shape.keys), sets=sets, v=v, on=on, fail=redo("stale"))
+
+
+def holds_unchanged(dead_letters: sql.Composed) -> sql.Composed:
+    """Fails (`redo`) unless the connector's held keys are those given (a sorted text array): `held_keys`' check
+    made in the server (as sets: twice the same array), for a transaction whose COMMIT is queued before its
+    results are read."""
+    return sql.SQL("SELECT CASE WHEN a @> %s::text[] AND a <@ %s::text[] THEN 0 ELSE {} END "
+                   "FROM (SELECT coalesce(array_agg(k), '{{}}') FROM ({}) h(k)) s(a)").format(
+        redo("holds_changed"), held_keys(dead_letters))
+
+
 def track(tracking: sql.Composed) -> sql.Composed:
     """Record tracking keys as applied; one row: how many were new, and which — only when not all of them were
     (the common case, every event new, then transfers one row instead of a key per event)."""
@@ -188,18 +229,33 @@ def save_checkpoints(checkpoints: sql.Composed) -> sql.Composed:
         "updated_at = now() WHERE c.next_offset < EXCLUDED.next_offset").format(checkpoints)
 
 
-def fence_checkpoints(checkpoints: sql.Composed) -> sql.Composed:
+def redo(why: str) -> sql.Composed:
+    """An expression that fails the statement evaluating it, naming `why`: reading a setting nobody defines raises
+    UndefinedObject (never a DataError or IntegrityError, which would send the batch to be bisected) with the name
+    in its message (REDO). The writer's one-round-trip path (whole_rows.py) uses it where the checks it cannot make
+    in Python before its COMMIT is queued fail: the transaction rolls back and the batch is done the careful way."""
+    return sql.SQL("current_setting({})::bigint").format(sql.Literal(REDO + why))
+
+
+REDO = "kafold.redo_"
+
+
+def fence_checkpoints(checkpoints: sql.Composed, strict: bool = False) -> sql.Composed:
     """Move each checkpoint from the offset the writer last stored (-1: none stored) to its next offset; the count
     of those moved. A checkpoint another writer moved is not moved (a row another transaction holds is waited for,
     then its committed offset compared: READ COMMITTED rechecks the WHERE), nor one inserted meanwhile; the caller
-    fails the transaction when the count falls short."""
+    fails the transaction when the count falls short (`strict`: the statement fails then, `redo`; one parameter
+    more, the count expected)."""
+    count = sql.SQL("(SELECT count(*) FROM moved) + (SELECT count(*) FROM added)")
+    last = (sql.SQL("CASE WHEN {} = %s THEN 0 ELSE {} END").format(count, redo("checkpoint_moved")) if strict
+            else count)
     return sql.SQL(
         "WITH x AS (SELECT * FROM unnest(%b::text[], %b::int[], %b::bigint[], %b::bigint[]) AS x(t, p, was, o)), "
         "moved AS (UPDATE {} AS c SET next_offset = x.o, updated_at = now() FROM x WHERE c.connector = %s "
         "AND c.topic = x.t AND c.partition = x.p AND c.next_offset = x.was RETURNING 1), "
         "added AS (INSERT INTO {} (connector, topic, partition, next_offset, updated_at) "
         "SELECT %s, t, p, o, now() FROM x WHERE x.was < 0 ON CONFLICT DO NOTHING RETURNING 1) "
-        "SELECT (SELECT count(*) FROM moved) + (SELECT count(*) FROM added)").format(checkpoints, checkpoints)
+        "SELECT {}").format(checkpoints, checkpoints, last)
 
 
 def load_checkpoints(checkpoints: sql.Composed) -> sql.Composed:

@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 import psycopg
+from psycopg.adapt import PyFormat, Transformer
 from psycopg.types.json import Jsonb
 
 from kafold import db
@@ -167,6 +168,18 @@ class TableRows:
                 values = [self._value(c, v) for c, v in zip(written, values, strict=True)]
             out.append(values)
         return out
+
+    def text_columns(self, conn: psycopg.Connection[Any], upserts: list[Row]) -> list[list[str | None]]:
+        """The changed rows as one text array per written column, each value as COPY's text format has it (the same
+        dumpers): what the upserts' one statement takes (sql.upsert_rows)."""
+        assert self.shape is not None
+        texts, encoding = Transformer(conn), conn.info.encoding
+        formats = [PyFormat.TEXT] * len(self.shape.written)
+        columns: list[list[str | None]] = [[] for _ in self.shape.written]
+        for values in self.staged(upserts):
+            for column, v in zip(columns, texts.dump_sequence(values, formats), strict=True):
+                column.append(None if v is None else bytes(v).decode(encoding))
+        return columns
 
     def _value(self, column: str, value: Any) -> Any:
         if value is None:

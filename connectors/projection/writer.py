@@ -89,6 +89,10 @@ carries its original's aggregate and version: the version guard finds it stale, 
 different event at a version its row already has (a producer's bug) is stale as well, as it is with tracking, where
 the version guard skips it after the tracking insert; both count it under `stale`. Kafka's own committed offsets
 follow the checkpoints as before (task.py): only what is stored here is trusted at `open`.
+
+Whole rows (whole_rows.py): with the fence, a batch whose events each set their whole row is not read nor folded
+here; one statement upserts its last row of each key, BEGIN to COMMIT in one round trip, and fails (sql.redo) when
+the fence, the held keys or any event's outcome is not what the writer assumed: the batch is then done as above.
 """
 
 from __future__ import annotations
@@ -102,7 +106,6 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import psycopg
-from psycopg.adapt import PyFormat, Transformer
 from psycopg.types.json import Jsonb
 
 from kafold import db, logs
@@ -130,6 +133,7 @@ from kafold.connectors.projection.fold import (
 from kafold.connectors.projection.held_keys import DeadLetter, HeldKeys, HoldsChanged, hold_text
 from kafold.connectors.projection.mapping import Mapping, Row
 from kafold.connectors.projection.table_rows import TableRows
+from kafold.connectors.projection.whole_rows import WholeRows, redone
 from kafold.errors import ConfigError, FatalError, RecordError, RetriableError, redact_quoted
 
 log = logs.get(__name__)
@@ -295,6 +299,7 @@ class ProjectionWriter:
         self.idle.set()
         self.turns = _Turns(self.idle)
         self.table_rows = TableRows(pgc, config, mapping, self.namespace, self.table, cache_rows)
+        self.whole_rows = WholeRows(mapping, self.table_rows, self.namespace)  # used with the fence (whole_rows.py)
 
     # ---- session ----------------------------------------------------------------------------------------
     def connection(self) -> psycopg.Connection[Any]:
@@ -405,17 +410,25 @@ class ProjectionWriter:
                 self.holds.known.update(heads)  # committed with their heads
                 if self.fence:
                     self._stored.update(result.checkpoints)
+                    self.whole_rows.on = not result.stale and self.whole_rows.usable
                 if self.table_rows.cache_rows and (folded.state or folded.truncated or folded.swept):  # rows committed
                     if folded.truncated or folded.swept:  # the rows kept are gone with the rest (or may be)
                         self.table_rows.cache.clear()
                     self.table_rows.remember(folded.state, folded.buried)
                 return result
-            except psycopg.errors.UniqueViolation as e:
-                if not self._tracked_already(e):  # a row the table refused: the caller isolates it
+            except REJECTED as e:
+                if isinstance(e, psycopg.errors.UniqueViolation) and self._tracked_already(e):
+                    self._optimistic = False  # rolled back: do it again expecting duplicates, until a batch has none
+                elif self.whole_rows.tried:  # the careful way decides: a stale event's row is not written at all
+                    self.whole_rows.on = False
+                else:  # a row the table refused: the caller isolates it
                     raise
-                self._optimistic = False  # rolled back: do it again expecting duplicates, until a batch has none
             except HoldsChanged:  # rolled back: do it again with the keys read
                 continue
+            except psycopg.errors.UndefinedObject as e:
+                if not redone(e):
+                    raise
+                self.whole_rows.on = False  # rolled back: the one-statement path's checks failed; the careful way
             except _Moved:  # rolled back: another writer moved a checkpoint; redo from the stored ones
                 was = dict(self._stored)
                 now = self.checkpoints()
@@ -427,7 +440,6 @@ class ProjectionWriter:
                     report(bad)
                 excluded += [r for r, _ in bad]
                 dead = [*dead, *((RawRecord.of(r), err) for r, err in bad)]
-
 
     def prepare(self, records: Sequence[SinkRecord]) -> Prepared:
         """Per record (by id): its tracking key and its row key (or the MappingError). Pure, thread-safe: the
@@ -459,7 +471,16 @@ class ProjectionWriter:
                 tally(result.by_partition, (raw for raw, _ in held), DEAD)
                 dead = [*dead, *held]
             todo = candidates(records, prep, skip)
-            if todo.first:
+            plan = self.whole_rows.plan(todo) if fence and call.then is None else None
+            self.whole_rows.tried = plan is not None
+            if plan is not None and fence:  # one round trip, no row read (whole_rows.py)
+                fresh, folded = list(todo.first.values()), plan.folded
+                if call.hold:
+                    self.holds.check_in_server(conn)
+                self.whole_rows.lock(conn)
+                self._fence_checkpoints(conn, fence, strict=True)
+                self.whole_rows.upsert(conn, plan)
+            elif todo.first:
                 fresh, folded = (self._track_read_fold(conn, pipe, call.hold, todo) if self.track
                                  else self._read_fold(conn, pipe, call.hold, todo, fence))
             else:
@@ -471,7 +492,7 @@ class ProjectionWriter:
                 if holds is not None:
                     self.holds.check(holds)
                 if fenced is not None and fence:
-                    self._check_fence(fenced, fence)
+                    check_fence(fenced, fence)
                 fresh, folded = [], empty()
             result.duplicates = len(records) - len(skip) - len(fresh) + len(behind)
             result.stale, result.unchanged = folded.stale, folded.unchanged
@@ -485,26 +506,28 @@ class ProjectionWriter:
                 result.by_partition.setdefault(k, [0, 0, 0, 0])[APPLIED] += n
             if folded.bad:
                 raise _Bad(folded.bad)
-            stored = self.store(conn, pipe, folded, dead, {} if self.fence else advance, call.hold_of, call.then,
-                                 result)
-        result.upserted, result.deleted = stored.counts()
+            if plan is not None:
+                queue_dead_letters(conn, self._dead, self.connector, dead, call.hold_of)
+                db.commit(conn)
+                stored = _Stored(None, None)
+            else:
+                stored = self.store(conn, pipe, folded, dead, {} if self.fence else advance, call.hold_of, call.then,
+                                     result)
+        result.upserted, result.deleted = stored.counts() if plan is None else (len(plan.rows), 0)
+        self.whole_rows.batches += plan is not None  # committed: the pipeline's exit raised nothing
         result.checkpoints = advance
         return result, folded
 
-    def _fence_checkpoints(self, conn: psycopg.Connection[Any], advance: dict[TopicPartition, int]
-                           ) -> psycopg.Cursor[Any]:
+    def _fence_checkpoints(self, conn: psycopg.Connection[Any], advance: dict[TopicPartition, int],
+                           strict: bool = False) -> psycopg.Cursor[Any]:
         """Move the checkpoints of `advance` from the offsets this writer last knew to be stored (pipelined, in the
-        transaction's first round trip: it takes their row locks); the cursor gives how many moved."""
+        transaction's first round trip: it takes their row locks); the cursor gives how many moved (`strict`: the
+        statement fails unless all did, sql.redo)."""
         tps, stored_at = list(advance), self._stored
-        return conn.execute(q.fence_checkpoints(self._checkpoints),
+        return conn.execute(q.fence_checkpoints(self._checkpoints, strict),
                             ([tp.topic for tp in tps], [tp.partition for tp in tps],
                              [stored_at.get(tp, -1) for tp in tps], [advance[tp] for tp in tps],
-                             self.connector, self.connector))
-
-    def _check_fence(self, cur: psycopg.Cursor[Any], advance: dict[TopicPartition, int]) -> None:
-        row = cur.fetchone()
-        if row is None or row[0] != len(advance):
-            raise _Moved()
+                             self.connector, self.connector, *((len(tps),) if strict else ())))
 
     def _track_read_fold(self, conn: psycopg.Connection[Any], pipe: psycopg.Pipeline, hold: bool, todo: Candidates
                          ) -> tuple[list[SinkRecord], Folded]:
@@ -559,13 +582,12 @@ class ProjectionWriter:
         if held_keys is not None:
             self.holds.check(held_keys)
         if fenced is not None and fence:
-            self._check_fence(fenced, fence)
+            check_fence(fenced, fence)
         rows = self.table_rows.loaded(todo.keys, read[0] if read else None)
         gone = self.table_rows.tombstones_read(read) if read else {}
         self.table_rows.cached_tombstones(todo.keys, gone)
         fresh = list(todo.first.values())
         return fresh, fold(self.mapping, fresh, rows, todo.record_keys, todo.key_errors, gone)
-
 
     def _track_read(self, conn: psycopg.Connection[Any], pipe: psycopg.Pipeline, hold: bool, todo: Candidates
                     ) -> tuple[int, list[bytes] | None, psycopg.Cursor[Any] | None]:
@@ -605,14 +627,8 @@ class ProjectionWriter:
         if folded.swept and shape.version_column:  # a completed snapshot's sweep (snapshot_sweep.py)
             conn.execute(q.delete_older(shape), (folded.swept,))
         merged = None
-        if upserts:  # each value as COPY's text format has it (the same dumpers), one text array per column
-            texts, encoding = Transformer(conn), conn.info.encoding
-            formats = [PyFormat.TEXT] * len(shape.written)
-            columns: list[list[str | None]] = [[] for _ in shape.written]
-            for values in self.table_rows.staged(upserts):
-                for column, v in zip(columns, texts.dump_sequence(values, formats), strict=True):
-                    column.append(None if v is None else bytes(v).decode(encoding))
-            merged = conn.execute(q.upsert_rows(shape, self.mapping.guard), columns)
+        if upserts:
+            merged = conn.execute(q.upsert_rows(shape, self.mapping.guard), self.table_rows.text_columns(conn, upserts))
         stored = _Stored(merged,
                          conn.execute(q.delete_rows(shape), [list(c) for c in zip(*deletes, strict=True)],
                                       prepare=db.BY_KEYS) if deletes else None)
@@ -620,10 +636,7 @@ class ProjectionWriter:
         if buried:
             conn.execute(q.save_tombstones(self.table_rows.tombstones),
                          (self.namespace, [hold_text(k) for k in buried], list(buried.values())))
-        if dead:
-            with conn.cursor() as cur:
-                cur.executemany(q.insert_dead_letters(self._dead), [self._dead_row(raw, err, hold_of)
-                                                                   for raw, err in dead])
+        queue_dead_letters(conn, self._dead, self.connector, dead, hold_of)
         if advance:
             tps = list(advance)
             conn.execute(q.save_checkpoints(self._checkpoints),
@@ -636,20 +649,34 @@ class ProjectionWriter:
         db.commit(conn)
         return stored
 
-
     def row_of(self, key: tuple[Any, ...]) -> Row | None:
         """The current row of `key` (None if there is none)."""
         return self.table_rows.rows(self.table_rows.select(self.connection(), [key])).get(tuple(key))
 
 
-    def _dead_row(self, raw: RawRecord, error: BaseException, hold_of: dict[int, tuple[DeadLetterStatus, str]]
-                  ) -> tuple[Any, ...]:
-        cls = type(error)
-        status, hold_key = hold_of.get(id(error), (DeadLetterStatus.NEW, None))
-        return (self.connector, raw.topic, raw.partition, raw.offset, raw.key, raw.value,
-                Jsonb(headers_json(raw.headers)), pg_text(f"{cls.__module__}.{cls.__qualname__}"),
-                pg_text(str(error)[:2000]), pg_text(str(getattr(error, "reason", "task-error"))), status.value,
-                hold_key)
+def queue_dead_letters(conn: psycopg.Connection[Any], table: Any, connector: str, dead: list[DeadLetter],
+                       hold_of: dict[int, tuple[DeadLetterStatus, str]]) -> None:
+    """Record `dead` letters of `connector` into the dead-letter `table` (pipelined)."""
+    if dead:
+        with conn.cursor() as cur:
+            cur.executemany(q.insert_dead_letters(table), [dead_row(connector, raw, err, hold_of) for raw, err in dead])
+
+
+def dead_row(connector: str, raw: RawRecord, error: BaseException, hold_of: dict[int, tuple[DeadLetterStatus, str]]
+             ) -> tuple[Any, ...]:
+    cls = type(error)
+    status, hold_key = hold_of.get(id(error), (DeadLetterStatus.NEW, None))
+    return (connector, raw.topic, raw.partition, raw.offset, raw.key, raw.value,
+            Jsonb(headers_json(raw.headers)), pg_text(f"{cls.__module__}.{cls.__qualname__}"),
+            pg_text(str(error)[:2000]), pg_text(str(getattr(error, "reason", "task-error"))), status.value,
+            hold_key)
+
+
+def check_fence(cur: psycopg.Cursor[Any], advance: dict[TopicPartition, int]) -> None:
+    """_Moved unless the fence moved every checkpoint of `advance`."""
+    row = cur.fetchone()
+    if row is None or row[0] != len(advance):
+        raise _Moved()
 
 
 def elapsed_ms(started: float) -> float:

@@ -10,10 +10,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kafold.config import KafkaConfig, PostgresConfig
+from kafold.envelope import Event
 from kafold.schema import toml_value
 from tests.projection.projection_support import (
     COLUMNS,
@@ -26,15 +28,17 @@ from tests.projection.projection_support import (
     stored_offsets,
     table_name,
 )
+from tests.projection.test_projection_whole_rows import WHOLE, closed, expected, state
 from tests.support import create_topic, produce, wait_for
 
 KILLS = 20
 PARTITIONS = 4
 
 
-def write_config(path: Path, kafka: KafkaConfig, pg_url: str, unique: str, topic: str, table: str) -> Path:
+def write_config(path: Path, kafka: KafkaConfig, pg_url: str, unique: str, topic: str, table: str,
+                 rules_given: list[dict[str, Any]] = RULES) -> Path:
     rules = "".join("\n[[connectors.config.on]]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in rule.items())
-                    for rule in RULES)
+                    for rule in rules_given)
     path.write_text(f"""
 [kafka]
 bootstrap_servers = "{kafka.bootstrap_servers}"
@@ -80,13 +84,32 @@ def start_daemon(conf: Path, pg_url: str, log: Path) -> subprocess.Popen[bytes]:
 @pytest.mark.timeout(420)
 def test_kill_9_at_random_points_loses_nothing_and_applies_nothing_twice(
         kafka_config: KafkaConfig, pg_config: PostgresConfig, pg_url: str, unique: str, tmp_path: Path) -> None:
+    events = history(accounts=2000, deposits=49, close_every=13)  # 100,154 events
+    killed_at_random(kafka_config, pg_config, pg_url, unique, tmp_path, events, RULES, fold(events))
+
+
+@pytest.mark.slow
+@pytest.mark.apache_kafka
+@pytest.mark.timeout(420)
+def test_kill_9_with_whole_row_events_loses_nothing_and_applies_nothing_twice(
+        kafka_config: KafkaConfig, pg_config: PostgresConfig, pg_url: str, unique: str, tmp_path: Path) -> None:
+    """The same with events that each set their whole row (the one-statement path, whole_rows.py), some closed
+    (tombstones) and some produced twice, later (stale: the careful way decides them)."""
+    events = [state(f"acc-{a}", v, a * 100 + v) for v in range(1, 26) for a in range(2000)]
+    events += [closed(f"acc-{a}", 26) for a in range(0, 2000, 13)]
+    events += events[::50]  # produced twice: the same event ids at later offsets
+    killed_at_random(kafka_config, pg_config, pg_url, unique, tmp_path, events, WHOLE, expected(events))
+
+
+def killed_at_random(kafka_config: KafkaConfig, pg_config: PostgresConfig, pg_url: str, unique: str, tmp_path: Path,
+                     events: list[Event], rules: list[dict[str, Any]], expected: dict[str, dict[str, Any]]) -> None:
+    """`events` projected by `rules` while the daemon is killed with SIGKILL KILLS times; the table is `expected`."""
     rng = random.Random(int.from_bytes(os.urandom(4), "big"))
     topic, table = f"{unique}.events", table_name()
     create_topic(kafka_config, topic, partitions=PARTITIONS)
-    events = history(accounts=2000, deposits=49, close_every=13)  # 100,154 events
     items = encoded(events, PARTITIONS)
     chunks = [items[len(items) * i // KILLS: len(items) * (i + 1) // KILLS] for i in range(KILLS)]
-    conf = write_config(tmp_path / "kafold.toml", kafka_config, pg_url, unique, topic, table)
+    conf = write_config(tmp_path / "kafold.toml", kafka_config, pg_url, unique, topic, table, rules)
     log = tmp_path / "daemon.log"
     coords: list[tuple[int, int]] = []
     kills = mid_run = 0
@@ -124,6 +147,5 @@ def test_kill_9_at_random_points_loses_nothing_and_applies_nothing_twice(
     # The end offsets come from the producer's delivery reports, not ListOffsets (which under-reports on tansu).
     assert stored_offsets(pg_config, unique, topic) == ends
     table_now = read_table(pg_config, table)
-    expected = fold(events)
     assert set(table_now) == set(expected)  # no missing and no extra rows
     assert table_now == expected  # every balance is the sum of each deposit exactly once

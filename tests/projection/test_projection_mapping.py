@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kafold.connectors.convert.api import UNAVAILABLE
 from kafold.connectors.projection.config import VERSION_COLUMN, ProjectionConfig
 from kafold.connectors.projection.mapping import UNCHANGED, Mapping, MappingError
 from kafold.connectors.projection.sql import check_type, qualified
@@ -184,3 +185,23 @@ def test_a_failing_mapper_is_a_record_error_not_a_crash() -> None:
 
 def test_unknown_event_types_are_not_handled() -> None:
     assert not Mapping(config()).handles("SomethingElse")
+
+
+def test_whole_types_are_the_upserts_setting_every_column_and_their_rows_need_no_stored_row() -> None:
+    """A type is whole (whole_rows.py: written without reading its row) only when its rule is an upsert that sets
+    every non-key column and increments none; a mapper makes none whole; an UNAVAILABLE value needs the stored row."""
+    every = {"owner": "payload.owner", "status": "'open'", "opened_at": "occurred_at", "balance": "payload.b",
+             "deposits": 0}
+    rules = [*BASE["on"], {"type": "State", "set": every},
+             {"type": "StateIfThere", "action": "update", "set": every},
+             {"type": "StateAndCount", "set": {**every, "deposits": 1}, "increment": {"balance": "payload.b"}}]
+    mapping = Mapping(config(on=rules))
+    assert mapping.whole_types == {"State"}  # AccountOpened leaves `deposits` out
+    e = Event.new("State", "account", "acc-1", 4, {"owner": "ada", "b": 5})
+    row = mapping.whole_row(e, ("acc-1",))
+    assert row == mapping.apply(None, e, ("acc-1",)) and row is not None and row[VERSION_COLUMN] == 4
+    unavailable = Event.new("State", "account", "acc-1", 5, {"owner": UNAVAILABLE, "b": 5})
+    assert mapping.whole_row(unavailable, ("acc-1",)) is None
+    with pytest.raises(MappingError):
+        mapping.whole_row(Event.new("State", "account", "acc-1", 6, {"owner": "ada"}), ("acc-1",))
+    assert Mapping(config(on=rules), mapper=lambda row, event: row).whole_types == frozenset()

@@ -36,6 +36,9 @@ RULES = [
     {"type": "MoneyDeposited", "action": "update", "increment": {"balance": "payload.amount"},
      "set": {"last_amount": "payload.amount"}},
 ]
+# `--rows whole`: each event carries its key's whole new row, every column set from it (the Kafka Connect JDBC sink
+# peer's load, ../shared/peers/connect_jdbc): the writer needs no stored row (connectors/projection/whole_rows.py).
+WHOLE_RULES = [{"type": "AccountState", "set": {c: f"payload.{c}" for c in COLUMNS if c != "account_id"}}]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dedup", choices=[d.value for d in Dedup], default=Dedup.AUTO.value,
                    help="the connector's `dedup` (default auto, the connector's default: by version here, the "
                    "events being kafold envelopes; tracking: a tracking record per event, docs/benchmarks.md)")
+    p.add_argument("--rows", choices=["fold", "whole"], default="fold",
+                   help="fold (default): events opening accounts and depositing (an increment: the stored row is "
+                   "read); whole: each event sets its whole row (AccountState, as the Kafka Connect peer's)")
     p.add_argument("--baseline-events", type=int, default=5000, help="sample size of the naive baseline")
     p.add_argument("-c", "--config", help="kafold.toml giving [kafka] and [postgres] (default: the dev stack, "
                    "started if needed)")
@@ -91,7 +97,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         name = f"kafold.bench.projection.{uuid.uuid4().hex[:8]}"
         topic, table = f"{name}.events", f"bench_{uuid.uuid4().hex[:8]}"
         accounts = args.accounts or max(1, args.events // 10)
-        value_bytes = produce_events(kafka, topic, args.events, args.partitions, accounts)
+        value_bytes = (produce_states if getattr(args, "rows", "fold") == "whole" else produce_events)(
+            kafka, topic, args.events, args.partitions, accounts)
         db.upgrade(daemons.postgres)  # kafold's tables, polled below while the daemon starts (it upgrades too)
         first = run_projection(daemons, name, topic, table, args)
         _forget_checkpoints(daemons.postgres, name)
@@ -104,7 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "baseline_sample": args.baseline_events, "ratio": round(rate / baseline, 1),
             "replay_events_per_s": round(replay["events"] / replay["seconds"]),
             "rows_changed_on_replay": replay["rows_changed"], "rows_written_first_pass": first["rows_changed"],
-            "tasks": args.tasks, "task_processes": args.task_processes, "dedup": args.dedup,
+            "tasks": args.tasks, "task_processes": args.task_processes, "dedup": args.dedup, "rows": args.rows,
             # The daemon's memory: RSS of its processes added up (the daemon, and its task processes), at the end,
             # at 20 % of the events and the largest sampled; PSS added up (shared library pages counted once).
             "daemon_processes": first["processes"], "rss_mb": first["rss_mb"],
@@ -128,6 +135,15 @@ def produce_events(kafka: Any, topic: str, n: int, partitions: int, accounts: in
             return encode(Event.new("AccountOpened", "account", acc, 1, {"owner": f"owner-{i}"}))
         return encode(deposit(acc, version, i % 97 + 1))
     return produce_records(kafka, topic, n, partitions, accounts, record, prefix)
+
+
+def produce_states(kafka: Any, topic: str, n: int, partitions: int, accounts: int) -> int:
+    """n events each carrying its account's whole row (`--rows whole`); returns the mean value size."""
+    def record(i: int, acc: str, version: int) -> tuple[bytes | None, bytes, Any]:
+        return encode(Event.new("AccountState", "account", acc, version,
+                                {"owner": f"owner-{i % accounts}", "balance": i * 7 % 100_003,
+                                 "last_amount": i % 97 + 1, "status": "open" if version % 5 else "frozen"}))
+    return produce_records(kafka, topic, n, partitions, accounts, record)
 
 
 def produce_records(kafka: Any, topic: str, n: int, partitions: int, accounts: int,
@@ -274,7 +290,8 @@ def daemon_toml(stack: DaemonStack, name: str, topic: str, table: str, args: arg
     daemon = {"group_prefix": f"{name}.{uuid.uuid4().hex[:4]}", "http_port": 0, "batch_max_records": args.batch,
               "task_processes": args.task_processes}
     connector = {"name": name, "class": "postgres-projection", "topics": [topic], "tasks_max": args.tasks,
-                 "config": {"table": table, "key_columns": ["account_id"], "columns": COLUMNS, "on": RULES,
+                 "config": {"table": table, "key_columns": ["account_id"], "columns": COLUMNS,
+                            "on": WHOLE_RULES if getattr(args, "rows", "fold") == "whole" else RULES,
                             "dedup": getattr(args, "dedup", Dedup.AUTO.value)},
                  **(connector_extra or {})}
     extra = dict(extra or {})
