@@ -29,7 +29,7 @@ from kafold.envelope import Event, encode
 from kafold.tools.bench import services, short_group
 
 log = logs.get("kafold.bench.aggregates")
-BANK = Path(__file__).resolve().parents[2] / "examples" / "bank"
+BANK = Path(__file__).resolve().parents[3] / "examples" / "bank"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

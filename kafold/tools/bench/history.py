@@ -25,7 +25,7 @@ from kafold.history import History
 from kafold.snapshot import Domain, kafka_io
 from kafold.tools.bench import services
 
-BANK = Path(__file__).resolve().parents[2] / "examples" / "bank"
+BANK = Path(__file__).resolve().parents[3] / "examples" / "bank"
 AT = "2024-05-01T12:00:00.000000Z"
 
 

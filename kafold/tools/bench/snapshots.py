@@ -21,7 +21,7 @@ from kafold.spark_jobs.session import session
 from kafold.tools.bench import embedded_stack
 
 log = logs.get(__name__)
-BANK = Path(__file__).resolve().parents[2] / "examples" / "bank"
+BANK = Path(__file__).resolve().parents[3] / "examples" / "bank"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
