@@ -42,7 +42,7 @@ Key = tuple[Any, ...]
 
 
 @dataclass
-class Plan:
+class WholePlan:
     """A batch collapsed: the last row of each key, the version of its first event, and the batch as folded."""
 
     rows: dict[Key, Row]
@@ -66,7 +66,7 @@ class WholeRows:
         self.batches = 0  # batches committed by the one statement
         self.tried = False  # the transaction under way is the one statement's
 
-    def plan(self, todo: Candidates) -> Plan | None:
+    def plan(self, todo: Candidates) -> WholePlan | None:
         """The batch's candidates collapsed, or None when one of them needs the stored row (or this path is off)."""
         if not self.on or todo.key_errors:
             return None
@@ -93,7 +93,7 @@ class WholeRows:
             rows[key] = row
             tp = (r.topic, r.partition)
             applied[tp] = applied.get(tp, 0) + 1
-        return Plan(rows, first, Folded({}, {}, 0, 0, [], applied=applied))
+        return WholePlan(rows, first, Folded({}, {}, 0, 0, [], applied=applied))
 
     def lock(self, conn: psycopg.Connection[Any]) -> None:
         """The table's lock the upsert takes, taken first (pipelined): before the checkpoints' rows (module note)."""
@@ -101,7 +101,7 @@ class WholeRows:
         assert shape is not None
         conn.execute(sql.SQL("LOCK TABLE {} IN ROW EXCLUSIVE MODE").format(shape.name))
 
-    def upsert(self, conn: psycopg.Connection[Any], plan: Plan) -> None:
+    def upsert(self, conn: psycopg.Connection[Any], plan: WholePlan) -> None:
         """Queue the plan's one statement (pipelined); it fails unless every event of the batch applies."""
         shape = self.table_rows.shape
         assert shape is not None
