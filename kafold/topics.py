@@ -92,7 +92,9 @@ def _kafka_error(e: Exception) -> KafkaError | None:
 
 def _wrap(e: Exception, doing: str) -> KafoldError:
     err = _kafka_error(e)
-    if err is not None and (err.retriable() or err.code() in (KafkaError._TRANSPORT, KafkaError._TIMED_OUT)):
+    # a broker that went away mid-request (its handle destroyed) is a transport failure too: asked again, not fatal
+    if err is not None and (err.retriable() or err.code() in (KafkaError._TRANSPORT, KafkaError._TIMED_OUT,
+                                                              KafkaError._DESTROY_BROKER)):
         return RetriableError(f"{doing}: {err.str()}")
     return FatalError(f"{doing}: {err.str() if err is not None else e}")
 
