@@ -133,3 +133,21 @@ def test_outcomes_dropped_early_while_a_partition_recovers_reach_the_store(tmp_p
     assert [local.outcome(0, "a", f"c{v}") for v in range(1, 6)] == [accepted(1_000 * v, v, 1) for v in range(1, 6)]
     assert local.outcome(0, "a", "no") == rejected(9_000, 5, "insufficient funds")
     local.close_all()
+
+
+def test_an_id_decided_again_past_the_window_keeps_its_new_outcome_when_the_old_one_is_swept(tmp_path: Path) -> None:
+    """A retry past the window is decided again before the sweep reached the first outcome: the sweep of the first
+    outcome's expiry entry leaves the new outcome (under the same key) in place."""
+    local = _states(tmp_path)
+    local.open(0, 0, 0)
+    entry = Entry(local.domain.initial(), 1, 0)
+    window = Window(DAY, 10)
+    window.remember(entry, "a", "dep", accepted(1_000, 1, 1))
+    local.committed({0: [("a", entry, ["dep"])]}, {0: 1}, cutoff=0)
+    entry.version = 2
+    window.remember(entry, "a", "dep", accepted(DAY + 5_000, 2, 1))  # retried 24 h + 4 s later: decided again
+    local.committed({0: [("a", entry, ["dep"])]}, {0: 2}, cutoff=5_000)
+    assert local.outcome(0, "a", "dep") == accepted(DAY + 5_000, 2, 1)
+    local.committed({0: [("a", entry, [])]}, {0: 2}, cutoff=DAY + 6_000)
+    assert local.outcome(0, "a", "dep") is None  # its own expiry entry sweeps it in turn
+    local.close_all()
