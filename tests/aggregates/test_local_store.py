@@ -267,7 +267,6 @@ def test_a_trusted_restart_reads_only_the_results_tail_and_answers_retries_from_
         wait_for(lambda: r.runtime.ready, what="runtime live again", timeout=45)
         refused_again = c.send(c.command(accounts[0], "Withdraw", {"amount": 10**9}, command_id="wd-big"))
         deposit_again = c.send(c.command(accounts[1], "Deposit", {"amount": 3}, command_id="dep-3"))
-        # read once commands are decided: the gate counts as LIVE a moment before its results read is done
         read, gate = r.runtime.counts["recovery_results_read"], r.runtime.gates[0]
     if damage == "trusted":
         assert gate.start > 0 and read == 0  # the results tail past the recorded offset is empty
