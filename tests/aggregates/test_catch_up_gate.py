@@ -119,10 +119,11 @@ def test_the_gate_waits_for_transactions_still_open_on_the_events_and_results_pa
         time.sleep(2)  # the gate had every chance to open early; it must not
         assert not gate.live and rt.counts["commands"] == 0
         with_events.commit_transaction(30)
-        wait_for(lambda: gate.live, what="the gate open once the events are readable")
-        time.sleep(2)  # the window is read to the results' high watermark: nothing is decided before
-        assert rt.counts["commands"] == 0
+        wait_for(lambda: gate.replayed_at is not None, what="the replay complete once the events are readable")
+        time.sleep(2)  # the window is read to the results' high watermark: not LIVE, nothing decided before
+        assert not gate.live and rt.counts["commands"] == 0
         with_results.commit_transaction(30)
+        wait_for(lambda: gate.live, what="the gate open once the results are readable")
         wait_for(lambda: rt.counts["commands"] == 2, timeout=60, what="both commands decided")
         assert r.error == []
     got = [(res["command_id"], res["status"], res["version"], res["duplicate"]) for res in results(kafka_config, agg)]
