@@ -23,7 +23,7 @@ Why the open reads one record, not all of them: LMDB commits by switching a meta
 synced, so a kill -9 or a power loss leaves the last committed transaction whole (no torn record to look for); what
 a checksum still finds is damage after the fact (a failing disk, a file edited by hand). That is checked when a
 record is read (`load`, `outcome`), not at the open, so a restart costs the same whatever the history (the open
-checked every record's crc32 until 2026-12: ~0.7 s per million records, one partition after another). A record
+checked every record's crc32 until 2026-12: 0.3-1 s per million records, one partition after another). A record
 found damaged distrusts its partition: its meta record is deleted (the next open rebuilds it from the snapshot
 topic + tail), nothing more is written to it, and the runtime stops with a FatalError naming the file (`damaged`);
 the daemon's restart of the aggregate then rebuilds that partition. Deciding on, or answering from, a damaged
@@ -274,7 +274,7 @@ class LocalStates:
         try:
             with env.begin(write=True) as txn:
                 txn.delete(META)
-        except lmdb.Error as e:  # cannot even write: the offsets stay, so the file is set aside for the next open
+        except lmdb.Error as e:  # cannot even write: the files go instead, so the next open finds nothing to trust
             log.error("aggregate.local_store_unwritable", partition=partition, path=str(path), error=str(e))
             shutil.rmtree(path, ignore_errors=True)
         log.error("aggregate.local_store_damaged", partition=partition, path=str(path), key=repr(key[:64]),
