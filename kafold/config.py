@@ -236,8 +236,10 @@ class AggregateConfig:
                                         minimum=1)
     idempotency_window_s: float = setting(86400.0, doc="A command id retried within this many seconds (by command "
                                           "time) gets its first outcome back, nothing written.", minimum=0)
-    idempotency_max_ids: int = setting(1_000_000, doc="Most command ids the window holds per process (memory "
-                                       "bound); beyond it the oldest are forgotten early, with a warning.",
+    idempotency_max_ids: int = setting(1_000_000, doc="Most command ids the window holds in memory per process; "
+                                       "beyond it the oldest are forgotten early. Without `daemon.state_dir` the "
+                                       "window then holds fewer ids than its time (a warning); with it, the ids "
+                                       "stay on disk for `idempotency_window_s` and are read back when retried.",
                                        minimum=1)
     protect: list[ProtectConfig] = setting(
         factory=list, doc="Personal data in this aggregate's events: per event type, the payload paths to encrypt "

@@ -79,7 +79,6 @@ class CatchUp:
         self.commands, self.events, self.results = (agg.topic(k) for k in ("commands", "events", "results"))
         self.folders: dict[int, Folder[recovery.Recovering]] = {}
         self.results_from: dict[int, int] = {}  # partition -> its trusted store's results offset (local.py)
-        self.dropped_before: dict[int, int] = {}  # partition -> the window's early drops when its recovery began
         self.parker: Any = None  # a plain producer for parked events (on_fold_error = "dead-letter"), made on use
 
     @property
@@ -98,7 +97,6 @@ class CatchUp:
             recovery.seed(self.store, n, base)
             if base.results_start is not None:
                 self.results_from[n] = base.results_start
-            self.dropped_before[n] = self.store.window.dropped_early
             if base.partial:
                 self._note_events(n, set(base.partial), base.start)
             self.reader.incremental_assign([KTP(self.events, n, base.start)])
@@ -112,7 +110,6 @@ class CatchUp:
             gate = self.gates.pop(n)
             self.folders.pop(n, None)
             self.results_from.pop(n, None)
-            self.dropped_before.pop(n, None)
             if not renewing:
                 self.positions.pop(n, None)
             self.store.drop_partition(n)
@@ -206,12 +203,12 @@ class CatchUp:
         if self.local is not None:  # what the restore, the replay and the results read built, trusted from now on
             with self.store.lock:
                 held = [(aid, e) for aid, e in self.store.entries.items() if e.partition == n]
-            # Offset note: the results offset is recorded only when every outcome the read found is in `held`. Ids
-            # dropped from memory early meanwhile (idempotency_max_ids) were never written: the store then keeps
-            # its previous results offset until the next seal, and the next restart reads those results again.
-            complete = self.store.window.dropped_early == self.dropped_before.pop(n, self.store.window.dropped_early)
-            self.local.seal(n, held, gate.position, ended[0] if ended[0] >= 0 and complete else None)
+            # Offset note: the results offset is recorded with every outcome the read found: those still held are
+            # in `held`, those dropped from memory early meanwhile (idempotency_max_ids) were written when dropped
+            # (Window.keep -> LocalStates.keep), as were the replayed acceptances dropped early.
+            self.local.seal(n, held, gate.position, ended[0] if ended[0] >= 0 else None)
         self._resume_commands(n)
+        gate.open()  # LIVE once its commands resume, not before (gate.py)
         self.log.info("aggregate.caught_up", **gate.describe(), folded=folder.folded, duplicates=folder.skipped,
                       events_parked=folder.bad or None, results_read=results)
 

@@ -12,6 +12,10 @@ by the coordinator after transaction.timeout.ms: skipped, and the fetch reports 
 true end of the log, so if the captured figure under-reports the end the replay simply continues: the gate can
 open late, never early. Until it opens, the partition's commands are paused and any command fetched anyway is
 sought back (never decided).
+
+LIVE means commands are being decided: `end_of_partition` only says the replay is complete; the runtime then reads
+the window's results tail, seals the local store and resumes the partition's commands (catchup.CatchUp._open),
+and only then calls `open`. A status read, a `ready` check or a state read never sees LIVE before that.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ class PartitionGate:
     snapshot_version: int | None = None  # set by a snapshot restore (none yet: full replay)
     began: float = field(default_factory=time.monotonic)
     reached_at: float | None = None      # when the replay first reached `captured_end`
-    opened_at: float | None = None
+    replayed_at: float | None = None     # when the replay was complete (end_of_partition said so)
+    opened_at: float | None = None       # when its commands resumed: LIVE
     first_decided_at: float | None = None  # when the first command of this assignment was decided
     decided_while_recovering: int = 0    # must stay 0: counted defensively by the runtime
     fold_error: str | None = None        # why the gate STOPPED
@@ -64,18 +69,24 @@ class PartitionGate:
         self._check_reached(now)
 
     def end_of_partition(self, offset: int, now: float | None = None) -> bool:
-        """A fetch reported partition EOF at `offset` (= the next offset to read). True when the gate opens."""
-        if self.live or self.stopped:
+        """A fetch reported partition EOF at `offset` (= the next offset to read). True (once) when the replay is
+        complete: the caller then finishes the catch-up and calls `open`; the gate stays RECOVERING until then."""
+        if self.live or self.stopped or self.replayed_at is not None:
             return False
         self.eof_at = offset
         if offset > self.position:  # nothing in between (e.g. transaction markers): the position is the end
             self.position = offset
         self._check_reached(now)
         if offset >= self.captured_end and self.position >= self.captured_end:
-            self.phase = LIVE
-            self.opened_at = time.monotonic() if now is None else now
+            self.replayed_at = time.monotonic() if now is None else now
             return True
         return False
+
+    def open(self, now: float | None = None) -> None:
+        """The partition's commands resumed: LIVE (commands are decided from now on)."""
+        assert self.replayed_at is not None and not self.stopped, "a gate opens only after its replay is complete"
+        self.phase = LIVE
+        self.opened_at = time.monotonic() if now is None else now
 
     def stop(self, why: str) -> None:
         """The replay met an event it cannot fold: the gate stays closed."""

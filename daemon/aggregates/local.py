@@ -12,12 +12,22 @@ committed event of the partition below it is in the records. It is written with 
 transaction (atomic, fsync'd at commit) as the offset after the batch's last event, and when a gate opens as the
 replay's end (`seal`).
 
-On assignment (`open`) the store is trusted up to its offset only when it is intact (it opens and every record's
-checksum matches), was written by the same fold (fingerprint and state schema version) and its offset lies within
-the committed events partition (first offset <= offset <= the last stable offset). Anything else (missing,
-unreadable, another fold, or *ahead* of the committed events: the events topic was recreated or truncated, or the
-files came from elsewhere) empties the partition's store; the runtime then restores from the snapshot topic + tail
-and fills the store from that restore. Records written while a partition recovers (aggregates evicted from the
+On assignment (`open`) the store is trusted up to its offset only when it opens, its meta record's checksum matches,
+it was written by the same fold (fingerprint and state schema version) and its offset lies within the committed
+events partition (first offset <= offset <= the last stable offset). Anything else (missing, unreadable, another
+fold, or *ahead* of the committed events: the events topic was recreated or truncated, or the files came from
+elsewhere) empties the partition's store; the runtime then restores from the snapshot topic + tail and fills the
+store from that restore.
+
+Why the open reads one record, not all of them: LMDB commits by switching a meta page after the data pages are
+synced, so a kill -9 or a power loss leaves the last committed transaction whole (no torn record to look for); what
+a checksum still finds is damage after the fact (a failing disk, a file edited by hand). That is checked when a
+record is read (`load`, `outcome`), not at the open, so a restart costs the same whatever the history (the open
+checked every record's crc32 until 2026-12: 0.3-1 s per million records, one partition after another). A record
+found damaged distrusts its partition: its meta record is deleted (the next open rebuilds it from the snapshot
+topic + tail), nothing more is written to it, and the runtime stops with a FatalError naming the file (`damaged`);
+the daemon's restart of the aggregate then rebuilds that partition. Deciding on, or answering from, a damaged
+record is never done. Records written while a partition recovers (aggregates evicted from the
 cache mid-replay, `spill`) carry committed states only (the replay reads read_committed) and are not trusted until
 the gate opens and records the offset.
 
@@ -82,6 +92,14 @@ def _opened(value: bytes) -> bytes:
     return value[4:]
 
 
+def _time_of(value: bytes) -> int:
+    """The command time of a stored outcome (a damaged one: 0, swept as expired; its next read would refuse it)."""
+    try:
+        return int(orjson.loads(value[4:])[0])
+    except (ValueError, TypeError, IndexError, KeyError):
+        return 0
+
+
 def _outcome_key(aggregate_id: str, command_id: str) -> bytes:
     return OUTCOME + aggregate_id.encode() + b"\0" + command_id.encode()
 
@@ -121,6 +139,7 @@ class LocalStates:
         # partitions sealed without a results offset: it stays where it was until they are opened and sealed again
         # (a later batch's would skip results whose outcomes the seal did not hold)
         self.results_held: set[int] = set()
+        self.damaged: dict[int, str] = {}  # partition -> why it is distrusted (a record failed its checksum on read)
         self.reads = self.writes = 0
 
     def path(self, partition: int) -> Path:
@@ -133,6 +152,7 @@ class LocalStates:
         `results_stable` and was emptied (see the module note). `stable`, `results_stable`: the events and results
         partitions' last stable offsets (their committed ends; None: not checked, the results offset unused)."""
         self.close(partition)
+        self.damaged.pop(partition, None)  # its meta record was deleted: this open empties and rebuilds it
         self.filling.add(partition)
         path = self.path(partition)
         why, offset, results = None, None, None
@@ -177,14 +197,11 @@ class LocalStates:
         return lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=0, readahead=False, lock=True)
 
     def _check(self, env: lmdb.Environment) -> dict[str, Any] | None:
-        """The partition's meta record after every record's checksum was verified (ValueError on a bad one)."""
-        meta = None
+        """The partition's meta record, its checksum verified (ValueError on a bad one); the other records are
+        verified when read (see the module note: why the open reads one record)."""
         with env.begin() as txn:
-            for key, value in txn.cursor():
-                body = _opened(value)
-                if key == META:
-                    meta = orjson.loads(body)
-        return meta
+            value = txn.get(META)
+        return None if value is None else dict(orjson.loads(_opened(value)))
 
     def seal(self, partition: int, entries: Iterable[tuple[str, Entry]], offset: int, results: int | None) -> None:
         """The gate of `partition` opened at events offset `offset`: the partition's cached entries (what the restore
@@ -216,12 +233,12 @@ class LocalStates:
         env = self.envs.get(partition)
         if env is None:
             return None
-        with env.begin() as txn:
-            value = txn.get(STATE + aggregate_id.encode())
+        key = STATE + aggregate_id.encode()
+        value = self._get(partition, env, key)
         if value is None:
             return None
         self.reads += 1
-        version, state = orjson.loads(value[4:])  # checked when the store was opened
+        version, state = orjson.loads(value)
         return Entry(self.domain.state_from_json(state), version, partition)
 
     def outcome(self, partition: int, aggregate_id: str, command_id: str) -> Remembered | None:
@@ -230,12 +247,38 @@ class LocalStates:
         env = self.envs.get(partition)
         if env is None:
             return None
-        with env.begin() as txn:
-            value = txn.get(_outcome_key(aggregate_id, command_id))
+        value = self._get(partition, env, _outcome_key(aggregate_id, command_id))
         if value is None:
             return None
-        t, after, n, reason = orjson.loads(value[4:])
+        t, after, n, reason = orjson.loads(value)
         return accepted(t, after, n) if reason is None else rejected(t, after, reason)
+
+    def _get(self, partition: int, env: lmdb.Environment, key: bytes) -> bytes | None:
+        """The body of record `key`, its checksum verified; a damaged one distrusts the partition (FatalError)."""
+        if partition in self.damaged:
+            raise FatalError(self.damaged[partition])
+        try:
+            with env.begin() as txn:
+                value = txn.get(key)
+            return None if value is None else _opened(value)
+        except (ValueError, lmdb.CorruptedError) as e:
+            self._distrust(partition, env, key, e)
+            raise FatalError(self.damaged[partition]) from e
+
+    def _distrust(self, partition: int, env: lmdb.Environment, key: bytes, error: Exception) -> None:
+        """A record failed its check: the meta record goes (the next open rebuilds the partition) and nothing more
+        is written here; the runtime stops on `damaged` (the module note)."""
+        path = self.path(partition)
+        self.damaged[partition] = (f"local state store {path}: record {key[:64]!r} is damaged ({error}); the "
+                                   "partition is rebuilt from the snapshot topic and its events when opened again")
+        try:
+            with env.begin(write=True) as txn:
+                txn.delete(META)
+        except lmdb.Error as e:  # cannot even write: the files go instead, so the next open finds nothing to trust
+            log.error("aggregate.local_store_unwritable", partition=partition, path=str(path), error=str(e))
+            shutil.rmtree(path, ignore_errors=True)
+        log.error("aggregate.local_store_damaged", partition=partition, path=str(path), key=repr(key[:64]),
+                  error=str(error), fix="the aggregate stops; its restart rebuilds the partition")
 
     def disk_bytes(self) -> int:
         """Bytes of the open partitions' files on disk (what /metrics shows)."""
@@ -311,12 +354,25 @@ class LocalStates:
         for n, entries in by.items():
             self._write(n, entries, None, None)
 
+    def keep(self, dropped: Iterable[tuple[int, str, str, Remembered]]) -> None:
+        """Window outcomes dropped from memory early (idempotency_max_ids, Window.keep): those of a recovering
+        partition are written now (its seal writes only what the cache still holds, and records an offset past
+        them); a live partition's were written with their batch. The offsets are not touched."""
+        by: dict[int, list[tuple[str, str, Remembered]]] = {}
+        for n, aid, cid, outcome in dropped:
+            if n in self.filling and n in self.envs:
+                by.setdefault(n, []).append((aid, cid, outcome))
+        for n, outcomes in by.items():
+            self._write(n, (), outcomes, None)
+
     def _write(self, partition: int, entries: Iterable[tuple[str, Entry]],
                outcomes: list[tuple[str, str, Remembered]] | None, offset: int | None, cutoff: int | None = None,
                results: int | None = None) -> None:
         env = self.envs.get(partition)
         if env is None:
             return
+        if partition in self.damaged:  # its meta record was deleted: writing one again would trust it again
+            raise FatalError(self.damaged[partition])
         try:
             self._write_txn(env, entries, outcomes, offset, cutoff, results)
         except lmdb.Error as e:  # disk full, a failing disk: the store lags from here; a restart replays the tail
@@ -366,7 +422,11 @@ class LocalStates:
             key = cursor.key()
             if not key.startswith(EXPIRY) or int.from_bytes(key[1:9], "big") >= cutoff:
                 break
-            txn.delete(OUTCOME + key[9:])
+            outcome = OUTCOME + key[9:]
+            value = txn.get(outcome)
+            # the id decided again since (retried past the window): its newer outcome, under its own expiry entry, stays
+            if value is not None and _time_of(value) < cutoff:
+                txn.delete(outcome)
             if not cursor.delete():  # moves to the next record
                 break
             n += 1

@@ -96,6 +96,7 @@ class AggregateRuntime(LoopHandler):
         self.local: LocalStates | None = local_states(daemon, agg, domain, self.window_ms)  # None: no state_dir
         self.store = StateStore(agg.cache_max_aggregates, Window(self.window_ms, agg.idempotency_max_ids), self.local)
         self.store.window.on_disk = self.local is not None
+        self.store.window.keep = self.local.keep if self.local is not None else None
         self.gates: dict[int, PartitionGate] = {}  # read by the daemon (status, metrics, reads) and the tests
         # Per partition, the commands offset below which everything is decided and committed (the group's
         # committed offset when the gate opened, then each committed transaction's): a record below it fetched
@@ -216,9 +217,11 @@ class AggregateRuntime(LoopHandler):
         self.forgetting.forget(aggregate_id)
 
     def before_poll(self) -> float | None:
-        """Evict forgotten states; fold one fetch of events while a partition recovers; the poll then does not wait
-        (the gates)."""
+        """Evict forgotten states; stop on a local store found damaged; fold one fetch of events while a partition
+        recovers; the poll then does not wait (the gates)."""
         self.forgetting.between_batches()
+        if self.local is not None and self.local.damaged:  # found by a read on any thread (local.py's note)
+            raise FatalError(next(iter(self.local.damaged.values())))
         if self.catch_up is not None and self.catch_up.recovering:
             assert self.writer is not None
             self.catch_up.step(self.writer)

@@ -18,7 +18,7 @@ expiry order is three deques of references rather than a tuple per id (docs/benc
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kafold import logs
@@ -69,6 +69,10 @@ class Window:
         self.expired = 0
         self.dropped_early = 0
         self.on_disk = False  # a local state store keeps every outcome for the window: an early drop loses nothing
+        # With a local state store: handed the outcomes dropped early, (partition, aggregate id, command id, outcome),
+        # so those not on disk yet (a recovering partition's: written at its seal otherwise) are written first
+        # (LocalStates.keep)
+        self.keep: Callable[[list[tuple[int, str, str, Remembered]]], None] | None = None
 
     def remember(self, entry: Any, aggregate_id: str, command_id: str, outcome: Remembered,
                  written: Sequence[str] = ()) -> None:
@@ -125,6 +129,7 @@ class Window:
         """Drop ids past the window (and beyond `max_ids`); entries evicted meanwhile are skipped."""
         times, aggs, cmds = self.times, self.aggregates, self.commands
         cutoff, n, early = self.high - self.window_ms, 0, 0
+        kept: list[tuple[int, str, str, Remembered]] = []
         while times and (times[0] < cutoff or len(times) > self.max_ids):
             t, aid, cid = times.popleft(), aggs.popleft(), cmds.popleft()
             entry = entries.get(aid)
@@ -139,6 +144,11 @@ class Window:
             n += 1
             if t >= cutoff:
                 early += 1
+                if self.keep is not None:
+                    kept.append((entry.partition, aid, cid, outcome))
+        if kept:
+            assert self.keep is not None
+            self.keep(kept)
         self.expired += n - early
         if early:
             if self.dropped_early == 0 or (self.dropped_early + early) // 100_000 > self.dropped_early // 100_000:

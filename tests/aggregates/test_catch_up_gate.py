@@ -119,10 +119,11 @@ def test_the_gate_waits_for_transactions_still_open_on_the_events_and_results_pa
         time.sleep(2)  # the gate had every chance to open early; it must not
         assert not gate.live and rt.counts["commands"] == 0
         with_events.commit_transaction(30)
-        wait_for(lambda: gate.live, what="the gate open once the events are readable")
-        time.sleep(2)  # the window is read to the results' high watermark: nothing is decided before
-        assert rt.counts["commands"] == 0
+        wait_for(lambda: gate.replayed_at is not None, what="the replay complete once the events are readable")
+        time.sleep(2)  # the window is read to the results' high watermark: not LIVE, nothing decided before
+        assert not gate.live and rt.counts["commands"] == 0
         with_results.commit_transaction(30)
+        wait_for(lambda: gate.live, what="the gate open once the results are readable")
         wait_for(lambda: rt.counts["commands"] == 2, timeout=60, what="both commands decided")
         assert r.error == []
     got = [(res["command_id"], res["status"], res["version"], res["duplicate"]) for res in results(kafka_config, agg)]
@@ -131,3 +132,47 @@ def test_the_gate_waits_for_transactions_still_open_on_the_events_and_results_pa
     evs = [e for e in events(kafka_config, agg) if e["aggregate_id"] == "acc-0"]
     assert [e["version"] for e in evs] == [1, 2, 3, 4, 5]
     assert fold_balances(evs)["acc-0"] == ("open", 103, 5)
+
+
+def test_live_means_commands_are_being_decided(kafka_config: KafkaConfig, unique: str) -> None:
+    """A gate reports LIVE (its phase, the runtime's `ready`) only once its catch-up is done and its commands resumed
+    from the committed offset: a reader watching from another thread, as /status does, never sees LIVE while the
+    window's results are still being read. A command queued while the runtime was down is decided after it."""
+    agg = bank_config(unique, partitions=1)
+    create_topics(kafka_config, agg)
+    accounts = [f"acc-{i:04d}" for i in range(300)]
+    with running(runtime(kafka_config, agg)) as r, CommandClient(kafka_config, agg) as c:
+        wait_for(lambda: r.runtime.ready, what="runtime live")
+        c.send_many([c.command(a, "OpenAccount", {"owner": a}) for a in accounts], timeout=60)
+        c.send_many([c.command(a, "Withdraw", {"amount": 5}) for a in accounts], timeout=60)  # rejections: results
+    with CommandClient(kafka_config, agg) as c:
+        queued = c.command(accounts[0], "Deposit", {"amount": 3})
+        c.send_many([queued], wait=False)
+    rt = runtime(kafka_config, agg, "i2")
+    seen: list[tuple[bool, bool, int]] = []  # (LIVE, ready, commands resumed with a position), as each changed
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            gate = rt.gates.get(0)
+            sample = (gate is not None and gate.live, rt.ready, 0 in rt.positions)
+            if not seen or seen[-1] != sample:
+                seen.append(sample)
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with running(rt) as r:
+            wait_for(lambda: rt.counts["commands"] >= 1, timeout=60, what="the queued command decided")
+            done.set()  # before the runtime stops (its gates go with it)
+            watcher.join(10)
+            gate = rt.gates[0]
+            assert r.error == []
+    finally:
+        done.set()
+        watcher.join(10)
+    assert rt.counts["recovery_results_read"] >= len(accounts)  # the read LIVE used to be reported before
+    assert (True, True, True) in seen and all(resumed for live, ready, resumed in seen if live or ready), seen
+    assert gate.replayed_at is not None and gate.opened_at is not None and gate.opened_at >= gate.replayed_at
+    assert gate.decided_while_recovering == 0

@@ -183,8 +183,12 @@ def test_gate_opens_only_at_partition_eof_at_or_past_the_captured_end() -> None:
     gate2 = PartitionGate(0, captured_end=100)
     gate2.replayed(60, 60)
     assert not gate2.end_of_partition(60) and gate2.phase == RECOVERING  # EOF below the captured end
-    assert gate.end_of_partition(130) and gate.phase == LIVE and gate.position == 130
-    assert not gate.end_of_partition(140)  # a new assignment starts a new gate
+    assert gate.end_of_partition(130) and gate.position == 130
+    assert gate.phase == RECOVERING and not gate.may_decide()  # replayed; LIVE only once its commands resume
+    assert not gate.end_of_partition(140)  # said once
+    gate.open()
+    assert gate.phase == LIVE and gate.may_decide()
+    assert not gate.end_of_partition(150)  # a new assignment starts a new gate
 
 
 def test_gate_on_an_under_reported_end_follows_the_fetch_end() -> None:

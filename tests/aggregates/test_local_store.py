@@ -19,6 +19,7 @@ from kafold.client import CommandClient
 from kafold.config import KafkaConfig
 from kafold.daemon.aggregates import AggregateRuntime, local, recovery
 from kafold.daemon.aggregates.restorer import SnapshotRestorer
+from kafold.errors import FatalError
 from kafold.snapshot.fold import Domain
 from kafold.spark_jobs.runs import run_local
 from tests.aggregates.agg_support import (
@@ -145,8 +146,9 @@ def test_restart_trusts_an_intact_store_and_rebuilds_a_damaged_one(kafka_config:
                                                                     tmp_path: Path, damage: str,
                                                                     scans: list[set[str]]) -> None:
     """Restart on the same directory: an intact store is trusted (only the tail is replayed); a deleted,
-    unreadable, damaged or ahead-of-the-events one is rebuilt (no snapshots here: a full replay) and fills again;
-    the state is right either way."""
+    unreadable or ahead-of-the-events one is rebuilt at the open (no snapshots here: a full replay) and fills again;
+    a damaged record is found when it is read (the open checks the meta record only): the runtime stops, and its
+    restart rebuilds the partition; the state is right either way."""
     agg = dataclasses.replace(bank_config(unique), cache_max_aggregates=5)
     create_topics(kafka_config, agg)
     state_dir = tmp_path / "state"
@@ -174,6 +176,14 @@ def test_restart_trusts_an_intact_store_and_rebuilds_a_damaged_one(kafka_config:
                 meta = orjson.loads(txn.get(local.META)[4:])
                 txn.put(local.META, local._sealed(orjson.dumps({**meta, "offset": meta["offset"] + 1000})))
         env.close()
+    if damage == "bad_record":  # the open reads the meta record only: the damage is found by the first read of it
+        with running(_runtime(kafka_config, agg, state_dir, "i2")) as r:
+            wait_for(lambda: r.runtime.ready, what="runtime live on the damaged store", timeout=45)
+            assert r.runtime.gates[0].start > 0  # trusted at the open
+            with pytest.raises(FatalError, match="damaged"):
+                r.runtime.get(accounts[3])
+            wait_for(lambda: bool(r.error), what="the runtime stopping on the damaged store")
+        assert isinstance(r.error[0], FatalError) and "damaged" in str(r.error[0])
     with running(_runtime(kafka_config, agg, state_dir, "i2")) as r, CommandClient(kafka_config, agg) as c:
         wait_for(lambda: r.runtime.ready, what="runtime live again", timeout=45)
         gate = r.runtime.gates[0]
@@ -257,7 +267,6 @@ def test_a_trusted_restart_reads_only_the_results_tail_and_answers_retries_from_
         wait_for(lambda: r.runtime.ready, what="runtime live again", timeout=45)
         refused_again = c.send(c.command(accounts[0], "Withdraw", {"amount": 10**9}, command_id="wd-big"))
         deposit_again = c.send(c.command(accounts[1], "Deposit", {"amount": 3}, command_id="dep-3"))
-        # read once commands are decided: the gate counts as LIVE a moment before its results read is done
         read, gate = r.runtime.counts["recovery_results_read"], r.runtime.gates[0]
     if damage == "trusted":
         assert gate.start > 0 and read == 0  # the results tail past the recorded offset is empty
@@ -267,4 +276,39 @@ def test_a_trusted_restart_reads_only_the_results_tail_and_answers_retries_from_
     assert refused_again.reason == refused.reason and refused_again.version == refused.version
     assert deposit_again is not None and deposit_again.duplicate
     assert (deposit_again.version, deposit_again.event_ids) == (deposit.version, deposit.event_ids)
+    assert scans == []
+
+
+def test_ids_dropped_from_memory_during_a_replay_reach_the_store(kafka_config: KafkaConfig, unique: str,
+                                                                  tmp_path: Path, scans: list[set[str]]) -> None:
+    """A new host replays a history with idempotency_max_ids of 1: nearly every id leaves memory before its gate's
+    seal records an offset past its events. After a restart on that store (trusted: nothing replayed), each of those
+    ids, acceptances and a rejection alike, retried gets its first outcome back and writes nothing."""
+    agg = dataclasses.replace(bank_config(unique), cache_max_aggregates=50, idempotency_max_ids=1)
+    create_topics(kafka_config, agg)
+    accounts = [f"acc-{i:02d}" for i in range(10)]
+    with running(_runtime(kafka_config, agg, tmp_path / "old-host")) as r, CommandClient(kafka_config, agg) as c:
+        wait_for(lambda: r.runtime.ready, what="runtime live")
+        _send(c, [(a, "OpenAccount", 0) for a in accounts])
+        deposits = [c.command(a, "Deposit", {"amount": 7}, command_id=f"dep-{a}") for a in accounts]
+        first = c.send_many(deposits, timeout=60)
+        refused = c.send(c.command(accounts[0], "Withdraw", {"amount": 10**9}, command_id="wd-big"))
+    new_host = tmp_path / "new-host"
+    with running(_runtime(kafka_config, agg, new_host, "i2")) as r:
+        wait_for(lambda: r.runtime.ready, what="runtime live on the new host", timeout=45)
+        assert r.runtime.gates[0].start == 0 and r.runtime.store.window.dropped_early > len(accounts)
+    with running(_runtime(kafka_config, agg, new_host, "i2")) as r, CommandClient(kafka_config, agg) as c:
+        wait_for(lambda: r.runtime.ready, what="runtime live after a restart", timeout=45)
+        assert r.runtime.gates[0].events_replayed == 0 and r.runtime.gates[0].start > 0
+        again = c.send_many([c.command(a, "Deposit", {"amount": 7}, command_id=f"dep-{a}") for a in accounts],
+                            timeout=60)
+        refused_again = c.send(c.command(accounts[0], "Withdraw", {"amount": 10**9}, command_id="wd-big"))
+    for a in accounts:
+        got, was = again[f"dep-{a}"], first[f"dep-{a}"]
+        assert got is not None and was is not None
+        assert got.duplicate and (got.version, got.event_ids) == (was.version, was.event_ids), a
+    assert refused is not None and refused_again is not None
+    assert refused_again.duplicate and refused_again.reason == refused.reason
+    assert all(e["version"] <= 2 for e in events(kafka_config, agg))  # one OpenAccount and one deposit each
+    assert len(events(kafka_config, agg)) == 2 * len(accounts)
     assert scans == []

@@ -113,7 +113,7 @@ def test_kill_around_the_commit_never_trusts_the_store_past_committed_events(
         wait_for(lambda: r.runtime.ready, what="runtime live", timeout=45)
         assert all(g.start > 0 for g in r.runtime.gates.values()), "the store was not trusted"
         live = {c: r.runtime.get(c) for c in {a for a, _, _ in plan}}
-        # a gate reports LIVE a moment before its results read ends; its commands resume (a position) after it
+        # LIVE once its commands resumed (gate.py); their position is known once the committed offset was read
         wait_for(lambda: set(r.runtime.positions) >= set(r.runtime.gates), timeout=30, what="commands resumed")
         decided = {c.command_id: _outcome(r.runtime, c.aggregate_id, c.command_id) for c in cmds}
     replay: dict[str, Any] = {}

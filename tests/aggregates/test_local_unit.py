@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kafold.daemon.aggregates.local import LocalStates, Trusted
-from kafold.daemon.aggregates.store import Entry
+import lmdb
+import pytest
+
+from kafold.daemon.aggregates.local import STATE, LocalStates, Trusted
+from kafold.daemon.aggregates.store import Entry, StateStore
 from kafold.daemon.aggregates.window import Window, accepted, rejected
+from kafold.errors import FatalError
 from tests.aggregates.agg_support import bank_config, bank_domain
 
 DAY = 86_400_000
@@ -80,4 +84,70 @@ def test_a_seal_without_a_results_offset_holds_it_until_the_next_seal(tmp_path: 
     local.seal(0, [("a", entry)], 0, 12)
     local.committed({0: [("a", entry, [])]}, {}, cutoff=0, results={0: 14})
     assert local.open(0, 0, 0, 14) == Trusted(0, 14)
+    local.close_all()
+
+
+def test_a_damaged_record_is_found_when_read_and_distrusts_its_partition(tmp_path: Path) -> None:
+    """The open checks the meta record only; a record whose bytes changed fails its checksum when it is read: the
+    read raises, nothing more is written there, and the next open rebuilds the partition."""
+    local = _states(tmp_path)
+    local.open(0, 0, 0)
+    local.seal(0, [("a", Entry(local.domain.initial(), 3, 0)), ("b", Entry(local.domain.initial(), 2, 0))], 40, None)
+    local.close(0)
+    env = lmdb.open(str(local.path(0)))
+    with env.begin(write=True) as txn:
+        value = bytearray(txn.get(STATE + b"a"))
+        value[-2] ^= 0x01
+        txn.put(STATE + b"a", bytes(value))
+    env.close()
+    assert local.open(0, 0, 40) == Trusted(40, None)  # the damage is not looked for at the open
+    loaded = local.load(0, "b")
+    assert loaded is not None and loaded.version == 2
+    with pytest.raises(FatalError, match="damaged"):
+        local.load(0, "a")
+    assert 0 in local.damaged
+    with pytest.raises(FatalError, match="damaged"):  # nor is anything written to it any more
+        local.seal(0, [("b", Entry(local.domain.initial(), 4, 0))], 41, None)
+    assert local.open(0, 0, 41) is None and local.load(0, "b") is None  # rebuilt
+    assert not local.damaged
+    local.close_all()
+
+
+def test_outcomes_dropped_early_while_a_partition_recovers_reach_the_store(tmp_path: Path) -> None:
+    """A replay holding more ids than idempotency_max_ids drops the oldest from memory before the gate's seal; they
+    are written when dropped, so the sealed store (trusted past their events) still answers them."""
+    local = _states(tmp_path)
+    local.open(0, 0, 0)  # recovering: nothing written until the seal but what is dropped or evicted
+    store = StateStore(100, Window(DAY, 2), local)
+    store.window.keep = local.keep
+    entry = Entry(local.domain.initial(), 0, 0)
+    store.put("a", entry)
+    for v in range(1, 6):  # five replayed acceptances of one aggregate, then a rejection from the results
+        store.window.add_event(entry, "a", f"c{v}", 1_000 * v, v, f"e{v}")
+        entry.version = v
+    store.window.remember(entry, "a", "no", rejected(9_000, 5, "insufficient funds"))
+    store.trim()
+    assert sorted(entry.recent) == ["c5", "no"] and store.window.dropped_early == 4
+    local.seal(0, [("a", entry)], 5, None)
+    assert local.open(0, 0, 5) == Trusted(5, None)
+    assert [local.outcome(0, "a", f"c{v}") for v in range(1, 6)] == [accepted(1_000 * v, v, 1) for v in range(1, 6)]
+    assert local.outcome(0, "a", "no") == rejected(9_000, 5, "insufficient funds")
+    local.close_all()
+
+
+def test_an_id_decided_again_past_the_window_keeps_its_new_outcome_when_the_old_one_is_swept(tmp_path: Path) -> None:
+    """A retry past the window is decided again before the sweep reached the first outcome: the sweep of the first
+    outcome's expiry entry leaves the new outcome (under the same key) in place."""
+    local = _states(tmp_path)
+    local.open(0, 0, 0)
+    entry = Entry(local.domain.initial(), 1, 0)
+    window = Window(DAY, 10)
+    window.remember(entry, "a", "dep", accepted(1_000, 1, 1))
+    local.committed({0: [("a", entry, ["dep"])]}, {0: 1}, cutoff=0)
+    entry.version = 2
+    window.remember(entry, "a", "dep", accepted(DAY + 5_000, 2, 1))  # retried 24 h + 4 s later: decided again
+    local.committed({0: [("a", entry, ["dep"])]}, {0: 2}, cutoff=5_000)
+    assert local.outcome(0, "a", "dep") == accepted(DAY + 5_000, 2, 1)
+    local.committed({0: [("a", entry, [])]}, {0: 2}, cutoff=DAY + 6_000)
+    assert local.outcome(0, "a", "dep") is None  # its own expiry entry sweeps it in turn
     local.close_all()

@@ -17,7 +17,7 @@ from kafold.tools.dev import stack as devstack
 AREAS: dict[str, str] = {"projection": "projection", "daemon": "daemon", "snapshots": "snapshots", "effects": "effects",
                         "aggregates": "aggregates", "rebuild": "rebuild", "evolution": "evolution",
                         "latency": "latency", "privacy": "privacy", "history": "history",
-                        "aio": "aio"}
+                        "aio": "aio", "localstore": "localstore"}
 
 # Short group timeouts for the benches' consumers: a first JoinGroup waits for them on the embedded broker
 # (docs/brokers.md), and otherwise for the default rebalance timeout.

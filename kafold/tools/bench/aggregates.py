@@ -188,8 +188,8 @@ def _restart(kafka: Any, args: argparse.Namespace, name: str, window_s: float, h
     began = time.monotonic()
     thread = _in_thread(rt)
     try:
-        # a gate reports LIVE a moment before its results read ends; its commands resume (a position) after it
-        _wait(lambda: rt.ready and len(rt.gates) == args.partitions and set(rt.positions) >= set(rt.gates), 600,
+        # a gate is LIVE once its commands resumed (after its results read and the store's seal): `ready`
+        _wait(lambda: rt.ready and len(rt.gates) == args.partitions, 600,
               "the restarted runtime to be live")
         live_s = time.monotonic() - began
         trusted = sum(1 for g in rt.gates.values() if g.start > 0)  # partitions whose store was trusted
