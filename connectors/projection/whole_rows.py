@@ -58,6 +58,7 @@ class WholePlan:
     first: dict[Key, int]
     folded: Folded
     columns: list[Any] | None = None  # the upsert's parameters but the namespace and the count, when planned ahead
+    todo: Candidates | None = None  # the candidates it was made of, when planned ahead
 
 
 def redone(e: BaseException) -> bool:
@@ -121,10 +122,11 @@ class WholeRows:
         reads the session's adapters and encoding, runs no statement; a path switched off meanwhile is seen later."""
         if not self.on or conn is None or conn.closed or not records:
             return None
+        todo = candidates(list(records), prepared, set())
         try:
-            plan = self.plan(candidates(list(records), prepared, set()))
+            plan = self.plan(todo)
             if plan is not None:
-                plan.columns = self.columns(conn, plan)
+                plan.columns, plan.todo = self.columns(conn, plan), todo
         except psycopg.Error:  # the session closed under it (the writer reconnects): the write plans itself
             return None
         return plan

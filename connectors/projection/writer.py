@@ -473,9 +473,9 @@ class ProjectionWriter:
                 result.held = len(held)
                 tally(result.by_partition, (raw for raw, _ in held), DEAD)
                 dead = [*dead, *held]
-            todo = candidates(records, prep, skip)
-            ahead, call.ahead = call.ahead, None  # made for the whole batch: its first transaction only
-            plan = self.whole_rows.plan(todo, None if skip else ahead) if fence and call.then is None else None
+            ahead, call.ahead = (None if skip else call.ahead), None  # made for the whole batch: its first try only
+            todo = ahead.todo if ahead is not None and ahead.todo is not None else candidates(records, prep, skip)
+            plan = self.whole_rows.plan(todo, ahead) if fence and call.then is None else None
             self.whole_rows.tried = plan is not None
             if plan is not None and fence:  # one round trip, no row read (whole_rows.py)
                 fresh, folded = list(todo.first.values()), plan.folded
