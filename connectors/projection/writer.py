@@ -461,7 +461,8 @@ class ProjectionWriter:
         behind: list[SinkRecord] = []
         if self.fence:  # what the stored checkpoints passed was applied by the transaction that moved them
             stored_at = self._stored
-            behind = [r for r in records if r.offset < stored_at.get(r.tp, -1) and id(r) not in skip]
+            floor = {(tp.topic, tp.partition): off for tp, off in stored_at.items()}  # no TopicPartition a record
+            behind = [r for r in records if r.offset < floor.get((r.topic, r.partition), -1) and id(r) not in skip]
             skip.update(id(r) for r in behind)
             advance = {tp: o for tp, o in advance.items() if o > stored_at.get(tp, -1)}
         with turns, turns.waiting(conn.pipeline()) as pipe:
