@@ -36,7 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
+from psycopg.adapt import Dumper, PyFormat, Transformer
 
 from kafold.connectors.api import SinkRecord
 from kafold.connectors.projection import sql as q
@@ -59,6 +60,38 @@ class WholePlan:
     folded: Folded
     columns: list[Any] | None = None  # the upsert's parameters but the namespace and the count, when planned ahead
     todo: Candidates | None = None  # the candidates it was made of, when planned ahead
+
+
+class Dumped:
+    """A statement's parameter dumped already (binary, with its type's oid): an array of a plan made ahead, whose
+    dump (psycopg's list dumper runs in Python: most of what was left of the write's own Python) is then done on the
+    runner's thread too."""
+
+    __slots__ = ("data", "oid")
+
+    def __init__(self, data: bytes, oid: int) -> None:
+        self.data, self.oid = data, oid
+
+
+class DumpedDumper(Dumper):
+    """Sends a Dumped's bytes as they are, under its oid."""
+
+    format = pq.Format.BINARY
+
+    def get_key(self, obj: Any, format: PyFormat) -> Any:
+        return (Dumped, obj.oid)
+
+    def upgrade(self, obj: Any, format: PyFormat) -> Dumper:
+        dumper = DumpedDumper(Dumped)
+        dumper.oid = obj.oid
+        return dumper
+
+    def dump(self, obj: Any) -> bytes:
+        return bytes(obj.data)
+
+
+# Every connection made after this copies the global adapters: the writer's sessions know Dumped.
+psycopg.adapters.register_dumper(Dumped, DumpedDumper)
 
 
 def redone(e: BaseException) -> bool:
@@ -126,7 +159,11 @@ class WholeRows:
         try:
             plan = self.plan(todo)
             if plan is not None:
-                plan.columns, plan.todo = self.columns(conn, plan), todo
+                columns = self.columns(conn, plan)
+                texts = Transformer(conn)
+                data = texts.dump_sequence(columns, [PyFormat.BINARY] * len(columns))
+                plan.columns = [Dumped(bytes(d or b""), oid) for d, oid in zip(data, texts.types or (), strict=True)]
+                plan.todo = todo
         except psycopg.Error:  # the session closed under it (the writer reconnects): the write plans itself
             return None
         return plan
