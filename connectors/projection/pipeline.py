@@ -3,7 +3,15 @@
 Note on offsets and commits
 ---------------------------
 At most ONE write is in flight, and writes run in the order they were handed over, on one connection (the
-writer's). The runner's thread never touches the writer while a write is in flight: `settle` waits for it first.
+writer's). What the next batch's transaction needs from Python (its decode, its tracking and row keys, and for a
+whole-row batch its plan and the upsert's parameters: `Job.prepared`, `Job.ahead`) is computed by the runner's thread
+while the write in flight is in PostgreSQL, so the worker sends the next transaction as soon as it gets it and the
+server does not wait for the interpreter between two batches. That is work planned ahead, not a second write in
+flight: the next transaction is sent only once the previous one committed (or failed), so two transactions of a
+task never hold the checkpoints' rows at once, the fence always moves them from offsets already committed, and
+the order of commits, and so of stored offsets, is the order of the batches. Besides that pure work (which reads
+the connection's adapters, never runs a statement), the runner's thread never touches the writer while a write is
+in flight: `settle` waits for it first.
 The task's `stored` offsets (what `pre_commit` returns, so what is committed to Kafka) are updated only in the
 runner's thread, from the result of a write that committed — so an offset reaches Kafka only after its
 PostgreSQL commit, as before. A write that failed is kept (`failed`) and redone, synchronously and before any
@@ -26,6 +34,7 @@ from typing import Any
 
 from kafold.connectors.api import SinkRecord, TopicPartition
 from kafold.connectors.projection.fold import BatchResult, Prepared
+from kafold.connectors.projection.whole_rows import WholePlan
 from kafold.connectors.projection.writer import DeadLetter, Report
 from kafold.errors import RetriableError
 
@@ -40,6 +49,7 @@ class Job:
     dead: list[DeadLetter]
     offsets: dict[TopicPartition, int]
     prepared: Prepared | None = None  # ProjectionWriter.prepare of the records, computed on the runner's thread
+    ahead: WholePlan | None = None  # WholeRows.ahead of exactly these records, on the runner's thread
     future: Future[BatchResult] | None = None
     started: float = field(default_factory=time.perf_counter)
 
@@ -49,7 +59,8 @@ class Job:
         offsets = {tp: off for tp, off in self.offsets.items() if tp not in tps}
         if not records and not self.dead and not offsets:
             return None
-        return Job(records, self.dead, offsets, self.prepared)  # keyed by id(record): still valid for a subset
+        # prepared is keyed by id(record): still valid for a subset; a plan made ahead is the whole batch's only
+        return Job(records, self.dead, offsets, self.prepared)
 
 
 @dataclass

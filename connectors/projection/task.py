@@ -163,8 +163,12 @@ class ProjectionSinkTask(SinkTask):
             self.hint.pop(tp, None)
 
     def put(self, records: Sequence[SinkRecord]) -> None:
-        # Tracking and row keys now, while the previous batch's write is still running (it is pure work).
+        # Tracking and row keys now, while the previous batch's write is still running (it is pure work), and for a
+        # batch handed to the worker its whole-row plan too (pipeline.py): its transaction then goes right away.
         prepared = self.writer.prepare(records) if records else None
+        writer = self.writer
+        ahead = (writer.whole_rows.ahead(writer.conn, records, prepared)
+                 if writer.fence and prepared is not None and len(records) > INLINE_WRITE_RECORDS else None)
         self._settle()
         self._raise_fatal()
         if self.failed is not None:  # redo it first, here; RetriableError -> the runner backs off, offers again
@@ -175,7 +179,7 @@ class ProjectionSinkTask(SinkTask):
         hint, self.hint = self.hint, {}
         if not records and not dead and not hint:
             return
-        job = Job(list(records), dead, hint, prepared)
+        job = Job(list(records), dead, hint, prepared, ahead)
         if len(records) > INLINE_WRITE_RECORDS:
             self.pipe.submit(job)
             return
@@ -219,7 +223,8 @@ class ProjectionSinkTask(SinkTask):
         return self._stored_of(offered)
 
     def _write(self, job: Job, report: Report) -> BatchResult:
-        return self.writer.write(job.records, job.dead, job.offsets, report=report, prepared=job.prepared)
+        return self.writer.write(job.records, job.dead, job.offsets, report=report, prepared=job.prepared,
+                                 ahead=job.ahead)
 
     def outcomes(self) -> Mapping[TopicPartition, Outcomes] | None:
         """Counted from the writes that committed: duplicates by tracking, stale by the version guard, dead-lettered

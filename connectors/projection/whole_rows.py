@@ -20,19 +20,29 @@ the table's lock, the fence, the upsert, the dead letters and COMMIT go in one p
 Their order: the table's lock before the checkpoints' rows (a rebuild's swap takes them in that order), the fence
 before the upsert (its row locks make a second writer of the partition wait for the first's commit; the upsert's
 snapshot is taken after that wait, so its checks see what the first committed).
+
+Planned ahead (`ahead`). Under load the task computes a batch's plan and its statement's parameters on the runner's
+thread while the previous batch's transaction is in PostgreSQL (task.py, pipeline.py), so the server does not wait
+for this Python between two batches. Such a plan assumes nothing is skipped (no record below a stored checkpoint,
+none held, none dead-lettered) and the path on; the writer uses it only where its first transaction of the batch
+finds exactly that, and plans again otherwise. Offsets and commits are untouched by this: the write it goes with is
+still the one in flight, its checkpoint moved in its own transaction, Kafka's commit after it (pipeline.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
+from psycopg.adapt import Dumper, PyFormat, Transformer
 
+from kafold.connectors.api import SinkRecord
 from kafold.connectors.projection import sql as q
 from kafold.connectors.projection.config import VERSION_COLUMN
-from kafold.connectors.projection.fold import Candidates, Folded
+from kafold.connectors.projection.fold import Candidates, Folded, Prepared, candidates
 from kafold.connectors.projection.held_keys import hold_text
 from kafold.connectors.projection.mapping import Mapping, MappingError, Row
 from kafold.connectors.projection.snapshot_sweep import ends_snapshot
@@ -48,6 +58,40 @@ class WholePlan:
     rows: dict[Key, Row]
     first: dict[Key, int]
     folded: Folded
+    columns: list[Any] | None = None  # the upsert's parameters but the namespace and the count, when planned ahead
+    todo: Candidates | None = None  # the candidates it was made of, when planned ahead
+
+
+class Dumped:
+    """A statement's parameter dumped already (binary, with its type's oid): an array of a plan made ahead, whose
+    dump (psycopg's list dumper runs in Python: most of what was left of the write's own Python) is then done on the
+    runner's thread too."""
+
+    __slots__ = ("data", "oid")
+
+    def __init__(self, data: bytes, oid: int) -> None:
+        self.data, self.oid = data, oid
+
+
+class DumpedDumper(Dumper):
+    """Sends a Dumped's bytes as they are, under its oid."""
+
+    format = pq.Format.BINARY
+
+    def get_key(self, obj: Any, format: PyFormat) -> Any:
+        return (Dumped, obj.oid)
+
+    def upgrade(self, obj: Any, format: PyFormat) -> Dumper:
+        dumper = DumpedDumper(Dumped)
+        dumper.oid = obj.oid
+        return dumper
+
+    def dump(self, obj: Any) -> bytes:
+        return bytes(obj.data)
+
+
+# Every connection made after this copies the global adapters: the writer's sessions know Dumped.
+psycopg.adapters.register_dumper(Dumped, DumpedDumper)
 
 
 def redone(e: BaseException) -> bool:
@@ -66,10 +110,13 @@ class WholeRows:
         self.batches = 0  # batches committed by the one statement
         self.tried = False  # the transaction under way is the one statement's
 
-    def plan(self, todo: Candidates) -> WholePlan | None:
-        """The batch's candidates collapsed, or None when one of them needs the stored row (or this path is off)."""
+    def plan(self, todo: Candidates, ahead: WholePlan | None = None) -> WholePlan | None:
+        """The batch's candidates collapsed, or None when one of them needs the stored row (or this path is off);
+        `ahead`, when given, is `ahead` of the same candidates."""
         if not self.on or todo.key_errors:
             return None
+        if ahead is not None:
+            return ahead
         whole_types, whole_row, record_keys = self.mapping.whole_types, self.mapping.whole_row, todo.record_keys
         rows: dict[Key, Row] = {}
         first: dict[Key, int] = {}
@@ -101,12 +148,36 @@ class WholeRows:
         assert shape is not None
         conn.execute(sql.SQL("LOCK TABLE {} IN ROW EXCLUSIVE MODE").format(shape.name))
 
+    def ahead(self, conn: psycopg.Connection[Any] | None, records: Sequence[SinkRecord], prepared: Prepared
+              ) -> WholePlan | None:
+        """`plan` of `records` with none skipped, its statement's parameters included, or None: made on the runner's
+        thread before the batch's transaction (module note), while the writer's session runs the one before. It
+        reads the session's adapters and encoding, runs no statement; a path switched off meanwhile is seen later."""
+        if not self.on or conn is None or conn.closed or not records:
+            return None
+        todo = candidates(list(records), prepared, set())
+        try:
+            plan = self.plan(todo)
+            if plan is not None:
+                columns = self.columns(conn, plan)
+                texts = Transformer(conn)
+                data = texts.dump_sequence(columns, [PyFormat.BINARY] * len(columns))
+                plan.columns = [Dumped(bytes(d or b""), oid) for d, oid in zip(data, texts.types or (), strict=True)]
+                plan.todo = todo
+        except psycopg.Error:  # the session closed under it (the writer reconnects): the write plans itself
+            return None
+        return plan
+
+    def columns(self, conn: psycopg.Connection[Any], plan: WholePlan) -> list[Any]:
+        """The upsert's parameters but the namespace and the count: one array per column, the keys, the versions."""
+        keys = list(plan.rows)
+        columns: list[Any] = self.table_rows.text_columns(conn, list(plan.rows.values()))
+        return [*columns, [hold_text(k) for k in keys], [plan.first[k] for k in keys]]
+
     def upsert(self, conn: psycopg.Connection[Any], plan: WholePlan) -> None:
         """Queue the plan's one statement (pipelined); it fails unless every event of the batch applies."""
         shape = self.table_rows.shape
         assert shape is not None
-        keys = list(plan.rows)
-        columns: list[Any] = self.table_rows.text_columns(conn, list(plan.rows.values()))
-        columns += [[hold_text(k) for k in keys], [plan.first[k] for k in keys]]
+        columns = plan.columns if plan.columns is not None else self.columns(conn, plan)
         conn.execute(q.upsert_whole_rows(shape, self.table_rows.tombstones),
-                     (*columns, self.namespace, len(keys)))
+                     (*columns, self.namespace, len(plan.rows)))

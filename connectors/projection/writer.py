@@ -93,6 +93,8 @@ follow the checkpoints as before (task.py): only what is stored here is trusted 
 Whole rows (whole_rows.py): with the fence, a batch whose events each set their whole row is not read nor folded
 here; one statement upserts its last row of each key, BEGIN to COMMIT in one round trip, and fails (sql.redo) when
 the fence, the held keys or any event's outcome is not what the writer assumed: the batch is then done as above.
+Such a plan may come with the batch, made ahead (`WholeRows.ahead`, on the runner's thread while the previous batch
+is in PostgreSQL): used only by the batch's first transaction, when it skips no record and the path is still on.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ from kafold.connectors.projection.fold import (
 from kafold.connectors.projection.held_keys import DeadLetter, HeldKeys, HoldsChanged, hold_text
 from kafold.connectors.projection.mapping import Mapping, Row
 from kafold.connectors.projection.table_rows import TableRows
-from kafold.connectors.projection.whole_rows import WholeRows, redone
+from kafold.connectors.projection.whole_rows import WholePlan, WholeRows, redone
 from kafold.errors import ConfigError, FatalError, RecordError, RetriableError, redact_quoted
 
 log = logs.get(__name__)
@@ -198,6 +200,7 @@ class _Call:
     prepared: Prepared | None = None  # `prepare` of the records, computed on the runner's thread
     hold: bool = False  # this write holds (holding, and not a release)
     then: Then | None = None  # runs in each committed transaction, last
+    ahead: WholePlan | None = None  # the whole batch's plan made ahead (WholeRows.ahead): its first transaction's
     hold_of: dict[int, tuple[DeadLetterStatus, str]] = field(default_factory=dict)  # id(error) -> (status, hold_key)
 
 
@@ -342,13 +345,13 @@ class ProjectionWriter:
     def write(self, records: Sequence[SinkRecord], dead: Sequence[DeadLetter] = (),
               offsets: dict[TopicPartition, int] | None = None, report: Report | None = None,
               advance: bool = True, prepared: Prepared | None = None, hold: bool = True,
-              then: Then | None = None) -> BatchResult:
+              then: Then | None = None, ahead: WholePlan | None = None) -> BatchResult:
         """Apply `records`, record `dead` letters and advance checkpoints to cover `records` and `offsets`
         (`advance=False`: leave checkpoints alone, e.g. when re-applying dead letters). `prepared`: what
         `prepare` gave for (at least) these records, else it is computed here. `hold=False`: neither hold events
         nor make heads (a release, which holds the holds lock itself); `then(conn, result)` runs in each
-        committed transaction, last."""
-        call = _Call(advance, prepared, self.holding and hold, then)
+        committed transaction, last. `ahead`: `whole_rows.ahead` of exactly these records."""
+        call = _Call(advance, prepared, self.holding and hold, then, ahead)
         if report is not None:  # reporting waits for the runner's thread: never make it wait for us meanwhile
             report = self.turns.handing_over(report)
         try:
@@ -458,7 +461,8 @@ class ProjectionWriter:
         behind: list[SinkRecord] = []
         if self.fence:  # what the stored checkpoints passed was applied by the transaction that moved them
             stored_at = self._stored
-            behind = [r for r in records if r.offset < stored_at.get(r.tp, -1) and id(r) not in skip]
+            floor = {(tp.topic, tp.partition): off for tp, off in stored_at.items()}  # no TopicPartition a record
+            behind = [r for r in records if r.offset < floor.get((r.topic, r.partition), -1) and id(r) not in skip]
             skip.update(id(r) for r in behind)
             advance = {tp: o for tp, o in advance.items() if o > stored_at.get(tp, -1)}
         with turns, turns.waiting(conn.pipeline()) as pipe:
@@ -470,8 +474,9 @@ class ProjectionWriter:
                 result.held = len(held)
                 tally(result.by_partition, (raw for raw, _ in held), DEAD)
                 dead = [*dead, *held]
-            todo = candidates(records, prep, skip)
-            plan = self.whole_rows.plan(todo) if fence and call.then is None else None
+            ahead, call.ahead = (None if skip else call.ahead), None  # made for the whole batch: its first try only
+            todo = ahead.todo if ahead is not None and ahead.todo is not None else candidates(records, prep, skip)
+            plan = self.whole_rows.plan(todo, ahead) if fence and call.then is None else None
             self.whole_rows.tried = plan is not None
             if plan is not None and fence:  # one round trip, no row read (whole_rows.py)
                 fresh, folded = list(todo.first.values()), plan.folded
