@@ -335,11 +335,15 @@ class AggregateRuntime(LoopHandler):
         self.uncommitted = undo
         try:
             self.writer.begin()
+            # Offsets and commits: the commands' next offsets are committed in the batch's own transaction; sent
+            # before the batch is decided, so that their round trips to the coordinators overlap the deciding (txn.py)
+            offsets = [KTP(self.topics["commands"], n, off) for n, off in
+                       {m.partition(): m.offset() + 1 for m in live}.items()]
+            group_metadata = self.consumer.consumer_group_metadata()
+            self.writer.send_offsets(offsets, group_metadata)
             first, last, tally = self.decider.decide(self.writer, live, decoded, undo)
-            offsets = [KTP(self.topics["commands"], n, off) for n, off in last.items()]
             decided = time.monotonic()
-            # Offsets and commits: the commands' next offsets are committed in the batch's own transaction.
-            committed = self.writer.commit(offsets, self.consumer.consumer_group_metadata())
+            committed = self.writer.commit(offsets, group_metadata)
         except ProducerBroken as e:
             self._renew_writer(e)
             self.uncommitted = {}

@@ -56,6 +56,12 @@ TXN_TIMEOUT_MS = 60000  # the producer's transaction.timeout.ms: past it the coo
 # (committed, or aborted by itself: the retry then answers abort-required and the batch is decided again), rather
 # than stopping the instance on a slow cluster (seen in the chaos soak on three-node Apache Kafka under load 30).
 DECIDED_S = TXN_TIMEOUT_MS / 1000 + 15.0
+# A transaction begun right after the previous commit registers its partitions (AddPartitionsToTxn) while the
+# coordinator still writes the previous one's markers (EndTxn is answered before they are written): the broker
+# answers CONCURRENT_TRANSACTIONS and librdkafka registers them again after a backoff derived from retry.backoff.ms
+# (its default 100 ms: 30 ms a back-to-back transaction at the median, 7 ms with 5; docs/benchmarks.md, 2026-12-02).
+# Other retries back off exponentially from it up to retry.backoff.max.ms (1 s) as before.
+RETRY_BACKOFF_MS = 5
 REMEMBERED_TOKENS = 20_000  # committed decisions whose token a duplicate can repeat (~0.4 KB each)
 Encoded = tuple[bytes, bytes, Headers]
 
@@ -87,6 +93,8 @@ class ProducerBroken(FatalError):
 class TransactionalWriter:
     """A transactional producer; `begin`, `produce`..., then `commit(offsets, group_metadata)` or `abort`."""
 
+    _sending: _Bounded | None = None  # the offsets being sent into the open transaction (send_offsets)
+
     def __init__(self, kafka: KafkaConfig, transactional_id: str, **extra: Any) -> None:
         self.transactional_id = transactional_id
         # linger.ms above a batch's processing time: records leave at commit (flush) in few large requests, and
@@ -94,7 +102,7 @@ class TransactionalWriter:
         self.producer = kafka_clients.producer(kafka, **{
             "transactional.id": transactional_id, "enable.idempotence": True, "acks": "all", "linger.ms": 100,
             "batch.num.messages": 10000, "queue.buffering.max.messages": 500000,
-            "transaction.timeout.ms": TXN_TIMEOUT_MS, **extra})
+            "transaction.timeout.ms": TXN_TIMEOUT_MS, "retry.backoff.ms": RETRY_BACKOFF_MS, **extra})
         self._produce = self.producer.produce
         # held back until commit
         self._results: list[tuple[str, int, Result, Landing | None, int, Sequence[tuple[str, bytes]] | None,
@@ -129,6 +137,7 @@ class TransactionalWriter:
             raise _convert(e, "begin_transaction") from e
         self._results.clear()
         self._last.clear()
+        self._sending = None
         self.open = True
 
     def produce(self, topic: str, partition: int, key: bytes | None, value: bytes | None,
@@ -255,31 +264,32 @@ class TransactionalWriter:
             for ident in list(islice(tokens, len(tokens) - REMEMBERED_TOKENS)):
                 del tokens[ident]
 
+    def send_offsets(self, offsets: list[TopicPartition], group_metadata: Any) -> None:
+        """Start sending the batch's consumed `offsets` into the open transaction, in a helper thread: `commit`
+        waits for them (and sends them itself when this was not called). Called right after `begin`, before the
+        batch is decided: the transaction's first request to the coordinator (AddOffsetsToTxn) is the one that
+        waits while the previous transaction's markers are written (CONCURRENT_TRANSACTIONS, see RETRY_BACKOFF_MS),
+        and TxnOffsetCommit follows it: both round trips then run while the commands are decided and the events
+        flushed, rather than after them. Offsets and commits: they belong to the transaction whatever the order,
+        committed with its events and results or aborted with them."""
+        if offsets:
+            self._sending = _Bounded("send_offsets_to_transaction", TIMEOUT_S, lambda: self._retrying(
+                lambda t: self.producer.send_offsets_to_transaction(offsets, group_metadata, t)))
+
     def commit(self, offsets: list[TopicPartition], group_metadata: Any) -> bool:
-        """Commit the open transaction with `offsets`; False when it had to be aborted (nothing visible)."""
+        """Commit the open transaction with `offsets` (unless `send_offsets` sent them already); False when it had
+        to be aborted (nothing visible)."""
         self._committing, self._landed, self._results_landed = {}, [], []
+        if self._sending is None:
+            self.send_offsets(offsets, group_metadata)
         if (self._results or self._last) and not self._produce_results():
+            if not self._offsets_sent():  # a fence or a hang there is raised
+                return False  # aborted there
             log.warning("aggregate.txn_aborting", transactional_id=self.transactional_id,
                         error="events of the batch not delivered")
             self.abort()
             return False
-        try:
-            if offsets:
-                self._retrying(lambda t: _bounded("send_offsets_to_transaction", t, lambda: (
-                    self.producer.send_offsets_to_transaction(offsets, group_metadata, t))))
-        except FatalError:
-            self.open = False  # the blocked call holds the producer: no abort on close (the broker aborts)
-            self.held = True
-            raise
-        except KafkaException as e:
-            err = e.args[0]
-            if err.fatal() or err.code() in FENCED:
-                self.open = False
-                raise _convert(e, "commit") from e
-            # The transaction coordinator's broker died or stayed out of reach: nothing of the transaction was
-            # committed yet (the commit never started), so aborting it is safe and the batch is decided again.
-            log.warning("aggregate.txn_aborting", transactional_id=self.transactional_id, error=str(err))
-            self.abort()
+        if not self._offsets_sent():
             return False
         try:
             self._retrying(self.producer.commit_transaction, DECIDED_S)
@@ -295,9 +305,42 @@ class TransactionalWriter:
         finally:
             self.open = False
 
+    def _offsets_sent(self) -> bool:
+        """Wait for the offsets being sent into the transaction (if any); False when it was aborted."""
+        sending, self._sending = self._sending, None
+        if sending is None:
+            return True
+        try:
+            sending.join()
+        except FatalError:
+            self.open = False  # the blocked call holds the producer: no abort on close (the broker aborts)
+            self.held = True
+            raise
+        except KafkaException as e:
+            err = e.args[0]
+            if err.fatal() or err.code() in FENCED:
+                self.open = False
+                raise _convert(e, "commit") from e
+            # The transaction coordinator's broker died or stayed out of reach: nothing of the transaction was
+            # committed yet (the commit never started), so aborting it is safe and the batch is decided again.
+            log.warning("aggregate.txn_aborting", transactional_id=self.transactional_id, error=str(err))
+            self.abort()
+            return False
+        return True
+
     def abort(self) -> None:
         self._results.clear()
         self._last.clear()
+        sending, self._sending = self._sending, None
+        if sending is not None:  # librdkafka refuses an abort while another transactional call is in progress
+            try:
+                sending.join()
+            except FatalError:
+                self.open = False  # the blocked call holds the producer: no abort on close (the broker aborts)
+                self.held = True
+                raise
+            except KafkaException as e:  # the transaction is aborted below whatever this was
+                log.info("aggregate.txn_offsets_not_sent", transactional_id=self.transactional_id, error=str(e))
         try:
             self._retrying(self.producer.abort_transaction, DECIDED_S)
         except KafkaException as e:
@@ -347,27 +390,37 @@ class TransactionalWriter:
 FENCED = frozenset({KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH})
 
 
-def _bounded(doing: str, timeout_s: float, call: Any, grace_s: float | None = None) -> None:
-    """`call()` in a helper thread, waited for `timeout_s` + `grace_s` (default HANG_GRACE_S); FatalError if it has
-    not returned (the thread is left behind: a blocked librdkafka call cannot be cancelled)."""
-    grace_s = HANG_GRACE_S if grace_s is None else grace_s
-    done, failure = threading.Event(), []
+class _Bounded:
+    """`call()` started in a helper thread; `join` waits for it `timeout_s` + `grace_s` (default HANG_GRACE_S) from
+    the start and raises FatalError if it has not returned (the thread is left behind: a blocked librdkafka call
+    cannot be cancelled), or what the call raised."""
 
-    def run() -> None:
+    def __init__(self, doing: str, timeout_s: float, call: Any, grace_s: float | None = None) -> None:
+        self.doing, self.done, self.failure = doing, threading.Event(), list[BaseException]()
+        self.bound_s = timeout_s + (HANG_GRACE_S if grace_s is None else grace_s)
+        self.until, self.call = time.monotonic() + self.bound_s, call
+        threading.Thread(target=self._run, daemon=True, name=f"kafold-txn-{doing}").start()
+
+    def _run(self) -> None:
         try:
-            call()
+            self.call()
         except BaseException as e:
-            failure.append(e)
+            self.failure.append(e)
         finally:
-            done.set()
+            self.done.set()
 
-    threading.Thread(target=run, daemon=True, name=f"kafold-txn-{doing}").start()
-    if not done.wait(timeout_s + grace_s):
-        raise FatalError(f"transactional producer {doing} did not return within {timeout_s + grace_s:.0f}s "
-                         "(a librdkafka hang after the group coordinator's broker went away); this instance must "
-                         "restart")
-    if failure:
-        raise failure[0]
+    def join(self) -> None:
+        if not self.done.wait(max(0.0, self.until - time.monotonic())):
+            raise FatalError(f"transactional producer {self.doing} did not return within {self.bound_s:.0f}s "
+                             "(a librdkafka hang after the group coordinator's broker went away); this instance must "
+                             "restart")
+        if self.failure:
+            raise self.failure[0]
+
+
+def _bounded(doing: str, timeout_s: float, call: Any, grace_s: float | None = None) -> None:
+    """`call()` in a helper thread, waited for as `_Bounded.join` does."""
+    _Bounded(doing, timeout_s, call, grace_s).join()
 
 
 def _convert(e: KafkaException, doing: str) -> Exception:
