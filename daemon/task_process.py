@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -292,29 +293,43 @@ def child_main(conn: Connection, spec: TaskSpec) -> None:
             runner.stop()  # the parent is gone
 
     runner.on_batch = on_batch
+    serve_parent(conn, name=f"kafold-{connector.name}-{spec.task_index}", run=runner.run, stop=runner.stop,
+                 handlers={"pause": lambda paused: runner.request_pause(bool(paused))}, report=report,
+                 failed=lambda: runner.failed)
+
+
+def serve_parent(conn: Connection, *, name: str, run: Callable[[], None], stop: Callable[[], None],
+                 handlers: Mapping[str, Callable[..., None]], report: Callable[[bool], None],
+                 failed: Callable[[], bool]) -> None:
+    """The loop of every child (a sink task, an aggregate worker): `run` in a thread named `name`, the parent's
+    requests answered (("stop",) by `stop`, the others by `handlers`, called with the request's arguments),
+    `report(False)` at least every STATUS_INTERVAL_S; when `run` returns, `report(True)` and the process exits with
+    1 when `failed()`, else 0. A parent gone (the pipe closes, kill -9 of the daemon included) stops the child the
+    graceful way, as SIGTERM or SIGINT sent to the child itself does (systemd signals the whole control group; Ctrl-C
+    the foreground process group): its work ends or commits within the grace period before it exits."""
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: runner.stop())
-    thread = threading.Thread(target=runner.run, name=f"kafold-{connector.name}-{spec.task_index}")
+        signal.signal(sig, lambda *_: stop())
+    thread = threading.Thread(target=run, name=name)
     thread.start()
     while thread.is_alive():
         try:
             if conn.poll(STATUS_INTERVAL_S):
                 request = conn.recv()
                 if request[0] == "stop":
-                    runner.stop()
-                elif request[0] == "pause":
-                    runner.request_pause(bool(request[1]))
-            report()
+                    stop()
+                elif request[0] in handlers:
+                    handlers[request[0]](*request[1:])
+            report(False)
         except (EOFError, OSError):  # the parent is gone: stop as on SIGTERM, then exit
-            runner.stop()
+            stop()
             thread.join()
             return
     thread.join()
     try:
-        report(final=True)
+        report(True)
     except OSError:
         pass
     conn.close()
     tracing.shutdown()  # export the spans still buffered
-    sys.exit(1 if runner.failed else 0)
+    sys.exit(1 if failed() else 0)
 

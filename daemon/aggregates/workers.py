@@ -19,8 +19,6 @@ transaction to end (gate.py's offset note): exactly once holds as across daemons
 from __future__ import annotations
 
 import itertools
-import signal
-import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -34,7 +32,7 @@ from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig, TracingCon
 from kafold.daemon.aggregates.gate import PartitionGate
 from kafold.daemon.aggregates.restorer import SnapshotRestorer
 from kafold.daemon.aggregates.runtime import AggregateRuntime
-from kafold.daemon.task_process import STATUS_INTERVAL_S, start_child
+from kafold.daemon.task_process import STATUS_INTERVAL_S, serve_parent, start_child
 from kafold.domain import AggregateDomain
 from kafold.errors import FatalError
 from kafold.partitioning import partition_for
@@ -322,32 +320,9 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
         except Exception:  # kept in runtime.error and logged by it; reported to the parent
             pass
 
-    # SIGTERM and SIGINT sent to the worker itself (systemd signals the whole control group; Ctrl-C the foreground
-    # process group): the graceful stop, as the daemon's (its batch's transaction ends, its partitions are released)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: runtime.stop())
-    thread = threading.Thread(target=run, name=f"kafold-aggregate-{spec.agg.name}")
-    thread.start()
-    while thread.is_alive():
-        try:
-            if conn.poll(STATUS_INTERVAL_S):
-                request = conn.recv()
-                if request[0] == "stop":
-                    runtime.stop()
-                elif request[0] == "forget":
-                    runtime.forget(request[1])
-                elif request[0] == "get":
-                    send({"reply": request[1], "got": runtime.get(request[2])})
-            report()
-        except (EOFError, OSError):  # the parent is gone: stop, then exit
-            runtime.stop()
-            thread.join()
-            return
-    thread.join()
-    try:
-        report(final=True)
-    except OSError:
-        pass
-    conn.close()
-    tracing.shutdown()
-    sys.exit(1 if runtime.error is not None else 0)
+    # SIGTERM and SIGINT sent to the worker itself, and a parent gone: the graceful stop, as the daemon's (its
+    # batch's transaction ends, its partitions are released)
+    serve_parent(conn, name=f"kafold-aggregate-{spec.agg.name}", run=run, stop=runtime.stop,
+                 handlers={"forget": runtime.forget,
+                           "get": lambda n, aggregate_id: send({"reply": n, "got": runtime.get(aggregate_id)})},
+                 report=report, failed=lambda: runtime.error is not None)

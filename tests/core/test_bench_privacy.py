@@ -14,8 +14,9 @@ import pytest
 
 from kafold import protect
 from kafold.config import KafoldConfig, load_file
+from kafold.tools.bench.daemons import DaemonStack
 from kafold.tools.bench.privacy import AGGREGATE, MASTER_VAR, otlp_sink, protect_toml, rules
-from kafold.tools.bench.projection import DaemonStack, daemon_toml
+from kafold.tools.bench.projection import daemon_toml
 
 
 def _load(tmp_path: Path, extra: dict[str, Any]) -> KafoldConfig:

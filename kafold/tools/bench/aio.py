@@ -17,21 +17,17 @@ import contextlib
 import os
 import threading
 import time
-import urllib.request
-import uuid
 from typing import Any
 
-from kafold import aio, config, db, logs, topics
+from kafold import aio, config, logs, topics
 from kafold.config import AggregateConfig
 from kafold.messages import Result
-from kafold.schema import toml_value
 from kafold.testing import free_port
-from kafold.tools.bench import SHORT_GROUP_TIMEOUTS, short_group
+from kafold.tools.bench import SHORT_GROUP_TIMEOUTS
 from kafold.tools.bench.aggregates import BANK
+from kafold.tools.bench.daemons import DaemonStack, daemon_process, daemon_stack, toml_table, wait_ready
 from kafold.tools.bench.latency import BANK_COLUMNS
-from kafold.tools.bench.projection import DaemonStack, daemon_process, daemon_stack
 
-READY_WITHIN_S = 180.0
 DRAIN_S = 120.0  # after the steady phase, how long the last sends may take to finish (a send's own timeout)
 
 
@@ -56,24 +52,9 @@ def _daemon_toml(stack: DaemonStack, prefix: str, port: int, partitions: int, ta
                  "config": {"table": table, "key_columns": ["account_id"], "mapper": "bank_projection:account_row",
                             "columns": BANK_COLUMNS}}
 
-    def section(header: str, body: dict[str, Any]) -> str:
-        return f"{header}\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in body.items()) + "\n"
-
-    return "".join([section("[kafka]", kafka), section("[postgres]", stack.postgres_raw),
-                    section("[daemon]", daemon), section("[[aggregates]]", aggregate),
-                    section("[[connectors]]", connector)])
-
-
-def _ready(proc: Any, port: int, log_path: Any) -> None:
-    deadline = time.monotonic() + READY_WITHIN_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kafold daemon exited with code {proc.returncode}; see {log_path}")
-        with contextlib.suppress(OSError), urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as r:
-            if r.status == 200:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"bench: the daemon was not ready within {READY_WITHIN_S:.0f} s; see {log_path}")
+    return "".join([toml_table("[kafka]", kafka), toml_table("[postgres]", stack.postgres_raw),
+                    toml_table("[daemon]", daemon), toml_table("[[aggregates]]", aggregate),
+                    toml_table("[[connectors]]", connector)])
 
 
 class Ticker:
@@ -164,18 +145,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     with contextlib.ExitStack() as stack:
         daemons = daemon_stack(stack, "aio", args.config, args.broker)
-        kafka = short_group(daemons.kafka)
-        run_id = uuid.uuid4().hex[:8]
-        prefix, table, port = f"kafold.bench.aio.{run_id}", f"aio_accounts_{run_id}", free_port()
+        kafka, run_id, prefix = daemons.kafka, daemons.run_id, daemons.name
+        table, port = f"aio_accounts_{run_id}", free_port()
         conf = daemons.workdir / f"{prefix}.toml"
         conf.write_text(_daemon_toml(daemons, prefix, port, args.partitions, table))
         loaded = config.load_file(conf).config
         if not topics.ensure(kafka, config.topic_map(loaded).values()).ok:
             raise RuntimeError("bench: the topics could not be created")
-        db.upgrade(daemons.postgres)
         accounts = [f"a{run_id}{i:05d}" for i in range(args.accounts)]
         with daemon_process(daemons, conf) as proc:
-            _ready(proc, port, conf.with_suffix(".log"))
+            wait_ready(proc, port, conf)
             figures = asyncio.run(_service(args, kafka, loaded.aggregates[0], port, accounts))
             with psycopg.connect(daemons.postgres.url) as conn:
                 rows: dict[str, int] = dict(conn.execute(f'SELECT account_id, balance FROM "{table}"').fetchall())

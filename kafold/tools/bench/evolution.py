@@ -16,10 +16,10 @@ from typing import Any
 import orjson
 from confluent_kafka.serialization import MessageField, SerializationContext
 
-from kafold import db, devstack, logs
+from kafold import devstack, logs
 from kafold.envelope import Event
-from kafold.tools.bench import short_group
-from kafold.tools.bench.projection import COLUMNS, daemon_stack, produce_events, produce_records, run_projection
+from kafold.tools.bench.daemons import daemon_stack
+from kafold.tools.bench.projection import COLUMNS, produce_events, produce_records, run_projection
 from kafold.tools.dev import registry_server
 
 log = logs.get(__name__)
@@ -131,8 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"--kinds: unknown {', '.join(unknown)} (known: {', '.join(KINDS)})")
     with contextlib.ExitStack() as stack:
         daemons = daemon_stack(stack, "evolution", args.config, args.broker)
-        kafka = short_group(daemons.kafka)
-        base = f"kafold.bench.evolution.{uuid.uuid4().hex[:8]}"
+        kafka, base = daemons.kafka, daemons.name
         accounts = max(1, args.events // 10)
         topics = {kind: f"{base}.{kind}" for kind in ("native", *kinds)}
         sizes = {"native": produce_events(kafka, topics["native"], args.events, args.partitions, accounts)}
@@ -151,7 +150,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "debezium" in kinds:
             sizes["debezium"] = produce_records(kafka, topics["debezium"], args.events, args.partitions, accounts,
                                                 debezium_records(accounts))
-        db.upgrade(daemons.postgres)
         rates: dict[str, list[float]] = {kind: [] for kind in ("native", *kinds)}
         for r in range(args.rounds):
             for kind in kinds:

@@ -37,12 +37,12 @@ from kafold.consumer_loop import take
 from kafold.envelope import Event, encode
 from kafold.errors import KafoldError
 from kafold.messages import H_COMMAND_ID, Command, decode_result, header
-from kafold.schema import toml_value
 from kafold.testing import free_port
-from kafold.tools.bench import SHORT_GROUP_TIMEOUTS, short_group
+from kafold.tools.bench import SHORT_GROUP_TIMEOUTS
 from kafold.tools.bench.aggregates import BANK
+from kafold.tools.bench.daemons import DaemonStack, daemon_process, daemon_stack, toml_table, wait_ready
 from kafold.tools.bench.effects import effect_receiver
-from kafold.tools.bench.projection import COLUMNS, RULES, DaemonStack, Usage, daemon_process, daemon_stack
+from kafold.tools.bench.projection import COLUMNS, RULES, Usage
 
 log = logs.get("kafold.bench.latency")
 
@@ -73,18 +73,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     logs.configure("warning")
     with contextlib.ExitStack() as stack:
         daemons = daemon_stack(stack, "latency", args.config, args.broker)
-        kafka = short_group(daemons.kafka)
+        kafka = daemons.kafka
         url, control = stack.enter_context(effect_receiver())
-        run_id = uuid.uuid4().hex[:8]
-        names = _Names(f"kafold.bench.latency.{run_id}", run_id)
+        names = _Names(daemons.name, daemons.run_id)
         spec = [TopicSpec(t, args.partitions, 1, {}) for t in (names.feed, *names.agg_topics.values())]
         topics.ensure(kafka, spec)
-        db.upgrade(daemons.postgres)
         port = free_port()
         conf = daemons.workdir / f"{names.prefix}.toml"
         conf.write_text(_daemon_toml(daemons, names, args, port, url))
         with daemon_process(daemons, conf) as proc:
-            _wait_ready(proc, port, conf)
+            wait_ready(proc, port, conf)
             figures = {"rate": args.rate, "duration_s": args.duration, "partitions": args.partitions,
                        "task_processes": args.task_processes, "process_projections": args.process_projections}
             usage = Usage(proc.pid, daemons.postgres)
@@ -137,26 +135,9 @@ def _daemon_toml(stack: DaemonStack, names: _Names, args: argparse.Namespace, po
                     "mapper": "bank_projection:account_row", "columns": BANK_COLUMNS}},
     ]
 
-    def table(header: str, body: dict[str, Any]) -> str:
-        return f"{header}\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in body.items()) + "\n"
-
-    return "".join([table("[kafka]", kafka), table("[postgres]", stack.postgres_raw), table("[daemon]", daemon),
-                    table("[[aggregates]]", aggregate), *(table("[[connectors]]", c) for c in connectors)])
-
-
-def _wait_ready(proc: Any, port: int, conf: Any, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kafold daemon exited with code {proc.returncode}; see {conf.with_suffix('.log')}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"bench: the daemon was not ready within {timeout:.0f} s; see {conf.with_suffix('.log')}")
+    return "".join([toml_table("[kafka]", kafka), toml_table("[postgres]", stack.postgres_raw),
+                    toml_table("[daemon]", daemon), toml_table("[[aggregates]]", aggregate),
+                    *(toml_table("[[connectors]]", c) for c in connectors)])
 
 
 def _pace(producer: Any, rate: float, duration: float, send: Any) -> int:

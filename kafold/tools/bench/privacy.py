@@ -19,9 +19,9 @@ from typing import Any
 from kafold import db, logs
 from kafold.envelope import Event, encode
 from kafold.protect import AGGREGATE_ID, PREFIX, Cipher, KeyRing, PgKeyStore, Protector, Rule
-from kafold.tools.bench import short_group
 from kafold.tools.bench.aggregates import BANK, aggregate_throughput
-from kafold.tools.bench.projection import daemon_stack, produce_events, produce_records, run_projection
+from kafold.tools.bench.daemons import daemon_stack
+from kafold.tools.bench.projection import produce_events, produce_records, run_projection
 
 log = logs.get(__name__)
 
@@ -74,14 +74,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     master = os.urandom(32)
     with contextlib.ExitStack() as stack:
         daemons = daemon_stack(stack, "privacy", args.config, args.broker)
-        kafka = short_group(daemons.kafka)
+        kafka = daemons.kafka
         sink = stack.enter_context(otlp_sink())
-        db.upgrade(daemons.postgres)  # subject_keys, where the bench's own protector keeps the data keys
-        store = PgKeyStore(daemons.postgres)
+        store = PgKeyStore(daemons.postgres)  # subject_keys (kafold's tables, upgraded by daemon_stack)
         stack.callback(store.close)
         protector = Protector(rules(AGGREGATE), KeyRing(Cipher(master), store))
-        run_id = uuid.uuid4().hex[:8]
-        base = f"kafold.bench.privacy.{run_id}"
+        run_id, base = daemons.run_id, daemons.name
         accounts = max(1, args.events // 10)
         plain_topic, sealed_topic = f"{base}.plain", f"{base}.protected"
         # The subjects (account ids) are this run's own: the data keys are in the stack's subject_keys, wrapped by

@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
-import tomllib
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +17,8 @@ from kafold import db, kafka_clients, logs
 from kafold.connectors.projection.config import Dedup
 from kafold.envelope import Event, decode, encode
 from kafold.schema import toml_value
-from kafold.tools.bench import BROKER_PROCESSES, SHORT_GROUP_TIMEOUTS, cpu_s, services, short_group
+from kafold.tools.bench import BROKER_PROCESSES, SHORT_GROUP_TIMEOUTS, cpu_s
+from kafold.tools.bench.daemons import DaemonStack, daemon_process, daemon_stack, toml_table
 
 log = logs.get(__name__)
 
@@ -62,44 +56,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "started if needed)")
 
 
-@dataclass(frozen=True)
-class DaemonStack:
-    """Where the benchmark's daemons run: [kafka] and [postgres] as the daemon's kafold.toml gives them, the
-    environment it adds (the embedded PostgreSQL's URL, kept out of the file), the same settings loaded (for the
-    bench's own clients) and a scratch folder for the configs and logs."""
-
-    kafka_raw: dict[str, Any]
-    postgres_raw: dict[str, Any]
-    env: dict[str, str]
-    kafka: Any
-    postgres: Any
-    workdir: Path
-
-
-def daemon_stack(stack: contextlib.ExitStack, area: str, config: str | None, broker: str | None = None
-                 ) -> DaemonStack:
-    """Where a bench's daemons run: the configuration given (`-c`), else the dev stack (started if needed, and
-    stopped with `stack`); a scratch folder removed with `stack`."""
-    workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"kafold-bench-{area}-")))
-    kafka, pg = services(stack, area, config, broker)
-    if config:
-        raw = tomllib.loads(Path(config).read_text())
-        return DaemonStack(raw.get("kafka", {}), raw.get("postgres", {}), {}, kafka, pg, workdir)
-    return DaemonStack({"bootstrap_servers": kafka.bootstrap_servers}, {}, {"KAFOLD_POSTGRES__URL": pg.url},
-                       kafka, pg, workdir)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     logs.configure("warning")
     with contextlib.ExitStack() as stack:
         daemons = daemon_stack(stack, "projection", args.config, args.broker)
-        kafka = short_group(daemons.kafka)
-        name = f"kafold.bench.projection.{uuid.uuid4().hex[:8]}"
+        kafka, name = daemons.kafka, daemons.name
         topic, table = f"{name}.events", f"bench_{uuid.uuid4().hex[:8]}"
         accounts = args.accounts or max(1, args.events // 10)
         value_bytes = (produce_states if getattr(args, "rows", "fold") == "whole" else produce_events)(
             kafka, topic, args.events, args.partitions, accounts)
-        db.upgrade(daemons.postgres)  # kafold's tables, polled below while the daemon starts (it upgrades too)
         first = run_projection(daemons, name, topic, table, args)
         _forget_checkpoints(daemons.postgres, name)
         replay = run_projection(daemons, name, topic, table, args)
@@ -249,25 +214,6 @@ def _watch(proc: Any, daemon: Any, postmaster: Any, covered_now: Callable[[], in
         time.sleep(0.01)
 
 
-@contextlib.contextmanager
-def daemon_process(stack: DaemonStack, conf: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """`kafold daemon -c conf` in its own process, its log beside `conf`; stopped by SIGTERM on leaving."""
-    with open(conf.with_suffix(".log"), "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c",
-                                 "import sys; from kafold.tools.cli import main; sys.exit(main())",
-                                 "--log-format", "json", "daemon", "-c", str(conf)],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **stack.env})
-    try:
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def _figures(marks: dict[str, Any], total: int, changed: int) -> dict[str, Any]:
     seconds, events = marks["last"] - marks["first"], total - marks["covered"]
     cpu = {"kafold": marks["cpu1"] - marks["cpu0"], "postgres": marks["pg1"] - marks["pg0"] if marks["pg"] else None,
@@ -300,9 +246,8 @@ def daemon_toml(stack: DaemonStack, name: str, topic: str, table: str, args: arg
     sections = [("kafka", kafka), ("postgres", stack.postgres_raw), ("daemon", daemon),
                 *((k, v) for k, v in extra.items() if k not in arrays)]
     text = "".join(f"{k} = {toml_value(v)}\n" for k, v in arrays.items())
-    text += "".join(f"[{section}]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in body.items()) + "\n"
-                    for section, body in sections)
-    return text + "[[connectors]]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in connector.items())
+    text += "".join(toml_table(f"[{section}]", body) for section, body in sections)
+    return text + toml_table("[[connectors]]", connector)
 
 
 def _tree(proc: Any) -> list[Any]:

@@ -22,16 +22,8 @@ from kafold import db, kafka_clients, logs
 from kafold.config import ConnectorConfig, KafoldConfig
 from kafold.connectors.projection import rebuild as rb
 from kafold.envelope import Event, encode
-from kafold.tools.bench import short_group
-from kafold.tools.bench.projection import (
-    COLUMNS,
-    RULES,
-    daemon_process,
-    daemon_stack,
-    daemon_toml,
-    produce_events,
-    tail_of,
-)
+from kafold.tools.bench.daemons import daemon_process, daemon_stack
+from kafold.tools.bench.projection import COLUMNS, RULES, daemon_toml, produce_events, tail_of
 
 log = logs.get(__name__)
 
@@ -53,12 +45,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     logs.configure("warning")
     with contextlib.ExitStack() as stack:
         daemons = daemon_stack(stack, "rebuild", args.config, args.broker)
-        kafka = short_group(daemons.kafka)
-        name = f"kafold.bench.rebuild.{uuid.uuid4().hex[:8]}"
+        kafka, name = daemons.kafka, daemons.name
         topic, table = f"{name}.events", f"bench_{uuid.uuid4().hex[:8]}"
         accounts = args.accounts or max(1, args.events // 10)
         produce_events(kafka, topic, args.events, args.partitions, accounts)
-        db.upgrade(daemons.postgres)
         daemon_args = argparse.Namespace(batch=2500, tasks=2, task_processes=True)
         conf = daemons.workdir / "live.toml"
         conf.write_text(daemon_toml(daemons, name, topic, table, daemon_args))
