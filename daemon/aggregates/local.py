@@ -184,10 +184,8 @@ class LocalStates:
 
     def _env(self, path: Path) -> lmdb.Environment:
         path.mkdir(parents=True, exist_ok=True)
-        # The data pages are synced at each commit, the meta page only with the next one (metasync off: one sync a
-        # commit, not two). A system crash may then undo the last write, never tear it (LMDB keeps ACI): the store
-        # lags, which the tail replay covers; its offset is never ahead of the records it covers.
-        return lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=0, readahead=False, lock=True, metasync=False)
+        # sync on commit (the default): a recorded offset survives a power loss with the records it covers
+        return lmdb.open(str(path), map_size=MAP_SIZE, max_dbs=0, readahead=False, lock=True)
 
     def _check(self, env: lmdb.Environment) -> dict[str, Any] | None:
         """The partition's meta record after every record's checksum was verified (ValueError on a bad one)."""
