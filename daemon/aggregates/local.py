@@ -86,6 +86,9 @@ def _sealed(body: bytes) -> bytes:
     return zlib.crc32(body).to_bytes(4, "big") + body
 
 
+_EMPTY = _sealed(b"")  # an expiry index entry's value: the key is the record
+
+
 def _opened(value: bytes) -> bytes:
     if len(value) < 4 or zlib.crc32(value[4:]).to_bytes(4, "big") != value[:4]:
         raise ValueError("checksum mismatch")
@@ -233,8 +236,11 @@ class LocalStates:
         env = self.envs.get(partition)
         if env is None:
             return None
-        key = STATE + aggregate_id.encode()
-        value = self._get(partition, env, key)
+        with env.begin() as txn:
+            return self._entry(txn, partition, aggregate_id)
+
+    def _entry(self, txn: Any, partition: int, aggregate_id: str) -> Entry | None:
+        value = self._value(partition, txn, STATE + aggregate_id.encode())
         if value is None:
             return None
         self.reads += 1
@@ -247,22 +253,26 @@ class LocalStates:
         env = self.envs.get(partition)
         if env is None:
             return None
-        value = self._get(partition, env, _outcome_key(aggregate_id, command_id))
+        with env.begin() as txn:
+            return self._outcome(txn, partition, aggregate_id, command_id)
+
+    def _outcome(self, txn: Any, partition: int, aggregate_id: str, command_id: str) -> Remembered | None:
+        value = self._value(partition, txn, _outcome_key(aggregate_id, command_id))
         if value is None:
             return None
         t, after, n, reason = orjson.loads(value)
         return accepted(t, after, n) if reason is None else rejected(t, after, reason)
 
-    def _get(self, partition: int, env: lmdb.Environment, key: bytes) -> bytes | None:
-        """The body of record `key`, its checksum verified; a damaged one distrusts the partition (FatalError)."""
+    def _value(self, partition: int, txn: Any, key: bytes) -> bytes | None:
+        """The body of record `key` read in `txn`, its checksum verified; a damaged one distrusts the partition
+        (FatalError)."""
         if partition in self.damaged:
             raise FatalError(self.damaged[partition])
         try:
-            with env.begin() as txn:
-                value = txn.get(key)
+            value = txn.get(key)
             return None if value is None else _opened(value)
         except (ValueError, lmdb.CorruptedError) as e:
-            self._distrust(partition, env, key, e)
+            self._distrust(partition, self.envs[partition], key, e)
             raise FatalError(self.damaged[partition]) from e
 
     def _distrust(self, partition: int, env: lmdb.Environment, key: bytes, error: Exception) -> None:
@@ -294,20 +304,36 @@ class LocalStates:
     def read_back(self, store: StateStore, commands: Iterable[tuple[int, str, str]]) -> None:
         """Before a batch is decided: its aggregates that are not cached, and the outcomes of its command ids that are
         not in memory (evicted with their aggregate, or dropped early from the window), read back into `store`.
-        `commands`: (partition, aggregate id, command id) of each command of the batch."""
-        for n, aid, cid in commands:
-            entry = store.fetch(n, aid)
-            if entry is not None and cid in entry.recent:
-                continue
-            seen = self.outcome(n, aid, cid)
-            if seen is None:
-                continue
-            if entry is None:  # a key known only from rejections
-                entry = Entry(self.domain.initial(), 0, n)
-                store.put(aid, entry)
-            _, after, count, reason = unpack(seen)
-            store.window.remember(entry, aid, cid, seen,
-                                  event_ids(cid, after - count, count) if reason is None and count else ())
+        `commands`: (partition, aggregate id, command id) of each command of the batch. One read transaction per
+        partition for the whole batch (a transaction per key cost as much as the lookup itself)."""
+        readers: dict[int, Any] = {}
+        try:
+            for n, aid, cid in commands:
+                txn = readers.get(n)
+                if txn is None:
+                    env = self.envs.get(n)
+                    if env is None:  # not open here: nothing to read back (as `load` answers)
+                        continue
+                    txn = readers[n] = env.begin()
+                entry = store.get(aid)
+                if entry is None:
+                    entry = self._entry(txn, n, aid)
+                    if entry is not None:
+                        store.put(aid, entry)
+                if entry is not None and cid in entry.recent:
+                    continue
+                seen = self._outcome(txn, n, aid, cid)
+                if seen is None:
+                    continue
+                if entry is None:  # a key known only from rejections
+                    entry = Entry(self.domain.initial(), 0, n)
+                    store.put(aid, entry)
+                _, after, count, reason = unpack(seen)
+                store.window.remember(entry, aid, cid, seen,
+                                      event_ids(cid, after - count, count) if reason is None and count else ())
+        finally:
+            for txn in readers.values():
+                txn.abort()
 
     # ---- writes -------------------------------------------------------------------------------------------------
     def write_batch(self, store: StateStore, decided: Mapping[str, list[str]], ends: Mapping[tuple[str, int], int],
@@ -381,7 +407,7 @@ class LocalStates:
     def _write_txn(self, env: lmdb.Environment, entries: Iterable[tuple[str, Entry]],
                    outcomes: list[tuple[str, str, Remembered]] | None, offset: int | None, cutoff: int | None,
                    results: int | None) -> None:
-        dumps, to_json = orjson.dumps, self.domain.state_to_json
+        dumps, to_json, put_outcome = orjson.dumps, self.domain.state_to_json, self._put_outcome
         with env.begin(write=True) as txn:
             put = txn.put
             for aid, entry in entries:
@@ -390,9 +416,9 @@ class LocalStates:
                     self.writes += 1
                 if outcomes is None:  # a seal or a spill: the whole window the entry holds
                     for cid, o in entry.recent.items():
-                        self._put_outcome(put, aid, cid, o)
+                        put_outcome(put, aid, cid, o)
             for aid, cid, o in outcomes or ():
-                self._put_outcome(put, aid, cid, o)
+                put_outcome(put, aid, cid, o)
             if offset is not None or results is not None:  # the offsets, with the records they cover
                 meta = self._meta(txn)
                 if offset is not None:
@@ -410,8 +436,9 @@ class LocalStates:
 
     def _put_outcome(self, put: Any, aggregate_id: str, command_id: str, outcome: Remembered) -> None:
         t, after, n, reason = unpack(outcome)
-        put(_outcome_key(aggregate_id, command_id), _sealed(orjson.dumps([t, after, n, reason])))
-        put(EXPIRY + t.to_bytes(8, "big") + aggregate_id.encode() + b"\0" + command_id.encode(), _sealed(b""))
+        ident = aggregate_id.encode() + b"\0" + command_id.encode()
+        put(OUTCOME + ident, _sealed(orjson.dumps([t, after, n, reason])))
+        put(EXPIRY + t.to_bytes(8, "big") + ident, _EMPTY)
 
     def _sweep(self, txn: Any, cutoff: int) -> None:
         """Delete the window outcomes decided before `cutoff` (by command time), oldest first, at most SWEEP_MAX."""

@@ -41,6 +41,7 @@ only in a batch's transaction, as above; a revoked or lost partition is dropped 
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable
@@ -205,6 +206,13 @@ class AggregateRuntime(LoopHandler):
 
     def loop_started(self) -> None:
         self._start()
+        # What exists now (the imports, the domain, the clients) is kept for the process's life: frozen out of the
+        # cyclic collector. Each full collection would otherwise walk all of it again, and the LRU turning its
+        # entries over (each loaded one outlives the young generations) triggers one every few thousand commands:
+        # ~10 % of a worker's time at 1M accounts with a 10k cache (docs/benchmarks.md, issue 56). Only the
+        # collector skips them; they are freed by reference counting as ever.
+        gc.collect()
+        gc.freeze()
         self.catch_up = CatchUp(self.kafka, self.agg, self.domain, self.store, self.local, consumer=self.consumer,
                                 reader=self.reader, gates=self.gates, positions=self.positions, counts=self.counts,
                                 restore=self._restore, retrying=self._retrying,

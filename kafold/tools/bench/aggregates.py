@@ -140,21 +140,14 @@ def aggregate_throughput(kafka: Any, args: argparse.Namespace, window_s: float =
                      state_dir=getattr(args, "state_dir", ""))
     topics.ensure(kafka, [TopicSpec(agg.topic(k), args.partitions, 1, {}) for k in ("events", "commands", "results")])
     ids = [f"{prefix}{i:06d}" for i in range(args.accounts)]
-    with CommandClient(kafka, agg) as client:
-        cmds = [client.command(a, "OpenAccount", {"owner": a}) for a in ids]
-        rng = random.Random(56)
-        pick = (lambda i: rng.choice(ids)) if getattr(args, "random_access", False) else (lambda i: ids[i % len(ids)])
-        cmds += [client.command(pick(i), "Deposit", {"amount": 1 + i % 97})
-                 for i in range(max(0, args.commands - len(ids)))]
-        for i in range(0, len(cmds), 20000):
-            client.send_many(cmds[i:i + 20000], wait=False)
+    queued = _queue(kafka, agg, ids, args)
     if args.instances > 1:
-        return _throughput_instances(kafka, args, agg.name, window_s, len(cmds))
+        return _throughput_instances(kafka, args, agg.name, window_s, queued)
     if getattr(args, "processes", 0) > 0:
-        return _throughput_processes(kafka, args, agg, len(cmds))
+        return _throughput_processes(kafka, args, agg, queued, ids, window_s)
     thread = _in_thread(rt)  # the commands wait in the topic: the runtime's own speed is measured
     try:
-        _wait(lambda: rt.counts["commands"] >= len(cmds), 600, "every command to be processed")
+        _wait(lambda: rt.counts["commands"] >= queued, 600, "every command to be processed")
         finished = time.monotonic()
         started = min(g.first_decided_at for g in rt.gates.values() if g.first_decided_at)
         counts = dict(rt.counts)
@@ -172,6 +165,42 @@ def aggregate_throughput(kafka: Any, args: argparse.Namespace, window_s: float =
             "commands_accepted": counts["accepted"], "events_written": counts["events"],
             "transactions": counts["batches"], "commands_phase_s": round(elapsed, 2),
             "partition_scans_aggregates": counts["reloads"], "rss_mb": round(rss / 2**20), **cold}
+
+
+def _queue(kafka: Any, agg: Any, ids: list[str], args: argparse.Namespace) -> int:
+    """Queue the phase's commands (one OpenAccount per account, then deposits); how many. Sent in slices and not
+    kept: the bench's own memory then does not grow with the commands it queued."""
+    rng = random.Random(56)
+    pick = (lambda i: rng.choice(ids)) if getattr(args, "random_access", False) else (lambda i: ids[i % len(ids)])
+    deposits = max(0, args.commands - len(ids))
+    with CommandClient(kafka, agg) as client:
+        for i in range(0, len(ids), 20000):
+            client.send_many([client.command(a, "OpenAccount", {"owner": a}) for a in ids[i:i + 20000]], wait=False)
+        for i in range(0, deposits, 20000):
+            client.send_many([client.command(pick(j), "Deposit", {"amount": 1 + j % 97})
+                              for j in range(i, min(deposits, i + 20000))], wait=False)
+    return len(ids) + deposits
+
+
+def process_memory(pids: list[int | None]) -> dict[str, Any]:
+    """RSS of the processes `pids` (MiB, each and summed), and how much of it is file pages mapped (`rss_file`: the
+    local stores' LMDB maps and the shared libraries, page cache the kernel reclaims) rather than the processes'
+    own memory (`rss_anon`); from /proc/PID/status (Linux), else psutil's RSS alone."""
+    each: list[dict[str, int]] = []
+    for pid in pids:
+        if pid is None:
+            continue
+        try:
+            lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+            kb = {k: int(v.split()[0]) for k, v in (x.split(":", 1) for x in lines) if k in ("VmRSS", "RssAnon",
+                                                                                               "RssFile")}
+            each.append({"rss": kb["VmRSS"] // 1024, "anon": kb.get("RssAnon", 0) // 1024,
+                         "file": kb.get("RssFile", 0) // 1024})
+        except (OSError, KeyError, ValueError):
+            with contextlib.suppress(psutil.Error):
+                each.append({"rss": psutil.Process(pid).memory_info().rss // 2**20, "anon": 0, "file": 0})
+    return {"rss_mb": sum(e["rss"] for e in each), "rss_anon_mb": sum(e["anon"] for e in each),
+            "rss_file_mb": sum(e["file"] for e in each), "rss_mb_each": [e["rss"] for e in each]}
 
 
 # The peer harness (../shared/peers/kstreams_aggregate/run_kafold.py) wraps `_setup`, `_in_thread`, `_throughput`
@@ -216,11 +245,14 @@ def _cold_reads(rt: Any, ids: list[str], n: int) -> dict[str, Any]:
             "cold_read_p99_ms": round(took[min(len(took) - 1, int(len(took) * 0.99))] * 1000, 2)}
 
 
-def _throughput_processes(kafka: Any, args: argparse.Namespace, agg: Any, commands: int) -> dict[str, Any]:
+def _throughput_processes(kafka: Any, args: argparse.Namespace, agg: Any, commands: int, ids: list[str],
+                          window_s: float) -> dict[str, Any]:
     """The commands phase decided by one daemon's `--processes` worker processes (AggregateWorkers, as the daemon
     runs `aggregate_processes`): timed from the first command any worker decided (its gates' reports; one monotonic
     clock for the machine) to the report that completes the count (sent after every batch). Partitions the workers
-    hand over while they join count against it, as with --instances."""
+    hand over while they join count against it, as with --instances. Then, the workers still running: their memory
+    (`runtime_rss_mb`: the worker processes, which hold the runtimes, apart from the bench's own process) and
+    `--cold-reads` (asked of the worker holding the key, over its pipe, as the daemon's HTTP reads are)."""
     daemon = DaemonConfig(group_prefix="kafold-bench", batch_max_records=args.batch, batch_max_wait_ms=50,
                           state_dir=getattr(args, "state_dir", ""), aggregate_processes=args.processes,
                           python_path=[str(BANK)])
@@ -237,16 +269,45 @@ def _throughput_processes(kafka: Any, args: argparse.Namespace, agg: Any, comman
             first = min([*decided, first] if first else decided, default=None)
             return workers.counts.get("commands", 0) >= commands
 
-        _wait(done, 600, "every command to be processed by the worker processes")
+        _wait(done, 900, "every command to be processed by the worker processes")
         finished = time.monotonic()
         counts = workers.counts
+        memory = process_memory(workers.pids())
+        cold = _cold_reads_workers(workers, ids, getattr(args, "cold_reads", 0))
     finally:
         workers.stop()
         thread.join(60)
     assert first is not None
-    return {"commands": counts["commands"], "commands_per_s": round(counts["commands"] / (finished - first)),
-            "processes": args.processes, "commands_phase_s": round(finished - first, 2),
-            "workers_restarted": counts.get("workers_restarted", 0)}
+    out = {"commands": counts["commands"], "commands_per_s": round(counts["commands"] / (finished - first)),
+           "processes": args.processes, "commands_phase_s": round(finished - first, 2),
+           "workers_restarted": counts.get("workers_restarted", 0),
+           "partition_scans_aggregates": counts.get("reloads", 0), "transactions": counts.get("batches", 0),
+           **{f"runtime_{k}": v for k, v in memory.items()},
+           "bench_rss_mb": round(psutil.Process().memory_info().rss / 2**20), **cold}
+    if getattr(args, "restart", False) and getattr(args, "state_dir", ""):
+        out.update(_restart(kafka, args, agg.name, window_s, counts.get("events", 0)))
+    return out
+
+
+def _cold_reads_workers(workers: AggregateWorkers, ids: list[str], n: int) -> dict[str, Any]:
+    """`n` state reads of aggregates the workers answer from their local stores (not cached), each asked of the
+    worker holding its partition (AggregateWorkers.get, the daemon's read path): p50, p99, pipe round trip included.
+    Keys drawn at random (seeded); one answered from memory is not counted."""
+    rng = random.Random(5656)
+    took: list[float] = []
+    for _ in range(n * 4):
+        if len(took) >= n:
+            break
+        t = time.perf_counter()
+        got = workers.get(rng.choice(ids))
+        elapsed = time.perf_counter() - t
+        if got is not None and got[2] == "store":
+            took.append(elapsed)
+    if not took:
+        return {}
+    took.sort()
+    return {"cold_reads": len(took), "cold_read_p50_ms": round(took[len(took) // 2] * 1000, 2),
+            "cold_read_p99_ms": round(took[min(len(took) - 1, int(len(took) * 0.99))] * 1000, 2)}
 
 
 def _instance(kafka: Any, name: str, partitions: int, batch: int, window_s: float, instance: str, go: Any,
