@@ -20,7 +20,7 @@ Note on offsets and commits
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
@@ -143,6 +143,9 @@ class TaskConfig(Generic[C]):
     kafka: KafkaConfig | None = None
     postgres: PostgresConfig | None = None
     protector: Protector | None = None
+    # Told (from whichever of the task's threads committed) the next offsets its store has just committed, e.g. a
+    # projection's checkpoints: the daemon wakes the waits on them (daemon.visibility). None: nobody listens.
+    on_stored: Callable[[Mapping[TopicPartition, int]], None] | None = None
 
     def with_services(self, kafka: KafkaConfig | None = None, postgres: PostgresConfig | None = None,
                       protector: Protector | None = None) -> TaskConfig[C]:

@@ -25,7 +25,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -159,9 +159,13 @@ class DaemonHost:
                     raise FatalError(f"connector {settings.name!r}: the daemon runs sink connectors only")
                 slots = task_slots(connector, self.cfg.kafka, task_pg, task_daemon, self.base,
                                    python_path(self.cfg, self.base).paths, self.metrics.observe, self._on_exit,
-                                   self.cfg.registry, self.cfg.tracing, self.protector)
+                                   self.cfg.registry, self.cfg.tracing, self.protector, self._stored)
                 groups.append(ConnectorGroup(connector, slots))
         return groups
+
+    def _stored(self, connector: str, checkpoints: Mapping[TopicPartition, int]) -> None:
+        """A thread task of `connector` committed `checkpoints` (any thread): wake the waits they cover."""
+        self.watches.stored(connector, {(tp.topic, tp.partition): off for tp, off in checkpoints.items()})
 
     def _build_aggregates(self) -> dict[str, AggregateSlot]:
         if not self.cfg.aggregates:

@@ -14,12 +14,13 @@ connector's (the pause asked through the API is the connector's, kept across res
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,7 +34,7 @@ from kafold.config import (
     RegistryConfig,
     TracingConfig,
 )
-from kafold.connectors.api import Connector, TaskConfig
+from kafold.connectors.api import Connector, TaskConfig, TopicPartition
 from kafold.daemon.runner import BatchStats, RunnerView, SinkRunner
 from kafold.daemon.task_process import RemoteRunner, TaskSpec, in_processes
 from kafold.protect import Protector
@@ -219,13 +220,19 @@ def task_slots(connector: Connector[Any], kafka: KafkaConfig, postgres: Postgres
                base: Path, python_paths: list[str],
                on_batch: Callable[[RunnerView, BatchStats], None] | None = None,
                on_exit: Callable[[TaskSlot], None] | None = None, registry: RegistryConfig | None = None,
-               tracing: TracingConfig | None = None, protector: Protector | None = None) -> list[TaskSlot]:
+               tracing: TracingConfig | None = None, protector: Protector | None = None,
+               on_stored: Callable[[str, Mapping[TopicPartition, int]], None] | None = None) -> list[TaskSlot]:
     """The slots of a connector's tasks (at most `tasks_max`): threads, or child processes (`in_processes`). Each
     task gets the configured services with its task config (Connect's worker config): the host's `protector`
-    (kafold.protect), or in a child process one of its own, built from the protector's Setup it is sent."""
+    (kafold.protect), or in a child process one of its own, built from the protector's Setup it is sent. A thread
+    task also gets `on_stored` (with the connector's name): the host hears of its commits as they happen; a child
+    process's commits are seen by reading them back (daemon.visibility)."""
     n = connector.settings.tasks_max
     configs = [tc.with_services(kafka, postgres, protector) for tc in connector.task_configs(n)[:n]]
     if not in_processes(connector.settings, daemon):
+        if on_stored is not None:
+            configs = [dataclasses.replace(tc, on_stored=functools.partial(on_stored, connector.name))
+                       for tc in configs]
         return [TaskSlot(connector, tc, kafka, daemon, on_batch, on_exit, registry) for tc in configs]
     return [ProcessTaskSlot(connector, tc, kafka, daemon, TaskSpec(
         connector.settings, base, tuple(python_paths), i, n, kafka, postgres, daemon, logs.current(), registry,

@@ -11,6 +11,12 @@ One `Watch` per connector polls while someone waits on it — one query per inte
 blocking the event loop (the reads run in the executor), and wakes each waiter its read covers. It lingers for
 IDLE_S after the last waiter, so a steady trickle of waits keeps its connection and a new wait is answered at once.
 
+A projection whose tasks are this daemon's threads does not wait for that poll: each task tells the daemon the
+checkpoints it has just committed (`TaskConfig.on_stored`, called after the transaction's commit, so they are
+visible to any reader), and `Watches.stored` wakes the waiters they cover at once, with no read. The poll then only
+finds what this daemon did not write (another instance's partitions), every PG_FALLBACK_S. A projection whose tasks
+run as child processes (`task_processes`) is read every PG_POLL_S, as before.
+
 Waiting is cheap however many wait: each waiter is filed under the first partition its token needs, in a heap by
 offset, so a read that moves a partition on looks only at the waiters it releases (or files them under their next
 partition), and a read that moves nothing looks at none; a timeout is one timer, not a task. Waits beyond
@@ -23,7 +29,7 @@ import asyncio
 import heapq
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +47,7 @@ from kafold.tokens import Positions
 log = logs.get(__name__)
 
 PG_POLL_S = 0.005  # one small primary-key read per interval while someone waits: ~2.5 ms added on average
+PG_FALLBACK_S = 0.05  # the same read where this daemon's own commits wake the waiters: only other instances' wait
 KAFKA_POLL_S = 0.05  # an OffsetFetch to the group coordinator, only for partitions no local runner has committed
 IDLE_S = 30.0
 ADMIN_TIMEOUT_S = 5.0
@@ -138,6 +145,10 @@ class Watch:
             self.error = f"{type(e).__name__}: {e}"
             return
         self.error = None
+        self.advance(found)
+
+    def advance(self, found: Mapping[tuple[str, int], int]) -> None:
+        """Take committed next offsets (a read's, or a commit this daemon made): release the waiters they cover."""
         for tp, off in found.items():
             if off > self.seen.get(tp, -1):
                 self.seen[tp] = off
@@ -171,8 +182,10 @@ class Watches:
         self.kafka, self.postgres, self.group, self.call = kafka, postgres, group, call
         self.by_name: dict[str, Watch] = {}
         self.active = 0
+        self.loop: asyncio.AbstractEventLoop | None = None  # the views' loop, known from the first wait
 
     def get(self, name: str, group: ConnectorGroup) -> Watch:
+        self.loop = asyncio.get_running_loop()
         watch = self.by_name.get(name)
         if watch is None:
             watch = self.by_name[name] = self._new(name, group)
@@ -183,9 +196,26 @@ class Watches:
             pgc = next((s.task_config.postgres for s in group.slots if s.task_config.postgres is not None),
                        self.postgres)
             checkpoints = Checkpoints(pgc, name)
-            return Watch(name, checkpoints.read, PG_POLL_S, checkpoints.close, self.call)
+            told = all(s.task_config.on_stored is not None for s in group.slots)  # every task reports its commits
+            return Watch(name, checkpoints.read, PG_FALLBACK_S if told else PG_POLL_S, checkpoints.close, self.call)
         committed = GroupCommitted(self.kafka, self.group, name)
         return Watch(name, committed.read, PG_POLL_S, committed.close, self.call)
+
+    def stored(self, name: str, found: dict[tuple[str, int], int]) -> None:
+        """Connector `name` committed `found` (next offsets) in this daemon; called from the task's thread. Nothing
+        to do before anyone waited on it: a first wait reads the checkpoints."""
+        loop = self.loop
+        if loop is None or name not in self.by_name:
+            return
+        try:
+            loop.call_soon_threadsafe(self._advance, name, found)
+        except RuntimeError:  # the loop is closed: the daemon is stopping, nobody waits any more
+            pass
+
+    def _advance(self, name: str, found: dict[tuple[str, int], int]) -> None:
+        watch = self.by_name.get(name)
+        if watch is not None:
+            watch.advance(found)
 
 
 class Checkpoints:

@@ -99,6 +99,7 @@ class ProjectionSinkTask(SinkTask):
     def start(self, task_config: TaskConfig[ProjectionConfig], context: SinkTaskContext) -> None:
         self.context = context
         self.config = task_config.config
+        self.on_stored = task_config.on_stored
         # A task driven outside the daemon may have no [postgres]: KAFOLD_POSTGRES__* then say where (else a
         # ConfigError naming postgres.url).
         pgc = task_config.postgres or db.from_environment()
@@ -223,8 +224,13 @@ class ProjectionSinkTask(SinkTask):
         return self._stored_of(offered)
 
     def _write(self, job: Job, report: Report) -> BatchResult:
-        return self.writer.write(job.records, job.dead, job.offsets, report=report, prepared=job.prepared,
-                                 ahead=job.ahead)
+        result = self.writer.write(job.records, job.dead, job.offsets, report=report, prepared=job.prepared,
+                                   ahead=job.ahead)
+        # Committed by now (the writer returns after its transaction's commit): these checkpoints are visible to
+        # any reader, so a wait on them can be answered without reading them back.
+        if self.on_stored is not None and result.checkpoints:
+            self.on_stored(result.checkpoints)
+        return result
 
     def outcomes(self) -> Mapping[TopicPartition, Outcomes] | None:
         """Counted from the writes that committed: duplicates by tracking, stale by the version guard, dead-lettered

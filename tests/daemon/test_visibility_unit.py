@@ -5,9 +5,11 @@ event loop little (each read looks only at the waiters it releases)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
-from kafold.daemon.visibility import Watch
+from kafold.config import KafkaConfig, PostgresConfig
+from kafold.daemon.visibility import Watch, Watches
 from kafold.tools.bench.waiters import run
 
 
@@ -31,6 +33,32 @@ def test_a_token_over_two_partitions_is_released_when_both_are_covered() -> None
         committed[("t", 1)] = 8
         assert await waiting is True
         assert watch.waiting == 0 and watch.task is not None
+        watch.task.cancel()
+
+    asyncio.run(scenario())
+
+
+def test_a_commit_this_daemon_made_releases_its_waiters_without_a_read() -> None:
+    async def scenario() -> None:
+        reads: list[int] = []
+
+        def read() -> dict[tuple[str, int], int]:
+            reads.append(1)
+            return {("t", 0): 0}  # the checkpoints as a first read finds them, before the commit
+
+        watches = Watches(KafkaConfig(), PostgresConfig(), lambda name: None, _inline)
+        watches.stored("w", {("t", 0): 9})  # before anyone waited: nothing to wake, nothing kept
+        watch = watches.by_name["w"] = Watch("w", read, 60.0, lambda: None, _inline)  # the next read: in a minute
+        watches.loop = asyncio.get_running_loop()
+        waiting = asyncio.ensure_future(watch.wait({("t", 0): 5}, 10.0))
+        await asyncio.sleep(0.02)
+        assert not waiting.done() and reads == [1]
+        writer = threading.Thread(target=watches.stored, args=("w", {("t", 0): 6}))  # as a task's writer thread
+        writer.start()
+        writer.join()
+        assert await asyncio.wait_for(waiting, 5.0) is True
+        assert reads == [1] and watch.seen == {("t", 0): 6}
+        assert watch.task is not None
         watch.task.cancel()
 
     asyncio.run(scenario())
