@@ -320,7 +320,8 @@ class EventProducer(_Client):
 
     def __init__(self, kafka: KafkaConfig, **settings: Any) -> None:
         self.kafka = kafka
-        self.settings = {"enable.idempotence": True, "acks": "all", "linger.ms": 5, **settings}
+        # linger.ms 1: each produce is awaited (see kafold.request_reply.PRODUCER_SETTINGS)
+        self.settings = {"enable.idempotence": True, "acks": "all", "linger.ms": 1, **settings}
 
     def _make_pump(self) -> _Pump:
         return _Pump("events", kafka_clients.producer(self.kafka, **self.settings))

@@ -31,7 +31,7 @@ import orjson
 from confluent_kafka import TopicPartition
 
 from kafold import db, kafka_clients, logs, topics
-from kafold.client import PARTITIONER, DaemonClient
+from kafold.client import PRODUCER_SETTINGS, DaemonClient
 from kafold.config import TopicSpec
 from kafold.consumer_loop import take
 from kafold.envelope import Event, encode
@@ -278,8 +278,7 @@ def _commands_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argpars
     from psycopg import sql
 
     commands, results_topic = names.agg_topics["commands"], names.agg_topics["results"]
-    producer = kafka_clients.producer(kafka, **{"enable.idempotence": True, "acks": "all", "linger.ms": 1,
-                                                "partitioner": PARTITIONER})
+    producer = kafka_clients.producer(kafka, **PRODUCER_SETTINGS)  # as kafold.client's CommandClient sends
     reader = kafka_clients.consumer(kafka, f"{names.prefix}.results-reader", **{
         "isolation.level": "read_committed", "fetch.wait.max.ms": 100})
     ends = {p: reader.get_watermark_offsets(TopicPartition(results_topic, p), timeout=10)[1]
