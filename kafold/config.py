@@ -28,6 +28,10 @@ IMPORT_REF_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 # libpq parameters that carry a secret: never accepted inside postgres.url.
 URL_SECRETS = frozenset({"password", "sslpassword"})
+# The idempotency window's default bound in memory (AggregateConfig.window_max_ids). With a local store the ids
+# dropped early are on disk and an evicted aggregate's ids leave memory with it: what memory holds beyond a few ids per
+# cached aggregate is mostly expiry-queue references to ids already gone (~190 B an id, docs/benchmarks.md).
+MAX_IDS, IDS_PER_CACHED = 1_000_000, 10
 
 
 class GroupProtocol(enum.StrEnum):
@@ -236,14 +240,23 @@ class AggregateConfig:
                                         minimum=1)
     idempotency_window_s: float = setting(86400.0, doc="A command id retried within this many seconds (by command "
                                           "time) gets its first outcome back, nothing written.", minimum=0)
-    idempotency_max_ids: int = setting(1_000_000, doc="Most command ids the window holds in memory per process; "
-                                       "beyond it the oldest are forgotten early. Without `daemon.state_dir` the "
-                                       "window then holds fewer ids than its time (a warning); with it, the ids "
-                                       "stay on disk for `idempotency_window_s` and are read back when retried.",
-                                       minimum=1)
+    idempotency_max_ids: int | None = setting(None, doc="Most command ids the window holds in memory per process; "
+                                              "beyond it the oldest are forgotten early. Without `daemon.state_dir` "
+                                              "the window then holds fewer ids than its time (a warning); with it, "
+                                              "the ids stay on disk for `idempotency_window_s` and are read back "
+                                              "when retried. Unset: 1,000,000, or with `daemon.state_dir` 10 per "
+                                              "cached aggregate (`cache_max_aggregates`), at most 1,000,000.",
+                                              minimum=1)
     protect: list[ProtectConfig] = setting(
         factory=list, doc="Personal data in this aggregate's events: per event type, the payload paths to encrypt "
         "and their subject (docs/security.md#personal-data-crypto-shredding).")
+
+    def window_max_ids(self, on_disk: bool) -> int:
+        """The idempotency window's bound in memory (`idempotency_max_ids`, or its default): with a local store the
+        ids dropped early are on disk, so memory holds about as many as the hot cache's aggregates use."""
+        if self.idempotency_max_ids is not None:
+            return self.idempotency_max_ids
+        return min(MAX_IDS, IDS_PER_CACHED * self.cache_max_aggregates) if on_disk else MAX_IDS
 
     def topic(self, kind: str) -> str:
         return getattr(self, f"{kind}_topic") or f"{self.name}.{kind if kind != 'snapshot' else 'snapshots'}"

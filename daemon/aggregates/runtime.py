@@ -95,7 +95,8 @@ class AggregateRuntime(LoopHandler):
         self.consumer_extra = dict(consumer_extra or {})
         self.window_ms = int(agg.idempotency_window_s * 1000)
         self.local: LocalStates | None = local_states(daemon, agg, domain, self.window_ms)  # None: no state_dir
-        self.store = StateStore(agg.cache_max_aggregates, Window(self.window_ms, agg.idempotency_max_ids), self.local)
+        window = Window(self.window_ms, agg.window_max_ids(self.local is not None))
+        self.store = StateStore(agg.cache_max_aggregates, window, self.local)
         self.store.window.on_disk = self.local is not None
         self.store.window.keep = self.local.keep if self.local is not None else None
         self.gates: dict[int, PartitionGate] = {}  # read by the daemon (status, metrics, reads) and the tests

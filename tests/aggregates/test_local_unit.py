@@ -151,3 +151,14 @@ def test_an_id_decided_again_past_the_window_keeps_its_new_outcome_when_the_old_
     local.committed({0: [("a", entry, [])]}, {0: 2}, cutoff=DAY + 6_000)
     assert local.outcome(0, "a", "dep") is None  # its own expiry entry sweeps it in turn
     local.close_all()
+
+
+def test_window_bound_in_memory_follows_the_cache_with_a_local_store() -> None:
+    """Unset, idempotency_max_ids is 1,000,000 without a local store and 10 per cached aggregate (at most 1,000,000)
+    with one; set, it is what it says either way."""
+    agg = bank_config("w", cache_max_aggregates=10_000)
+    assert agg.window_max_ids(on_disk=False) == 1_000_000
+    assert agg.window_max_ids(on_disk=True) == 100_000
+    assert bank_config("w").window_max_ids(on_disk=True) == 1_000_000  # the default cache: 100,000 aggregates
+    pinned = bank_config("w", cache_max_aggregates=10_000, idempotency_max_ids=300)
+    assert pinned.window_max_ids(on_disk=True) == pinned.window_max_ids(on_disk=False) == 300
