@@ -73,6 +73,7 @@ T = TypeVar("T")
 
 ASSIGN_RETRY_S = 120.0  # well under the default rebalance timeout (max.poll.interval.ms, 300 s)
 START_RETRY_S = 120.0  # a broker's restart or a controller election, several times over
+COMMAND_PREFETCH_KBYTES = 16384  # ~50k queued commands: 25 batches of 2,000 ahead, a small part of the 64 MB default
 
 
 def dlq_topic(agg: AggregateConfig) -> str:
@@ -257,6 +258,9 @@ class AggregateRuntime(LoopHandler):
         self.reader = recovery.reader(self.kafka, self.agg.name)
         extra = {"isolation.level": "read_committed", "enable.auto.offset.store": False,
                  "fetch.wait.max.ms": 50, "max.partition.fetch.bytes": 8 * 1024 * 1024,
+                 # librdkafka's prefetch queue (its default, 64 MB, held a backlog of queued commands in each
+                 # worker's memory): a few batches ahead of the loop, refilled every 10 ms (as daemon/runner.py's)
+                 "queued.max.messages.kbytes": COMMAND_PREFETCH_KBYTES, "fetch.queue.backoff.ms": 10,
                  # the group's description then tells every instance where this one serves state (routing.py)
                  # (signed with the instance secret: the others send reads only to an address that verifies)
                  "client.id": routing.member_client_id(self.kafka.client_id, routing.advertised_url(self.daemon),
