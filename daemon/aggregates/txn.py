@@ -154,7 +154,15 @@ class TransactionalWriter:
             kafka_clients.produce(self.producer, topic, value, key, headers, partition=partition, timestamp=timestamp,
                                   on_delivery=landing)
         except KafkaException as e:
-            raise _convert(e, "produce") from e
+            raise self._produce_failed(e) from e
+
+    def _produce_failed(self, e: KafkaException) -> Exception:
+        """What a refused produce raises. librdkafka refuses with _FATAL ("the producer is in a fatal state"),
+        which names no cause, when the offsets call running beside it (send_offsets) met that cause first, e.g. a
+        newer instance's fence: that call is waited for, so its error, naming the cause, is the one raised."""
+        if e.args[0].code() == KafkaError._FATAL and self._sending is not None:
+            self._offsets_sent()  # raises the fence (or the fatal error) the offsets call met
+        return _convert(e, "produce")
 
     def produce_events(self, topic: str, partition: int, events: list[Encoded], timestamp: int = 0
                        ) -> Landing | None:
@@ -185,7 +193,7 @@ class TransactionalWriter:
                 kafka_clients.produce(self.producer, topic, value, key, headers, partition=partition,
                                       timestamp=timestamp, on_delivery=landing)
             except KafkaException as e:
-                raise _convert(e, "produce") from e
+                raise self._produce_failed(e) from e
             landings.append(landing)
         self._last.clear()
         return landings
