@@ -17,7 +17,7 @@ PACKAGES = ("kafold", "daemon", "connectors", "spark_jobs")
 # Underscored names that are public API of the libraries they come from.
 LIBRARY_API = frozenset({
     # librdkafka's local error codes (KafkaError)
-    "_PARTITION_EOF", "_TIMED_OUT", "_TRANSPORT", "_FENCED", "_DESTROY_BROKER",
+    "_PARTITION_EOF", "_TIMED_OUT", "_TRANSPORT", "_FENCED", "_DESTROY_BROKER", "_FATAL",
     "_replace", "_asdict", "_fields", "_make",  # namedtuple's methods
     "_current_frames", "_getframe", "_exit",  # sys and os, documented
 })
