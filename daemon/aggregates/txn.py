@@ -315,15 +315,8 @@ class TransactionalWriter:
 
     def _offsets_sent(self) -> bool:
         """Wait for the offsets being sent into the transaction (if any); False when it was aborted."""
-        sending, self._sending = self._sending, None
-        if sending is None:
-            return True
         try:
-            sending.join()
-        except FatalError:
-            self.open = False  # the blocked call holds the producer: no abort on close (the broker aborts)
-            self.held = True
-            raise
+            self._join_sending()
         except KafkaException as e:
             err = e.args[0]
             if err.fatal() or err.code() in FENCED:
@@ -336,19 +329,26 @@ class TransactionalWriter:
             return False
         return True
 
+    def _join_sending(self) -> None:
+        """Wait for the offsets being sent (if any): raises what that call raised; a hang (FatalError) leaves the
+        producer held, so close does not touch it (the broker aborts the transaction)."""
+        sending, self._sending = self._sending, None
+        if sending is None:
+            return
+        try:
+            sending.join()
+        except FatalError:
+            self.open = False
+            self.held = True
+            raise
+
     def abort(self) -> None:
         self._results.clear()
         self._last.clear()
-        sending, self._sending = self._sending, None
-        if sending is not None:  # librdkafka refuses an abort while another transactional call is in progress
-            try:
-                sending.join()
-            except FatalError:
-                self.open = False  # the blocked call holds the producer: no abort on close (the broker aborts)
-                self.held = True
-                raise
-            except KafkaException as e:  # the transaction is aborted below whatever this was
-                log.info("aggregate.txn_offsets_not_sent", transactional_id=self.transactional_id, error=str(e))
+        try:  # librdkafka refuses an abort while another transactional call is in progress
+            self._join_sending()
+        except KafkaException as e:  # the transaction is aborted below whatever this was
+            log.info("aggregate.txn_offsets_not_sent", transactional_id=self.transactional_id, error=str(e))
         try:
             self._retrying(self.producer.abort_transaction, DECIDED_S)
         except KafkaException as e:
