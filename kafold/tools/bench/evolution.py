@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import tomllib
 import uuid
 from pathlib import Path
@@ -19,6 +18,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from kafold import devstack, logs
 from kafold.envelope import Event
 from kafold.tools.bench.daemons import daemon_stack
+from kafold.tools.bench.figures import median_ratio, rounded
 from kafold.tools.bench.projection import COLUMNS, produce_events, produce_records, run_projection
 from kafold.tools.dev import registry_server
 
@@ -150,25 +150,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "debezium" in kinds:
             sizes["debezium"] = produce_records(kafka, topics["debezium"], args.events, args.partitions, accounts,
                                                 debezium_records(accounts))
-        rates: dict[str, list[float]] = {kind: [] for kind in ("native", *kinds)}
+        rates: dict[str, list[float | None]] = {kind: [] for kind in ("native", *kinds)}  # None: too small to time
         for r in range(args.rounds):
             for kind in kinds:
                 for side in (("native", kind) if r % 2 == 0 else (kind, "native")):
                     table = f"bench_{uuid.uuid4().hex[:8]}"
                     got = run_projection(daemons, f"{base}.{side}.{kind}.{r}", topics[side], table, args,
                                    _extra(side, table), extra)
-                    rates[side].append(got["events"] / got["seconds"])
-                    log.warning("bench.evolution_round", round=r, kind=side, events_per_s=round(rates[side][-1]))
-    native = statistics.median(rates["native"])
+                    rates[side].append(got["events_per_s"])
+                    log.warning("bench.evolution_round", round=r, kind=side, events_per_s=rounded(rates[side][-1]))
     figures: dict[str, Any] = {"events": args.events, "rounds": args.rounds, "partitions": args.partitions,
                                "tasks": args.tasks, "value_bytes": sizes,
-                               "native_events_per_s": [round(x) for x in rates["native"]]}
+                               "native_events_per_s": [rounded(x) for x in rates["native"]]}
     ratio_key = {"upcast": "upcast_throughput_ratio", "json": "json_converter_throughput_ratio",
                  "avro": "avro_converter_throughput_ratio",
                  "debezium": "debezium_converter_throughput_ratio"}
     for kind in kinds:
-        figures[f"{kind}_events_per_s"] = [round(x) for x in rates[kind]]
-        figures[ratio_key[kind]] = round(statistics.median(rates[kind]) / native, 3)
+        figures[f"{kind}_events_per_s"] = [rounded(x) for x in rates[kind]]
+        figures[ratio_key[kind]] = median_ratio(rates[kind], rates["native"])
     return figures
 
 

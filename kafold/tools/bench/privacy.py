@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import http.server
 import os
-import statistics
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from kafold.envelope import Event, encode
 from kafold.protect import AGGREGATE_ID, PREFIX, Cipher, KeyRing, PgKeyStore, Protector, Rule
 from kafold.tools.bench.aggregates import BANK, aggregate_throughput
 from kafold.tools.bench.daemons import daemon_stack
+from kafold.tools.bench.figures import median_ratio, rounded
 from kafold.tools.bench.projection import produce_events, produce_records, run_projection
 
 log = logs.get(__name__)
@@ -99,10 +99,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "plain": (plain_topic, {}, {}),
         }
         baseline = {"protected": "unprotected", "sampled": "plain", "off": "plain"}
-        rates: dict[str, list[float]] = {k: [] for k in runs}
+        rates: dict[str, list[float | None]] = {k: [] for k in runs}  # None: a run too small to time
         # the daemon's CPU (its process tree) per event: what a side costs, less moved by a shared machine's
         # scheduling than its rate
-        cpu: dict[str, list[float]] = {k: [] for k in runs}
+        cpu: dict[str, list[float | None]] = {k: [] for k in runs}
         left_sealed = 0
         for r in range(args.rounds):
             for kind in KINDS:
@@ -111,25 +111,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     table = f"bench_{uuid.uuid4().hex[:8]}"
                     got = run_projection(dataclasses.replace(daemons, env={**daemons.env, **side_env}),
                                    f"{base}.{side}.{kind}.{r}", topic, table, args, None, extra)
-                    rates[side].append(got["events"] / got["seconds"])
+                    rates[side].append(got["events_per_s"])
                     cpu[side].append(got["cpu_us_per_event"]["kafold"])
                     if side == "protected":
                         left_sealed += sealed_rows(daemons.postgres, table)
-                    log.warning("bench.privacy_round", round=r, kind=side, events_per_s=round(rates[side][-1]))
+                    log.warning("bench.privacy_round", round=r, kind=side, events_per_s=rounded(rates[side][-1]))
         figures: dict[str, Any] = {"events": args.events, "rounds": args.rounds, "partitions": args.partitions,
                                    "tasks": args.tasks, "task_processes": args.task_processes, "value_bytes": sizes,
-                                   **{f"{k}_events_per_s": [round(x) for x in v] for k, v in rates.items()},
+                                   **{f"{k}_events_per_s": [rounded(x) for x in v] for k, v in rates.items()},
                                    **{f"{k}_kafold_cpu_us_per_event": v for k, v in cpu.items()},
                                    "protected_rows_left_sealed": left_sealed,
                                    "tracing_export": "OTLP/HTTP to a local sink that accepts and discards",
                                    "otlp_requests": sink.requests, "otlp_bytes": sink.bytes}
         for kind in KINDS:
-            ratio = statistics.median(rates[kind]) / statistics.median(rates[baseline[kind]])
             figures[{"protected": "protected_projection_ratio", "sampled": "tracing_sampled_ratio",
-                     "off": "tracing_off_ratio"}[kind]] = round(ratio, 3)
+                     "off": "tracing_off_ratio"}[kind]] = median_ratio(rates[kind], rates[baseline[kind]])
         # unprotected CPU per event over protected: the share of the protected side's cost that is the same work
-        figures["protected_cpu_ratio"] = round(statistics.median(cpu["unprotected"])
-                                               / statistics.median(cpu["protected"]), 3)
+        figures["protected_cpu_ratio"] = median_ratio(cpu["unprotected"], cpu["protected"])
         if not args.no_aggregates:
             figures.update(_aggregates(kafka, args, master, store))
     return figures
@@ -152,8 +150,7 @@ def _aggregates(kafka: Any, args: argparse.Namespace, master: bytes, store: PgKe
             log.warning("bench.privacy_aggregates_round", round=r, kind=side, commands_per_s=got["commands_per_s"])
     return {"aggregate_commands": commands,
             "aggregates_commands_per_s": {k: [round(x) for x in v] for k, v in rates.items()},
-            "protected_aggregates_ratio": round(statistics.median(rates["protected"])
-                                                / statistics.median(rates["unprotected"]), 3)}
+            "protected_aggregates_ratio": median_ratio(rates["protected"], rates["unprotected"])}
 
 
 def sealed_record(protector: Protector) -> Callable[[int, str, int], tuple[bytes | None, bytes, Any]]:

@@ -19,6 +19,7 @@ from kafold.envelope import Event, decode, encode
 from kafold.schema import toml_value
 from kafold.tools.bench import BROKER_PROCESSES, SHORT_GROUP_TIMEOUTS, cpu_s
 from kafold.tools.bench.daemons import DaemonStack, daemon_process, daemon_stack, toml_table
+from kafold.tools.bench.figures import per, rounded
 
 log = logs.get(__name__)
 
@@ -69,12 +70,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _forget_checkpoints(daemons.postgres, name)
         replay = run_projection(daemons, name, topic, table, args)
         baseline = _baseline(kafka, daemons.postgres, topic, args.baseline_events)
-    rate = first["events"] / first["seconds"]
+    rate = first["events_per_s"]
     return {"events": args.events, "partitions": args.partitions, "accounts": accounts,
             "value_bytes": value_bytes, "batch": args.batch,
-            "events_per_s": round(rate), "baseline_events_per_s": round(baseline),
-            "baseline_sample": args.baseline_events, "ratio": round(rate / baseline, 1),
-            "replay_events_per_s": round(replay["events"] / replay["seconds"]),
+            "events_per_s": rounded(rate), "baseline_events_per_s": round(baseline),
+            "baseline_sample": args.baseline_events, "ratio": rounded(per(rate, baseline), 1),
+            "replay_events_per_s": rounded(replay["events_per_s"]),
             "rows_changed_on_replay": replay["rows_changed"], "rows_written_first_pass": first["rows_changed"],
             "tasks": args.tasks, "task_processes": args.task_processes, "dedup": args.dedup, "rows": args.rows,
             # The daemon's memory: RSS of its processes added up (the daemon, and its task processes), at the end,
@@ -180,7 +181,7 @@ def run_projection(stack: DaemonStack, name: str, topic: str, table: str, args: 
     if proc.returncode != 0:
         raise RuntimeError(f"kafold daemon exited with code {proc.returncode} on SIGTERM; its log ({log_path}) "
                            f"ends:\n{tail_of(log_path)}")
-    return _figures(marks, args.events, changed)
+    return projection_figures(marks, args.events, changed)
 
 
 def _watch(proc: Any, daemon: Any, postmaster: Any, covered_now: Callable[[], int], total: int,
@@ -214,13 +215,16 @@ def _watch(proc: Any, daemon: Any, postmaster: Any, covered_now: Callable[[], in
         time.sleep(0.01)
 
 
-def _figures(marks: dict[str, Any], total: int, changed: int) -> dict[str, Any]:
+def projection_figures(marks: dict[str, Any], total: int, changed: int) -> dict[str, Any]:
+    """`run_projection`'s figures from `_watch`'s marks. A run so small that its first checkpoint covered every
+    event counted none over no time: its rate and per-event figures are absent (None), not 0."""
     seconds, events = marks["last"] - marks["first"], total - marks["covered"]
     cpu = {"kafold": marks["cpu1"] - marks["cpu0"], "postgres": marks["pg1"] - marks["pg0"] if marks["pg"] else None,
            "broker": marks["broker1"] - marks["broker0"] if marks["broker"] else None}
     return {"events": events, "seconds": seconds, "processes": len(marks["tree"]),
-            "cpu_us_per_event": {k: None if v is None else round(v / events * 1e6, 1) for k, v in cpu.items()},
-            "cores_busy": {k: None if v is None else round(v / seconds, 2) for k, v in cpu.items()},
+            "events_per_s": per(events, seconds) if events else None,
+            "cpu_us_per_event": {k: rounded(per(v, events, 1e6), 1) for k, v in cpu.items()},
+            "cores_busy": {k: rounded(per(v, seconds), 2) for k, v in cpu.items()},
             "rows_changed": changed, "rss_mb": round(marks["rss"]),
             "rss_mb_at_20pct": round(marks.get("rss20", marks["rss"])),
             "rss_mb_peak": round(max(marks["peak"], marks["rss"])), "pss_mb": round(marks["pss"])}

@@ -37,5 +37,5 @@ def _run(mod: Any, args: argparse.Namespace) -> int:
     else:
         width = max(map(len, figures), default=0)
         for key, value in figures.items():
-            print(f"{key:<{width}}  {value}")
+            print(f"{key:<{width}}  {'absent' if value is None else value}")  # None: not computable
     return 0
