@@ -27,6 +27,7 @@ from kafold.daemon.aggregates.workers import AggregateWorkers
 from kafold.domain import AggregateDomain
 from kafold.envelope import Event, encode
 from kafold.tools.bench import services, short_group
+from kafold.tools.bench.progress import STALL_S, gates_progress, wait_progress
 
 log = logs.get("kafold.bench.aggregates")
 BANK = Path(__file__).resolve().parents[3] / "examples" / "bank"
@@ -120,14 +121,6 @@ def _in_thread(rt: Any) -> threading.Thread:
     return t
 
 
-def _wait(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"bench: timed out waiting for {what}")
-        time.sleep(0.01)
-
-
 def aggregate_throughput(kafka: Any, args: argparse.Namespace, window_s: float = 86_400.0, protector: Any = None,
                 name: str | None = None, prefix: str = "acc-") -> dict[str, Any]:
     """Commands queued first (opens, then deposits: each accepted, one event + one result), then the runtime is
@@ -147,7 +140,8 @@ def aggregate_throughput(kafka: Any, args: argparse.Namespace, window_s: float =
         return _throughput_processes(kafka, args, agg, queued, ids, window_s)
     thread = _in_thread(rt)  # the commands wait in the topic: the runtime's own speed is measured
     try:
-        _wait(lambda: rt.counts["commands"] >= queued, 600, "every command to be processed")
+        wait_progress(lambda: rt.counts["commands"] >= queued, lambda: gates_progress(rt.counts, rt.gates),
+                      f"every command ({queued}) to be processed")
         finished = time.monotonic()
         started = min(g.first_decided_at for g in rt.gates.values() if g.first_decided_at)
         counts = dict(rt.counts)
@@ -218,8 +212,8 @@ def _restart(kafka: Any, args: argparse.Namespace, name: str, window_s: float, h
     thread = _in_thread(rt)
     try:
         # a gate is LIVE once its commands resumed (after its results read and the store's seal): `ready`
-        _wait(lambda: rt.ready and len(rt.gates) == args.partitions, 600,
-              "the restarted runtime to be live")
+        wait_progress(lambda: rt.ready and len(rt.gates) == args.partitions,
+                      lambda: gates_progress(rt.counts, rt.gates), "the restarted runtime to be live")
         live_s = time.monotonic() - began
         trusted = sum(1 for g in rt.gates.values() if g.start > 0)  # partitions whose store was trusted
         results_read = rt.counts["recovery_results_read"]
@@ -269,7 +263,8 @@ def _throughput_processes(kafka: Any, args: argparse.Namespace, agg: Any, comman
             first = min([*decided, first] if first else decided, default=None)
             return workers.counts.get("commands", 0) >= commands
 
-        _wait(done, 900, "every command to be processed by the worker processes")
+        wait_progress(done, lambda: gates_progress(workers.counts, workers.gates),
+                      f"every command ({commands}) to be processed by the worker processes")
         finished = time.monotonic()
         counts = workers.counts
         memory = process_memory(workers.pids())
@@ -346,11 +341,14 @@ def _throughput_instances(kafka: Any, args: argparse.Namespace, name: str, windo
         proc.start()
     latest: dict[str, tuple[int, float | None, float | None]] = {}
     go.set()
-    deadline = time.monotonic() + 600
+    moved, seen = time.monotonic(), -1
     try:
-        while sum(c for c, _, _ in latest.values()) < commands:
-            if time.monotonic() > deadline or not all(proc.is_alive() for proc in procs):
-                raise TimeoutError("bench: the instances did not process every command (one died or timed out)")
+        while (total := sum(c for c, _, _ in latest.values())) < commands:
+            if total != seen:  # as wait_progress: fails when the count stalls, not at a deadline
+                moved, seen = time.monotonic(), total
+            if time.monotonic() - moved > STALL_S or not all(proc.is_alive() for proc in procs):
+                raise TimeoutError(f"bench: the instances did not process every command (one died, or no command "
+                                   f"in {STALL_S:g} s): {sorted(latest.items())} of {commands}")
             with contextlib.suppress(queue.Empty):
                 instance, count, first, last = out.get(timeout=1)
                 latest[instance] = (count, first, last)
@@ -391,7 +389,8 @@ def _replay(kafka: Any, args: argparse.Namespace) -> dict[str, Any]:
         client.send_many([client.command("acc-000000", "Deposit", {"amount": 1}) for _ in range(100)], wait=False)
     thread = _in_thread(rt)
     try:
-        _wait(lambda: 0 in rt.gates and rt.gates[0].first_decided_at is not None, 600, "recovery and a command")
+        wait_progress(lambda: 0 in rt.gates and rt.gates[0].first_decided_at is not None,
+                      lambda: gates_progress(rt.counts, rt.gates), "recovery and a command")
         gate = rt.gates[0]
     finally:
         rt.stop()
