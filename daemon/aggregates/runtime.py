@@ -87,8 +87,8 @@ class AggregateRuntime(LoopHandler):
     def __init__(self, kafka: KafkaConfig, daemon: DaemonConfig, agg: AggregateConfig, domain: AggregateDomain,
                  *, instance_id: str, restorer: recovery.Restorer | None = None,
                  stop: threading.Event | None = None, consumer_extra: dict[str, Any] | None = None,
-                 before_join: Callable[[], None] | None = None, decide_after: threading.Event | None = None
-                 ) -> None:
+                 before_join: Callable[[], None] | None = None, decide_after: threading.Event | None = None,
+                 after_batch: Callable[[], None] | None = None) -> None:
         self.kafka, self.daemon, self.agg, self.domain = kafka, daemon, agg, domain
         # Called once the runtime is built (topics, producer, consumer), right before it joins the group: a worker
         # process of one daemon waits there for its siblings (workers.py), so they join in one rebalance
@@ -96,6 +96,7 @@ class AggregateRuntime(LoopHandler):
         # Set: commands may be decided. Unset, every batch fetched is sought back as a recovering partition's is: a
         # worker process holds off until each of its siblings has its first assignment (workers.py)
         self.decide_after = decide_after
+        self.after_batch = after_batch  # called after each committed batch (a worker process reports its counts)
         self.restorer = restorer or recovery.FullReplay()
         self.stop_event = stop or threading.Event()
         self.group_id = f"{daemon.group_prefix}.aggregate.{agg.name}"
@@ -393,6 +394,8 @@ class AggregateRuntime(LoopHandler):
         self.log.info("aggregate.batch", commands=len(live), **tally, partitions=sorted(last),
                       duration_ms=round((time.monotonic() - started) * 1000, 1),
                       commit_ms=round((time.monotonic() - decided) * 1000, 1))
+        if self.after_batch is not None:
+            self.after_batch()
 
     def _reload_missing(self, msgs: list[Message]) -> None:
         """Rebuild evicted aggregates of this batch from Kafka before deciding on them."""

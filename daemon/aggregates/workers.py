@@ -4,8 +4,11 @@ Each worker is a child interpreter (started as the sink task processes are: daem
 runs a whole `AggregateRuntime` in the aggregate's one consumer group, so the commands partitions split between the
 workers exactly as between daemons, each with its catch-up gates and its local state stores (`state_dir`: one
 folder per partition, so a partition moving to another worker of the host opens the store its last owner sealed).
-The parent keeps `AggregateWorkers`, the view the daemon reads (gates, counts, readiness, figures) and the reads it
-serves (`get`: asked of the worker that holds the partition, over the pipe).
+Started together, the workers join the group together (each waits, built, for the others: `_joins`) and decide
+only once each has had its first assignment (`_merge`), so no partition is decided by one right after the start and
+moved to another at once (its new owner would replay it). The parent keeps `AggregateWorkers`, the view the daemon
+reads (gates, counts, readiness, figures: reported after every batch and at least every STATUS_INTERVAL_S) and
+the reads it serves (`get`: asked of the worker that holds the partition, over the pipe).
 
 Offsets and commits: nothing moves across the pipe but status and reads. Each worker commits its batches in its
 own transactions, with its own transactional id (worker 0: the instance's, so going from one process to several
@@ -353,7 +356,8 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
 
     runtime = AggregateRuntime(spec.kafka, spec.daemon, spec.agg, domain, instance_id=spec.instance_id,
                                restorer=SnapshotRestorer(spec.kafka, spec.agg, domain),
-                               consumer_extra=spec.consumer_extra, before_join=before_join, decide_after=decide)
+                               consumer_extra=spec.consumer_extra, before_join=before_join, decide_after=decide,
+                               after_batch=lambda: report(False))
 
     def report(final: bool = False) -> None:
         error = runtime.error
