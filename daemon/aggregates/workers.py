@@ -171,7 +171,7 @@ class Worker:
                     log.error("aggregate.worker_message_unreadable", aggregate=self.spec.agg.name, worker=self.index,
                               error_class=type(e).__name__, error=str(e))
                     continue
-                final = self._apply(message) or final
+                final = self.apply(message) or final
         finally:
             process.wait()
             with self.lock:
@@ -183,7 +183,9 @@ class Worker:
                     future.set_result(None)
         return final
 
-    def _apply(self, message: dict[str, Any]) -> bool:
+    def apply(self, message: dict[str, Any]) -> bool:
+        """A message of the worker process: its arrival at the join barrier, a read's answer, or a report (True: its
+        last one)."""
         if "joining" in message:
             self.waiting = True
             self.on_joining()
