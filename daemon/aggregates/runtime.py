@@ -73,6 +73,7 @@ T = TypeVar("T")
 
 ASSIGN_RETRY_S = 120.0  # well under the default rebalance timeout (max.poll.interval.ms, 300 s)
 START_RETRY_S = 120.0  # a broker's restart or a controller election, several times over
+HOLD_POLL_S = 0.05  # while deciding is held (decide_after), between two polls
 COMMAND_PREFETCH_KBYTES = 16384  # ~50k queued commands: 25 batches of 2,000 ahead, a small part of the 64 MB default
 
 
@@ -85,8 +86,17 @@ class AggregateRuntime(LoopHandler):
 
     def __init__(self, kafka: KafkaConfig, daemon: DaemonConfig, agg: AggregateConfig, domain: AggregateDomain,
                  *, instance_id: str, restorer: recovery.Restorer | None = None,
-                 stop: threading.Event | None = None, consumer_extra: dict[str, Any] | None = None) -> None:
+                 stop: threading.Event | None = None, consumer_extra: dict[str, Any] | None = None,
+                 before_join: Callable[[], None] | None = None, decide_after: threading.Event | None = None,
+                 after_batch: Callable[[], None] | None = None) -> None:
         self.kafka, self.daemon, self.agg, self.domain = kafka, daemon, agg, domain
+        # Called once the runtime is built (topics, producer, consumer), right before it joins the group: a worker
+        # process of one daemon waits there for its siblings (workers.py), so they join in one rebalance
+        self.before_join = before_join
+        # Set: commands may be decided. Unset, every batch fetched is sought back as a recovering partition's is: a
+        # worker process holds off until each of its siblings has its first assignment (workers.py)
+        self.decide_after = decide_after
+        self.after_batch = after_batch  # called after each committed batch (a worker process reports its counts)
         self.restorer = restorer or recovery.FullReplay()
         self.stop_event = stop or threading.Event()
         self.group_id = f"{daemon.group_prefix}.aggregate.{agg.name}"
@@ -267,6 +277,8 @@ class AggregateRuntime(LoopHandler):
                                                        self.group_id, routing.InstanceKey.of(self.daemon)),
                  **self.consumer_extra}
         self.consumer = kafka_clients.consumer(self.kafka, self.group_id, **extra)
+        if self.before_join is not None:
+            self.before_join()
         # A lost partition is released as a revoked one: its transaction's offsets were committed with it or not.
         self.loop.subscribe([self.topics["commands"]], self._on_assign, self._on_revoke, self._on_revoke)
         protector = self.domain.protector
@@ -311,14 +323,15 @@ class AggregateRuntime(LoopHandler):
         live: list[Any] = []
         rewind: dict[int, int] = {}
         refetched: dict[int, list[int]] = {}
+        held = self.decide_after is not None and not self.decide_after.is_set()
         for m in msgs:
             if m.error() is not None:
                 self.loop.consumer_error(m.error())  # a fatal one ends the run before anything is decided
                 continue
             n = m.partition()
             gate = self.gates.get(n)
-            if gate is None or not gate.may_decide():
-                rewind.setdefault(n, m.offset())  # fetched before the pause: read it again later
+            if held or gate is None or not gate.may_decide():
+                rewind.setdefault(n, m.offset())  # fetched before the pause (or while held): read it again later
             elif m.offset() < self.positions.get(n, 0):
                 refetched.setdefault(n, []).append(m.offset())
             else:
@@ -332,6 +345,8 @@ class AggregateRuntime(LoopHandler):
             self.counts["refetched"] += len(skipped)
             self.log.warning("aggregate.refetched_skipped", partition=n, first=skipped[0], last=skipped[-1],
                              records=len(skipped), position=self.positions[n])
+        if held and self.decide_after is not None:
+            self.decide_after.wait(HOLD_POLL_S)  # not a busy loop of fetches sought back
         if not live:
             return
         decoded = [decode(m) for m in live]
@@ -379,6 +394,8 @@ class AggregateRuntime(LoopHandler):
         self.log.info("aggregate.batch", commands=len(live), **tally, partitions=sorted(last),
                       duration_ms=round((time.monotonic() - started) * 1000, 1),
                       commit_ms=round((time.monotonic() - decided) * 1000, 1))
+        if self.after_batch is not None:
+            self.after_batch()
 
     def _reload_missing(self, msgs: list[Message]) -> None:
         """Rebuild evicted aggregates of this batch from Kafka before deciding on them."""
