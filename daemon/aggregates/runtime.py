@@ -58,6 +58,7 @@ from kafold.daemon.aggregates.catchup import CatchUp, restore_base
 from kafold.daemon.aggregates.decide import Decider, Undo, decode
 from kafold.daemon.aggregates.forgetting import Forgetting
 from kafold.daemon.aggregates.gate import PartitionGate
+from kafold.daemon.aggregates.heap import HeapTrim
 from kafold.daemon.aggregates.local import LocalStates, local_states
 from kafold.daemon.aggregates.store import StateStore
 from kafold.daemon.aggregates.txn import ProducerBroken, TransactionalWriter
@@ -74,7 +75,11 @@ T = TypeVar("T")
 ASSIGN_RETRY_S = 120.0  # well under the default rebalance timeout (max.poll.interval.ms, 300 s)
 START_RETRY_S = 120.0  # a broker's restart or a controller election, several times over
 HOLD_POLL_S = 0.05  # while deciding is held (decide_after), between two polls
-COMMAND_PREFETCH_KBYTES = 16384  # ~50k queued commands: 25 batches of 2,000 ahead, a small part of the 64 MB default
+# librdkafka's prefetch queue of commands: ~12k commands, 6 batches of 2,000 ahead (its default, 64 MB, held a backlog
+# in each worker's memory; 16 MB kept ~50k, for no throughput measured: docs/benchmarks.md, issue 56)
+COMMAND_PREFETCH_KBYTES = 4096
+COMMAND_FETCH_KBYTES = 1024  # per partition per fetch (max.partition.fetch.bytes): a fetch response is held whole
+# until the last of its messages is freed, so it counts on top of the queue
 
 
 def dlq_topic(agg: AggregateConfig) -> str:
@@ -110,6 +115,7 @@ class AggregateRuntime(LoopHandler):
         self.store = StateStore(agg.cache_max_aggregates, window, self.local)
         self.store.window.on_disk = self.local is not None
         self.store.window.keep = self.local.keep if self.local is not None else None
+        self.heap = HeapTrim()  # freed native memory back to the OS between batches (heap.py)
         self.gates: dict[int, PartitionGate] = {}  # read by the daemon (status, metrics, reads) and the tests
         # Per partition, the commands offset below which everything is decided and committed (the group's
         # committed offset when the gate opened, then each committed transaction's): a record below it fetched
@@ -267,7 +273,7 @@ class AggregateRuntime(LoopHandler):
                                      lambda: TransactionalWriter(self.kafka, self.transactional_id), START_RETRY_S)
         self.reader = recovery.reader(self.kafka, self.agg.name)
         extra = {"isolation.level": "read_committed", "enable.auto.offset.store": False,
-                 "fetch.wait.max.ms": 50, "max.partition.fetch.bytes": 8 * 1024 * 1024,
+                 "fetch.wait.max.ms": 50, "max.partition.fetch.bytes": COMMAND_FETCH_KBYTES * 1024,
                  # librdkafka's prefetch queue (its default, 64 MB, held a backlog of queued commands in each
                  # worker's memory): a few batches ahead of the loop, refilled every 10 ms (as daemon/runner.py's)
                  "queued.max.messages.kbytes": COMMAND_PREFETCH_KBYTES, "fetch.queue.backoff.ms": 10,
@@ -387,6 +393,7 @@ class AggregateRuntime(LoopHandler):
             self.local.write_batch(self.store, {aid: cids for aid, (_, cids) in undo.items()}, self.writer.ends,
                                    self.topics["events"], self.writer.result_ends, self.topics["results"])
         self.store.trim()
+        self.heap.after_batch()
         self.counts["batches"] += 1
         self.counts["commands"] += len(live)
         for k, v in tally.items():
