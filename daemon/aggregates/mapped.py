@@ -29,7 +29,8 @@ from kafold import logs
 
 log = logs.get(__name__)
 
-RELEASE_RECORDS = 4096  # records read or written in a partition's store between two releases of its map
+RELEASE_RECORDS = 1024  # records read or written in a partition's store between two releases of its map (a read fault
+# also maps the neighbouring pages already in the page cache: up to 16 with Linux's fault-around, 64 KB a record)
 MADV_DONTNEED = 4  # Linux's value
 
 
