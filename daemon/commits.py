@@ -7,8 +7,10 @@ is sent (a commit is idempotent; the broker applies them in order). `committed`,
 itself dirty, so the same offsets are offered again at the next flush.
 
 For a task that stores its own offsets (`SinkTask.stores_offsets`: a projection, whose checkpoints are written in
-the same PostgreSQL transaction as its rows): a commit is made after a batch or on an idle poll only once
-`offset_flush_interval_ms` has passed since the last one, and always on revoke and stop. What it commits is what
+the same PostgreSQL transaction as its rows): a commit is made after a batch only once `offset_flush_interval_ms`
+has passed since the last one sent, and always on revoke and stop, and on an idle poll (the task has caught up:
+the group's offsets then follow its store at once instead of up to an interval later; the runner polls briefly
+until the last write's offsets are committed, see runner.py's CAUGHT_UP_POLL_S). What it commits is what
 `pre_commit` returned — offsets already stored in the task's store, never those of a write still in flight — so the
 group's offset never passes the store; and the store, not the group, decides where a restart resumes (the task's
 `open` seeks every assigned partition to its stored offset). A group offset behind the store (up to one interval)
@@ -92,10 +94,14 @@ class Commits:
         offered = {tp: offer.positions[tp] for tp in partitions if tp in offer.positions}
         if not offered or not (offer.dirty or offer.requested):  # a task that completes work later asks explicitly
             return {}, False
-        self.next_flush = time.monotonic() + (self.flush_interval_s if task.stores_offsets
-                                              else task.commit_interval_s)
+        asked_at = time.monotonic()
         chosen = dict(task.pre_commit(offered))
         chosen = {tp: off for tp, off in chosen.items() if tp in offer.assigned and self.committed.get(tp) != off}
+        # The interval runs from a commit sent. A task that stores its own offsets and had nothing new stored yet
+        # (its first write still in flight) is asked again at the next batch, not an interval later: the group
+        # shows its first progress at once.
+        if chosen or not task.stores_offsets:
+            self.next_flush = asked_at + (self.flush_interval_s if task.stores_offsets else task.commit_interval_s)
         if chosen:
             offsets = [KafkaTP(tp.topic, tp.partition, off) for tp, off in chosen.items()]
             try:
