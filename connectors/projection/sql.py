@@ -152,14 +152,21 @@ def upsert_rows(shape: TableShape, guard: bool) -> sql.Composed:
         shape.name, ids(shape.written), values, arrays, ids(shape.written), ids(shape.keys), action)
 
 
-def upsert_whole_rows(shape: TableShape, tombstones: sql.Composed) -> sql.Composed:
+def base_type(pg_type: str) -> str:
+    """A column's type from the catalog without its modifier (`character varying(20)` -> `character varying`)."""
+    return _TYPMOD.sub("", pg_type)
+
+
+def upsert_whole_rows(shape: TableShape, tombstones: sql.Composed, int8: frozenset[str] = frozenset()
+                      ) -> sql.Composed:
     """`upsert_rows` (guarded) for rows made whole by their batch's events (whole_rows.py), failing (`redo`) unless
     every event behind them is new: two arrays more (each row key as its tombstone stores it, and the version of the
     batch's first event of the key), then the tombstones' namespace and the number of rows. A row is written only
     when its stored version is below the new one and no tombstone of its key is at or above the first event's;
     and no stored row may be at or above a first event's version that is below its row's (a key with several
     events: their versions rise, checked in Python). The final SELECT reads the table as the statement began (a
-    data-modifying WITH does not see its own changes): the versions before this upsert."""
+    data-modifying WITH does not see its own changes): the versions before this upsert. The columns in `int8` come
+    as bigint[] arrays (arrays.py), the others as text[]: each value is cast to its column's type."""
     assert shape.version_column
     v = sql.Identifier(shape.version_column)
     written, extra = shape.written, ("kafold_row_key_text", "kafold_first_version")
@@ -169,7 +176,8 @@ def upsert_whole_rows(shape: TableShape, tombstones: sql.Composed) -> sql.Compos
                               for c in rest) if rest else sql.SQL("{} = EXCLUDED.{}").format(v, v)
     base = {c: sql.SQL(_TYPMOD.sub("", t)) for c, t in shape.types.items()}  # from the catalog, as `cast`
     values = sql.SQL(", ").join(sql.SQL("x.{}::{}").format(sql.Identifier(c), base[c]) for c in written)
-    arrays = sql.SQL(", ").join([*(sql.SQL("%b::text[]") for _ in written), sql.SQL("%b::text[]"),
+    arrays = sql.SQL(", ").join([*(sql.SQL("%b::bigint[]" if c in int8 else "%b::text[]") for c in written),
+                                 sql.SQL("%b::text[]"),
                                  sql.SQL("%b::bigint[]")])
     on = sql.SQL(" AND ").join(sql.SQL("t.{} = x.{}::{}").format(sql.Identifier(k), sql.Identifier(k), base[k])
                                for k in shape.keys)

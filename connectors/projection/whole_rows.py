@@ -41,6 +41,7 @@ from psycopg.adapt import Dumper, PyFormat, Transformer
 
 from kafold.connectors.api import SinkRecord
 from kafold.connectors.projection import sql as q
+from kafold.connectors.projection.arrays import INT8_ARRAY_OID, TEXT_ARRAY_OID, int8_array, text_array
 from kafold.connectors.projection.config import VERSION_COLUMN
 from kafold.connectors.projection.fold import Candidates, Folded, Prepared, candidates
 from kafold.connectors.projection.held_keys import hold_text
@@ -49,6 +50,9 @@ from kafold.connectors.projection.snapshot_sweep import ends_snapshot
 from kafold.connectors.projection.table_rows import TableRows
 
 Key = tuple[Any, ...]
+# Column types whose values the arrays are built for directly (arrays.py), by the type without its modifier.
+_TEXT_TYPES = frozenset({"text", "character varying"})
+_INT_TYPES = frozenset({"bigint", "integer", "smallint"})
 
 
 @dataclass
@@ -58,7 +62,8 @@ class WholePlan:
     rows: dict[Key, Row]
     first: dict[Key, int]
     folded: Folded
-    columns: list[Any] | None = None  # the upsert's parameters but the namespace and the count, when planned ahead
+    columns: list[Dumped] | None = None  # the upsert's arrays (its parameters but the namespace and the count),
+    int8: frozenset[str] = frozenset()  # and the columns sent as bigint[], when planned ahead
     todo: Candidates | None = None  # the candidates it was made of, when planned ahead
 
 
@@ -159,25 +164,56 @@ class WholeRows:
         try:
             plan = self.plan(todo)
             if plan is not None:
-                columns = self.columns(conn, plan)
-                texts = Transformer(conn)
-                data = texts.dump_sequence(columns, [PyFormat.BINARY] * len(columns))
-                plan.columns = [Dumped(bytes(d or b""), oid) for d, oid in zip(data, texts.types or (), strict=True)]
+                plan.columns, plan.int8 = self.arrays(conn, plan)
                 plan.todo = todo
         except psycopg.Error:  # the session closed under it (the writer reconnects): the write plans itself
             return None
         return plan
 
-    def columns(self, conn: psycopg.Connection[Any], plan: WholePlan) -> list[Any]:
-        """The upsert's parameters but the namespace and the count: one array per column, the keys, the versions."""
+    def arrays(self, conn: psycopg.Connection[Any], plan: WholePlan) -> tuple[list[Dumped], frozenset[str]]:
+        """The upsert's parameters but the namespace and the count, each array dumped: one per column, the keys, the
+        versions; and the columns sent as bigint[]. Built directly (arrays.py) where every column is text or an
+        integer type holding only such values, in a UTF-8 session; otherwise each value as COPY's text format has
+        it (TableRows.text_columns, psycopg's dumpers), in text arrays."""
         keys = list(plan.rows)
-        columns: list[Any] = self.table_rows.text_columns(conn, list(plan.rows.values()))
-        return [*columns, [hold_text(k) for k in keys], [plan.first[k] for k in keys]]
+        direct = self._direct(conn, list(plan.rows.values()))
+        if direct is not None:
+            arrays, int8 = direct
+            key_texts, firsts = text_array([hold_text(k) for k in keys]), int8_array([plan.first[k] for k in keys])
+            if key_texts is not None and firsts is not None:
+                return [*arrays, Dumped(key_texts, TEXT_ARRAY_OID), Dumped(firsts, INT8_ARRAY_OID)], int8
+        texts: list[Any] = self.table_rows.text_columns(conn, list(plan.rows.values()))
+        columns = [*texts, [hold_text(k) for k in keys], [plan.first[k] for k in keys]]
+        dumper = Transformer(conn)
+        data = dumper.dump_sequence(columns, [PyFormat.BINARY] * len(columns))
+        return [Dumped(bytes(d or b""), oid) for d, oid in zip(data, dumper.types or (), strict=True)], frozenset()
+
+    def _direct(self, conn: psycopg.Connection[Any], rows: list[Row]) -> tuple[list[Dumped], frozenset[str]] | None:
+        shape = self.table_rows.shape
+        assert shape is not None
+        if conn.info.encoding != "utf-8":
+            return None
+        arrays: list[Dumped] = []
+        int8: list[str] = []
+        for column in shape.written:
+            kind = q.base_type(shape.types[column])
+            values = [row[column] for row in rows]
+            if kind in _INT_TYPES:
+                data, oid = int8_array(values), INT8_ARRAY_OID
+                int8.append(column)
+            elif kind in _TEXT_TYPES:
+                data, oid = text_array(values), TEXT_ARRAY_OID
+            else:
+                return None
+            if data is None:
+                return None
+            arrays.append(Dumped(data, oid))
+        return arrays, frozenset(int8)
 
     def upsert(self, conn: psycopg.Connection[Any], plan: WholePlan) -> None:
         """Queue the plan's one statement (pipelined); it fails unless every event of the batch applies."""
         shape = self.table_rows.shape
         assert shape is not None
-        columns = plan.columns if plan.columns is not None else self.columns(conn, plan)
-        conn.execute(q.upsert_whole_rows(shape, self.table_rows.tombstones),
+        columns, int8 = (plan.columns, plan.int8) if plan.columns is not None else self.arrays(conn, plan)
+        conn.execute(q.upsert_whole_rows(shape, self.table_rows.tombstones, int8),
                      (*columns, self.namespace, len(plan.rows)))
