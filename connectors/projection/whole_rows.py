@@ -219,4 +219,4 @@ class WholeRows:
         assert shape is not None
         columns, int8 = (plan.columns, plan.int8) if plan.columns is not None else self.arrays(conn, plan)
         conn.execute(q.upsert_whole_rows(shape, self.table_rows.tombstones, int8),
-                     (*columns, self.namespace, len(plan.rows)))
+                     (*columns, self.namespace, self.namespace, len(plan.rows)))
