@@ -53,7 +53,7 @@ from kafold.connectors.intake import Intake
 from kafold.consumer_loop import ConsumerLoop, LoopHandler
 from kafold.daemon import batch_decode
 from kafold.daemon.accounting import Account, Tally, accounts
-from kafold.daemon.commits import Commits, Offered
+from kafold.daemon.commits import CAUGHT_UP_POLL_S, Commits, Offered
 from kafold.daemon.liveness import STATS_INTERVAL_MS, GroupWatch
 from kafold.daemon.progress import BatchStats, PartitionProgress, ProgressTracker, last_event_times
 from kafold.errors import FatalError, KafoldError, RecordError, RetriableError
@@ -74,13 +74,6 @@ FETCH_QUEUE_BACKOFF_MS = 10
 # While a commit is awaited the loop polls in slices this short: its answer is served inside the poll, which does
 # not return for it, and a task waiting on the commit (at-most-once effects) is offered the next one right away.
 COMMIT_AWAIT_POLL_S = 0.005
-# A task that stores its own offsets and has caught up (an idle poll) has its group's offsets committed right away
-# (commits.py); its last write may still be in flight then, so until everything handled is committed the loop polls
-# in slices this short instead of batch_max_wait_ms: the group shows the end within tens of milliseconds of the
-# store, as lag monitors and a caught-up check read it. Only for CAUGHT_UP_WINDOW_S after it caught up: a store
-# that keeps failing (PostgreSQL down) is then asked on the timer again, not every few milliseconds.
-CAUGHT_UP_POLL_S = 0.02
-CAUGHT_UP_WINDOW_S = 1.0
 
 
 class _Abandoned(KafoldError):
@@ -208,7 +201,6 @@ class SinkRunner(LoopHandler):
         self.event_times: dict[TopicPartition, int] = {}  # event time (ms) of the last handled record
         self.tally = Tally()  # the runner's half of the offset accounting (daemon/accounting.py)
         self.api_paused = False  # paused through the REST API (applied between polls)
-        self.caught_up_at: float | None = None  # CLOCK_MONOTONIC of the first idle poll since the last batch
         self._pause_request: bool | None = None
         self.started = self.stopped = False
         self.loop = ConsumerLoop(self, stop=self.stop_event, max_records=daemon.batch_max_records,
@@ -277,7 +269,7 @@ class SinkRunner(LoopHandler):
         self._apply_seeks()
         if self.commits.in_flight is not None:  # its answer is served inside the poll (see COMMIT_AWAIT_POLL_S)
             return COMMIT_AWAIT_POLL_S
-        if self.dirty and self._just_caught_up():  # see CAUGHT_UP_POLL_S
+        if self.dirty and self.commits.just_caught_up(self.task):  # see commits.CAUGHT_UP_POLL_S
             return CAUGHT_UP_POLL_S
         if self.context.commit_requested and not self.task.stores_offsets:  # a commit waiting for its interval:
             wait = self.commits.next_flush - time.monotonic()
@@ -285,18 +277,8 @@ class SinkRunner(LoopHandler):
         return None
 
     def on_idle(self) -> None:
-        if self.caught_up_at is None:
-            self.caught_up_at = time.monotonic()
-        requested = self.context.commit_requested
-        # A task that stores its own offsets is committed as soon as it has caught up (commits.py), not on the timer.
-        if (((requested or self.dirty) and (self.commits.due() or self._just_caught_up()))
-                or (requested and self.task.stores_offsets)):
+        if self.commits.idle_due(self.task, self.dirty, self.context.commit_requested):
             self._commit(self.assigned)
-
-    def _just_caught_up(self) -> bool:
-        """A task that stores its own offsets, idle since less than CAUGHT_UP_WINDOW_S."""
-        return (self.task.stores_offsets and self.caught_up_at is not None
-                and time.monotonic() - self.caught_up_at < CAUGHT_UP_WINDOW_S)
 
     def after_poll(self) -> None:
         self._past_markers()
@@ -357,7 +339,7 @@ class SinkRunner(LoopHandler):
     def handle_batch(self, msgs: list[Message]) -> None:
         """One batch: decode, dead-letter, put, commit."""
         started = time.monotonic()
-        self.caught_up_at = None
+        self.commits.caught_up_at = None  # busy again
         intake = Intake(self.connector.name, self.task.handles, self.connector.settings.on_unknown_type,
                         self.upcaster, converter=self.converter, protector=self.task_config.protector)
         try:

@@ -12,8 +12,8 @@ from confluent_kafka import TopicPartition as KafkaTP
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig
 from kafold.connectors import registry
 from kafold.connectors.api import SinkTask, TopicPartition
-from kafold.daemon.commits import InFlight, Offered
-from kafold.daemon.runner import CAUGHT_UP_POLL_S, CAUGHT_UP_WINDOW_S, SinkRunner
+from kafold.daemon.commits import CAUGHT_UP_POLL_S, CAUGHT_UP_WINDOW_S, InFlight, Offered
+from kafold.daemon.runner import SinkRunner
 from tests.daemon.test_runner import RECORDING
 
 A, B = TopicPartition("t", 0), TopicPartition("t", 1)
@@ -113,6 +113,7 @@ def test_a_store_caught_up_is_offered_its_offsets_at_once_then_on_the_timer_agai
     runner.on_idle()  # the first idle poll since the last batch: caught up
     assert task.offered == [{A: 8}]
     assert runner.dirty and runner.before_poll() == CAUGHT_UP_POLL_S  # not all stored yet: asked again shortly
-    runner.caught_up_at = time.monotonic() - CAUGHT_UP_WINDOW_S  # idle for the whole window: a store still
-    runner.on_idle()                                             # failing is left to the timer
+    # idle for the whole window: a store still failing is left to the timer
+    runner.commits.caught_up_at = time.monotonic() - CAUGHT_UP_WINDOW_S
+    runner.on_idle()
     assert task.offered == [{A: 8}] and runner.before_poll() is None
