@@ -63,7 +63,7 @@ class WholePlan:
     rows: dict[Key, tuple[Any, ...]]
     first: dict[Key, int]
     folded: Folded
-    columns: list[Dumped] | None = None  # the upsert's arrays (its parameters but the namespace and the count),
+    columns: list[Any] | None = None  # the upsert's arrays (its parameters but the namespace and the count),
     int8: frozenset[str] = frozenset()  # and the columns sent as bigint[], when planned ahead
     todo: Candidates | None = None  # the candidates it was made of, when planned ahead
 
@@ -171,7 +171,7 @@ class WholeRows:
             return None
         return plan
 
-    def arrays(self, conn: psycopg.Connection[Any], plan: WholePlan) -> tuple[list[Dumped], frozenset[str]]:
+    def arrays(self, conn: psycopg.Connection[Any], plan: WholePlan) -> tuple[list[Any], frozenset[str]]:
         """The upsert's parameters but the namespace and the count, each array dumped: one per column, the keys, the
         versions; and the columns sent as bigint[]. Built directly (arrays.py) where every column is text or an
         integer type holding only such values, in a UTF-8 session; otherwise each value as COPY's text format has
@@ -186,6 +186,8 @@ class WholeRows:
         rows = [dict(zip(written, values, strict=True)) for values in plan.rows.values()]
         texts: list[Any] = self.table_rows.text_columns(conn, rows)
         columns = [*texts, [hold_text(k) for k in keys], [plan.first[k] for k in keys]]
+        if not keys:  # psycopg sends an empty list as text, of no type: adapted when the statement runs instead
+            return columns, frozenset()
         dumper = Transformer(conn)
         data = dumper.dump_sequence(columns, [PyFormat.BINARY] * len(columns))
         return [Dumped(bytes(d or b""), oid) for d, oid in zip(data, dumper.types or (), strict=True)], frozenset()
@@ -194,7 +196,7 @@ class WholeRows:
                 ) -> tuple[list[Dumped], frozenset[str]] | None:
         shape = self.table_rows.shape
         assert shape is not None and shape.written == self.mapping.written  # the table's columns, as checked
-        if conn.info.encoding != "utf-8" or not rows:
+        if conn.info.encoding != "utf-8":
             return None
         arrays: list[Dumped] = []
         int8: list[str] = []
