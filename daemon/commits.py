@@ -7,8 +7,10 @@ is sent (a commit is idempotent; the broker applies them in order). `committed`,
 itself dirty, so the same offsets are offered again at the next flush.
 
 For a task that stores its own offsets (`SinkTask.stores_offsets`: a projection, whose checkpoints are written in
-the same PostgreSQL transaction as its rows): a commit is made after a batch or on an idle poll only once
-`offset_flush_interval_ms` has passed since the last one, and always on revoke and stop. What it commits is what
+the same PostgreSQL transaction as its rows): a commit is made after a batch only once `offset_flush_interval_ms`
+has passed since the last one sent, and always on revoke and stop, and on an idle poll (the task has caught up:
+the group's offsets then follow its store at once instead of up to an interval later; the runner polls briefly
+until the last write's offsets are committed, see CAUGHT_UP_POLL_S). What it commits is what
 `pre_commit` returned — offsets already stored in the task's store, never those of a write still in flight — so the
 group's offset never passes the store; and the store, not the group, decides where a restart resumes (the task's
 `open` seeks every assigned partition to its stored offset). A group offset behind the store (up to one interval)
@@ -33,6 +35,13 @@ from kafold.connectors.api import SinkTask, TopicPartition
 # only after socket.timeout.ms (60 s), and a sync commit can wait forever (confluent-kafka-python#1801; seen here
 # once a paused broker came back: the runner sat in `commit` until the process ended).
 COMMIT_TIMEOUT_S = 10.0
+# A task that stores its own offsets and has caught up (an idle poll) has its group's offsets committed right away;
+# its last write may still be in flight then, so until everything handled is committed the runner polls in slices
+# this short instead of batch_max_wait_ms: the group shows the end within tens of milliseconds of the store, as lag
+# monitors and a caught-up check read it. Only for CAUGHT_UP_WINDOW_S after it caught up: a store that keeps
+# failing (PostgreSQL down) is then asked on the timer again, not every few milliseconds.
+CAUGHT_UP_POLL_S = 0.02
+CAUGHT_UP_WINDOW_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -64,11 +73,25 @@ class Commits:
         self.next_flush = 0.0  # CLOCK_MONOTONIC of the next timed commit
         self.committed: dict[TopicPartition, int] = {}  # what the broker confirmed
         self.in_flight: InFlight | None = None  # the asynchronous commit awaiting its answer
+        self.caught_up_at: float | None = None  # CLOCK_MONOTONIC of the first idle poll since the runner's last batch
 
     def due(self) -> bool:
         """Whether to commit after a batch or on an idle poll: once the task's `commit_interval_s` (0: always) has
         passed since the last commit, or for a task that stores its own offsets, `offset_flush_interval_ms`."""
         return time.monotonic() >= self.next_flush
+
+    def idle_due(self, task: SinkTask, dirty: bool, requested: bool) -> bool:
+        """Whether to commit on an idle poll (noted as caught up): a commit waiting for the timer, a task that asked
+        and stores its own offsets, or one that stores its own offsets and has just caught up (see the note)."""
+        if self.caught_up_at is None:
+            self.caught_up_at = time.monotonic()
+        return (((requested or dirty) and (self.due() or self.just_caught_up(task)))
+                or (requested and task.stores_offsets))
+
+    def just_caught_up(self, task: SinkTask) -> bool:
+        """A task that stores its own offsets, idle for less than CAUGHT_UP_WINDOW_S."""
+        return (task.stores_offsets and self.caught_up_at is not None
+                and time.monotonic() - self.caught_up_at < CAUGHT_UP_WINDOW_S)
 
     def put_off(self, wait: bool) -> bool:
         """True while an asynchronous commit awaits its answer (a flush waits for it), unless `wait` or it went
@@ -92,10 +115,14 @@ class Commits:
         offered = {tp: offer.positions[tp] for tp in partitions if tp in offer.positions}
         if not offered or not (offer.dirty or offer.requested):  # a task that completes work later asks explicitly
             return {}, False
-        self.next_flush = time.monotonic() + (self.flush_interval_s if task.stores_offsets
-                                              else task.commit_interval_s)
+        asked_at = time.monotonic()
         chosen = dict(task.pre_commit(offered))
         chosen = {tp: off for tp, off in chosen.items() if tp in offer.assigned and self.committed.get(tp) != off}
+        # The interval runs from a commit sent. A task that stores its own offsets and had nothing new stored yet
+        # (its first write still in flight) is asked again at the next batch, not an interval later: the group
+        # shows its first progress at once.
+        if chosen or not task.stores_offsets:
+            self.next_flush = asked_at + (self.flush_interval_s if task.stores_offsets else task.commit_interval_s)
         if chosen:
             offsets = [KafkaTP(tp.topic, tp.partition, off) for tp, off in chosen.items()]
             try:

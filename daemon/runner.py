@@ -53,7 +53,7 @@ from kafold.connectors.intake import Intake
 from kafold.consumer_loop import ConsumerLoop, LoopHandler
 from kafold.daemon import batch_decode
 from kafold.daemon.accounting import Account, Tally, accounts
-from kafold.daemon.commits import Commits, Offered
+from kafold.daemon.commits import CAUGHT_UP_POLL_S, Commits, Offered
 from kafold.daemon.liveness import STATS_INTERVAL_MS, GroupWatch
 from kafold.daemon.progress import BatchStats, PartitionProgress, ProgressTracker, last_event_times
 from kafold.errors import FatalError, KafoldError, RecordError, RetriableError
@@ -269,14 +269,15 @@ class SinkRunner(LoopHandler):
         self._apply_seeks()
         if self.commits.in_flight is not None:  # its answer is served inside the poll (see COMMIT_AWAIT_POLL_S)
             return COMMIT_AWAIT_POLL_S
+        if self.dirty and self.commits.just_caught_up(self.task):  # see commits.CAUGHT_UP_POLL_S
+            return CAUGHT_UP_POLL_S
         if self.context.commit_requested and not self.task.stores_offsets:  # a commit waiting for its interval:
             wait = self.commits.next_flush - time.monotonic()
             return max(0.0, min(wait, self.loop.wait_s))  # the idle poll ends then
         return None
 
     def on_idle(self) -> None:
-        requested = self.context.commit_requested
-        if ((requested or self.dirty) and self.commits.due()) or (requested and self.task.stores_offsets):
+        if self.commits.idle_due(self.task, self.dirty, self.context.commit_requested):
             self._commit(self.assigned)
 
     def after_poll(self) -> None:
@@ -338,6 +339,7 @@ class SinkRunner(LoopHandler):
     def handle_batch(self, msgs: list[Message]) -> None:
         """One batch: decode, dead-letter, put, commit."""
         started = time.monotonic()
+        self.commits.caught_up_at = None  # busy again
         intake = Intake(self.connector.name, self.task.handles, self.connector.settings.on_unknown_type,
                         self.upcaster, converter=self.converter, protector=self.task_config.protector)
         try:

@@ -108,7 +108,8 @@ class DaemonConfig:
     offset_flush_interval_ms: int = setting(5000, doc="How often a sink task that stores its own offsets (a "
                                             "projection: in PostgreSQL, with its rows) has them committed to the "
                                             "Kafka consumer group too, as Kafka Connect's offset.flush.interval.ms "
-                                            "(also on revoke and stop). That commit only follows the task's store, "
+                                            "(also on revoke and stop, and as soon as the task has caught up: an "
+                                            "idle poll). That commit only follows the task's store, "
                                             "which decides where a restart resumes. 0 = after every batch.",
                                             minimum=0)
     shutdown_grace_s: float = setting(10.0, doc="Time SIGTERM gives in-flight batches to finish.", minimum=0)

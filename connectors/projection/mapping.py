@@ -10,6 +10,7 @@ it).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
@@ -107,6 +108,16 @@ class Mapping:
         whole = [] if mapper is not None else config.on
         self.whole_types = frozenset(rule.type for rule in whole
                                      if rule.action == "upsert" and not rule.increment and rest <= set(rule.set))
+        # Per whole type: its rule's readers, and where each written column (`written`) takes its value from in the
+        # list `whole_row` makes of what they read, then the key, then the version (a key column from the key).
+        self.written = (*self.columns, VERSION_COLUMN)
+        self._whole: dict[str, tuple[list[Source], Callable[[list[Any]], tuple[Any, ...]]]] = {}
+        for name in self.whole_types:
+            sets = self._rules[name][1]
+            at = {c: i for i, (c, _) in enumerate(sets)}
+            at.update({c: len(sets) + i for i, c in enumerate(self.key_columns)})
+            at[VERSION_COLUMN] = len(sets) + len(self.key_columns)
+            self._whole[name] = ([read for _, read in sets], operator.itemgetter(*(at[c] for c in self.written)))
 
     def handles(self, event_type: str) -> bool:
         # a truncate the converter was told to apply is never skipped as an unknown type
@@ -159,19 +170,21 @@ class Mapping:
         new[VERSION_COLUMN] = event.version
         return new
 
-    def whole_row(self, event: Event, key: tuple[Any, ...]) -> Row | None:
-        """The row `event` makes by itself when its type's rule sets every column (`whole_types`); None when it
-        needs the stored row after all (a value UNAVAILABLE keeps the stored one). MappingError as in `apply`."""
-        _, sets, _ = self._rules[event.type]
-        new: Row = {}
-        for column, read in sets:
+    def whole_row(self, event: Event, key: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """The row `event` makes by itself when its type's rule sets every column (`whole_types`), as its values in
+        the order of `written` (the version last: a batch's arrays are these rows' columns, whole_rows.py); None
+        when it needs the stored row after all (a value UNAVAILABLE keeps the stored one). MappingError as in
+        `apply`, which makes the same row as a dict."""
+        reads, order = self._whole[event.type]
+        values = []
+        for read in reads:
             value = read(event)
             if value.__class__ is str and value == UNAVAILABLE:
                 return None
-            new[column] = value
-        new.update(zip(self.key_columns, key, strict=True))
-        new[VERSION_COLUMN] = event.version
-        return new
+            values.append(value)
+        values.extend(key)
+        values.append(event.version)
+        return order(values)
 
     def _apply_mapper(self, row: Row | None, event: Event, key: tuple[Any, ...]) -> Row | _Unchanged | None:
         assert self._mapper is not None

@@ -152,14 +152,24 @@ def upsert_rows(shape: TableShape, guard: bool) -> sql.Composed:
         shape.name, ids(shape.written), values, arrays, ids(shape.written), ids(shape.keys), action)
 
 
-def upsert_whole_rows(shape: TableShape, tombstones: sql.Composed) -> sql.Composed:
+def base_type(pg_type: str) -> str:
+    """A column's type from the catalog without its modifier (`character varying(20)` -> `character varying`)."""
+    return _TYPMOD.sub("", pg_type)
+
+
+def upsert_whole_rows(shape: TableShape, tombstones: sql.Composed, int8: frozenset[str] = frozenset()
+                      ) -> sql.Composed:
     """`upsert_rows` (guarded) for rows made whole by their batch's events (whole_rows.py), failing (`redo`) unless
     every event behind them is new: two arrays more (each row key as its tombstone stores it, and the version of the
-    batch's first event of the key), then the tombstones' namespace and the number of rows. A row is written only
-    when its stored version is below the new one and no tombstone of its key is at or above the first event's;
+    batch's first event of the key), then the tombstones' namespace (twice) and the number of rows. A row is written
+    only when its stored version is below the new one and no tombstone of its key is at or above the first event's;
     and no stored row may be at or above a first event's version that is below its row's (a key with several
     events: their versions rise, checked in Python). The final SELECT reads the table as the statement began (a
-    data-modifying WITH does not see its own changes): the versions before this upsert."""
+    data-modifying WITH does not see its own changes): the versions before this upsert. The columns in `int8` come
+    as bigint[] arrays (arrays.py), the others as text[]: each value is cast to its column's type. The namespace
+    is given twice: a namespace without any tombstone (one probe, an InitPlan run once per statement) skips the
+    probe per row (~0.7 µs a row in the server, docs/benchmarks.md); both read the statement's one snapshot, so
+    the outcome is the per-row check's."""
     assert shape.version_column
     v = sql.Identifier(shape.version_column)
     written, extra = shape.written, ("kafold_row_key_text", "kafold_first_version")
@@ -169,13 +179,15 @@ def upsert_whole_rows(shape: TableShape, tombstones: sql.Composed) -> sql.Compos
                               for c in rest) if rest else sql.SQL("{} = EXCLUDED.{}").format(v, v)
     base = {c: sql.SQL(_TYPMOD.sub("", t)) for c, t in shape.types.items()}  # from the catalog, as `cast`
     values = sql.SQL(", ").join(sql.SQL("x.{}::{}").format(sql.Identifier(c), base[c]) for c in written)
-    arrays = sql.SQL(", ").join([*(sql.SQL("%b::text[]") for _ in written), sql.SQL("%b::text[]"),
+    arrays = sql.SQL(", ").join([*(sql.SQL("%b::bigint[]" if c in int8 else "%b::text[]") for c in written),
+                                 sql.SQL("%b::text[]"),
                                  sql.SQL("%b::bigint[]")])
     on = sql.SQL(" AND ").join(sql.SQL("t.{} = x.{}::{}").format(sql.Identifier(k), sql.Identifier(k), base[k])
                                for k in shape.keys)
     return sql.SQL(
         "WITH x AS MATERIALIZED (SELECT * FROM unnest({arrays}) AS x({names})), "
-        "w AS (INSERT INTO {table} AS t ({cols}) SELECT {values} FROM x WHERE NOT EXISTS (SELECT 1 FROM {tombs} g "
+        "w AS (INSERT INTO {table} AS t ({cols}) SELECT {values} FROM x WHERE NOT EXISTS (SELECT 1 FROM {tombs} g0 "
+        "WHERE g0.namespace = %s) OR NOT EXISTS (SELECT 1 FROM {tombs} g "
         "WHERE g.namespace = %s AND g.row_key = x.{rk} AND g.version >= x.{first}) "
         "ON CONFLICT ({keys}) DO UPDATE SET {sets} WHERE t.{v} < EXCLUDED.{v} RETURNING 1) "
         "SELECT CASE WHEN (SELECT count(*) FROM w) = %s AND NOT EXISTS (SELECT 1 FROM x JOIN {table} t ON {on} "

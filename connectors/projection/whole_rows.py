@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import psycopg
@@ -41,24 +42,29 @@ from psycopg.adapt import Dumper, PyFormat, Transformer
 
 from kafold.connectors.api import SinkRecord
 from kafold.connectors.projection import sql as q
-from kafold.connectors.projection.config import VERSION_COLUMN
+from kafold.connectors.projection.arrays import INT8_ARRAY_OID, TEXT_ARRAY_OID, int8_array, text_array
 from kafold.connectors.projection.fold import Candidates, Folded, Prepared, candidates
 from kafold.connectors.projection.held_keys import hold_text
-from kafold.connectors.projection.mapping import Mapping, MappingError, Row
+from kafold.connectors.projection.mapping import Mapping, MappingError
 from kafold.connectors.projection.snapshot_sweep import ends_snapshot
 from kafold.connectors.projection.table_rows import TableRows
 
 Key = tuple[Any, ...]
+# Column types whose values the arrays are built for directly (arrays.py), by the type without its modifier.
+_TEXT_TYPES = frozenset({"text", "character varying"})
+_INT_TYPES = frozenset({"bigint", "integer", "smallint"})
 
 
 @dataclass
 class WholePlan:
-    """A batch collapsed: the last row of each key, the version of its first event, and the batch as folded."""
+    """A batch collapsed: the last row of each key (its values in the order of `Mapping.written`), the version of its
+    first event, and the batch as folded."""
 
-    rows: dict[Key, Row]
+    rows: dict[Key, tuple[Any, ...]]
     first: dict[Key, int]
     folded: Folded
-    columns: list[Any] | None = None  # the upsert's parameters but the namespace and the count, when planned ahead
+    columns: list[Any] | None = None  # the upsert's arrays (its parameters but the namespace and the count),
+    int8: frozenset[str] = frozenset()  # and the columns sent as bigint[], when planned ahead
     todo: Candidates | None = None  # the candidates it was made of, when planned ahead
 
 
@@ -118,7 +124,7 @@ class WholeRows:
         if ahead is not None:
             return ahead
         whole_types, whole_row, record_keys = self.mapping.whole_types, self.mapping.whole_row, todo.record_keys
-        rows: dict[Key, Row] = {}
+        rows: dict[Key, tuple[Any, ...]] = {}
         first: dict[Key, int] = {}
         applied: dict[tuple[str, int], int] = {}
         for r in todo.first.values():
@@ -135,7 +141,7 @@ class WholeRows:
             was = rows.get(key)
             if was is None:
                 first[key] = event.version
-            elif event.version <= was[VERSION_COLUMN]:  # not rising along the batch: the fold decides
+            elif event.version <= was[-1]:  # the version, last: not rising along the batch, the fold decides
                 return None
             rows[key] = row
             tp = (r.topic, r.partition)
@@ -159,25 +165,60 @@ class WholeRows:
         try:
             plan = self.plan(todo)
             if plan is not None:
-                columns = self.columns(conn, plan)
-                texts = Transformer(conn)
-                data = texts.dump_sequence(columns, [PyFormat.BINARY] * len(columns))
-                plan.columns = [Dumped(bytes(d or b""), oid) for d, oid in zip(data, texts.types or (), strict=True)]
+                plan.columns, plan.int8 = self.arrays(conn, plan)
                 plan.todo = todo
         except psycopg.Error:  # the session closed under it (the writer reconnects): the write plans itself
             return None
         return plan
 
-    def columns(self, conn: psycopg.Connection[Any], plan: WholePlan) -> list[Any]:
-        """The upsert's parameters but the namespace and the count: one array per column, the keys, the versions."""
-        keys = list(plan.rows)
-        columns: list[Any] = self.table_rows.text_columns(conn, list(plan.rows.values()))
-        return [*columns, [hold_text(k) for k in keys], [plan.first[k] for k in keys]]
+    def arrays(self, conn: psycopg.Connection[Any], plan: WholePlan) -> tuple[list[Any], frozenset[str]]:
+        """The upsert's parameters but the namespace and the count, each array dumped: one per column, the keys, the
+        versions; and the columns sent as bigint[]. Built directly (arrays.py) where every column is text or an
+        integer type holding only such values, in a UTF-8 session; otherwise each value as COPY's text format has
+        it (TableRows.text_columns, psycopg's dumpers), in text arrays."""
+        keys, written = list(plan.rows), self.mapping.written
+        direct = self._direct(conn, list(plan.rows.values()))
+        if direct is not None:
+            arrays, int8 = direct
+            key_texts, firsts = text_array([hold_text(k) for k in keys]), int8_array([plan.first[k] for k in keys])
+            if key_texts is not None and firsts is not None:
+                return [*arrays, Dumped(key_texts, TEXT_ARRAY_OID), Dumped(firsts, INT8_ARRAY_OID)], int8
+        rows = [dict(zip(written, values, strict=True)) for values in plan.rows.values()]
+        texts: list[Any] = self.table_rows.text_columns(conn, rows)
+        columns = [*texts, [hold_text(k) for k in keys], [plan.first[k] for k in keys]]
+        if not keys:  # psycopg sends an empty list as text, of no type: adapted when the statement runs instead
+            return columns, frozenset()
+        dumper = Transformer(conn)
+        data = dumper.dump_sequence(columns, [PyFormat.BINARY] * len(columns))
+        return [Dumped(bytes(d or b""), oid) for d, oid in zip(data, dumper.types or (), strict=True)], frozenset()
+
+    def _direct(self, conn: psycopg.Connection[Any], rows: list[tuple[Any, ...]]
+                ) -> tuple[list[Dumped], frozenset[str]] | None:
+        shape = self.table_rows.shape
+        assert shape is not None and shape.written == self.mapping.written  # the table's columns, as checked
+        if conn.info.encoding != "utf-8":
+            return None
+        arrays: list[Dumped] = []
+        int8: list[str] = []
+        for i, column in enumerate(shape.written):
+            kind = q.base_type(shape.types[column])
+            values = list(map(itemgetter(i), rows))
+            if kind in _INT_TYPES:
+                data, oid = int8_array(values), INT8_ARRAY_OID
+                int8.append(column)
+            elif kind in _TEXT_TYPES:
+                data, oid = text_array(values), TEXT_ARRAY_OID
+            else:
+                return None
+            if data is None:
+                return None
+            arrays.append(Dumped(data, oid))
+        return arrays, frozenset(int8)
 
     def upsert(self, conn: psycopg.Connection[Any], plan: WholePlan) -> None:
         """Queue the plan's one statement (pipelined); it fails unless every event of the batch applies."""
         shape = self.table_rows.shape
         assert shape is not None
-        columns = plan.columns if plan.columns is not None else self.columns(conn, plan)
-        conn.execute(q.upsert_whole_rows(shape, self.table_rows.tombstones),
-                     (*columns, self.namespace, len(plan.rows)))
+        columns, int8 = (plan.columns, plan.int8) if plan.columns is not None else self.arrays(conn, plan)
+        conn.execute(q.upsert_whole_rows(shape, self.table_rows.tombstones, int8),
+                     (*columns, self.namespace, self.namespace, len(plan.rows)))

@@ -68,6 +68,7 @@ import orjson
 
 from kafold import logs
 from kafold.config import AggregateConfig, DaemonConfig
+from kafold.daemon.aggregates.mapped import MappedPages
 from kafold.daemon.aggregates.store import Entry, StateStore
 from kafold.daemon.aggregates.window import Remembered, accepted, event_ids, rejected, unpack
 from kafold.domain import AggregateDomain
@@ -144,6 +145,7 @@ class LocalStates:
         self.results_held: set[int] = set()
         self.damaged: dict[int, str] = {}  # partition -> why it is distrusted (a record failed its checksum on read)
         self.reads = self.writes = 0
+        self.mapped = MappedPages()  # the files' pages the process keeps mapped, bounded (mapped.py)
 
     def path(self, partition: int) -> Path:
         return self.root / str(partition)
@@ -192,6 +194,7 @@ class LocalStates:
                      results_tail=None if results is None or results_stable is None else results_stable - results)
         assert env is not None
         self.envs[partition] = env
+        self.mapped.opened(partition, path / "data.mdb")
         return None if offset is None else Trusted(offset, results)
 
     def _env(self, path: Path) -> lmdb.Environment:
@@ -219,6 +222,7 @@ class LocalStates:
 
     def close(self, partition: int) -> None:
         """The partition was released (revoked, or re-opened): its files stay, for a later assignment here."""
+        self.mapped.closing(partition)  # before the map goes: it is never advised after its close
         env = self.envs.pop(partition, None)
         self.filling.discard(partition)
         self.results_held.discard(partition)
@@ -237,7 +241,9 @@ class LocalStates:
         if env is None:
             return None
         with env.begin() as txn:
-            return self._entry(txn, partition, aggregate_id)
+            found = self._entry(txn, partition, aggregate_id)
+        self.mapped.touch(partition, 1)
+        return found
 
     def _entry(self, txn: Any, partition: int, aggregate_id: str) -> Entry | None:
         value = self._value(partition, txn, STATE + aggregate_id.encode())
@@ -254,7 +260,9 @@ class LocalStates:
         if env is None:
             return None
         with env.begin() as txn:
-            return self._outcome(txn, partition, aggregate_id, command_id)
+            found = self._outcome(txn, partition, aggregate_id, command_id)
+        self.mapped.touch(partition, 1)
+        return found
 
     def _outcome(self, txn: Any, partition: int, aggregate_id: str, command_id: str) -> Remembered | None:
         value = self._value(partition, txn, _outcome_key(aggregate_id, command_id))
@@ -307,6 +315,7 @@ class LocalStates:
         `commands`: (partition, aggregate id, command id) of each command of the batch. One read transaction per
         partition for the whole batch (a transaction per key cost as much as the lookup itself)."""
         readers: dict[int, Any] = {}
+        looked: dict[int, int] = {}
         try:
             for n, aid, cid in commands:
                 txn = readers.get(n)
@@ -315,6 +324,7 @@ class LocalStates:
                     if env is None:  # not open here: nothing to read back (as `load` answers)
                         continue
                     txn = readers[n] = env.begin()
+                looked[n] = looked.get(n, 0) + 1
                 entry = store.get(aid)
                 if entry is None:
                     entry = self._entry(txn, n, aid)
@@ -334,6 +344,8 @@ class LocalStates:
         finally:
             for txn in readers.values():
                 txn.abort()
+            for n, count in looked.items():
+                self.mapped.touch(n, count)
 
     # ---- writes -------------------------------------------------------------------------------------------------
     def write_batch(self, store: StateStore, decided: Mapping[str, list[str]], ends: Mapping[tuple[str, int], int],
@@ -400,25 +412,31 @@ class LocalStates:
         if partition in self.damaged:  # its meta record was deleted: writing one again would trust it again
             raise FatalError(self.damaged[partition])
         try:
-            self._write_txn(env, entries, outcomes, offset, cutoff, results)
+            written = self._write_txn(env, entries, outcomes, offset, cutoff, results)
         except lmdb.Error as e:  # disk full, a failing disk: the store lags from here; a restart replays the tail
             raise FatalError(f"local state store {self.path(partition)}: cannot write: {e}") from e
+        self.mapped.touch(partition, written)
 
     def _write_txn(self, env: lmdb.Environment, entries: Iterable[tuple[str, Entry]],
                    outcomes: list[tuple[str, str, Remembered]] | None, offset: int | None, cutoff: int | None,
-                   results: int | None) -> None:
+                   results: int | None) -> int:
+        """One LMDB transaction; the records it wrote."""
         dumps, to_json, put_outcome = orjson.dumps, self.domain.state_to_json, self._put_outcome
+        written = 0
         with env.begin(write=True) as txn:
             put = txn.put
             for aid, entry in entries:
+                written += 1
                 if entry.version > 0:  # a key known only from rejections has no state to keep, only outcomes
                     put(STATE + aid.encode(), _sealed(dumps([entry.version, to_json(entry.state)])))
                     self.writes += 1
                 if outcomes is None:  # a seal or a spill: the whole window the entry holds
                     for cid, o in entry.recent.items():
                         put_outcome(put, aid, cid, o)
+                        written += 1
             for aid, cid, o in outcomes or ():
                 put_outcome(put, aid, cid, o)
+                written += 1
             if offset is not None or results is not None:  # the offsets, with the records they cover
                 meta = self._meta(txn)
                 if offset is not None:
@@ -428,7 +446,8 @@ class LocalStates:
                 if "offset" in meta:  # never a meta without the events offset (read as unreadable)
                     put(META, _sealed(dumps({**meta, **self.identity})))
             if cutoff is not None:
-                self._sweep(txn, cutoff)
+                written += self._sweep(txn, cutoff)
+        return written
 
     def _meta(self, txn: Any) -> dict[str, Any]:
         value = txn.get(META)
@@ -440,11 +459,12 @@ class LocalStates:
         put(OUTCOME + ident, _sealed(orjson.dumps([t, after, n, reason])))
         put(EXPIRY + t.to_bytes(8, "big") + ident, _EMPTY)
 
-    def _sweep(self, txn: Any, cutoff: int) -> None:
-        """Delete the window outcomes decided before `cutoff` (by command time), oldest first, at most SWEEP_MAX."""
+    def _sweep(self, txn: Any, cutoff: int) -> int:
+        """Delete the window outcomes decided before `cutoff` (by command time), oldest first, at most SWEEP_MAX;
+        the expiry entries deleted."""
         cursor, n = txn.cursor(), 0
         if not cursor.set_range(EXPIRY):
-            return
+            return 0
         while n < SWEEP_MAX:
             key = cursor.key()
             if not key.startswith(EXPIRY) or int.from_bytes(key[1:9], "big") >= cutoff:
@@ -457,4 +477,4 @@ class LocalStates:
             if not cursor.delete():  # moves to the next record
                 break
             n += 1
-
+        return n

@@ -57,6 +57,7 @@ from kafold.daemon.aggregates.catchup import CatchUp, restore_base
 from kafold.daemon.aggregates.decide import Decider, Undo, decode
 from kafold.daemon.aggregates.forgetting import Forgetting
 from kafold.daemon.aggregates.gate import PartitionGate
+from kafold.daemon.aggregates.heap import HeapTrim
 from kafold.daemon.aggregates.local import LocalStates, local_states
 from kafold.daemon.aggregates.store import StateStore
 from kafold.daemon.aggregates.txn import ProducerBroken, TransactionalWriter
@@ -73,7 +74,12 @@ T = TypeVar("T")
 
 ASSIGN_RETRY_S = 120.0  # well under the default rebalance timeout (max.poll.interval.ms, 300 s)
 START_RETRY_S = 120.0  # a broker's restart or a controller election, several times over
-COMMAND_PREFETCH_KBYTES = 16384  # ~50k queued commands: 25 batches of 2,000 ahead, a small part of the 64 MB default
+HOLD_POLL_S = 0.05  # while deciding is held (decide_after), between two polls
+# librdkafka's prefetch queue of commands: ~12k commands, 6 batches of 2,000 ahead (its default, 64 MB, held a backlog
+# in each worker's memory; 16 MB kept ~50k, for no throughput measured: docs/benchmarks.md, issue 56)
+COMMAND_PREFETCH_KBYTES = 4096
+COMMAND_FETCH_KBYTES = 1024  # per partition per fetch (max.partition.fetch.bytes): a fetch response is held whole
+# until the last of its messages is freed, so it counts on top of the queue
 
 
 def dlq_topic(agg: AggregateConfig) -> str:
@@ -85,8 +91,17 @@ class AggregateRuntime(LoopHandler):
 
     def __init__(self, kafka: KafkaConfig, daemon: DaemonConfig, agg: AggregateConfig, domain: AggregateDomain,
                  *, instance_id: str, restorer: recovery.Restorer | None = None,
-                 stop: threading.Event | None = None, consumer_extra: dict[str, Any] | None = None) -> None:
+                 stop: threading.Event | None = None, consumer_extra: dict[str, Any] | None = None,
+                 before_join: Callable[[], None] | None = None, decide_after: threading.Event | None = None,
+                 after_batch: Callable[[], None] | None = None) -> None:
         self.kafka, self.daemon, self.agg, self.domain = kafka, daemon, agg, domain
+        # Called once the runtime is built (topics, producer, consumer), right before it joins the group: a worker
+        # process of one daemon waits there for its siblings (workers.py), so they join in one rebalance
+        self.before_join = before_join
+        # Set: commands may be decided. Unset, every batch fetched is sought back as a recovering partition's is: a
+        # worker process holds off until each of its siblings has its first assignment (workers.py)
+        self.decide_after = decide_after
+        self.after_batch = after_batch  # called after each committed batch (a worker process reports its counts)
         self.restorer = restorer or recovery.FullReplay()
         self.stop_event = stop or threading.Event()
         self.group_id = f"{daemon.group_prefix}.aggregate.{agg.name}"
@@ -100,6 +115,7 @@ class AggregateRuntime(LoopHandler):
         self.store = StateStore(agg.cache_max_aggregates, window, self.local)
         self.store.window.on_disk = self.local is not None
         self.store.window.keep = self.local.keep if self.local is not None else None
+        self.heap = HeapTrim()  # freed native memory back to the OS between batches (heap.py)
         self.gates: dict[int, PartitionGate] = {}  # read by the daemon (status, metrics, reads) and the tests
         # Per partition, the commands offset below which everything is decided and committed (the group's
         # committed offset when the gate opened, then each committed transaction's): a record below it fetched
@@ -253,7 +269,7 @@ class AggregateRuntime(LoopHandler):
                                      lambda: TransactionalWriter(self.kafka, self.transactional_id), START_RETRY_S)
         self.reader = recovery.reader(self.kafka, self.agg.name)
         extra = {"isolation.level": "read_committed", "enable.auto.offset.store": False,
-                 "fetch.wait.max.ms": 50, "max.partition.fetch.bytes": 8 * 1024 * 1024,
+                 "fetch.wait.max.ms": 50, "max.partition.fetch.bytes": COMMAND_FETCH_KBYTES * 1024,
                  # librdkafka's prefetch queue (its default, 64 MB, held a backlog of queued commands in each
                  # worker's memory): a few batches ahead of the loop, refilled every 10 ms (as daemon/runner.py's)
                  "queued.max.messages.kbytes": COMMAND_PREFETCH_KBYTES, "fetch.queue.backoff.ms": 10,
@@ -263,6 +279,8 @@ class AggregateRuntime(LoopHandler):
                                                        self.group_id, routing.InstanceKey.of(self.daemon)),
                  **self.consumer_extra}
         self.consumer = kafka_clients.consumer(self.kafka, self.group_id, **extra)
+        if self.before_join is not None:
+            self.before_join()
         # A lost partition is released as a revoked one: its transaction's offsets were committed with it or not.
         self.loop.subscribe([self.topics["commands"]], self._on_assign, self._on_revoke, self._on_revoke)
         protector = self.domain.protector
@@ -307,14 +325,15 @@ class AggregateRuntime(LoopHandler):
         live: list[Any] = []
         rewind: dict[int, int] = {}
         refetched: dict[int, list[int]] = {}
+        held = self.decide_after is not None and not self.decide_after.is_set()
         for m in msgs:
             if m.error() is not None:
                 self.loop.consumer_error(m.error())  # a fatal one ends the run before anything is decided
                 continue
             n = m.partition()
             gate = self.gates.get(n)
-            if gate is None or not gate.may_decide():
-                rewind.setdefault(n, m.offset())  # fetched before the pause: read it again later
+            if held or gate is None or not gate.may_decide():
+                rewind.setdefault(n, m.offset())  # fetched before the pause (or while held): read it again later
             elif m.offset() < self.positions.get(n, 0):
                 refetched.setdefault(n, []).append(m.offset())
             else:
@@ -328,6 +347,8 @@ class AggregateRuntime(LoopHandler):
             self.counts["refetched"] += len(skipped)
             self.log.warning("aggregate.refetched_skipped", partition=n, first=skipped[0], last=skipped[-1],
                              records=len(skipped), position=self.positions[n])
+        if held and self.decide_after is not None:
+            self.decide_after.wait(HOLD_POLL_S)  # not a busy loop of fetches sought back
         if not live:
             return
         decoded = [decode(m) for m in live]
@@ -368,6 +389,7 @@ class AggregateRuntime(LoopHandler):
             self.local.write_batch(self.store, {aid: cids for aid, (_, cids) in undo.items()}, self.writer.ends,
                                    self.topics["events"], self.writer.result_ends, self.topics["results"])
         self.store.trim()
+        self.heap.after_batch()
         self.counts["batches"] += 1
         self.counts["commands"] += len(live)
         for k, v in tally.items():
@@ -375,6 +397,8 @@ class AggregateRuntime(LoopHandler):
         self.log.info("aggregate.batch", commands=len(live), **tally, partitions=sorted(last),
                       duration_ms=round((time.monotonic() - started) * 1000, 1),
                       commit_ms=round((time.monotonic() - decided) * 1000, 1))
+        if self.after_batch is not None:
+            self.after_batch()
 
     def _reload_missing(self, msgs: list[Message]) -> None:
         """Rebuild evicted aggregates of this batch from Kafka before deciding on them."""

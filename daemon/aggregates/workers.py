@@ -4,8 +4,11 @@ Each worker is a child interpreter (started as the sink task processes are: daem
 runs a whole `AggregateRuntime` in the aggregate's one consumer group, so the commands partitions split between the
 workers exactly as between daemons, each with its catch-up gates and its local state stores (`state_dir`: one
 folder per partition, so a partition moving to another worker of the host opens the store its last owner sealed).
-The parent keeps `AggregateWorkers`, the view the daemon reads (gates, counts, readiness, figures) and the reads it
-serves (`get`: asked of the worker that holds the partition, over the pipe).
+Started together, the workers join the group together (each waits, built, for the others: `_joins`) and decide
+only once each has had its first assignment (`_merge`), so no partition is decided by one right after the start and
+moved to another at once (its new owner would replay it). The parent keeps `AggregateWorkers`, the view the daemon
+reads (gates, counts, readiness, figures: reported after every batch and at least every STATUS_INTERVAL_S) and
+the reads it serves (`get`: asked of the worker that holds the partition, over the pipe).
 
 Offsets and commits: nothing moves across the pipe but status and reads. Each worker commits its batches in its
 own transactions, with its own transactional id (worker 0: the instance's, so going from one process to several
@@ -39,6 +42,8 @@ from kafold.partitioning import partition_for
 
 log = logs.get(__name__)
 
+JOIN_WAIT_S = 30.0  # a worker built waits this long at most for its siblings before it joins the group alone
+HOLD_MAX_S = 10.0  # a worker joined decides after this long at most, whether each sibling has joined or not
 READ_TIMEOUT_S = 10.0  # a read asked of a worker that does not answer in this time is answered "unknown here"
 RESTART_DELAY_S = 1.0  # before a dead worker is started again
 
@@ -73,13 +78,17 @@ class WorkerReport:
     counts: dict[str, int] = field(default_factory=dict)
     figures: dict[str, float] = field(default_factory=dict)
     ready: bool = False
+    joined: bool = False  # had its first assignment (perhaps an empty one)
 
 
 class Worker:
     """One worker process, followed by a thread of the parent; started again when it dies without a last report."""
 
-    def __init__(self, index: int, spec: WorkerSpec, on_report: Any) -> None:
-        self.index, self.spec, self.on_report = index, spec, on_report
+    def __init__(self, index: int, spec: WorkerSpec, on_report: Any, on_joining: Any) -> None:
+        self.index, self.spec, self.on_report, self.on_joining = index, spec, on_report, on_joining
+        # at the join barrier (built, waiting to join the group); joined: let through it (AggregateWorkers._joins)
+        self.waiting = self.joined = False
+        self.deciding = False  # told it may decide (AggregateWorkers._merge)
         self.report = WorkerReport()
         self.counted: dict[str, int] = {}  # counts of the worker's earlier processes (a counter never goes back)
         self.restarts = 0
@@ -146,7 +155,7 @@ class Worker:
         with self.lock:
             self.conn = conn
         self.alive = True
-        self.report_seen = False
+        self.report_seen = self.waiting = self.joined = self.deciding = False
         if self.stopping.is_set():
             self.send(("stop",))
         log.info("aggregate.worker_started", aggregate=self.spec.agg.name, worker=self.index, pid=self.pid,
@@ -162,7 +171,7 @@ class Worker:
                     log.error("aggregate.worker_message_unreadable", aggregate=self.spec.agg.name, worker=self.index,
                               error_class=type(e).__name__, error=str(e))
                     continue
-                final = self._apply(message) or final
+                final = self.apply(message) or final
         finally:
             process.wait()
             with self.lock:
@@ -174,14 +183,21 @@ class Worker:
                     future.set_result(None)
         return final
 
-    def _apply(self, message: dict[str, Any]) -> bool:
+    def apply(self, message: dict[str, Any]) -> bool:
+        """A message of the worker process: its arrival at the join barrier, a read's answer, or a report (True: its
+        last one)."""
+        if "joining" in message:
+            self.waiting = True
+            self.on_joining()
+            return False
         if "reply" in message:
             future = self.asked.get(message["reply"])
             if future is not None and not future.done():
                 future.set_result(message["got"])
             return False
         self.report_seen = True
-        self.report = WorkerReport(message["gates"], message["counts"], message["figures"], message["ready"])
+        self.report = WorkerReport(message["gates"], message["counts"], message["figures"], message["ready"],
+                                   message.get("joined", False))
         if message.get("error") is not None:
             self.error = FatalError(f"aggregate worker {self.index} (pid {self.pid}) failed: {message['error']}")
         self.on_report(self)
@@ -209,7 +225,7 @@ class AggregateWorkers:
         self.stop_event = threading.Event()
         self.error: BaseException | None = None
         self.workers = [Worker(k, WorkerSpec(kafka, daemon, agg, base, worker_instance_id(instance_id, k),
-                                             logs.current(), tracing_config, protected), self._merge)
+                                             logs.current(), tracing_config, protected), self._merge, self._joins)
                         for k in range(daemon.aggregate_processes)]
 
     # ---- the view ----------------------------------------------------------------------------------------
@@ -275,9 +291,31 @@ class AggregateWorkers:
             for w in self.workers:
                 w.thread.join(max(0.0, grace - time.monotonic()))
 
-    def _merge(self, worker: Worker) -> None:
-        """A worker's report into the merged gates: its partitions' gates, the ones it gave up removed."""
+    def _joins(self) -> None:
+        """Let the workers waiting at the join barrier into the group once every worker is built (waiting, or
+        through already: a worker started again joins at once). Started together, they then join in one rebalance:
+        otherwise the first one built takes every partition and decides on them until the next one's join moves
+        half of them away, whose new owner replays what was just decided (with group.initial.rebalance.delay.ms 0;
+        Kafka's default 3 s delay hides it, but only within those 3 s)."""
         with self.lock:
+            if not all(w.waiting or w.joined for w in self.workers):
+                return
+            for w in self.workers:
+                if w.waiting:
+                    w.waiting, w.joined = False, True
+                    w.send(("join",))
+
+    def _merge(self, worker: Worker) -> None:
+        """A worker's report into the merged gates: its partitions' gates, the ones it gave up removed. Once every
+        worker has had its first assignment, each is told it may decide: until then a worker decides nothing, so the
+        first one joined does not decide on partitions the next one's join takes away at once (their new owner would
+        replay what was just decided, the group paused meanwhile; seen with group.initial.rebalance.delay.ms 0,
+        where the first member's generation completes before its sibling's JoinGroup arrives)."""
+        with self.lock:
+            if all(w.report.joined for w in self.workers):
+                for w in self.workers:
+                    if not w.deciding and w.send(("decide",)):
+                        w.deciding = True
             held = {g.partition: g for g in worker.report.gates}
             for n, owner in list(self.owners.items()):
                 if owner is worker and n not in held:
@@ -299,19 +337,34 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
         tracing.configure(spec.tracing)
     protector = protect.build_setup(spec.protect) if spec.protect is not None else None
     domain = AggregateDomain.load(spec.agg, spec.daemon.python_path, spec.base).protected(protector)
-    runtime = AggregateRuntime(spec.kafka, spec.daemon, spec.agg, domain, instance_id=spec.instance_id,
-                               restorer=SnapshotRestorer(spec.kafka, spec.agg, domain),
-                               consumer_extra=spec.consumer_extra)
     send_lock = threading.Lock()
+    join, decide = threading.Event(), threading.Event()
 
     def send(message: dict[str, Any]) -> None:
         with send_lock:
             conn.send(message)
 
+    def before_join() -> None:
+        """The join barrier (AggregateWorkers._joins): built; wait for the parent's word, a stop, or JOIN_WAIT_S."""
+        send({"joining": True})
+        deadline = time.monotonic() + JOIN_WAIT_S
+        while not join.wait(0.05) and not runtime.stop_event.is_set():
+            if time.monotonic() > deadline:
+                log.warning("aggregate.worker_joining_alone", aggregate=spec.agg.name, waited_s=JOIN_WAIT_S)
+                break
+        holding = threading.Timer(HOLD_MAX_S, decide.set)  # a sibling that never joins holds no one for long
+        holding.daemon = True
+        holding.start()
+
+    runtime = AggregateRuntime(spec.kafka, spec.daemon, spec.agg, domain, instance_id=spec.instance_id,
+                               restorer=SnapshotRestorer(spec.kafka, spec.agg, domain),
+                               consumer_extra=spec.consumer_extra, before_join=before_join, decide_after=decide,
+                               after_batch=lambda: report(False))
+
     def report(final: bool = False) -> None:
         error = runtime.error
         send({"gates": list(runtime.gates.values()), "counts": dict(runtime.counts), "figures": runtime.figures(),
-              "ready": runtime.ready, "final": final,
+              "ready": runtime.ready, "joined": runtime.joined, "final": final,
               "error": f"{type(error).__name__}: {error}" if error is not None else None})
 
     def run() -> None:
@@ -323,6 +376,6 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
     # SIGTERM and SIGINT sent to the worker itself, and a parent gone: the graceful stop, as the daemon's (its
     # batch's transaction ends, its partitions are released)
     serve_parent(conn, name=f"kafold-aggregate-{spec.agg.name}", run=run, stop=runtime.stop,
-                 handlers={"forget": runtime.forget,
+                 handlers={"forget": runtime.forget, "join": join.set, "decide": decide.set,
                            "get": lambda n, aggregate_id: send({"reply": n, "got": runtime.get(aggregate_id)})},
                  report=report, failed=lambda: runtime.error is not None)

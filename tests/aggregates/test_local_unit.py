@@ -8,6 +8,7 @@ import lmdb
 import pytest
 
 from kafold.daemon.aggregates.local import STATE, LocalStates, Trusted
+from kafold.daemon.aggregates.mapped import RELEASE_RECORDS
 from kafold.daemon.aggregates.store import Entry, StateStore
 from kafold.daemon.aggregates.window import Window, accepted, rejected
 from kafold.errors import FatalError
@@ -162,3 +163,44 @@ def test_window_bound_in_memory_follows_the_cache_with_a_local_store() -> None:
     assert bank_config("w").window_max_ids(on_disk=True) == 1_000_000  # the default cache: 100,000 aggregates
     pinned = bank_config("w", cache_max_aggregates=10_000, idempotency_max_ids=300)
     assert pinned.window_max_ids(on_disk=True) == pinned.window_max_ids(on_disk=False) == 300
+
+
+def _mapped_kb(data_file: Path) -> int | None:
+    """The process's resident kB of its mappings of `data_file` (/proc/self/smaps), None off Linux."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    total, inside = 0, False
+    for line in lines:
+        head = line.split(maxsplit=5)
+        if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:  # a mapping's header line
+            inside = len(head) == 6 and head[5] == str(data_file)
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_the_store_file_pages_mapped_into_the_process_are_released(tmp_path: Path) -> None:
+    """Records read and written map the store's file pages into the process; every RELEASE_RECORDS records the
+    map is handed back to the page cache (RSS bounded), and the records still read back whole."""
+    local = _states(tmp_path)
+    local.open(0, 0, 0)
+    data_file = local.path(0) / "data.mdb"
+    if _mapped_kb(data_file) is None or local.mapped.madvise is None:
+        pytest.skip("no /proc/self/smaps or madvise here (not Linux)")
+    state = local.domain.initial()
+    ids = [f"acc-{i:06d}" for i in range(20_000)]
+    for start in range(0, len(ids), 1000):  # written in batches: pages mapped as LMDB finds where to put them
+        local.committed({0: [(aid, Entry(state, 1, 0), []) for aid in ids[start:start + 1000]]}, {0: 1}, cutoff=0)
+    assert local.mapped.releases >= len(ids) // max(RELEASE_RECORDS, 2000) - 1  # at least every other batch
+    size_kb = data_file.stat().st_size // 1024
+    short = RELEASE_RECORDS - 1 - local.mapped.touched[0]  # one short of a release: what they map stays mapped
+    for i in range(short):  # spread over the whole file
+        assert local.load(0, ids[i * 7919 % len(ids)]) is not None
+    before = _mapped_kb(data_file)
+    assert before is not None and before > size_kb // 10
+    assert local.load(0, ids[-1]) is not None  # the read that releases
+    after = _mapped_kb(data_file)
+    assert after is not None and after < before // 4, (before, after, size_kb)
+    local.close_all()

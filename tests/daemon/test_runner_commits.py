@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from confluent_kafka import KafkaError
 from confluent_kafka import TopicPartition as KafkaTP
 
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig
 from kafold.connectors import registry
-from kafold.connectors.api import TopicPartition
-from kafold.daemon.commits import InFlight
+from kafold.connectors.api import SinkTask, TopicPartition
+from kafold.daemon.commits import CAUGHT_UP_POLL_S, CAUGHT_UP_WINDOW_S, InFlight, Offered
 from kafold.daemon.runner import SinkRunner
 from tests.daemon.test_runner import RECORDING
 
@@ -65,3 +66,54 @@ def test_a_flush_while_a_commit_is_in_flight_is_put_off_not_dropped() -> None:
     assert runner._commit({A}) == {}
     # nothing was offered to the task, and the request and the timer are left for the flush after the answer
     assert runner.context.commit_requested and runner.dirty and runner.commits.next_flush == flush_at
+
+
+class StoringTask(SinkTask):
+    """A task that stores its own offsets (as the projection does), with nothing stored yet: its pre_commit returns
+    no offset, and it remembers what it was offered."""
+
+    stores_offsets = True
+
+    def __init__(self) -> None:
+        self.offered: list[dict[TopicPartition, int]] = []
+
+    def start(self, task_config: Any, context: Any) -> None:
+        pass
+
+    def put(self, records: Any) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def pre_commit(self, offsets: Any) -> dict[TopicPartition, int]:
+        self.offered.append(dict(offsets))
+        return {}
+
+
+def storing_runner() -> tuple[SinkRunner, StoringTask]:
+    runner = runner_in_flight({})
+    runner.commits.in_flight = None
+    task = StoringTask()
+    runner.task = task
+    runner.assigned, runner.positions, runner.dirty = {A}, {A: 8}, True
+    return runner, task
+
+
+def test_a_store_with_nothing_new_is_asked_again_at_the_next_batch_not_an_interval_later() -> None:
+    runner, task = storing_runner()
+    offer = Offered(runner.positions, runner.assigned, True, False)
+    assert runner.commits.commit(None, task, offer, {A}) == ({}, False)  # no consumer call: nothing to send
+    assert task.offered == [{A: 8}] and runner.commits.due()  # the interval starts from a commit sent
+
+
+def test_a_store_caught_up_is_offered_its_offsets_at_once_then_on_the_timer_again() -> None:
+    runner, task = storing_runner()
+    runner.commits.next_flush = time.monotonic() + 60  # the timer is far off
+    runner.on_idle()  # the first idle poll since the last batch: caught up
+    assert task.offered == [{A: 8}]
+    assert runner.dirty and runner.before_poll() == CAUGHT_UP_POLL_S  # not all stored yet: asked again shortly
+    # idle for the whole window: a store still failing is left to the timer
+    runner.commits.caught_up_at = time.monotonic() - CAUGHT_UP_WINDOW_S
+    runner.on_idle()
+    assert task.offered == [{A: 8}] and runner.before_poll() is None

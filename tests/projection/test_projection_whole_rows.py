@@ -12,7 +12,7 @@ from typing import Any
 
 from kafold import db
 from kafold.config import ConnectorConfig, PostgresConfig
-from kafold.connectors.api import SinkRecord
+from kafold.connectors.api import SinkRecord, TopicPartition
 from kafold.connectors.projection.fold import BatchResult
 from kafold.connectors.projection.mapping import Mapping
 from kafold.connectors.projection.writer import ProjectionWriter
@@ -73,6 +73,16 @@ def outcomes(result: BatchResult) -> tuple[int, int, int]:
 def dead(result: BatchResult) -> int:
     """Dead-lettered events over the batch's partitions."""
     return sum(c[3] for c in result.by_partition.values())
+
+
+def test_offsets_alone_after_whole_rows_are_stored(pg_config: PostgresConfig, unique: str) -> None:
+    """Records the runner skipped leave a write of offsets alone: the one statement with no row, its arrays empty."""
+    topic, table = f"{unique}.events", table_name()
+    tp = TopicPartition(topic, 0)
+    with writers(pg_config, unique, table) as (w,):
+        assert outcomes(w.write(_records(topic, 0, [state("acc-1", 1, 10)]))) == (1, 0, 0)
+        assert w.write([], offsets={tp: 5}).checkpoints == {tp: 5}
+        assert w.checkpoints() == {tp: 5}
 
 
 def test_whole_rows_are_written_without_reads_and_stale_events_counted_exactly(pg_config: PostgresConfig,
