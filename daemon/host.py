@@ -34,7 +34,7 @@ import mode
 from faust.app.base import BootStrategy
 
 from kafold import config as kconfig
-from kafold import db, devstack, erasure_log, logs, protect, sdnotify, tracing
+from kafold import db, devstack, erasure_log, interpreter, logs, protect, sdnotify, tracing
 from kafold.config import AggregateConfig, KafoldConfig, Loaded, python_path
 from kafold.connectors.api import TopicPartition
 from kafold.connectors.projection import restored
@@ -476,6 +476,9 @@ class TasksService(mode.Service):
             return
         if self.host.stop_event.is_set():
             return
+        # The daemon's process set up for batch work whatever it hosts (before: only by a projection task in it, so
+        # with the projections in processes of their own the webhook threads here ran the GC at Python's defaults).
+        interpreter.set_up()
         for slot in self.host.slots:
             slot.start()
         for agg in self.host.aggregates.values():

@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Protocol
 
-from kafold import logs, protect, tracing
+from kafold import interpreter, logs, protect, tracing
 from kafold.config import ConnectorConfig, DaemonConfig, KafkaConfig, PostgresConfig, RegistryConfig, TracingConfig
 from kafold.connectors.api import Connector, TopicPartition
 from kafold.connectors.registry import instantiate
@@ -270,6 +270,7 @@ def child_main(conn: Connection, spec: TaskSpec) -> None:
     task_config = connector.task_configs(spec.tasks_max)[spec.task_index].with_services(spec.kafka, spec.postgres,
                                                                                          protector)
     runner = SinkRunner(connector, task_config, kafka=spec.kafka, daemon=spec.daemon, registry=spec.registry)
+    interpreter.set_up()  # as the daemon's process: whatever the task is, the same GC and switch interval
     batches: list[BatchStats] = []
     send_lock = threading.Lock()
 

@@ -88,10 +88,10 @@ from kafold.connectors.projection.rebuild_state import offsets
 from kafold.connectors.projection.rebuild_tables import RebuildTables
 from kafold.connectors.projection.shadow_writer import Rewind, ShadowWriter
 from kafold.connectors.projection.shadow_writes import SHADOW_CACHE_ROWS, ShadowWrites
-from kafold.connectors.projection.task import tune_interpreter
 from kafold.connectors.registry import instantiate
 from kafold.consumer_loop import SKIP_POLL, ConsumerLoop, LoopHandler, SkipPoll
 from kafold.errors import ConfigError, FatalError, RecordError, RetriableError
+from kafold.interpreter import tune_interpreter
 from kafold.kafka_message import Message
 from kafold.retry import retrying
 from kafold.upcast import UpcasterConfig

@@ -30,8 +30,6 @@ cancels the statement: the transaction rolls back and those records are delivere
 """
 from __future__ import annotations
 
-import gc
-import sys
 import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -54,6 +52,7 @@ from kafold.connectors.projection.mapping import load_mapper
 from kafold.connectors.projection.pipeline import Job, WriteAhead
 from kafold.connectors.projection.writer import DeadLetter, ProjectionWriter, Report, elapsed_ms
 from kafold.errors import FatalError, RetriableError
+from kafold.interpreter import tune_interpreter
 from kafold.retry import retrying
 
 log = logs.get("kafold.connectors.projection")
@@ -62,13 +61,6 @@ OFFSET_BEGINNING = -2  # librdkafka's logical offset: the first record still on 
 START_RETRY_S = 30.0
 DLQ_FLUSH_S = 10.0
 STOP_WAIT_S = 8.0  # the daemon exits within 10 s of SIGTERM
-# Interpreter settings for batch work, process-wide (the daemon is one Python process), only ever moved in this
-# direction. Two busy threads (runner decoding, writer folding) share the GIL; the writer gives it up at each
-# PostgreSQL round trip and waits up to the switch interval (default 5 ms) to get it back: 5 ms -> 0.5 ms took 200k
-# events from 11.4 s to 8.7 s. Each batch allocates ~10 tracked objects per event (events, payloads, rows), so the
-# default gen-0 threshold (700) runs the cyclic GC dozens of times per batch: 50,000 took 7.6 s to 6.1 s.
-SWITCH_INTERVAL_S = 0.0005
-GC_GEN0_THRESHOLD = 50_000
 # The runner's decoding waits at its yield points (every 256 records) while the writer runs Python, at most this
 # long each time: the batch being written is on the critical path, the next one is not. The GIL otherwise
 # alternates between the two threads and stretches the writer's Python (kafold bench projection: +6-13 %,
@@ -80,15 +72,6 @@ YIELD_WAIT_S = 0.004
 # batch is at most a few records the fetch brings meanwhile. This is the light-traffic case, where latency is
 # what matters: events -> row p50 at 1,000/s (docs/benchmarks.md). Larger batches, under load, are pipelined.
 INLINE_WRITE_RECORDS = 64
-
-
-def tune_interpreter() -> None:
-    """Apply SWITCH_INTERVAL_S and GC_GEN0_THRESHOLD to this process (only ever in that direction)."""
-    if sys.getswitchinterval() > SWITCH_INTERVAL_S:
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
-    threshold = gc.get_threshold()
-    if threshold[0] < GC_GEN0_THRESHOLD:
-        gc.set_threshold(GC_GEN0_THRESHOLD, *threshold[1:])
 
 
 class ProjectionSinkTask(SinkTask):
@@ -124,7 +107,7 @@ class ProjectionSinkTask(SinkTask):
         self.failed: Job | None = None  # a write that failed retriably, redone before anything newer
         self.fatal: BaseException | None = None
         self.pipe = WriteAhead(self.name, self._write, self._report)
-        tune_interpreter()
+        tune_interpreter()  # the daemon does it at start too; a task driven outside it (a test, a tool) needs it here
         self._retrying("start", lambda: (pgc.migrate_on_start and db.upgrade(pgc), self.writer.connection()))
         self.log.info("projection.task_started", namespace=self.writer.namespace, dedup=self.dedup.value)
 

@@ -32,8 +32,8 @@ from kafold.connectors.projection.config import VERSION_COLUMN
 from kafold.connectors.projection.rebuild import Plan, Progress, source_partitions
 from kafold.connectors.projection.rebuild_state import offsets
 from kafold.connectors.projection.scratch import Scratch, ScratchPlan
-from kafold.connectors.projection.task import tune_interpreter
 from kafold.errors import FatalError
+from kafold.interpreter import tune_interpreter
 
 __all__ = ["Difference", "Report", "Verify", "VerifyPlan"]
 

@@ -41,7 +41,6 @@ only in a batch's transaction, as above; a revoked or lost partition is dropped 
 
 from __future__ import annotations
 
-import gc
 import threading
 import time
 from collections.abc import Callable
@@ -65,6 +64,7 @@ from kafold.daemon.aggregates.txn import ProducerBroken, TransactionalWriter
 from kafold.daemon.aggregates.window import Window
 from kafold.domain import AggregateDomain
 from kafold.errors import FatalError, RetriableError
+from kafold.interpreter import freeze_startup
 from kafold.kafka_message import Message
 from kafold.messages import Command
 from kafold.partitioning import partition_for
@@ -224,13 +224,9 @@ class AggregateRuntime(LoopHandler):
 
     def loop_started(self) -> None:
         self._start()
-        # What exists now (the imports, the domain, the clients) is kept for the process's life: frozen out of the
-        # cyclic collector. Each full collection would otherwise walk all of it again, and the LRU turning its
-        # entries over (each loaded one outlives the young generations) triggers one every few thousand commands:
-        # ~10 % of a worker's time at 1M accounts with a 10k cache (docs/benchmarks.md, issue 56). Only the
-        # collector skips them; they are freed by reference counting as ever.
-        gc.collect()
-        gc.freeze()
+        # The domain, the store and the clients made by `_start` frozen out of the cyclic collector with the rest
+        # (in the daemon's process that froze its own start, or in an aggregate worker process).
+        freeze_startup()
         self.catch_up = CatchUp(self.kafka, self.agg, self.domain, self.store, self.local, consumer=self.consumer,
                                 reader=self.reader, gates=self.gates, positions=self.positions, counts=self.counts,
                                 restore=self._restore, retrying=self._retrying,

@@ -42,12 +42,16 @@ from kafold.tools.bench import SHORT_GROUP_TIMEOUTS
 from kafold.tools.bench.aggregates import BANK
 from kafold.tools.bench.daemons import DaemonStack, daemon_process, daemon_stack, toml_table, wait_ready
 from kafold.tools.bench.effects import effect_receiver
+from kafold.tools.bench.progress import wait_progress
 from kafold.tools.bench.projection import COLUMNS, RULES, Usage
 
 log = logs.get("kafold.bench.latency")
 
 PACE_WAIT_S = 0.001  # librdkafka's poll granularity
-DRAIN_S = 60.0  # after a phase, how long the stragglers are waited for (those still missing are counted as lost)
+# How long one read-your-writes probe's `DaemonClient.wait` may take before it counts as failed. The phases' own waits
+# (every row, receipt and result) have no deadline: they last as long as something arrives (wait_progress) and fail,
+# naming what is missing, when nothing does for its STALL_S.
+PROBE_WAIT_S = 60.0
 BANK_COLUMNS = {"account_id": "text", "owner": "text", "currency": "text", "balance": "bigint", "status": "text",
                 "opened_at": "timestamptz", "updated_at": "timestamptz"}
 
@@ -188,12 +192,6 @@ def _polling(interval_s: float, step: Any) -> Iterator[threading.Event]:
         thread.join(10)
 
 
-def _wait_until(predicate: Any, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 # ---- events -----------------------------------------------------------------------------------------------------
 def _events_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argparse.Namespace,
                   control: str) -> dict[str, Any]:
@@ -233,7 +231,9 @@ def _events_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argparse.
         def covered() -> dict[int, int]:
             return {int(p): int(o) for p, o in conn.execute(query, (names.feed_rows, names.feed)).fetchall()}
 
-        _wait_until(lambda: sum(covered().values()) >= len(accounts), 120)
+        wait_progress(lambda: sum(covered().values()) >= len(accounts), covered,
+                      f"the warm-up's {len(accounts)} events in {names.feed_table} (the checkpoints of "
+                      f"{names.feed_rows} on {names.feed}, by partition)", poll_s=0.05)
 
         def poll() -> None:
             now_covered, seen = covered(), time.time()
@@ -253,22 +253,26 @@ def _events_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argparse.
 
             sent = _pace(producer, args.rate, args.duration, send)
             producer.flush(30)
-            _wait_until(lambda: len(rows) >= sent, DRAIN_S)
+            wait_progress(lambda: len(rows) >= sent, lambda: len(rows),
+                          f"the checkpoints of {names.feed_rows} covering the {sent} events sent to {names.feed} "
+                          "(rows seen so far)", poll_s=0.05)
     times = _received(control, acked, sent)
     hooks = [times[eid] - at for eid, at in acked.items() if eid in times]
     return {"events_sent": sent, **_figures("event_to_row", rows, sent), **_figures("event_to_webhook", hooks, sent)}
 
 
 def _received(control: str, acked: dict[str, float], expected: int) -> dict[str, float]:
-    """The receiver's first-receipt times of the measured events (waited for up to DRAIN_S)."""
+    """The receiver's first-receipt times of the measured events, waited for as long as more of them arrive."""
     got: dict[str, float] = {}
-    deadline = time.monotonic() + DRAIN_S
-    while True:
+
+    def arrived() -> int:
         with urllib.request.urlopen(f"{control}/times", timeout=10) as resp:
             got.update(orjson.loads(resp.read()))
-        if sum(1 for eid in acked if eid in got) >= expected or time.monotonic() > deadline:
-            return got
-        time.sleep(0.2)
+        return sum(1 for eid in acked if eid in got)
+
+    wait_progress(lambda: arrived() >= expected, lambda: len(got),
+                  f"the webhook receiver's receipt of the {expected} events sent (receipts so far)", poll_s=0.2)
+    return got
 
 
 # ---- commands ---------------------------------------------------------------------------------------------------
@@ -290,8 +294,10 @@ def _commands_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argpars
     probes: dict[str, tuple[str, float]] = {}  # command id -> (account id, sent at), until its result is read
     visible: list[float] = []
     counts = {"results": 0, "probes": 0, "missing": 0, "failed": 0}
+    read_upto: dict[int, int] = {}  # partition -> the next offset after the last result read (the reader's thread)
     measuring = [False]
     stop = threading.Event()
+    failure: list[BaseException] = []  # the results reader's error, if it died
     waiters = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="bench-latency-wait")
     rows_query = sql.SQL("SELECT count(*) FROM {} WHERE account_id = %s").format(sql.Identifier(names.accounts_table))
     check = db.connect(stack.postgres, autocommit=True)
@@ -300,7 +306,7 @@ def _commands_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argpars
     def read_your_write(acc: str, token: str, sent: float) -> None:
         """Wait as a service does (the token), then read the row once: it must be there."""
         try:
-            daemon.wait(names.accounts, token, timeout=DRAIN_S)
+            daemon.wait(names.accounts, token, timeout=PROBE_WAIT_S)
         except KafoldError:
             with lock:
                 counts["failed"] += 1
@@ -313,12 +319,20 @@ def _commands_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argpars
             counts["missing"] += 0 if found and found[0] else 1
 
     def read_results() -> None:
+        try:
+            read_until_stopped()
+        except BaseException as e:  # the waits below fail at once on a dead reader, naming its error
+            failure.append(e)
+            raise
+
+    def read_until_stopped() -> None:
         while not stop.is_set():
             for m in take(reader, 1000, 0.1, stop):
                 if m.error() is not None:
                     continue
                 at, cid = time.time(), header(m.headers(), H_COMMAND_ID)
                 with lock:
+                    read_upto[m.partition()] = m.offset() + 1
                     sent = sent_at.pop(cid, None) if cid else None
                     probe = probes.pop(cid, None) if cid else None
                     counts["results"] += 1
@@ -341,6 +355,21 @@ def _commands_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argpars
                     probes[cmd.command_id] = (probe, sent_at[cmd.command_id])
         kafka_clients.produce(producer, commands, value, key, headers)
 
+    def reading() -> bool:
+        """True while the results reader runs; its error, raised, once it died."""
+        if failure:
+            raise RuntimeError(f"bench: the results reader of {results_topic} failed: {failure[0]!r}") from failure[0]
+        return True
+
+    def where() -> dict[str, Any]:
+        """How far the phase is: results read (measured and all), probes answered, where the reader is by partition
+        (noted by its own thread: confluent-kafka serializes calls on a consumer, so a `position` call from here would
+        wait behind its polls)."""
+        with lock:
+            return {"results_read": counts["results"], "measured_results": len(results),
+                    "awaited": len(sent_at), "probes_answered": len(visible) + counts["failed"],
+                    "read_upto": dict(sorted(read_upto.items())), "started_at": ends}
+
     accounts = [f"acc-{i}" for i in range(args.accounts)]
     reader_thread = threading.Thread(target=read_results, daemon=True, name="bench-latency-results")
     reader_thread.start()
@@ -348,7 +377,8 @@ def _commands_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argpars
         for acc in accounts:  # warm-up: the accounts the deposits go to, not measured
             send(Command.new("account", acc, "OpenAccount", {"owner": acc}))
         producer.flush(60)
-        _wait_until(lambda: counts["results"] >= len(accounts), 120)
+        wait_progress(lambda: reading() and counts["results"] >= len(accounts), where,
+                      f"the warm-up's {len(accounts)} results on {results_topic} (read_committed)", poll_s=0.05)
         measuring[0] = True
         probe_every = max(1, round(args.rate / args.probes)) if args.probes > 0 else 0
         run_id = uuid.uuid4().hex[:6]
@@ -364,8 +394,10 @@ def _commands_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argpars
 
         sent = _pace(producer, args.rate, args.duration, one)
         producer.flush(30)
-        _wait_until(lambda: len(results) >= sent and not probes
-                    and len(visible) + counts["failed"] >= counts["probes"], DRAIN_S)
+        wait_progress(lambda: reading() and len(results) >= sent and not probes
+                      and len(visible) + counts["failed"] >= counts["probes"], where,
+                      f"the results of the {sent} commands sent to {commands} on {results_topic} (read_committed) "
+                      f"and the {counts['probes']} read-your-writes probes' waits", poll_s=0.05)
     finally:
         stop.set()
         reader_thread.join(10)
