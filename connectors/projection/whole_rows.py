@@ -190,6 +190,10 @@ class WholeRows:
             return columns, frozenset()
         dumper = Transformer(conn)
         data = dumper.dump_sequence(columns, [PyFormat.BINARY] * len(columns))
+        if any(f != pq.Format.BINARY for f in dumper.formats or ()):
+            # a column of nulls only has no element type to dump in binary: psycopg falls back to text ('{NULL}'),
+            # which a Dumped would send as binary; the statement adapts such a batch's arrays when it runs instead
+            return columns, frozenset()
         return [Dumped(bytes(d or b""), oid) for d, oid in zip(data, dumper.types or (), strict=True)], frozenset()
 
     def _direct(self, conn: psycopg.Connection[Any], rows: list[tuple[Any, ...]]
