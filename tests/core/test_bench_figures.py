@@ -3,8 +3,12 @@ be computed is absent (None), never a ZeroDivisionError and never 0."""
 
 from __future__ import annotations
 
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
+from kafold.tools.bench import jit_cpu_s
 from kafold.tools.bench.figures import median, median_ratio, per, rounded
 from kafold.tools.bench.projection import projection_figures
 
@@ -50,3 +54,41 @@ def test_medians_and_ratios_skip_absent_rounds() -> None:
     assert rounded(None) is None
     assert rounded(2.567, 2) == 2.57
     assert rounded(2.5) == 2
+
+
+def test_the_broker_jit_share_counts_the_compiler_threads_only() -> None:
+    """`jit_cpu_s` adds up the threads named as HotSpot names its JIT compilers, and nothing else: a thread of this
+    process renamed so (through /proc, as the JVM names its own) and one left unnamed each burn CPU."""
+    # psutil: kafold[daemon], which the tests install
+    import psutil
+
+    if not Path("/proc/self/task").is_dir():
+        assert jit_cpu_s([psutil.Process()]) is None
+        return
+    before = jit_cpu_s([psutil.Process()])
+    assert before == 0.0  # no thread of the test process is named so yet
+    burnt: dict[str, float] = {}
+
+    def burn(name: str | None) -> None:
+        if name is not None:
+            Path(f"/proc/self/task/{threading.get_native_id()}/comm").write_text(name)
+        while time.thread_time() < 0.2:  # CPU of this thread, whatever the machine's load
+            sum(range(1000))
+        burnt[name or "plain"] = time.thread_time()
+        done.wait()
+
+    done = threading.Event()
+    threads = [threading.Thread(target=burn, args=(n,)) for n in ("C2 CompilerThread0", None)]
+    for t in threads:
+        t.start()
+    try:
+        while len(burnt) < 2:
+            time.sleep(0.01)
+        got = jit_cpu_s([psutil.Process()])
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+    assert got is not None
+    # /proc counts in clock ticks (10 ms): the named thread's own CPU to within a few, not the plain one's as well
+    assert burnt["C2 CompilerThread0"] - 0.05 <= got <= burnt["C2 CompilerThread0"] + 0.05

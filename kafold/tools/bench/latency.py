@@ -106,7 +106,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "events_phase / commands_phase: CPU per event or command sent, the warm-up's included (a command: its "
         "events, result and projection included), and cores busy over the phase (warm-up and drain too), of "
         "kafold's daemon tree, PostgreSQL's backends open at the phase's start (not the bench's own polling "
-        "sessions) and the embedded broker (the bench's producers and readers load it too)",
+        "sessions) and the embedded broker (the bench's producers and readers load it too); broker_jit: the part of "
+        "the broker's that its JIT compiler threads took (a broker started for the bench compiles through the run)",
     ]
     return figures
 

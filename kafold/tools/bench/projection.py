@@ -17,7 +17,7 @@ from kafold import db, kafka_clients, logs
 from kafold.connectors.projection.config import Dedup
 from kafold.envelope import Event, decode, encode
 from kafold.schema import toml_value
-from kafold.tools.bench import BROKER_PROCESSES, SHORT_GROUP_TIMEOUTS, cpu_s
+from kafold.tools.bench import BROKER_PROCESSES, SHORT_GROUP_TIMEOUTS, cpu_s, jit_cpu_s
 from kafold.tools.bench.daemons import DaemonStack, daemon_process, daemon_stack, toml_table
 from kafold.tools.bench.figures import per, rounded
 
@@ -312,7 +312,10 @@ def _memory(proc: Any, kind: str) -> int:
 
 class Usage:
     """CPU seconds of kafold's daemon tree, the local PostgreSQL (its postmaster and the backends open now) and the
-    embedded broker since it was made, per event: a bench's `cpu_us_per_event` and `cores_busy` for a window."""
+    embedded broker since it was made, per event: a bench's `cpu_us_per_event` and `cores_busy` for a window.
+    `broker_jit` is the part of the broker's that its JIT compiler threads took (`jit_cpu_s`: a lower bound, as a
+    compiler thread that ended meanwhile is left out; 0 for a broker that compiles nothing, None without a broker
+    measured or /proc)."""
 
     def __init__(self, daemon_pid: int, pgc: Any) -> None:
         # psutil: kafold[daemon], not in the core install
@@ -324,10 +327,14 @@ class Usage:
         self.groups = {"kafold": _tree(psutil.Process(daemon_pid)), "postgres": pg, "broker": list(BROKER_PROCESSES)}
         self.began = time.perf_counter()
         self.at = {k: cpu_s(v) for k, v in self.groups.items()}
+        self.jit_at = jit_cpu_s(self.groups["broker"])
 
     def per_event(self, events: int) -> dict[str, Any]:
         seconds = time.perf_counter() - self.began
         used = {k: cpu_s(v) - self.at[k] if v else None for k, v in self.groups.items()}
+        jit = jit_cpu_s(self.groups["broker"])
+        used["broker_jit"] = None if not self.groups["broker"] or jit is None or self.jit_at is None \
+            else max(0.0, jit - self.jit_at)
         return {"cpu_us_per_event": {k: None if v is None else round(v / max(1, events) * 1e6, 1)
                                      for k, v in used.items()},
                 "cores_busy": {k: None if v is None else round(v / seconds, 2) for k, v in used.items()}}
