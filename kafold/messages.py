@@ -12,6 +12,7 @@ import orjson
 
 from kafold.envelope import MAX_BYTES, MAX_ID_CHARS, Headers, utc_now
 from kafold.errors import DecodeError
+from kafold.frozen import quick_init
 
 H_COMMAND_TYPE = "kafold-command-type"
 H_COMMAND_ID = "kafold-command-id"
@@ -22,6 +23,7 @@ _COMMAND_FIELDS = frozenset({"command_id", "type", "aggregate_type", "aggregate_
                              "correlation_id", "issued_at"})
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Command:
     """A request to an aggregate. Key = aggregate id; `expected_version` None = no concurrency check."""
@@ -90,6 +92,7 @@ def decode_command(key: bytes | None, value: bytes | None, *, raw: Any = None) -
     return Command(cid, type_, aid, data, agg_type, ev, corr, at)
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Result:
     """What became of a command: accepted (new version, event ids) or rejected (reason; version = current)."""
