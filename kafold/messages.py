@@ -76,9 +76,11 @@ def decode_command(key: bytes | None, value: bytes | None, *, raw: Any = None) -
         cid, type_, aid, data = body["command_id"], body["type"], body["aggregate_id"], body["data"]
     except KeyError as e:
         raise _bad(raw, f"{e.args[0]}: missing", "missing-field") from None
-    for name, v in (("command_id", cid), ("type", type_), ("aggregate_id", aid)):
-        if type(v) is not str or not v or len(v) > MAX_ID_CHARS:
-            raise _bad(raw, f"{name}: expected a string of 1..{MAX_ID_CHARS} characters", "wrong-type")
+    if not (type(cid) is str and type(type_) is str and type(aid) is str  # one test for the common case
+            and 0 < len(cid) <= MAX_ID_CHARS and 0 < len(type_) <= MAX_ID_CHARS and 0 < len(aid) <= MAX_ID_CHARS):
+        for name, v in (("command_id", cid), ("type", type_), ("aggregate_id", aid)):  # the first wrong one, named
+            if type(v) is not str or not v or len(v) > MAX_ID_CHARS:
+                raise _bad(raw, f"{name}: expected a string of 1..{MAX_ID_CHARS} characters", "wrong-type")
     if type(data) is not dict:
         raise _bad(raw, "data: expected a JSON object", "wrong-type")
     ev = body.get("expected_version")
@@ -117,9 +119,10 @@ class Result:
 
     def encode(self, token: str | None = None) -> tuple[bytes, bytes, Headers]:
         """Key, value, headers; `token` given: written instead of `self.token` (the runtime learns it only at
-        commit, and a copy of the result per command would cost more than the token itself)."""
+        commit, and a copy of the result per command would cost more than the token itself). `event_ids` is a tuple:
+        orjson writes it as the JSON array a list gives."""
         body = {"command_id": self.command_id, "aggregate_id": self.aggregate_id, "status": self.status,
-                "version": self.version, "event_ids": list(self.event_ids), "reason": self.reason,
+                "version": self.version, "event_ids": self.event_ids, "reason": self.reason,
                 "correlation_id": self.correlation_id, "duplicate": self.duplicate, "at": self.at,
                 "token": self.token if token is None else token}
         return self.aggregate_id.encode(), orjson.dumps(body), [(H_COMMAND_ID, self.command_id.encode())]
