@@ -1,8 +1,9 @@
 """A trading book whose state holds what a float or a naive datetime would spoil: Decimals with exponents and more
-digits than a float keeps, aware datetimes in several UTC offsets, tuples, and frozen dataclasses nested in a tuple,
-in a dict and in each other. Its decide and evolve use those types as such (Decimal arithmetic, aware datetimes
-compared across offsets, a tuple concatenated, a nested dataclass's attributes): a state read back as a float, a
-string, a naive datetime, a list or a dict fails or diverges at once. Pure, no I/O."""
+digits than a float keeps, aware datetimes in several UTC offsets and one in a named time zone (Europe/Paris, moved
+by wall-clock arithmetic across a DST change), tuples, and frozen dataclasses nested in a tuple, in a dict and in
+each other. Its decide and evolve use those types as such (Decimal arithmetic, aware datetimes compared across
+offsets, a zone's wall clock, a tuple concatenated, a nested dataclass's attributes): a state read back as a float,
+a string, a naive datetime, a fixed offset for the zone, a list or a dict fails or diverges at once. Pure, no I/O."""
 
 from __future__ import annotations
 
@@ -10,10 +11,13 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
+from zoneinfo import ZoneInfo
 
 ZERO = Decimal("0")
 RECENT = 4  # fills kept in the state, newest last
 MAX_OPEN = timedelta(days=30)
+PARIS = ZoneInfo("Europe/Paris")
+SETTLE_STEP = timedelta(minutes=20)  # each fill moves the next settlement 20 minutes on Paris's wall clock
 
 
 class Rejected(Exception):
@@ -94,6 +98,7 @@ class Book:
     recent: tuple[Fill, ...] = ()
     span: tuple[datetime, datetime] | None = None  # first and last fill, each in its own offset
     notional: Decimal = ZERO
+    settles_at: datetime | None = None  # in PARIS: its wall clock, hence its offset, moves with the zone's rules
 
 
 def initial() -> Book:
@@ -102,7 +107,8 @@ def initial() -> Book:
 
 def evolve(state: Book, event: Any) -> Book:
     if isinstance(event, BookOpened):
-        return replace(state, status="open", opened_at=event.at, limits=event.limits)
+        return replace(state, status="open", opened_at=event.at, limits=event.limits,
+                       settles_at=event.at.astimezone(PARIS))
     if isinstance(event, Filled):
         f = event.fill
         held = state.positions.get(f.asset)
@@ -110,7 +116,8 @@ def evolve(state: Book, event: Any) -> Book:
             replace(held, qty=held.qty + f.qty, cost=held.cost + f.qty * f.price)
         recent = (state.recent + (f,))[-RECENT:]  # noqa: RUF005  # a list read back for the tuple raises here
         return replace(state, positions={**state.positions, f.asset: pos}, recent=recent,
-                       span=(state.span[0] if state.span else f.at, f.at), notional=state.notional + f.qty * f.price)
+                       span=(state.span[0] if state.span else f.at, f.at), notional=state.notional + f.qty * f.price,
+                       settles_at=state.settles_at + SETTLE_STEP if state.settles_at else None)
     if isinstance(event, BookClosed):
         return replace(state, status="closed", closed_at=event.at)
     raise TypeError(f"not a book event: {event!r}")

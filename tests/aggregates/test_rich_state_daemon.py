@@ -108,7 +108,7 @@ class Stream:
 
 def same(a: Any, b: Any, path: str = "state") -> str | None:
     """Where `a` and `b` differ in value or type, at any depth (a Decimal by its digits and exponent, a datetime by
-    its instant and its UTC offset); None when they are the same."""
+    its instant, offset, zone and fold); None when they are the same."""
     if type(a) is not type(b):
         return f"{path}: {type(a).__name__} {a!r} != {type(b).__name__} {b!r}"
     if dataclasses.is_dataclass(a):
@@ -125,8 +125,9 @@ def same(a: Any, b: Any, path: str = "state") -> str | None:
                     None)
     if isinstance(a, Decimal):
         return None if a.as_tuple() == b.as_tuple() else f"{path}: {a!r} != {b!r}"
-    if isinstance(a, datetime):
-        return None if (a, a.utcoffset()) == (b, b.utcoffset()) else f"{path}: {a.isoformat()} != {b.isoformat()}"
+    if isinstance(a, datetime):  # the instant, the offset, the zone (a ZoneInfo or a fixed offset) and the fold
+        return None if (a, a.utcoffset(), a.tzinfo, a.fold) == (b, b.utcoffset(), b.tzinfo, b.fold) else \
+            f"{path}: {a.isoformat()} ({a.tzinfo!r}) != {b.isoformat()} ({b.tzinfo!r})"
     return None if a == b else f"{path}: {a!r} != {b!r}"
 
 
