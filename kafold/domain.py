@@ -103,9 +103,11 @@ class AggregateDomain:
             problems = check_class(type(sample), f"{where}: the state")
             if problems:
                 raise ConfigError(problems)
-        form = state_json.for_sample(sample)  # a dataclass state: its fields' types, a datetime's zone included
+        from_json = getattr(ev_mod, "state_from_json", None)
+        # a dataclass state: its fields' types, a datetime's zone included (not built when the module has both)
+        form = state_json.for_sample(sample) if to_json is None or from_json is None else None
         to_json = to_json or (form.to_json if form else default_state_to_json)
-        from_json = getattr(ev_mod, "state_from_json", None) or (form.from_json if form else lambda data: data)
+        from_json = from_json or (form.from_json if form else lambda data: data)
         # Refuses a field that would not read back, and an upcaster chain with a gap.
         codec = Codec(agg.name, event_types, command_types, upcast.build(agg.upcasters, f"aggregate {agg.name!r}"))
         printed = agg.fingerprint or fingerprint(evolve, codec, sample, agg.state_schema_version)

@@ -15,6 +15,7 @@ import msgspec
 
 from kafold.config import AggregateConfig
 from kafold.domain import AggregateDomain
+from kafold.state_json import StateJson
 from tests.aggregates import book_domain as bd
 from tests.aggregates.test_rich_state_daemon import same
 
@@ -69,3 +70,32 @@ def test_datetimes_keep_zone_fold_and_second_offsets_and_plain_ones_keep_msgspec
             domain.initial(), opened_at=at)), dataclasses.replace(domain.initial(), opened_at=at)) is None
     assert domain.state_to_json(dataclasses.replace(domain.initial(), settles_at=cases[1]))["settles_at"] == \
         "2024-10-27T02:30:00+01:00[Europe/Paris]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Node:
+    at: datetime
+    children: tuple[Node, ...] = ()
+    by_name: dict[str, list[datetime]] = dataclasses.field(default_factory=dict)
+    pair: tuple[int, datetime | None] = (0, None)
+
+
+def test_zones_are_kept_through_recursive_types_lists_dicts_and_unions_and_no_datetime_costs_nothing() -> None:
+    paris, tokyo = ZoneInfo("Europe/Paris"), ZoneInfo("Asia/Tokyo")
+    leaf = Node(datetime(2024, 10, 27, 2, 30, fold=1, tzinfo=paris),
+                by_name={"t": [datetime(2024, 1, 1, tzinfo=tokyo)]})
+    root = Node(T0, (leaf, Node(T0)), {"p": [T0, datetime(2024, 3, 31, 3, 30, tzinfo=paris)]},
+                (7, datetime(2024, 6, 1, tzinfo=tokyo)))
+    form = StateJson(Node)
+    data = msgspec.json.decode(msgspec.json.encode(form.to_json(root)))
+    assert data["children"][0]["at"] == "2024-10-27T02:30:00+01:00[Europe/Paris]"
+    assert same(form.from_json(data), root) is None
+    assert form.to_json(Node(T0)) == msgspec.to_builtins(Node(T0))  # nothing zoned: msgspec's own form
+    assert StateJson(bd.Fill).check is not None and StateJson(bd.Fill).mark is not None
+    assert StateJson(Plain).check is None and StateJson(Plain).mark is None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plain:
+    amount: Decimal
+    names: tuple[str, ...]
