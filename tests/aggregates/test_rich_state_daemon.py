@@ -1,10 +1,12 @@
-"""A `kafold daemon` hosting a domain whose state holds aware datetimes in several UTC offsets, tuples, Decimals
-with exponents and more digits than a float keeps, and frozen dataclasses nested in a tuple, a dict and each other
-(tests/aggregates/book_domain.py), on Apache Kafka: killed -9 in the middle of a command stream with a local state
-store, then restarted on that store; then, after a snapshot run and a tail of commands, started on an empty
+"""A `kafold daemon` hosting a domain whose state holds aware datetimes in several UTC offsets and in a named zone
+(Europe/Paris, moved across a DST change), tuples, Decimals with exponents and more digits than a float keeps, and
+frozen dataclasses nested in a tuple, a dict and each other (tests/aggregates/book_domain.py), on Apache Kafka:
+killed -9 in the middle of a command stream with a local state store, then restarted on that store; then, after a
+snapshot run (in the kafold process; a Spark job under the `spark` mark) and a tail of commands, started on an empty
 state_dir (a new host) that restores from the snapshot topic. Each time the states it serves on
-GET /aggregates/book/{id} equal a full replay of the events, field by field with their types (and Decimals with
-their digits and exponent), and the live states read before the kill equal the replay at their versions."""
+GET /aggregates/book/{id} equal a full replay of the events, field by field with their types (a Decimal's digits and
+exponent, a datetime's offset, zone and fold), and the live states read before the kill equal the replay at their
+versions."""
 
 from __future__ import annotations
 
@@ -188,11 +190,15 @@ def answered(client: Outside, cids: list[str]) -> int:
 
 
 @pytest.mark.apache_kafka
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("engine", ["local", pytest.param("spark", marks=pytest.mark.spark)])
 def test_rich_state_survives_kill_and_snapshot_restore_as_a_full_replay(
-        kafka_config: KafkaConfig, unique: str, tmp_path: Path, broker_kind: str) -> None:
+        kafka_config: KafkaConfig, unique: str, tmp_path: Path, broker_kind: str, engine: str) -> None:
+    """`engine`: the snapshot run's, in the kafold process or a Spark job (local[2], its own JVM)."""
     if broker_kind != "kafka":
         pytest.skip("tansu returns aborted transactions' records to read_committed readers (KAFOLD_TEST_BROKER=kafka)")
+    if engine == "spark":
+        pytest.importorskip("pyspark")
     port = free_port()
     conf = tmp_path / "kafold.toml"
     conf.write_text(_toml(kafka_config, unique, port, tmp_path / "state"))
@@ -242,7 +248,9 @@ def test_rich_state_survives_kill_and_snapshot_restore_as_a_full_replay(
             assert outcomes.count("rejected") > 20 and outcomes.count("accepted") > 200, "the stream did not run"
 
             # (b) a snapshot run, a tail of commands past it, then a new host: an empty state_dir
-            kafold_cli("snapshot", "run", "-c", str(conf), "--engine", "local", "--no-progress", check=True)
+            run = kafold_cli("snapshot", "run", "-c", str(conf), "--engine", engine, "--master", "local[2]",
+                             "--no-progress", check=True).stdout
+            assert any(line.split()[:2] == ["book", engine] for line in run.splitlines()), run
             send(stream.trades(40) + stream.closes(BOOKS[::2]))
             client.wait()
         third_log = tmp_path / "daemon-3.log"
