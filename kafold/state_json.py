@@ -32,6 +32,7 @@ from msgspec import inspect as mi
 Check = Callable[[Any], bool]
 Mark = Callable[[Any], Any]
 _ITEMS = (mi.ListType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)
+_RECORDS = (mi.DataclassType, mi.StructType, mi.NamedTupleType, mi.TypedDictType)  # fields by name
 _MINUTE = timedelta(minutes=1)
 _SECONDS_OFFSET = re.compile(r"[+-]\d\d:\d\d:\d\d(\.\d+)?$")  # an offset msgspec cannot read
 
@@ -88,18 +89,20 @@ def _finder(info: Any, made: dict[type, Check | None]) -> Check | None:
     generators: it runs for every state written (a few attribute reads for a state of a few datetime fields)."""
     if isinstance(info, mi.DateTimeType):
         return _inexact
-    if isinstance(info, mi.DataclassType | mi.StructType):
+    if isinstance(info, _RECORDS):
         cls = info.cls
         if cls in made:  # a recursive type: its check, once made
             return lambda v: (made[cls] or _never)(v)
         made[cls] = None
         fields = tuple((f.name, c) for f in info.fields if (c := _finder(f.type, made)) is not None)
+        kind: type = dict if isinstance(info, mi.TypedDictType) else cls
+        get: Callable[[Any, str], Any] = _item if kind is dict else getattr
 
         def holds(v: Any) -> bool:
-            if not isinstance(v, cls):
+            if not isinstance(v, kind):
                 return False
             for name, check in fields:  # noqa: SIM110  # a loop: any() over a generator costs twice as much here
-                if check(getattr(v, name)):
+                if check(get(v, name)):
                     return True
             return False
         made[cls] = holds if fields else None
@@ -126,17 +129,25 @@ def _never(_: Any) -> bool:
     return False
 
 
+def _item(value: dict[str, Any], key: str) -> Any:
+    return value.get(key)
+
+
 def _marker(info: Any, made: dict[type, Mark | None]) -> Mark | None:
     """A function turning the `text`s msgspec refuses (a zone, a second offset) in JSON of type `info` into
     datetimes, which msgspec.convert takes as they are; None: that type holds no datetime."""
     if isinstance(info, mi.DateTimeType):
         return lambda v: parse(v) if isinstance(v, str) and (v.endswith("]") or _SECONDS_OFFSET.search(v)) else v
-    if isinstance(info, mi.DataclassType | mi.StructType):
+    if isinstance(info, _RECORDS):
         cls = info.cls
         if cls in made:
             return lambda v: (made[cls] or (lambda x: x))(v)
         made[cls] = None
-        fields = [(f.name, m) for f in info.fields if (m := _marker(f.type, made)) is not None]
+        if isinstance(info, mi.NamedTupleType):  # an array, field by position
+            parts = {i: m for i, f in enumerate(info.fields) if (m := _marker(f.type, made)) is not None}
+            made[cls] = _positions(parts) if parts else None
+            return made[cls]
+        fields = [(f.encode_name, m) for f in info.fields if (m := _marker(f.type, made)) is not None]
         made[cls] = (lambda v: {**v, **{n: m(v[n]) for n, m in fields if n in v}} if isinstance(v, dict) else v) \
             if fields else None
         return made[cls]
@@ -145,8 +156,7 @@ def _marker(info: Any, made: dict[type, Mark | None]) -> Mark | None:
         return None if item is None else lambda v: [item(x) for x in v] if isinstance(v, list) else v
     if isinstance(info, mi.TupleType):
         parts = {i: m for i, t in enumerate(info.item_types) if (m := _marker(t, made)) is not None}
-        return (lambda v: [parts[i](x) if i in parts else x for i, x in enumerate(v)] if isinstance(v, list) else v) \
-            if parts else None
+        return _positions(parts) if parts else None
     if isinstance(info, mi.DictType):
         value = _marker(info.value_type, made)
         return None if value is None else lambda v: {k: value(x) for k, x in v.items()} if isinstance(v, dict) else v
@@ -161,6 +171,10 @@ def _marker(info: Any, made: dict[type, Mark | None]) -> Mark | None:
             return v
         return each
     return None
+
+
+def _positions(parts: dict[int, Mark]) -> Mark:
+    return lambda v: [parts[i](x) if i in parts else x for i, x in enumerate(v)] if isinstance(v, list) else v
 
 
 class StateJson:

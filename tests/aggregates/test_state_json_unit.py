@@ -10,6 +10,7 @@ import dataclasses
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
+from typing import NamedTuple, TypedDict
 from zoneinfo import ZoneInfo
 
 import msgspec
@@ -76,12 +77,23 @@ def test_datetimes_keep_zone_fold_and_second_offsets_and_plain_ones_keep_msgspec
         "2024-10-27T02:30:00+01:00[Europe/Paris]"
 
 
+class Slot(NamedTuple):
+    n: int
+    at: datetime
+
+
+class Stamp(TypedDict):
+    at: datetime
+
+
 @dataclasses.dataclass(frozen=True)
 class Node:
     at: datetime
     children: tuple[Node, ...] = ()
     by_name: dict[str, list[datetime]] = dataclasses.field(default_factory=dict)
     pair: tuple[int, datetime | None] = (0, None)
+    slot: Slot | None = None
+    stamps: tuple[Stamp, ...] = ()
 
 
 def test_zones_are_kept_through_recursive_types_lists_dicts_and_unions_and_no_datetime_costs_nothing() -> None:
@@ -89,7 +101,8 @@ def test_zones_are_kept_through_recursive_types_lists_dicts_and_unions_and_no_da
     leaf = Node(datetime(2024, 10, 27, 2, 30, fold=1, tzinfo=paris),
                 by_name={"t": [datetime(2024, 1, 1, tzinfo=tokyo)]})
     root = Node(T0, (leaf, Node(T0)), {"p": [T0, datetime(2024, 3, 31, 3, 30, tzinfo=paris)]},
-                (7, datetime(2024, 6, 1, tzinfo=tokyo)))
+                (7, datetime(2024, 6, 1, tzinfo=tokyo)), Slot(1, datetime(2024, 2, 1, tzinfo=tokyo)),
+                (Stamp(at=datetime(2024, 2, 2, tzinfo=paris)),))
     form = StateJson(Node)
     data = msgspec.json.decode(msgspec.json.encode(form.to_json(root)))
     assert data["children"][0]["at"] == "2024-10-27T02:30:00+01:00[Europe/Paris]"
