@@ -61,8 +61,8 @@ DECIDED_S = TXN_TIMEOUT_MS / 1000 + 15.0
 # CONCURRENT_TRANSACTIONS. librdkafka asks again after retry.backoff.ms for AddOffsetsToTxn (the offsets, sent first:
 # `send_offsets`), but after a fixed 20 ms for AddPartitionsToTxn (rdkafka_txnmgr.c), which one transaction in five
 # paid when its events were queued before the markers were out (docs/benchmarks.md, 2026-12-06). So the offsets call
-# is the probe: asked again every RETRY_BACKOFF_MS, and the batch's events are held until it has returned (see
-# `produce_events`). Other retries back off exponentially from it up to retry.backoff.max.ms (1 s) as before.
+# is the probe: asked again every RETRY_BACKOFF_MS, and the batch's records are held until it has returned (see
+# `produce`). Other retries back off exponentially from it up to retry.backoff.max.ms (1 s) as before.
 RETRY_BACKOFF_MS = 1
 REMEMBERED_TOKENS = 20_000  # committed decisions whose token a duplicate can repeat (~0.4 KB each)
 Encoded = tuple[bytes, bytes, Headers]
@@ -121,8 +121,8 @@ class TransactionalWriter:
         # a committed transaction whose delivery report was served (none served: it stays, the store only lags)
         self.result_ends: dict[tuple[str, int], int] = {}
         self._results_landed: list[Landing] = []
-        # the open transaction's records queued before its offsets were in it (produce_events), in produce order
-        self._waiting: list[tuple[str, int, bytes | None, bytes | None, Headers, int]] = []
+        # the open transaction's records queued before its offsets were in it (`produce`), in produce order
+        self._waiting: list[tuple[str, int, bytes | None, bytes | None, Headers, int, Landing | None]] = []
         self._landed: list[Landing] = []  # the open transaction's last events, known committed at `_remember`
         self.open = False
         self.held = False  # a librdkafka call blocked for good holds the producer: close must not touch it
@@ -148,7 +148,18 @@ class TransactionalWriter:
     def produce(self, topic: str, partition: int, key: bytes | None, value: bytes | None,
                 headers: Headers, timestamp: int = 0, landing: Landing | None = None) -> None:
         """Queue one record of the open transaction; `timestamp` (ms) 0 = the producer's clock; `landing`: told
-        where it landed (its delivery report)."""
+        where it landed (its delivery report).
+
+        While the batch's offsets are still being sent into the transaction (`send_offsets`), the record waits here,
+        not in librdkafka: a record queued there registers its partition with the coordinator at once, and a
+        registration refused because the previous transaction's markers are still being written costs a fixed
+        20 ms (RETRY_BACKOFF_MS's note). Once the offsets call returned, the coordinator takes the registration:
+        the waiting records go first, in their order."""
+        if self._sending is not None and not self._sending.done.is_set():
+            self._waiting.append((topic, partition, key, value, headers, timestamp, landing))
+            return
+        if self._waiting:
+            self._produce_waiting()
         try:
             if landing is None:
                 self._produce(topic, value, key, partition, headers=headers, timestamp=timestamp)
@@ -172,38 +183,24 @@ class TransactionalWriter:
     def produce_events(self, topic: str, partition: int, events: list[Encoded], timestamp: int = 0
                        ) -> Landing | None:
         """Queue one command's events (the partition's last one held back, see the module note); the Landing of
-        the partition's last event at commit (None when there are none).
-
-        While the batch's offsets are still being sent into the transaction (`send_offsets`), the events wait here,
-        not in librdkafka: a record queued there registers its partition with the coordinator at once, and a
-        registration refused because the previous transaction's markers are still being written costs a fixed
-        20 ms (RETRY_BACKOFF_MS's note). Once the offsets call returned the coordinator takes the registration: the
-        waiting events go first, in their order, then everything is produced directly."""
+        the partition's last event at commit (None when there are none)."""
         if not events:
             return None
         at = (topic, partition)
         landing, held = self._last.get(at) or (Landing(topic, partition), None)
-        if self._sending is not None and not self._sending.done.is_set():
-            if held is not None:
-                self._waiting.append((topic, partition, *held))
-            self._waiting.extend((topic, partition, key, value, headers, timestamp) for key, value, headers
-                                 in islice(events, len(events) - 1))
-        else:
-            self._produce_waiting()
-            if held is not None:
-                self.produce(topic, partition, *held)
-            for key, value, headers in events[:-1]:
-                self.produce(topic, partition, key, value, headers, timestamp)
+        if held is not None:
+            self.produce(topic, partition, *held)
+        for key, value, headers in events[:-1]:
+            self.produce(topic, partition, key, value, headers, timestamp)
         key, value, headers = events[-1]
         self._last[at] = (landing, (key, value, headers, timestamp))
         return landing
 
     def _produce_waiting(self) -> None:
-        """Produce the events that waited for the offsets (produce_events), in their order."""
-        if self._waiting:
-            waiting, self._waiting = self._waiting, []
-            for record in waiting:
-                self.produce(*record)
+        """Produce the records that waited for the offsets (`produce`), in their order."""
+        waiting, self._waiting = self._waiting, []
+        for record in waiting:
+            self.produce(*record)
 
     def _produce_last(self) -> list[Landing]:
         """Produce each partition's held-back last event with its delivery report; their Landings."""
@@ -303,7 +300,7 @@ class TransactionalWriter:
         batch is decided: the transaction's first request to the coordinator (AddOffsetsToTxn) is the one that
         waits while the previous transaction's markers are written (CONCURRENT_TRANSACTIONS, see RETRY_BACKOFF_MS),
         and TxnOffsetCommit follows it: both round trips then run while the commands are decided, and the batch's
-        records are produced once they are done (produce_events). Offsets and commits: they belong to the
+        records are produced once they are done (`produce`). Offsets and commits: they belong to the
         transaction whatever the order, committed with its events and results or aborted with them."""
         if offsets:
             self._sending = _Bounded("send_offsets_to_transaction", TIMEOUT_S, lambda: self._retrying(
@@ -316,7 +313,7 @@ class TransactionalWriter:
         if self._sending is None:
             self.send_offsets(offsets, group_metadata)
         # The offsets first: then the coordinator takes the registration of the partitions produced to below (the
-        # events held in produce_events, the last events, the results) at once (RETRY_BACKOFF_MS's note). Offsets
+        # records held in `produce`, the last events, the results) at once (RETRY_BACKOFF_MS's note). Offsets
         # and commits: they are in the transaction, committed with its records or aborted with them.
         if not self._offsets_sent():  # a fence or a hang there is raised
             return False  # aborted there
