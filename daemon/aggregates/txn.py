@@ -141,7 +141,7 @@ class TransactionalWriter:
             raise _convert(e, "begin_transaction") from e
         self._results.clear()
         self._last.clear()
-        self._waiting.clear()
+        self._waiting = []
         self._sending = None
         self.open = True
 
@@ -155,11 +155,13 @@ class TransactionalWriter:
         registration refused because the previous transaction's markers are still being written costs a fixed
         20 ms (RETRY_BACKOFF_MS's note). Once the offsets call returned, the coordinator takes the registration:
         the waiting records go first, in their order."""
-        if self._sending is not None and not self._sending.done.is_set():
-            self._waiting.append((topic, partition, key, value, headers, timestamp, landing))
-            return
-        if self._waiting:
-            self._produce_waiting()
+        sending = self._sending
+        if sending is not None:
+            if not sending.done.is_set():
+                self._waiting.append((topic, partition, key, value, headers, timestamp, landing))
+                return
+            if self._waiting:
+                self._produce_waiting()
         try:
             if landing is None:
                 self._produce(topic, value, key, partition, headers=headers, timestamp=timestamp)
@@ -315,9 +317,11 @@ class TransactionalWriter:
         # The offsets first: then the coordinator takes the registration of the partitions produced to below (the
         # records held in `produce`, the last events, the results) at once (RETRY_BACKOFF_MS's note). Offsets
         # and commits: they are in the transaction, committed with its records or aborted with them.
+        held = self._sending is not None  # records may wait for it (`produce`)
         if not self._offsets_sent():  # a fence or a hang there is raised
             return False  # aborted there
-        self._produce_waiting()
+        if held:
+            self._produce_waiting()
         if (self._results or self._last) and not self._produce_results():
             log.warning("aggregate.txn_aborting", transactional_id=self.transactional_id,
                         error="events of the batch not delivered")
@@ -369,7 +373,7 @@ class TransactionalWriter:
     def abort(self) -> None:
         self._results.clear()
         self._last.clear()
-        self._waiting.clear()
+        self._waiting = []
         try:  # librdkafka refuses an abort while another transactional call is in progress
             self._join_sending()
         except KafkaException as e:  # the transaction is aborted below whatever this was
