@@ -56,12 +56,14 @@ TXN_TIMEOUT_MS = 60000  # the producer's transaction.timeout.ms: past it the coo
 # (committed, or aborted by itself: the retry then answers abort-required and the batch is decided again), rather
 # than stopping the instance on a slow cluster (seen in the chaos soak on three-node Apache Kafka under load 30).
 DECIDED_S = TXN_TIMEOUT_MS / 1000 + 15.0
-# A transaction begun right after the previous commit registers its partitions (AddPartitionsToTxn) while the
-# coordinator still writes the previous one's markers (EndTxn is answered before they are written): the broker
-# answers CONCURRENT_TRANSACTIONS and librdkafka registers them again after a backoff derived from retry.backoff.ms
-# (its default 100 ms: 30 ms a back-to-back transaction at the median, 7 ms with 5; docs/benchmarks.md, 2026-12-02).
-# Other retries back off exponentially from it up to retry.backoff.max.ms (1 s) as before.
-RETRY_BACKOFF_MS = 5
+# A transaction's first requests to its coordinator wait while the coordinator still writes the previous
+# transaction's markers (EndTxn is answered before they are written, ~5 ms at 1,000 commands/s): the broker answers
+# CONCURRENT_TRANSACTIONS. librdkafka asks again after retry.backoff.ms for AddOffsetsToTxn (the offsets, sent first:
+# `send_offsets`), but after a fixed 20 ms for AddPartitionsToTxn (rdkafka_txnmgr.c), which one transaction in five
+# paid when its events were queued before the markers were out (docs/benchmarks.md, 2026-12-06). So the offsets call
+# is the probe: asked again every RETRY_BACKOFF_MS, and the batch's records are held until it has returned (see
+# `produce`). Other retries back off exponentially from it up to retry.backoff.max.ms (1 s) as before.
+RETRY_BACKOFF_MS = 1
 REMEMBERED_TOKENS = 20_000  # committed decisions whose token a duplicate can repeat (~0.4 KB each)
 Encoded = tuple[bytes, bytes, Headers]
 
@@ -119,6 +121,8 @@ class TransactionalWriter:
         # a committed transaction whose delivery report was served (none served: it stays, the store only lags)
         self.result_ends: dict[tuple[str, int], int] = {}
         self._results_landed: list[Landing] = []
+        # the open transaction's records queued before its offsets were in it (`produce`), in produce order
+        self._waiting: list[tuple[str, int, bytes | None, bytes | None, Headers, int, Landing | None]] = []
         self._landed: list[Landing] = []  # the open transaction's last events, known committed at `_remember`
         self.open = False
         self.held = False  # a librdkafka call blocked for good holds the producer: close must not touch it
@@ -137,13 +141,27 @@ class TransactionalWriter:
             raise _convert(e, "begin_transaction") from e
         self._results.clear()
         self._last.clear()
+        self._waiting = []
         self._sending = None
         self.open = True
 
     def produce(self, topic: str, partition: int, key: bytes | None, value: bytes | None,
                 headers: Headers, timestamp: int = 0, landing: Landing | None = None) -> None:
         """Queue one record of the open transaction; `timestamp` (ms) 0 = the producer's clock; `landing`: told
-        where it landed (its delivery report)."""
+        where it landed (its delivery report).
+
+        While the batch's offsets are still being sent into the transaction (`send_offsets`), the record waits here,
+        not in librdkafka: a record queued there registers its partition with the coordinator at once, and a
+        registration refused because the previous transaction's markers are still being written costs a fixed
+        20 ms (RETRY_BACKOFF_MS's note). Once the offsets call returned, the coordinator takes the registration:
+        the waiting records go first, in their order."""
+        sending = self._sending
+        if sending is not None:
+            if not sending.done.is_set():
+                self._waiting.append((topic, partition, key, value, headers, timestamp, landing))
+                return
+            if self._waiting:
+                self._produce_waiting()
         try:
             if landing is None:
                 self._produce(topic, value, key, partition, headers=headers, timestamp=timestamp)
@@ -179,6 +197,12 @@ class TransactionalWriter:
         key, value, headers = events[-1]
         self._last[at] = (landing, (key, value, headers, timestamp))
         return landing
+
+    def _produce_waiting(self) -> None:
+        """Produce the records that waited for the offsets (`produce`), in their order."""
+        waiting, self._waiting = self._waiting, []
+        for record in waiting:
+            self.produce(*record)
 
     def _produce_last(self) -> list[Landing]:
         """Produce each partition's held-back last event with its delivery report; their Landings."""
@@ -277,9 +301,9 @@ class TransactionalWriter:
         waits for them (and sends them itself when this was not called). Called right after `begin`, before the
         batch is decided: the transaction's first request to the coordinator (AddOffsetsToTxn) is the one that
         waits while the previous transaction's markers are written (CONCURRENT_TRANSACTIONS, see RETRY_BACKOFF_MS),
-        and TxnOffsetCommit follows it: both round trips then run while the commands are decided and the events
-        flushed, rather than after them. Offsets and commits: they belong to the transaction whatever the order,
-        committed with its events and results or aborted with them."""
+        and TxnOffsetCommit follows it: both round trips then run while the commands are decided, and the batch's
+        records are produced once they are done (`produce`). Offsets and commits: they belong to the
+        transaction whatever the order, committed with its events and results or aborted with them."""
         if offsets:
             self._sending = _Bounded("send_offsets_to_transaction", TIMEOUT_S, lambda: self._retrying(
                 lambda t: self.producer.send_offsets_to_transaction(offsets, group_metadata, t)))
@@ -290,14 +314,18 @@ class TransactionalWriter:
         self._committing, self._landed, self._results_landed = {}, [], []
         if self._sending is None:
             self.send_offsets(offsets, group_metadata)
+        # The offsets first: then the coordinator takes the registration of the partitions produced to below (the
+        # records held in `produce`, the last events, the results) at once (RETRY_BACKOFF_MS's note). Offsets
+        # and commits: they are in the transaction, committed with its records or aborted with them.
+        held = self._sending is not None  # records may wait for it (`produce`)
+        if not self._offsets_sent():  # a fence or a hang there is raised
+            return False  # aborted there
+        if held:
+            self._produce_waiting()
         if (self._results or self._last) and not self._produce_results():
-            if not self._offsets_sent():  # a fence or a hang there is raised
-                return False  # aborted there
             log.warning("aggregate.txn_aborting", transactional_id=self.transactional_id,
                         error="events of the batch not delivered")
             self.abort()
-            return False
-        if not self._offsets_sent():
             return False
         try:
             self._retrying(self.producer.commit_transaction, DECIDED_S)
@@ -345,6 +373,7 @@ class TransactionalWriter:
     def abort(self) -> None:
         self._results.clear()
         self._last.clear()
+        self._waiting = []
         try:  # librdkafka refuses an abort while another transactional call is in progress
             self._join_sending()
         except KafkaException as e:  # the transaction is aborted below whatever this was

@@ -283,3 +283,35 @@ def test_a_commit_that_timed_out_is_asked_again_until_the_coordinator_decided(
     writer.open = True
     assert writer.commit([], None) is True
     assert producer.calls == 3 and not writer.open
+
+
+class _OffsetsInFlight:
+    """A producer whose send_offsets_to_transaction returns only once released (the coordinator still writing the
+    previous transaction's markers); it records what is produced, in order."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.produced: list[tuple[str, int, bytes]] = []
+
+    def send_offsets_to_transaction(self, *_args: Any) -> None:
+        self.release.wait(60)
+
+    def produce(self, topic: str, value: bytes, _key: bytes, partition: int, **_kwargs: Any) -> None:
+        self.produced.append((topic, partition, value))
+
+
+def test_records_wait_while_the_offsets_are_sent_then_go_first_in_their_order() -> None:
+    # A record handed to librdkafka registers its partition at once, refused (20 ms) while the previous markers are
+    # written: the writer holds the batch's records until the offsets call, the probe, has returned (txn.py).
+    producer = _OffsetsInFlight()
+    writer = _writer(producer)
+    writer._waiting, writer._produce, writer.open = [], producer.produce, True
+    writer.send_offsets([object()], None)  # type: ignore[list-item]
+    writer.produce_events("events", 0, [(b"a", b"e1", []), (b"a", b"e2", [])])  # e2, the last, held until commit
+    writer.produce("dlq", 0, b"a", b"dead", [])
+    assert producer.produced == []
+    producer.release.set()
+    sending = writer._sending
+    assert sending is not None and sending.done.wait(10)
+    writer.produce_events("events", 0, [(b"a", b"e3", [])])
+    assert producer.produced == [("events", 0, b"e1"), ("dlq", 0, b"dead"), ("events", 0, b"e2")]
