@@ -13,7 +13,7 @@ commit). See gate.py's offset note for when a gate may open.
 
 The events reader (and the producer of parked events, when there is one) lives only while a partition recovers:
 made by the first assignment that needs it and closed once every gate is LIVE, so a runtime deciding commands holds
-no idle client (its threads, connections and buffers: ~4 MB of a worker's memory, docs/benchmarks.md, issue 56).
+no idle client (its threads, connections and buffers; docs/benchmarks.md, issue 56: a worker's memory).
 """
 
 from __future__ import annotations
