@@ -59,6 +59,11 @@ class WholeBatch(Sequence[SinkRecord]):
     def __iter__(self) -> Iterator[SinkRecord]:
         return iter(self.decoded())
 
+    @property
+    def opened(self) -> bool:
+        """Whether its records were made (something read them one by one)."""
+        return self._records is not None
+
     def decoded(self) -> list[SinkRecord]:
         """The batch's SinkRecords, as the runner's record-by-record decode makes them (Intake.record)."""
         with self._lock:
