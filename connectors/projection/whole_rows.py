@@ -218,15 +218,16 @@ class WholeRows:
         rows = [dict(zip(written, values, strict=True)) for values in plan.rows.values()]
         texts: list[Any] = self.table_rows.text_columns(conn, rows)
         columns = [*texts, [hold_text(k) for k in keys], [plan.first[k] for k in keys]]
-        if not keys:  # psycopg sends an empty list as text, of no type: adapted when the statement runs instead
-            return columns, frozenset()
-        dumper = Transformer(conn)
-        data = dumper.dump_sequence(columns, [PyFormat.BINARY] * len(columns))
-        if any(f != pq.Format.BINARY for f in dumper.formats or ()):
-            # a column of nulls only has no element type to dump in binary: psycopg falls back to text ('{NULL}'),
-            # which a Dumped would send as binary; the statement adapts such a batch's arrays when it runs instead
-            return columns, frozenset()
-        return [Dumped(bytes(d or b""), oid) for d, oid in zip(data, dumper.types or (), strict=True)], frozenset()
+        # One rule, two cases: psycopg sends an empty list as text of no type, and dumps a column of nulls only as
+        # text ('{NULL}', no element type to dump in binary), which a Dumped would send as binary. Such a batch's
+        # arrays are adapted when the statement runs instead.
+        if keys:
+            dumper = Transformer(conn)
+            data = dumper.dump_sequence(columns, [PyFormat.BINARY] * len(columns))
+            if all(f == pq.Format.BINARY for f in dumper.formats or ()):
+                dumped = [Dumped(bytes(d or b""), oid) for d, oid in zip(data, dumper.types or (), strict=True)]
+                return dumped, frozenset()
+        return columns, frozenset()
 
     def _direct(self, conn: psycopg.Connection[Any], rows: list[tuple[Any, ...]]
                 ) -> tuple[list[Dumped], frozenset[str]] | None:

@@ -11,31 +11,18 @@ Off glibc (musl, macOS) it does nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import sys
 import time
-from collections.abc import Callable
+
+from kafold import libc
 
 TRIM_INTERVAL_S = 5.0
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-    fn.argtypes = (ctypes.c_size_t,)
-    fn.restype = ctypes.c_int
-    return fn
 
 
 class HeapTrim:
     """`after_batch` trims the native heap when `TRIM_INTERVAL_S` passed since the last trim."""
 
     def __init__(self, interval_s: float = TRIM_INTERVAL_S) -> None:
-        self.trim = _malloc_trim()
+        self.trim = libc.function("malloc_trim", (ctypes.c_size_t,))
         self.interval_s = interval_s
         self.last = time.monotonic()
         self.trims = 0

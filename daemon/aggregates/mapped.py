@@ -18,32 +18,17 @@ released.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
-import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
-from kafold import logs
+from kafold import libc, logs
 
 log = logs.get(__name__)
 
 RELEASE_RECORDS = 1024  # records read or written in a partition's store between two releases of its map (a read fault
 # also maps the neighbouring pages already in the page cache: up to 16 with Linux's fault-around, 64 KB a record)
 MADV_DONTNEED = 4  # Linux's value
-
-
-def _madvise() -> Callable[[int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn
 
 
 def map_of(data_file: Path) -> int | None:
@@ -68,7 +53,7 @@ class MappedPages:
     """The maps of one aggregate's open stores: each released after `RELEASE_RECORDS` records touched."""
 
     def __init__(self) -> None:
-        self.madvise = _madvise()
+        self.madvise = libc.function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
         self.lock = threading.Lock()
         self.maps: dict[int, tuple[int, Path]] = {}  # partition -> (map address, its data file)
         self.touched: dict[int, int] = {}
@@ -110,7 +95,7 @@ class MappedPages:
                 return
             if self.madvise(address, length, MADV_DONTNEED) != 0:
                 log.warning("aggregate.local_store_release_failed", partition=partition, path=str(data_file),
-                            error=os.strerror(ctypes.get_errno()))
+                            error=libc.errno_text())
                 self.maps.pop(partition, None)  # not tried again until reopened
                 return
             self.releases += 1
