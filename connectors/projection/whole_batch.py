@@ -103,10 +103,9 @@ class WholeReader(BatchReader):
         if body is None:
             return False
         try:
-            key = self.key(body)
-        except MappingError:
-            return False
-        if not self.collapse.add(body, key, topic, partition):
+            if not self.collapse.add(body, self.key(body), topic, partition):
+                return False
+        except (MappingError, TypeError):  # TypeError: a key value that is no dict key; the usual way decides
             return False
         self.msgs.append(m)
         run = self.run
