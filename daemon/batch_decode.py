@@ -68,7 +68,7 @@ def _loop(msgs: list[Message], intake: Intake, task: SinkTask, reporter: ErrantR
     seen, counted, dead_at, skipped_at = out.seen, out.counted, out.dead_at, out.skipped_at
     if reader is None:
         intake.prefetch(msgs)
-    tp, last_topic, last_part, run = None, None, -1, 0
+    tp, last_topic, last_part, run, offset = None, None, -1, 0, -1
     yield_point = task.yield_point
     for i, m in enumerate(msgs):
         if not i & YIELD_EVERY_MASK:
@@ -79,13 +79,14 @@ def _loop(msgs: list[Message], intake: Intake, task: SinkTask, reporter: ErrantR
                 return None
             consumer_error(err)  # a fatal one ends the run before this batch is committed
             continue
-        topic, part, offset = m.topic(), m.partition(), m.offset()
-        if part != last_part or topic != last_topic:  # records come in runs per partition: counted per run
-            if tp is not None:
+        topic, part = m.topic(), m.partition()
+        if part != last_part or topic != last_topic:  # records come in runs per partition: counted per run, and
+            if tp is not None:  # `seen` is the run's last offset + 1 (a partition's offsets rise along a batch)
                 counted[tp] = counted.get(tp, 0) + run
+                seen[tp] = offset + 1
             tp, last_topic, last_part, run = TopicPartition(topic, part), topic, part, 0
         assert tp is not None
-        seen[tp] = offset + 1
+        offset = m.offset()
         run += 1
         if reader is not None:
             if not reader.take(m, topic, part, offset):
@@ -111,6 +112,7 @@ def _loop(msgs: list[Message], intake: Intake, task: SinkTask, reporter: ErrantR
         records.append(record)
     if tp is not None:
         counted[tp] = counted.get(tp, 0) + run
+        seen[tp] = offset + 1
     if reader is not None:
         out.records, out.times = reader.records(), reader.event_times()
     return out
