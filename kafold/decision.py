@@ -7,15 +7,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from kafold.domain import AggregateDomain, InvalidCommand, InvalidEvent, UnreadableEvent
-from kafold.envelope import Event, Headers, derive_event_id, encode
+from kafold.envelope import Headers, derive_event_id, encode_new
 from kafold.errors import FatalError, RecordError
 from kafold.fold import domain_event, fields
+from kafold.frozen import quick_init
 from kafold.stages import Stage, deciding_reason
 
 Encoded = tuple[bytes, bytes, Headers]
 
 
-@dataclass(frozen=True)
+@quick_init
+@dataclass(frozen=True, slots=True)
 class Decided:
     """What deciding one command gave. Accepted: `events` as written (key, value, headers) and `state`/`version`
     after them. Rejected: `reason`, and `error` when the rejection is a defect of the client or the domain (an
@@ -38,7 +40,9 @@ def event_ids(command_id: str, version_before: int, n: int) -> tuple[str, ...]:
     """The ids of the `n` events a command decided at `version_before` writes: `derive_event_id(command_id, v)`
     with v = each event's version - 1. Deterministic for a re-decision after a crash (same state, same version),
     and distinct for a retry decided again after the window (a later version), so no id is ever written twice."""
-    return tuple(derive_event_id(command_id, version_before + i) for i in range(n))
+    if n == 1:  # the common case, without a generator
+        return (derive_event_id(command_id, version_before),)
+    return tuple([derive_event_id(command_id, version_before + i) for i in range(n)])
 
 
 def decide(domain: AggregateDomain, command_type: str, data: dict[str, Any], aggregate_id: str, state: Any,
@@ -67,13 +71,17 @@ def decide(domain: AggregateDomain, command_type: str, data: dict[str, Any], agg
     newest = codec.upcaster.version_of  # decide writes every type at its newest schema version
     events: list[Encoded] = []
     after = state
+    protector = domain.protector
+    correlation = correlation_id or command_id
     try:
         for i, ev in enumerate(decided):
             type_name, payload, as_is = codec.written(ev)
-            if domain.protector is not None:  # personal data leaves only encrypted (kafold.protect)
-                payload = domain.protector.seal(domain.name, type_name, aggregate_id, payload)
-            written = encode(Event(ids[i], type_name, domain.name, aggregate_id, version + i + 1, at,
-                                   correlation_id or command_id, payload, newest(type_name), command_id))
+            if protector is not None:  # personal data leaves only encrypted (kafold.protect)
+                payload = protector.seal(domain.name, type_name, aggregate_id, payload)
+            # the bytes of encode(Event(...)), without the Event (envelope.encode_new); a flat payload (as_is)
+            # sealed may nest (the protector's envelope), so it is walked then
+            written = encode_new(ids[i], type_name, domain.name, aggregate_id, version + i + 1, at, correlation,
+                                 payload, newest(type_name), command_id, flat=as_is and protector is None)
             # Live = replay: evolve the event as every reader will read it back from these bytes, not the object
             # decide returned (a tuple would stay a tuple here and come back a list from JSON), unless the codec
             # proves them equal (flat scalar fields of exactly their types: the common case, without a decode).

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 from msgspec import inspect as mi
 
-from kafold import upcast
+from kafold import state_json, upcast
 from kafold.codec import Codec, InvalidCommand, InvalidEvent, UnreadableEvent, check_class
 from kafold.config import AggregateConfig, FoldErrorPolicy
 from kafold.errors import ConfigError, KafoldError
@@ -103,8 +103,11 @@ class AggregateDomain:
             problems = check_class(type(sample), f"{where}: the state")
             if problems:
                 raise ConfigError(problems)
-        to_json = to_json or default_state_to_json
-        from_json = getattr(ev_mod, "state_from_json", None) or default_state_from_json(sample)
+        from_json = getattr(ev_mod, "state_from_json", None)
+        # a dataclass state: its fields' types, a datetime's zone included (not built when the module has both)
+        form = state_json.for_sample(sample) if to_json is None or from_json is None else None
+        to_json = to_json or (form.to_json if form else default_state_to_json)
+        from_json = from_json or (form.from_json if form else lambda data: data)
         # Refuses a field that would not read back, and an upcaster chain with a gap.
         codec = Codec(agg.name, event_types, command_types, upcast.build(agg.upcasters, f"aggregate {agg.name!r}"))
         printed = agg.fingerprint or fingerprint(evolve, codec, sample, agg.state_schema_version)
@@ -140,14 +143,6 @@ def _source(obj: Any) -> str:
 
 
 def default_state_to_json(state: Any) -> Any:
-    """A state as JSON-ready builtins (msgspec: a dataclass as a dict of its fields, a datetime as ISO text, a
-    tuple as an array, ...); `default_state_from_json` reads it back as the same types."""
+    """A state that is not a dataclass as JSON-ready builtins (msgspec: a datetime as ISO text, a tuple as an array,
+    ...); read back as is. A dataclass state goes through kafold.state_json, which reads back its fields' types."""
     return msgspec.to_builtins(state, str_keys=True)
-
-
-def default_state_from_json(sample: Any) -> Callable[[Any], Any]:
-    """A dataclass state read back with its fields' declared types (the codec's rules); anything else as is."""
-    if dataclasses.is_dataclass(sample) and not isinstance(sample, type):
-        state_cls = type(sample)
-        return lambda data: msgspec.convert(data, state_cls)
-    return lambda data: data

@@ -40,14 +40,17 @@ KAFOLD_NAMESPACE = uuid.UUID("6b1f3c2e-8a4d-5e7f-9c0b-1d2e3f4a5b6c")
 Headers = list[tuple[str, str | bytes | None]]  # the shape confluent-kafka produces and consumes
 
 
+_VARIANT = "89ab" * 4  # a hex digit with its two high bits set to 10 (RFC 4122's variant), by the digit
+_KAFOLD_PREFIX = KAFOLD_NAMESPACE.bytes  # read once: UUID.bytes converts at each call
+
+
 def uuid5(namespace: uuid.UUID, name: str) -> str:
-    """str(uuid.uuid5(namespace, name)), computed without uuid.UUID objects (~3x faster; derived ids are made per
-    event on hot paths; tests/core/test_envelope.py pins the equality)."""
-    h = bytearray(hashlib.sha1(namespace.bytes + name.encode()).digest()[:16])
-    h[6] = (h[6] & 0x0F) | 0x50  # version 5
-    h[8] = (h[8] & 0x3F) | 0x80  # RFC 4122 variant
-    x = h.hex()
-    return f"{x[:8]}-{x[8:12]}-{x[12:16]}-{x[16:20]}-{x[20:]}"
+    """str(uuid.uuid5(namespace, name)), computed without uuid.UUID objects (~4x faster; derived ids are made per
+    event on hot paths; tests/core/test_envelope.py pins the equality): the SHA-1's first 16 bytes in hex, the
+    version digit (13th) set to 5 and the variant bits in the 17th."""
+    prefix = _KAFOLD_PREFIX if namespace is KAFOLD_NAMESPACE else namespace.bytes
+    x = hashlib.sha1(prefix + name.encode()).hexdigest()
+    return f"{x[:8]}-{x[8:12]}-5{x[13:16]}-{_VARIANT[int(x[16], 16)]}{x[17:20]}-{x[20:32]}"
 
 
 def derive_event_id(command_id: str, index: int) -> str:
@@ -79,11 +82,16 @@ def epoch_ms(iso: str) -> int:
 
 
 _LAST_SECOND: list[tuple[int, str]] = [(-1, "")]  # one (second, text up to it) pair, swapped whole: thread-safe
+_LAST_MS: list[tuple[int, str]] = [(-1, "")]  # the last answer, (ms, text), swapped whole: thread-safe
 
 
 def format_epoch_ms(ms: int) -> str:
     """Epoch milliseconds as an envelope time (what `format_time` writes for that instant, ~10x faster): the
-    runtime spells a time per command and converters one per record, and neighbours share their second."""
+    runtime spells a time per command and converters one per record, and neighbours share their second (commands
+    produced together often their millisecond: the last answer is kept)."""
+    last_ms = _LAST_MS[0]
+    if last_ms[0] == ms:
+        return last_ms[1]
     seconds, milli = divmod(ms, 1000)
     last = _LAST_SECOND[0]
     if last[0] != seconds:
@@ -91,7 +99,9 @@ def format_epoch_ms(ms: int) -> str:
         last = (seconds, f"{t.tm_year:04d}-{t.tm_mon:02d}-{t.tm_mday:02d}T{t.tm_hour:02d}:{t.tm_min:02d}:"
                          f"{t.tm_sec:02d}.")
         _LAST_SECOND[0] = last
-    return f"{last[1]}{milli:03d}000Z"
+    text = f"{last[1]}{milli:03d}000Z"
+    _LAST_MS[0] = (ms, text)
+    return text
 
 
 def format_time(moment: datetime) -> str:
@@ -219,10 +229,12 @@ def _parses(at: str) -> bool:
     return True
 
 
-def _rule(name: str, kind: Kind, optional: bool) -> str:
-    """A field's rule as an expression on `e` (an optional id may be None)."""
-    rule = kind.value[2].format(v=f"e.{name}")
-    return f"(e.{name} is None or ({rule}))" if optional and kind is Kind.ID else f"({rule})"
+def _rule(name: str, kind: Kind, optional: bool, *, bare: bool = False) -> str:
+    """A field's rule as an expression on `e.<name>`, or on the variable `name` itself when `bare` (an optional id
+    may be None)."""
+    v = name if bare else f"e.{name}"
+    rule = kind.value[2].format(v=v)
+    return f"({v} is None or ({rule}))" if optional and kind is Kind.ID else f"({rule})"
 _REQUIRED_SET = frozenset(_REQUIRED)
 _FIELDS = frozenset(NAMES)
 # A wire default is the dataclass default of an optional field (payload's default is for `Event(...)` in code only).
@@ -253,6 +265,15 @@ _valid = _compiled("def f(e):\n    return " + " and ".join(_rule(*check) for che
 # `_as_dict(event)`: the body's fields in schema order (a dict literal: twice as fast as orjson's own dataclass path)
 _as_dict = _compiled("def f(e):\n    return {" + ", ".join(f"{n!r}: e.{n}" for n in NAMES) + "}\n")
 
+# `_checked_body(*fields)`: the body of the Event these fields (in schema order) make, when every field passes its
+# check; None on any doubt (Event(...) then names the defect). `_valid`'s rules, on the arguments themselves.
+_checked_body = _compiled(
+    "def f(" + ", ".join(f"v{i}" for i in range(len(NAMES))) + "):\n"
+    "    if not (" + " and ".join(_rule(f"v{i}", kind, optional, bare=True) for i, (_, kind, optional)
+                             in enumerate(_RULES)) + "):\n        return None\n"
+    "    return {" + ", ".join(f"{n!r}: v{i}" for i, n in enumerate(NAMES)) + "}\n",
+    parses=_parses, MAX_ID_CHARS=MAX_ID_CHARS, COUNT_MAX=COUNT_MAX)
+
 
 def _struct(name: str, lenient: bool) -> type[msgspec.Struct]:
     """The envelope as a msgspec struct: strict (decode's fast path: every rule of `Event`'s checks but the time's,
@@ -282,19 +303,42 @@ _LENIENT = msgspec.json.Decoder(_struct("LenientBody", lenient=True))
 def encode(event: Event, *, max_bytes: int = MAX_BYTES,
            max_depth: int = MAX_DEPTH) -> tuple[bytes, bytes, Headers]:
     """(key, value, headers) for producing `event`; refuses what `decode` would refuse (FatalError)."""
+    return _record(_as_dict(event), event.event_id, event.type, event.aggregate_type, event.aggregate_id,
+                   event.version, event.payload, max_bytes, max_depth)
+
+
+def encode_new(event_id: str, type: str, aggregate_type: str, aggregate_id: str, version: int, occurred_at: str,
+               correlation_id: str, payload: dict[str, Any], schema_version: int = 1, causation_id: str | None = None,
+               *, flat: bool = False) -> tuple[bytes, bytes, Headers]:
+    """`encode(Event(event_id, ...))`, the same bytes, without building the Event (a frozen dataclass's
+    construction cost as much as the encoding: the runtime writes one per decided event). Invalid fields raise
+    as `Event(...)` does (ValueError naming the field), a payload `encode` refuses raises FatalError. `flat`: the
+    payload is known to hold no dict or list (the codec's flat classes), so its nesting is not walked."""
+    body = _checked_body(event_id, type, aggregate_type, aggregate_id, version, occurred_at, correlation_id, payload,
+                         schema_version, causation_id)
+    if body is None:  # some field is wrong: the Event's own checks name it
+        return encode(Event(event_id, type, aggregate_type, aggregate_id, version, occurred_at, correlation_id,
+                            payload, schema_version, causation_id))
+    return _record(body, event_id, type, aggregate_type, aggregate_id, version, None if flat else payload,
+                   MAX_BYTES, MAX_DEPTH)
+
+
+def _record(body: dict[str, Any], event_id: str, type: str, aggregate_type: str, aggregate_id: str, version: int,
+            payload: dict[str, Any] | None, max_bytes: int, max_depth: int) -> tuple[bytes, bytes, Headers]:
+    """(key, value, headers) of a valid event's `body`; `payload` None: known flat, its nesting not walked."""
     try:
-        value = body_json(event)
+        value = orjson.dumps(body)
     except orjson.JSONEncodeError as e:
-        raise FatalError(f"event {event.event_id}: payload is not JSON-serializable: {e}") from e
+        raise FatalError(f"event {event_id}: payload is not JSON-serializable: {e}") from e
     if len(value) > max_bytes:
-        raise FatalError(f"event {event.event_id}: encoded size {len(value)} exceeds {max_bytes} bytes")
-    if _nesting(event.payload, 1, max_depth)[0] > max_depth:
-        raise FatalError(f"event {event.event_id}: payload nests deeper than {max_depth} levels")
+        raise FatalError(f"event {event_id}: encoded size {len(value)} exceeds {max_bytes} bytes")
+    if payload is not None and _nesting(payload, 1, max_depth)[0] > max_depth:
+        raise FatalError(f"event {event_id}: payload nests deeper than {max_depth} levels")
     headers: Headers = [
-        (H_TYPE, event.type.encode()), (H_ID, event.event_id.encode()),
-        (H_VERSION, str(event.version).encode()), (H_AGGREGATE, event.aggregate_type.encode()),
+        (H_TYPE, type.encode()), (H_ID, event_id.encode()),
+        (H_VERSION, str(version).encode()), (H_AGGREGATE, aggregate_type.encode()),
     ]
-    return event.aggregate_id.encode(), value, headers
+    return aggregate_id.encode(), value, headers
 
 
 def body_json(event: Event) -> bytes:

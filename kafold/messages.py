@@ -12,6 +12,7 @@ import orjson
 
 from kafold.envelope import MAX_BYTES, MAX_ID_CHARS, Headers, utc_now
 from kafold.errors import DecodeError
+from kafold.frozen import quick_init
 
 H_COMMAND_TYPE = "kafold-command-type"
 H_COMMAND_ID = "kafold-command-id"
@@ -22,6 +23,7 @@ _COMMAND_FIELDS = frozenset({"command_id", "type", "aggregate_type", "aggregate_
                              "correlation_id", "issued_at"})
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Command:
     """A request to an aggregate. Key = aggregate id; `expected_version` None = no concurrency check."""
@@ -74,9 +76,11 @@ def decode_command(key: bytes | None, value: bytes | None, *, raw: Any = None) -
         cid, type_, aid, data = body["command_id"], body["type"], body["aggregate_id"], body["data"]
     except KeyError as e:
         raise _bad(raw, f"{e.args[0]}: missing", "missing-field") from None
-    for name, v in (("command_id", cid), ("type", type_), ("aggregate_id", aid)):
-        if type(v) is not str or not v or len(v) > MAX_ID_CHARS:
-            raise _bad(raw, f"{name}: expected a string of 1..{MAX_ID_CHARS} characters", "wrong-type")
+    if not (type(cid) is str and type(type_) is str and type(aid) is str  # one test for the common case
+            and 0 < len(cid) <= MAX_ID_CHARS and 0 < len(type_) <= MAX_ID_CHARS and 0 < len(aid) <= MAX_ID_CHARS):
+        for name, v in (("command_id", cid), ("type", type_), ("aggregate_id", aid)):  # the first wrong one, named
+            if type(v) is not str or not v or len(v) > MAX_ID_CHARS:
+                raise _bad(raw, f"{name}: expected a string of 1..{MAX_ID_CHARS} characters", "wrong-type")
     if type(data) is not dict:
         raise _bad(raw, "data: expected a JSON object", "wrong-type")
     ev = body.get("expected_version")
@@ -90,6 +94,7 @@ def decode_command(key: bytes | None, value: bytes | None, *, raw: Any = None) -
     return Command(cid, type_, aid, data, agg_type, ev, corr, at)
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Result:
     """What became of a command: accepted (new version, event ids) or rejected (reason; version = current)."""
@@ -114,9 +119,10 @@ class Result:
 
     def encode(self, token: str | None = None) -> tuple[bytes, bytes, Headers]:
         """Key, value, headers; `token` given: written instead of `self.token` (the runtime learns it only at
-        commit, and a copy of the result per command would cost more than the token itself)."""
+        commit, and a copy of the result per command would cost more than the token itself). `event_ids` is a tuple:
+        orjson writes it as the JSON array a list gives."""
         body = {"command_id": self.command_id, "aggregate_id": self.aggregate_id, "status": self.status,
-                "version": self.version, "event_ids": list(self.event_ids), "reason": self.reason,
+                "version": self.version, "event_ids": self.event_ids, "reason": self.reason,
                 "correlation_id": self.correlation_id, "duplicate": self.duplicate, "at": self.at,
                 "token": self.token if token is None else token}
         return self.aggregate_id.encode(), orjson.dumps(body), [(H_COMMAND_ID, self.command_id.encode())]

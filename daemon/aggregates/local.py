@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import msgspec
 import orjson
 
 from kafold import logs
@@ -80,6 +81,9 @@ log = logs.get(__name__)
 MAP_SIZE = 1 << 36  # 64 GiB
 SWEEP_MAX = 10_000  # expired window outcomes deleted per committed batch at most (the rest on the next ones)
 META, STATE, OUTCOME, EXPIRY = b"m", b"s", b"w", b"x"
+# A state record's JSON: msgspec's, which writes and reads back an int of any size (orjson refuses one past 64 bits
+# and reads it back as a float); as fast, and it reads the records orjson wrote.
+_STATE_JSON, _STATE_READ = msgspec.json.Encoder(), msgspec.json.Decoder()
 
 
 def _sealed(body: bytes) -> bytes:
@@ -250,7 +254,7 @@ class LocalStates:
         if value is None:
             return None
         self.reads += 1
-        version, state = orjson.loads(value)
+        version, state = _STATE_READ.decode(value)
         return Entry(self.domain.state_from_json(state), version, partition)
 
     def outcome(self, partition: int, aggregate_id: str, command_id: str) -> Remembered | None:
@@ -421,7 +425,7 @@ class LocalStates:
                    outcomes: list[tuple[str, str, Remembered]] | None, offset: int | None, cutoff: int | None,
                    results: int | None) -> int:
         """One LMDB transaction; the records it wrote."""
-        dumps, to_json, put_outcome = orjson.dumps, self.domain.state_to_json, self._put_outcome
+        dumps, to_json, put_outcome = _STATE_JSON.encode, self.domain.state_to_json, self._put_outcome
         written = 0
         with env.begin(write=True) as txn:
             put = txn.put

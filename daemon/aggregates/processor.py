@@ -14,7 +14,7 @@ from kafold.errors import RecordError
 from kafold.messages import ACCEPTED, REJECTED, Command, Result
 
 
-@dataclass
+@dataclass(slots=True)
 class Handled:
     """What handling a command produced. `error` set = the command is also dead-lettered (a client or domain
     defect, not a business rejection). `state`/`version` are the entry's values after the command. `remember`:

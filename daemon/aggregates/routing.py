@@ -29,7 +29,6 @@ sends nothing on and redirects nowhere: it answers 503 for keys it does not own.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import socket
 import ssl
 import threading
@@ -48,6 +47,7 @@ from kafold.config import DaemonConfig, KafkaConfig, StateRouting
 from kafold.daemon.aggregates import trust
 from kafold.daemon.aggregates.gate import PartitionGate
 from kafold.daemon.aggregates.trust import InstanceKey, Peer
+from kafold.domain import AggregateDomain
 from kafold.partitioning import partition_for
 
 if TYPE_CHECKING:
@@ -70,6 +70,7 @@ class ServesState(Protocol):
     group_id: str
     topics: dict[str, str]
     gates: dict[int, PartitionGate]
+    domain: AggregateDomain
 
     def get(self, aggregate_id: str) -> tuple[Any, int, str] | None: ...
 
@@ -333,9 +334,10 @@ class StateRouter:
                 return Answer.moving(f"partition {partition} of {slot.name} moved while it was read")
             if got is not None and (wait.min_version is None or got[1] >= wait.min_version):
                 state, version, source = got
+                # the state's one JSON form (`state get`, ?version=N, the snapshots): a datetime keeps its zone
                 return Answer(200, {"aggregate": slot.name, "id": aggregate_id, "version": version,
-                                    "state": _jsonable(state), "read_from": source, "partition": partition,
-                                    "served_by": self.url}, {})
+                                    "state": runtime.domain.state_to_json(state), "read_from": source,
+                                    "partition": partition, "served_by": self.url}, {})
             if wait.min_version is None:
                 return Answer.problem(404, f"Aggregate {slot.name}/{aggregate_id} not found")
             left = deadline - time.monotonic()
@@ -410,8 +412,3 @@ def _runtime(slot: AggregateSlot) -> ServesState:
     """The slot's runtime as built by `build_runtime` (daemon.tasks types it by the little the host needs)."""
     return cast(ServesState, slot.runtime)
 
-
-def _jsonable(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    return value

@@ -59,6 +59,7 @@ from kafold.daemon.aggregates.forgetting import Forgetting
 from kafold.daemon.aggregates.gate import PartitionGate
 from kafold.daemon.aggregates.heap import HeapTrim
 from kafold.daemon.aggregates.local import LocalStates, local_states
+from kafold.daemon.aggregates.startup import StartUp
 from kafold.daemon.aggregates.store import StateStore
 from kafold.daemon.aggregates.txn import ProducerBroken, TransactionalWriter
 from kafold.daemon.aggregates.window import Window
@@ -74,7 +75,7 @@ T = TypeVar("T")
 
 ASSIGN_RETRY_S = 120.0  # well under the default rebalance timeout (max.poll.interval.ms, 300 s)
 START_RETRY_S = 120.0  # a broker's restart or a controller election, several times over
-HOLD_POLL_S = 0.05  # while deciding is held (decide_after), between two polls
+HOLD_POLL_S = 0.05  # while deciding is held (startup.py's HOLDING), between two polls
 # librdkafka's prefetch queue of commands: ~12k commands, 6 batches of 2,000 ahead (its default, 64 MB, held a backlog
 # in each worker's memory; 16 MB kept ~50k, for no throughput measured: docs/benchmarks.md, issue 56)
 COMMAND_PREFETCH_KBYTES = 4096
@@ -92,15 +93,12 @@ class AggregateRuntime(LoopHandler):
     def __init__(self, kafka: KafkaConfig, daemon: DaemonConfig, agg: AggregateConfig, domain: AggregateDomain,
                  *, instance_id: str, restorer: recovery.Restorer | None = None,
                  stop: threading.Event | None = None, consumer_extra: dict[str, Any] | None = None,
-                 before_join: Callable[[], None] | None = None, decide_after: threading.Event | None = None,
-                 after_batch: Callable[[], None] | None = None) -> None:
+                 startup: StartUp | None = None, after_batch: Callable[[], None] | None = None) -> None:
         self.kafka, self.daemon, self.agg, self.domain = kafka, daemon, agg, domain
-        # Called once the runtime is built (topics, producer, consumer), right before it joins the group: a worker
-        # process of one daemon waits there for its siblings (workers.py), so they join in one rebalance
-        self.before_join = before_join
-        # Set: commands may be decided. Unset, every batch fetched is sought back as a recovering partition's is: a
-        # worker process holds off until each of its siblings has its first assignment (workers.py)
-        self.decide_after = decide_after
+        # Its start beside the sibling worker processes of its daemon (startup.py): built, it waits to join the
+        # group with them; joined, every batch fetched is sought back (as a recovering partition's is) until it may
+        # decide. A runtime that is no worker decides from the start.
+        self.startup = startup or StartUp.without_siblings(agg.name)
         self.after_batch = after_batch  # called after each committed batch (a worker process reports its counts)
         self.restorer = restorer or recovery.FullReplay()
         self.stop_event = stop or threading.Event()
@@ -279,8 +277,7 @@ class AggregateRuntime(LoopHandler):
                                                        self.group_id, routing.InstanceKey.of(self.daemon)),
                  **self.consumer_extra}
         self.consumer = kafka_clients.consumer(self.kafka, self.group_id, **extra)
-        if self.before_join is not None:
-            self.before_join()
+        self.startup.built(self.stop_event)  # a worker: waits here to join the group with its siblings
         # A lost partition is released as a revoked one: its transaction's offsets were committed with it or not.
         self.loop.subscribe([self.topics["commands"]], self._on_assign, self._on_revoke, self._on_revoke)
         protector = self.domain.protector
@@ -325,7 +322,7 @@ class AggregateRuntime(LoopHandler):
         live: list[Any] = []
         rewind: dict[int, int] = {}
         refetched: dict[int, list[int]] = {}
-        held = self.decide_after is not None and not self.decide_after.is_set()
+        held = not self.startup.may_decide()
         for m in msgs:
             if m.error() is not None:
                 self.loop.consumer_error(m.error())  # a fatal one ends the run before anything is decided
@@ -347,8 +344,8 @@ class AggregateRuntime(LoopHandler):
             self.counts["refetched"] += len(skipped)
             self.log.warning("aggregate.refetched_skipped", partition=n, first=skipped[0], last=skipped[-1],
                              records=len(skipped), position=self.positions[n])
-        if held and self.decide_after is not None:
-            self.decide_after.wait(HOLD_POLL_S)  # not a busy loop of fetches sought back
+        if held:
+            self.startup.may_decide(HOLD_POLL_S)  # not a busy loop of fetches sought back
         if not live:
             return
         decoded = [decode(m) for m in live]

@@ -4,9 +4,10 @@ Each worker is a child interpreter (started as the sink task processes are: daem
 runs a whole `AggregateRuntime` in the aggregate's one consumer group, so the commands partitions split between the
 workers exactly as between daemons, each with its catch-up gates and its local state stores (`state_dir`: one
 folder per partition, so a partition moving to another worker of the host opens the store its last owner sealed).
-Started together, the workers join the group together (each waits, built, for the others: `_joins`) and decide
-only once each has had its first assignment (`_merge`), so no partition is decided by one right after the start and
-moved to another at once (its new owner would replay it). The parent keeps `AggregateWorkers`, the view the daemon
+Started together, the workers go through one start-up (startup.py: its phases and its one deadline): they join the
+group together (each waits, built, for the others: `_joins`) and decide only once each has had its first assignment
+(`_merge`), so no partition is decided by one right after the start and moved to another at once (its new owner
+would replay it). The parent keeps `AggregateWorkers`, the view the daemon
 reads (gates, counts, readiness, figures: reported after every batch and at least every STATUS_INTERVAL_S) and
 the reads it serves (`get`: asked of the worker that holds the partition, over the pipe).
 
@@ -35,6 +36,7 @@ from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig, TracingCon
 from kafold.daemon.aggregates.gate import PartitionGate
 from kafold.daemon.aggregates.restorer import SnapshotRestorer
 from kafold.daemon.aggregates.runtime import AggregateRuntime
+from kafold.daemon.aggregates.startup import Phase, StartUp
 from kafold.daemon.task_process import STATUS_INTERVAL_S, serve_parent, start_child
 from kafold.domain import AggregateDomain
 from kafold.errors import FatalError
@@ -42,8 +44,6 @@ from kafold.partitioning import partition_for
 
 log = logs.get(__name__)
 
-JOIN_WAIT_S = 30.0  # a worker built waits this long at most for its siblings before it joins the group alone
-HOLD_MAX_S = 10.0  # a worker joined decides after this long at most, whether each sibling has joined or not
 READ_TIMEOUT_S = 10.0  # a read asked of a worker that does not answer in this time is answered "unknown here"
 RESTART_DELAY_S = 1.0  # before a dead worker is started again
 
@@ -86,9 +86,9 @@ class Worker:
 
     def __init__(self, index: int, spec: WorkerSpec, on_report: Any, on_joining: Any) -> None:
         self.index, self.spec, self.on_report, self.on_joining = index, spec, on_report, on_joining
-        # at the join barrier (built, waiting to join the group); joined: let through it (AggregateWorkers._joins)
-        self.waiting = self.joined = False
-        self.deciding = False  # told it may decide (AggregateWorkers._merge)
+        # Its start as the parent knows it (startup.py): JOINING once it said it is built, HOLDING once let into the
+        # group (AggregateWorkers._joins), DECIDING once told it may decide (_merge)
+        self.phase = Phase.BUILDING
         self.report = WorkerReport()
         self.counted: dict[str, int] = {}  # counts of the worker's earlier processes (a counter never goes back)
         self.restarts = 0
@@ -155,7 +155,8 @@ class Worker:
         with self.lock:
             self.conn = conn
         self.alive = True
-        self.report_seen = self.waiting = self.joined = self.deciding = False
+        self.report_seen = False
+        self.phase = Phase.BUILDING
         if self.stopping.is_set():
             self.send(("stop",))
         log.info("aggregate.worker_started", aggregate=self.spec.agg.name, worker=self.index, pid=self.pid,
@@ -184,10 +185,10 @@ class Worker:
         return final
 
     def apply(self, message: dict[str, Any]) -> bool:
-        """A message of the worker process: its arrival at the join barrier, a read's answer, or a report (True: its
+        """A message of the worker process: built (its start at JOINING), a read's answer, or a report (True: its
         last one)."""
         if "joining" in message:
-            self.waiting = True
+            self.phase = max(self.phase, Phase.JOINING)
             self.on_joining()
             return False
         if "reply" in message:
@@ -292,30 +293,25 @@ class AggregateWorkers:
                 w.thread.join(max(0.0, grace - time.monotonic()))
 
     def _joins(self) -> None:
-        """Let the workers waiting at the join barrier into the group once every worker is built (waiting, or
-        through already: a worker started again joins at once). Started together, they then join in one rebalance:
-        otherwise the first one built takes every partition and decides on them until the next one's join moves
-        half of them away, whose new owner replays what was just decided (with group.initial.rebalance.delay.ms 0;
-        Kafka's default 3 s delay hides it, but only within those 3 s)."""
+        """Let the workers at JOINING into the group once every worker is built (at JOINING, or past it: a worker
+        started again joins at once), so that they join in one rebalance (startup.py)."""
         with self.lock:
-            if not all(w.waiting or w.joined for w in self.workers):
+            if not all(w.phase >= Phase.JOINING for w in self.workers):
                 return
             for w in self.workers:
-                if w.waiting:
-                    w.waiting, w.joined = False, True
+                if w.phase is Phase.JOINING:
+                    w.phase = Phase.HOLDING
                     w.send(("join",))
 
     def _merge(self, worker: Worker) -> None:
         """A worker's report into the merged gates: its partitions' gates, the ones it gave up removed. Once every
-        worker has had its first assignment, each is told it may decide: until then a worker decides nothing, so the
-        first one joined does not decide on partitions the next one's join takes away at once (their new owner would
-        replay what was just decided, the group paused meanwhile; seen with group.initial.rebalance.delay.ms 0,
-        where the first member's generation completes before its sibling's JoinGroup arrives)."""
+        worker has had its first assignment, each is told it may decide (startup.py: HOLDING until then, so no
+        partition is decided right before the next sibling's join moves it)."""
         with self.lock:
             if all(w.report.joined for w in self.workers):
                 for w in self.workers:
-                    if not w.deciding and w.send(("decide",)):
-                        w.deciding = True
+                    if w.phase < Phase.DECIDING and w.send(("decide",)):
+                        w.phase = Phase.DECIDING
             held = {g.partition: g for g in worker.report.gates}
             for n, owner in list(self.owners.items()):
                 if owner is worker and n not in held:
@@ -338,28 +334,15 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
     protector = protect.build_setup(spec.protect) if spec.protect is not None else None
     domain = AggregateDomain.load(spec.agg, spec.daemon.python_path, spec.base).protected(protector)
     send_lock = threading.Lock()
-    join, decide = threading.Event(), threading.Event()
 
     def send(message: dict[str, Any]) -> None:
         with send_lock:
             conn.send(message)
 
-    def before_join() -> None:
-        """The join barrier (AggregateWorkers._joins): built; wait for the parent's word, a stop, or JOIN_WAIT_S."""
-        send({"joining": True})
-        deadline = time.monotonic() + JOIN_WAIT_S
-        while not join.wait(0.05) and not runtime.stop_event.is_set():
-            if time.monotonic() > deadline:
-                log.warning("aggregate.worker_joining_alone", aggregate=spec.agg.name, waited_s=JOIN_WAIT_S)
-                break
-        holding = threading.Timer(HOLD_MAX_S, decide.set)  # a sibling that never joins holds no one for long
-        holding.daemon = True
-        holding.start()
-
+    startup = StartUp(spec.agg.name, announce=lambda: send({"joining": True}))  # the parent's words move it on
     runtime = AggregateRuntime(spec.kafka, spec.daemon, spec.agg, domain, instance_id=spec.instance_id,
                                restorer=SnapshotRestorer(spec.kafka, spec.agg, domain),
-                               consumer_extra=spec.consumer_extra, before_join=before_join, decide_after=decide,
-                               after_batch=lambda: report(False))
+                               consumer_extra=spec.consumer_extra, startup=startup, after_batch=lambda: report(False))
 
     def report(final: bool = False) -> None:
         error = runtime.error
@@ -376,6 +359,6 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
     # SIGTERM and SIGINT sent to the worker itself, and a parent gone: the graceful stop, as the daemon's (its
     # batch's transaction ends, its partitions are released)
     serve_parent(conn, name=f"kafold-aggregate-{spec.agg.name}", run=run, stop=runtime.stop,
-                 handlers={"forget": runtime.forget, "join": join.set, "decide": decide.set,
+                 handlers={"forget": runtime.forget, "join": startup.let_join, "decide": startup.let_decide,
                            "get": lambda n, aggregate_id: send({"reply": n, "got": runtime.get(aggregate_id)})},
                  report=report, failed=lambda: runtime.error is not None)

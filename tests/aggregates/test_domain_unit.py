@@ -219,10 +219,17 @@ def test_result_round_trip() -> None:
 def test_fast_event_id_equals_the_uuid5_derivation() -> None:
     import uuid
 
-    from kafold.envelope import KAFOLD_NAMESPACE
+    from kafold.envelope import KAFOLD_NAMESPACE, uuid5
 
     for cid, i in (("c1", 0), ("a/b", 3), ("ünï", 12), ("x" * 256, 0)):
         assert derive_event_id(cid, i) == str(uuid.uuid5(KAFOLD_NAMESPACE, f"{cid}/{i}"))
+    # every value of the digit that carries the variant bits, and another namespace than kafold's
+    ids = [derive_event_id(f"cmd-{n}", n % 5) for n in range(400)]
+    assert ids == [str(uuid.uuid5(KAFOLD_NAMESPACE, f"cmd-{n}/{n % 5}")) for n in range(400)]
+    assert {str(uuid.uuid5(KAFOLD_NAMESPACE, f"cmd-{n}/{n % 5}")).replace("-", "")[16] for n in range(400)} == \
+        set("89ab")
+    other = uuid.UUID("6f1c3b0e-5b8a-4f0e-9a55-6b6166f1d000")
+    assert [uuid5(other, f"t/0/{n}") for n in range(100)] == [str(uuid.uuid5(other, f"t/0/{n}")) for n in range(100)]
 
 
 class _Msg:

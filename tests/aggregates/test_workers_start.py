@@ -1,8 +1,10 @@
 """A daemon's worker processes start together: none joins the group before every one is built, none decides before
-every one has had its first assignment (AggregateWorkers._joins, _merge). The parent's side, over real pipes."""
+every one has had its first assignment (AggregateWorkers._joins, _merge). The parent's side, over real pipes; a
+worker's side (startup.StartUp): its phases, moved on by the parent's words or its one deadline."""
 
 from __future__ import annotations
 
+import threading
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -10,6 +12,7 @@ from typing import Any
 
 from kafold.config import DaemonConfig, KafkaConfig
 from kafold.daemon.aggregates import AggregateWorkers
+from kafold.daemon.aggregates.startup import Phase, StartUp
 from tests.aggregates.agg_support import BANK, bank_config
 
 
@@ -47,7 +50,7 @@ def test_no_worker_joins_before_every_worker_is_built() -> None:
     third.apply({"joining": True})
     assert [received(e) for e in ends] == [[("join",)]] * 3
     # started again (its predecessor died): the others are through, so it joins at once
-    third.joined = third.waiting = False
+    third.phase = Phase.BUILDING
     third.apply({"joining": True})
     assert [received(e) for e in ends] == [[], [], [("join",)]]
 
@@ -62,3 +65,51 @@ def test_no_worker_decides_before_every_worker_has_its_first_assignment() -> Non
     assert [received(e) for e in ends] == [[("decide",)], [("decide",)]]
     first.apply(report(True))  # told once
     assert [received(e) for e in ends] == [[], []]
+
+
+def test_a_worker_waits_at_each_phase_for_the_parents_word() -> None:
+    announced: list[Phase] = []
+    startup = StartUp("start", announce=lambda: announced.append(startup.phase), wait_s=3600)
+    assert not startup.may_decide() and startup.phase is Phase.BUILDING
+    joined = threading.Event()
+    runtime = threading.Thread(target=lambda: (startup.built(threading.Event()), joined.set()))
+    runtime.start()
+    try:
+        assert not joined.wait(0.2)  # built, announced, waiting for the word to join
+        assert announced == [Phase.JOINING]
+        startup.let_join()
+        assert joined.wait(30)
+    finally:
+        startup.let_join()
+        runtime.join(30)
+    assert startup.phase is Phase.HOLDING and not startup.may_decide()
+    startup.let_join()  # a word repeated does not move a start back
+    assert startup.phase is Phase.HOLDING
+    startup.let_decide()
+    assert startup.may_decide() and startup.phase is Phase.DECIDING and not startup.alone
+    startup.let_join()
+    assert startup.phase is Phase.DECIDING
+
+
+def test_one_deadline_lets_a_worker_join_and_decide_without_its_siblings() -> None:
+    startup = StartUp("start", wait_s=0.0)  # every sibling late: the deadline is already past when it is built
+    startup.built(threading.Event())
+    assert startup.may_decide() and startup.alone and startup.phase is Phase.DECIDING
+    held = StartUp("start", wait_s=0.0)
+    held.deadline = None
+    held.let_join()  # in the group before its deadline is set: held, until the deadline (once built) passes
+    assert held.phase is Phase.HOLDING and not held.may_decide()
+    held.built(threading.Event())
+    assert held.phase is Phase.HOLDING  # let through already: built does not wait
+    assert held.may_decide() and held.alone
+
+
+def test_a_stop_ends_the_wait_to_join_and_a_runtime_without_siblings_decides_at_once() -> None:
+    stopping = threading.Event()
+    stopping.set()
+    startup = StartUp("start", wait_s=3600)
+    startup.built(stopping)  # returns: the runtime then stops
+    assert startup.phase is Phase.JOINING and not startup.may_decide()
+    alone = StartUp.without_siblings("start")
+    alone.built(threading.Event())
+    assert alone.may_decide() and not alone.alone

@@ -17,6 +17,7 @@ from kafold.envelope import (
     decode,
     derive_event_id,
     encode,
+    encode_new,
     peek_headers,
 )
 from kafold.errors import DecodeError, FatalError
@@ -247,6 +248,46 @@ def test_fast_path_takes_every_valid_event(event: Event) -> None:
     from kafold.envelope import _fast_body
 
     assert _fast_body(encode(event)[1]) == event  # None here would mean every record pays for the strict path
+
+
+def _fields(event: Event) -> list[Any]:
+    return [getattr(event, f.name) for f in dataclasses.fields(Event)]
+
+
+@given(event=events)
+def test_encode_new_writes_the_bytes_encode_writes(event: Event) -> None:
+    assert encode_new(*_fields(event)) == encode(event)
+    flat = {k: v for k, v in event.payload.items() if type(v) is not dict and type(v) is not list}
+    assert encode_new(*_fields(dataclasses.replace(event, payload=flat)), flat=True) == encode(
+        dataclasses.replace(event, payload=flat))
+
+
+@settings(max_examples=300)
+@given(name=st.sampled_from([f.name for f in dataclasses.fields(Event)]), value=_FIELD_VALUES)
+def test_encode_new_refuses_what_the_event_refuses_naming_the_same_field(name: str, value: Any) -> None:
+    fields = dict(zip([f.name for f in dataclasses.fields(Event)], _fields(sample()), strict=True))
+    fields[name] = value
+    try:
+        event = Event(*fields.values())
+    except ValueError as e:
+        with pytest.raises(ValueError) as raised:
+            encode_new(*fields.values())
+        assert str(raised.value) == str(e)
+        return
+    try:
+        expected = encode(event)
+    except FatalError as e:
+        with pytest.raises(FatalError) as refused:
+            encode_new(*fields.values())
+        assert str(refused.value) == str(e)
+        return
+    assert encode_new(*fields.values()) == expected
+
+
+def test_encode_new_refuses_a_deep_or_non_json_payload_as_encode_does() -> None:
+    for payload, match in ((BAD_DEEP["payload"], "deeper"), ({"n": 2**70}, "JSON")):
+        with pytest.raises(FatalError, match=match):
+            encode_new(*_fields(dataclasses.replace(sample(), payload=payload)))
 
 
 def test_epoch_ms_reads_envelope_times_and_repeats_the_last_answer() -> None:
