@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from kafold.connectors.api import SinkRecord, sink_record
 from kafold.connectors.convert.api import Converter
-from kafold.envelope import Event, checked_body, decode, reshaped
+from kafold.envelope import Event, decode, record_body, reshaped
 from kafold.errors import DecodeError, FatalError, RecordError, UnknownTypeError
 from kafold.kafka_message import Message
 from kafold.upcast import NONE, Upcaster, UpcastError
@@ -92,13 +92,13 @@ class Intake:
         return self.converter is None and self.decrypt is None
 
     def peek(self, m: Message) -> Any | None:
-        """The record's envelope body (envelope.checked_body: the fields its Event would hold, validated by the same
+        """The record's envelope body (envelope.record_body: the fields its Event would hold, validated by the same
         checks) when `record` would make its event straight from it: a `plain` intake, a valid envelope of a type the
         connector handles, no upcaster step for it. None otherwise: `record` then decides (and names any defect)."""
         if self.converter is not None or self.decrypt is not None:
             return None
         try:
-            body = checked_body(m.key(), m.value(), m.headers(), raw=m)
+            body = record_body(m.key(), m.value(), m.headers(), raw=m)
         except DecodeError:
             return None
         if body is None or not self.handles(body.type) or (self.steps is not None

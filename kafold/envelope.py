@@ -475,14 +475,14 @@ def adopt_payload(event: Event, payload: dict[str, Any]) -> Event:
 def decode(key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes | None]] | None, *,
            raw: Any = None, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH) -> Event:
     """The Event in a Kafka record; any defect raises DecodeError naming the field and carrying `raw`."""
-    body = checked_body(key, value, headers, raw=raw, max_bytes=max_bytes, max_depth=max_depth)
+    body = record_body(key, value, headers, raw=raw, max_bytes=max_bytes, max_depth=max_depth)
     if body is not None:
         return _build(body)
     event = _strict_body(value, raw, max_bytes)
     return _check_record(event, key, value, headers, raw, max_depth)  # type: ignore[arg-type]
 
 
-def checked_body(key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes | None]] | None, *,
+def record_body(key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes | None]] | None, *,
                  raw: Any = None, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH) -> Any | None:
     """`decode`'s fast path without the Event: the record's body (a msgspec struct with the Event's fields, the very
     values `decode`'s Event would hold) when the record is valid by every rule `decode` applies; None when the body

@@ -5,7 +5,7 @@ its first event, and per partition the offsets it covers. Decoding each record i
 keying, collapsing and reading the rows back out of them cost the runner's thread about as much again as the
 envelope's own parse (docs/benchmarks.md, issue 52). So the projection task offers the runner a reader
 (SinkTask.batch_reader) for a batch that may go that way: each record's envelope body is checked by the envelope's
-own fast-path checks (envelope.checked_body, through Intake.peek: the very rules `decode` applies, the very values its
+own fast-path checks (envelope.record_body, through Intake.peek: the very rules `decode` applies, the very values its
 Event would hold), keyed by the mapping, and collapsed by the rule WholeRows.plan applies (whole_rows.Collapse).
 Anything else (a record in doubt, of a type not made whole, a key the mapping refuses, a version going back, a record
 with a consumer error) ends the reading and the runner decodes the whole batch record by record as always, which

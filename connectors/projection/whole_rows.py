@@ -103,7 +103,7 @@ psycopg.adapters.register_dumper(Dumped, DumpedDumper)
 class Collapse:
     """A batch's whole-row events collapsed one at a time to the last row of each key: the one rule of this path, for
     a batch's candidates (`WholeRows.plan`) and for records read straight from Kafka (whole_batch.py). `add` takes an
-    Event or an envelope body (envelope.checked_body: the same fields, the same values)."""
+    Event or an envelope body (envelope.record_body: the same fields, the same values)."""
 
     __slots__ = ("applied", "first", "rows", "whole_row", "whole_types")
 
