@@ -28,6 +28,7 @@ from kafold.envelope import Event, encode
 
 if TYPE_CHECKING:
     from kafold.config import ConnectorConfig, KafkaConfig, PostgresConfig
+    from kafold.connectors.intake import Intake
     from kafold.protect import Protector
 
 C = TypeVar("C")
@@ -218,6 +219,27 @@ class SinkTaskContext(ABC):
         return {}
 
 
+class BatchReader(ABC):
+    """A task's reading of one batch straight from its Kafka records, without a SinkRecord (nor an Event) per record:
+    the runner offers it each record in order (`take`, after the record's error check and offset accounting) and
+    hands `records()` to `put`. Where `take` says False the reader is dropped and the whole batch is decoded again
+    record by record (`Intake.record`), which decides each record as always (dead letters, skips): so a reader takes
+    only records that path would turn into SinkRecords without a doubt, and its `records()` must give those very
+    SinkRecords when read one by one."""
+
+    @abstractmethod
+    def take(self, m: Any, topic: str, partition: int, offset: int) -> bool:
+        """Take the record `m` (a confluent-kafka Message) at these coordinates; False when it cannot."""
+
+    @abstractmethod
+    def records(self) -> Sequence[SinkRecord]:
+        """The batch taken, as `put` receives it."""
+
+    @abstractmethod
+    def event_times(self) -> dict[TopicPartition, int]:
+        """The event time (epoch ms) of the batch's last record per partition (what the runner's progress shows)."""
+
+
 class SinkTask(ABC):
     """Receives batches of decoded events from Kafka. Required: start, put, stop."""
 
@@ -247,6 +269,11 @@ class SinkTask(ABC):
     def handles(self, event_type: str) -> bool:
         """Whether this task wants `event_type`; other events follow the connector's `on_unknown_type`."""
         return True
+
+    def batch_reader(self, intake: Intake, size: int) -> BatchReader | None:
+        """A reader of the next batch (`size` records) straight from its records (BatchReader), or None (the
+        default): every record decoded by `intake`, one SinkRecord each."""
+        return None
 
     def on_dead_letter(self, record: Any, error: BaseException) -> None:
         """Told of each record the runner dead-lettered before `put` (undecodable, unknown type), after it was

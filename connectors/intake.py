@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from kafold.connectors.api import SinkRecord, sink_record
 from kafold.connectors.convert.api import Converter
-from kafold.envelope import Event, decode, reshaped
-from kafold.errors import FatalError, RecordError, UnknownTypeError
+from kafold.envelope import Event, decode, record_body, reshaped
+from kafold.errors import DecodeError, FatalError, RecordError, UnknownTypeError
 from kafold.kafka_message import Message
 from kafold.upcast import NONE, Upcaster, UpcastError
 
@@ -85,6 +85,26 @@ class Intake:
         fields are read (kafold.protect); nothing otherwise."""
         if self.protector is not None:
             self.protector.prefetch(m.key() for m in msgs)
+
+    @property
+    def plain(self) -> bool:
+        """Whether `peek` can take records: kafold's envelope, no protected fields to open."""
+        return self.converter is None and self.decrypt is None
+
+    def peek(self, m: Message) -> Any | None:
+        """The record's envelope body (envelope.record_body: the fields its Event would hold, validated by the same
+        checks) when `record` would make its event straight from it: a `plain` intake, a valid envelope of a type the
+        connector handles, no upcaster step for it. None otherwise: `record` then decides (and names any defect)."""
+        if self.converter is not None or self.decrypt is not None:
+            return None
+        try:
+            body = record_body(m.key(), m.value(), m.headers(), raw=m)
+        except DecodeError:
+            return None
+        if body is None or not self.handles(body.type) or (self.steps is not None
+                                                           and (body.type, body.schema_version) in self.steps):
+            return None
+        return body
 
     def record(self, m: Message, topic: str, partition: int, offset: int) -> SinkRecord | None:
         """A consumed message as the SinkRecord its task sees; None when skipped."""

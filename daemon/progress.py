@@ -26,6 +26,7 @@ from typing import Any
 from confluent_kafka import TopicPartition as KafkaTP
 
 from kafold.connectors.api import SinkRecord, TopicPartition
+from kafold.envelope import epoch_ms
 from kafold.kafka_message import Message
 
 OFFSET_INVALID = -1001
@@ -199,7 +200,7 @@ def last_event_times(records: Sequence[SinkRecord], msgs: Sequence[Message]) -> 
     last: dict[tuple[str, int], SinkRecord] = {}
     for r in records:  # keyed by a plain tuple: hashing TopicPartition per record cost ~30 ms per 5,000
         last[(r.topic, r.partition)] = r
-    out = {TopicPartition(*k): int(r.event.occurred_at_datetime.timestamp() * 1000) for k, r in last.items()}
+    out = {TopicPartition(*k): epoch_ms(r.event.occurred_at) for k, r in last.items()}  # as a BatchReader's
     if len(records) == len(msgs):
         return out  # every message became a record: no partition is left without an event time
     stamps: dict[tuple[str, int], int] = {}

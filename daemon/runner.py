@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from confluent_kafka import KafkaException
@@ -357,7 +357,7 @@ class SinkRunner(LoopHandler):
                                                                            "kafold.records": len(records)}):
                 dead += self._put(records, dead_at)
         self._flush_dead_letters()
-        self.event_times.update(last_event_times(records, msgs))
+        self.event_times.update(got.times if got.times is not None else last_event_times(records, msgs))
         for tp, nxt in got.seen.items():
             if tp in self.assigned:
                 self.positions[tp] = nxt
@@ -390,10 +390,10 @@ class SinkRunner(LoopHandler):
         self.log.info("runner.paused_by_api" if request else "runner.resumed_by_api",
                       partitions=sorted(str(tp) for tp in self.assigned))
 
-    def _put(self, records: list[SinkRecord], dead_at: dict[TopicPartition, int]) -> int:
+    def _put(self, records: Sequence[SinkRecord], dead_at: dict[TopicPartition, int]) -> int:
         """Put until it succeeds; returns how many records the task dead-lettered via RecordError (counted per
         partition into `dead_at`)."""
-        pending, dead = records, 0
+        pending, dead = records, 0  # a BatchReader's records are read one by one only where a put failed
 
         def put() -> None:
             nonlocal pending, dead

@@ -426,6 +426,12 @@ def lenient_body(value: bytes | None) -> Any:
 def _fast_body(value: bytes) -> Event | None:
     """The Event when the body is valid by every rule of `Event`'s checks; None on any doubt (the strict path then
     decides, and names the defect). Differential-tested against the strict path (tests/core/test_envelope.py)."""
+    b = _valid_body(value)
+    return None if b is None else _build(b)
+
+
+def _valid_body(value: bytes) -> Any | None:
+    """`_fast_body`'s checks without the Event: the body (`peek_body`'s struct), or None on any doubt."""
     b = peek_body(value)
     if b is None:
         return None
@@ -436,7 +442,7 @@ def _fast_body(value: bytes) -> Event | None:
         datetime.fromisoformat(at)
     except ValueError:
         return None
-    return _build(b)
+    return b
 
 
 _RESHAPED = tuple(_SET[NAMES.index(name)] for name in ("type", "schema_version", "payload"))
@@ -469,10 +475,26 @@ def adopt_payload(event: Event, payload: dict[str, Any]) -> Event:
 def decode(key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes | None]] | None, *,
            raw: Any = None, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH) -> Event:
     """The Event in a Kafka record; any defect raises DecodeError naming the field and carrying `raw`."""
-    event = _fast_body(value) if value is not None and len(value) <= max_bytes else None
-    if event is None:
-        event = _strict_body(value, raw, max_bytes)
+    body = record_body(key, value, headers, raw=raw, max_bytes=max_bytes, max_depth=max_depth)
+    if body is not None:
+        return _build(body)
+    event = _strict_body(value, raw, max_bytes)
     return _check_record(event, key, value, headers, raw, max_depth)  # type: ignore[arg-type]
+
+
+def record_body(key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes | None]] | None, *,
+                 raw: Any = None, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH) -> Any | None:
+    """`decode`'s fast path without the Event: the record's body (a msgspec struct with the Event's fields, the very
+    values `decode`'s Event would hold) when the record is valid by every rule `decode` applies; None when the body
+    is in doubt (then `decode`'s strict path decides and names the defect); DecodeError, as `decode` raises it, for
+    a valid body in a wrong record (nesting, 64-bit range, key, routing headers). A reader that needs only some
+    fields of many events (a projection's whole rows, connectors/projection/whole_batch.py) reads them from it."""
+    if value is None or len(value) > max_bytes:
+        return None
+    body = _valid_body(value)
+    if body is None:
+        return None
+    return _check_record(body, key, value, headers, raw, max_depth)
 
 
 def _strict_body(value: bytes | None, raw: Any, max_bytes: int) -> Event:

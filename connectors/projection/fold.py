@@ -126,7 +126,7 @@ def prepare(mapping: Mapping, records: Sequence[SinkRecord], prefix: bytes | Non
     return out
 
 
-def candidates(records: list[SinkRecord], prep: Prepared, skip: set[int]) -> Candidates:
+def candidates(records: Sequence[SinkRecord], prep: Prepared, skip: set[int]) -> Candidates:
     first: dict[bytes | int, SinkRecord] = {}
     for r in records:
         if id(r) not in skip:

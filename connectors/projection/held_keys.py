@@ -8,6 +8,7 @@ of that key, and the key's later events become dead letters with status `held`. 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -75,8 +76,8 @@ class HeldKeys:
         except MappingError:
             return None
 
-    def heads(self, hold: bool, hold_of: HoldOf, records: list[SinkRecord], bad: list[tuple[SinkRecord, RecordError]],
-              heads: dict[str, int]) -> list[tuple[SinkRecord, RecordError]]:
+    def heads(self, hold: bool, hold_of: HoldOf, records: Sequence[SinkRecord],
+              bad: list[tuple[SinkRecord, RecordError]], heads: dict[str, int]) -> list[tuple[SinkRecord, RecordError]]:
         """The refused events that become dead letters (each the head of its row key when holding, noted in
         `heads` and `hold_of`); one of a key already held, or behind an earlier refused one, is left out: the redo
         holds it."""
@@ -94,7 +95,7 @@ class HeldKeys:
             out.append((r, err))
         return out
 
-    def held_records(self, hold_of: HoldOf, records: list[SinkRecord], prep: Prepared, skip: set[int],
+    def held_records(self, hold_of: HoldOf, records: Sequence[SinkRecord], prep: Prepared, skip: set[int],
                      heads: dict[str, int]) -> list[DeadLetter]:
         """The events of held keys (all of a key held before this batch; those after their head in it), as dead
         letters with status `held` (noted in `hold_of`); they join `skip`."""

@@ -111,13 +111,21 @@ class Mapping:
         # Per whole type: its rule's readers, and where each written column (`written`) takes its value from in the
         # list `whole_row` makes of what they read, then the key, then the version (a key column from the key).
         self.written = (*self.columns, VERSION_COLUMN)
-        self._whole: dict[str, tuple[list[Source], Callable[[list[Any]], tuple[Any, ...]]]] = {}
+        # A rule whose every value is a top-level payload field (`payload.x`) reads them all with one itemgetter on
+        # the payload (a batch's whole rows are most of a busy projection's reads); a field missing, or any other
+        # rule, reads them one by one, which names the problem.
+        self._whole: dict[str, tuple[list[Source], Callable[[list[Any]], tuple[Any, ...]], Any]] = {}
         for name in self.whole_types:
+            rule = {r.type: r for r in config.on}[name]  # the one `_rules` keeps
             sets = self._rules[name][1]
             at = {c: i for i, (c, _) in enumerate(sets)}
             at.update({c: len(sets) + i for i, c in enumerate(self.key_columns)})
             at[VERSION_COLUMN] = len(sets) + len(self.key_columns)
-            self._whole[name] = ([read for _, read in sets], operator.itemgetter(*(at[c] for c in self.written)))
+            fields = [str(spec)[len("payload."):] for spec in rule.set.values()]
+            flat = len(fields) > 1 and all(isinstance(spec, str) and spec.startswith("payload.") and "." not in f
+                                           for spec, f in zip(rule.set.values(), fields, strict=True))
+            self._whole[name] = ([read for _, read in sets], operator.itemgetter(*(at[c] for c in self.written)),
+                                 operator.itemgetter(*fields) if flat else None)
 
     def handles(self, event_type: str) -> bool:
         # a truncate the converter was told to apply is never skipped as an unknown type
@@ -175,13 +183,21 @@ class Mapping:
         the order of `written` (the version last: a batch's arrays are these rows' columns, whole_rows.py); None
         when it needs the stored row after all (a value UNAVAILABLE keeps the stored one). MappingError as in
         `apply`, which makes the same row as a dict."""
-        reads, order = self._whole[event.type]
-        values = []
-        for read in reads:
-            value = read(event)
-            if value.__class__ is str and value == UNAVAILABLE:
+        reads, order, fields = self._whole[event.type]
+        try:
+            values = list(fields(event.payload)) if fields is not None else None
+        except KeyError:  # the reads one by one name it
+            values = None
+        if values is not None:
+            if UNAVAILABLE in values:  # JSON values: only the string itself equals it
                 return None
-            values.append(value)
+        else:
+            values = []
+            for read in reads:
+                value = read(event)
+                if value.__class__ is str and value == UNAVAILABLE:
+                    return None
+                values.append(value)
         values.extend(key)
         values.append(event.version)
         return order(values)

@@ -45,7 +45,7 @@ POLL_S = 0.02
 class Job:
     """One write: records to apply, dead letters to record, extra offsets to store (all in one transaction)."""
 
-    records: list[SinkRecord]
+    records: Sequence[SinkRecord]  # a list, or a WholeBatch (whole_batch.py)
     dead: list[DeadLetter]
     offsets: dict[TopicPartition, int]
     prepared: Prepared | None = None  # ProjectionWriter.prepare of the records, computed on the runner's thread

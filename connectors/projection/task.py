@@ -36,6 +36,7 @@ from typing import Any
 
 from kafold import db, logs
 from kafold.connectors.api import (
+    BatchReader,
     Offsets,
     Outcomes,
     RawRecord,
@@ -45,11 +46,13 @@ from kafold.connectors.api import (
     TaskConfig,
     TopicPartition,
 )
+from kafold.connectors.intake import Intake
 from kafold.connectors.projection.config import Dedup, ProjectionConfig
 from kafold.connectors.projection.fold import BatchResult
 from kafold.connectors.projection.mapping import Mapping as EventMapping
 from kafold.connectors.projection.mapping import load_mapper
 from kafold.connectors.projection.pipeline import Job, WriteAhead
+from kafold.connectors.projection.whole_batch import WholeBatch, WholeReader
 from kafold.connectors.projection.writer import DeadLetter, ProjectionWriter, Report, elapsed_ms
 from kafold.errors import FatalError, RetriableError
 from kafold.interpreter import tune_interpreter
@@ -123,6 +126,14 @@ class ProjectionSinkTask(SinkTask):
     def handles(self, event_type: str) -> bool:
         return self.mapping.handles(event_type)
 
+    def batch_reader(self, intake: Intake, size: int) -> BatchReader | None:
+        """A WholeReader (whole_batch.py) for a batch the writer's one-statement path may take: deduplicating by
+        version, the path on, a batch handed to the writer thread (not one written inline), kafold's envelopes."""
+        writer = self.writer
+        if not writer.fence or not writer.whole_rows.on or size <= INLINE_WRITE_RECORDS or not intake.plain:
+            return None
+        return WholeReader(self.mapping, intake)
+
     def yield_point(self) -> None:
         if not self.pipe.done():  # a write in flight that is running Python now: let it go first
             self.writer.idle.wait(YIELD_WAIT_S)
@@ -149,10 +160,15 @@ class ProjectionSinkTask(SinkTask):
     def put(self, records: Sequence[SinkRecord]) -> None:
         # Tracking and row keys now, while the previous batch's write is still running (it is pure work), and for a
         # batch handed to the worker its whole-row plan too (pipeline.py): its transaction then goes right away.
-        prepared = self.writer.prepare(records) if records else None
-        writer = self.writer
-        ahead = (writer.whole_rows.ahead(writer.conn, records, prepared)
-                 if writer.fence and prepared is not None and len(records) > INLINE_WRITE_RECORDS else None)
+        # A WholeBatch (whole_batch.py) comes planned: only its statement's parameters are made here.
+        writer, whole = self.writer, isinstance(records, WholeBatch)
+        prepared = writer.prepare(records) if records and not whole else None
+        ahead = None
+        if writer.fence and len(records) > INLINE_WRITE_RECORDS:
+            if isinstance(records, WholeBatch):
+                ahead = writer.whole_rows.arranged(writer.conn, records.plan)
+            elif prepared is not None:
+                ahead = writer.whole_rows.ahead(writer.conn, records, prepared)
         self._settle()
         self._raise_fatal()
         if self.failed is not None:  # redo it first, here; RetriableError -> the runner backs off, offers again
@@ -163,7 +179,7 @@ class ProjectionSinkTask(SinkTask):
         hint, self.hint = self.hint, {}
         if not records and not dead and not hint:
             return
-        job = Job(list(records), dead, hint, prepared, ahead)
+        job = Job(records if whole else list(records), dead, hint, prepared, ahead)
         if len(records) > INLINE_WRITE_RECORDS:
             self.pipe.submit(job)
             return

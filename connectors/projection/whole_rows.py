@@ -100,6 +100,46 @@ class DumpedDumper(Dumper):
 psycopg.adapters.register_dumper(Dumped, DumpedDumper)
 
 
+class Collapse:
+    """A batch's whole-row events collapsed one at a time to the last row of each key: the one rule of this path, for
+    a batch's candidates (`WholeRows.plan`) and for records read straight from Kafka (whole_batch.py). `add` takes an
+    Event or an envelope body (envelope.record_body: the same fields, the same values)."""
+
+    __slots__ = ("applied", "first", "rows", "whole_row", "whole_types")
+
+    def __init__(self, mapping: Mapping) -> None:
+        self.whole_types, self.whole_row = mapping.whole_types, mapping.whole_row
+        self.rows: dict[Key, tuple[Any, ...]] = {}
+        self.first: dict[Key, int] = {}
+        self.applied: dict[tuple[str, int], int] = {}
+
+    def add(self, event: Any, key: Key, topic: str, partition: int) -> bool:
+        """Take `event` of row `key`; False when the batch must go the careful way: a type whose rule does not make
+        the whole row, a truncate, a snapshot's end, a value UNAVAILABLE, a record the mapping refuses (the careful
+        way dead-letters it), or versions of a key not rising along the batch (the fold decides)."""
+        if event.type not in self.whole_types or not key or ends_snapshot(event):
+            return False
+        try:
+            row = self.whole_row(event, key)
+        except MappingError:
+            return False
+        if row is None:
+            return False
+        rows = self.rows
+        was = rows.get(key)
+        if was is None:
+            self.first[key] = event.version
+        elif event.version <= was[-1]:  # the version, last
+            return False
+        rows[key] = row
+        tp, applied = (topic, partition), self.applied
+        applied[tp] = applied.get(tp, 0) + 1
+        return True
+
+    def plan(self) -> WholePlan:
+        return WholePlan(self.rows, self.first, Folded({}, {}, 0, 0, [], applied=self.applied))
+
+
 def redone(e: BaseException) -> bool:
     """Whether `e` is one of this path's checks failing (sql.redo): the batch is done again the careful way."""
     return isinstance(e, psycopg.errors.UndefinedObject) and q.REDO in str(e)
@@ -116,37 +156,21 @@ class WholeRows:
         self.batches = 0  # batches committed by the one statement
         self.tried = False  # the transaction under way is the one statement's
 
-    def plan(self, todo: Candidates, ahead: WholePlan | None = None) -> WholePlan | None:
+    def plan(self, todo: Candidates | None, ahead: WholePlan | None = None) -> WholePlan | None:
         """The batch's candidates collapsed, or None when one of them needs the stored row (or this path is off);
-        `ahead`, when given, is `ahead` of the same candidates."""
-        if not self.on or todo.key_errors:
+        `ahead`, when given, is the plan of the same candidates made before (`ahead`, or a WholeBatch's own:
+        `todo` None)."""
+        if not self.on or (todo is not None and todo.key_errors):
             return None
         if ahead is not None:
             return ahead
-        whole_types, whole_row, record_keys = self.mapping.whole_types, self.mapping.whole_row, todo.record_keys
-        rows: dict[Key, tuple[Any, ...]] = {}
-        first: dict[Key, int] = {}
-        applied: dict[tuple[str, int], int] = {}
+        assert todo is not None
+        collapse, record_keys = Collapse(self.mapping), todo.record_keys
+        add = collapse.add
         for r in todo.first.values():
-            event = r.event
-            key = record_keys[id(r)]
-            if event.type not in whole_types or not key or ends_snapshot(event):
+            if not add(r.event, record_keys[id(r)], r.topic, r.partition):
                 return None
-            try:
-                row = whole_row(event, key)
-            except MappingError:  # the careful way dead-letters it
-                return None
-            if row is None:
-                return None
-            was = rows.get(key)
-            if was is None:
-                first[key] = event.version
-            elif event.version <= was[-1]:  # the version, last: not rising along the batch, the fold decides
-                return None
-            rows[key] = row
-            tp = (r.topic, r.partition)
-            applied[tp] = applied.get(tp, 0) + 1
-        return WholePlan(rows, first, Folded({}, {}, 0, 0, [], applied=applied))
+        return collapse.plan()
 
     def lock(self, conn: psycopg.Connection[Any]) -> None:
         """The table's lock the upsert takes, taken first (pipelined): before the checkpoints' rows (module note)."""
@@ -162,11 +186,19 @@ class WholeRows:
         if not self.on or conn is None or conn.closed or not records:
             return None
         todo = candidates(list(records), prepared, set())
+        plan = self.plan(todo)
+        if plan is None:
+            return None
+        plan.todo = todo
+        return self.arranged(conn, plan)
+
+    def arranged(self, conn: psycopg.Connection[Any] | None, plan: WholePlan) -> WholePlan | None:
+        """`plan` with its statement's parameters made (`columns`), or None when they cannot be made ahead: on the
+        runner's thread (module note), as `ahead` does, for a plan made already (a WholeBatch's)."""
+        if not self.on or conn is None or conn.closed:
+            return None
         try:
-            plan = self.plan(todo)
-            if plan is not None:
-                plan.columns, plan.int8 = self.arrays(conn, plan)
-                plan.todo = todo
+            plan.columns, plan.int8 = self.arrays(conn, plan)
         except psycopg.Error:  # the session closed under it (the writer reconnects): the write plans itself
             return None
         return plan

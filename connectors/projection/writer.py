@@ -135,6 +135,7 @@ from kafold.connectors.projection.fold import (
 from kafold.connectors.projection.held_keys import DeadLetter, HeldKeys, HoldsChanged, hold_text
 from kafold.connectors.projection.mapping import Mapping, Row
 from kafold.connectors.projection.table_rows import TableRows
+from kafold.connectors.projection.whole_batch import WholeBatch
 from kafold.connectors.projection.whole_rows import WholePlan, WholeRows, redone
 from kafold.errors import ConfigError, FatalError, RecordError, RetriableError, redact_quoted
 
@@ -356,7 +357,7 @@ class ProjectionWriter:
             report = self.turns.handing_over(report)
         try:
             try:
-                return self._isolating(call, list(records), list(dead), dict(offsets or {}), report)
+                return self._isolating(call, listed(records), list(dead), dict(offsets or {}), report)
             except BaseException:
                 self.table_rows.cache.clear()  # rows kept may be what a rolled-back transaction wrote
                 raise
@@ -369,7 +370,7 @@ class ProjectionWriter:
         finally:
             self.idle.set()
 
-    def _isolating(self, call: _Call, records: list[SinkRecord], dead: list[DeadLetter],
+    def _isolating(self, call: _Call, records: Sequence[SinkRecord], dead: list[DeadLetter],
                    offsets: dict[TopicPartition, int], report: Report | None) -> BatchResult:
         """One transaction; on a rejected row, bisect in order so each committed part covers a prefix."""
         try:
@@ -398,7 +399,7 @@ class ProjectionWriter:
             result.add(self._isolating(call, records[half:], [], offsets, report))
             return result
 
-    def _transaction(self, call: _Call, records: list[SinkRecord], dead: list[DeadLetter],
+    def _transaction(self, call: _Call, records: Sequence[SinkRecord], dead: list[DeadLetter],
                      offsets: dict[TopicPartition, int], report: Report | None) -> BatchResult:
         excluded: list[SinkRecord] = []
         heads: dict[str, int] = {}  # row keys this batch's dead letters hold back -> index of the head in records
@@ -449,7 +450,7 @@ class ProjectionWriter:
         task computes it on the runner's thread while the previous batch is being written."""
         return prepare(self.mapping, records, self._prefix if self.track else None)
 
-    def _apply(self, conn: psycopg.Connection[Any], call: _Call, records: list[SinkRecord],
+    def _apply(self, conn: psycopg.Connection[Any], call: _Call, records: Sequence[SinkRecord],
                excluded: list[SinkRecord], dead: list[DeadLetter], offsets: dict[TopicPartition, int],
                heads: dict[str, int]) -> tuple[BatchResult, Folded]:
         """One transaction of the protocol in the module note: hold → track → read → fold in Python's turn,
@@ -461,31 +462,30 @@ class ProjectionWriter:
         behind: list[SinkRecord] = []
         if self.fence:  # what the stored checkpoints passed was applied by the transaction that moved them
             stored_at = self._stored
-            floor = {(tp.topic, tp.partition): off for tp, off in stored_at.items()}  # no TopicPartition a record
-            behind = [r for r in records if r.offset < floor.get((r.topic, r.partition), -1) and id(r) not in skip]
+            behind = below(records, stored_at, skip)
             skip.update(id(r) for r in behind)
             advance = {tp: o for tp, o in advance.items() if o > stored_at.get(tp, -1)}
         with turns, turns.waiting(conn.pipeline()) as pipe:
             db.begin(conn)  # with the first reads: no round trip of its own
             fence = advance if self.fence and advance else None
-            prep = call.prepared if call.prepared is not None else self.prepare(records)
+            prep = call.prepared
             if call.hold and (self.holds.known or heads):
+                prep = prep if prep is not None else self.prepare(records)
                 held = self.holds.held_records(call.hold_of, records, prep, skip, heads)
                 result.held = len(held)
                 tally(result.by_partition, (raw for raw, _ in held), DEAD)
                 dead = [*dead, *held]
-            ahead, call.ahead = (None if skip else call.ahead), None  # made for the whole batch: its first try only
-            todo = ahead.todo if ahead is not None and ahead.todo is not None else candidates(records, prep, skip)
-            plan = self.whole_rows.plan(todo, ahead) if fence and call.then is None else None
+            plan, todo = planned(self.whole_rows, records, call, skip, fence,
+                                 lambda: prep if prep is not None else self.prepare(records))
             self.whole_rows.tried = plan is not None
             if plan is not None and fence:  # one round trip, no row read (whole_rows.py)
-                fresh, folded = list(todo.first.values()), plan.folded
+                fresh, folded = list(todo.first.values()) if todo is not None else [], plan.folded  # (see below)
                 if call.hold:
                     self.holds.check_in_server(conn)
                 self.whole_rows.lock(conn)
                 self._fence_checkpoints(conn, fence, strict=True)
                 self.whole_rows.upsert(conn, plan)
-            elif todo.first:
+            elif todo is not None and todo.first:
                 fresh, folded = (self._track_read_fold(conn, pipe, call.hold, todo) if self.track
                                  else self._read_fold(conn, pipe, call.hold, todo, fence))
             else:
@@ -499,7 +499,8 @@ class ProjectionWriter:
                 if fenced is not None and fence:
                     check_fence(fenced, fence)
                 fresh, folded = [], empty()
-            result.duplicates = len(records) - len(skip) - len(fresh) + len(behind)
+            fresh_count = len(fresh) if todo is not None else len(records)  # a WholeBatch's own plan: all fresh
+            result.duplicates = len(records) - len(skip) - fresh_count + len(behind)
             result.stale, result.unchanged = folded.stale, folded.unchanged
             if result.duplicates:
                 handled = skip | {id(r) for r in fresh}
@@ -610,10 +611,10 @@ class ProjectionWriter:
         count, new_keys = tracked.fetchone() or (0, None)
         return count, new_keys, found
 
-    def advance_to(self, records: list[SinkRecord], offsets: dict[TopicPartition, int], advance_records: bool = True
-                    ) -> dict[TopicPartition, int]:
+    def advance_to(self, records: Sequence[SinkRecord], offsets: dict[TopicPartition, int],
+                   advance_records: bool = True) -> dict[TopicPartition, int]:
         """The next offset of every partition the batch covers (unless not advancing) and of `offsets`."""
-        advance = next_offsets(records) if advance_records else {}
+        advance = covered(records) if advance_records else {}
         for tp, off in offsets.items():
             advance[tp] = max(off, advance.get(tp, -1))
         return {tp: off for tp, off in advance.items() if off >= 0}
@@ -657,6 +658,43 @@ class ProjectionWriter:
     def row_of(self, key: tuple[Any, ...]) -> Row | None:
         """The current row of `key` (None if there is none)."""
         return self.table_rows.rows(self.table_rows.select(self.connection(), [key])).get(tuple(key))
+
+
+def listed(records: Sequence[SinkRecord]) -> Sequence[SinkRecord]:
+    """`records` as a list, but a WholeBatch as it is: its records are made only if the careful way reads them."""
+    return records if isinstance(records, WholeBatch) else list(records)
+
+
+def covered(records: Sequence[SinkRecord]) -> dict[TopicPartition, int]:
+    """The next offset of every partition `records` cover (a WholeBatch's own: its records not read one by one)."""
+    return records.next_offsets() if isinstance(records, WholeBatch) else next_offsets(records)
+
+
+def below(records: Sequence[SinkRecord], stored_at: dict[TopicPartition, int], skip: set[int]) -> list[SinkRecord]:
+    """The records (but those in `skip`) below their partition's stored checkpoint in `stored_at`: applied by the
+    transaction that moved it (a WholeBatch's records read one by one only when it has such records)."""
+    floor = {(tp.topic, tp.partition): off for tp, off in stored_at.items()}  # no TopicPartition a record
+    if isinstance(records, WholeBatch) and not records.below(floor):
+        return []
+    return [r for r in records if r.offset < floor.get((r.topic, r.partition), -1) and id(r) not in skip]
+
+
+def planned(whole_rows: WholeRows, records: Sequence[SinkRecord], call: _Call, skip: set[int],
+            fence: dict[TopicPartition, int] | None, prepared: Callable[[], Prepared]
+            ) -> tuple[WholePlan | None, Candidates | None]:
+    """A transaction's one-statement plan (None: the careful way) and the batch's candidates, None only beside a
+    WholeBatch's own plan, whose records are then not read one by one."""
+    ahead, call.ahead = (None if skip else call.ahead), None  # made for the whole batch: its first try only
+    one = fence is not None and call.then is None  # the one-statement path may take the batch
+    if ahead is None and not skip and isinstance(records, WholeBatch):
+        ahead = records.plan  # the batch's own plan: what planning its records gives (whole_batch.py)
+    todo = ahead.todo if ahead is not None else None
+    plan = whole_rows.plan(None, ahead) if one and ahead is not None and todo is None else None
+    if plan is not None:
+        return plan, None
+    if todo is None:
+        todo = candidates(records, prepared(), skip)  # the careful way reads the records one by one
+    return (whole_rows.plan(todo, ahead) if one else None), todo
 
 
 def queue_dead_letters(conn: psycopg.Connection[Any], table: Any, connector: str, dead: list[DeadLetter],
