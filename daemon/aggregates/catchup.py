@@ -10,10 +10,6 @@ Offsets and commits: nothing is committed here. The events are read with a reade
 never in the commands group); a partition resumes at the group's committed commands offset, or further where this
 assignment's last committed transaction left it (`positions`, shared with the runtime, which moves it on every
 commit). See gate.py's offset note for when a gate may open.
-
-The events reader (and the producer of parked events, when there is one) lives only while a partition recovers:
-made by the first assignment that needs it and closed once every gate is LIVE, so a runtime deciding commands holds
-no idle client (its threads, connections and buffers; docs/benchmarks.md, issue 56: a worker's memory).
 """
 
 from __future__ import annotations
@@ -43,13 +39,11 @@ from kafold.stages import folding_reason
 
 RECOVERY_BATCH = 20000
 COMMITTED_TIMEOUT_S = 10.0
-PARKER_CLOSE_S = 30.0  # as long as a park's own flush waits
 
 # `retrying(event, step, **fields)`: the runtime's retry of a step through RetriableErrors (its loop's backoff)
 Retrying = Callable[..., Any]
-# `restore(reader, events_topic, n)`: (first offset, the gate's end, the restored base) of one partition, its bounds
-# listed with `reader` (the events reader)
-Restore = Callable[[Any, str, int], tuple[int, int, recovery.Base]]
+# `restore(events_topic, n)`: (first offset, the gate's end, the restored base) of one partition
+Restore = Callable[[str, int], tuple[int, int, recovery.Base]]
 
 
 def restore_base(kafka: KafkaConfig, agg: AggregateConfig, reader: Any, local: LocalStates | None,
@@ -73,13 +67,11 @@ class CatchUp:
     decide, moves the positions on every commit, and the daemon reads both (status, metrics)."""
 
     def __init__(self, kafka: KafkaConfig, agg: AggregateConfig, domain: AggregateDomain, store: StateStore,
-                 local: LocalStates | None, *, consumer: Any, make_reader: Callable[[], Any],
-                 gates: dict[int, PartitionGate], positions: dict[int, int], counts: dict[str, int],
-                 restore: Restore, retrying: Retrying,
+                 local: LocalStates | None, *, consumer: Any, reader: Any, gates: dict[int, PartitionGate],
+                 positions: dict[int, int], counts: dict[str, int], restore: Restore, retrying: Retrying,
                  auto_offset_reset: str, log: Any) -> None:
         self.kafka, self.agg, self.domain, self.store, self.local = kafka, agg, domain, store, local
-        self.consumer, self.make_reader = consumer, make_reader
-        self.reader: Any = None  # the events reader while a partition recovers (the module note), else None
+        self.consumer, self.reader = consumer, reader
         self.gates, self.positions, self.counts = gates, positions, counts
         self.restore, self.retrying = restore, retrying
         self.auto_offset_reset = auto_offset_reset
@@ -96,12 +88,10 @@ class CatchUp:
     def assign(self, partitions: list[Any]) -> None:
         """Start the gates of `partitions` (of the commands topic): restore each one's base, then replay its events."""
         self.consumer.pause(partitions)  # the gate: nothing is decided until the events are replayed
-        if partitions and self.reader is None:
-            self.reader = self.make_reader()
         for p in partitions:
             n = p.partition
-            low, end, base = self.retrying("aggregate.restore_retrying",
-                                           partial(self.restore, self.reader, self.events, n), partition=n)
+            low, end, base = self.retrying("aggregate.restore_retrying", partial(self.restore, self.events, n),
+                                           partition=n)
             self.gates[n] = PartitionGate(n, end, start=base.start, snapshot_version=base.snapshot_version)
             self.folders[n] = recovery.folder(self.domain, self.store, n)
             recovery.seed(self.store, n, base)
@@ -129,22 +119,6 @@ class CatchUp:
                 self.reader.incremental_unassign([KTP(self.events, n)])
         if mine:
             self.log.info("aggregate.partitions_released", partitions=sorted(mine))
-        self._close_idle()
-
-    def _close_idle(self) -> None:
-        """No partition recovering: the clients only recovery uses are closed (the module note)."""
-        if self.recovering:
-            return
-        self.close()
-
-    def close(self) -> None:
-        """Close the events reader and the producer of parked events, if open."""
-        reader, self.reader = self.reader, None
-        parker, self.parker = self.parker, None
-        if reader is not None:
-            reader.close()
-        if parker is not None:
-            kafka_clients.close_producer(parker, PARKER_CLOSE_S)
 
     def step(self, writer: TransactionalWriter) -> None:
         """Fold one fetch of events into the recovering partitions; open the gates that reached the end (`writer`:
@@ -170,7 +144,6 @@ class CatchUp:
             if not self.gates[n].stopped:
                 self._fold(n, batch)
         self.store.trim()
-        self._close_idle()
 
     def _fold(self, n: int, batch: list[Message]) -> None:
         if not batch:

@@ -131,6 +131,7 @@ class AggregateRuntime(LoopHandler):
         self.loop = ConsumerLoop(self, stop=self.stop_event, max_records=daemon.batch_max_records,
                                  wait_s=daemon.batch_max_wait_ms / 1000, counts=self.counts,
                                  fatal=lambda err: f"commands consumer: {err.str()}")
+        self.reader: Any = None
         self.writer: TransactionalWriter | None = None
         self.catch_up: CatchUp | None = None  # made once the consumer exists (loop_started)
         self.joined = False
@@ -225,9 +226,8 @@ class AggregateRuntime(LoopHandler):
         # (in the daemon's process that froze its own start, or in an aggregate worker process).
         freeze_startup()
         self.catch_up = CatchUp(self.kafka, self.agg, self.domain, self.store, self.local, consumer=self.consumer,
-                                make_reader=lambda: recovery.reader(self.kafka, self.agg.name), gates=self.gates,
-                                positions=self.positions, counts=self.counts, restore=self._restore,
-                                retrying=self._retrying,
+                                reader=self.reader, gates=self.gates, positions=self.positions, counts=self.counts,
+                                restore=self._restore, retrying=self._retrying,
                                 auto_offset_reset=self.consumer_extra.get("auto.offset.reset", "earliest"),
                                 log=self.log)
 
@@ -265,6 +265,7 @@ class AggregateRuntime(LoopHandler):
         self._retrying("aggregate.start_retrying", lambda: topics.ensure(self.kafka, wanted), START_RETRY_S)
         self.writer = self._retrying("aggregate.start_retrying",
                                      lambda: TransactionalWriter(self.kafka, self.transactional_id), START_RETRY_S)
+        self.reader = recovery.reader(self.kafka, self.agg.name)
         extra = {"isolation.level": "read_committed", "enable.auto.offset.store": False,
                  "fetch.wait.max.ms": 50, "max.partition.fetch.bytes": COMMAND_FETCH_KBYTES * 1024,
                  # librdkafka's prefetch queue (its default, 64 MB, held a backlog of queued commands in each
@@ -296,9 +297,9 @@ class AggregateRuntime(LoopHandler):
         self.catch_up.assign(partitions)
         self.joined = True  # after the gates exist: `ready` must not see a joined runtime without them
 
-    def _restore(self, reader: Any, events: str, n: int) -> tuple[int, int, Any]:
+    def _restore(self, events: str, n: int) -> tuple[int, int, Any]:
         """(first offset, the gate's end, the restored base) of partition `n` (catchup.restore_base)."""
-        return restore_base(self.kafka, self.agg, reader, self.local, self.restorer, events, n)
+        return restore_base(self.kafka, self.agg, self.reader, self.local, self.restorer, events, n)
 
     def _retrying(self, event: str, step: Callable[[], T], within_s: float = ASSIGN_RETRY_S, **fields: Any) -> T:
         """`step`, its RetriableErrors (the broker paused or unreachable) logged as `event` and retried with backoff
@@ -449,7 +450,7 @@ class AggregateRuntime(LoopHandler):
     def loop_stopped(self) -> None:
         for what, close in (("writer", self.writer.close if self.writer else None),
                             ("consumer", self.consumer.close if self.consumer else None),
-                            ("recovery clients", self.catch_up.close if self.catch_up else None),
+                            ("reader", self.reader.close if self.reader else None),
                             ("local state store", self.local.close_all if self.local else None)):
             if close is None:
                 continue

@@ -14,7 +14,6 @@ from kafold.config import KafkaConfig
 from kafold.daemon.aggregates.gate import RECOVERING
 from kafold.envelope import Event, encode, format_epoch_ms
 from kafold.messages import REJECTED, Result
-from kafold.partitioning import partition_for
 from tests.aggregates.agg_support import (
     bank_config,
     create_topics,
@@ -177,36 +176,3 @@ def test_live_means_commands_are_being_decided(kafka_config: KafkaConfig, unique
     assert (True, True, True) in seen and all(resumed for live, ready, resumed in seen if live or ready), seen
     assert gate.replayed_at is not None and gate.opened_at is not None and gate.opened_at >= gate.replayed_at
     assert gate.decided_while_recovering == 0
-
-
-@pytest.mark.apache_kafka
-def test_the_events_reader_lives_only_while_a_partition_recovers(kafka_config: KafkaConfig, unique: str) -> None:
-    """The recovery's events reader is closed once every gate is LIVE (a worker deciding commands holds no idle
-    client), made again when a partition comes back (a rebalance), and each replay still reads the whole backlog:
-    a command after each replay is decided on the full state (version = history + 1)."""
-    agg = bank_config(unique, partitions=2)
-    create_topics(kafka_config, agg)
-    accounts = [f"acc-{i:03d}" for i in range(200)]
-    by_partition = {n: [a for a in accounts if partition_for(a.encode(), 2) == n] for n in (0, 1)}
-    for n, ids in by_partition.items():
-        produce_history(kafka_config, agg, ids, 20, partition=n)
-    one = runtime(kafka_config, agg)
-    with running(one) as r, CommandClient(kafka_config, agg) as c:
-        wait_for(lambda: one.ready and len(one.gates) == 2, what="both partitions live on the first instance")
-        assert one.catch_up is not None and one.catch_up.reader is None
-        assert sum(g.events_replayed for g in one.gates.values()) == len(accounts) * 20
-        with running(runtime(kafka_config, agg, "i2")) as r2:  # takes one partition over, replays it
-            two = r2.runtime
-            wait_for(lambda: two.ready and len(two.gates) == 1 and one.ready and len(one.gates) == 1,
-                     timeout=60, what="one partition on each instance")
-            assert two.catch_up is not None and two.catch_up.reader is None
-            moved = next(iter(two.gates))
-            assert two.gates[moved].events_replayed == len(by_partition[moved]) * 20
-        # the second instance left: its partition comes back to the first, replayed with a reader made again
-        wait_for(lambda: one.ready and len(one.gates) == 2, timeout=60, what="the partition back on the first")
-        assert one.catch_up.reader is None
-        assert one.gates[moved].events_replayed == len(by_partition[moved]) * 20
-        got = c.send_many([c.command(ids[0], "Deposit", {"amount": 1}) for ids in by_partition.values()],
-                          timeout=60)
-        assert r.error == [] and r2.error == []
-    assert [(res.status, res.version) for res in got.values()] == [("accepted", 21), ("accepted", 21)], got
