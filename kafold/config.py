@@ -245,7 +245,7 @@ class AggregateConfig:
                                               "beyond it the oldest are forgotten early. Without `daemon.state_dir` "
                                               "the window then holds fewer ids than its time (a warning); with it, "
                                               "the ids stay on disk for `idempotency_window_s` and are read back "
-                                              "when retried. Unset: 1,000,000, or with `daemon.state_dir` 2 per "
+                                              "when retried. Unset: 1,000,000, or with `daemon.state_dir` 10 per "
                                               "cached aggregate (`cache_max_aggregates`), at most 1,000,000.",
                                               minimum=1)
     protect: list[ProtectConfig] = setting(
