@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import aiohttp
-import orjson
+import msgspec
 from confluent_kafka import KafkaException
 from yarl import URL
 
@@ -371,7 +371,7 @@ class StateRouter:
                                    reason="the owner refused this instance's credential (instance secrets differ, "
                                           f"or the clocks are more than {trust.MAX_SKEW_S} s apart)")
                     return Answer.problem(502, "the owner refused this instance's credential (see this instance's log)")
-                body = orjson.loads(raw)
+                body = msgspec.json.decode(raw)  # not orjson: a state's integer beyond 64 bits would become a float
                 kept = {k: resp.headers[k] for k in ("Retry-After",) if k in resp.headers}
                 return Answer(resp.status, body, kept)
         except (TimeoutError, aiohttp.ClientError, ValueError) as e:

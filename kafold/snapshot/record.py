@@ -6,6 +6,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import msgspec
 import orjson
 
 from kafold.envelope import utc_now
@@ -33,6 +34,19 @@ _CHECKSUM_AT = b',"checksum":"sha256:'
 _TAIL = len(_CHECKSUM_AT) + 64 + len(b'"}')
 
 
+_EXACT = msgspec.json.Encoder(order="sorted")
+_read = msgspec.json.decode  # not orjson.loads: it reads an integer beyond 64 bits as a float, rounding it
+
+
+def _canonical(value: Any) -> bytes:
+    """Keys sorted at every level: orjson's bytes, the layout every snapshot has had; for a value holding an integer
+    beyond 64 bits, which orjson refuses, msgspec's (a state may hold one: a Python int has no bound)."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError:
+        return _EXACT.encode(value)
+
+
 def _seal(canonical: bytes) -> bytes:
     """A snapshot's value: its canonical encoding with the checksum of those bytes appended as the last field
     (one serialisation instead of two; readers recompute it from the parsed fields, so order is free)."""
@@ -50,8 +64,8 @@ def _sealed_digest(value: bytes) -> bytes | None:
 
 
 def checksum(body: dict[str, Any]) -> str:
-    """sha256 over the canonical encoding (orjson, keys sorted at every level) of every field but `checksum`."""
-    canonical = orjson.dumps({k: v for k, v in body.items() if k != "checksum"}, option=orjson.OPT_SORT_KEYS)
+    """sha256 over the canonical encoding (`_canonical`) of every field but `checksum`."""
+    canonical = _canonical({k: v for k, v in body.items() if k != "checksum"})
     return "sha256:" + hashlib.sha256(canonical).hexdigest()
 
 
@@ -86,8 +100,7 @@ class Snapshot(NamedTuple):
         """(key, value, headers) to produce; the checksum is computed here (any given one is ignored).
 
         The value is the canonical encoding with its checksum appended (`_seal`)."""
-        canonical = orjson.dumps(self.body(), option=orjson.OPT_SORT_KEYS)
-        return self.aggregate_id.encode(), _seal(canonical), [(H_KIND, KIND_SNAPSHOT)]
+        return self.aggregate_id.encode(), _seal(_canonical(self.body())), [(H_KIND, KIND_SNAPSHOT)]
 
 
 class Encoder:
@@ -108,7 +121,7 @@ class Encoder:
     def encode(self, aggregate_id: str, state: Any, version: int, commands: Any = ()) -> Encoded:
         dumps = orjson.dumps
         canonical = b'{"aggregate_id":%s%s%s%s%s%s%d}' % (dumps(aggregate_id), self._type, dumps(list(commands)),
-                                                          self._middle, dumps(state, option=orjson.OPT_SORT_KEYS),
+                                                          self._middle, _canonical(state),
                                                           self._schema, version)
         return aggregate_id.encode(), _seal(canonical), [(H_KIND, KIND_SNAPSHOT)]
 
@@ -154,8 +167,8 @@ def _body(key: bytes | None, value: bytes | None, fields: frozenset[str], raw: A
     if value is None:
         raise DecodeError("snapshot record: value: missing (tombstone)", raw=raw, reason="missing-field")
     try:
-        body = orjson.loads(value)
-    except orjson.JSONDecodeError as e:
+        body = _read(value)
+    except msgspec.DecodeError as e:
         raise DecodeError(f"snapshot record: value: not valid JSON ({e})", raw=raw, reason="bad-json") from None
     if type(body) is not dict:
         raise DecodeError("snapshot record: value: expected a JSON object", raw=raw, reason="wrong-type")
@@ -223,8 +236,8 @@ def _decode_written(key: bytes | None, value: bytes | None) -> Snapshot | None:
     if value is None or key is None or _sealed_digest(value) is None:
         return None
     try:
-        b = orjson.loads(value)
-    except orjson.JSONDecodeError:
+        b = _read(value)
+    except msgspec.DecodeError:
         return None
     if type(b) is not dict or b.keys() != _SNAPSHOT_FIELDS or b["format"] != FORMAT:
         return None

@@ -1,9 +1,10 @@
 """A trading book whose state holds what a float or a naive datetime would spoil: Decimals with exponents and more
 digits than a float keeps, aware datetimes in several UTC offsets and one in a named time zone (Europe/Paris, moved
-by wall-clock arithmetic across a DST change), tuples, and frozen dataclasses nested in a tuple, in a dict and in
-each other. Its decide and evolve use those types as such (Decimal arithmetic, aware datetimes compared across
-offsets, a zone's wall clock, a tuple concatenated, a nested dataclass's attributes): a state read back as a float,
-a string, a naive datetime, a fixed offset for the zone, a list or a dict fails or diverges at once. Pure, no I/O."""
+by wall-clock arithmetic across a DST change), tuples, frozen dataclasses nested in a tuple, in a dict and in each
+other, and an integer beyond 64 bits. Its decide and evolve use those types as such (Decimal arithmetic, aware
+datetimes compared across offsets, a zone's wall clock, a tuple concatenated, a nested dataclass's attributes, the
+integer multiplied): a state read back as a float, a string, a naive datetime, a fixed offset for the zone, a list
+or a dict fails or diverges at once. Pure, no I/O."""
 
 from __future__ import annotations
 
@@ -99,6 +100,7 @@ class Book:
     span: tuple[datetime, datetime] | None = None  # first and last fill, each in its own offset
     notional: Decimal = ZERO
     settles_at: datetime | None = None  # in PARIS: its wall clock, hence its offset, moves with the zone's rules
+    tally: int = 1  # grows past 64 bits after a few fills (a Python int has no bound): a float or a refusal spoils it
 
 
 def initial() -> Book:
@@ -117,7 +119,8 @@ def evolve(state: Book, event: Any) -> Book:
         recent = (state.recent + (f,))[-RECENT:]  # noqa: RUF005  # a list read back for the tuple raises here
         return replace(state, positions={**state.positions, f.asset: pos}, recent=recent,
                        span=(state.span[0] if state.span else f.at, f.at), notional=state.notional + f.qty * f.price,
-                       settles_at=state.settles_at + SETTLE_STEP if state.settles_at else None)
+                       settles_at=state.settles_at + SETTLE_STEP if state.settles_at else None,
+                       tally=state.tally * 1_000_003 + len(recent))
     if isinstance(event, BookClosed):
         return replace(state, status="closed", closed_at=event.at)
     raise TypeError(f"not a book event: {event!r}")
