@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+import msgspec
 import orjson
 
 from kafold import config, devstack, protect
@@ -19,8 +20,13 @@ def add_json_arg(p: argparse.ArgumentParser) -> None:
 
 
 def print_json(value: Any) -> None:
-    """`value` as one JSON document (datetimes as ISO 8601, bytes never: callers pass text)."""
-    sys.stdout.write(orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS).decode() + "\n")
+    """`value` as one JSON document (datetimes as ISO 8601, bytes never: callers pass text; an integer beyond 64
+    bits, which orjson refuses and a state may hold, written exactly by msgspec)."""
+    try:
+        text = orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS)
+    except orjson.JSONEncodeError:
+        text = msgspec.json.format(msgspec.json.encode(value), indent=2)
+    sys.stdout.write(text.decode() + "\n")
 
 
 def effective(cfg: KafoldConfig, need: tuple[str, ...]) -> KafoldConfig:
