@@ -281,10 +281,12 @@ def master_key(monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def protected_customer_toml(kafka: KafkaConfig, pg_url: str, prefix: str, port: int, *, table: str | None = None,
-                            hook: str | None = None, snapshots: bool = False, task_processes: bool = False) -> str:
+                            hook: str | None = None, snapshots: bool = False, task_processes: bool = False,
+                            schema: str | None = None) -> str:
     """A daemon's kafold.toml hosting the `customer` aggregate whose `email` is protected (master key in
     MASTER_VAR), on topics `<prefix>.events` etc.; with `snapshots`, local snapshot runs; with `hook`, a webhook of
-    its events to that URL; with `table`, a projection of them into that table."""
+    its events to that URL; with `table`, a projection of them into that table; with `schema`, kafold's tables (the
+    subjects' keys, the erasures) in that schema rather than the session's shared `kafold`."""
     out = f"""
 {kafka_toml(kafka)}
 [daemon]
@@ -296,6 +298,7 @@ batch_max_wait_ms = 50
 
 [postgres]
 url = "{pg_url}"
+{f'schema = "{schema}"' if schema else ""}
 
 [privacy]
 master_key_env = "{MASTER_VAR}"
@@ -351,6 +354,13 @@ email = "text"
 name = "text"
 """
     return out
+
+
+def own_schema(unique: str) -> str:
+    """A schema for kafold's tables of one test that uses the fixed subjects of EMAILS: the tests share the
+    session's PostgreSQL, and a subject's key left behind wrapped under another test's master key (c-2's, which
+    test_protect_snapshots keeps) does not unwrap under this test's."""
+    return "pk_" + unique[-8:]
 
 
 def customer_client(conf: Path, kafka: KafkaConfig) -> tuple[KafoldConfig, Outside]:

@@ -18,6 +18,7 @@ from tests.aggregates.agg_support import (
     customer_client,
     kafold_cli,
     master_key,
+    own_schema,
     protected_customer_toml,
     raw_bytes,
     ready_daemon,
@@ -32,7 +33,8 @@ def test_snapshots_of_a_protected_aggregate_are_sealed_and_forgotten(
         kafka_config: KafkaConfig, pg_url: str, unique: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     master_key(monkeypatch)
     conf = tmp_path / "kafold.toml"
-    conf.write_text(protected_customer_toml(kafka_config, pg_url, unique, free_port(), snapshots=True))
+    conf.write_text(protected_customer_toml(kafka_config, pg_url, unique, free_port(), snapshots=True,
+                                            schema=own_schema(unique)))
     cfg, client = customer_client(conf, kafka_config)
     agg = cfg.aggregates[0]
     try:
