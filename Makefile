@@ -47,10 +47,10 @@ test-tools:
 ## The Apache Kafka stage runs in WORKERS pytest-xdist processes, each with its own session broker and PostgreSQL (a
 ## test pausing or killing them disturbs its own worker only); the `slow` fault-injection tests form one group that
 ## one worker runs in turn, a module's tests sharing a module fixture another (tests/support/xdist_groups.py).
-## WORKERS=0 runs the stage in this one process, as before.
+## The unit stage runs in WORKERS processes too. WORKERS=0 runs each stage in this one process, as before.
 WORKERS ?= 2
 test: lint test-tools
-	@$(call STAGE,unit,$(BIN)/python -m pytest --durations=10 -m "not integration and not tansu")
+	@$(call STAGE,unit,$(BIN)/python -m pytest --durations=10 -n $(WORKERS) -m "not integration and not tansu")
 	@$(call STAGE,apache-kafka,KAFOLD_TEST_BROKER=kafka $(BIN)/python -m pytest --durations=10 -n $(WORKERS) --dist loadgroup -m "integration and not tansu")
 	@$(call STAGE,tansu,KAFOLD_TEST_BROKER=tansu $(BIN)/python -m pytest --durations=10 -m tansu)
 
