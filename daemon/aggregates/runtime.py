@@ -312,6 +312,9 @@ class AggregateRuntime(LoopHandler):
 
     def _on_revoke(self, consumer: Any, partitions: list[Any], *, renewing: bool = False) -> None:
         """Release `partitions` (the consumer's revoke callback); see CatchUp.release."""
+        if self.writer is not None:  # another instance may write their events before they come back (txn.py)
+            for p in partitions:
+                self.writer.released(self.topics["events"], p.partition)
         if self.catch_up is not None:
             self.catch_up.release(partitions, renewing=renewing)
 

@@ -23,6 +23,20 @@ One delivery report and one token per partition and transaction: the last event 
 until commit (produced before any later event of its partition, so the order is Kafka's as before), and every result
 of that partition's commands carries the offset of the batch's last event there. A reader waiting on it waits for
 the same thing as on its own last event: the transaction makes the batch's events visible together.
+
+Predicted offsets: waiting for the events' delivery before producing the results makes the commit two chains of
+round trips (register the events' partitions, produce, then the results' partitions, produce, then EndTxn). Once a
+transaction of this producer has committed events to a partition, the next record it writes there lands, unless
+another producer wrote in between, at the offset after that transaction's last event and its commit marker
+(`_next`: last + 2). A batch's events to such a partition are then given the offsets they will have (`Landing.base`
++ their count), each result is encoded with its own command's last event at once and produced while the batch is
+decided, and the commit flushes events and results in one go. Before EndTxn every predicted partition's last event
+must have landed where predicted (its delivery report): else the transaction is aborted and the batch decided again
+with the flush between (predictions are dropped at any abort; a partition mispredicted once, where another producer
+writes, e.g. a service's `kafold.aio.EventProducer`, is never predicted again by this writer). Why a check of the
+last event is enough: a partition's offsets only grow, so with the last where predicted no record of the batch there
+landed above its prediction, and a token is never below its event (at most it names a later event of the same
+transaction, as the batch's last does).
 """
 
 from __future__ import annotations
@@ -72,12 +86,14 @@ class Landing:
     """Where the open transaction's last event of one partition landed: its offset, set by its delivery report;
     `token`, encoded once for every result that names it."""
 
-    __slots__ = ("offset", "partition", "token", "topic")
+    __slots__ = ("base", "count", "offset", "partition", "token", "topic")
 
-    def __init__(self, topic: str, partition: int) -> None:
+    def __init__(self, topic: str, partition: int, base: int | None = None) -> None:
         self.topic, self.partition = topic, partition
         self.offset: int | None = None
         self.token: str | None = None
+        self.base = base  # the offset predicted for the transaction's first event here (module note), None: unknown
+        self.count = 0  # the transaction's events queued here so far
 
     def __call__(self, err: Any, msg: Any) -> None:  # librdkafka's delivery report (served by flush/poll)
         if err is None:
@@ -96,6 +112,13 @@ class TransactionalWriter:
     """A transactional producer; `begin`, `produce`..., then `commit(offsets, group_metadata)` or `abort`."""
 
     _sending: _Bounded | None = None  # the offsets being sent into the open transaction (send_offsets)
+    # Set by __init__ (these empty defaults serve a writer made without it, as the close/timeout unit tests make
+    # one, which never commits an event): (events topic, partition) -> the offset this producer's next record there
+    # lands at, known from its last committed transaction there (module note: predicted offsets); (results topic,
+    # partition) -> the last result produced at once, held back until commit for its delivery report (result_ends)
+    _next: dict[tuple[str, int], int] = {}
+    _held_results: dict[tuple[str, int], tuple[bytes | None, bytes | None, Headers, int]] = {}
+    _unpredictable: set[tuple[str, int]] = set()  # events partitions mispredicted once (another producer writes)
 
     def __init__(self, kafka: KafkaConfig, transactional_id: str, **extra: Any) -> None:
         self.transactional_id = transactional_id
@@ -124,6 +147,9 @@ class TransactionalWriter:
         # the open transaction's records queued before its offsets were in it (`produce`), in produce order
         self._waiting: list[tuple[str, int, bytes | None, bytes | None, Headers, int, Landing | None]] = []
         self._landed: list[Landing] = []  # the open transaction's last events, known committed at `_remember`
+        self._next = {}
+        self._held_results = {}
+        self._unpredictable = set()
         self.open = False
         self.held = False  # a librdkafka call blocked for good holds the producer: close must not touch it
         self._init()
@@ -141,6 +167,8 @@ class TransactionalWriter:
             raise _convert(e, "begin_transaction") from e
         self._results.clear()
         self._last.clear()
+        self._held_results = {}
+        self._committing = {}
         self._waiting = []
         self._sending = None
         self.open = True
@@ -189,13 +217,14 @@ class TransactionalWriter:
         if not events:
             return None
         at = (topic, partition)
-        landing, held = self._last.get(at) or (Landing(topic, partition), None)
+        landing, held = self._last.get(at) or (Landing(topic, partition, self._next.get(at)), None)
         if held is not None:
             self.produce(topic, partition, *held)
         for key, value, headers in events[:-1]:
             self.produce(topic, partition, key, value, headers, timestamp)
         key, value, headers = events[-1]
         self._last[at] = (landing, (key, value, headers, timestamp))
+        landing.count += len(events)
         return landing
 
     def _produce_waiting(self) -> None:
@@ -227,37 +256,93 @@ class TransactionalWriter:
                        events_at: tuple[str, int] | None = None) -> None:
         """Queue `result`, produced at commit with the token of `events` (its command's last event); `trace`:
         trace-context headers to add (kafold.tracing); `events_at`: a duplicate's events partition (its token when
-        the first decision's is not remembered, see the module note)."""
+        the first decision's is not remembered, see the module note).
+
+        Produced at once when its token is known now (its events' offsets predicted, or none needed) and no result
+        of the batch waits for the events' delivery before it (the module note); else held until commit."""
+        if not self._results:
+            ident = (result.aggregate_id, result.command_id)
+            token: str | None = None
+            if events is not None:
+                if events.base is None:  # not predicted: the token is known once the events are delivered
+                    self._results.append((topic, partition, result, events, timestamp, trace, events_at))
+                    return
+                token = encode_token(events.topic, events.partition, events.base + events.count - 1)
+                self._committing[ident] = (result.event_ids, token)
+            elif result.duplicate and result.event_ids:
+                token = self._duplicate_token(ident, result.event_ids, events_at)
+            key, value, headers = result.encode(token)
+            if trace:
+                headers = [*headers, *trace]
+            at = (topic, partition)
+            held = self._held_results.get(at)
+            if held is not None:
+                self.produce(topic, partition, *held)
+            self._held_results[at] = (key, value, headers, timestamp)
+            return
         self._results.append((topic, partition, result, events, timestamp, trace, events_at))
+
+    def _duplicate_token(self, ident: tuple[str, str], event_ids: tuple[str, ...],
+                         events_at: tuple[str, int] | None) -> str | None:
+        """A duplicate's token: its first decision's, when this writer made it (in this batch or committed), else
+        the newest event known committed on its events partition (the module note)."""
+        known = self._committing.get(ident) or self._tokens.get(ident)
+        if known is not None and known[0] == event_ids:
+            return known[1]
+        if events_at is not None and events_at in self.ends:
+            return encode_token(*events_at, self.ends[events_at])
+        return None
+
+    def released(self, topic: str, partition: int) -> None:
+        """This instance no longer owns the events partition: another may write there before it comes back, so its
+        next offset is not predicted from this writer's last transaction (nor is a misprediction held against it)."""
+        self._next.pop((topic, partition), None)
+        self._unpredictable.discard((topic, partition))
 
     def known_end(self, topic: str, partition: int, offset: int) -> None:
         """Events up to `offset` of the partition are committed (a replay reached them)."""
         if offset >= 0 and offset > self.ends.get((topic, partition), -1):
             self.ends[(topic, partition)] = offset
 
-    def _produce_results(self) -> bool:
-        """Produce the held-back results with their tokens; False when the batch's events were not all delivered
-        (the transaction cannot commit: the caller aborts it)."""
+    def _produce_results(self) -> str | None:
+        """Produce the held-back events and results (the waiting ones with their tokens); why the transaction cannot
+        commit (the caller aborts it), or None: an event not delivered, or not where it was predicted."""
         results, self._results = self._results, []
         landings = self._produce_last()
-        if landings:  # one round trip for the batch's events; one not delivered: the transaction must abort
+        reported = []
+        for (topic, partition), held in self._held_results.items():  # the results produced at once: the last ones
+            x = Landing(topic, partition)
+            self.produce(topic, partition, *held, x)
+            reported.append(x)
+        self._held_results = {}
+        if landings:  # one round trip for the batch's events (and the results already produced)
             try:
                 left = self.producer.flush(TXN_TIMEOUT_MS / 1000)
             except Exception as e:  # seen when fenced: confluent-kafka raises SystemError out of a delivery report
                 log.warning("aggregate.txn_flush_failed", transactional_id=self.transactional_id, error=str(e))
-                return False
+                return "events of the batch not delivered"
             if left or any(x.offset is None for x in landings):
-                return False
+                return "events of the batch not delivered"
+            # The results produced at once name offsets predicted before the events landed: checked here, before
+            # EndTxn, by each predicted partition's last event (the module note)
+            wrong = {f"{x.topic}/{x.partition}": (x.base + x.count - 1, x.offset) for x in landings
+                     if x.base is not None and x.offset != x.base + x.count - 1}
+            if wrong:
+                self._unpredictable.update((x.topic, x.partition) for x in landings if x.base is not None
+                                           and x.offset != x.base + x.count - 1)
+                log.warning("aggregate.txn_offsets_mispredicted", transactional_id=self.transactional_id,
+                            predicted_landed=wrong)
+                return "events not at their predicted offsets (another producer wrote to their partitions)"
             for x in landings:
                 assert x.offset is not None
                 x.token = encode_token(x.topic, x.partition, x.offset)
-        batch: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {}
+        batch = self._committing
         self._landed = landings
         last_result: dict[tuple[str, int], int] = {}  # (topic, partition) -> index of its last result
         for i, (topic, partition, *_) in enumerate(results):
             last_result[(topic, partition)] = i
-        reported = {i: Landing(topic, partition) for (topic, partition), i in last_result.items()}
-        self._results_landed = list(reported.values())
+        waiting = {i: Landing(topic, partition) for (topic, partition), i in last_result.items()}
+        self._results_landed = [*reported, *waiting.values()]
         for i, (topic, partition, result, landing, timestamp, trace, events_at) in enumerate(results):
             ident = (result.aggregate_id, result.command_id)
             token = None
@@ -266,17 +351,12 @@ class TransactionalWriter:
                 assert token is not None
                 batch[ident] = (result.event_ids, token)
             elif result.duplicate and result.event_ids:
-                known = batch.get(ident) or self._tokens.get(ident)
-                if known is not None and known[0] == result.event_ids:
-                    token = known[1]
-                elif events_at is not None and events_at in self.ends:
-                    token = encode_token(*events_at, self.ends[events_at])
+                token = self._duplicate_token(ident, result.event_ids, events_at)
             key, value, headers = result.encode(token)
             if trace:
                 headers = [*headers, *trace]
-            self.produce(topic, partition, key, value, headers, timestamp, reported.get(i))
-        self._committing = batch
-        return True
+            self.produce(topic, partition, key, value, headers, timestamp, waiting.get(i))
+        return None
 
     def _remember(self) -> None:
         """The committed batch's tokens, for duplicates of its commands (the first remembered forgotten first)."""
@@ -286,6 +366,8 @@ class TransactionalWriter:
         for x in landed:
             assert x.offset is not None
             self.known_end(x.topic, x.partition, x.offset)
+            if (x.topic, x.partition) not in self._unpredictable:
+                self._next[(x.topic, x.partition)] = x.offset + 2  # after the commit marker (module note)
         reported, self._results_landed = self._results_landed, []
         if reported:
             self.producer.poll(0)  # serve the results' delivery reports the commit's flush queued
@@ -311,7 +393,7 @@ class TransactionalWriter:
     def commit(self, offsets: list[TopicPartition], group_metadata: Any) -> bool:
         """Commit the open transaction with `offsets` (unless `send_offsets` sent them already); False when it had
         to be aborted (nothing visible)."""
-        self._committing, self._landed, self._results_landed = {}, [], []
+        self._landed, self._results_landed = [], []
         if self._sending is None:
             self.send_offsets(offsets, group_metadata)
         # The offsets first: then the coordinator takes the registration of the partitions produced to below (the
@@ -322,9 +404,9 @@ class TransactionalWriter:
             return False  # aborted there
         if held:
             self._produce_waiting()
-        if (self._results or self._last) and not self._produce_results():
-            log.warning("aggregate.txn_aborting", transactional_id=self.transactional_id,
-                        error="events of the batch not delivered")
+        failed = self._produce_results() if self._results or self._last or self._held_results else None
+        if failed is not None:
+            log.warning("aggregate.txn_aborting", transactional_id=self.transactional_id, error=failed)
             self.abort()
             return False
         try:
@@ -373,6 +455,10 @@ class TransactionalWriter:
     def abort(self) -> None:
         self._results.clear()
         self._last.clear()
+        self._held_results, self._committing = {}, {}
+        # The aborted records took offsets (and an abort marker) wherever they landed: nothing predicted until a
+        # committed transaction tells again
+        self._next = {}
         self._waiting = []
         try:  # librdkafka refuses an abort while another transactional call is in progress
             self._join_sending()

@@ -6,16 +6,18 @@ import threading
 import time
 from typing import Any
 
+import orjson
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
+from kafold import kafka_clients, tokens
 from kafold.client import CommandClient
 from kafold.config import KafkaConfig
 from kafold.daemon.aggregates import txn
 from kafold.daemon.aggregates.txn import TransactionalWriter
 from kafold.envelope import Event, encode
 from kafold.errors import FatalError
-from kafold.messages import Command, Result
+from kafold.messages import Command, Result, decode_result
 from tests.aggregates.agg_support import (
     bank_config,
     committed_state,
@@ -315,3 +317,134 @@ def test_records_wait_while_the_offsets_are_sent_then_go_first_in_their_order() 
     assert sending is not None and sending.done.wait(10)
     writer.produce_events("events", 0, [(b"a", b"e3", [])])
     assert producer.produced == [("events", 0, b"e1"), ("dlq", 0, b"dead"), ("events", 0, b"e2")]
+
+
+class _Broker:
+    """A producer whose records land at each partition's next offset, as a broker assigns them (`ends`); flush and
+    poll serve the delivery reports; a commit writes a marker (one offset) to every partition of the transaction."""
+
+    def __init__(self, ends: dict[tuple[str, int], int]) -> None:
+        self.ends, self.calls = dict(ends), list[str]()
+        self.produced: list[tuple[str, int, bytes, int]] = []  # topic, partition, value, offset
+        self.reports: list[tuple[Any, Any]] = []
+        self.touched: set[tuple[str, int]] = set()
+
+    def begin_transaction(self) -> None:
+        self.touched = set()
+
+    def produce(self, topic: str, value: bytes, _key: bytes, partition: int, *, on_delivery: Any = None,
+                **_kwargs: Any) -> None:
+        offset = self.ends.get((topic, partition), 0)
+        self.ends[(topic, partition)] = offset + 1
+        self.touched.add((topic, partition))
+        self.produced.append((topic, partition, value, offset))
+        if on_delivery is not None:
+            self.reports.append((on_delivery, _Landed(offset)))
+
+    def flush(self, _timeout: float) -> int:
+        reports, self.reports = self.reports, []
+        for report, msg in reports:
+            report(None, msg)
+        return 0
+
+    poll = flush
+
+    def commit_transaction(self, _timeout: float) -> None:
+        self.calls.append("commit")
+        for at in self.touched:
+            self.ends[at] += 1
+
+    def abort_transaction(self, _timeout: float) -> None:
+        self.calls.append("abort")
+        for at in self.touched:
+            self.ends[at] += 1
+
+    def results(self) -> dict[str, dict[tuple[str, int], int]]:
+        """command id -> the positions its result's token names, of every result produced."""
+        out = {}
+        for topic, _p, value, _o in self.produced:
+            if topic == "results":
+                result = decode_result(value)
+                assert result.token is not None
+                out[result.command_id] = tokens.parse(result.token)
+        return out
+
+
+class _Landed:
+    def __init__(self, offset: int) -> None:
+        self._offset = offset
+
+    def offset(self) -> int:
+        return self._offset
+
+
+def _predicting(producer: _Broker, next_offsets: dict[tuple[str, int], int]) -> TransactionalWriter:
+    writer = _writer(producer)
+    writer._waiting, writer._produce, writer.ends, writer.result_ends = [], producer.produce, {}, {}
+    writer._next, writer._held_results = dict(next_offsets), {}
+    writer.begin()
+    return writer
+
+
+def _two_commands(writer: TransactionalWriter) -> None:
+    first = writer.produce_events("events", 0, [(b"a", b"e1", []), (b"a", b"e2", [])])
+    writer.produce_result("results", 0, Result("c1", "a", "accepted", 2, ("e1", "e2")), first)
+    second = writer.produce_events("events", 0, [(b"b", b"e3", [])])
+    writer.produce_result("results", 0, Result("c2", "b", "accepted", 1, ("e3",)), second)
+
+
+def test_results_of_a_predicted_partition_go_before_the_commit_naming_their_own_events() -> None:
+    # The last committed transaction's last event here was at 8, its marker at 9: the next records land from 10
+    producer = _Broker({("events", 0): 10})
+    writer = _predicting(producer, {("events", 0): 10})
+    _two_commands(writer)
+    assert producer.results() == {"c1": {("events", 0): 11}}  # out while the batch is decided (the last held)
+    assert writer.commit([], None) is True
+    assert producer.calls == ["commit"]
+    assert producer.results() == {"c1": {("events", 0): 11}, "c2": {("events", 0): 12}}
+    assert [o for t, _p, _v, o in producer.produced if t == "events"] == [10, 11, 12]
+    assert writer._next == {("events", 0): 14}  # after the last event (12) and this commit's marker (13)
+
+
+def test_events_not_where_predicted_abort_the_transaction_before_its_commit() -> None:
+    # Another producer wrote at 10 since: the batch's events land at 11 to 13, one above what its results name
+    producer = _Broker({("events", 0): 11})
+    writer = _predicting(producer, {("events", 0): 10})
+    _two_commands(writer)
+    assert writer.commit([], None) is False
+    assert producer.calls == ["abort"] and writer._next == {}  # decided again by the runtime, nothing predicted
+    producer.produced.clear()
+    writer.begin()  # the batch again: its results wait for the events' delivery, and the partition stays unpredicted
+    _two_commands(writer)
+    assert producer.results() == {}
+    assert writer.commit([], None) is True  # the events at 15 to 17 (after the abort marker at 14)
+    assert producer.results() == {"c1": {("events", 0): 17}, "c2": {("events", 0): 17}}  # the batch's last event
+    assert writer._next == {}
+
+
+def test_an_event_written_by_another_producer_between_two_batches_is_caught_and_the_batch_decided_again(
+        kafka_config: KafkaConfig, unique: str) -> None:
+    """The runtime predicts where a batch's events land from its last committed transaction and produces their
+    results at once (txn.py: predicted offsets). A record another producer wrote to the partition in between makes
+    the prediction wrong: that transaction is aborted before its commit, the batch decided again, and the command has
+    one result, whose token names its own event; the partition is not predicted again (no abort more)."""
+    agg, ids, rt = _bank(kafka_config, unique, partitions=1, accounts=1)
+    with running(rt) as r, CommandClient(kafka_config, agg) as client:
+        _live_with_accounts(r.runtime, client, ids)  # a committed transaction: the partition's next one is predicted
+        outsider = kafka_clients.producer(kafka_config, **{"enable.idempotence": True})
+        key, value, headers = encode(Event.new("AccountOpened", agg.name, "intruder", 1, {"owner": "x"}))
+        kafka_clients.produce(outsider, agg.topic("events"), value, key, headers, partition=0)
+        assert outsider.flush(10) == 0
+        kafka_clients.close_producer(outsider, 10)
+        deposit = client.send(client.command(ids[0], "Deposit", {"amount": 5}))
+        assert deposit is not None and deposit.accepted and deposit.version == 2 and deposit.token is not None
+        assert r.runtime.counts["aborts"] == 1
+        again = client.send(client.command(ids[0], "Deposit", {"amount": 7}))  # no more predicted there
+        assert again is not None and again.accepted and again.version == 3 and again.token is not None
+        assert r.runtime.counts["aborts"] == 1
+    landed = {(m.key(), orjson.loads(m.value())["version"]): m.offset() for m in read_all(kafka_config, agg.topic(
+        "events"))}
+    mine = ids[0].encode()
+    assert tokens.parse(deposit.token) == {(agg.topic("events"), 0): landed[(mine, 2)]}
+    assert tokens.parse(again.token) == {(agg.topic("events"), 0): landed[(mine, 3)]}
+    _answered_once(kafka_config, agg, 3)

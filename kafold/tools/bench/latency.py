@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import datetime
 import random
 import threading
 import time
@@ -95,6 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             usage = Usage(proc.pid, daemons.postgres)
             figures.update(_commands_phase(kafka, daemons, names, args, DaemonClient(f"http://127.0.0.1:{port}")))
             figures["commands_phase"] = usage.per_event(figures["commands_sent"] + args.accounts)
+        figures["aggregate_batches"] = batch_stages(conf.with_suffix(".log"), figures.pop("commands_measured_from"))
     figures["notes"] = [
         "event_to_row: broker acknowledgement -> the projection's PostgreSQL checkpoint seen covering the event "
         f"(polled every {args.poll_ms:g} ms)",
@@ -108,6 +110,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "kafold's daemon tree, PostgreSQL's backends open at the phase's start (not the bench's own polling "
         "sessions) and the embedded broker (the bench's producers and readers load it too); broker_jit: the part of "
         "the broker's that its JIT compiler threads took (a broker started for the bench compiles through the run)",
+        "aggregate_batches: the measured commands' transactions, from the daemon's aggregate.batch log lines: "
+        "commands a batch, and ms p50/p90/p99 of a batch from its start to its commit returned (cycle_ms), of "
+        "which deciding (decide_ms: decode, decide, the events produced) and the commit (commit_ms: the events' "
+        "and results' delivery, EndTxn)",
     ]
     return figures
 
@@ -143,6 +149,33 @@ def _daemon_toml(stack: DaemonStack, names: _Names, args: argparse.Namespace, po
     return "".join([toml_table("[kafka]", kafka), toml_table("[postgres]", stack.postgres_raw),
                     toml_table("[daemon]", daemon), toml_table("[[aggregates]]", aggregate),
                     *(toml_table("[[connectors]]", c) for c in connectors)])
+
+
+def batch_stages(log_path: Any, since: float) -> dict[str, Any]:
+    """Per-stage figures of the aggregate's transactions logged (`aggregate.batch`, JSON) at or after `since` (epoch
+    seconds): commands a batch and ms of the cycle, its deciding and its commit, p50/p90/p99."""
+    sizes: list[float] = []
+    cycle: list[float] = []
+    commit: list[float] = []
+    with open(log_path, "rb") as lines:
+        for line in lines:
+            if b'"aggregate.batch"' not in line:
+                continue
+            rec = orjson.loads(line)
+            at = datetime.datetime.fromisoformat(rec["timestamp"].replace("Z", "+00:00")).timestamp()
+            if at >= since:
+                sizes.append(rec["commands"])
+                cycle.append(rec["duration_ms"])
+                commit.append(rec["commit_ms"])
+    if not sizes:
+        return {"batches": 0}
+
+    def pcts(xs: list[float]) -> list[float]:
+        s = sorted(xs)
+        return [round(s[min(len(s) - 1, int(q * len(s)))], 1) for q in (0.5, 0.9, 0.99)]
+
+    return {"batches": len(sizes), "commands": pcts(sizes), "cycle_ms": pcts(cycle),
+            "decide_ms": pcts([c - m for c, m in zip(cycle, commit, strict=True)]), "commit_ms": pcts(commit)}
 
 
 def _pace(producer: Any, rate: float, duration: float, send: Any) -> int:
@@ -381,6 +414,7 @@ def _commands_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argpars
         wait_progress(lambda: reading() and counts["results"] >= len(accounts), where,
                       f"the warm-up's {len(accounts)} results on {results_topic} (read_committed)", poll_s=0.05)
         measuring[0] = True
+        measured_from = time.time()
         probe_every = max(1, round(args.rate / args.probes)) if args.probes > 0 else 0
         run_id = uuid.uuid4().hex[:6]
 
@@ -406,6 +440,7 @@ def _commands_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argpars
         reader.close()
         check.close()
         kafka_clients.close_producer(producer, 10)
-    return {"commands_sent": sent, **_figures("command_to_result", results, sent),
+    return {"commands_sent": sent, "commands_measured_from": measured_from,
+            **_figures("command_to_result", results, sent),
             **_figures("read_your_writes", visible, counts["probes"]),
             "read_your_writes_missing": counts["missing"], "read_your_writes_wait_failed": counts["failed"]}
