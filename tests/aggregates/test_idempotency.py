@@ -138,6 +138,10 @@ def _snapshot_run(kafka: KafkaConfig, agg: AggregateConfig) -> None:
     run_local(kafka, agg, Domain.load(agg, [str(BANK)]), list(range(agg.partitions)))
 
 
+def _balances(rt: Any, accounts: list[str]) -> dict[str, int | None]:
+    return {a: (got[0].balance if (got := rt.get(a)) is not None else None) for a in accounts}
+
+
 def test_random_retries_restarts_and_snapshot_runs_decide_each_command_id_once(kafka_config: KafkaConfig,
                                                                                 unique: str) -> None:
     """A property over seeded random histories: commands with retries of any earlier id (any delay within the
@@ -183,14 +187,15 @@ def test_random_retries_restarts_and_snapshot_runs_decide_each_command_id_once(k
                 client.send(*cmd)
                 model_apply(*cmd)
             client.wait()
-            states = {a: r.runtime.get(a) for a in accounts}
+            # A result is visible once its transaction commits, and the runtime marks the states that transaction
+            # committed right after: a read without a version may trail the last result by that moment, so the
+            # states are waited for (wait_for names the round), not sampled once
+            wait_for(lambda r=r: _balances(r.runtime, accounts) == {a: model.get(a) for a in accounts},  # type: ignore[misc]
+                     timeout=30, what=f"round {round_}: the runtime's states equal the model")
         restarts += 1
         if rng.random() < 0.5:
             _snapshot_run(kafka_config, agg)
             snapshot_runs += 1
-        for a in accounts:
-            got = states[a]
-            assert (got[0].balance if got is not None else None) == model.get(a), (round_, a)
     client.close()
     assert snapshot_runs and restarts == 8
     for cid, outcomes in client.results.items():
