@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from kafold import logs, protect, tracing
+from kafold import interpreter, logs, protect, tracing
 from kafold.config import AggregateConfig, DaemonConfig, KafkaConfig, TracingConfig
 from kafold.daemon.aggregates.gate import PartitionGate
 from kafold.daemon.aggregates.restorer import SnapshotRestorer
@@ -328,6 +328,10 @@ class AggregateWorkers:
 
 def worker_main(conn: Connection, spec: WorkerSpec) -> None:
     """The worker process: build the runtime, run it in a thread, report, answer reads, follow the parent."""
+    # The batch settings of every kafold process (the daemon's and a task's child process get them at start): the
+    # young collections at Python's 700 allocations ran every few dozen commands in a worker (docs/benchmarks.md,
+    # issue 56, `ks3`). What start-up made is frozen by the runtime's loop once its clients exist (freeze_startup).
+    interpreter.tune_interpreter()
     logs.configure(*spec.log)
     if spec.tracing is not None:
         tracing.configure(spec.tracing)
