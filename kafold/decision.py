@@ -45,27 +45,28 @@ def event_ids(command_id: str, version_before: int, n: int) -> tuple[str, ...]:
     return tuple([derive_event_id(command_id, version_before + i) for i in range(n)])
 
 
+def _rejected(state: Any, version: int, reason: str, error: RecordError | None = None) -> Decided:
+    # module-level, not a closure in `decide`: made once, not per command
+    return Decided((), state, version, (), reason, error)
+
+
 def decide(domain: AggregateDomain, command_type: str, data: dict[str, Any], aggregate_id: str, state: Any,
            version: int, *, command_id: str, correlation_id: str, at: str) -> Decided:
     """Decide the command `command_type`/`data` (its JSON) on `state` at `version`; never raises on bad input."""
-
-    def rejected(reason: str, error: RecordError | None = None) -> Decided:
-        return Decided((), state, version, (), reason, error)
-
     try:
         command = domain.command(command_type, data)
     except InvalidCommand as e:
-        return rejected(str(e), RecordError(str(e), reason=e.reason))
+        return _rejected(state, version, str(e), RecordError(str(e), reason=e.reason))
     try:
         decided = domain.decide(command, state)
     except domain.rejections as e:
-        return rejected(str(e) or type(e).__name__)
+        return _rejected(state, version, str(e) or type(e).__name__)
     except Exception as e:  # a bug in decide must not stop the runtime: dead-letter the command
         msg = f"decide raised {type(e).__name__}: {e}"
-        return rejected(msg, RecordError(msg, reason=deciding_reason(Stage.DECIDE)))
+        return _rejected(state, version, msg, RecordError(msg, reason=deciding_reason(Stage.DECIDE)))
     if not isinstance(decided, list | tuple):
         msg = f"decide returned {type(decided).__name__}, expected a list of events"
-        return rejected(msg, RecordError(msg, reason=deciding_reason(Stage.DECIDE)))
+        return _rejected(state, version, msg, RecordError(msg, reason=deciding_reason(Stage.DECIDE)))
     ids = event_ids(command_id, version, len(decided))
     codec = domain.codec
     newest = codec.upcaster.version_of  # decide writes every type at its newest schema version
@@ -90,8 +91,8 @@ def decide(domain: AggregateDomain, command_type: str, data: dict[str, Any], agg
             events.append(written)
     except (InvalidEvent, UnreadableEvent, FatalError, ValueError) as e:
         msg = f"cannot store the decided events: {e}"
-        return rejected(msg, RecordError(msg, reason=deciding_reason(Stage.ENCODE)))
+        return _rejected(state, version, msg, RecordError(msg, reason=deciding_reason(Stage.ENCODE)))
     except Exception as e:
         msg = f"evolve raised {type(e).__name__}: {e}"
-        return rejected(msg, RecordError(msg, reason=deciding_reason(Stage.FOLD)))
+        return _rejected(state, version, msg, RecordError(msg, reason=deciding_reason(Stage.FOLD)))
     return Decided(tuple(events), after, version + len(events), ids)

@@ -221,11 +221,19 @@ _REQUIRED = tuple(f.name for f in _SCHEMA if not f.metadata["optional"])
 _RULES = tuple((f.name, f.metadata["kind"], f.metadata["optional"]) for f in _SCHEMA)  # (name, Kind, optional)
 
 
+_LAST_PARSED: list[str] = ["1970-01-01T00:00:00.000000Z"]  # the last time that parsed (one item: thread-safe)
+
+
 def _parses(at: str) -> bool:
+    """`at` is an ISO-8601 time. A command's events and neighbouring commands share their time (the runtime spells
+    it once a millisecond, format_epoch_ms), so the last one that parsed is kept."""
+    if at == _LAST_PARSED[0]:
+        return True
     try:
         datetime.fromisoformat(at)
     except ValueError:
         return False
+    _LAST_PARSED[0] = at
     return True
 
 

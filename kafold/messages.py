@@ -6,8 +6,9 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import orjson
 
 from kafold.envelope import MAX_BYTES, MAX_ID_CHARS, Headers, utc_now
@@ -58,8 +59,60 @@ def _bad(raw: Any, message: str, reason: str) -> DecodeError:
     return DecodeError(f"invalid command: {message}", raw=raw, reason=reason)
 
 
+_ID = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+
+
+class _Envelope(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """decode_command's fast path: the envelope's rules checked in C as one msgspec decode. `data` is kept as its raw
+    JSON and parsed by orjson, as the checked path parses the whole value, so the command's data is the same objects
+    whichever path read it (orjson and msgspec differ on integers beyond 64 bits)."""
+
+    command_id: _ID
+    type: _ID
+    aggregate_id: _ID
+    data: msgspec.Raw
+    aggregate_type: str = ""
+    expected_version: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    correlation_id: str | None = None
+    issued_at: str = ""
+
+
+_ENVELOPE = msgspec.json.Decoder(_Envelope)
+# Nesting a `data` of fewer openers than this cannot reach orjson's depth limit on the whole value (1024), which the
+# checked path meets and the fast path's parse of `data` alone, one level shallower, would not.
+_FAST_OPENERS = 512
+
+
 def decode_command(key: bytes | None, value: bytes | None, *, raw: Any = None) -> Command:
-    """The Command in a record; DecodeError names the defect (the record is then rejected and dead-lettered)."""
+    """The Command in a record; DecodeError names the defect (the record is then rejected and dead-lettered).
+
+    Two paths, one answer: msgspec's decode of the envelope (`_decode_fast`, the common case, ~1 µs less a command),
+    and on any doubt the checked path, which names the defect."""
+    return _decode_fast(key, value) or _decode_checked(key, value, raw)
+
+
+def _decode_fast(key: bytes | None, value: bytes | None) -> Command | None:
+    """The Command `_decode_checked` gives, or None (then it names the defect). Accepts only what the checked path
+    accepts, with the same values (tests/aggregates/test_domain_unit.py compares them on valid and broken ones)."""
+    if value is None or len(value) > MAX_BYTES or key is None:
+        return None
+    try:
+        e = _ENVELOPE.decode(value)
+        raw_data = bytes(e.data)
+        if raw_data.count(b"{") + raw_data.count(b"[") >= _FAST_OPENERS:
+            return None
+        data = orjson.loads(raw_data)
+    except (msgspec.DecodeError, orjson.JSONDecodeError, RecursionError):  # ValidationError is a DecodeError; msgspec
+        # raises RecursionError on deep nesting
+        return None
+    if type(data) is not dict or key.decode("utf-8", "replace") != e.aggregate_id:
+        return None
+    return Command(e.command_id, e.type, e.aggregate_id, data, e.aggregate_type, e.expected_version,
+                   e.correlation_id or e.command_id, e.issued_at)
+
+
+def _decode_checked(key: bytes | None, value: bytes | None, raw: Any) -> Command:
+    """decode_command's checked path: each rule in turn, the first broken one named."""
     if value is None:
         raise _bad(raw, "value: missing", "missing-field")
     if len(value) > MAX_BYTES:

@@ -67,9 +67,10 @@ class Decider:
         now_ms = int(time.time() * 1000)
         tracer = tracing.tracer()  # once per batch: off, no header is read and nothing traced
         for m, cmd in zip(live, decoded, strict=True):
-            n = m.partition()
-            first.setdefault(n, m.offset())
-            last[n] = m.offset() + 1
+            n, offset = m.partition(), m.offset()
+            if n not in first:
+                first[n] = offset
+            last[n] = offset + 1
             if tracer is None:
                 self._one(writer, m, cmd, n, command_time(m, now_ms), undo, tally)
             else:

@@ -402,6 +402,8 @@ class AggregateRuntime(LoopHandler):
 
     def _reload_missing(self, msgs: list[Message]) -> None:
         """Rebuild evicted aggregates of this batch from Kafka before deciding on them."""
+        if not self.store.has_evicted():  # the cache holds every aggregate met: no record to look at
+            return
         wanted: dict[int, set[str]] = {}
         for m in msgs:
             key = m.key()

@@ -78,6 +78,11 @@ class StateStore:
         ev = self.evicted.get(partition)
         return ev is not None and aggregate_id in ev
 
+    def has_evicted(self) -> bool:
+        """Some aggregate was evicted and not cached again (`missing` may then answer True)."""
+        with self.lock:
+            return any(self.evicted.values())
+
     def missing(self, partition: int, aggregate_id: str) -> bool:
         """Evicted and not cached again: its state must be reloaded from Kafka before a decision."""
         with self.lock:

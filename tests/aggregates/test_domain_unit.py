@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import orjson
 import pytest
 
+from kafold import messages
 from kafold.config import AggregateConfig, FoldErrorPolicy
 from kafold.daemon.aggregates.gate import LIVE, RECOVERING, PartitionGate
 from kafold.daemon.aggregates.processor import handle as _handle
@@ -67,6 +69,64 @@ def test_command_envelope_round_trip_and_defects() -> None:
         decode_command(b"a", b'{"command_id":"c","type":"T","aggregate_id":"a","data":{},"expected_version":"1"}')
     with pytest.raises(DecodeError, match="not valid JSON"):
         decode_command(b"a", b"{")
+
+
+def _envelope(**fields: Any) -> bytes:
+    body = {"command_id": "c-1", "type": "Deposit", "aggregate_id": "a", "data": {"amount": 5}, **fields}
+    return orjson.dumps({k: v for k, v in body.items() if v is not _ABSENT})
+
+
+_ABSENT = object()
+_DEEP = b'{"command_id":"c","type":"T","aggregate_id":"a","data":' + b"[" * 1022 + b"]" * 1022 + b"}"
+
+
+@pytest.mark.parametrize("value", [
+    _envelope(), _envelope(expected_version=0), _envelope(expected_version=2**63 - 1),
+    _envelope(expected_version=2**64 - 1), _envelope(expected_version=-1), _envelope(expected_version=True),
+    _envelope(expected_version=1.0), _envelope(expected_version="1"), _envelope(expected_version=None),
+    _envelope(correlation_id=""), _envelope(correlation_id=None), _envelope(correlation_id=0),
+    _envelope(correlation_id=False), _envelope(correlation_id="corr"), _envelope(correlation_id=[]),
+    _envelope(aggregate_type=None), _envelope(aggregate_type="account"), _envelope(issued_at=None),
+    _envelope(issued_at="2026-01-01T00:00:00.000000Z"), _envelope(command_id=""), _envelope(command_id="x" * 256),
+    _envelope(command_id="x" * 257), _envelope(command_id="é" * 256), _envelope(command_id="é" * 257),
+    _envelope(command_id=5), _envelope(type=None), _envelope(aggregate_id="b"), _envelope(aggregate_id="ä"),
+    _envelope(data=_ABSENT), _envelope(data=[]), _envelope(data=None), _envelope(data="x"), _envelope(extra=1),
+    _envelope(data={"n": 2**64 - 1, "f": 1.5, "e": 1e300, "s": "\u00e9\n", "l": [1, {"x": None}], "b": True}),
+    b'{"command_id":"c","type":"T","aggregate_id":"a","data":{"n":18446744073709551616}}',
+    b'{"command_id":"c","type":"T","aggregate_id":"a","data":{"n":1e400}}',
+    b'{"command_id":"c","type":"T","aggregate_id":"a","data":{"n":NaN}}',
+    b'{"command_id":"\\ud800","type":"T","aggregate_id":"a","data":{}}',
+    b'{"command_id":"c\xff","type":"T","aggregate_id":"a","data":{}}',
+    b'{"command_id":"c\\u0001","type":"T","aggregate_id":"a","data":{}}',
+    b'{"command_id":"c\x01","type":"T","aggregate_id":"a","data":{}}',
+    b'{"command_id":"c","command_id":"d","type":"T","aggregate_id":"a","data":{}}',
+    b'{"command_id":"c","type":"T","aggregate_id":"a","data":{"k":1,"k":2}}',
+    b'\xef\xbb\xbf{"command_id":"c","type":"T","aggregate_id":"a","data":{}}',
+    b' {"command_id":"c","type":"T","aggregate_id":"a","data":{}} ',
+    b'{"command_id":"c","type":"T","aggregate_id":"a","data":{}} x', b"[]", b"", b"{", b"null", _DEEP,
+    _DEEP.replace(b"[" * 1022, b"[" * 1023).replace(b"]" * 1022, b"]" * 1023),
+])
+def test_command_envelope_fast_path_agrees_with_the_checked_one(value: bytes) -> None:
+    """msgspec's decode of the envelope (the common case) accepts only what the checked path accepts, and gives the
+    same Command: the same values of the same types (1 == 1.0 == True, so compared as their JSON and types too)."""
+    fast = messages._decode_fast(b"a", value)
+    try:
+        checked: Command | DecodeError = messages._decode_checked(b"a", value, None)
+    except DecodeError as e:
+        checked = e
+    if fast is None:
+        return  # the checked path answers, as before
+    assert isinstance(checked, Command)
+    assert fast == checked and orjson.dumps(fast.data) == orjson.dumps(checked.data)
+    assert [type(getattr(fast, f.name)) for f in dataclasses.fields(Command)] == \
+        [type(getattr(checked, f.name)) for f in dataclasses.fields(Command)]
+    assert repr(fast.data) == repr(checked.data)
+
+
+def test_command_envelope_fast_path_takes_the_common_case() -> None:
+    cmd = Command.new("account", "acc-1", "Deposit", {"amount": 5}, expected_version=3)
+    key, value, _ = cmd.encode()
+    assert messages._decode_fast(key, value) == cmd == decode_command(key, value)
 
 
 AT, T0, DAY_MS = "2026-01-01T00:00:00.000000Z", 1_767_225_600_000, 86_400_000
