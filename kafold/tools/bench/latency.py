@@ -151,6 +151,11 @@ def _daemon_toml(stack: DaemonStack, names: _Names, args: argparse.Namespace, po
                     *(toml_table("[[connectors]]", c) for c in connectors)])
 
 
+def _nearest_rank(ordered: list[float], q: float) -> float:
+    """The `q` quantile of the sorted `ordered` by nearest rank: the one rule of every figure this bench prints."""
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def batch_stages(log_path: Any, since: float) -> dict[str, Any]:
     """Per-stage figures of the aggregate's transactions logged (`aggregate.batch`, JSON) at or after `since` (epoch
     seconds): commands a batch and ms of the cycle, its deciding and its commit, p50/p90/p99."""
@@ -172,7 +177,7 @@ def batch_stages(log_path: Any, since: float) -> dict[str, Any]:
 
     def pcts(xs: list[float]) -> list[float]:
         s = sorted(xs)
-        return [round(s[min(len(s) - 1, int(q * len(s)))], 1) for q in (0.5, 0.9, 0.99)]
+        return [round(_nearest_rank(s, q), 1) for q in (0.5, 0.9, 0.99)]
 
     return {"batches": len(sizes), "commands": pcts(sizes), "cycle_ms": pcts(cycle),
             "decide_ms": pcts([c - m for c, m in zip(cycle, commit, strict=True)]), "commit_ms": pcts(commit)}
@@ -200,7 +205,7 @@ def _figures(prefix: str, samples: list[float], expected: int) -> dict[str, Any]
     s = sorted(samples)
 
     def pct(q: float) -> float:
-        return round(s[min(len(s) - 1, int(q * len(s)))] * 1000, 1)
+        return round(_nearest_rank(s, q) * 1000, 1)
 
     return {f"{prefix}_p50_ms": pct(0.50), f"{prefix}_p95_ms": pct(0.95), f"{prefix}_p99_ms": pct(0.99),
             f"{prefix}_max_ms": round(s[-1] * 1000, 1), f"{prefix}_samples": len(s),
