@@ -224,7 +224,8 @@ def release_prestarted() -> None:
 # A child never draws on a terminal, but structlog imports rich when it is installed (the CLI's tables need it), for
 # its console renderer's tracebacks: ~8 MB of memory in every child (docs/benchmarks.md, issue 56). A None in
 # sys.modules makes that import fail, and structlog falls back to plain tracebacks.
-_CHILD_MAIN = "import sys; sys.modules['rich'] = None; from kafold.daemon.task_process import main; main()"
+CHILD_SETUP = "import sys; sys.modules['rich'] = None"
+_CHILD_MAIN = f"{CHILD_SETUP}; from kafold.daemon.task_process import main; main()"
 
 
 def _spawn(label: str) -> tuple[subprocess.Popen[bytes], Connection]:
