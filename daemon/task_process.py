@@ -221,14 +221,21 @@ def release_prestarted() -> None:
         process.wait()
 
 
+# A child never draws on a terminal, but structlog imports rich when it is installed (the CLI's tables need it), for
+# its console renderer's tracebacks: ~8 MB of memory in every child (docs/benchmarks.md, issue 56). A None in
+# sys.modules makes that import fail, and structlog falls back to plain tracebacks.
+CHILD_SETUP = "import sys; sys.modules['rich'] = None"
+_CHILD_MAIN = f"{CHILD_SETUP}; from kafold.daemon.task_process import main; main()"
+
+
 def _spawn(label: str) -> tuple[subprocess.Popen[bytes], Connection]:
     """A child interpreter running `main`, waiting for its spec, and the parent's end of its connection. A plain
     subprocess rather than multiprocessing's spawn: no resource tracker process (~13 MB) and no re-import of the
     daemon's __main__ in the child. The label (connector#task, aggregate#worker) only names the process in `ps`."""
     ours, theirs = socket.socketpair()
     with theirs:
-        process = subprocess.Popen([sys.executable, "-c", "from kafold.daemon.task_process import main; main()",
-                                    str(theirs.fileno()), label], pass_fds=(theirs.fileno(),))
+        process = subprocess.Popen([sys.executable, "-c", _CHILD_MAIN, str(theirs.fileno()), label],
+                                   pass_fds=(theirs.fileno(),))
     return process, Connection(ours.detach())
 
 

@@ -30,8 +30,10 @@ MODULE_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 URL_SECRETS = frozenset({"password", "sslpassword"})
 # The idempotency window's default bound in memory (AggregateConfig.window_max_ids). With a local store the ids
 # dropped early are on disk and an evicted aggregate's ids leave memory with it: what memory holds beyond a few ids per
-# cached aggregate is mostly expiry-queue references to ids already gone (~190 B an id, docs/benchmarks.md).
-MAX_IDS, IDS_PER_CACHED = 1_000_000, 10
+# cached aggregate is mostly expiry-queue references to ids already gone (~190 B an id, docs/benchmarks.md). Every new
+# command id is looked up on disk anyway (read_back), so an id held in memory only spares a retry that read: 2 per
+# cached aggregate (10 until 2026-12-06 held 100,000 ids, ~18 MB, in each worker of issue 56's 1M-account bench).
+MAX_IDS, IDS_PER_CACHED = 1_000_000, 2
 
 
 class GroupProtocol(enum.StrEnum):
@@ -245,7 +247,7 @@ class AggregateConfig:
                                               "beyond it the oldest are forgotten early. Without `daemon.state_dir` "
                                               "the window then holds fewer ids than its time (a warning); with it, "
                                               "the ids stay on disk for `idempotency_window_s` and are read back "
-                                              "when retried. Unset: 1,000,000, or with `daemon.state_dir` 10 per "
+                                              "when retried. Unset: 1,000,000, or with `daemon.state_dir` 2 per "
                                               "cached aggregate (`cache_max_aggregates`), at most 1,000,000.",
                                               minimum=1)
     protect: list[ProtectConfig] = setting(

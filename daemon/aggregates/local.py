@@ -348,8 +348,8 @@ class LocalStates:
         finally:
             for txn in readers.values():
                 txn.abort()
-            for n, count in looked.items():
-                self.mapped.touch(n, count)
+            for n in looked:
+                self.mapped.release(n)
 
     # ---- writes -------------------------------------------------------------------------------------------------
     def write_batch(self, store: StateStore, decided: Mapping[str, list[str]], ends: Mapping[tuple[str, int], int],
@@ -416,31 +416,27 @@ class LocalStates:
         if partition in self.damaged:  # its meta record was deleted: writing one again would trust it again
             raise FatalError(self.damaged[partition])
         try:
-            written = self._write_txn(env, entries, outcomes, offset, cutoff, results)
+            self._write_txn(env, entries, outcomes, offset, cutoff, results)
         except lmdb.Error as e:  # disk full, a failing disk: the store lags from here; a restart replays the tail
             raise FatalError(f"local state store {self.path(partition)}: cannot write: {e}") from e
-        self.mapped.touch(partition, written)
+        self.mapped.release(partition)
 
     def _write_txn(self, env: lmdb.Environment, entries: Iterable[tuple[str, Entry]],
                    outcomes: list[tuple[str, str, Remembered]] | None, offset: int | None, cutoff: int | None,
-                   results: int | None) -> int:
-        """One LMDB transaction; the records it wrote."""
+                   results: int | None) -> None:
+        """One LMDB transaction."""
         dumps, to_json, put_outcome = _STATE_JSON.encode, self.domain.state_to_json, self._put_outcome
-        written = 0
         with env.begin(write=True) as txn:
             put = txn.put
             for aid, entry in entries:
-                written += 1
                 if entry.version > 0:  # a key known only from rejections has no state to keep, only outcomes
                     put(STATE + aid.encode(), _sealed(dumps([entry.version, to_json(entry.state)])))
                     self.writes += 1
                 if outcomes is None:  # a seal or a spill: the whole window the entry holds
                     for cid, o in entry.recent.items():
                         put_outcome(put, aid, cid, o)
-                        written += 1
             for aid, cid, o in outcomes or ():
                 put_outcome(put, aid, cid, o)
-                written += 1
             if offset is not None or results is not None:  # the offsets, with the records they cover
                 meta = self._meta(txn)
                 if offset is not None:
@@ -450,8 +446,7 @@ class LocalStates:
                 if "offset" in meta:  # never a meta without the events offset (read as unreadable)
                     put(META, _sealed(dumps({**meta, **self.identity})))
             if cutoff is not None:
-                written += self._sweep(txn, cutoff)
-        return written
+                self._sweep(txn, cutoff)
 
     def _meta(self, txn: Any) -> dict[str, Any]:
         value = txn.get(META)

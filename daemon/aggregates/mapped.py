@@ -1,14 +1,22 @@
-"""The local stores' file pages mapped into the process, handed back to the page cache every few thousand records.
+"""The local stores' file pages mapped into the process, handed back to the page cache after each batch's reads and
+write, and every few thousand records read one at a time.
 
 LMDB reads (and finds the pages it writes) through a read-only shared memory map of its file, and every page the
 process touched stays mapped, counted in its RSS, until the map is closed: a store of a million aggregates read at
 random grows the process by its whole file (582 MB of a 964 MB RSS in `kafold bench aggregates --accounts 1000000`,
 docs/benchmarks.md). The pages belong to the kernel's page cache either way; what is bounded here is how many of
-them the process keeps mapped. After `RELEASE_RECORDS` records of a partition were read or written, its map is
-given `madvise(MADV_DONTNEED)`: the mappings go, the page cache keeps the pages, and the next read of one maps it
-again from the cache (a minor fault, no disk read while it is cached). For a read-only shared file map this drops
-nothing but the mappings (madvise(2): "repopulated from the up-to-date contents of the underlying mapped file");
-LMDB writes with pwrite, never through the map (the store is not opened with `writemap`).
+them the process keeps mapped. The map is given `madvise(MADV_DONTNEED)`: the mappings go, the page cache keeps the
+pages, and the next read of one maps it again from the cache (a minor fault, no disk read while it is cached). For a
+read-only shared file map this drops nothing but the mappings (madvise(2): "repopulated from the up-to-date contents
+of the underlying mapped file"); LMDB writes with pwrite, never through the map (the store is not opened with
+`writemap`).
+
+When: at the end of a batch's reads (`LocalStates.read_back`) and of each write transaction (`release`), so what a
+batch maps (a read fault also maps the neighbouring pages already cached: up to 16 with Linux's fault-around, ~64 KB
+a random record) is held while that batch reads or writes, not while it decides and commits nor between batches;
+and after `RELEASE_RECORDS` records read one at a time (`touch`: state reads, evicted aggregates loaded). Until
+2026-12-06 every release came from the count, read and written records alike, so up to 1,023 records' pages stayed
+mapped per partition at any moment, between batches too (docs/benchmarks.md, issue 56).
 
 A map is released under the lock its partition's close takes, so an address is never advised once its map is gone
 (an address reused by another mapping would lose that mapping's memory). Off Linux (no /proc/self/maps) nothing is
@@ -26,8 +34,8 @@ from kafold import libc, logs
 
 log = logs.get(__name__)
 
-RELEASE_RECORDS = 1024  # records read or written in a partition's store between two releases of its map (a read fault
-# also maps the neighbouring pages already in the page cache: up to 16 with Linux's fault-around, 64 KB a record)
+RELEASE_RECORDS = 1024  # records read one at a time in a partition's store between two releases of its map (a read
+# fault also maps the neighbouring pages already in the page cache: up to 16 with Linux's fault-around, 64 KB a record)
 MADV_DONTNEED = 4  # Linux's value
 
 
@@ -50,7 +58,8 @@ def map_of(data_file: Path) -> int | None:
 
 
 class MappedPages:
-    """The maps of one aggregate's open stores: each released after `RELEASE_RECORDS` records touched."""
+    """The maps of one aggregate's open stores: each released after a batch's reads or write (`release`), or after
+    `RELEASE_RECORDS` records read one at a time (`touch`)."""
 
     def __init__(self) -> None:
         self.madvise = libc.function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
@@ -76,7 +85,8 @@ class MappedPages:
             self.touched.pop(partition, None)
 
     def touch(self, partition: int, records: int) -> None:
-        """`records` records of the partition were read or written: its map is released when they add up."""
+        """`records` records of the partition were read one at a time (a state read for HTTP, an evicted aggregate
+        loaded): its map is released when they add up to `RELEASE_RECORDS`."""
         if self.madvise is None:
             return
         with self.lock:
@@ -84,18 +94,29 @@ class MappedPages:
             if n < RELEASE_RECORDS:
                 self.touched[partition] = n
                 return
-            self.touched[partition] = 0
-            mapped = self.maps.get(partition)
-            if mapped is None:
-                return
-            address, data_file = mapped
-            try:
-                length = os.stat(data_file).st_size  # the file only grows while open; the map covers it
-            except OSError:
-                return
-            if self.madvise(address, length, MADV_DONTNEED) != 0:
-                log.warning("aggregate.local_store_release_failed", partition=partition, path=str(data_file),
-                            error=libc.errno_text())
-                self.maps.pop(partition, None)  # not tried again until reopened
-                return
-            self.releases += 1
+            self._release(partition)
+
+    def release(self, partition: int) -> None:
+        """A batch's reads or its write in the partition's store are done: its map is released now, so what a batch
+        maps is held while the batch reads or writes, not while it decides and commits, nor between batches."""
+        if self.madvise is None:
+            return
+        with self.lock:
+            self._release(partition)
+
+    def _release(self, partition: int) -> None:
+        self.touched[partition] = 0
+        mapped, madvise = self.maps.get(partition), self.madvise
+        if mapped is None or madvise is None:
+            return
+        address, data_file = mapped
+        try:
+            length = os.stat(data_file).st_size  # the file only grows while open; the map covers it
+        except OSError:
+            return
+        if madvise(address, length, MADV_DONTNEED) != 0:
+            log.warning("aggregate.local_store_release_failed", partition=partition, path=str(data_file),
+                        error=libc.errno_text())
+            self.maps.pop(partition, None)  # not tried again until reopened
+            return
+        self.releases += 1

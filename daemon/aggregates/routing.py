@@ -37,10 +37,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
-import aiohttp
 import msgspec
 from confluent_kafka import KafkaException
-from yarl import URL
 
 from kafold import kafka_clients, logs
 from kafold.config import DaemonConfig, KafkaConfig, StateRouting
@@ -351,6 +349,12 @@ class StateRouter:
     async def forward(self, session: ClientSession, peer: Peer, path: str, wait: Wait) -> Answer | None:
         """The owner's answer, or None when it cannot give one (unreachable, or no longer the owner). The read
         carries this instance's credential, never the caller's token (trust.py)."""
+        # Imported here, not at the top: the aggregate worker processes import this module (member_client_id) and
+        # never forward a read; aiohttp's import costs a process ~16 MB (docs/benchmarks.md, issue 56). The daemon's
+        # process, which forwards, has it loaded already (its HTTP server).
+        import aiohttp
+        from yarl import URL
+
         assert self.key is not None
         headers = {FORWARDED_HEADER: self.url or "unknown", trust.AUTH_HEADER: trust.read_credential(self.key, path)}
         limit = aiohttp.ClientTimeout(total=wait.timeout_ms / 1000 + FORWARD_SLACK_S)

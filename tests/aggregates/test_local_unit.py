@@ -155,12 +155,13 @@ def test_an_id_decided_again_past_the_window_keeps_its_new_outcome_when_the_old_
 
 
 def test_window_bound_in_memory_follows_the_cache_with_a_local_store() -> None:
-    """Unset, idempotency_max_ids is 1,000,000 without a local store and 10 per cached aggregate (at most 1,000,000)
+    """Unset, idempotency_max_ids is 1,000,000 without a local store and 2 per cached aggregate (at most 1,000,000)
     with one; set, it is what it says either way."""
     agg = bank_config("w", cache_max_aggregates=10_000)
     assert agg.window_max_ids(on_disk=False) == 1_000_000
-    assert agg.window_max_ids(on_disk=True) == 100_000
-    assert bank_config("w").window_max_ids(on_disk=True) == 1_000_000  # the default cache: 100,000 aggregates
+    assert agg.window_max_ids(on_disk=True) == 20_000
+    assert bank_config("w").window_max_ids(on_disk=True) == 200_000  # the default cache: 100,000 aggregates
+    assert bank_config("w", cache_max_aggregates=900_000).window_max_ids(on_disk=True) == 1_000_000
     pinned = bank_config("w", cache_max_aggregates=10_000, idempotency_max_ids=300)
     assert pinned.window_max_ids(on_disk=True) == pinned.window_max_ids(on_disk=False) == 300
 
@@ -203,4 +204,38 @@ def test_the_store_file_pages_mapped_into_the_process_are_released(tmp_path: Pat
     assert local.load(0, ids[-1]) is not None  # the read that releases
     after = _mapped_kb(data_file)
     assert after is not None and after < before // 4, (before, after, size_kb)
+    local.close_all()
+
+
+def test_a_batch_hands_back_the_pages_it_mapped_once_it_has_read_and_once_it_has_written(tmp_path: Path) -> None:
+    """A batch's reads (read_back) and its write map the store's pages; each is followed by a release, so between
+    batches (while the next one is decided and committed) none of them stays mapped, however few records it had."""
+    local = _states(tmp_path)
+    local.open(0, 0, 0)
+    data_file = local.path(0) / "data.mdb"
+    if _mapped_kb(data_file) is None or local.mapped.madvise is None:
+        pytest.skip("no /proc/self/smaps or madvise here (not Linux)")
+    state = local.domain.initial()
+    ids = [f"acc-{i:06d}" for i in range(20_000)]
+    for start in range(0, len(ids), 2000):
+        local.committed({0: [(aid, Entry(state, 1, 0), []) for aid in ids[start:start + 2000]]}, {0: 1}, cutoff=0)
+    after_writes = _mapped_kb(data_file)
+    size_kb = data_file.stat().st_size // 1024
+    batch = [ids[i * 7919 % len(ids)] for i in range(RELEASE_RECORDS // 2)]  # fewer than a count's release
+    released = local.mapped.releases
+    mapped_by_reads: list[int] = []
+
+    class Watching(StateStore):
+        def put(self, aggregate_id: str, entry: Entry) -> None:  # called as each record is read back
+            super().put(aggregate_id, entry)
+            if len(self.entries) == len(batch):
+                mapped_by_reads.append(_mapped_kb(data_file) or 0)
+
+    store = Watching(len(ids))
+    local.read_back(store, [(0, aid, f"{aid}-cmd") for aid in batch])
+    assert len(store.entries) == len(batch) and mapped_by_reads and mapped_by_reads[0] > size_kb // 10
+    after_reads = _mapped_kb(data_file)
+    assert after_reads is not None and after_reads < mapped_by_reads[0] // 4, (mapped_by_reads, after_reads)
+    assert after_writes is not None and after_writes < size_kb // 4, (after_writes, size_kb)
+    assert local.mapped.releases == released + 1
     local.close_all()
