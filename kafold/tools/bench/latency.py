@@ -60,6 +60,10 @@ BANK_COLUMNS = {"account_id": "text", "owner": "text", "currency": "text", "bala
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=1000.0, help="offered events/s and commands/s (default 1,000)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of each phase (default 60)")
+    p.add_argument("--warmup", type=float, default=0.0,
+                   help="seconds of each phase's load sent, and waited for, before its measured part (default 0): "
+                        "a broker the bench starts compiles its hot paths through its first minute, which a "
+                        "service's long-running cluster has long done")
     p.add_argument("--partitions", type=int, default=4, help="partitions of the topics (default 4)")
     p.add_argument("--accounts", type=int, default=1000, help="aggregates the events and commands go to")
     p.add_argument("--probes", type=float, default=20.0, help="read-your-writes probes per second (default 20)")
@@ -88,14 +92,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         conf.write_text(_daemon_toml(daemons, names, args, port, url))
         with daemon_process(daemons, conf) as proc:
             wait_ready(proc, port, conf)
-            figures = {"rate": args.rate, "duration_s": args.duration, "partitions": args.partitions,
+            figures = {"rate": args.rate, "duration_s": args.duration, "warmup_s": args.warmup,
+                       "partitions": args.partitions,
                        "task_processes": args.task_processes, "process_projections": args.process_projections}
             usage = Usage(proc.pid, daemons.postgres)
             figures.update(_events_phase(kafka, daemons, names, args, control))
-            figures["events_phase"] = usage.per_event(figures["events_sent"] + args.accounts)  # + warm-up
+            figures["events_phase"] = usage.per_event(figures.pop("events_sent_in_all"))
             usage = Usage(proc.pid, daemons.postgres)
             figures.update(_commands_phase(kafka, daemons, names, args, DaemonClient(f"http://127.0.0.1:{port}")))
-            figures["commands_phase"] = usage.per_event(figures["commands_sent"] + args.accounts)
+            figures["commands_phase"] = usage.per_event(figures.pop("commands_sent_in_all"))
         figures["aggregate_batches"] = batch_stages(conf.with_suffix(".log"), figures.pop("commands_measured_from"))
     figures["notes"] = [
         "event_to_row: broker acknowledgement -> the projection's PostgreSQL checkpoint seen covering the event "
@@ -104,7 +109,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "command_to_result: produce call -> result read by a results reader kept assigned (read_committed)",
         "read_your_writes: produce call of an OpenAccount command -> DaemonClient.wait on its result's token "
         "returned (the row then read once; a missing row is counted in read_your_writes_missing)",
-        "the two phases run one after the other, each at the offered rate",
+        "the two phases run one after the other, each at the offered rate; with --warmup, each first sends its load "
+        "for that long and waits for all of it, unmeasured",
         "events_phase / commands_phase: CPU per event or command sent, the warm-up's included (a command: its "
         "events, result and projection included), and cores busy over the phase (warm-up and drain too), of "
         "kafold's daemon tree, PostgreSQL's backends open at the phase's start (not the bench's own polling "
@@ -260,9 +266,16 @@ def _events_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argparse.
         kafka_clients.produce(producer, names.feed, value, key, headers, partition=partition,
                               on_delivery=on_delivery(event.event_id))
 
-    # Warm-up: every account opened (the deposits update its row), not measured.
+    def send(i: int) -> None:
+        acc = accounts[random.randrange(len(accounts))]
+        versions[acc] += 1
+        send_event(Event.new("MoneyDeposited", "account", acc, versions[acc], {"amount": i % 97 + 1}),
+                   int(acc[4:]) % args.partitions)
+
+    # Warm-up: every account opened (the deposits update its row), then `--warmup` seconds of deposits; not measured.
     for i, acc in enumerate(accounts):
         send_event(Event.new("AccountOpened", "account", acc, 1, {"owner": acc}), i % args.partitions)
+    warm = len(accounts) + _pace(producer, args.rate, args.warmup, send)
     producer.flush(60)
     query = sql.SQL("SELECT partition, next_offset FROM {} WHERE connector = %s AND topic = %s").format(
         db.table(stack.postgres, "checkpoints"))
@@ -270,8 +283,8 @@ def _events_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argparse.
         def covered() -> dict[int, int]:
             return {int(p): int(o) for p, o in conn.execute(query, (names.feed_rows, names.feed)).fetchall()}
 
-        wait_progress(lambda: sum(covered().values()) >= len(accounts), covered,
-                      f"the warm-up's {len(accounts)} events in {names.feed_table} (the checkpoints of "
+        wait_progress(lambda: sum(covered().values()) >= warm, covered,
+                      f"the warm-up's {warm} events in {names.feed_table} (the checkpoints of "
                       f"{names.feed_rows} on {names.feed}, by partition)", poll_s=0.05)
 
         def poll() -> None:
@@ -284,12 +297,6 @@ def _events_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argparse.
 
         measuring[0] = True
         with _polling(args.poll_ms / 1000, poll):
-            def send(i: int) -> None:
-                acc = accounts[random.randrange(len(accounts))]
-                versions[acc] += 1
-                send_event(Event.new("MoneyDeposited", "account", acc, versions[acc], {"amount": i % 97 + 1}),
-                           int(acc[4:]) % args.partitions)
-
             sent = _pace(producer, args.rate, args.duration, send)
             producer.flush(30)
             wait_progress(lambda: len(rows) >= sent, lambda: len(rows),
@@ -297,7 +304,8 @@ def _events_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argparse.
                           "(rows seen so far)", poll_s=0.05)
     times = _received(control, acked, sent)
     hooks = [times[eid] - at for eid, at in acked.items() if eid in times]
-    return {"events_sent": sent, **_figures("event_to_row", rows, sent), **_figures("event_to_webhook", hooks, sent)}
+    return {"events_sent": sent, "events_sent_in_all": warm + sent, **_figures("event_to_row", rows, sent),
+            **_figures("event_to_webhook", hooks, sent)}
 
 
 def _received(control: str, acked: dict[str, float], expected: int) -> dict[str, float]:
@@ -413,11 +421,14 @@ def _commands_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argpars
     reader_thread = threading.Thread(target=read_results, daemon=True, name="bench-latency-results")
     reader_thread.start()
     try:
-        for acc in accounts:  # warm-up: the accounts the deposits go to, not measured
+        # warm-up, not measured: the accounts the deposits go to, then `--warmup` seconds of deposits
+        for acc in accounts:
             send(Command.new("account", acc, "OpenAccount", {"owner": acc}))
+        warm = len(accounts) + _pace(producer, args.rate, args.warmup, lambda i: send(Command.new(
+            "account", accounts[random.randrange(len(accounts))], "Deposit", {"amount": i % 97 + 1})))
         producer.flush(60)
-        wait_progress(lambda: reading() and counts["results"] >= len(accounts), where,
-                      f"the warm-up's {len(accounts)} results on {results_topic} (read_committed)", poll_s=0.05)
+        wait_progress(lambda: reading() and counts["results"] >= warm, where,
+                      f"the warm-up's {warm} results on {results_topic} (read_committed)", poll_s=0.05)
         measuring[0] = True
         measured_from = time.time()
         probe_every = max(1, round(args.rate / args.probes)) if args.probes > 0 else 0
@@ -445,7 +456,7 @@ def _commands_phase(kafka: Any, stack: DaemonStack, names: _Names, args: argpars
         reader.close()
         check.close()
         kafka_clients.close_producer(producer, 10)
-    return {"commands_sent": sent, "commands_measured_from": measured_from,
+    return {"commands_sent": sent, "commands_sent_in_all": warm + sent, "commands_measured_from": measured_from,
             **_figures("command_to_result", results, sent),
             **_figures("read_your_writes", visible, counts["probes"]),
             "read_your_writes_missing": counts["missing"], "read_your_writes_wait_failed": counts["failed"]}
