@@ -13,11 +13,11 @@ transaction (atomic, fsync'd at commit) as the offset after the batch's last eve
 replay's end (`seal`).
 
 On assignment (`open`) the store is trusted up to its offset only when it opens, its meta record's checksum matches,
-it was written by the same fold (fingerprint and state schema version) in this record layout, and its offset lies within the committed
-events partition (first offset <= offset <= the last stable offset). Anything else (missing, unreadable, another
-fold, or *ahead* of the committed events: the events topic was recreated or truncated, or the files came from
-elsewhere) empties the partition's store; the runtime then restores from the snapshot topic + tail and fills the
-store from that restore.
+it was written by the same fold (fingerprint and state schema version) in this record layout (`LAYOUT`), and its
+offset lies within the committed events partition (first offset <= offset <= the last stable offset). Anything else
+(missing, unreadable, another fold or layout, or *ahead* of the committed events: the events topic was recreated or
+truncated, or the files came from elsewhere) empties the partition's store; the runtime then restores from the
+snapshot topic + tail and fills the store from that restore.
 
 Why the open reads one record, not all of them: LMDB commits by switching a meta page after the data pages are
 synced, so a kill -9 or a power loss leaves the last committed transaction whole (no torn record to look for); what
