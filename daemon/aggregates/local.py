@@ -13,11 +13,11 @@ transaction (atomic, fsync'd at commit) as the offset after the batch's last eve
 replay's end (`seal`).
 
 On assignment (`open`) the store is trusted up to its offset only when it opens, its meta record's checksum matches,
-it was written by the same fold (fingerprint and state schema version) and its offset lies within the committed
-events partition (first offset <= offset <= the last stable offset). Anything else (missing, unreadable, another
-fold, or *ahead* of the committed events: the events topic was recreated or truncated, or the files came from
-elsewhere) empties the partition's store; the runtime then restores from the snapshot topic + tail and fills the
-store from that restore.
+it was written by the same fold (fingerprint and state schema version) in this record layout (`LAYOUT`), and its
+offset lies within the committed events partition (first offset <= offset <= the last stable offset). Anything else
+(missing, unreadable, another fold or layout, or *ahead* of the committed events: the events topic was recreated or
+truncated, or the files came from elsewhere) empties the partition's store; the runtime then restores from the
+snapshot topic + tail and fills the store from that restore.
 
 Why the open reads one record, not all of them: LMDB commits by switching a meta page after the data pages are
 synced, so a kill -9 or a power loss leaves the last committed transaction whole (no torn record to look for); what
@@ -80,7 +80,13 @@ log = logs.get(__name__)
 # Address space reserved per partition (LMDB maps its file; the file itself grows only as records are written).
 MAP_SIZE = 1 << 36  # 64 GiB
 SWEEP_MAX = 10_000  # expired window outcomes deleted per committed batch at most (the rest on the next ones)
-META, STATE, OUTCOME, EXPIRY = b"m", b"s", b"w", b"x"
+META, AGGREGATE, EXPIRY = b"m", b"a", b"x"
+# How the records are keyed (the meta record's `layout`; a store of another layout is rebuilt, as one of another fold).
+# An aggregate's state and its window outcomes sit side by side (`state_key`, `outcome_key`: one prefix, the id's
+# length first so no id is a prefix of another's keys), so a command on a cold aggregate dirties one page where its
+# state is, not two far apart: at 1M accounts the store write of a batch of updates to random aggregates took half
+# the batch (layout 1 kept outcomes under a prefix of their own; docs/benchmarks.md, issue 56).
+LAYOUT = 2
 # A state record's JSON: msgspec's, which writes and reads back an int of any size (orjson refuses one past 64 bits
 # and reads it back as a float); as fast, and it reads the records orjson wrote.
 _STATE_JSON, _STATE_READ = msgspec.json.Encoder(), msgspec.json.Decoder()
@@ -108,8 +114,17 @@ def _time_of(value: bytes) -> int:
         return 0
 
 
-def _outcome_key(aggregate_id: str, command_id: str) -> bytes:
-    return OUTCOME + aggregate_id.encode() + b"\0" + command_id.encode()
+def _aggregate_prefix(aggregate_id: str) -> bytes:
+    raw = aggregate_id.encode()
+    return AGGREGATE + len(raw).to_bytes(4, "big") + raw
+
+
+def state_key(aggregate_id: str) -> bytes:
+    return _aggregate_prefix(aggregate_id) + b"s"
+
+
+def outcome_key(aggregate_id: str, command_id: str) -> bytes:
+    return _aggregate_prefix(aggregate_id) + b"w" + command_id.encode()
 
 
 @dataclass(frozen=True)
@@ -140,7 +155,8 @@ class LocalStates:
     def __init__(self, root: Path, domain: AggregateDomain, state_schema_version: int, window_ms: int) -> None:
         self.root = root
         self.domain = domain
-        self.identity = {"fingerprint": domain.fingerprint, "state_schema_version": state_schema_version}
+        self.identity = {"fingerprint": domain.fingerprint, "state_schema_version": state_schema_version,
+                         "layout": LAYOUT}
         self.window_ms = window_ms
         self.envs: dict[int, lmdb.Environment] = {}
         self.filling: set[int] = set()  # partitions recovering: their offset is recorded only when the gate opens
@@ -170,6 +186,8 @@ class LocalStates:
             meta = self._check(env)
             if meta is None:
                 why = "missing"
+            elif meta.get("layout", 1) != LAYOUT:  # written by an earlier kafold: its keys are not where we look
+                why = f"record layout {meta.get('layout', 1)} (this kafold's: {LAYOUT})"
             elif {k: meta.get(k) for k in self.identity} != self.identity:
                 why = "another fold"
             elif not low <= meta["offset"] <= stable:
@@ -250,7 +268,7 @@ class LocalStates:
         return found
 
     def _entry(self, txn: Any, partition: int, aggregate_id: str) -> Entry | None:
-        value = self._value(partition, txn, STATE + aggregate_id.encode())
+        value = self._value(partition, txn, state_key(aggregate_id))
         if value is None:
             return None
         self.reads += 1
@@ -269,7 +287,7 @@ class LocalStates:
         return found
 
     def _outcome(self, txn: Any, partition: int, aggregate_id: str, command_id: str) -> Remembered | None:
-        value = self._value(partition, txn, _outcome_key(aggregate_id, command_id))
+        value = self._value(partition, txn, outcome_key(aggregate_id, command_id))
         if value is None:
             return None
         t, after, n, reason = orjson.loads(value)
@@ -430,7 +448,7 @@ class LocalStates:
             put = txn.put
             for aid, entry in entries:
                 if entry.version > 0:  # a key known only from rejections has no state to keep, only outcomes
-                    put(STATE + aid.encode(), _sealed(dumps([entry.version, to_json(entry.state)])))
+                    put(state_key(aid), _sealed(dumps([entry.version, to_json(entry.state)])))
                     self.writes += 1
                 if outcomes is None:  # a seal or a spill: the whole window the entry holds
                     for cid, o in entry.recent.items():
@@ -454,9 +472,9 @@ class LocalStates:
 
     def _put_outcome(self, put: Any, aggregate_id: str, command_id: str, outcome: Remembered) -> None:
         t, after, n, reason = unpack(outcome)
-        ident = aggregate_id.encode() + b"\0" + command_id.encode()
-        put(OUTCOME + ident, _sealed(orjson.dumps([t, after, n, reason])))
-        put(EXPIRY + t.to_bytes(8, "big") + ident, _EMPTY)
+        key = outcome_key(aggregate_id, command_id)
+        put(key, _sealed(orjson.dumps([t, after, n, reason])))
+        put(EXPIRY + t.to_bytes(8, "big") + key, _EMPTY)
 
     def _sweep(self, txn: Any, cutoff: int) -> int:
         """Delete the window outcomes decided before `cutoff` (by command time), oldest first, at most SWEEP_MAX;
@@ -468,7 +486,7 @@ class LocalStates:
             key = cursor.key()
             if not key.startswith(EXPIRY) or int.from_bytes(key[1:9], "big") >= cutoff:
                 break
-            outcome = OUTCOME + key[9:]
+            outcome = key[9:]
             value = txn.get(outcome)
             # the id decided again since (retried past the window): its newer outcome, under its own expiry entry, stays
             if value is not None and _time_of(value) < cutoff:

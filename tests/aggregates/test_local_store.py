@@ -168,7 +168,7 @@ def test_restart_trusts_an_intact_store_and_rebuilds_a_damaged_one(kafka_config:
         env = lmdb.open(str(store))
         with env.begin(write=True) as txn:
             if damage == "bad_record":
-                key = local.STATE + accounts[3].encode()
+                key = local.state_key(accounts[3])
                 value = bytearray(txn.get(key))
                 value[-2] ^= 0x01
                 txn.put(key, bytes(value))

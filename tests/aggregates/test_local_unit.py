@@ -7,7 +7,7 @@ from pathlib import Path
 import lmdb
 import pytest
 
-from kafold.daemon.aggregates.local import STATE, LocalStates, Trusted
+from kafold.daemon.aggregates.local import LAYOUT, LocalStates, Trusted, outcome_key, state_key
 from kafold.daemon.aggregates.mapped import RELEASE_RECORDS
 from kafold.daemon.aggregates.store import Entry, StateStore
 from kafold.daemon.aggregates.window import Window, accepted, rejected
@@ -49,6 +49,33 @@ def test_open_trusts_only_an_offset_within_the_committed_events(tmp_path: Path) 
     assert local.open(0, 0, 39) is None  # ahead of the committed events: rebuilt
     assert local.load(0, "a") is None
     local.close_all()
+
+
+def test_a_store_of_an_earlier_record_layout_is_rebuilt(tmp_path: Path) -> None:
+    """A store whose meta record names no layout (kafold before layout 2 kept the outcomes apart from the states) or
+    another one is not trusted: its records are not where this kafold looks for them. It is emptied and rebuilt."""
+    earlier = _states(tmp_path)
+    earlier.identity = {k: v for k, v in earlier.identity.items() if k != "layout"}
+    earlier.open(0, 0, 0)
+    earlier.seal(0, [("a", Entry(earlier.domain.initial(), 3, 0))], 40, None)
+    earlier.close_all()
+    local = _states(tmp_path)
+    assert local.identity["layout"] == LAYOUT
+    assert local.open(0, 0, 40) is None and local.load(0, "a") is None
+    local.seal(0, [("a", Entry(local.domain.initial(), 3, 0))], 40, None)
+    assert local.open(0, 0, 40) == Trusted(40, None)
+    local.close_all()
+
+
+def test_an_aggregates_state_and_outcomes_are_neighbours_and_no_id_is_another_ones_prefix() -> None:
+    """Keys: the state and the window outcomes of one aggregate sort together (one page for a command's write), and
+    the id's length in front keeps an id that extends another (`a` and `a\0w...`) from reaching into its records."""
+    keys = sorted([state_key("b"), outcome_key("b", "c1"), state_key("a"), outcome_key("a", "c9"),
+                   outcome_key("a", "c1"), state_key("a\0wc1"), state_key("ab")])
+    a, b = keys.index(state_key("a")), keys.index(state_key("b"))
+    assert keys[a + 1:a + 3] == [outcome_key("a", "c1"), outcome_key("a", "c9")]
+    assert keys[b + 1] == outcome_key("b", "c1")
+    assert len(set(keys)) == 7 and outcome_key("a", "c1") != state_key("a\0wc1")
 
 
 def test_the_results_offset_is_written_with_its_outcomes_and_trusted_only_within_the_committed_results(
@@ -97,9 +124,9 @@ def test_a_damaged_record_is_found_when_read_and_distrusts_its_partition(tmp_pat
     local.close(0)
     env = lmdb.open(str(local.path(0)))
     with env.begin(write=True) as txn:
-        value = bytearray(txn.get(STATE + b"a"))
+        value = bytearray(txn.get(state_key("a")))
         value[-2] ^= 0x01
-        txn.put(STATE + b"a", bytes(value))
+        txn.put(state_key("a"), bytes(value))
     env.close()
     assert local.open(0, 0, 40) == Trusted(40, None)  # the damage is not looked for at the open
     loaded = local.load(0, "b")
