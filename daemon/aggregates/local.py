@@ -56,6 +56,7 @@ Why the crash orders are safe (the write follows the commit, in one LMDB transac
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import zlib
 from collections.abc import Iterable, Mapping
@@ -87,6 +88,11 @@ META, AGGREGATE, EXPIRY = b"m", b"a", b"x"
 # state is, not two far apart: at 1M accounts the store write of a batch of updates to random aggregates took half
 # the batch (layout 1 kept outcomes under a prefix of their own; docs/benchmarks.md, issue 56).
 LAYOUT = 2
+# LMDB refuses a key over 511 bytes, and an id of MAX_ID_CHARS characters (kafold.envelope) is up to 1,024 bytes in
+# UTF-8, two of them in an outcome's keys: such a command made the store's write fail after its commit, and the
+# runtime stop on every restart. An id over ID_KEY_BYTES is keyed by its SHA-256, under a length no id has.
+ID_KEY_BYTES = 128
+_DIGEST_LENGTH = (1 << 31 | 32).to_bytes(4, "big")
 # A state record's JSON: msgspec's, which writes and reads back an int of any size (orjson refuses one past 64 bits
 # and reads it back as a float); as fast, and it reads the records orjson wrote.
 _STATE_JSON, _STATE_READ = msgspec.json.Encoder(), msgspec.json.Decoder()
@@ -114,17 +120,20 @@ def _time_of(value: bytes) -> int:
         return 0
 
 
-def _aggregate_prefix(aggregate_id: str) -> bytes:
-    raw = aggregate_id.encode()
-    return AGGREGATE + len(raw).to_bytes(4, "big") + raw
+def _id_part(value: str) -> bytes:
+    """An id in a key: its length, then its bytes, or for a long one its digest (ID_KEY_BYTES)."""
+    raw = value.encode()
+    if len(raw) > ID_KEY_BYTES:
+        return _DIGEST_LENGTH + hashlib.sha256(raw).digest()
+    return len(raw).to_bytes(4, "big") + raw
 
 
 def state_key(aggregate_id: str) -> bytes:
-    return _aggregate_prefix(aggregate_id) + b"s"
+    return AGGREGATE + _id_part(aggregate_id) + b"s"
 
 
 def outcome_key(aggregate_id: str, command_id: str) -> bytes:
-    return _aggregate_prefix(aggregate_id) + b"w" + command_id.encode()
+    return AGGREGATE + _id_part(aggregate_id) + b"w" + _id_part(command_id)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from kafold.daemon.aggregates.local import LAYOUT, LocalStates, Trusted, outcome
 from kafold.daemon.aggregates.mapped import RELEASE_RECORDS
 from kafold.daemon.aggregates.store import Entry, StateStore
 from kafold.daemon.aggregates.window import Window, accepted, rejected
+from kafold.envelope import MAX_ID_CHARS
 from kafold.errors import FatalError
 from tests.aggregates.agg_support import bank_config, bank_domain
 
@@ -76,6 +77,27 @@ def test_an_aggregates_state_and_outcomes_are_neighbours_and_no_id_is_another_on
     assert keys[a + 1:a + 3] == [outcome_key("a", "c1"), outcome_key("a", "c9")]
     assert keys[b + 1] == outcome_key("b", "c1")
     assert len(set(keys)) == 7 and outcome_key("a", "c1") != state_key("a\0wc1")
+
+
+def test_ids_of_the_longest_size_allowed_are_stored_and_read_back(tmp_path: Path) -> None:
+    """An aggregate id and a command id of MAX_ID_CHARS characters of 4 bytes each (LMDB refuses a key over 511
+    bytes): their state and outcome are written, read back and swept like any other, apart from a short id's."""
+    local = _states(tmp_path)
+    local.open(0, 0, 0)
+    long_aid, long_cid = "\U0001F600" * MAX_ID_CHARS, "\u4e2d" * MAX_ID_CHARS
+    near_aid = "\U0001F600" * (MAX_ID_CHARS - 1) + "x"  # the same length, another id: its own records
+    entry, other = Entry(local.domain.initial(), 1, 0), Entry(local.domain.initial(), 2, 0)
+    window = Window(DAY, 10)
+    window.remember(entry, long_aid, long_cid, accepted(1_000, 1, 1))
+    window.remember(other, near_aid, long_cid, rejected(3_000, 2, "insufficient funds"))
+    local.committed({0: [(long_aid, entry, [long_cid]), (near_aid, other, [long_cid])]}, {0: 1}, cutoff=0)
+    loaded, near = local.load(0, long_aid), local.load(0, near_aid)
+    assert loaded is not None and loaded.version == 1 and near is not None and near.version == 2
+    assert local.outcome(0, long_aid, long_cid) == accepted(1_000, 1, 1)
+    assert local.outcome(0, near_aid, long_cid) == rejected(3_000, 2, "insufficient funds")
+    local.committed({0: [(long_aid, entry, [])]}, {0: 1}, cutoff=2_000)  # the first outcome past the window
+    assert local.outcome(0, long_aid, long_cid) is None and local.outcome(0, near_aid, long_cid) is not None
+    local.close_all()
 
 
 def test_the_results_offset_is_written_with_its_outcomes_and_trusted_only_within_the_committed_results(
