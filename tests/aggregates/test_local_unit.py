@@ -231,9 +231,9 @@ def _mapped_kb(data_file: Path) -> int | None:
     return total
 
 
-def test_the_store_file_pages_mapped_into_the_process_are_released(tmp_path: Path) -> None:
-    """Records read and written map the store's file pages into the process; every RELEASE_RECORDS records the
-    map is handed back to the page cache (RSS bounded), and the records still read back whole."""
+def _filled(tmp_path: Path, batch: int) -> tuple[LocalStates, Path, list[str]]:
+    """A partition's store with 20,000 aggregates written in batches of `batch` (pages mapped as LMDB finds where to
+    put them), its data file and the ids; the test is skipped where mappings cannot be read or released."""
     local = _states(tmp_path)
     local.open(0, 0, 0)
     data_file = local.path(0) / "data.mdb"
@@ -241,8 +241,15 @@ def test_the_store_file_pages_mapped_into_the_process_are_released(tmp_path: Pat
         pytest.skip("no /proc/self/smaps or madvise here (not Linux)")
     state = local.domain.initial()
     ids = [f"acc-{i:06d}" for i in range(20_000)]
-    for start in range(0, len(ids), 1000):  # written in batches: pages mapped as LMDB finds where to put them
-        local.committed({0: [(aid, Entry(state, 1, 0), []) for aid in ids[start:start + 1000]]}, {0: 1}, cutoff=0)
+    for start in range(0, len(ids), batch):
+        local.committed({0: [(aid, Entry(state, 1, 0), []) for aid in ids[start:start + batch]]}, {0: 1}, cutoff=0)
+    return local, data_file, ids
+
+
+def test_the_store_file_pages_mapped_into_the_process_are_released(tmp_path: Path) -> None:
+    """Records read and written map the store's file pages into the process; every RELEASE_RECORDS records the
+    map is handed back to the page cache (RSS bounded), and the records still read back whole."""
+    local, data_file, ids = _filled(tmp_path, 1000)
     assert local.mapped.releases >= len(ids) // max(RELEASE_RECORDS, 2000) - 1  # at least every other batch
     size_kb = data_file.stat().st_size // 1024
     short = RELEASE_RECORDS - 1 - local.mapped.touched[0]  # one short of a release: what they map stays mapped
@@ -259,15 +266,7 @@ def test_the_store_file_pages_mapped_into_the_process_are_released(tmp_path: Pat
 def test_a_batch_hands_back_the_pages_it_mapped_once_it_has_read_and_once_it_has_written(tmp_path: Path) -> None:
     """A batch's reads (read_back) and its write map the store's pages; each is followed by a release, so between
     batches (while the next one is decided and committed) none of them stays mapped, however few records it had."""
-    local = _states(tmp_path)
-    local.open(0, 0, 0)
-    data_file = local.path(0) / "data.mdb"
-    if _mapped_kb(data_file) is None or local.mapped.madvise is None:
-        pytest.skip("no /proc/self/smaps or madvise here (not Linux)")
-    state = local.domain.initial()
-    ids = [f"acc-{i:06d}" for i in range(20_000)]
-    for start in range(0, len(ids), 2000):
-        local.committed({0: [(aid, Entry(state, 1, 0), []) for aid in ids[start:start + 2000]]}, {0: 1}, cutoff=0)
+    local, data_file, ids = _filled(tmp_path, 2000)
     after_writes = _mapped_kb(data_file)
     size_kb = data_file.stat().st_size // 1024
     batch = [ids[i * 7919 % len(ids)] for i in range(RELEASE_RECORDS // 2)]  # fewer than a count's release
