@@ -346,7 +346,6 @@ class LocalStates:
         `commands`: (partition, aggregate id, command id) of each command of the batch. One read transaction per
         partition for the whole batch (a transaction per key cost as much as the lookup itself)."""
         readers: dict[int, Any] = {}
-        looked: dict[int, int] = {}
         try:
             for n, aid, cid in commands:
                 txn = readers.get(n)
@@ -355,7 +354,6 @@ class LocalStates:
                     if env is None:  # not open here: nothing to read back (as `load` answers)
                         continue
                     txn = readers[n] = env.begin()
-                looked[n] = looked.get(n, 0) + 1
                 entry = store.get(aid)
                 if entry is None:
                     entry = self._entry(txn, n, aid)
@@ -375,7 +373,7 @@ class LocalStates:
         finally:
             for txn in readers.values():
                 txn.abort()
-            for n in looked:
+            for n in readers:  # the partitions this batch read from
                 self.mapped.release(n)
 
     # ---- writes -------------------------------------------------------------------------------------------------
