@@ -385,6 +385,14 @@ def register(client: Outside, emails: dict[str, str]) -> None:
     client.wait()
 
 
+def live_state(d: RunningDaemon, aid: str, version: int = 1) -> Any:
+    """The daemon's `customer` state of AID once it has reached VERSION (`?min_version`: the documented read of
+    one's writes; a result can be seen a moment before its runtime has marked the transaction committed)."""
+    status, body = d.get(f"/aggregates/customer/{aid}?min_version={version}&timeout_ms=10000")
+    assert status == 200, (status, body)
+    return body["state"]
+
+
 def kafold_cli(*args: str, check: bool = False, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """`kafold ARGS` in a child process with the tests' environment; `check`: assert it exited 0."""
     run = subprocess.run([KAFOLD, *args], capture_output=True, text=True, timeout=timeout, env=child_env())

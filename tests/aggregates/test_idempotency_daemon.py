@@ -96,7 +96,8 @@ def test_a_retry_after_a_snapshot_and_a_restart_is_decided_once_and_the_projecti
         assert status == 200 and served["state"]["balance"] == 1000 and served["version"] == 2, served
 
         client.ask("after", "acc", "Deposit", {"amount": 1})
-        status, served = get_json(port, "/aggregates/account/acc")
+        # ?min_version: its result can be seen a moment before the runtime has marked its transaction committed
+        status, served = get_json(port, "/aggregates/account/acc?min_version=3&timeout_ms=10000")
         assert status == 200 and (served["state"]["balance"], served["version"]) == (1001, 3), served
         wait_for(lambda: row() == (1001,), "the projection to agree with the aggregate", 120)
         caught_up = [json.loads(line) for line in log.read_text().splitlines()

@@ -16,6 +16,7 @@ from tests.aggregates.agg_support import (
     PLACEHOLDER,
     customer_client,
     kafold_cli,
+    live_state,
     master_key,
     protected_customer_toml,
     ready_daemon,
@@ -41,7 +42,7 @@ def test_a_forget_from_the_cli_reloads_the_running_daemons_state(
     try:
         with ready_daemon(conf) as d:
             register(client, emails)
-            assert d.get(f"/aggregates/customer/{gone}")[1]["state"]["email"] == emails[gone]
+            assert live_state(d, gone)["email"] == emails[gone]
             forget = kafold_cli("subjects", "forget", gone, "-c", str(conf), "--json", "--yes", timeout=120)
             assert forget.returncode == 0, forget.stdout + forget.stderr
             assert orjson.loads(forget.stdout)["key_deleted"] is True
@@ -53,7 +54,7 @@ def test_a_forget_from_the_cli_reloads_the_running_daemons_state(
             client.send("rename-gone", gone, "Rename", {"name": "Bob"})
             client.wait()
             assert client.results["rename-gone"][0]["status"] == "accepted"
-            assert d.get(f"/aggregates/customer/{gone}")[1]["state"] == {"email": PLACEHOLDER, "name": "Bob"}
+            assert live_state(d, gone, 2) == {"email": PLACEHOLDER, "name": "Bob"}
     finally:
         client.close()
         receiver.stop()

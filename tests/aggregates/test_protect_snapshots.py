@@ -17,6 +17,7 @@ from tests.aggregates.agg_support import (
     PLACEHOLDER,
     customer_client,
     kafold_cli,
+    live_state,
     master_key,
     own_schema,
     protected_customer_toml,
@@ -41,7 +42,7 @@ def test_snapshots_of_a_protected_aggregate_are_sealed_and_forgotten(
         with ready_daemon(conf) as d:
             register(client, EMAILS)
             assert all(r[0]["status"] == "accepted" for r in client.results.values())
-            live = {cid: d.get(f"/aggregates/customer/{cid}")[1]["state"] for cid in EMAILS}
+            live = {cid: live_state(d, cid) for cid in EMAILS}
         assert live == {cid: {"email": email, "name": cid.upper()} for cid, email in EMAILS.items()}
 
         # a local snapshot run: the states are on the snapshot topic, sealed
@@ -56,7 +57,7 @@ def test_snapshots_of_a_protected_aggregate_are_sealed_and_forgotten(
             got = state_get(conf, cid)
             assert got["state"] == live[cid] and got["obtained"]["snapshots_used_in_partition"] == 2
         with ready_daemon(conf, "the daemon ready again") as d:
-            assert {cid: d.get(f"/aggregates/customer/{cid}")[1]["state"] for cid in EMAILS} == live
+            assert {cid: live_state(d, cid) for cid in EMAILS} == live
             forgot = d.call("POST", "/subjects/c-1/forget")
             assert forgot[0] == 200 and forgot[1]["key_deleted"] is True
 

@@ -21,6 +21,7 @@ from tests.aggregates.agg_support import (
     PLACEHOLDER,
     customer_client,
     kafold_cli,
+    live_state,
     master_key,
     protected_customer_toml,
     raw_bytes,
@@ -59,7 +60,7 @@ def test_spark_snapshots_of_a_protected_aggregate_are_sealed_and_forgotten(
         with ready_daemon(conf) as d:
             register(client, EMAILS)
             assert all(r[0]["status"] == "accepted" for r in client.results.values())
-            live = {cid: d.get(f"/aggregates/customer/{cid}")[1]["state"] for cid in EMAILS}
+            live = {cid: live_state(d, cid) for cid in EMAILS}
         assert live == {cid: {"email": email, "name": cid.upper()} for cid, email in EMAILS.items()}
 
         # a Spark run: the executors decrypted the events (the states hold the emails) and sealed the states
@@ -112,7 +113,7 @@ def test_on_a_standalone_cluster_executors_read_the_master_key_from_their_own_en
         with ready_daemon(conf) as d:
             register(client, EMAILS)
             assert all(r[0]["status"] == "accepted" for r in client.results.values())
-            live = {cid: d.get(f"/aggregates/customer/{cid}")[1]["state"] for cid in EMAILS}
+            live = {cid: live_state(d, cid) for cid in EMAILS}
     finally:
         client.close()
     for with_key in (False, True):

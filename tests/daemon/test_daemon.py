@@ -26,6 +26,7 @@ def write_config(tmp_path: Path, kafka: KafkaConfig, unique: str, topic: str) ->
 {kafka_toml(kafka)}
 [daemon]
 group_prefix = "{unique}"
+http_port = 0  # no HTTP server: two daemons of parallel tests never meet on a port
 shutdown_grace_s = 3.0
 batch_max_wait_ms = 100
 
