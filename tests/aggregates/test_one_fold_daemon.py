@@ -79,6 +79,7 @@ def test_typed_state_survives_eviction_kill_and_snapshot_restore(kafka_config: K
     client = Outside(kafka_config, agg)
     log = tmp_path / "daemon.log"
     outcomes: list[tuple[str, str | None]] = []
+    versions: dict[str, int] = {}  # cart -> the last version its results name: the reads wait for it (?min_version)
     proc = _daemon(conf, log)
     try:
         i = 0
@@ -87,6 +88,7 @@ def test_typed_state_survives_eviction_kill_and_snapshot_restore(kafka_config: K
             for cart, kind, data in commands:
                 result = client.ask(f"cmd-{i}", cart, kind, data)
                 outcomes.append((result["status"], result.get("reason")))
+                versions[cart] = max(versions.get(cart, 0), result.get("version") or 0)
                 i += 1
             if r == 0:
                 proc.send_signal(signal.SIGKILL)
@@ -105,7 +107,8 @@ def test_typed_state_survives_eviction_kill_and_snapshot_restore(kafka_config: K
                 proc, port = moved, other_port
             if r < 2:
                 proc = _daemon(conf, log)
-        served = {cart: get_json(port, f"/aggregates/cart/{cart}") for cart in ("c1", "c2", "c3")}
+        served = {cart: get_json(port, f"/aggregates/cart/{cart}?min_version={versions[cart]}&timeout_ms=10000")
+                  for cart in ("c1", "c2", "c3")}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
