@@ -27,7 +27,7 @@ from kafold.daemon.aggregates import AggregateRuntime, dlq_topic
 from kafold.domain import AggregateDomain
 from kafold.envelope import Event, encode
 from tests.daemon.daemon_support import Running as RunningDaemon
-from tests.daemon.daemon_support import daemon_in_process
+from tests.daemon.daemon_support import daemon_in_process, state_path
 from tests.support import EXAMPLES, ROOT, child_env, kafka_toml, wait_for
 
 BANK = EXAMPLES / "bank"
@@ -386,9 +386,8 @@ def register(client: Outside, emails: dict[str, str]) -> None:
 
 
 def live_state(d: RunningDaemon, aid: str, version: int = 1) -> Any:
-    """The daemon's `customer` state of AID once it has reached VERSION (`?min_version`: the documented read of
-    one's writes; a result can be seen a moment before its runtime has marked the transaction committed)."""
-    status, body = d.get(f"/aggregates/customer/{aid}?min_version={version}&timeout_ms=10000")
+    """The daemon's `customer` state of AID once it has reached VERSION (`state_path`)."""
+    status, body = d.get(state_path("customer", aid, version))
     assert status == 200, (status, body)
     return body["state"]
 

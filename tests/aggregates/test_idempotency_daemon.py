@@ -19,7 +19,7 @@ from kafold.config import KafkaConfig
 from kafold.snapshot import kafka_io, record
 from kafold.testing import free_port
 from tests.aggregates.agg_support import Outside, accounts_projection_toml, bank_daemon_toml, events
-from tests.daemon.daemon_support import get_json
+from tests.daemon.daemon_support import get_json, state_path
 from tests.support import wait_for
 
 KAFOLD = str(Path(sys.executable).parent / "kafold")
@@ -96,8 +96,7 @@ def test_a_retry_after_a_snapshot_and_a_restart_is_decided_once_and_the_projecti
         assert status == 200 and served["state"]["balance"] == 1000 and served["version"] == 2, served
 
         client.ask("after", "acc", "Deposit", {"amount": 1})
-        # ?min_version: its result can be seen a moment before the runtime has marked its transaction committed
-        status, served = get_json(port, "/aggregates/account/acc?min_version=3&timeout_ms=10000")
+        status, served = get_json(port, state_path("account", "acc", 3))
         assert status == 200 and (served["state"]["balance"], served["version"]) == (1001, 3), served
         wait_for(lambda: row() == (1001,), "the projection to agree with the aggregate", 120)
         caught_up = [json.loads(line) for line in log.read_text().splitlines()

@@ -25,7 +25,7 @@ from kafold.envelope import Event, encode
 from kafold.testing import free_port
 from tests.aggregates.agg_support import Outside, cart_daemon_toml
 from tests.aggregates.test_one_fold import T0, _run
-from tests.daemon.daemon_support import daemon_in_process, get_json
+from tests.daemon.daemon_support import daemon_in_process, get_json, state_path
 from tests.support import child_env, produce, wait_for
 
 KAFOLD = str(Path(sys.executable).parent / "kafold")
@@ -79,7 +79,7 @@ def test_typed_state_survives_eviction_kill_and_snapshot_restore(kafka_config: K
     client = Outside(kafka_config, agg)
     log = tmp_path / "daemon.log"
     outcomes: list[tuple[str, str | None]] = []
-    versions: dict[str, int] = {}  # cart -> the last version its results name: the reads wait for it (?min_version)
+    versions: dict[str, int] = {}  # cart -> the last version its results name: the reads wait for it
     proc = _daemon(conf, log)
     try:
         i = 0
@@ -107,8 +107,7 @@ def test_typed_state_survives_eviction_kill_and_snapshot_restore(kafka_config: K
                 proc, port = moved, other_port
             if r < 2:
                 proc = _daemon(conf, log)
-        served = {cart: get_json(port, f"/aggregates/cart/{cart}?min_version={versions[cart]}&timeout_ms=10000")
-                  for cart in ("c1", "c2", "c3")}
+        served = {cart: get_json(port, state_path("cart", cart, versions[cart])) for cart in ("c1", "c2", "c3")}
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:

@@ -28,6 +28,7 @@ from kafold.errors import ConfigError
 from kafold.testing import free_port
 from kafold.tools import cli
 from tests.aggregates.agg_support import bank_daemon_toml
+from tests.daemon.daemon_support import state_path
 from tests.support import child_env, wait_for
 
 KAFOLD = str(Path(sys.executable).parent / "kafold")
@@ -251,13 +252,12 @@ def test_every_instance_answers_every_key_the_same_also_while_one_restarts(
         expected = send_commands(kafka_config, agg)
 
         # Every instance answers every key with the state the results describe; each asks the others for some.
-        # (?min_version: a result is readable a moment before its owner marks the transaction committed.)
         owner: dict[str, str] = {}
         for i in range(3):
             others = 0
             for key in KEYS:
-                status, body, _, visited = read(f"{group.url(i)}/aggregates/account/{key}?min_version="
-                                                  f"{expected[key][1]}&timeout_ms=10000", follow=follow, tries_503=30)
+                status, body, _, visited = read(group.url(i) + state_path("account", key, expected[key][1]),
+                                                  follow=follow, tries_503=30)
                 assert status == 200, (group.url(i), key, status, body)
                 check(body, key, expected)
                 owner.setdefault(key, body["served_by"])

@@ -68,6 +68,12 @@ class Running:
         return self.host.groups[0].slots[0].runner
 
 
+def state_path(aggregate: str, aggregate_id: str, version: int) -> str:
+    """`GET /aggregates/..` of a state once it has reached `version` (`?min_version`, the documented read of one's
+    writes: a command's result is readable a moment before its owner has marked the transaction committed)."""
+    return f"/aggregates/{aggregate}/{aggregate_id}?min_version={version}&timeout_ms=10000"
+
+
 def get_json(port: int, path: str) -> tuple[int, Any]:
     """GET a daemon's `path` without a token: (status, JSON body); (0, None) while nothing listens."""
     try:
